@@ -1,0 +1,267 @@
+"""The `pdscope` command line: parses flags, calls a command module, prints.
+
+Errors in facts or flags (:class:`SpecError`) print one line naming the problem and exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from pdscope.specs import SpecError
+
+app = typer.Typer(
+    name="pdscope",
+    help="See the two phases of LLM serving: prefill (time to first token, compute-bound) and "
+    "decode (tokens per second, memory-bandwidth-bound).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    return typer.Exit(code)
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+
+
+@app.callback()
+def main() -> None:
+    """pdscope: plan, serve, probe and bench LLM prefill and decode."""
+
+
+@app.command()
+def plan(
+    model: Annotated[
+        str,
+        typer.Option(
+            "--model",
+            "-m",
+            help="Preset name (see --list-models), a config.json, or a checkpoint directory.",
+        ),
+    ] = "8b",
+    device: Annotated[
+        str | None,
+        typer.Option(
+            "--device",
+            "-d",
+            help="Catalog device (see --list-devices), or 'local' to measure this machine. "
+            "Omit with --bandwidth to describe your own device.",
+        ),
+    ] = None,
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="Weight precision: fp32, bf16, fp16, fp8, int8, int4, q8_0, q6_k, q5_k_m, q4_k_m, "
+            "q4_0.",
+        ),
+    ] = "bf16",
+    kv_dtype: Annotated[
+        str | None,
+        typer.Option(
+            help="KV cache precision: fp32, bf16, fp16, fp8 (default: follows --dtype, else bf16).",
+        ),
+    ] = None,
+    context: Annotated[
+        int | None,
+        typer.Option(
+            help="Tokens already in the KV cache during decode (default 4096; 0 for --compare).",
+        ),
+    ] = None,
+    prompt_tokens: Annotated[
+        int, typer.Option(help="Prompt length for the prefill figures.")
+    ] = 2000,
+    gpu_memory_utilization: Annotated[
+        float,
+        typer.Option(
+            help="Fraction of device memory the server may use (vLLM's flag), 0-1.",
+        ),
+    ] = 0.9,
+    bandwidth: Annotated[
+        float | None,
+        typer.Option(
+            help="Memory bandwidth in GB/s: a custom device, or override the named one.",
+        ),
+    ] = None,
+    tflops: Annotated[
+        float | None,
+        typer.Option(
+            help="Dense peak TFLOP/s: a custom device, or override the named one.",
+        ),
+    ] = None,
+    memory: Annotated[
+        float | None,
+        typer.Option(
+            help="Device memory in GB (read as GiB, like the catalog).",
+        ),
+    ] = None,
+    compare: Annotated[
+        bool,
+        typer.Option(
+            "--compare",
+            help="The seed article's table: the decode ceiling on each device.",
+        ),
+    ] = False,
+    all_devices: Annotated[
+        bool,
+        typer.Option(
+            "--all",
+            help="With --compare: every catalog device, not just the article's six.",
+        ),
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+    list_devices: Annotated[
+        bool,
+        typer.Option(
+            "--list-devices",
+            help="List the device catalog and exit.",
+        ),
+    ] = False,
+    list_models: Annotated[
+        bool,
+        typer.Option(
+            "--list-models",
+            help="List the model presets and exit.",
+        ),
+    ] = False,
+) -> None:
+    """The paper arithmetic: weight bytes, decode ceilings, KV sizes, pool capacity, prefill
+    FLOPs and the TTFT floor, and batched decode, for a model on a device."""
+    from pdscope.commands import plan as cmd
+    from pdscope.report.plan import render_compare, render_plan
+
+    try:
+        if list_devices:
+            _list_devices(as_json)
+            return
+        if list_models:
+            _list_models(as_json)
+            return
+        if compare:
+            if device is not None and device.lower() != "local":
+                raise SpecError("--compare runs over the catalog; drop --device (or use --all)")
+            inputs = cmd.resolve(
+                model=model,
+                device=cmd.DEFAULT_DEVICE,
+                dtype=dtype,
+                kv_dtype=kv_dtype,
+                context_tokens=max(context or 1, 1),
+                prompt_tokens=prompt_tokens,
+            )
+            if context is not None and context < 0:
+                raise SpecError(f"--context must be >= 0, got {context}")
+            from pdscope.specs import catalog
+
+            devices = list(catalog()) if all_devices else None
+            if device is not None:  # --compare --device local: the article's six plus this one
+                devices = [
+                    *(devices or [d for d in catalog() if d.name in cmd.SEED_DEVICES]),
+                    cmd.resolve(model=model, device="local", dtype=dtype).device,
+                ]
+            rows = cmd.compare(inputs.model, inputs.weights, inputs.kv, context or 0, devices)
+            if as_json:
+                print_json(rows)
+            else:
+                title = (
+                    f"Decode ceiling for one stream: {inputs.model.name} at "
+                    f"{inputs.weights.name}, context {context or 0}"
+                )
+                render_compare(rows, title, console)
+            return
+        if device is None and bandwidth is None:
+            device = cmd.DEFAULT_DEVICE
+        inputs = cmd.resolve(
+            model=model,
+            device=device,
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+            context_tokens=cmd.DEFAULT_CONTEXT if context is None else context,
+            prompt_tokens=prompt_tokens,
+            gpu_memory_utilization=gpu_memory_utilization,
+            bandwidth_gb_s=bandwidth,
+            tflops=tflops,
+            memory_gb=memory,
+        )
+        result = cmd.plan(inputs)
+    except SpecError as exc:
+        raise fail(str(exc)) from None
+    if as_json:
+        print_json(result)
+    else:
+        render_plan(result, console)
+
+
+def _list_devices(as_json: bool) -> None:
+    from rich.table import Table
+
+    from pdscope.specs import catalog
+
+    devices = catalog()
+    if as_json:
+        print_json([d.__dict__ | {"aliases": list(d.aliases)} for d in devices])
+        return
+    table = Table(title="Device catalog (dense peaks)", title_justify="left")
+    for col in ("name", "device", "GB", "GB/s", "bf16 TFLOPS", "fp8 TFLOPS"):
+        table.add_column(col, justify="left" if col in ("name", "device") else "right")
+    for d in devices:
+        table.add_row(
+            d.name,
+            d.label,
+            _g(d.memory_gb),
+            _g(d.bandwidth_gb_s),
+            _g(d.tflops_bf16),
+            _g(d.tflops_fp8),
+        )
+    console.print(table)
+
+
+def _list_models(as_json: bool) -> None:
+    from rich.table import Table
+
+    from pdscope.specs import load_model, preset_names
+
+    specs = [load_model(name) for name in preset_names()]
+    if as_json:
+        print_json(
+            [
+                {
+                    "name": s.name,
+                    "description": s.description,
+                    "total_params": s.total_params,
+                    "active_params": s.active_params,
+                    "kv_values_per_token": s.kv_values_per_token,
+                }
+                for s in specs
+            ]
+        )
+        return
+    table = Table(title="Model presets", title_justify="left")
+    for col in ("name", "params", "active", "layers", "description"):
+        table.add_column(col, justify="right" if col in ("params", "active", "layers") else "left")
+    for s in specs:
+        table.add_row(
+            s.name,
+            f"{s.total_params / 1e9:.2f}B",
+            f"{s.active_params / 1e9:.2f}B",
+            str(s.num_layers),
+            s.description,
+        )
+    console.print(table)
+
+
+def _g(x: float | None) -> str:
+    return "-" if x is None else f"{x:,g}"
+
+
+if __name__ == "__main__":
+    app()

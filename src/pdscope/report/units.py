@@ -1,0 +1,37 @@
+"""Human formatting of bytes, FLOPs, rates and durations for terminal reports."""
+
+from __future__ import annotations
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def fmt_count(n: float | None, suffix: str = "") -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {unit}{suffix}"
+    return f"{n:,.0f} {suffix}".rstrip()
+
+
+def fmt_seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s >= 1:
+        return f"{s:,.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:,.2f} ms"
+    return f"{s * 1e6:,.1f} µs"
+
+
+def fmt_rate(x: float | None, unit: str = "tok/s") -> str:
+    if x is None:
+        return "-"
+    return f"{x:,.0f} {unit}" if x >= 100 else f"{x:,.1f} {unit}"

@@ -1,0 +1,1 @@
+"""Arithmetic: pure functions over specs (bytes, FLOPs, roofline times, KV pools)."""

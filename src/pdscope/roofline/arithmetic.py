@@ -1,0 +1,318 @@
+"""Paper arithmetic of prefill and decode: pure functions over specs.
+
+Conventions: bytes are plain bytes, rates are per second, FLOPs count a multiply-add as two.
+A context of ``c`` tokens means ``c`` tokens already in the KV cache when a step runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pdscope.specs import Device, KVPrecision, ModelSpec, SpecError, WeightPrecision
+
+
+def _check_tokens(label: str, tokens: int, minimum: int = 0) -> None:
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < minimum:
+        raise SpecError(f"{label} must be an integer >= {minimum}, got {tokens!r}")
+
+
+# --- weights -------------------------------------------------------------------------------
+
+
+def weight_bytes(model: ModelSpec, weights: WeightPrecision) -> float:
+    """Bytes of every stored weight: what the server holds in memory."""
+    return model.total_params * weights.bytes_per_weight
+
+
+def params_touched(model: ModelSpec, tokens: int) -> float:
+    """Distinct parameters read by one forward pass over ``tokens`` tokens.
+
+    Dense weights are read once however many tokens share the pass. For a MoE layer with E
+    experts and top-k routing, the expected number of distinct experts hit by ``tokens``
+    independently and uniformly routed tokens is E * (1 - (1 - k/E)^tokens): k at one token,
+    approaching E as the batch grows. An untied input embedding is gathered one row per token.
+    """
+    _check_tokens("tokens", tokens, minimum=1)
+    if model.nominal_params is not None:
+        return model.nominal_params
+    total = model.params_read_per_token
+    for layer in model.layers:
+        if layer.num_experts:
+            k, experts = layer.experts_per_token, layer.num_experts
+            distinct = experts * (1 - (1 - k / experts) ** tokens)
+            total += (distinct - k) * layer.expert_params
+    if not model.tie_word_embeddings:
+        total += (min(tokens, model.vocab_size) - 1) * model.hidden_size
+    return total
+
+
+# --- KV cache ------------------------------------------------------------------------------
+
+
+def kv_bytes_per_token(model: ModelSpec, kv: KVPrecision) -> int:
+    """KV bytes one token adds across all layers (before any sliding window caps growth).
+
+    2 x layers x kv_heads x head_dim x bytes for standard attention; (latent + rope) x layers x
+    bytes for MLA.
+    """
+    return model.kv_values_per_token * kv.bytes_per_element
+
+
+def kv_bytes_at_context(model: ModelSpec, kv: KVPrecision, context_tokens: int) -> int:
+    """KV bytes one sequence holds at ``context_tokens`` tokens (sliding windows applied)."""
+    _check_tokens("context", context_tokens)
+    return model.kv_values_at_context(context_tokens) * kv.bytes_per_element
+
+
+# --- decode --------------------------------------------------------------------------------
+
+
+def decode_bytes_per_token(
+    model: ModelSpec, weights: WeightPrecision, kv: KVPrecision, context_tokens: int
+) -> float:
+    """Bytes one batch-1 decode step reads: active weights plus the context's KV."""
+    return model.params_read_per_token * weights.bytes_per_weight + kv_bytes_at_context(
+        model, kv, context_tokens
+    )
+
+
+def decode_ceiling_tok_s(
+    model: ModelSpec,
+    device: Device,
+    weights: WeightPrecision,
+    kv: KVPrecision,
+    context_tokens: int = 0,
+) -> float:
+    """Bandwidth ceiling for one stream: bandwidth / bytes read per token."""
+    return device.bandwidth_bytes_s / decode_bytes_per_token(model, weights, kv, context_tokens)
+
+
+def attention_pairs(query_start: int, query_tokens: int, window: int | None) -> int:
+    """Query-key pairs scored when ``query_tokens`` new tokens follow ``query_start`` cached ones.
+
+    Causal: the query at position p sees keys 0..p, capped at the last ``window`` keys.
+    """
+
+    def seen_up_to(n: int) -> int:  # sum over p < n of min(p + 1, window)
+        if window is None or n <= window:
+            return n * (n + 1) // 2
+        return window * (window + 1) // 2 + (n - window) * window
+
+    return seen_up_to(query_start + query_tokens) - seen_up_to(query_start)
+
+
+def attention_flops(model: ModelSpec, query_start: int, query_tokens: int) -> float:
+    """Score (QK^T) plus weighted-sum (AV) FLOPs over all layers."""
+    total = 0.0
+    for layer in model.layers:
+        shape = layer.attention
+        pairs = attention_pairs(query_start, query_tokens, layer.window)
+        total += 2 * shape.num_heads * (shape.qk_head_dim + shape.v_head_dim) * pairs
+    return total
+
+
+def decode_flops_per_token(model: ModelSpec, context_tokens: int) -> float:
+    """FLOPs of one decode token at a context: matmuls + lm_head + attention over the context."""
+    return 2 * (model.matmul_params_per_token + model.lm_head_params) + attention_flops(
+        model, context_tokens, 1
+    )
+
+
+# --- prefill -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefillFlops:
+    """FLOPs of prefilling ``prompt_tokens`` tokens, split by how they scale."""
+
+    prompt_tokens: int
+    linear: float  # 2 x tokens x matmul params, + lm_head for the last token only
+    attention: float  # grows with tokens^2 (until a sliding window caps it)
+
+    @property
+    def total(self) -> float:
+        return self.linear + self.attention
+
+
+def prefill_flops(model: ModelSpec, prompt_tokens: int) -> PrefillFlops:
+    _check_tokens("prompt tokens", prompt_tokens, minimum=1)
+    linear = 2 * prompt_tokens * model.matmul_params_per_token + 2 * model.lm_head_params
+    return PrefillFlops(prompt_tokens, linear, attention_flops(model, 0, prompt_tokens))
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Roofline time of one step: the slower of moving its bytes and doing its FLOPs."""
+
+    bytes_moved: float
+    flops: float
+    memory_s: float
+    compute_s: float | None  # None when the device's peak FLOP/s is unknown
+
+    @property
+    def seconds(self) -> float:
+        return max(self.memory_s, self.compute_s or 0.0)
+
+    @property
+    def bound(self) -> str:
+        if self.compute_s is None:
+            return "unknown (no peak FLOP/s)"
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+    @property
+    def intensity_flops_per_byte(self) -> float:
+        return self.flops / self.bytes_moved
+
+
+def _step(device: Device, weights: WeightPrecision, bytes_moved: float, flops: float) -> StepTime:
+    peak = device.peak_flops(weights.compute)
+    return StepTime(
+        bytes_moved=bytes_moved,
+        flops=flops,
+        memory_s=bytes_moved / device.bandwidth_bytes_s,
+        compute_s=None if peak is None else flops / peak,
+    )
+
+
+def prefill_step(
+    model: ModelSpec,
+    device: Device,
+    weights: WeightPrecision,
+    kv: KVPrecision,
+    prompt_tokens: int,
+) -> StepTime:
+    """One whole-prompt prefill pass: its time is the compute-bound TTFT floor."""
+    flops = prefill_flops(model, prompt_tokens).total
+    moved = params_touched(model, prompt_tokens) * weights.bytes_per_weight + kv_bytes_at_context(
+        model, kv, prompt_tokens
+    )
+    return _step(device, weights, moved, flops)
+
+
+def decode_step(
+    model: ModelSpec,
+    device: Device,
+    weights: WeightPrecision,
+    kv: KVPrecision,
+    context_tokens: int,
+    batch: int = 1,
+) -> StepTime:
+    """One decode step producing a token for each of ``batch`` sequences at a context."""
+    _check_tokens("batch size", batch, minimum=1)
+    moved = params_touched(model, batch) * weights.bytes_per_weight + batch * kv_bytes_at_context(
+        model, kv, context_tokens
+    )
+    return _step(device, weights, moved, batch * decode_flops_per_token(model, context_tokens))
+
+
+# --- KV pool and batching ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KVPool:
+    """KV capacity left after the weights, as a server sizes it at start-up."""
+
+    memory_bytes: float
+    gpu_memory_utilization: float
+    weight_bytes: float
+    pool_bytes: float  # memory x utilization - weights (<= 0: the weights do not fit)
+    tokens: int  # pool / KV bytes per token (full-attention rate)
+    max_concurrent_requests: int  # pool / KV bytes of one request at the context
+
+
+def kv_pool(
+    model: ModelSpec,
+    device: Device,
+    weights: WeightPrecision,
+    kv: KVPrecision,
+    context_tokens: int,
+    gpu_memory_utilization: float = 0.9,
+) -> KVPool | None:
+    """The KV pool for a device's memory, or None when the device's memory is unknown.
+
+    Activation and CUDA-graph memory are not subtracted, so a real server's pool is smaller.
+    """
+    if not 0 < gpu_memory_utilization <= 1:
+        raise SpecError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
+    _check_tokens("context", context_tokens, minimum=1)
+    if device.memory_bytes is None:
+        return None
+    budget = device.memory_bytes * gpu_memory_utilization
+    held = weight_bytes(model, weights)
+    pool = budget - held
+    usable = max(pool, 0.0)
+    return KVPool(
+        memory_bytes=device.memory_bytes,
+        gpu_memory_utilization=gpu_memory_utilization,
+        weight_bytes=held,
+        pool_bytes=pool,
+        tokens=int(usable // kv_bytes_per_token(model, kv)),
+        max_concurrent_requests=int(usable // kv_bytes_at_context(model, kv, context_tokens)),
+    )
+
+
+def compute_bound_batch(
+    model: ModelSpec,
+    device: Device,
+    weights: WeightPrecision,
+    kv: KVPrecision,
+    context_tokens: int,
+    limit: int = 1 << 20,
+) -> int | None:
+    """Smallest batch whose decode step is compute-bound, or None (never, up to ``limit``).
+
+    Compute time minus memory time is convex in the batch (weights touched grow concavely), so
+    once a batch is compute-bound every larger one is: a binary search is exact.
+    """
+    if device.peak_flops(weights.compute) is None:
+        return None
+
+    def is_compute_bound(batch: int) -> bool:
+        return decode_step(model, device, weights, kv, context_tokens, batch).bound == "compute"
+
+    if not is_compute_bound(limit):
+        return None
+    low, high = 1, limit
+    while low < high:
+        mid = (low + high) // 2
+        if is_compute_bound(mid):
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+@dataclass(frozen=True)
+class BatchPoint:
+    batch: int
+    step_s: float
+    aggregate_tok_s: float
+    per_stream_tok_s: float
+    bound: str
+
+
+def batched_decode(
+    model: ModelSpec,
+    device: Device,
+    weights: WeightPrecision,
+    kv: KVPrecision,
+    context_tokens: int,
+    batches: list[int],
+) -> list[BatchPoint]:
+    """Aggregate and per-stream decode rate at each batch size (all sequences at one context)."""
+    points = []
+    for batch in batches:
+        step = decode_step(model, device, weights, kv, context_tokens, batch)
+        points.append(
+            BatchPoint(batch, step.seconds, batch / step.seconds, 1 / step.seconds, step.bound)
+        )
+    return points
+
+
+def batch_ladder(stop: int, extra: list[int]) -> list[int]:
+    """Powers of two up to ``stop``, plus the ``extra`` sizes that fall within it, sorted."""
+    sizes = {1 << i for i in range(int(math.log2(max(stop, 1))) + 1)}
+    sizes.update(b for b in extra if 1 <= b <= stop)
+    sizes.add(max(stop, 1))
+    return sorted(sizes)

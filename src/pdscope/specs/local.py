@@ -1,0 +1,98 @@
+"""Measure this machine: streaming memory bandwidth and peak matmul throughput.
+
+The seed article's CPU row, measured instead of assumed. Both kernels run on all cores that
+torch uses, take the best of a few runs, and report plain decimal units (GB/s, TFLOP/s).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from pdscope.specs.devices import Device
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class LocalMeasurement:
+    read_gb_s: float  # sum over a large array: bytes read / s
+    triad_gb_s: float  # a = b + s*c, STREAM accounting: 3 arrays x bytes / s
+    matmul_tflops: float
+    matmul_dtype: str
+    threads: int
+    array_bytes: int
+
+    @property
+    def bandwidth_gb_s(self) -> float:
+        """The figure decode cares about: decode streams weights, so take the read rate."""
+        return max(self.read_gb_s, self.triad_gb_s)
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up: page faults and thread-pool start are not bandwidth
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _stream_seconds(n: int, repeats: int) -> tuple[float, float]:
+    """Best seconds of a read (sum) and a triad over float32 arrays of ``n`` elements."""
+    import torch
+
+    b = torch.ones(n, dtype=torch.float32)
+    c = torch.ones(n, dtype=torch.float32)
+    a = torch.empty(n, dtype=torch.float32)
+    read_s = _best_seconds(lambda: b.sum(), repeats)
+    triad_s = _best_seconds(lambda: torch.add(b, c, alpha=3.0, out=a), repeats)
+    return read_s, triad_s
+
+
+def measure(dtype: str = "bf16", array_mib: int = 512, repeats: int = 5) -> LocalMeasurement:
+    import torch
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"local matmul dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    threads = torch.get_num_threads()
+    n = array_mib * 1024 * 1024 // 4
+    read_s, triad_s = _stream_seconds(n, repeats)
+
+    size = 2048
+    torch_dtype = getattr(torch, _DTYPES[dtype])
+    x = torch.randn(size, size).to(torch_dtype)
+    y = torch.randn(size, size).to(torch_dtype)
+    mm_s = _best_seconds(lambda: torch.mm(x, y), repeats)
+    return LocalMeasurement(
+        read_gb_s=n * 4 / read_s / 1e9,
+        triad_gb_s=3 * n * 4 / triad_s / 1e9,
+        matmul_tflops=2 * size**3 / mm_s / 1e12,
+        matmul_dtype=dtype,
+        threads=threads,
+        array_bytes=n * 4,
+    )
+
+
+def local_device(dtype: str = "bf16") -> tuple[Device, LocalMeasurement]:
+    """This machine as a :class:`Device`; memory is the machine's physical RAM."""
+    m = measure(dtype)
+    try:
+        memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
+    except (ValueError, OSError):
+        memory_gb = None
+    device = Device(
+        name="local",
+        bandwidth_gb_s=round(m.bandwidth_gb_s, 2),
+        memory_gb=None if memory_gb is None else round(memory_gb, 1),
+        tflops_bf16=round(m.matmul_tflops, 3),
+        kind="cpu",
+        source=(
+            f"measured here: read {m.read_gb_s:.1f} GB/s, triad {m.triad_gb_s:.1f} GB/s over "
+            f"{m.array_bytes / 2**20:.0f} MiB arrays, {m.matmul_dtype} matmul "
+            f"{m.matmul_tflops:.2f} TFLOP/s, {m.threads} threads, best of runs"
+        ),
+    )
+    return device, m

@@ -1,0 +1,357 @@
+"""Model specs: the shape facts of a transformer, read from a Hugging Face ``config.json``.
+
+A :class:`ModelSpec` is built from a config dict (a user's file or a built-in preset, both through
+:func:`spec_from_config`) and knows, per layer, how many parameters it holds, how many of them a
+single token touches (MoE), how many KV-cache values a token adds, and whether a sliding window
+caps that growth. The roofline module turns these counts into bytes, FLOPs and seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from pdscope.specs.errors import SpecError, unknown_name
+
+# model_type values whose config omits tie_word_embeddings but whose HF class ties by default.
+_TIED_BY_DEFAULT = {"gemma", "gemma2", "gemma3_text"}
+# model_types that interleave sliding-window and full layers (even layer indices slide) when the
+# config has no explicit layer_types list.
+_ALTERNATING_WINDOW = {"gemma2", "gpt_oss"}
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """Per-layer attention dimensions that set attention FLOPs."""
+
+    num_heads: int
+    qk_head_dim: int  # width of one query/key dot product
+    v_head_dim: int  # width of one value vector
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer.
+
+    ``kv_values_per_token`` is the number of cache elements one token adds to this layer
+    (2 x kv_heads x head_dim for K and V; kv_lora_rank + rope dim for MLA).
+    ``window`` is the sliding-window length in tokens, or None for full attention.
+    """
+
+    attn_params: int
+    mlp_params: int  # all experts, shared experts and router
+    mlp_active_params: int  # what one token touches: shared part + top-k experts
+    norm_params: int
+    kv_values_per_token: int
+    window: int | None
+    attention: AttentionShape
+    num_experts: int = 0  # routed experts (0 = dense layer)
+    experts_per_token: int = 0
+    expert_params: int = 0  # one routed expert
+
+    @property
+    def params(self) -> int:
+        return self.attn_params + self.mlp_params + self.norm_params
+
+    @property
+    def active_params(self) -> int:
+        return self.attn_params + self.mlp_active_params + self.norm_params
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    layers: tuple[LayerSpec, ...]
+    tie_word_embeddings: bool
+    max_position_embeddings: int | None = None
+    nominal_params: float | None = None  # a round figure that overrides the weight count
+    description: str = ""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def lm_head_params(self) -> int:
+        """Output projection; shares storage with the embedding when tied."""
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def is_moe(self) -> bool:
+        return any(layer.num_experts for layer in self.layers)
+
+    @property
+    def total_params(self) -> float:
+        """Every stored parameter (the weights a server must hold in memory)."""
+        if self.nominal_params is not None:
+            return self.nominal_params
+        count = self.embedding_params + sum(layer.params for layer in self.layers)
+        count += self.hidden_size  # final norm
+        if not self.tie_word_embeddings:
+            count += self.lm_head_params
+        return count
+
+    @property
+    def active_params(self) -> float:
+        """Parameters per token by the usual MoE convention (embeddings included, top-k experts)."""
+        if self.nominal_params is not None:
+            return self.nominal_params
+        return self.total_params - sum(layer.params - layer.active_params for layer in self.layers)
+
+    @property
+    def params_read_per_token(self) -> float:
+        """Parameters one decode step at batch 1 reads from memory.
+
+        All active weights, except that an untied input embedding contributes one row (a gather),
+        not the whole table. A nominal model counts all its weights, as the seed article does.
+        """
+        if self.nominal_params is not None:
+            return self.nominal_params
+        if self.tie_word_embeddings:
+            return self.active_params
+        return self.active_params - self.embedding_params + self.hidden_size
+
+    @property
+    def matmul_params_per_token(self) -> float:
+        """Parameters in the matmuls one token runs through (layers only, no embedding/lm_head)."""
+        if self.nominal_params is not None:
+            head = self.lm_head_params + (0 if self.tie_word_embeddings else self.embedding_params)
+            return self.nominal_params - head
+        return sum(layer.attn_params + layer.mlp_active_params for layer in self.layers)
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """KV elements one token adds across all layers, before any window caps growth."""
+        return sum(layer.kv_values_per_token for layer in self.layers)
+
+    def kv_values_at_context(self, context_tokens: int) -> int:
+        """KV elements held for one sequence of ``context_tokens`` tokens (windows applied)."""
+        total = 0
+        for layer in self.layers:
+            held = context_tokens if layer.window is None else min(context_tokens, layer.window)
+            total += layer.kv_values_per_token * held
+        return total
+
+    @property
+    def sliding_window_layers(self) -> int:
+        return sum(1 for layer in self.layers if layer.window is not None)
+
+
+def _require(config: dict[str, Any], key: str, source: str, purpose: str) -> Any:
+    value = config.get(key)
+    if value is None:
+        raise SpecError(f"{source} lacks '{key}', needed for {purpose}")
+    return value
+
+
+def _positive_int(config: dict[str, Any], key: str, source: str, purpose: str) -> int:
+    value = _require(config, key, source, purpose)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise SpecError(f"{source}: '{key}' must be a positive integer, got {value!r}")
+    return value
+
+
+def _layer_windows(config: dict[str, Any], num_layers: int, model_type: str) -> list[int | None]:
+    window = config.get("sliding_window")
+    if not window or config.get("use_sliding_window") is False:
+        return [None] * num_layers
+    layer_types = config.get("layer_types")
+    if layer_types:
+        if len(layer_types) != num_layers:
+            raise SpecError(
+                f"config.json: 'layer_types' has {len(layer_types)} entries for {num_layers} layers"
+            )
+        return [window if kind == "sliding_attention" else None for kind in layer_types]
+    if model_type in _ALTERNATING_WINDOW:
+        return [window if i % 2 == 0 else None for i in range(num_layers)]
+    if config.get("use_sliding_window") and config.get("max_window_layers") is not None:
+        # Qwen2: layers at index >= max_window_layers use the window.
+        first = int(config["max_window_layers"])
+        return [window if i >= first else None for i in range(num_layers)]
+    return [window] * num_layers
+
+
+def spec_from_config(
+    config: dict[str, Any],
+    name: str,
+    source: str = "config.json",
+    nominal_params: float | None = None,
+    description: str = "",
+) -> ModelSpec:
+    """Build a :class:`ModelSpec` from a Hugging Face config dict.
+
+    Raises :class:`SpecError` naming the missing field when the arithmetic needs one.
+    """
+    if "text_config" in config and "num_hidden_layers" not in config:
+        config = {**config["text_config"], "model_type": config.get("model_type", "")}
+    model_type = str(config.get("model_type", ""))
+    hidden = _positive_int(config, "hidden_size", source, "weight and FLOP counts")
+    num_layers = _positive_int(config, "num_hidden_layers", source, "weight and KV counts")
+    vocab = _positive_int(config, "vocab_size", source, "embedding size")
+    heads = _positive_int(config, "num_attention_heads", source, "attention shape")
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    if hidden % heads and not config.get("head_dim"):
+        raise SpecError(
+            f"{source}: hidden_size {hidden} is not divisible by {heads} heads and "
+            "there is no 'head_dim'"
+        )
+    tie = config.get("tie_word_embeddings")
+    if tie is None:
+        tie = model_type in _TIED_BY_DEFAULT
+    windows = _layer_windows(config, num_layers, model_type)
+    norms_per_layer = 4 if model_type.startswith("gemma2") or model_type == "gemma3_text" else 2
+
+    # Attention.
+    if config.get("kv_lora_rank"):  # MLA (DeepSeek-V2/V3): the cache holds a compressed latent.
+        kv_rank = int(config["kv_lora_rank"])
+        q_rank = config.get("q_lora_rank")
+        rope = _positive_int(config, "qk_rope_head_dim", source, "MLA KV size")
+        nope = _positive_int(config, "qk_nope_head_dim", source, "MLA attention shape")
+        v_dim = _positive_int(config, "v_head_dim", source, "MLA attention shape")
+        q_width = heads * (nope + rope)
+        q_params = hidden * q_width if not q_rank else hidden * q_rank + q_rank + q_rank * q_width
+        attn_params = (
+            q_params
+            + hidden * (kv_rank + rope)  # kv_a_proj_with_mqa
+            + kv_rank  # kv_a_layernorm
+            + kv_rank * heads * (nope + v_dim)  # kv_b_proj
+            + heads * v_dim * hidden  # o_proj
+        )
+        kv_values = kv_rank + rope
+        attention = AttentionShape(heads, nope + rope, v_dim)
+    else:
+        q_width, kv_width = heads * head_dim, kv_heads * head_dim
+        attn_params = hidden * q_width + 2 * hidden * kv_width + q_width * hidden
+        bias = config.get("attention_bias", model_type == "qwen2")
+        if bias:
+            attn_params += q_width + 2 * kv_width
+            if model_type == "gpt_oss":
+                attn_params += hidden  # o_proj bias
+        if model_type in {"qwen3", "qwen3_moe", "gemma3_text"}:
+            attn_params += 2 * head_dim  # q_norm and k_norm
+        if model_type == "gpt_oss":
+            attn_params += heads  # attention sinks
+        kv_values = 2 * kv_heads * head_dim
+        attention = AttentionShape(heads, head_dim, head_dim)
+
+    # MLP: dense or mixture of experts.
+    inter = config.get("intermediate_size")
+    routed = (
+        config.get("num_local_experts")
+        or config.get("n_routed_experts")
+        or config.get("num_experts")
+        or 0
+    )
+    top_k = config.get("num_experts_per_tok") or config.get("experts_per_token") or 0
+    moe_inter = config.get("moe_intermediate_size") or inter
+    shared = config.get("n_shared_experts") or 0
+    first_dense = config.get("first_k_dense_replace") or 0
+    moe_freq = config.get("moe_layer_freq") or config.get("decoder_sparse_step") or 1
+    mlp_only = set(config.get("mlp_only_layers") or [])
+    if routed and not top_k:
+        raise SpecError(f"{source} lacks 'num_experts_per_tok', needed for MoE active parameters")
+
+    layers = []
+    for index in range(num_layers):
+        is_moe = bool(routed) and index >= first_dense and index % moe_freq == 0
+        is_moe = is_moe and index not in mlp_only
+        if is_moe:
+            if not moe_inter:
+                raise SpecError(f"{source} lacks 'moe_intermediate_size', needed for expert size")
+            expert = 3 * hidden * moe_inter
+            if model_type == "gpt_oss":
+                expert += 3 * moe_inter  # gate_up and down biases
+            router = hidden * routed
+            mlp_params = routed * expert + shared * expert + router
+            mlp_active = top_k * expert + shared * expert + router
+            moe_fields = {
+                "num_experts": routed,
+                "experts_per_token": top_k,
+                "expert_params": expert,
+            }
+        else:
+            if not inter:
+                raise SpecError(f"{source} lacks 'intermediate_size', needed for MLP weights")
+            mlp_params = mlp_active = 3 * hidden * inter  # gate, up, down
+            moe_fields = {}
+        layers.append(
+            LayerSpec(
+                attn_params=attn_params,
+                mlp_params=mlp_params,
+                mlp_active_params=mlp_active,
+                norm_params=norms_per_layer * hidden,
+                kv_values_per_token=kv_values,
+                window=windows[index],
+                attention=attention,
+                **moe_fields,
+            )
+        )
+    return ModelSpec(
+        name=name,
+        model_type=model_type,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        layers=tuple(layers),
+        tie_word_embeddings=bool(tie),
+        max_position_embeddings=config.get("max_position_embeddings"),
+        nominal_params=nominal_params,
+        description=description,
+    )
+
+
+@cache
+def _presets() -> dict[str, dict[str, Any]]:
+    text = resources.files("pdscope.specs").joinpath("data/models.json").read_text()
+    return {key: value for key, value in json.loads(text).items() if not key.startswith("_")}
+
+
+def preset_names() -> list[str]:
+    return list(_presets())
+
+
+def _preset_index() -> dict[str, str]:
+    index: dict[str, str] = {}
+    for key, entry in _presets().items():
+        for alias in [key, *entry.get("aliases", [])]:
+            index[alias.lower()] = key
+    return index
+
+
+def load_model(name_or_path: str) -> ModelSpec:
+    """A preset by name or alias, or a ``config.json`` file, or a checkpoint directory."""
+    key = _preset_index().get(name_or_path.lower())
+    if key is not None:
+        entry = _presets()[key]
+        return spec_from_config(
+            entry["config"],
+            name=key,
+            source=f"preset {key}",
+            nominal_params=entry.get("nominal_params"),
+            description=entry.get("description", ""),
+        )
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise SpecError(f"checkpoint directory {path.parent} has no config.json")
+    if path.is_file():
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise SpecError(f"cannot read {path} as JSON: {exc}") from exc
+        if not isinstance(config, dict):
+            raise SpecError(f"{path} is not a JSON object")
+        return spec_from_config(config, name=path.parent.name or str(path), source=str(path))
+    raise unknown_name("model", name_or_path, list(_preset_index()))

@@ -1,0 +1,67 @@
+"""Weight and KV-cache precisions (``data/precisions.toml``)."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+
+from pdscope.specs.errors import unknown_name
+
+
+@dataclass(frozen=True)
+class WeightPrecision:
+    name: str
+    bits_per_weight: float  # effective, scales and block headers included
+    note: str
+    compute: str = "bf16"  # which peak FLOP/s figure prefill runs at
+
+    @property
+    def bytes_per_weight(self) -> float:
+        return self.bits_per_weight / 8
+
+
+@dataclass(frozen=True)
+class KVPrecision:
+    name: str
+    bytes_per_element: int
+
+
+@cache
+def _table() -> dict[str, list[dict]]:
+    text = resources.files("pdscope.specs").joinpath("data/precisions.toml").read_text()
+    return tomllib.loads(text)
+
+
+def weight_precisions() -> list[WeightPrecision]:
+    return [WeightPrecision(**entry) for entry in _table()["weight"]]
+
+
+def kv_precisions() -> list[KVPrecision]:
+    return [KVPrecision(**entry) for entry in _table()["kv"]]
+
+
+def get_weight_precision(name: str) -> WeightPrecision:
+    aliases = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32"}
+    wanted = aliases.get(name.lower(), name.lower())
+    for precision in weight_precisions():
+        if precision.name == wanted:
+            return precision
+    raise unknown_name("weight dtype", name, [p.name for p in weight_precisions()])
+
+
+def get_kv_precision(name: str) -> KVPrecision:
+    aliases = {
+        "bfloat16": "bf16",
+        "float16": "fp16",
+        "half": "fp16",
+        "float32": "fp32",
+        "fp8_e4m3": "fp8",
+        "fp8_e5m2": "fp8",
+    }
+    wanted = aliases.get(name.lower(), name.lower())
+    for precision in kv_precisions():
+        if precision.name == wanted:
+            return precision
+    raise unknown_name("KV cache dtype", name, [p.name for p in kv_precisions()])

@@ -1,0 +1,155 @@
+"""`pdscope plan` through its command line: JSON fields, errors and exit codes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pdscope.cli import app
+
+runner = CliRunner()
+
+
+def run_json(*args: str):
+    result = runner.invoke(app, ["plan", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_compare_json_is_the_seed_table() -> None:
+    rows = run_json("--compare")
+    assert [r["decode_ceiling_tok_s"] for r in rows] == [6, 38, 54, 63, 127, 209]
+    assert [list(r) for r in rows] == [["device", "mem_bandwidth_gb_s", "decode_ceiling_tok_s"]] * 6
+    int8 = run_json("--compare", "--dtype", "int8")
+    for a, b in zip(rows, int8, strict=True):
+        assert abs(b["decode_ceiling_tok_s"] - 2 * a["decode_ceiling_tok_s"]) <= 1
+
+
+def test_compare_all_lists_the_catalog() -> None:
+    rows = run_json("--compare", "--all")
+    assert len(rows) > 20
+    assert {"NVIDIA H200", "AMD Instinct MI300X", "Apple M4 Max"} <= {r["device"] for r in rows}
+
+
+def test_plan_json_fields_for_llama_8b() -> None:
+    r = run_json("--model", "llama-3.1-8b")
+    for key in (
+        "weight_bytes",
+        "kv_bytes_per_token",
+        "decode_ceiling_tok_s",
+        "kv_bytes_at_context",
+        "max_concurrent_requests",
+        "prefill_flops",
+        "ttft_floor_s",
+    ):
+        assert key in r
+    assert r["kv_bytes_per_token"] == 131072
+    assert r["weight_bytes"] == pytest.approx(8.03e9 * 2, rel=0.001)
+    assert r["kv_bytes_at_context"] == 131072 * r["context_tokens"]
+    assert r["prefill_flops"] == pytest.approx(
+        r["prefill_flops_linear"] + r["prefill_flops_attention"]
+    )
+
+
+def test_flags_change_what_they_name() -> None:
+    base = run_json("--model", "llama-3.1-8b")
+    a10g = run_json("--model", "llama-3.1-8b", "--device", "a10g")
+    assert a10g["decode_ceiling_tok_s"] < base["decode_ceiling_tok_s"]
+    longer = run_json("--model", "llama-3.1-8b", "--context", "16000")
+    assert longer["kv_bytes_at_context"] == 131072 * 16000
+    assert longer["max_concurrent_requests"] < base["max_concurrent_requests"]
+    prompt = run_json("--model", "llama-3.1-8b", "--prompt-tokens", "4000")
+    assert prompt["prefill_flops"] > 2 * base["prefill_flops"]
+    assert prompt["ttft_floor_s"] > 2 * base["ttft_floor_s"]
+    int8 = run_json("--model", "llama-3.1-8b", "--dtype", "int8")
+    assert int8["weight_bytes"] == pytest.approx(base["weight_bytes"] / 2)
+    fp8kv = run_json("--model", "llama-3.1-8b", "--kv-dtype", "fp8")
+    assert fp8kv["kv_bytes_per_token"] == 65536
+
+
+def test_custom_device_from_flags() -> None:
+    r = run_json(
+        "--model", "llama-3.2-1b", "--bandwidth", "100", "--tflops", "10", "--memory", "16"
+    )
+    assert r["device"]["name"] == "custom"
+    assert r["decode_ceiling_weights_only_tok_s"] == pytest.approx(
+        100e9 / (r["model"]["params_read_per_token"] * 2)
+    )
+    assert r["max_concurrent_requests"] > 0
+    assert r["compute_bound_batch"] is None or r["compute_bound_batch"] > 1
+
+
+def test_config_json_path(tmp_path: Path) -> None:
+    config = {
+        "model_type": "llama",
+        "hidden_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "intermediate_size": 1024,
+        "vocab_size": 1000,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    r = run_json("--model", str(tmp_path))
+    assert r["kv_bytes_per_token"] == 2 * 4 * 2 * 64 * 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--device", "h10"], "closest"),
+        (["--model", "lama-3.1-8b"], "llama-3.1-8b"),
+        (["--context", "-5"], "--context"),
+        (["--bandwidth", "0"], "--bandwidth"),
+        (["--gpu-memory-utilization", "1.5"], "utilization"),
+        (["--dtype", "int3"], "weight dtype"),
+        (["--prompt-tokens", "0"], "--prompt-tokens"),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message(args: list[str], message: str) -> None:
+    result = runner.invoke(app, ["plan", *args])
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_missing_config_field_is_named(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    result = runner.invoke(app, ["plan", "--model", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "num_hidden_layers" in result.output
+
+
+def test_tables_render() -> None:
+    result = runner.invoke(app, ["plan", "--model", "mixtral-8x7b", "--device", "a100-80gb"])
+    assert result.exit_code == 0
+    assert "TTFT floor" in result.output and "Batched decode" in result.output
+    result = runner.invoke(app, ["plan", "--list-devices"])
+    assert "h100-sxm" in result.output
+    result = runner.invoke(app, ["plan", "--list-models"])
+    assert "deepseek-v3" in result.output
+
+
+def test_console_script_help() -> None:
+    bin_dir = Path(sys.executable).parent
+    for args in (["--help"], ["plan", "--help"]):
+        out = subprocess.run(
+            [bin_dir / "pdscope", *args], capture_output=True, text=True, check=True
+        ).stdout
+        assert "prefill" in out.lower() or "decode" in out.lower()
+
+
+@pytest.mark.slow
+def test_device_local_measures_this_machine() -> None:
+    r = run_json("--device", "local", "--model", "llama-3.2-1b")
+    measured = r["local_measurement"]
+    # A memory bus between a laptop's DDR4 and a many-channel server socket.
+    assert 1 < measured["read_gb_s"] < 1000
+    assert 1 < measured["triad_gb_s"] < 1000
+    assert 0.001 < measured["matmul_tflops"] < 1000
+    assert r["device"]["bandwidth_gb_s"] == pytest.approx(
+        max(measured["read_gb_s"], measured["triad_gb_s"]), rel=0.01
+    )
+    assert r["decode_ceiling_tok_s"] > 0
