@@ -1,0 +1,161 @@
+"""The KV block pool with automatic prefix caching. Pure Python: block ids, not tensors.
+
+Every block is in exactly one of three states:
+* in use: ``ref_count > 0`` (held by one or more requests' block tables);
+* cached-free: ``ref_count == 0`` and registered under a hash, reusable by a later prefix hit
+  until evicted;
+* free: ``ref_count == 0``, no hash.
+Both kinds of unreferenced block sit in one LRU queue; allocation takes the least recently freed
+and evicts its hash, so cached blocks survive as long as possible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+def block_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """Identity of a full block: its tokens chained with its parent block's hash.
+
+    Chaining makes a hash stand for the whole prefix up to this block, so equal hashes mean
+    equal prefixes (up to a 128-bit collision).
+    """
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in token_ids))
+    return h.digest()
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes | None = None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        assert num_blocks > 0 and block_size > 0
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[bytes, int] = {}  # hash -> block id
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    # --- accounting ---------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (free and cached-free)."""
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests, 0-1 (vLLM's kv_cache_usage_perc)."""
+        return self.num_used_blocks / self.num_blocks
+
+    def counts(self) -> tuple[int, int, int]:
+        """(free, cached-free, in use). Their sum is always ``num_blocks``."""
+        cached_free = sum(1 for i in self.free_queue if self.blocks[i].hash is not None)
+        return len(self.free_queue) - cached_free, cached_free, self.num_used_blocks
+
+    def check_invariants(self) -> None:
+        free, cached_free, used = self.counts()
+        assert free + cached_free + used == self.num_blocks
+        for block in self.blocks:
+            assert block.ref_count >= 0, f"block {block.block_id} freed twice"
+            assert (block.ref_count == 0) == (block.block_id in self.free_queue)
+            if block.hash is not None:
+                assert self.cached.get(block.hash) == block.block_id
+        assert len(self.cached) == sum(1 for b in self.blocks if b.hash is not None)
+
+    # --- prefix cache -------------------------------------------------------------------
+
+    def hashes_for(self, token_ids: Sequence[int], known: list[bytes]) -> list[bytes]:
+        """Chained hashes of every full block of ``token_ids``, extending ``known``."""
+        hashes = list(known)
+        size = self.block_size
+        for start in range(len(hashes) * size, len(token_ids) - size + 1, size):
+            parent = hashes[-1] if hashes else None
+            hashes.append(block_hash(parent, token_ids[start : start + size]))
+        return hashes
+
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Blocks holding the longest cached prefix of ``token_ids``.
+
+        The hit never covers the last token: it must still be computed to produce logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hit: list[int] = []
+        for h in self.hashes_for(token_ids[: len(token_ids) - 1], []):
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            hit.append(block_id)
+        return hit
+
+    def record_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
+        """Count one admitted request's lookup (vLLM's prefix_cache_queries / _hits, in tokens)."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += queried_tokens
+            self.prefix_cache_hits += hit_tokens
+
+    def register_full_blocks(self, block_table: list[int], hashes: list[bytes]) -> None:
+        """Publish full, computed blocks so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        for block_id, h in zip(block_table, hashes, strict=False):
+            block = self.blocks[block_id]
+            if block.hash is None and h not in self.cached:
+                block.hash = h
+                self.cached[h] = block_id
+
+    # --- allocation ---------------------------------------------------------------------
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Take a reference on cached blocks found by :meth:`find_cached_prefix`."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_queue[block_id]
+            block.ref_count += 1
+
+    def allocate(self, count: int) -> list[int]:
+        """Take ``count`` blocks, evicting least recently freed cached blocks first."""
+        assert count <= len(self.free_queue), "allocate() without a capacity check"
+        taken = []
+        for _ in range(count):
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                del self.cached[block.hash]
+                block.hash = None
+            block.ref_count = 1
+            taken.append(block_id)
+        return taken
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference on each block; unreferenced blocks join the LRU queue.
+
+        Given in reverse order of the block table, so a prefix's tail is evicted before its head
+        (a head block is shared by more future prompts than a tail block).
+        """
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"block {block_id} freed twice"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)

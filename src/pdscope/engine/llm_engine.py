@@ -1,0 +1,367 @@
+"""The engine loop: schedule, run, sample, detokenize, stop; and the offline ``LLM`` API."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pdscope.engine.block_pool import BlockPool
+from pdscope.engine.loader import load_model, read_config, resolve_dtype
+from pdscope.engine.request import Request
+from pdscope.engine.runner import ModelRunner
+from pdscope.engine.sampling_params import SamplingParams
+from pdscope.engine.scheduler import Scheduler, SchedulerConfig
+from pdscope.engine.timeline import RequestTimeline, StepRecord
+from pdscope.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "m": 1e6,
+    "mb": 1e6,
+    "g": 1e9,
+    "gb": 1e9,
+    "t": 1e12,
+    "tb": 1e12,
+    "ki": 2**10,
+    "kib": 2**10,
+    "mi": 2**20,
+    "mib": 2**20,
+    "gi": 2**30,
+    "gib": 2**30,
+    "ti": 2**40,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(value: int | str) -> int:
+    """``"2GiB"`` -> 2147483648; ``"500MB"`` -> 500000000; an int is bytes already."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    else:
+        match = _SIZE.match(str(value))
+        if not match:
+            raise ValueError(f"cannot read {value!r} as a size (examples: 2GiB, 512MiB, 1e9)")
+        size = int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
+    if size <= 0:
+        raise ValueError(f"size must be positive, got {value!r}")
+    return size
+
+
+@dataclass
+class EngineArgs:
+    """Engine settings, named as vLLM names them (plus ``kv_cache_memory`` for CPU)."""
+
+    model: str = "small"
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    dtype: str = "auto"  # auto: the checkpoint's torch_dtype (float32 or bfloat16)
+    kv_cache_memory: int | str = "1GiB"  # KV pool size on CPU
+    gpu_memory_utilization: float = 0.9  # KV pool on CUDA: this fraction of memory minus use
+    device: str = "auto"  # auto: cuda when torch sees one, else cpu
+    seed: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """What a step did for one request: the new tokens, the text so far, and whether it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    request: Request = field(repr=False)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.output_token_ids
+
+    @property
+    def timeline(self) -> RequestTimeline:
+        return self.request.timeline
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs | None = None, **kwargs: object):
+        from pdscope.engine.make_model import resolve_model_path
+
+        args = args or EngineArgs(**kwargs)  # type: ignore[arg-type]
+        self.args = args
+        self.path = Path(resolve_model_path(args.model))
+        hf_config = read_config(self.path)
+        if args.device == "auto":
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            self.device = torch.device(args.device)
+        dtype_name = args.dtype
+        if dtype_name == "auto":
+            dtype_name = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
+            dtype_name = (
+                "float32" if dtype_name == "float16" and self.device.type == "cpu" else dtype_name
+            )
+        self.dtype = resolve_dtype(dtype_name)
+        torch.manual_seed(args.seed)
+        self.model = load_model(self.path, self.dtype, self.device)
+        self.tokenizer = Tokenizer(self.path)
+        config = self.model.config
+        self.max_model_len = args.max_model_len or config.max_position_embeddings
+        if self.max_model_len > config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {config.max_position_embeddings}"
+            )
+        if args.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {args.block_size}")
+
+        block_bytes = ModelRunner.kv_bytes_per_block(config, args.block_size, self.dtype)
+        self.kv_cache_bytes = self._kv_budget_bytes()
+        num_blocks = self.kv_cache_bytes // block_bytes
+        needed = -(-self.max_model_len // args.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"KV cache of {self.kv_cache_bytes / 2**20:.1f} MiB holds {num_blocks} blocks "
+                f"({num_blocks * args.block_size} tokens) but one request of max_model_len "
+                f"{self.max_model_len} needs {needed} blocks: raise kv_cache_memory "
+                f"(at least {needed * block_bytes / 2**20:.1f} MiB) or lower max_model_len"
+            )
+        self.pool = BlockPool(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                args.max_num_batched_tokens,
+                args.max_num_seqs,
+                self.max_model_len,
+                args.enable_chunked_prefill,
+            ),
+            self.pool,
+        )
+        self.runner = ModelRunner(self.model, num_blocks, args.block_size, self.device)
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.steps: deque[StepRecord] = deque(maxlen=100_000)
+        self.step_listeners: list[Callable[[StepRecord, list[Request]], None]] = []
+        self._ids = itertools.count()
+
+    def _kv_budget_bytes(self) -> int:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = int(total * self.args.gpu_memory_utilization - used)
+            if budget <= 0:
+                raise ValueError(
+                    f"gpu_memory_utilization {self.args.gpu_memory_utilization} "
+                    f"leaves no KV memory: {used / 2**30:.1f} GiB already in use"
+                )
+            return budget
+        return parse_bytes(self.args.kv_cache_memory)
+
+    @property
+    def pool_summary(self) -> str:
+        blocks = self.pool.num_blocks
+        return (
+            f"KV cache: {blocks} blocks x {self.pool.block_size} tokens = "
+            f"{blocks * self.pool.block_size} tokens, {self.kv_cache_bytes / 2**20:.1f} MiB"
+        )
+
+    # --- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_s: float | None = None,
+    ) -> Request:
+        params = params or SamplingParams()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
+            raise ValueError(
+                f"prompt has token ids outside the vocabulary (0..{self.tokenizer.vocab_size - 1})"
+            )
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; max_model_len is "
+                f"{self.max_model_len}, which must leave room for one output token"
+            )
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        now = time.perf_counter() if arrival_s is None else arrival_s
+        request = Request(
+            request_id,
+            ids,
+            params,
+            RequestTimeline(now, prompt_tokens=len(ids)),
+            eos_token_id=self.tokenizer.eos_token_id,
+        )
+        self.requests[request_id] = request
+        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, ids)
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free what it holds. False if it is unknown."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return False
+        self._finish(request, "abort", time.perf_counter())
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # --- the loop -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and advance every scheduled request."""
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        prefilling = {r.request_id for r, _ in out.scheduled if r.is_prefill}
+        prefill_tokens = sum(n for r, n in out.scheduled if r.request_id in prefilling)
+        for request, _ in out.scheduled:
+            if request.timeline.first_scheduled_s is None:
+                request.timeline.first_scheduled_s = start
+        sampled = self.runner.execute(out)
+        self.scheduler.update(out)
+        end = time.perf_counter()
+
+        outputs = []
+        for request, n in out.scheduled:
+            if request.request_id in prefilling:
+                request.timeline.prefill_chunks.append((end, n))
+            token = sampled.get(request)
+            if token is None:
+                continue
+            request.output_token_ids.append(token)
+            request.timeline.token_s.append(end)
+            reason = self._check_stop(request, token)
+            if reason:
+                self._finish(request, reason, end)
+            outputs.append(
+                RequestOutput(
+                    request.request_id,
+                    [token],
+                    request.output_text,
+                    request.is_finished,
+                    request.finish_reason,
+                    request,
+                )
+            )
+        record = StepRecord(
+            start_s=start,
+            end_s=end,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.pool.usage,
+            prefill_tokens=prefill_tokens,
+            decode_tokens=out.num_tokens - prefill_tokens,
+            num_preempted=len(out.preempted),
+        )
+        self.steps.append(record)
+        for listener in self.step_listeners:
+            listener(record, [o.request for o in outputs])
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> str | None:
+        p = request.params
+        delta = self.detokenizers[request.request_id].add(token)
+        enough = len(request.output_token_ids) >= p.min_tokens
+        stop_ids = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            stop_ids.update(self.tokenizer.stop_token_ids)
+        if enough and token in stop_ids:
+            return "stop"
+        if delta:
+            request.output_text += delta
+            if enough and p.stop:
+                # Only the tail can hold a new match: the delta plus a stop string's length.
+                tail_from = max(0, len(request.output_text) - len(delta) - max(map(len, p.stop)))
+                hits = [i for s in p.stop if (i := request.output_text.find(s, tail_from)) >= 0]
+                if hits:
+                    request.output_text = request.output_text[: min(hits)]
+                    return "stop"
+        if len(request.output_token_ids) >= p.max_tokens:
+            return "length"
+        if request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, request: Request, reason: str, now: float) -> None:
+        self.scheduler.finish(request, reason)
+        request.timeline.finished_s = now
+        request.timeline.finish_reason = reason
+        self.runner.release(request)
+        self.detokenizers.pop(request.request_id, None)
+        self.requests.pop(request.request_id, None)
+
+    # --- stats ----------------------------------------------------------------------------
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+
+@dataclass
+class CompletionOutput:
+    """One prompt's result from :meth:`LLM.generate`."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    timeline: RequestTimeline
+
+
+class LLM:
+    """Offline batch generation: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+    def __init__(self, model: str = "small", **engine_args: object):
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))  # type: ignore[arg-type]
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
+        """Run every prompt to completion, all in one continuous batch; results in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        requests = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [
+            CompletionOutput(
+                r.prompt_token_ids,
+                list(r.output_token_ids),
+                r.output_text,
+                r.finish_reason or "",
+                r.timeline,
+            )
+            for r in requests
+        ]

@@ -1,0 +1,168 @@
+"""The model runner: one scheduled step in, one sampled token per finished sequence out.
+
+It owns the model, the paged KV cache tensors and the per-request random generators; it turns a
+:class:`SchedulerOutput` into flat tensors, runs the model, and samples.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdscope.engine.model import AttentionBatch, CausalLM
+from pdscope.engine.request import Request
+from pdscope.engine.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device):
+        c = model.config
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.dtype = model.embed_tokens.weight.dtype
+        # One tensor per layer: [K/V, slots, kv_heads, head_dim], slot = block * block_size + i.
+        self.kv_caches = [
+            torch.zeros(
+                2,
+                num_blocks * block_size,
+                c.num_kv_heads,
+                c.head_dim,
+                dtype=self.dtype,
+                device=device,
+            )
+            for _ in range(c.num_layers)
+        ]
+        self.generators: dict[str, torch.Generator] = {}
+        # Tests compare logits with a reference implementation; off in normal runs.
+        self.capture_logits = False
+        self.captured: list[torch.Tensor] = []
+
+    @staticmethod
+    def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        return model_config.kv_bytes_per_token_per_element * block_size * itemsize
+
+    def _slots(self, request: Request, start: int, end: int) -> list[int]:
+        bs, table = self.block_size, request.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[Request, int]:
+        """Run one step; returns the sampled token for every request whose computed tokens
+        caught up with its tokens in this step."""
+        # Decodes first (one token each), then prefill chunks, matching AttentionBatch's layout.
+        decodes = [(r, n) for r, n in out.scheduled if n == 1 and r.num_computed_tokens > 0]
+        prefills = [(r, n) for r, n in out.scheduled if not (n == 1 and r.num_computed_tokens > 0)]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for request, n in decodes + prefills:
+            start = request.num_computed_tokens
+            ids.extend(request.all_token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(self._slots(request, start, start + n))
+        dev = self.device
+        slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
+
+        decode_slots = decode_mask = None
+        if decodes:
+            lengths = [r.num_computed_tokens + 1 for r, _ in decodes]
+            width = max(lengths)
+            window = self.model.config.sliding_window
+            table = [
+                self._slots(r, 0, length) + [0] * (width - length)
+                for (r, _), length in zip(decodes, lengths, strict=True)
+            ]
+            decode_slots = torch.tensor(table, dtype=torch.long, device=dev)
+            key_pos = torch.arange(width, device=dev)
+            lens = torch.tensor(lengths, device=dev)[:, None]
+            decode_mask = key_pos[None, :] < lens
+            if window is not None:
+                decode_mask &= key_pos[None, :] >= lens - window
+        prefill_meta = []
+        offset = len(decodes)
+        for request, n in prefills:
+            cached = request.num_computed_tokens
+            context = (
+                torch.tensor(self._slots(request, 0, cached + n), dtype=torch.long, device=dev)
+                if cached
+                else slot_mapping[offset : offset + n]
+            )
+            prefill_meta.append((offset, n, cached, context))
+            offset += n
+        batch = AttentionBatch(slot_mapping, len(decodes), decode_slots, decode_mask, prefill_meta)
+
+        hidden = self.model(
+            torch.tensor(ids, device=dev),
+            torch.tensor(positions, device=dev),
+            self.kv_caches,
+            batch,
+        )
+
+        # Logits only where a token is due: the last position of each caught-up request.
+        due: list[Request] = []
+        rows: list[int] = []
+        offset = 0
+        for request, n in decodes + prefills:
+            offset += n
+            if request.num_computed_tokens + n == request.num_tokens:
+                due.append(request)
+                rows.append(offset - 1)
+        if not due:
+            return {}
+        logits = self.model.logits(hidden[torch.tensor(rows, device=dev)])
+        if self.capture_logits:
+            self.captured.append(logits.clone())
+        return dict(zip(due, self.sample(logits, due), strict=True))
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        """Greedy rows take the argmax; others temperature, top-k, top-p, then an exponential
+        race (argmax of p / E, E ~ Exp(1)), drawn from the request's own generator when it has
+        a seed so its tokens do not depend on what else shares the batch."""
+        for i, request in enumerate(requests):
+            p = request.params
+            if len(request.output_token_ids) < p.min_tokens:  # no stop token before min_tokens
+                for stop_id in {request.eos_token_id, *p.stop_token_ids} - {None}:
+                    logits[i, stop_id] = float("-inf")
+        tokens = logits.argmax(dim=-1)
+        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if not sampled:
+            return tokens.tolist()
+        rows = logits[sampled]
+        temps = torch.tensor([requests[i].params.temperature for i in sampled], device=rows.device)[
+            :, None
+        ]
+        rows = rows / temps
+        top_ks = [requests[i].params.top_k for i in sampled]
+        if any(k > 0 for k in top_ks):
+            k_max = max(top_ks)
+            kth = rows.topk(min(k_max, rows.shape[-1]), dim=-1).values
+            for row, k in enumerate(top_ks):
+                if k > 0:
+                    rows[row][rows[row] < kth[row, min(k, rows.shape[-1]) - 1]] = float("-inf")
+        probs = rows.softmax(dim=-1)
+        top_ps = torch.tensor([requests[i].params.top_p for i in sampled], device=rows.device)
+        if bool((top_ps < 1).any()):
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass ranked above each token
+            sorted_probs[before > top_ps[:, None]] = 0
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        noise = torch.empty_like(probs)
+        for row, i in enumerate(sampled):
+            request = requests[i]
+            noise[row].exponential_(generator=self._generator(request))
+        choice = (probs / noise).argmax(dim=-1)
+        tokens[sampled] = choice
+        return tokens.tolist()
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        if request.params.seed is None:
+            return None
+        gen = self.generators.get(request.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(request.params.seed)
+            self.generators[request.request_id] = gen
+        return gen
+
+    def release(self, request: Request) -> None:
+        self.generators.pop(request.request_id, None)

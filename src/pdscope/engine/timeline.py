@@ -1,0 +1,86 @@
+"""The engine's timeline: what happened to each request and in each step.
+
+These records are the data the server's metrics and the client's traces are built from. Times are
+``time.perf_counter()`` seconds (monotonic, one clock for the whole engine); durations are
+differences of those.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestTimeline:
+    """One request's life in the engine.
+
+    ``token_s[i]`` is when output token ``i`` was produced (end of the step that sampled it), so
+    ``token_s[0]`` is the first-token time. ``prefill_chunks`` holds ``(step_end_s, tokens)`` for
+    every prompt chunk computed, recomputation after a preemption included.
+    """
+
+    arrival_s: float
+    prompt_tokens: int = 0
+    first_scheduled_s: float | None = None
+    prefill_chunks: list[tuple[float, int]] = field(default_factory=list)
+    token_s: list[float] = field(default_factory=list)
+    finished_s: float | None = None
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    preemptions: int = 0
+
+    @property
+    def first_token_s(self) -> float | None:
+        return self.token_s[0] if self.token_s else None
+
+    @property
+    def queue_s(self) -> float | None:
+        """Arrival to first scheduled: time spent waiting (vLLM's request_queue_time)."""
+        if self.first_scheduled_s is None:
+            return None
+        return self.first_scheduled_s - self.arrival_s
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def prefill_s(self) -> float | None:
+        """First scheduled to first token (vLLM's request_prefill_time)."""
+        if self.first_token_s is None or self.first_scheduled_s is None:
+            return None
+        return self.first_token_s - self.first_scheduled_s
+
+    @property
+    def decode_s(self) -> float | None:
+        """First token to last token (vLLM's request_decode_time)."""
+        if not self.token_s:
+            return None
+        return self.token_s[-1] - self.token_s[0]
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.finished_s is None else self.finished_s - self.arrival_s
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Gaps between consecutive output tokens."""
+        return [b - a for a, b in zip(self.token_s, self.token_s[1:], strict=False)]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step: what ran and what the pool looked like afterwards."""
+
+    start_s: float
+    end_s: float
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of pool blocks in use by requests, 0-1
+    prefill_tokens: int
+    decode_tokens: int
+    num_preempted: int
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s

@@ -1,0 +1,93 @@
+"""Tokenizer, chat template and incremental detokenization for a checkpoint directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class Tokenizer:
+    def __init__(self, path: Path):
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"{path} has no tokenizer.json")
+        self._tok = HFTokenizer.from_file(str(file))
+        config_file = path / "tokenizer_config.json"
+        self.config: dict[str, Any] = (
+            json.loads(config_file.read_text()) if config_file.is_file() else {}
+        )
+        self.chat_template: str | None = self.config.get("chat_template")
+        self.bos_token = _token_text(self.config.get("bos_token"))
+        self.eos_token = _token_text(self.config.get("eos_token"))
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        gen = path / "generation_config.json"
+        extra_eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
+        ids = extra_eos if isinstance(extra_eos, list) else [extra_eos]
+        self.stop_token_ids = sorted({i for i in [self.eos_token_id, *ids] if i is not None})
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        if not self.chat_template:
+            raise ValueError("this model's tokenizer_config.json has no chat_template")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message: str) -> None:
+            raise jinja2.TemplateError(message)
+
+        env.globals["raise_exception"] = raise_exception
+        template = env.from_string(self.chat_template)
+        return template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # {"content": "<|endoftext|>", ...}
+        return value.get("content")
+    return value
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without re-decoding everything.
+
+    Byte-level BPE tokens can end mid-way through a UTF-8 character; text is only released once
+    it no longer ends in the replacement character, and a small window of earlier tokens is
+    re-decoded so merges across token boundaries come out right.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_ids[-4:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset])
+        full = decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return delta
+        return ""

@@ -1,0 +1,137 @@
+"""The engine against Hugging Face transformers, and against itself under every scheduling mode.
+
+Tiny random checkpoints in float32 so that batching changes nothing but rounding far below the
+gaps between the top logits.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdscope import LLM, SamplingParams
+from pdscope.engine.make_model import make_model
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    paths = {arch: make_model(root / arch, "tiny", arch=arch, dtype="float32") for arch in ARCHS}
+    paths["llama-tied-rope3"] = make_model(
+        root / "llama3",
+        "tiny",
+        arch="llama",
+        dtype="float32",
+        tie_word_embeddings=True,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
+    return paths
+
+
+def prompts(llm: LLM) -> list[list[int]]:
+    texts = [
+        "The quick brown fox jumps over the lazy dog. " * 3,
+        "Hello",
+        "def main():\n    return",
+        "Prefill reads the prompt; decode writes one token per step. " * 6,
+    ]
+    return [llm.tokenizer.encode(t) for t in texts]
+
+
+@pytest.mark.parametrize("arch", [*ARCHS, "llama-tied-rope3"])
+def test_logits_match_transformers(checkpoints: dict[str, Path], arch: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    path = checkpoints[arch]
+    llm = LLM(model=str(path), kv_cache_memory="8MiB", block_size=4, max_num_batched_tokens=32)
+    llm.engine.runner.capture_logits = True
+    prompt = prompts(llm)[0]
+    out = llm.generate(prompt, GREEDY)[0]
+    ours = torch.cat(llm.engine.runner.captured)  # one row per generated token
+    assert ours.shape[0] == len(out.token_ids) == 12
+
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    ids = torch.tensor([prompt + out.token_ids[:-1]])
+    with torch.no_grad():
+        ref = ref_model(ids).logits[0, len(prompt) - 1 :]
+    # Tolerance: float32 with different op order (fused projections, paged gathers).
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-3)
+    assert ref.argmax(-1).tolist() == out.token_ids
+
+
+def baseline(path: Path, ps: list[list[int]]) -> list[list[int]]:
+    """Each prompt alone, whole-prompt prefill, no prefix cache."""
+    results = []
+    for p in ps:
+        llm = LLM(
+            model=str(path),
+            kv_cache_memory="8MiB",
+            enable_prefix_caching=False,
+            max_num_batched_tokens=2048,
+        )
+        results.append(llm.generate(p, GREEDY)[0].token_ids)
+    return results
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints: dict[str, Path]) -> tuple[list[list[int]], list[list[int]]]:
+    llm = LLM(model=str(checkpoints["qwen3"]), kv_cache_memory="8MiB")
+    ps = prompts(llm)
+    return ps, baseline(checkpoints["qwen3"], ps)
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {"enable_prefix_caching": True},
+        {"max_num_batched_tokens": 7},
+        {"max_num_batched_tokens": 16, "block_size": 4},
+        {"max_num_batched_tokens": 64, "enable_prefix_caching": True, "block_size": 8},
+        {"max_num_seqs": 2},
+    ],
+)
+def test_batched_outputs_match_single_runs(checkpoints, reference, engine_args) -> None:
+    ps, expected = reference
+    llm = LLM(model=str(checkpoints["qwen3"]), kv_cache_memory="8MiB", **engine_args)
+    # Twice through, so the second round hits the prefix cache when it is on.
+    for _ in range(2):
+        outs = llm.generate(ps, GREEDY)
+        assert [o.token_ids for o in outs] == expected
+    llm.engine.pool.check_invariants()
+
+
+def test_forced_preemption_recomputes_identically(checkpoints, reference) -> None:
+    ps, expected = reference
+    # A pool far smaller than the four requests' total forces preemption and recomputation.
+    llm = LLM(
+        model=str(checkpoints["qwen3"]),
+        block_size=4,
+        max_model_len=256,
+        enable_prefix_caching=False,
+        kv_cache_memory=ModelBytes.blocks(checkpoints["qwen3"], 70, 4),
+    )
+    outs = llm.generate(ps + ps, GREEDY)
+    assert llm.engine.num_preemptions > 0
+    assert [o.token_ids for o in outs] == expected + expected
+    assert sum(o.timeline.preemptions for o in outs) == llm.engine.num_preemptions
+    llm.engine.pool.check_invariants()
+    assert llm.engine.pool.num_used_blocks == 0
+
+
+class ModelBytes:
+    @staticmethod
+    def blocks(path: Path, count: int, block_size: int) -> int:
+        import json
+
+        c = json.loads((path / "config.json").read_text())
+        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        per_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 4
+        return count * block_size * per_token
