@@ -239,14 +239,14 @@ def test_ensure_model_uses_cache_and_is_idempotent(
     monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path / "cache"))
     assert mm.default_cache_dir() == tmp_path / "cache"
     path = mm.ensure_model("tiny")
-    assert path == tmp_path / "cache" / "models" / "tiny"
+    assert path == tmp_path / "cache" / "models" / f"tiny-v{mm._FORMAT_VERSION}"
     for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
         assert (path / name).is_file()
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     assert mm.ensure_model("tiny") == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp  # not rebuilt
     # No temporary directories left behind.
-    assert sorted(p.name for p in path.parent.iterdir()) == ["tiny"]
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
     assert mm.resolve_model_path("tiny") == path
 
 
@@ -254,7 +254,7 @@ def test_ensure_model_replaces_incomplete_dir(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
-    broken = tmp_path / "models" / "tiny"
+    broken = tmp_path / "models" / f"tiny-v{mm._FORMAT_VERSION}"
     broken.mkdir(parents=True)
     (broken / "config.json").write_text("{}")
     path = mm.ensure_model("tiny")

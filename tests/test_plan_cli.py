@@ -153,3 +153,18 @@ def test_device_local_measures_this_machine() -> None:
         max(measured["read_gb_s"], measured["triad_gb_s"]), rel=0.01
     )
     assert r["decode_ceiling_tok_s"] > 0
+
+
+def test_make_model_command(tmp_path: Path) -> None:
+    result = runner.invoke(
+        app,
+        ["make-model", str(tmp_path / "m"), "--preset", "tiny", "--arch", "qwen2", "--layers", "3"],
+    )
+    assert result.exit_code == 0, result.output
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and config["num_hidden_layers"] == 3
+    # The checkpoint is one `plan` can read too.
+    plan = run_json("--model", str(tmp_path / "m"))
+    assert plan["model"]["num_layers"] == 3
+    bad = runner.invoke(app, ["make-model", str(tmp_path / "x"), "--arch", "gpt2"])
+    assert bad.exit_code == 2 and "gpt2" in bad.output

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -199,6 +200,55 @@ def plan(
         print_json(result)
     else:
         render_plan(result, console)
+
+
+@app.command("make-model")
+def make_model_cmd(
+    directory: Annotated[Path, typer.Argument(help="Where to write the checkpoint.")],
+    preset: Annotated[
+        str, typer.Option(help="tiny (tests, a few MB) or small (168M, the embedded default).")
+    ] = "tiny",
+    arch: Annotated[str, typer.Option(help="llama, mistral, qwen2 or qwen3.")] = "llama",
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "bfloat16",
+    seed: Annotated[int, typer.Option(help="Weights are a pure function of the seed.")] = 0,
+    layers: Annotated[int | None, typer.Option(help="num_hidden_layers.")] = None,
+    hidden: Annotated[int | None, typer.Option(help="hidden_size.")] = None,
+    intermediate: Annotated[int | None, typer.Option(help="intermediate_size.")] = None,
+    heads: Annotated[int | None, typer.Option(help="num_attention_heads.")] = None,
+    kv_heads: Annotated[int | None, typer.Option(help="num_key_value_heads.")] = None,
+    vocab: Annotated[int | None, typer.Option(help="vocab_size (tokenizer trained to it).")] = None,
+    max_len: Annotated[int | None, typer.Option(help="max_position_embeddings.")] = None,
+) -> None:
+    """Write a random-weight Hugging Face checkpoint with a real BPE tokenizer.
+
+    Random weights produce meaningless text but cost exactly what a real model of the same
+    shape costs, which is all that latency needs. No download, ever."""
+    from pdscope.engine.make_model import make_model, num_parameters
+
+    overrides = {
+        k: v
+        for k, v in {
+            "num_hidden_layers": layers,
+            "hidden_size": hidden,
+            "intermediate_size": intermediate,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "vocab_size": vocab,
+            "max_position_embeddings": max_len,
+        }.items()
+        if v is not None
+    }
+    try:
+        path = make_model(directory, preset=preset, arch=arch, dtype=dtype, seed=seed, **overrides)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    config = json.loads((path / "config.json").read_text())
+    size = (path / "model.safetensors").stat().st_size
+    console.print(
+        f"wrote {path}: {config['architectures'][0]}, "
+        f"{num_parameters(config) / 1e6:,.1f}M parameters, {config['torch_dtype']}, "
+        f"{size / 1e6:,.1f} MB of weights, vocabulary {config['vocab_size']:,}"
+    )
 
 
 def _list_devices(as_json: bool) -> None:

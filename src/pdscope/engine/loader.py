@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from pdscope.engine.model import CausalLM, ModelConfig
+from pdscope.engine.model import CausalLM, ModelConfig, can_pack, pack_linears
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -114,6 +114,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> CausalLM
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.init_rope(config.max_position_embeddings, device)  # buffers were built on meta
+    if can_pack(dtype, device):
+        pack_linears(model)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     assert not missing, f"parameters left unloaded: {missing}"
     return model.eval()

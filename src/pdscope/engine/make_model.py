@@ -545,7 +545,7 @@ def _is_complete(path: Path) -> bool:
 
 
 def ensure_model(preset: str) -> Path:
-    """Return `<cache>/models/<preset>`, building it (llama, bfloat16, seed 0) on first use.
+    """Return `<cache>/models/<preset>-v<format>`, built (llama, bf16, seed 0) on first use.
 
     The model is written into a temporary sibling directory and renamed into place, so an
     interrupted build never leaves a half-written model at the final path. Concurrent callers
@@ -554,7 +554,8 @@ def ensure_model(preset: str) -> Path:
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; known presets: {', '.join(PRESETS)}")
     models_dir = default_cache_dir() / "models"
-    final = models_dir / preset
+    # The format version is in the name, so a changed generator never reuses a stale build.
+    final = models_dir / f"{preset}-v{_FORMAT_VERSION}"
     if _is_complete(final):
         return final
     models_dir.mkdir(parents=True, exist_ok=True)

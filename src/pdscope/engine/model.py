@@ -18,6 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# Decode batches up to this many sequences do attention math in float32 on CPU (see _decode).
+_FLOAT32_DECODE_MAX_SEQS = 4
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -133,6 +136,43 @@ class AttentionBatch:
     prefills: list[tuple[int, int, int, torch.Tensor]]
 
 
+class Linear(nn.Linear):
+    """nn.Linear that can hold its weight pre-packed in oneDNN's blocked layout on CPU.
+
+    Plain ``F.linear`` on a bf16 CPU tensor re-lays the weight out on every call, which halves
+    the bandwidth a decode step gets (profiled: 25 GB/s plain vs 33 GB/s packed on 2 cores).
+    """
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Pack every :class:`Linear` of a bf16 CPU model; returns how many were packed."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight.dtype == torch.bfloat16:
+            module.pack()
+            count += 1
+    return count
+
+
+def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -156,8 +196,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
-        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
+        self.qkv_proj = Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.qkv_bias)
+        self.o_proj = Linear(self.q_size, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.window = c.sliding_window
@@ -180,10 +220,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        # kv_cache: [2, num_slots, kv_heads, head_dim]; write this step's keys and values.
+        # kv_cache: [2, kv_heads, num_slots, head_dim]. Heads outermost, so a gather of slots is
+        # already [kv_heads, tokens, dim]: the layout attention's batched matmuls take as is.
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.index_copy_(0, batch.slot_mapping, k)
-        v_cache.index_copy_(0, batch.slot_mapping, v)
+        k_cache.index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
 
         out = torch.empty_like(q)
         d = batch.num_decode
@@ -206,17 +247,27 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """All decoding sequences at once: one query each against its padded context.
 
-        Queries are grouped by KV head ([D, kv_heads, group, dim]) so each KV head is read once
-        for its whole group through broadcasting, never repeated in memory.
+        Queries are grouped by KV head ([kv_heads, D, group, dim]) so each KV head serves its
+        whole query group in one matmul, never repeated in memory.
         """
         d, group = q.shape[0], self.num_heads // self.num_kv_heads
-        keys = k_cache[batch.decode_slots].transpose(1, 2)  # [D, kv_heads, S, dim]
-        values = v_cache[batch.decode_slots].transpose(1, 2)
-        q = q.view(d, self.num_kv_heads, group, self.head_dim)
-        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scale  # [D, kvh, g, S]
-        scores.masked_fill_(~batch.decode_mask[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1).to(values.dtype)
-        return torch.matmul(probs, values).view(d, self.num_heads, self.head_dim)
+        width = batch.decode_slots.shape[1]
+        # index_select on flat slots: advanced indexing with a 2-D index is ~20x slower on CPU.
+        flat = batch.decode_slots.view(-1)
+        shape = (self.num_kv_heads, d, width, self.head_dim)
+        # On CPU, bf16 batched matmuls this small cost more in fixed overhead than converting a
+        # few sequences' context to float32; past a few sequences the conversion costs more.
+        dtype = k_cache.dtype
+        if k_cache.device.type == "cpu" and d <= _FLOAT32_DECODE_MAX_SEQS:
+            dtype = torch.float32
+        keys = k_cache.index_select(1, flat).view(shape).to(dtype)  # [kvh, D, S, dim]
+        values = v_cache.index_select(1, flat).view(shape).to(dtype)
+        q = q.to(dtype).view(d, self.num_kv_heads, group, self.head_dim).transpose(0, 1)
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scale  # [kvh, D, g, S]
+        if batch.decode_mask is not None:
+            scores.masked_fill_(~batch.decode_mask[None, :, None, :], float("-inf"))
+        out = torch.matmul(scores.softmax(dim=-1).to(dtype), values)  # [kvh, D, group, dim]
+        return out.transpose(0, 1).reshape(d, self.num_heads, self.head_dim).to(k_cache.dtype)
 
     def _prefill(
         self,
@@ -236,10 +287,10 @@ class Attention(nn.Module):
         """
         n = q.shape[0]
         if cached == 0:
-            keys, values = k, v
+            keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [kvh, n, dim]
         else:
-            keys, values = k_cache[slots], v_cache[slots]
-        total = keys.shape[0]
+            keys, values = k_cache.index_select(1, slots), v_cache.index_select(1, slots)
+        total = keys.shape[1]
         mask = None
         if cached or self.window is not None:
             q_pos = torch.arange(cached, cached + n).unsqueeze(1)
@@ -249,8 +300,8 @@ class Attention(nn.Module):
                 mask &= k_pos > q_pos - self.window
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
-            keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
             attn_mask=mask,
             is_causal=mask is None,
             scale=self.scale,
@@ -263,8 +314,8 @@ class MLP(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.intermediate = c.intermediate_size
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -291,7 +342,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.init_rope(max_positions, torch.get_default_device())

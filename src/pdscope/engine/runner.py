@@ -20,12 +20,12 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.dtype = model.embed_tokens.weight.dtype
-        # One tensor per layer: [K/V, slots, kv_heads, head_dim], slot = block * block_size + i.
+        # One tensor per layer: [K/V, kv_heads, slots, head_dim], slot = block * block_size + i.
         self.kv_caches = [
             torch.zeros(
                 2,
-                num_blocks * block_size,
                 c.num_kv_heads,
+                num_blocks * block_size,
                 c.head_dim,
                 dtype=self.dtype,
                 device=device,
@@ -79,6 +79,8 @@ class ModelRunner:
             decode_mask = key_pos[None, :] < lens
             if window is not None:
                 decode_mask &= key_pos[None, :] >= lens - window
+            elif min(lengths) == width:
+                decode_mask = None  # no padding, no window: every key counts
         prefill_meta = []
         offset = len(decodes)
         for request, n in prefills:

@@ -1,0 +1,165 @@
+"""The engine's public surfaces: sampling options, stops, timelines, async streaming, errors."""
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from pdscope import LLM, SamplingParams
+from pdscope.engine.async_engine import AsyncEngine
+from pdscope.engine.llm_engine import EngineArgs, LLMEngine, parse_bytes
+from pdscope.engine.make_model import make_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("tiny") / "m", "tiny", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny: Path) -> LLM:
+    return LLM(model=str(tiny), kv_cache_memory="8MiB", max_model_len=512)
+
+
+PROMPT = "Prefill reads the prompt and decode writes one token per step."
+
+
+def test_greedy_is_deterministic_and_top_k_1_is_greedy(llm: LLM) -> None:
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    a, b = llm.generate([PROMPT, PROMPT], greedy)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 10
+    top1 = llm.generate(
+        PROMPT, SamplingParams(max_tokens=10, temperature=0.8, top_k=1, ignore_eos=True)
+    )[0]
+    assert top1.token_ids == a.token_ids
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    alone = llm.generate(PROMPT, params)[0].token_ids
+    noisy = SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True)
+    batched = llm.generate([PROMPT, "other text", PROMPT], [params, noisy, params])
+    assert batched[0].token_ids == alone and batched[2].token_ids == alone
+    other = llm.generate(
+        PROMPT, SamplingParams(max_tokens=12, temperature=1.0, seed=8, ignore_eos=True)
+    )[0].token_ids
+    assert other != alone
+
+
+def test_stop_strings_and_stop_tokens(llm: LLM) -> None:
+    free = llm.generate(PROMPT, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    assert len(free.text) > 6
+    stop = free.text[3:6]
+    cut = llm.generate(
+        PROMPT, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop])
+    )[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == free.text[: free.text.index(stop)]
+    token = free.token_ids[4]
+    by_id = llm.generate(
+        PROMPT,
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[token]),
+    )[0]
+    assert by_id.finish_reason == "stop"
+    assert by_id.token_ids == free.token_ids[: free.token_ids.index(token) + 1]
+    held = llm.generate(
+        PROMPT,
+        SamplingParams(
+            max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[token], min_tokens=8
+        ),
+    )[0]
+    assert len(held.token_ids) >= 8
+
+
+def test_max_tokens_and_max_model_len(tiny: Path) -> None:
+    llm = LLM(model=str(tiny), kv_cache_memory="8MiB", max_model_len=64)
+    prompt = list(range(10, 60))
+    out = llm.generate(prompt, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == 64
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(list(range(10, 80)), SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], SamplingParams())
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([10**6], SamplingParams())
+
+
+def test_timeline_records_every_phase(llm: LLM) -> None:
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    t = out.timeline
+    assert t.prompt_tokens == len(out.prompt_token_ids)
+    assert t.arrival_s <= t.first_scheduled_s <= t.first_token_s <= t.finished_s
+    assert len(t.token_s) == 6 and t.token_s == sorted(t.token_s)
+    assert sum(n for _, n in t.prefill_chunks) == t.prompt_tokens - t.num_cached_tokens
+    assert t.finish_reason == "length" and len(t.itl_s) == 5
+    assert t.ttft_s == pytest.approx(t.queue_s + t.prefill_s)
+    steps = list(llm.engine.steps)
+    assert steps and all(0 <= s.kv_cache_usage <= 1 and s.duration_s >= 0 for s in steps)
+    assert sum(s.prefill_tokens for s in steps) >= t.prompt_tokens
+
+
+def test_bad_engine_arguments(tiny: Path) -> None:
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(model=str(tiny), kv_cache_memory="64KiB", max_model_len=512)
+    with pytest.raises(ValueError, match="size"):
+        parse_bytes("lots")
+    assert parse_bytes("2GiB") == 2 * 2**30 and parse_bytes("1.5MB") == 1_500_000
+    with pytest.raises(FileNotFoundError):
+        LLM(model=str(tiny / "missing"))
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+
+
+def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    path = make_model(tmp_path / "m", "tiny", dtype="float32")
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        LLM(model=str(path))
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    (path / "model.safetensors").unlink()
+    config["architectures"] = ["LlamaForCausalLM"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="safetensors"):
+        LLM(model=str(path))
+
+
+def test_async_streaming_concurrency_and_abort(tiny: Path) -> None:
+    engine = LLMEngine(EngineArgs(model=str(tiny), kv_cache_memory="8MiB", max_model_len=512))
+    aengine = AsyncEngine(engine)
+
+    async def collect(max_tokens: int) -> tuple[list[int], str | None]:
+        tokens: list[int] = []
+        reason = None
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        async for out in aengine.generate(PROMPT, params):
+            tokens += out.new_token_ids
+            reason = out.finish_reason
+        return tokens, reason
+
+    async def main() -> None:
+        (a, ra), (b, rb) = await asyncio.gather(collect(5), collect(9))
+        assert len(a) == 5 and len(b) == 9 and ra == rb == "length"
+        assert b[:5] == a  # same prompt, greedy: the streams agree
+        stream = aengine.generate(PROMPT, SamplingParams(max_tokens=500, ignore_eos=True))
+        async for _ in stream:
+            break  # a client that goes away
+        await stream.aclose()
+        with pytest.raises(ValueError, match="empty"):
+            async for _ in aengine.generate([], SamplingParams()):
+                pass
+        state = await aengine.call(lambda: (engine.pool.num_used_blocks, engine.has_unfinished()))
+        assert state == (0, False)
+        engine.pool.check_invariants()
+
+    try:
+        asyncio.run(main())
+    finally:
+        aengine.shutdown()
+    assert not aengine.is_running
