@@ -20,6 +20,8 @@ from torch import nn
 
 # Decode batches up to this many sequences do attention math in float32 on CPU (see _decode).
 _FLOAT32_DECODE_MAX_SEQS = 4
+# Queries per block in CPU prefill attention (see _prefill_cpu); 64 was fastest at 2k tokens.
+_PREFILL_BLOCK = 64
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -123,17 +125,37 @@ class AttentionBatch:
     """Where one step's tokens go in the cache and which keys each one sees.
 
     ``slot_mapping[t]`` is the flat cache slot (block * block_size + offset) for token ``t``.
-    The first ``num_decode`` tokens are decodes (one per sequence): ``decode_slots`` [D, S] lists
-    each one's context slots, padded, with ``decode_mask`` [D, S] True for real keys.
-    ``prefills`` lists, per prefilling sequence, (first token index, chunk length, tokens already
-    cached before the chunk, slots of the whole context [cached + chunk]).
+    The first ``num_decode`` tokens are decodes (one per sequence): ``decode_blocks`` holds
+    the cache rows (:func:`block_rows`) of each one's block table padded to B blocks, and
+    ``decode_mask`` [D, B * block_size] is True for real keys (None when no key is padding).
+    ``prefills`` lists, per prefilling sequence, (first token index, chunk length, tokens cached
+    before the chunk, cache rows of the whole context's blocks, or None when nothing was cached).
     """
 
     slot_mapping: torch.Tensor
+    block_size: int
     num_decode: int
-    decode_slots: torch.Tensor | None
+    decode_blocks: torch.Tensor | None
     decode_mask: torch.Tensor | None
-    prefills: list[tuple[int, int, int, torch.Tensor]]
+    prefills: list[tuple[int, int, int, torch.Tensor | None]]
+
+
+def _gather_blocks(cache: torch.Tensor, rows: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Whole cache blocks by row id: [kv_heads, blocks * block_size, dim].
+
+    ``rows`` indexes the cache viewed as [kv_heads * num_blocks, block_size, dim] (see
+    :func:`block_rows`). One index_select over dim 0 moves each block as one contiguous copy:
+    on CPU that is ~5x faster than selecting blocks along dim 1, and per-slot gathers or 2-D
+    advanced indexing are slower still (profiled).
+    """
+    kvh, _, dim = cache.shape
+    return cache.view(-1, block_size, dim).index_select(0, rows).view(kvh, -1, dim)
+
+
+def block_rows(blocks: torch.Tensor, kv_heads: int, num_blocks: int) -> torch.Tensor:
+    """Row ids of ``blocks`` for every KV head, head-major, for :func:`_gather_blocks`."""
+    heads = torch.arange(kv_heads, device=blocks.device)[:, None] * num_blocks
+    return (heads + blocks.reshape(1, -1)).reshape(-1)
 
 
 class Linear(nn.Linear):
@@ -184,10 +206,13 @@ class RMSNorm(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate halves (the Hugging Face layout): x [T, heads, dim], cos/sin [T, 1, dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """Rotate halves (the Hugging Face layout): x [T, heads, dim], cos/sin [T, 1, dim / 2].
+
+    Equal to HF's ``x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)``, with half the
+    elementwise traffic.
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class Attention(nn.Module):
@@ -212,13 +237,18 @@ class Attention(nn.Module):
         batch: AttentionBatch,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        qk_width = self.q_size + self.kv_size
+        v = qkv[:, qk_width:].view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q = self.q_norm(qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : qk_width].view(tokens, -1, self.head_dim))
+            qk = torch.cat((q, k), dim=1)
+        else:
+            qk = qkv[:, :qk_width].view(tokens, self.num_heads + self.num_kv_heads, -1)
+        # Queries and keys rotate together: one pass of the elementwise ops instead of two.
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
 
         # kv_cache: [2, kv_heads, num_slots, head_dim]. Heads outermost, so a gather of slots is
         # already [kv_heads, tokens, dim]: the layout attention's batched matmuls take as is.
@@ -230,13 +260,14 @@ class Attention(nn.Module):
         d = batch.num_decode
         if d:
             out[:d] = self._decode(q[:d], k_cache, v_cache, batch)
-        for start, length, cached, slots in batch.prefills:
+        for start, length, cached, blocks in batch.prefills:
             out[start : start + length] = self._prefill(
                 q[start : start + length],
                 k[start : start + length],
                 v[start : start + length],
                 cached,
-                slots,
+                blocks,
+                batch.block_size,
                 k_cache,
                 v_cache,
             )
@@ -251,17 +282,15 @@ class Attention(nn.Module):
         whole query group in one matmul, never repeated in memory.
         """
         d, group = q.shape[0], self.num_heads // self.num_kv_heads
-        width = batch.decode_slots.shape[1]
-        # index_select on flat slots: advanced indexing with a 2-D index is ~20x slower on CPU.
-        flat = batch.decode_slots.view(-1)
-        shape = (self.num_kv_heads, d, width, self.head_dim)
+        blocks = batch.decode_blocks
+        shape = (self.num_kv_heads, d, -1, self.head_dim)
         # On CPU, bf16 batched matmuls this small cost more in fixed overhead than converting a
         # few sequences' context to float32; past a few sequences the conversion costs more.
         dtype = k_cache.dtype
         if k_cache.device.type == "cpu" and d <= _FLOAT32_DECODE_MAX_SEQS:
             dtype = torch.float32
-        keys = k_cache.index_select(1, flat).view(shape).to(dtype)  # [kvh, D, S, dim]
-        values = v_cache.index_select(1, flat).view(shape).to(dtype)
+        keys = _gather_blocks(k_cache, blocks, batch.block_size).view(shape).to(dtype)
+        values = _gather_blocks(v_cache, blocks, batch.block_size).view(shape).to(dtype)
         q = q.to(dtype).view(d, self.num_kv_heads, group, self.head_dim).transpose(0, 1)
         scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scale  # [kvh, D, g, S]
         if batch.decode_mask is not None:
@@ -275,7 +304,8 @@ class Attention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         cached: int,
-        slots: torch.Tensor,
+        blocks: torch.Tensor | None,
+        block_size: int,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
@@ -285,16 +315,19 @@ class Attention(nn.Module):
         the usual one. With a prefix, a query at row i may see keys up to cached + i: a
         bottom-right aligned mask, which a plain ``is_causal`` (top-left) would get wrong.
         """
-        n = q.shape[0]
-        if cached == 0:
-            keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [kvh, n, dim]
+        if blocks is None:
+            keys, values = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
         else:
-            keys, values = k_cache.index_select(1, slots), v_cache.index_select(1, slots)
-        total = keys.shape[1]
+            total = cached + q.shape[0]
+            keys = _gather_blocks(k_cache, blocks, block_size)[:, :total]
+            values = _gather_blocks(v_cache, blocks, block_size)[:, :total]
+        if q.device.type == "cpu":
+            return self._prefill_cpu(q, keys, values, cached)
+        n, total = q.shape[0], keys.shape[1]
         mask = None
         if cached or self.window is not None:
-            q_pos = torch.arange(cached, cached + n).unsqueeze(1)
-            k_pos = torch.arange(total).unsqueeze(0)
+            q_pos = torch.arange(cached, cached + n, device=q.device).unsqueeze(1)
+            k_pos = torch.arange(total, device=q.device).unsqueeze(0)
             mask = k_pos <= q_pos
             if self.window is not None:
                 mask &= k_pos > q_pos - self.window
@@ -309,6 +342,37 @@ class Attention(nn.Module):
         )
         return out[0].transpose(0, 1)
 
+    def _prefill_cpu(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int
+    ) -> torch.Tensor:
+        """Causal attention in blocks of queries, each against only the keys it can see.
+
+        On 2 CPU cores this is ~2x faster than torch's flash kernel (profiled at 2,000 tokens):
+        a block's scores are small enough to stay in cache through mask, softmax and the value
+        matmul, and the keys past the block are never scored. Only the block's own key columns
+        need the causal mask. Scores are in the model dtype, softmax accumulates in float32
+        internally, as Hugging Face's eager attention does.
+        """
+        n, kvh, dim = q.shape[0], self.num_kv_heads, self.head_dim
+        group = self.num_heads // kvh
+        qg = (q * self.scale).transpose(0, 1).reshape(kvh, group, n, dim)
+        out = torch.empty(kvh, group, n, dim, dtype=q.dtype)
+        causal = torch.ones(_PREFILL_BLOCK, _PREFILL_BLOCK, dtype=torch.bool).triu(1)
+        for s0 in range(0, n, _PREFILL_BLOCK):
+            s1 = min(n, s0 + _PREFILL_BLOCK)
+            c, end = s1 - s0, cached + s1
+            scores = torch.bmm(
+                qg[:, :, s0:s1].reshape(kvh, group * c, dim), keys[:, :end].transpose(1, 2)
+            ).view(kvh, group, c, end)
+            scores[..., cached + s0 :].masked_fill_(causal[:c, :c], float("-inf"))
+            if self.window is not None:
+                q_pos = torch.arange(cached + s0, cached + s1).unsqueeze(1)
+                too_old = torch.arange(end).unsqueeze(0) <= q_pos - self.window
+                scores.masked_fill_(too_old, float("-inf"))
+            probs = scores.softmax(dim=-1).view(kvh, group * c, end)
+            out[:, :, s0:s1] = torch.bmm(probs, values[:, :end]).view(kvh, group, c, dim)
+        return out.view(self.num_heads, n, dim).transpose(0, 1)
+
 
 class MLP(nn.Module):
     def __init__(self, c: ModelConfig):
@@ -319,7 +383,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -351,7 +415,6 @@ class CausalLM(nn.Module):
         """Rotary cos/sin tables for positions 0..max_positions-1, float32 like Hugging Face."""
         positions = torch.arange(max_positions, dtype=torch.float64)
         angles = torch.outer(positions, rope_inv_freq(self.config))
-        angles = torch.cat((angles, angles), dim=-1)
         self.register_buffer("rope_cos", angles.cos().float().to(device), persistent=False)
         self.register_buffer("rope_sin", angles.sin().float().to(device), persistent=False)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pdscope.engine.model import AttentionBatch, CausalLM
+from pdscope.engine.model import AttentionBatch, CausalLM, block_rows
 from pdscope.engine.request import Request
 from pdscope.engine.scheduler import SchedulerOutput
 
@@ -19,6 +19,7 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = block_size
+        self.num_blocks = num_blocks
         self.dtype = model.embed_tokens.weight.dtype
         # One tensor per layer: [K/V, kv_heads, slots, head_dim], slot = block * block_size + i.
         self.kv_caches = [
@@ -42,6 +43,10 @@ class ModelRunner:
         itemsize = torch.empty(0, dtype=dtype).element_size()
         return model_config.kv_bytes_per_token_per_element * block_size * itemsize
 
+    def _rows(self, blocks: torch.Tensor) -> torch.Tensor:
+        c = self.model.config
+        return block_rows(blocks, c.num_kv_heads, self.num_blocks)
+
     def _slots(self, request: Request, start: int, end: int) -> list[int]:
         bs, table = self.block_size, request.block_table
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -64,35 +69,38 @@ class ModelRunner:
         dev = self.device
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
 
-        decode_slots = decode_mask = None
+        bs = self.block_size
+        decode_blocks = decode_mask = None
         if decodes:
             lengths = [r.num_computed_tokens + 1 for r, _ in decodes]
-            width = max(lengths)
-            window = self.model.config.sliding_window
+            num_blocks = [-(-length // bs) for length in lengths]
+            widest = max(num_blocks)
             table = [
-                self._slots(r, 0, length) + [0] * (width - length)
-                for (r, _), length in zip(decodes, lengths, strict=True)
+                r.block_table[:nb] + [0] * (widest - nb)
+                for (r, _), nb in zip(decodes, num_blocks, strict=True)
             ]
-            decode_slots = torch.tensor(table, dtype=torch.long, device=dev)
-            key_pos = torch.arange(width, device=dev)
+            decode_blocks = self._rows(torch.tensor(table, dtype=torch.long, device=dev))
+            key_pos = torch.arange(widest * bs, device=dev)
             lens = torch.tensor(lengths, device=dev)[:, None]
             decode_mask = key_pos[None, :] < lens
+            window = self.model.config.sliding_window
             if window is not None:
                 decode_mask &= key_pos[None, :] >= lens - window
-            elif min(lengths) == width:
+            elif min(lengths) == widest * bs:
                 decode_mask = None  # no padding, no window: every key counts
         prefill_meta = []
         offset = len(decodes)
         for request, n in prefills:
             cached = request.num_computed_tokens
-            context = (
-                torch.tensor(self._slots(request, 0, cached + n), dtype=torch.long, device=dev)
-                if cached
-                else slot_mapping[offset : offset + n]
-            )
-            prefill_meta.append((offset, n, cached, context))
+            blocks = None
+            if cached:
+                table = request.block_table[: -(-(cached + n) // bs)]
+                blocks = self._rows(torch.tensor(table, dtype=torch.long, device=dev))
+            prefill_meta.append((offset, n, cached, blocks))
             offset += n
-        batch = AttentionBatch(slot_mapping, len(decodes), decode_slots, decode_mask, prefill_meta)
+        batch = AttentionBatch(
+            slot_mapping, bs, len(decodes), decode_blocks, decode_mask, prefill_meta
+        )
 
         hidden = self.model(
             torch.tensor(ids, device=dev),
