@@ -163,3 +163,23 @@ def test_async_streaming_concurrency_and_abort(tiny: Path) -> None:
     finally:
         aengine.shutdown()
     assert not aengine.is_running
+
+
+def test_one_failing_request_fails_alone(tiny: Path) -> None:
+    engine = LLMEngine(EngineArgs(model=str(tiny), kv_cache_memory="8MiB", max_model_len=512))
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    bad = engine.add_request(PROMPT, params, "bad")
+    good = engine.add_request(PROMPT + " more", params, "good")
+
+    def explode(token: int) -> str:
+        raise RuntimeError("detokenizer broke")
+
+    engine.detokenizers["bad"].add = explode  # type: ignore[method-assign]
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    failed = [o for o in outputs if o.request_id == "bad"]
+    assert failed[-1].finished and failed[-1].finish_reason == "abort"
+    assert "detokenizer broke" in failed[-1].error
+    assert bad.is_finished and len(good.output_token_ids) == 5
+    assert good.finish_reason == "length" and engine.pool.num_used_blocks == 0

@@ -251,6 +251,94 @@ def make_model_cmd(
     )
 
 
+@app.command()
+def serve(
+    model: Annotated[
+        str,
+        typer.Option(
+            help="Checkpoint directory, or a built-in model: tiny, small (created on first use)."
+        ),
+    ] = "small",
+    host: Annotated[
+        str, typer.Option(help="Address to bind (loopback unless told).")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="Model name clients send (default: --model).")
+    ] = None,
+    max_model_len: Annotated[
+        int | None, typer.Option(help="Prompt + output tokens per request.")
+    ] = None,
+    max_num_seqs: Annotated[int, typer.Option(help="Most requests running at once.")] = 64,
+    max_num_batched_tokens: Annotated[
+        int, typer.Option(help="Token budget of one engine step.")
+    ] = 2048,
+    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
+    kv_cache_memory: Annotated[str, typer.Option(help="KV pool size on CPU, e.g. 2GiB.")] = "1GiB",
+    gpu_memory_utilization: Annotated[
+        float, typer.Option(help="Fraction of GPU memory for weights + KV pool (CUDA).")
+    ] = 0.9,
+    enable_prefix_caching: Annotated[
+        bool,
+        typer.Option(
+            "--enable-prefix-caching/--no-enable-prefix-caching",
+            help="Reuse KV of shared prefixes.",
+        ),
+    ] = True,
+    enable_chunked_prefill: Annotated[
+        bool,
+        typer.Option(
+            "--enable-chunked-prefill/--no-chunked-prefill",
+            help="Split long prompts across steps, mixed with decodes.",
+        ),
+    ] = True,
+    dtype: Annotated[str, typer.Option(help="auto, float32 or bfloat16.")] = "auto",
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            help="Require 'Authorization: Bearer KEY' (all routes but /health, /metrics)."
+        ),
+    ] = None,
+    max_queue: Annotated[
+        int | None, typer.Option(help="Refuse (503) new requests while this many wait.")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Engine seed.")] = 0,
+) -> None:
+    """Serve the engine over HTTP: OpenAI (/v1) and Ollama (/api) routes, vLLM-named
+    Prometheus metrics on /metrics."""
+    from pdscope.engine.llm_engine import EngineArgs
+    from pdscope.server.run import serve as run_server
+
+    if not 0 <= port <= 65535:
+        raise fail(f"--port must be 0-65535, got {port}")
+    if max_queue is not None and max_queue < 0:
+        raise fail(f"--max-queue must be >= 0, got {max_queue}")
+    args = EngineArgs(
+        model=model,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        enable_prefix_caching=enable_prefix_caching,
+        enable_chunked_prefill=enable_chunked_prefill,
+        dtype=dtype,
+        kv_cache_memory=kv_cache_memory,
+        gpu_memory_utilization=gpu_memory_utilization,
+        seed=seed,
+    )
+    try:
+        run_server(
+            args,
+            host=host,
+            port=port,
+            served_model_name=served_model_name,
+            api_key=api_key,
+            max_queue=max_queue,
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        raise fail(str(exc)) from None
+
+
 def _list_devices(as_json: bool) -> None:
     from rich.table import Table
 

@@ -25,9 +25,14 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped (shut down or crashed); no request can be served."""
 
 
+class QueueFullError(RuntimeError):
+    """More requests are waiting than ``max_queue`` allows; the new one was not accepted."""
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, max_queue: int | None = None):
         self.engine = engine
+        self.max_queue = max_queue
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -62,6 +67,31 @@ class AsyncEngine:
         self._submit(run)
         return await future
 
+    async def add(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Admit a request and return its output stream. A bad prompt or a full queue raises
+        here, before anything streams; closing the stream early aborts the request."""
+        loop = asyncio.get_running_loop()
+        request_id = request_id or uuid.uuid4().hex
+        outputs: asyncio.Queue = asyncio.Queue()
+
+        def add() -> None:
+            waiting = len(self.engine.scheduler.waiting)
+            if self.max_queue is not None and waiting >= self.max_queue:
+                raise QueueFullError(
+                    f"server is at capacity: {waiting} requests already waiting "
+                    f"(--max-queue {self.max_queue}); retry later"
+                )
+            self.engine.add_request(prompt, params, request_id)
+            self._streams[request_id] = (loop, outputs)
+
+        await self.call(add)
+        return RequestStream(self, request_id, outputs)
+
     async def generate(
         self,
         prompt: str | Sequence[int],
@@ -70,26 +100,12 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; leaving the loop early (a client that disconnects)
         aborts the request and frees everything it held."""
-        loop = asyncio.get_running_loop()
-        request_id = request_id or uuid.uuid4().hex
-        outputs: asyncio.Queue = asyncio.Queue()
-
-        def add() -> None:
-            self.engine.add_request(prompt, params, request_id)
-            self._streams[request_id] = (loop, outputs)
-
-        await self.call(add)  # a bad prompt raises here, before anything streams
-        finished = False
+        stream = await self.add(prompt, params, request_id)
         try:
-            while not finished:
-                item = await outputs.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+            async for out in stream:
+                yield out
         finally:
-            if not finished and self.is_running:
-                self._submit(lambda: self._abort(request_id))
+            await stream.aclose()
 
     async def abort(self, request_id: str) -> bool:
         return bool(await self.call(lambda: self._abort(request_id)))
@@ -142,6 +158,37 @@ class AsyncEngine:
         self._inbox.put(stop)
         self._wake.set()
         self._thread.join(timeout_s)
+
+
+class RequestStream:
+    """One request's outputs as an async iterator. ``aclose`` before the end aborts it, whether
+    or not iteration ever started, so no path leaves a request holding KV blocks."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, outputs: asyncio.Queue):
+        self.engine = engine
+        self.request_id = request_id
+        self._outputs = outputs
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._outputs.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    async def aclose(self) -> None:
+        if not self.finished:
+            self.finished = True
+            if self.engine.is_running:
+                rid = self.request_id
+                self.engine._submit(lambda: self.engine._abort(rid))
 
 
 def _settle(future: asyncio.Future, result: object, exc: BaseException | None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import re
 import time
 from collections import deque
@@ -20,6 +21,8 @@ from pdscope.engine.sampling_params import SamplingParams
 from pdscope.engine.scheduler import Scheduler, SchedulerConfig
 from pdscope.engine.timeline import RequestTimeline, StepRecord
 from pdscope.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -86,6 +89,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     request: Request = field(repr=False)
+    error: str | None = None  # set when this request alone failed (finish_reason "abort")
 
     @property
     def token_ids(self) -> list[int]:
@@ -154,6 +158,7 @@ class LLMEngine:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.steps: deque[StepRecord] = deque(maxlen=100_000)
         self.step_listeners: list[Callable[[StepRecord, list[Request]], None]] = []
+        self.finish_listeners: list[Callable[[Request], None]] = []  # any reason, abort too
         self._ids = itertools.count()
 
     def _kv_budget_bytes(self) -> int:
@@ -252,7 +257,12 @@ class LLMEngine:
                 continue
             request.output_token_ids.append(token)
             request.timeline.token_s.append(end)
-            reason = self._check_stop(request, token)
+            error = None
+            try:
+                reason = self._check_stop(request, token)
+            except Exception as exc:
+                log.exception("request %s failed after its token", request.request_id)
+                reason, error = "abort", f"{type(exc).__name__}: {exc}"
             if reason:
                 self._finish(request, reason, end)
             outputs.append(
@@ -263,6 +273,7 @@ class LLMEngine:
                     request.is_finished,
                     request.finish_reason,
                     request,
+                    error,
                 )
             )
         record = StepRecord(
@@ -311,6 +322,8 @@ class LLMEngine:
         self.runner.release(request)
         self.detokenizers.pop(request.request_id, None)
         self.requests.pop(request.request_id, None)
+        for listener in self.finish_listeners:
+            listener(request)
 
     # --- stats ----------------------------------------------------------------------------
 

@@ -1,0 +1,230 @@
+"""Ollama-compatible routes: generate and chat (NDJSON streams), tags, version, show.
+
+The final object's counters and durations (nanoseconds) come from the engine's timeline with
+Ollama's meanings:
+* ``prompt_eval_count``: the whole prompt, cached tokens included (as recent Ollama reports it);
+* ``prompt_eval_duration``: first scheduled to first token, the uncached prefill only;
+* ``eval_count``: every output token; ``eval_duration``: first token to last token;
+* ``total_duration``: arrival to finish; ``load_duration``: 0, the model stays loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from pdscope import __version__
+from pdscope.engine.async_engine import EngineDeadError
+from pdscope.engine.llm_engine import RequestOutput
+from pdscope.server.app import ServerState, TextDeltas, collect
+from pdscope.server.protocol import (
+    ChatMessage,
+    OllamaChatRequest,
+    OllamaGenerateRequest,
+    OllamaShowRequest,
+)
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.pdscope
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+def _ns(seconds: float | None) -> int:
+    return 0 if seconds is None else max(0, round(seconds * 1e9))
+
+
+def final_counters(out: RequestOutput) -> dict[str, Any]:
+    t = out.timeline
+    return {
+        "done": True,
+        "done_reason": out.finish_reason,
+        "total_duration": _ns(t.e2e_s),
+        "load_duration": 0,
+        "prompt_eval_count": t.prompt_tokens,
+        "prompt_eval_duration": _ns(t.prefill_s),
+        "eval_count": len(t.token_s),
+        "eval_duration": _ns(t.decode_s),
+    }
+
+
+async def _respond(
+    s: ServerState,
+    request: Request,
+    ids: list[int],
+    options: Any,
+    stream_it: bool,
+    shape: str,
+) -> Any:
+    """Run a request and answer as Ollama does: NDJSON lines or one object."""
+    params = options.sampling(s.max_tokens_for(ids, None))
+    stream = await s.start(ids, params, f"ollama-{uuid.uuid4().hex}")
+
+    def piece(text: str) -> dict[str, Any]:
+        if shape == "chat":
+            return {"message": {"role": "assistant", "content": text}}
+        return {"response": text}
+
+    if not stream_it:
+        out = await collect(stream, request)
+        return {
+            "model": s.model_name,
+            "created_at": _now(),
+            **piece(out.text),
+            **final_counters(out),
+        }
+
+    async def lines() -> AsyncIterator[str]:
+        deltas = TextDeltas(params.stop)
+        try:
+            async for out in stream:
+                if out.error:
+                    yield json.dumps({"error": out.error}) + "\n"
+                    return
+                text = deltas(out)
+                if text and not out.finished:
+                    yield (
+                        json.dumps(
+                            {
+                                "model": s.model_name,
+                                "created_at": _now(),
+                                **piece(text),
+                                "done": False,
+                            }
+                        )
+                        + "\n"
+                    )
+                elif out.finished:
+                    if text:
+                        yield (
+                            json.dumps(
+                                {
+                                    "model": s.model_name,
+                                    "created_at": _now(),
+                                    **piece(text),
+                                    "done": False,
+                                }
+                            )
+                            + "\n"
+                        )
+                    yield (
+                        json.dumps(
+                            {
+                                "model": s.model_name,
+                                "created_at": _now(),
+                                **piece(""),
+                                **final_counters(out),
+                            }
+                        )
+                        + "\n"
+                    )
+        except EngineDeadError as exc:
+            yield json.dumps({"error": str(exc)}) + "\n"
+        finally:
+            await stream.aclose()
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+@router.post("/api/generate", response_model=None)
+async def generate(body: OllamaGenerateRequest, request: Request) -> Any:
+    s = _state(request)
+    s.check_model(body.model)
+    if not body.prompt:
+        # Ollama answers an empty prompt by loading the model: a done object, no text.
+        return {
+            "model": s.model_name,
+            "created_at": _now(),
+            "response": "",
+            "done": True,
+            "done_reason": "load",
+        }
+    if body.raw:
+        ids = s.llm.tokenizer.encode(body.prompt)
+    else:
+        messages = [ChatMessage(role="user", content=body.prompt)]
+        if body.system:
+            messages.insert(0, ChatMessage(role="system", content=body.system))
+        ids = s.chat_prompt(messages)
+    return await _respond(s, request, ids, body.options, body.stream, "generate")
+
+
+@router.post("/api/chat", response_model=None)
+async def chat(body: OllamaChatRequest, request: Request) -> Any:
+    s = _state(request)
+    s.check_model(body.model)
+    return await _respond(
+        s, request, s.chat_prompt(body.messages), body.options, body.stream, "chat"
+    )
+
+
+def _details(s: ServerState) -> dict[str, Any]:
+    config = s.llm.model.config
+    params = sum(p.numel() for p in s.llm.model.parameters())
+    return {
+        "parent_model": "",
+        "format": "safetensors",
+        "family": config.architecture.removesuffix("ForCausalLM").lower(),
+        "families": [config.architecture.removesuffix("ForCausalLM").lower()],
+        "parameter_size": f"{params / 1e6:.0f}M" if params < 1e9 else f"{params / 1e9:.1f}B",
+        "quantization_level": str(s.llm.dtype).removeprefix("torch.").upper(),
+    }
+
+
+@router.get("/api/tags")
+async def tags(request: Request) -> dict[str, Any]:
+    s = _state(request)
+    size = sum(f.stat().st_size for f in s.llm.path.glob("*.safetensors"))
+    return {
+        "models": [
+            {
+                "name": s.model_name,
+                "model": s.model_name,
+                "modified_at": datetime.fromtimestamp(s.created, UTC).isoformat(),
+                "size": size,
+                "digest": uuid.uuid5(uuid.NAMESPACE_URL, str(s.llm.path)).hex,
+                "details": _details(s),
+            }
+        ]
+    }
+
+
+@router.get("/api/version")
+async def version() -> dict[str, str]:
+    return {"version": __version__}
+
+
+@router.post("/api/show")
+async def show(body: OllamaShowRequest, request: Request) -> dict[str, Any]:
+    s = _state(request)
+    s.check_model(body.model or body.name)
+    config = s.llm.model.config
+    family = config.architecture.removesuffix("ForCausalLM").lower()
+    return {
+        "modelfile": f"FROM {s.llm.path}",
+        "parameters": "",
+        "template": s.llm.tokenizer.chat_template or "",
+        "details": _details(s),
+        "model_info": {
+            "general.architecture": family,
+            "general.parameter_count": sum(p.numel() for p in s.llm.model.parameters()),
+            f"{family}.context_length": s.llm.max_model_len,
+            f"{family}.embedding_length": config.hidden_size,
+            f"{family}.block_count": config.num_layers,
+            f"{family}.attention.head_count": config.num_heads,
+            f"{family}.attention.head_count_kv": config.num_kv_heads,
+        },
+        "capabilities": ["completion"],
+        "modified_at": datetime.fromtimestamp(s.created, UTC).isoformat(),
+    }

@@ -1,0 +1,239 @@
+"""OpenAI-compatible routes: models, completions, chat completions, and vLLM's tokenize pair."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from pdscope.engine.async_engine import EngineDeadError
+from pdscope.server.app import (
+    APIError,
+    ServerState,
+    TextDeltas,
+    collect,
+    sse,
+    usage,
+)
+from pdscope.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.pdscope
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    s = _state(request)
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": s.model_name,
+                "object": "model",
+                "created": s.created,
+                "owned_by": "pdscope",
+                "root": str(s.llm.path),
+                "max_model_len": s.llm.max_model_len,
+            }
+        ],
+    }
+
+
+def _completion_prompt(s: ServerState, prompt: Any) -> list[int]:
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise APIError(
+                400,
+                f"{len(prompt)} prompts in one request are not supported; send "
+                "one prompt per request",
+                param="prompt",
+            )
+        prompt = prompt[0]
+    ids = s.llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise APIError(400, "prompt is empty", param="prompt")
+    return ids
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    s = _state(request)
+    s.check_model(body.model)
+    ids = _completion_prompt(s, body.prompt)
+    params = body.sampling(s.max_tokens_for(ids, body.max_tokens))
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    stream = await s.start(ids, params, rid)
+    created = int(time.time())
+    head = {"id": rid, "object": "text_completion", "created": created, "model": s.model_name}
+
+    if not body.stream:
+        out = await collect(stream, request)
+        return {
+            **head,
+            "choices": [
+                {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+            ],
+            "usage": usage(out),
+        }
+
+    async def events() -> AsyncIterator[str]:
+        deltas = TextDeltas(params.stop)
+        try:
+            async for out in stream:
+                if out.error:
+                    yield sse(
+                        {
+                            "error": {
+                                "message": out.error,
+                                "type": "InternalServerError",
+                                "code": 500,
+                            }
+                        }
+                    )
+                    return
+                text = deltas(out)
+                if text or out.finished:
+                    yield sse(
+                        {
+                            **head,
+                            "choices": [
+                                {
+                                    "index": 0,
+                                    "text": text,
+                                    "logprobs": None,
+                                    "finish_reason": out.finish_reason if out.finished else None,
+                                }
+                            ],
+                        }
+                    )
+                if out.finished and body.include_usage:
+                    yield sse({**head, "choices": [], "usage": usage(out)})
+            yield sse("[DONE]")
+        except EngineDeadError as exc:
+            yield sse(
+                {"error": {"message": str(exc), "type": "ServiceUnavailableError", "code": 503}}
+            )
+        finally:
+            await stream.aclose()
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    s = _state(request)
+    s.check_model(body.model)
+    ids = s.chat_prompt(body.messages)
+    asked = body.max_completion_tokens or body.max_tokens
+    params = body.sampling(s.max_tokens_for(ids, asked))
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    stream = await s.start(ids, params, rid)
+    head = {"id": rid, "created": int(time.time()), "model": s.model_name}
+
+    if not body.stream:
+        out = await collect(stream, request)
+        return {
+            **head,
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": out.text},
+                    "logprobs": None,
+                    "finish_reason": out.finish_reason,
+                }
+            ],
+            "usage": usage(out),
+        }
+
+    def chunk(delta: dict[str, Any], finish: str | None) -> str:
+        return sse(
+            {
+                **head,
+                "object": "chat.completion.chunk",
+                "choices": [
+                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                ],
+            }
+        )
+
+    async def events() -> AsyncIterator[str]:
+        deltas = TextDeltas(params.stop)
+        try:
+            # Like vLLM: a first chunk that carries only the role. It holds no generated
+            # content, so a client must not stop its TTFT clock here.
+            yield chunk({"role": "assistant", "content": ""}, None)
+            async for out in stream:
+                if out.error:
+                    yield sse(
+                        {
+                            "error": {
+                                "message": out.error,
+                                "type": "InternalServerError",
+                                "code": 500,
+                            }
+                        }
+                    )
+                    return
+                text = deltas(out)
+                if text or out.finished:
+                    yield chunk(
+                        {"content": text} if text else {},
+                        out.finish_reason if out.finished else None,
+                    )
+                if out.finished and body.include_usage:
+                    yield sse(
+                        {
+                            **head,
+                            "object": "chat.completion.chunk",
+                            "choices": [],
+                            "usage": usage(out),
+                        }
+                    )
+            yield sse("[DONE]")
+        except EngineDeadError as exc:
+            yield sse(
+                {"error": {"message": str(exc), "type": "ServiceUnavailableError", "code": 503}}
+            )
+        finally:
+            await stream.aclose()
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    s = _state(request)
+    s.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "send exactly one of 'prompt' or 'messages'", param="prompt")
+    if body.messages is not None:
+        ids = s.chat_prompt(body.messages)
+    else:
+        ids = s.llm.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+    return {"count": len(ids), "max_model_len": s.llm.max_model_len, "tokens": ids}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+    s = _state(request)
+    s.check_model(body.model)
+    vocab = s.llm.tokenizer.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise APIError(
+            400, f"token ids outside the vocabulary (0..{vocab - 1}): {bad[:5]}", param="tokens"
+        )
+    return {"prompt": s.llm.tokenizer.decode(body.tokens, skip_special_tokens=False)}

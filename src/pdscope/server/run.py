@@ -1,0 +1,66 @@
+"""`pdscope serve`: load the engine, log the KV pool, run uvicorn until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import uvicorn
+
+from pdscope.engine.async_engine import AsyncEngine
+from pdscope.engine.llm_engine import EngineArgs, LLMEngine
+from pdscope.server.app import ServerState, build_app
+
+log = logging.getLogger("pdscope.serve")
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            # The shutdown on SIGINT/SIGTERM was graceful; uvicorn would re-raise the signal so
+            # the process dies by it. Exit 0 instead: a clean stop is not a crash.
+            self._captured_signals.clear()
+
+
+def start_engine(args: EngineArgs, max_queue: int | None) -> AsyncEngine:
+    engine = LLMEngine(args)
+    pool = engine.pool
+    tokens = pool.num_blocks * pool.block_size
+    log.info("model %s on %s, %s", engine.path, engine.device, str(engine.dtype).split(".")[-1])
+    log.info(
+        "KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB",
+        pool.num_blocks,
+        pool.block_size,
+        tokens,
+        engine.kv_cache_bytes / 2**20,
+    )
+    log.info(
+        "maximum concurrency for %d tokens per request: %.2fx",
+        engine.max_model_len,
+        tokens / engine.max_model_len,
+    )
+    return AsyncEngine(engine, max_queue)
+
+
+def serve(
+    args: EngineArgs,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_queue: int | None = None,
+) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    engine = start_engine(args, max_queue)
+    name = served_model_name or args.model
+    app = build_app(ServerState(engine, name, api_key))
+    log.info("serving %r on http://%s:%d (OpenAI /v1, Ollama /api, /metrics)", name, host, port)
+    try:
+        # uvicorn handles SIGINT/SIGTERM: stop accepting, finish the responses in flight.
+        _Server(uvicorn.Config(app, host=host, port=port, log_level="info")).run()
+    finally:
+        engine.shutdown()
+        log.info("engine stopped")

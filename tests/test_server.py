@@ -1,0 +1,456 @@
+"""`pdscope serve` as a real process on loopback, driven by the official openai and ollama
+clients and by raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import httpx
+import ollama
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import Server, start_server
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Prefill reads the prompt; decode writes one token per step."
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Every sample as 'name{label=value,...}' (model_name dropped) -> value."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_openai_completions(server: Server) -> None:
+    c = client(server)
+    assert [m.id for m in c.models.list().data] == [server.model]
+    r = c.completions.create(
+        model=server.model,
+        prompt=PROMPT,
+        max_tokens=7,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 7
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}).json()
+    assert r.usage.prompt_tokens == tokens["count"] == len(tokens["tokens"])
+    assert r.usage.total_tokens == tokens["count"] + 7
+
+    chunks = list(
+        c.completions.create(
+            model=server.model,
+            prompt=PROMPT,
+            max_tokens=7,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == r.choices[0].text  # greedy: streaming and not agree
+    assert chunks[-1].usage.completion_tokens == 7 and not chunks[-1].choices
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_openai_chat(server: Server) -> None:
+    c = client(server)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    r = c.chat.completions.create(
+        model=server.model,
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == 6
+    counted = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()["count"]
+    assert r.usage.prompt_tokens == counted
+
+    stream = list(
+        c.chat.completions.create(
+            model=server.model,
+            messages=messages,
+            max_completion_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    first = stream[0].choices[0].delta
+    assert first.role == "assistant" and not first.content  # role-only chunk, no content
+    content = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert content == r.choices[0].message.content
+    assert stream[-1].usage.completion_tokens == 6
+
+
+def test_sse_framing_raw(server: Server) -> None:
+    body = {
+        "model": server.model,
+        "prompt": PROMPT,
+        "max_tokens": 4,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") and "\n" not in e for e in events)
+    assert events[-1] == "data: [DONE]"
+    payloads = [json.loads(e[6:]) for e in events[:-1]]
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_string_is_never_streamed(server: Server) -> None:
+    c = client(server)
+    free = (
+        c.completions.create(
+            model=server.model,
+            prompt=PROMPT,
+            max_tokens=30,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .text
+    )
+    stop = free[5:8]
+    streamed = "".join(
+        ch.choices[0].text
+        for ch in c.completions.create(
+            model=server.model,
+            prompt=PROMPT,
+            max_tokens=30,
+            temperature=0,
+            stop=[stop],
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        if ch.choices
+    )
+    assert streamed == free[: free.index(stop)]
+
+
+def test_ollama_client(server: Server) -> None:
+    o = ollama.Client(host=server.url)
+    names = [m.model for m in o.list().models]
+    assert names == [server.model]
+    shown = o.show(server.model)
+    assert shown.modelinfo and shown.details.format == "safetensors"
+    r = o.generate(model=server.model, prompt="Hi", options={"num_predict": 5, "temperature": 0})
+    assert r.done and 1 <= r.eval_count <= 5
+    assert r.eval_count == 5 or r.done_reason == "stop"
+    assert r.prompt_eval_count > 0 and r.total_duration > r.prompt_eval_duration > 0
+    assert r.total_duration >= r.eval_duration >= 0
+    parts = list(
+        o.generate(
+            model=server.model,
+            prompt="Hi",
+            stream=True,
+            options={"num_predict": 5, "temperature": 0},
+        )
+    )
+    assert parts[-1].done and parts[-1].eval_count == r.eval_count
+    assert "".join(p.response for p in parts) == r.response
+    chat = o.chat(
+        model=server.model,
+        messages=[{"role": "user", "content": "Hi"}],
+        options={"num_predict": 4, "temperature": 0},
+    )
+    assert chat.message.role == "assistant" and chat.done_reason in ("stop", "length")
+    streamed = list(
+        o.chat(
+            model=server.model,
+            messages=[{"role": "user", "content": "Hi"}],
+            stream=True,
+            options={"num_predict": 4, "temperature": 0},
+        )
+    )
+    assert "".join(p.message.content for p in streamed) == chat.message.content
+    assert httpx.get(f"{server.url}/api/version").json()["version"]
+
+
+def test_ollama_counts_whole_prompt_when_cached(server: Server) -> None:
+    o = ollama.Client(host=server.url)
+    long = "The KV cache holds keys and values for every prompt token. " * 12
+    first = o.generate(model=server.model, prompt=long, options={"num_predict": 2})
+    second = o.generate(model=server.model, prompt=long, options={"num_predict": 2})
+    assert second.prompt_eval_count == first.prompt_eval_count  # cached part included
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "needle"),
+    [
+        ("/v1/completions", "{not json", 400, "JSON"),
+        ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n=2"),
+        ("/v1/completions", {"prompt": "word " * 2000}, 400, "maximum context length"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "maximum context"),
+        ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "gpt-4"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+        ("/detokenize", {"tokens": [10**9]}, 400, "vocabulary"),
+        ("/v1/nothing", {}, 404, "no route"),
+    ],
+)
+def test_openai_errors(server: Server, path: str, body, status: int, needle: str) -> None:
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(
+        f"{server.url}{path}",
+        content=content,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert needle in error["message"] and error["code"] == status
+    assert httpx.get(f"{server.url}/health").status_code == 200  # the engine lives on
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status"),
+    [
+        ("/api/generate", "{bad", 400),
+        ("/api/generate", {"prompt": "hi"}, 400),
+        ("/api/generate", {"model": "llama3", "prompt": "hi"}, 404),
+        ("/api/chat", {"model": "tiny", "messages": []}, 400),
+        ("/api/nothing", {}, 404),
+    ],
+)
+def test_ollama_errors(server: Server, path: str, body, status: int) -> None:
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{server.url}{path}", content=content, timeout=30)
+    assert r.status_code == status
+    assert isinstance(r.json()["error"], str) and r.json()["error"]
+
+
+def test_tokenize_roundtrip(server: Server) -> None:
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "naïve café ☕"}).json()
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert text["prompt"] == "naïve café ☕"
+    assert tokens["max_model_len"] == 1024
+
+
+def test_metrics_move_with_traffic(server: Server) -> None:
+    before = metrics(server.url)
+    names = {k.split("{")[0] for k in before}
+    for name in (
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_sum",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:request_queue_time_seconds_count",
+        "vllm:request_prefill_time_seconds_count",
+        "vllm:num_requests_running",
+        "vllm:request_decode_time_seconds_count",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:num_preemptions_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+    ):
+        assert name in names, name
+    c = client(server)
+    prefix = "A long shared system prompt about prefill and decode. " * 10
+    for suffix in ("one", "two"):
+        c.completions.create(
+            model=server.model,
+            prompt=prefix + suffix,
+            max_tokens=3,
+            extra_body={"ignore_eos": True},
+        )
+    after = metrics(server.url)
+
+    def delta(key: str) -> float:
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert delta("vllm:prefix_cache_hits_total") >= 64  # the second request reused blocks
+    assert delta("vllm:prefix_cache_queries_total") > delta("vllm:prefix_cache_hits_total")
+    assert delta("vllm:generation_tokens_total") == 6
+    assert delta("vllm:time_to_first_token_seconds_count") == 2
+    assert delta("vllm:inter_token_latency_seconds_count") == 4
+    assert delta("vllm:request_success_total{finished_reason=length}") == 2
+    buckets = sorted(
+        float(k.split("le=")[1].rstrip("}"))
+        for k in after
+        if k.startswith("vllm:time_to_first_token_seconds_bucket")
+    )
+    assert buckets[:3] == [0.001, 0.005, 0.01] and buckets[-2] == 2560.0
+
+
+def test_disconnect_aborts_and_frees_blocks(server: Server) -> None:
+    body = {
+        "model": server.model,
+        "prompt": PROMPT,
+        "max_tokens": 900,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        next(lines)
+        assert metrics(server.url)["vllm:kv_cache_usage_perc"] > 0
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        m = metrics(server.url)
+        if m["vllm:kv_cache_usage_perc"] == 0 and m["vllm:num_requests_running"] == 0:
+            break
+        time.sleep(0.1)
+    assert m["vllm:kv_cache_usage_perc"] == 0 and m["vllm:num_requests_running"] == 0
+    assert m.get("vllm:request_success_total{finished_reason=abort}", 0) >= 1
+
+
+def test_200_concurrent_streams(server: Server) -> None:
+    async def main() -> list[int]:
+        limits = httpx.Limits(max_connections=200)
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1",
+            api_key="x",
+            max_retries=0,
+            http_client=openai.DefaultAsyncHttpxClient(limits=limits),
+            timeout=120,
+        ) as c:
+
+            async def one(i: int) -> int:
+                stream = await c.completions.create(
+                    model=server.model,
+                    prompt=f"{i} {PROMPT}",
+                    max_tokens=8,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True},
+                )
+                usage = None
+                async for chunk in stream:
+                    usage = chunk.usage or usage
+                return usage.completion_tokens
+
+            return await asyncio.gather(*(one(i) for i in range(200)))
+
+    assert asyncio.run(main()) == [8] * 200
+
+
+def test_tiny_pool_preempts_and_queues(tiny_model: Path, tmp_path: Path) -> None:
+    # 80 KiB of KV at 256 bytes per token: 320 tokens for eight 40 + 100 token requests.
+    srv = start_server(
+        tiny_model,
+        tmp_path,
+        "--kv-cache-memory",
+        "80KiB",
+        "--max-model-len",
+        "256",
+        "--block-size",
+        "16",
+    )
+    try:
+        waiting_seen = 0.0
+
+        async def main() -> list[int]:
+            nonlocal waiting_seen
+            async with httpx.AsyncClient(timeout=120) as http:
+
+                async def one(i: int) -> int:
+                    r = await http.post(
+                        f"{srv.url}/v1/completions",
+                        json={
+                            "prompt": list(range(100 + i, 140 + i)),
+                            "max_tokens": 100,
+                            "ignore_eos": True,
+                        },
+                    )
+                    return r.json()["usage"]["completion_tokens"]
+
+                async def watch() -> None:
+                    nonlocal waiting_seen
+                    for _ in range(200):
+                        text = (await http.get(f"{srv.url}/metrics")).text
+                        for line in text.splitlines():
+                            if line.startswith("vllm:num_requests_waiting{"):
+                                waiting_seen = max(waiting_seen, float(line.split()[-1]))
+                        await asyncio.sleep(0.02)
+
+                watcher = asyncio.create_task(watch())
+                counts = await asyncio.gather(*(one(i) for i in range(8)))
+                watcher.cancel()
+                return counts
+
+        assert asyncio.run(main()) == [100] * 8
+        m = metrics(srv.url)
+        assert m["vllm:num_preemptions_total"] > 0
+        assert waiting_seen > 0
+        assert m["vllm:kv_cache_usage_perc"] == 0
+    finally:
+        assert srv.stop() == 0  # SIGTERM: clean exit
+
+
+def test_max_queue_refuses_with_503(tiny_model: Path, tmp_path: Path) -> None:
+    srv = start_server(
+        tiny_model, tmp_path, "--max-num-seqs", "1", "--max-queue", "2", "--kv-cache-memory", "8MiB"
+    )
+
+    async def main() -> list[int]:
+        async with httpx.AsyncClient(timeout=120) as http:
+
+            async def one(i: int) -> tuple[int, dict]:
+                r = await http.post(
+                    f"{srv.url}/v1/completions",
+                    json={"prompt": f"{i} {PROMPT}", "max_tokens": 60, "ignore_eos": True},
+                )
+                return r.status_code, r.json()
+
+            return await asyncio.gather(*(one(i) for i in range(8)))
+
+    try:
+        results = asyncio.run(main())
+        statuses = [s for s, _ in results]
+        assert 503 in statuses and 200 in statuses
+        for status, body in results:
+            if status == 503:
+                assert "--max-queue" in body["error"]["message"]
+            else:
+                assert status == 200 and body["usage"]["completion_tokens"] == 60
+    finally:
+        srv.stop()
+
+
+def test_api_key(tiny_model: Path, tmp_path: Path) -> None:
+    srv = start_server(tiny_model, tmp_path, "--api-key", "s3cret", "--kv-cache-memory", "8MiB")
+    try:
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+        assert httpx.get(f"{srv.url}/metrics").status_code == 200
+        r = httpx.get(f"{srv.url}/v1/models")
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+        bad = httpx.post(
+            f"{srv.url}/api/generate",
+            json={"model": "tiny", "prompt": "x"},
+            headers={"Authorization": "Bearer wrong"},
+        )
+        assert bad.status_code == 401 and isinstance(bad.json()["error"], str)
+        ok = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="s3cret", max_retries=0)
+        assert ok.models.list().data[0].id == "tiny"
+    finally:
+        srv.stop()
