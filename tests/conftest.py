@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
-BIN = Path(sys.executable).parent / "pdscope"
+from pdscope.server.launch import ServerProcess
+from pdscope.server.launch import start_server as _start
+
+Server = ServerProcess
 
 
 @pytest.fixture(scope="session")
@@ -26,60 +20,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", dtype="bfloat16")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Server:
-    process: subprocess.Popen
-    url: str
-    model: str
-    log: Path
-
-    def stop(self) -> int:
-        """SIGTERM, as a service manager would; returns the exit code."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                return self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                return self.process.wait()
-        return self.process.returncode
-
-
 def start_server(model: Path, log_dir: Path, *args: str, name: str = "tiny") -> Server:
-    port = free_port()
-    log = log_dir / f"server-{port}.log"
-    cmd = [
-        str(BIN),
-        "serve",
-        "--model",
-        str(model),
-        "--port",
-        str(port),
-        "--served-model-name",
-        name,
-        *args,
-    ]
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited {process.returncode}:\n{log.read_text()}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return Server(process, url, name, log)
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(f"server did not become healthy:\n{log.read_text()}")
+    return _start(model, log_dir / "server.log", *args, name=name, timeout_s=90)
 
 
 @pytest.fixture(scope="module")

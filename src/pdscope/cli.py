@@ -339,6 +339,148 @@ def serve(
         raise fail(str(exc)) from None
 
 
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise fail(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise fail(f"{flag} needs positive integers, got {text!r}")
+    return sorted(set(values))
+
+
+@app.command()
+def probe(
+    url: Annotated[
+        str | None,
+        typer.Argument(
+            help="Server to probe, e.g. "
+            "http://127.0.0.1:8000. Omit to start the "
+            "embedded server with the built-in model."
+        ),
+    ] = None,
+    api: Annotated[
+        str, typer.Option(help="auto, openai-completions, openai-chat or ollama.")
+    ] = "auto",
+    model: Annotated[
+        str | None, typer.Option(help="Model to probe (optional when the server has one).")
+    ] = None,
+    api_key: Annotated[str | None, typer.Option(help="Bearer token for the server.")] = None,
+    prompt_tokens: Annotated[
+        str, typer.Option(help="Sweep of prompt lengths in tokens.")
+    ] = "200,500,1000,2000",
+    output_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 64,
+    repeats: Annotated[int, typer.Option(help="Requests per sweep point.")] = 3,
+    timeout: Annotated[float, typer.Option(help="Seconds allowed per request.")] = 120.0,
+    max_model_len: Annotated[
+        int | None,
+        typer.Option(help="Cap for prompt + output when the server does not report one."),
+    ] = None,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            help="Device for the ceiling: catalog name or "
+            "'local' (default for the embedded server)."
+        ),
+    ] = None,
+    plan_model: Annotated[
+        str | None,
+        typer.Option(
+            help="Model for the ceiling: preset or "
+            "config.json (default: the server's "
+            "checkpoint when local)."
+        ),
+    ] = None,
+    dtype: Annotated[str | None, typer.Option(help="Weight precision for the ceiling.")] = None,
+    json_file: Annotated[
+        Path | None, typer.Option("--json", help="Write every trace and figure here.")
+    ] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write TTFT and decode plots (PNG).")] = None,
+) -> None:
+    """Measure one server's prefill and decode apart: a prompt-length sweep, a prefix-cache
+    check, a context check; fit, ceilings and findings."""
+    import asyncio
+    import tempfile
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from pdscope.client.adapters import APIS
+    from pdscope.client.detect import ProbeError
+    from pdscope.commands.probe import ProbeSettings
+    from pdscope.commands.probe import probe as run_probe
+    from pdscope.report.probe import plot_probe, render_probe
+
+    if api != "auto" and api not in APIS:
+        raise fail(f"--api must be auto or one of {', '.join(APIS)}, got {api!r}")
+    for flag, value in (("--output-tokens", output_tokens), ("--repeats", repeats)):
+        if value < 1:
+            raise fail(f"{flag} must be >= 1, got {value}")
+    if timeout <= 0:
+        raise fail(f"--timeout must be positive, got {timeout}")
+    settings = ProbeSettings(
+        url=url or "",
+        api=api,
+        model=model,
+        api_key=api_key,
+        prompt_tokens=_int_list(prompt_tokens, "--prompt-tokens"),
+        output_tokens=output_tokens,
+        repeats=repeats,
+        timeout_s=timeout,
+        max_model_len=max_model_len,
+        device=device,
+        plan_model=plan_model,
+        dtype=dtype,
+    )
+    embedded = None
+    if url is None:
+        from pdscope.server.launch import start_server
+
+        settings.device = settings.device or "local"
+        err_console.print(
+            "starting the embedded server (pdscope serve, built-in small model; "
+            "built on first use) ..."
+        )
+        log = Path(tempfile.mkdtemp(prefix="pdscope-probe-")) / "server.log"
+        try:
+            embedded = start_server("small", log, name="small")
+        except RuntimeError as exc:
+            raise fail(str(exc), 1) from None
+        settings.url = embedded.url
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        console=err_console,
+        transient=True,
+    )
+    task = progress.add_task("probing", total=None)
+    try:
+        with progress:
+            result = asyncio.run(
+                run_probe(
+                    settings,
+                    on_start=lambda n: progress.update(task, total=n),
+                    tick=lambda label: progress.update(task, advance=1, description=label),
+                )
+            )
+    except ProbeError as exc:
+        raise fail(str(exc), 1) from None
+    finally:
+        if embedded is not None:
+            embedded.stop()
+    if json_file:
+        json_file.write_text(json.dumps(result, indent=2))
+    if plot:
+        plot_probe(result, plot)
+    render_probe(result, console)
+    if json_file:
+        console.print(f"wrote {json_file}")
+    if plot:
+        console.print(f"wrote {plot}")
+    if result["partial"] or not any(p["ttft_ms"] for p in result["sweep"]):
+        raise typer.Exit(1)
+
+
 def _list_devices(as_json: bool) -> None:
     from rich.table import Table
 

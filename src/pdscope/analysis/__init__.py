@@ -1,0 +1,1 @@
+"""Statistics and findings over traces: one analysis path for every measurement source."""

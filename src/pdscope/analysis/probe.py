@@ -1,0 +1,345 @@
+"""What a probe's traces say: prefill and decode apart, their fits, the ceilings, findings.
+
+Input is the list of traces (each labelled with the probe phase that sent it); output is one
+JSON-ready dict with units in its field names. Failed traces are counted and listed, never
+turned into numbers.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdscope.analysis.stats import fit_poly, median
+from pdscope.client.trace import Trace
+
+# Knobs per runtime for each kind of finding (BRIEF.md section 1, "What to change").
+KNOBS: dict[str, dict[str, str]] = {
+    "prefill_batch": {
+        "vllm": "raise --max-num-batched-tokens (bigger prefill chunks per step)",
+        "pdscope": "raise --max-num-batched-tokens (bigger prefill chunks per step)",
+        "sglang": "raise --chunked-prefill-size",
+        "llama.cpp": "raise -b/--batch-size and -ub/--ubatch-size",
+        "ollama": "raise options.num_batch",
+    },
+    "prefix_cache": {
+        "vllm": "--enable-prefix-caching (on by default in the V1 engine); keep the shared "
+        "prefix byte-identical and at the start",
+        "pdscope": "--enable-prefix-caching (on by default); keep the shared prefix identical",
+        "sglang": "RadixAttention is on unless --disable-radix-cache",
+        "llama.cpp": "cache_prompt: true per request and --cache-reuse N",
+        "ollama": "keep the system prompt identical; OLLAMA_NUM_PARALLEL=1 keeps one slot's cache",
+    },
+    "cold": {
+        "ollama": "OLLAMA_KEEP_ALIVE=-1 (or keep_alive per request) keeps the model loaded",
+        "vllm": "warm up after start-up (torch.compile and CUDA graphs are built lazily)",
+        "pdscope": "send a warm-up request after start-up",
+        "llama.cpp": "--mlock keeps the weights resident",
+    },
+    "quantize": {
+        "vllm": "serve a quantized checkpoint (--quantization fp8 / AWQ / GPTQ) or --kv-cache-"
+        "dtype fp8",
+        "pdscope": "a smaller model or fewer bytes per weight (pdscope plan --dtype int8 shows "
+        "the gain)",
+        "ollama": "pull a smaller quantization tag (q4_K_M instead of q8_0 or fp16)",
+        "llama.cpp": "use a Q4_K_M / Q5_K_M GGUF",
+        "sglang": "--quantization fp8 or a quantized checkpoint",
+    },
+    "stack": {
+        "vllm": "check --max-num-seqs, CPU threads (VLLM_CPU_OMP_THREADS_BIND) or the attention "
+        "backend",
+        "pdscope": "the engine is leaving bandwidth unused: see docs/performance.md",
+        "ollama": "check num_thread and that no layers spill to the CPU (ollama ps)",
+        "llama.cpp": "check -t threads and -ngl (all layers offloaded)",
+        "sglang": "check --mem-fraction-static and the attention backend",
+    },
+}
+
+
+def knob(kind: str, runtime: str) -> str:
+    table = KNOBS[kind]
+    return table.get(runtime) or table.get("vllm", "")
+
+
+@dataclass
+class Ceilings:
+    """The roofline's view of this model on this device (from `pdscope plan`'s arithmetic)."""
+
+    device: str
+    decode_tok_s_at: dict[int, float] = field(default_factory=dict)  # context -> ceiling
+    ttft_floor_s_at: dict[int, float] = field(default_factory=dict)  # prompt -> floor
+
+
+def _ok(traces: list[Trace]) -> list[Trace]:
+    return [t for t in traces if t.ok]
+
+
+def _ms(s: float | None) -> float | None:
+    return None if s is None else s * 1e3
+
+
+def _prompt_tokens(trace: Trace) -> int | None:
+    return trace.prompt_tokens if trace.prompt_tokens is not None else trace.prompt_tokens_asked
+
+
+def point(traces: list[Trace]) -> dict[str, Any]:
+    """One sweep point: medians and spread over its repeats (failures left out, counted)."""
+    good = _ok(traces)
+    ttft = [t.ttft_s for t in good if t.ttft_s is not None]
+    decode = [t.decode_tok_s for t in good if t.decode_tok_s is not None]
+    counts = [_prompt_tokens(t) for t in good if _prompt_tokens(t) is not None]
+    out: dict[str, Any] = {
+        "prompt_tokens": int(median(counts)) if counts else traces[0].prompt_tokens_asked,
+        "repeats": len(traces),
+        "failed": len(traces) - len(good),
+        "ttft_ms": _ms(median(ttft)),
+        "ttft_ms_min": _ms(min(ttft)) if ttft else None,
+        "ttft_ms_max": _ms(max(ttft)) if ttft else None,
+        "decode_tok_s": median(decode),
+        "decode_tok_s_min": min(decode) if decode else None,
+        "decode_tok_s_max": max(decode) if decode else None,
+        "setup_ms": _ms(median([t.setup_s for t in good if t.setup_s is not None])),
+        "output_tokens": median([t.n_output for t in good if t.n_output]),
+        "cached_tokens": median([t.cached_tokens for t in good if t.cached_tokens is not None]),
+    }
+    server = [t.server.get("ollama") for t in good if t.server.get("ollama")]
+    if server:
+        out["server_prompt_eval_ms"] = median(
+            [s["prompt_eval_duration"] / 1e6 for s in server if s.get("prompt_eval_duration")]
+        )
+        evals = [
+            s["eval_count"] / (s["eval_duration"] / 1e9) for s in server if s.get("eval_duration")
+        ]
+        out["server_eval_tok_s"] = median(evals)
+    timings = [t.server.get("llamacpp") for t in good if t.server.get("llamacpp")]
+    if timings:
+        out["server_prompt_ms"] = median([x["prompt_ms"] for x in timings if "prompt_ms" in x])
+        out["server_predicted_tok_s"] = median(
+            [x["predicted_per_second"] for x in timings if "predicted_per_second" in x]
+        )
+    return out
+
+
+def analyze(traces: list[Trace], runtime: str, ceilings: Ceilings | None = None) -> dict[str, Any]:
+    by_label: dict[str, list[Trace]] = defaultdict(list)
+    for t in traces:
+        by_label[t.label].append(t)
+
+    sweep_groups: dict[int, list[Trace]] = defaultdict(list)
+    for t in by_label["sweep"]:
+        sweep_groups[t.prompt_tokens_asked or 0].append(t)
+    sweep = [point(group) for _, group in sorted(sweep_groups.items())]
+    usable = [p for p in sweep if p["ttft_ms"] is not None]
+
+    result: dict[str, Any] = {"sweep": sweep}
+    cold = _ok(by_label["cold"])
+    result["cold"] = (
+        {
+            "ttft_ms": _ms(cold[0].ttft_s),
+            "decode_tok_s": cold[0].decode_tok_s,
+            "prompt_tokens": _prompt_tokens(cold[0]),
+            "server": cold[0].server,
+        }
+        if cold
+        else None
+    )
+
+    # TTFT against prompt tokens: intercept + linear + quadratic, in ms.
+    xs = [p["prompt_tokens"] for p in usable]
+    ys = [p["ttft_ms"] for p in usable]
+    fit = fit_poly(xs, ys, 2) if len(usable) >= 3 else None
+    if fit and fit[2] < 0:  # noise can bend a short sweep downwards; fall back to a line
+        line = fit_poly(xs, ys, 1)
+        fit = [line[0], line[1], 0.0] if line else None
+    if fit is None and len(usable) >= 2:
+        line = fit_poly(xs, ys, 1)
+        fit = [line[0], line[1], 0.0] if line else None
+    result["ttft_fit"] = (
+        None
+        if fit is None
+        else {"intercept_ms": fit[0], "ms_per_token": fit[1], "ms_per_token2": fit[2]}
+    )
+
+    largest = usable[-1] if usable else None
+    result["prefill_tok_s"] = (
+        largest["prompt_tokens"] / (largest["ttft_ms"] / 1e3) if largest else None
+    )
+    decodes = [p for p in usable if p["decode_tok_s"]]
+    result["decode_tok_s"] = decodes[0]["decode_tok_s"] if decodes else None
+    slope = (
+        fit_poly([p["prompt_tokens"] for p in decodes], [p["decode_tok_s"] for p in decodes], 1)
+        if len(decodes) >= 2
+        else None
+    )
+    result["decode_slope_tok_s_per_1k_prompt"] = slope[1] * 1000 if slope else None
+    result["prefill_to_decode_ratio"] = (
+        result["prefill_tok_s"] / result["decode_tok_s"]
+        if result["prefill_tok_s"] and result["decode_tok_s"]
+        else None
+    )
+
+    warm = _ok(by_label["prefix-warm"])
+    first = _ok(by_label["prefix-cold"])
+    result["prefix_cache"] = None
+    if warm and first:
+        result["prefix_cache"] = {
+            "prompt_tokens": _prompt_tokens(first[0]),
+            "cold_ttft_ms": _ms(first[0].ttft_s),
+            "warm_ttft_ms": _ms(warm[0].ttft_s),
+            "warm_over_cold": warm[0].ttft_s / first[0].ttft_s,  # type: ignore[operator]
+            "cached_tokens": warm[0].cached_tokens,
+        }
+
+    short, long = point(by_label["context-short"]), point(by_label["context-long"])
+    result["context"] = None
+    if by_label["context-short"] and by_label["context-long"]:
+        result["context"] = {
+            "short": short,
+            "long": long,
+            "long_over_short": (
+                long["decode_tok_s"] / short["decode_tok_s"]
+                if long["decode_tok_s"] and short["decode_tok_s"]
+                else None
+            ),
+        }
+
+    result["ceiling"] = _ceiling(result, ceilings) if ceilings else None
+    result["failures"] = [
+        {"label": t.label, "prompt_tokens": t.prompt_tokens_asked, "error": t.error}
+        for t in traces
+        if not t.ok
+    ]
+    result["findings"] = findings(result, runtime)
+    return result
+
+
+def _ceiling(result: dict[str, Any], c: Ceilings) -> dict[str, Any]:
+    out: dict[str, Any] = {"device": c.device, "points": []}
+    for p in result["sweep"]:
+        n = p["prompt_tokens"]
+        ceiling = c.decode_tok_s_at.get(n)
+        floor = c.ttft_floor_s_at.get(n)
+        out["points"].append(
+            {
+                "prompt_tokens": n,
+                "decode_ceiling_tok_s": ceiling,
+                "decode_pct_of_ceiling": (
+                    100 * p["decode_tok_s"] / ceiling if ceiling and p["decode_tok_s"] else None
+                ),
+                "ttft_floor_ms": _ms(floor),
+                "prefill_pct_of_floor": (
+                    100 * floor * 1e3 / p["ttft_ms"] if floor and p["ttft_ms"] else None
+                ),
+            }
+        )
+    first = out["points"][0] if out["points"] else {}
+    last = out["points"][-1] if out["points"] else {}
+    out["decode_pct_of_ceiling"] = first.get("decode_pct_of_ceiling")
+    out["prefill_pct_of_floor"] = last.get("prefill_pct_of_floor")
+    return out
+
+
+def findings(r: dict[str, Any], runtime: str) -> list[dict[str, str]]:
+    """Plain-language findings from the article's two lists, each with its evidence and knob."""
+    out: list[dict[str, str]] = []
+    sweep = [p for p in r["sweep"] if p["ttft_ms"] is not None]
+
+    def add(kind: str, title: str, evidence: str, action: str) -> None:
+        out.append({"kind": kind, "finding": title, "evidence": evidence, "action": action})
+
+    if len(sweep) >= 2:
+        a, b = sweep[0], sweep[-1]
+        growth = b["ttft_ms"] / a["ttft_ms"]
+        tokens = b["prompt_tokens"] / a["prompt_tokens"]
+        add(
+            "ttft",
+            "Prefill sets TTFT: it grows with the prompt",
+            f"TTFT {a['ttft_ms']:.0f} ms at {a['prompt_tokens']} tokens, {b['ttft_ms']:.0f} ms "
+            f"at {b['prompt_tokens']} ({growth:.1f}x for {tokens:.1f}x the tokens)",
+            f"shorten the prompt; {knob('prefill_batch', runtime)}",
+        )
+    if r.get("context") and r["context"]["long_over_short"]:
+        ratio = r["context"]["long_over_short"]
+        c = r["context"]
+        add(
+            "decode",
+            "Decode slows as context fills (every step re-reads the KV cache)"
+            if ratio < 0.9
+            else "Decode barely moves with context length",
+            f"{c['short']['decode_tok_s']:.1f} tok/s at {c['short']['prompt_tokens']} tokens of "
+            f"context, {c['long']['decode_tok_s']:.1f} tok/s at {c['long']['prompt_tokens']}",
+            "keep conversations short or summarise old turns"
+            if ratio < 0.9
+            else "weights dominate each step's reads at these lengths",
+        )
+    pc = r.get("prefix_cache")
+    if pc:
+        if pc["warm_over_cold"] < 0.5:
+            add(
+                "ttft",
+                "Prefix caching works",
+                f"a repeated {pc['prompt_tokens']}-token prefix: TTFT {pc['cold_ttft_ms']:.0f} → "
+                f"{pc['warm_ttft_ms']:.0f} ms; server reports {pc['cached_tokens']} cached tokens",
+                "put long shared text (system prompt, documents) first and keep it identical",
+            )
+        else:
+            add(
+                "ttft",
+                "A repeated prefix is not being reused",
+                f"TTFT {pc['cold_ttft_ms']:.0f} → {pc['warm_ttft_ms']:.0f} ms on the second send; "
+                f"cached tokens reported: {pc['cached_tokens']}",
+                knob("prefix_cache", runtime),
+            )
+    cold = r.get("cold")
+    if cold and sweep and cold["ttft_ms"] and cold["ttft_ms"] > 3 * sweep[0]["ttft_ms"]:
+        add(
+            "ttft",
+            "The first request paid a cold start",
+            f"cold TTFT {cold['ttft_ms']:.0f} ms vs {sweep[0]['ttft_ms']:.0f} ms warm",
+            knob("cold", runtime),
+        )
+    ceiling = r.get("ceiling")
+    if ceiling and ceiling.get("decode_pct_of_ceiling"):
+        pct = ceiling["decode_pct_of_ceiling"]
+        if pct >= 70:
+            add(
+                "decode",
+                "Decode is near the bandwidth ceiling: the hardware is the limit",
+                f"{pct:.0f}% of the {ceiling['device']} ceiling",
+                f"fewer bytes per token: {knob('quantize', runtime)}; or a smaller model, or "
+                "more memory bandwidth",
+            )
+        elif pct < 50:
+            add(
+                "decode",
+                "Decode is far below the bandwidth ceiling: look at the serving stack",
+                f"{pct:.0f}% of the {ceiling['device']} ceiling",
+                knob("stack", runtime),
+            )
+        else:
+            add(
+                "decode",
+                "Decode reaches a fair share of the bandwidth ceiling",
+                f"{pct:.0f}% of the {ceiling['device']} ceiling",
+                f"more needs fewer bytes per token: {knob('quantize', runtime)}",
+            )
+    if ceiling and ceiling.get("prefill_pct_of_floor"):
+        pct = ceiling["prefill_pct_of_floor"]
+        add(
+            "ttft",
+            "Prefill against the compute floor",
+            f"TTFT at the longest prompt is {100 / pct:.1f}x the compute-bound floor "
+            f"({pct:.0f}% of peak FLOP/s)",
+            "near the floor only fewer prompt tokens or more FLOP/s help"
+            if pct >= 50
+            else knob("prefill_batch", runtime),
+        )
+    if r["failures"]:
+        add(
+            "error",
+            f"{len(r['failures'])} request(s) failed and were left out",
+            r["failures"][0]["error"] or "",
+            "see the failures list",
+        )
+    return out

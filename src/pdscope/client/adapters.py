@@ -1,0 +1,265 @@
+"""Protocol adapters: send one request, turn the response into a :class:`Trace`.
+
+OpenAI-compatible servers stream Server-Sent Events (``data: {...}`` lines ending with
+``data: [DONE]``); Ollama streams NDJSON (one JSON object per line, the last with ``done``).
+Both record client timestamps on one monotonic clock through httpx's trace hooks: connection
+ready, request written, headers received, every content chunk, last byte.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from pdscope.client.trace import Chunk, Trace
+
+API_OPENAI_COMPLETIONS = "openai-completions"
+API_OPENAI_CHAT = "openai-chat"
+API_OLLAMA = "ollama"
+APIS = (API_OPENAI_COMPLETIONS, API_OPENAI_CHAT, API_OLLAMA)
+
+
+def _tracer(trace: Trace) -> Callable[[str, dict], Any]:
+    async def hook(event: str, info: dict) -> None:
+        now = time.perf_counter()
+        if event in ("connection.connect_tcp.complete", "connection.start_tls.complete"):
+            trace.connected_s = now
+        elif event.endswith("send_request_body.complete"):
+            trace.sent_s = now
+        elif event.endswith("receive_response_headers.complete"):
+            trace.headers_s = now
+
+    return hook
+
+
+def _error_text(body: bytes) -> str:
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return body[:200].decode(errors="replace")
+    error = data.get("error", data) if isinstance(data, dict) else data
+    if isinstance(error, dict):
+        return str(error.get("message", error))
+    return str(error)
+
+
+def openai_body(
+    api: str,
+    model: str,
+    prompt: str | list[int] | list[dict],
+    max_tokens: int,
+    ignore_eos: bool = True,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if ignore_eos:
+        body["ignore_eos"] = True  # vLLM/SGLang/pdscope extension; others ignore it
+    if api == API_OPENAI_CHAT:
+        body["messages"] = (
+            prompt
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)
+            else [{"role": "user", "content": prompt}]
+        )
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+async def run_openai(
+    client: httpx.AsyncClient,
+    url: str,
+    api: str,
+    body: dict[str, Any],
+    label: str = "",
+    prompt_tokens_asked: int | None = None,
+    headers: dict[str, str] | None = None,
+) -> Trace:
+    """One streamed OpenAI completion or chat request; never raises for server faults."""
+    path = "/v1/chat/completions" if api == API_OPENAI_CHAT else "/v1/completions"
+    trace = Trace(
+        api=api,
+        url=url,
+        model=body.get("model", ""),
+        label=label,
+        prompt_tokens_asked=prompt_tokens_asked,
+        max_tokens=body.get("max_tokens"),
+    )
+    trace.start_s = time.perf_counter()
+    done = False
+    try:
+        async with client.stream(
+            "POST",
+            url.rstrip("/") + path,
+            json=body,
+            headers=headers,
+            extensions={"trace": _tracer(trace)},
+        ) as response:
+            trace.headers_s = trace.headers_s or time.perf_counter()
+            trace.status = response.status_code
+            if response.status_code != 200:
+                trace.error = f"HTTP {response.status_code}: {_error_text(await response.aread())}"
+                return trace
+            async for line in response.aiter_lines():
+                now = time.perf_counter()
+                if not line.strip() or line.startswith(":"):
+                    continue  # keep-alive comments and event separators
+                if not line.startswith("data:"):
+                    trace.error = f"malformed SSE line: {line[:80]!r}"
+                    return trace
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                try:
+                    event = json.loads(data)
+                except ValueError:
+                    trace.error = f"malformed SSE JSON: {data[:80]!r}"
+                    return trace
+                if "error" in event and not event.get("choices"):
+                    err = event["error"]
+                    trace.error = str(err.get("message", err) if isinstance(err, dict) else err)
+                    return trace
+                _openai_event(trace, event, api, now)
+            trace.end_s = time.perf_counter()
+    except httpx.TimeoutException as exc:
+        trace.error = f"timeout: {type(exc).__name__}"
+        return trace
+    except httpx.HTTPError as exc:
+        trace.error = f"{type(exc).__name__}: {exc}"
+        return trace
+    if not done:
+        trace.error = "stream ended before data: [DONE]"
+    elif not trace.chunks:
+        trace.error = "no generated content in the response"
+    return trace
+
+
+def _openai_event(trace: Trace, event: dict[str, Any], api: str, now: float) -> None:
+    for choice in event.get("choices") or []:
+        if api == API_OPENAI_CHAT:
+            text = (choice.get("delta") or {}).get("content") or ""
+        else:
+            text = choice.get("text") or ""
+        if text:  # role-only and empty chunks are not content: they never start TTFT
+            trace.chunks.append(Chunk(now, text))
+        if choice.get("finish_reason"):
+            trace.finish_reason = choice["finish_reason"]
+    usage = event.get("usage")
+    if usage:
+        trace.prompt_tokens = usage.get("prompt_tokens")
+        trace.output_tokens = usage.get("completion_tokens")
+        details = usage.get("prompt_tokens_details") or {}
+        if details.get("cached_tokens") is not None:
+            trace.cached_tokens = details["cached_tokens"]
+        trace.token_source = "server-usage"
+    timings = event.get("timings")  # llama.cpp's server
+    if timings:
+        trace.server["llamacpp"] = timings
+        if trace.token_source != "server-usage":
+            trace.output_tokens = timings.get("predicted_n")
+            prompt_n, cache_n = timings.get("prompt_n"), timings.get("cache_n") or 0
+            if prompt_n is not None:
+                trace.prompt_tokens = prompt_n + cache_n  # prompt_n counts new tokens only
+            trace.cached_tokens = cache_n
+            trace.token_source = "llamacpp-timings"
+
+
+async def run_ollama(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    label: str = "",
+    prompt_tokens_asked: int | None = None,
+    raw: bool = True,
+    headers: dict[str, str] | None = None,
+) -> Trace:
+    """One streamed Ollama /api/generate request (raw prompt: no template, exact counts)."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "raw": raw,
+        "stream": True,
+        "options": {"num_predict": max_tokens, "temperature": 0},
+    }
+    trace = Trace(
+        api=API_OLLAMA,
+        url=url,
+        model=model,
+        label=label,
+        prompt_tokens_asked=prompt_tokens_asked,
+        max_tokens=max_tokens,
+    )
+    trace.start_s = time.perf_counter()
+    done = False
+    try:
+        async with client.stream(
+            "POST",
+            url.rstrip("/") + "/api/generate",
+            json=body,
+            headers=headers,
+            extensions={"trace": _tracer(trace)},
+        ) as response:
+            trace.status = response.status_code
+            if response.status_code != 200:
+                trace.error = f"HTTP {response.status_code}: {_error_text(await response.aread())}"
+                return trace
+            async for line in response.aiter_lines():
+                now = time.perf_counter()
+                if not line.strip():
+                    continue
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    trace.error = f"malformed NDJSON line: {line[:80]!r}"
+                    return trace
+                if "error" in event:
+                    trace.error = str(event["error"])
+                    return trace
+                if event.get("response"):
+                    trace.chunks.append(Chunk(now, event["response"]))
+                if event.get("done"):
+                    done = True
+                    _ollama_final(trace, event)
+                    break
+            trace.end_s = time.perf_counter()
+    except httpx.TimeoutException as exc:
+        trace.error = f"timeout: {type(exc).__name__}"
+        return trace
+    except httpx.HTTPError as exc:
+        trace.error = f"{type(exc).__name__}: {exc}"
+        return trace
+    if not done:
+        trace.error = "stream ended before the done object"
+    elif not trace.chunks:
+        trace.error = "no generated content in the response"
+    return trace
+
+
+def _ollama_final(trace: Trace, event: dict[str, Any]) -> None:
+    trace.finish_reason = event.get("done_reason")
+    trace.prompt_tokens = event.get("prompt_eval_count")
+    trace.output_tokens = event.get("eval_count")
+    trace.token_source = "ollama-counters"
+    trace.server["ollama"] = {
+        k: event.get(k)
+        for k in (
+            "total_duration",
+            "load_duration",
+            "prompt_eval_count",
+            "prompt_eval_duration",
+            "eval_count",
+            "eval_duration",
+        )
+        if k in event
+    }

@@ -1,0 +1,77 @@
+"""Prompts of an exact token count, each unique from its first token so no prefix cache helps.
+
+With the server's ``/tokenize`` (vLLM, SGLang, pdscope) a prompt is cut to exactly N token ids
+and sent as ids. Without it, prompts are text sized by a tokens-per-word estimate that is
+calibrated from the prompt counts the server reports; the trace then carries the server's count,
+which is what every figure uses.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from functools import cache
+
+import httpx
+
+
+@cache
+def _words() -> tuple[str, ...]:
+    import pydoc_data.topics
+
+    text = " ".join(pydoc_data.topics.topics.values())
+    return tuple(w for w in re.findall(r"[A-Za-z]{3,12}", text))
+
+
+class PromptBuilder:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        url: str,
+        model: str,
+        use_tokenize: bool,
+        headers: dict[str, str] | None = None,
+        seed: int = 0,
+    ):
+        self.client, self.url, self.model = client, url.rstrip("/"), model
+        self.use_tokenize = use_tokenize
+        self.headers = headers
+        self.rng = random.Random(seed)
+        self.tokens_per_word = 1.3  # updated from the server's counts
+
+    def _text(self, words: int) -> str:
+        vocab = _words()
+        tag = f"{self.rng.randrange(10**9)}"  # unique first token(s)
+        return tag + " " + " ".join(self.rng.choice(vocab) for _ in range(max(words, 1)))
+
+    async def ids(self, tokens: int) -> list[int]:
+        """Exactly ``tokens`` token ids (needs /tokenize)."""
+        words = int(tokens / self.tokens_per_word) + 16
+        while True:
+            r = await self.client.post(
+                f"{self.url}/tokenize",
+                headers=self.headers,
+                timeout=30,
+                json={
+                    "model": self.model,
+                    "prompt": self._text(words),
+                    "add_special_tokens": False,
+                },
+            )
+            r.raise_for_status()
+            ids = r.json()["tokens"]
+            if len(ids) >= tokens:
+                self.tokens_per_word = len(ids) / words
+                return ids[:tokens]
+            words = int(words * tokens / max(len(ids), 1)) + 16
+
+    def text(self, tokens: int) -> str:
+        """About ``tokens`` tokens of text, by the current calibration."""
+        return self._text(round(tokens / self.tokens_per_word))
+
+    def calibrate(self, asked_tokens: int, words_sent: int | None, reported: int | None) -> None:
+        if reported and words_sent:
+            self.tokens_per_word = reported / words_sent
+
+    def words_for(self, tokens: int) -> int:
+        return round(tokens / self.tokens_per_word)

@@ -1,0 +1,136 @@
+"""The trace: one request's life as a client saw it. The one record every measurement produces.
+
+Times are ``time.perf_counter()`` seconds on the client (monotonic). Derived figures are defined
+once here and documented in docs/metrics.md; analysis and reports only read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Chunk:
+    """One piece of a streamed response that carried generated content."""
+
+    t_s: float
+    text: str
+    tokens: int | None = None  # tokens in this chunk when the server says; else unknown
+
+
+@dataclass
+class Trace:
+    api: str  # openai-completions, openai-chat, ollama
+    url: str
+    model: str
+    label: str = ""  # what the request was for: "cold", "sweep", "prefix-warm", ...
+    prompt_tokens_asked: int | None = None
+    max_tokens: int | None = None
+    # client clock
+    start_s: float = 0.0  # the client began (before any connection work)
+    connected_s: float | None = None  # TCP (and TLS) connection ready; None: reused
+    sent_s: float | None = None  # request fully written
+    headers_s: float | None = None  # response headers received
+    chunks: list[Chunk] = field(default_factory=list)
+    end_s: float | None = None  # last byte received
+    # what the server said
+    status: int | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    cached_tokens: int | None = None
+    token_source: str = "none"  # server-usage, ollama-counters, llamacpp-timings, chunks, ...
+    finish_reason: str | None = None
+    server: dict[str, Any] = field(default_factory=dict)  # server-side phase numbers
+    error: str | None = None  # set when the request failed; a failed trace yields no figures
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.end_s is not None and bool(self.chunks)
+
+    # --- derived figures (seconds) -------------------------------------------------------
+
+    @property
+    def setup_s(self) -> float | None:
+        """Connection setup: start to connection ready (0 on a reused connection)."""
+        if self.connected_s is None:
+            return 0.0 if self.sent_s is not None else None
+        return self.connected_s - self.start_s
+
+    @property
+    def request_start_s(self) -> float:
+        """Where the TTFT clock starts: after connection setup, when sending began."""
+        return self.connected_s if self.connected_s is not None else self.start_s
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Request sent to the first chunk carrying generated content (never a role-only or
+        empty chunk), excluding connection setup."""
+        if not self.ok:
+            return None
+        return self.chunks[0].t_s - self.request_start_s
+
+    @property
+    def e2e_s(self) -> float | None:
+        if not self.ok:
+            return None
+        return self.end_s - self.request_start_s  # type: ignore[operator]
+
+    @property
+    def n_output(self) -> int | None:
+        """Output tokens: the server's count, else one per content chunk (labelled)."""
+        if self.output_tokens is not None:
+            return self.output_tokens
+        return len(self.chunks) if self.chunks else None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Per request: (last content - first content) / (tokens - 1); the first token
+        excluded, as vLLM defines TPOT."""
+        n = self.n_output
+        if not self.ok or n is None or n < 2:
+            return None
+        return (self.chunks[-1].t_s - self.chunks[0].t_s) / (n - 1)
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        tpot = self.tpot_s
+        return None if not tpot else 1 / tpot
+
+    def itl_samples_s(self) -> list[float]:
+        """Per-token inter-token latencies: a gap that delivered k tokens counts k times at
+        gap / k. k is the chunk's own token count when the server gives it; else tokens are
+        spread evenly over the gaps so the samples sum to the decode time (when the server's
+        token total equals the chunk count, that is exactly one token per chunk)."""
+        if not self.ok or len(self.chunks) < 2:
+            return []
+        gaps = [b.t_s - a.t_s for a, b in zip(self.chunks, self.chunks[1:], strict=False)]
+        known = [c.tokens for c in self.chunks[1:]]
+        if all(k is not None and k > 0 for k in known):
+            counts = [float(k) for k in known]  # type: ignore[arg-type]
+        else:
+            n = self.n_output or len(self.chunks)
+            per_gap = max(n - 1, 1) / len(gaps)
+            counts = [per_gap] * len(gaps)
+        samples: list[float] = []
+        for gap, k in zip(gaps, counts, strict=True):
+            whole = max(1, round(k))
+            samples.extend([gap / k] * whole)
+        return samples
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: raw fields plus derived figures in milliseconds."""
+        data = asdict(self)
+        data["derived"] = {
+            "setup_ms": _ms(self.setup_s),
+            "ttft_ms": _ms(self.ttft_s),
+            "e2e_ms": _ms(self.e2e_s),
+            "tpot_ms": _ms(self.tpot_s),
+            "decode_tok_s": self.decode_tok_s,
+            "output_tokens": self.n_output,
+        }
+        return data
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3

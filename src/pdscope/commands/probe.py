@@ -1,0 +1,256 @@
+"""`pdscope probe`: one server's prefill and decode, measured apart, compared, explained.
+
+The procedure: recognise the server, one cold request (reported apart), a prompt-length sweep at
+a fixed output length with repeats, a prefix-cache check (one long prefix sent twice), a context
+check (decode at short vs long context). Every request becomes a Trace; analysis/probe.py turns
+the traces into figures and findings.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from pdscope.analysis.probe import Ceilings, analyze
+from pdscope.client.adapters import (
+    API_OLLAMA,
+    API_OPENAI_CHAT,
+    API_OPENAI_COMPLETIONS,
+    openai_body,
+    run_ollama,
+    run_openai,
+)
+from pdscope.client.detect import ProbeError, Runtime, detect
+from pdscope.client.prompts import PromptBuilder
+from pdscope.client.trace import Trace
+
+
+@dataclass
+class ProbeSettings:
+    url: str
+    api: str = "auto"
+    model: str | None = None
+    api_key: str | None = None
+    prompt_tokens: list[int] = field(default_factory=lambda: [200, 500, 1000, 2000])
+    output_tokens: int = 64
+    repeats: int = 3
+    timeout_s: float = 120.0
+    max_model_len: int | None = None  # cap for the sweep when the server does not say
+    prefix_tokens: int | None = None  # default: the sweep's longest prompt
+    context_tokens: int | None = None  # default: 3/4 of the max length (capped at 8k)
+    device: str | None = None  # for the ceiling: catalog name or "local"
+    plan_model: str | None = None  # preset or config.json for the ceiling
+    dtype: str | None = None  # weight precision for the ceiling (default: checkpoint's)
+
+
+class Prober:
+    def __init__(
+        self,
+        s: ProbeSettings,
+        client: httpx.AsyncClient,
+        runtime: Runtime,
+        model: str,
+        tick: Callable[[str], None],
+    ):
+        self.s, self.client, self.runtime, self.model, self.tick = s, client, runtime, model, tick
+        self.headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else None
+        self.api = runtime.api if s.api == "auto" else s.api
+        exact = self.api == API_OPENAI_COMPLETIONS and runtime.has_tokenize
+        self.builder = PromptBuilder(client, runtime.url, model, exact, self.headers)
+        self.traces: list[Trace] = []
+
+    @property
+    def exact_prompts(self) -> bool:
+        return self.builder.use_tokenize
+
+    async def prompt(self, tokens: int) -> list[int] | str:
+        return await self.builder.ids(tokens) if self.exact_prompts else self.builder.text(tokens)
+
+    async def send(
+        self, prompt: list[int] | str, asked: int, label: str, max_tokens: int | None = None
+    ) -> Trace:
+        out = max_tokens or self.s.output_tokens
+        if self.api == API_OLLAMA:
+            trace = await run_ollama(
+                self.client,
+                self.runtime.url,
+                self.model,
+                str(prompt),
+                out,
+                label,
+                asked,
+                headers=self.headers,
+            )
+        else:
+            body = openai_body(self.api, self.model, prompt, out)
+            trace = await run_openai(
+                self.client, self.runtime.url, self.api, body, label, asked, self.headers
+            )
+        if trace.error is None and not self.exact_prompts and isinstance(prompt, str):
+            words = len(prompt.split())
+            self.builder.calibrate(asked, words, trace.prompt_tokens)
+        if trace.error is None and trace.token_source == "none":
+            trace.token_source = "chunks (server sent no token counts)"
+        self.traces.append(trace)
+        self.tick(label)
+        return trace
+
+    async def run(self) -> None:
+        s = self.s
+        await self.send(await self.prompt(s.prompt_tokens[0]), s.prompt_tokens[0], "cold")
+        for n in s.prompt_tokens:
+            for _ in range(s.repeats):
+                await self.send(await self.prompt(n), n, "sweep")
+        p = s.prefix_tokens or s.prompt_tokens[-1]
+        shared = await self.prompt(p)
+        for label in ("prefix-cold", "prefix-warm"):
+            tail = await self.prompt(16)
+            prompt = shared + tail if isinstance(shared, list) else f"{shared} {tail}"
+            await self.send(prompt, p + 16, label)
+        for label, n in (("context-short", 64), ("context-long", self.context_tokens)):
+            for _ in range(2):
+                await self.send(await self.prompt(n), n, label, max_tokens=s.output_tokens)
+
+    @property
+    def context_tokens(self) -> int:
+        if self.s.context_tokens:
+            return self.s.context_tokens
+        limit = self.max_len or 4096
+        return min(8192, int(limit * 0.75))
+
+    @property
+    def max_len(self) -> int | None:
+        return self.s.max_model_len or self.runtime.max_model_len
+
+    def planned_requests(self) -> int:
+        return 1 + len(self.s.prompt_tokens) * self.s.repeats + 2 + 4
+
+
+def _cap_sweep(s: ProbeSettings, max_len: int | None) -> list[str]:
+    notes = []
+    if max_len:
+        room = max_len - s.output_tokens - 32
+        capped = sorted({min(n, room) for n in s.prompt_tokens if n > 0})
+        if capped != sorted(s.prompt_tokens):
+            notes.append(
+                f"prompt lengths capped at {room} tokens by the server's max length {max_len}"
+            )
+        s.prompt_tokens = capped
+        if s.prefix_tokens:
+            s.prefix_tokens = min(s.prefix_tokens, room - 16)
+    return notes
+
+
+def ceilings_for(
+    s: ProbeSettings, runtime: Runtime, sweep: list[int], output_tokens: int, root: str | None
+) -> tuple[Ceilings | None, list[str]]:
+    """The roofline for this model on the given device, when both are known."""
+    if not s.device:
+        return None, []
+    from pdscope.commands.plan import resolve
+    from pdscope.roofline import arithmetic as rf
+    from pdscope.specs import SpecError
+
+    model = s.plan_model or root
+    if not model:
+        return None, ["no model for the ceiling: pass --plan-model (a preset or config.json)"]
+    dtype = s.dtype
+    if dtype is None and root and (Path(root) / "config.json").is_file():
+        torch_dtype = json.loads((Path(root) / "config.json").read_text()).get("torch_dtype")
+        dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(torch_dtype)
+    try:
+        p = resolve(model=model, device=s.device, dtype=dtype or "bf16")
+    except SpecError as exc:
+        return None, [f"no ceiling: {exc}"]
+    c = Ceilings(
+        device=p.device.label
+        if p.device.name != "local"
+        else f"this machine ({p.device.bandwidth_gb_s:.0f} GB/s measured)"
+    )
+    for n in sweep:
+        c.decode_tok_s_at[n] = rf.decode_ceiling_tok_s(
+            p.model, p.device, p.weights, p.kv, n + output_tokens // 2
+        )
+        step = rf.prefill_step(p.model, p.device, p.weights, p.kv, n)
+        if step.compute_s is not None:
+            c.ttft_floor_s_at[n] = step.seconds
+    return c, []
+
+
+async def probe(
+    s: ProbeSettings,
+    on_start: Callable[[int], None] | None = None,
+    tick: Callable[[str], None] = lambda label: None,
+) -> dict[str, Any]:
+    """Run the whole procedure; returns the JSON-ready result (traces included)."""
+    limits = httpx.Limits(max_keepalive_connections=0)  # a fresh connection each: setup shows
+    timeout = httpx.Timeout(s.timeout_s, connect=10)
+    started = time.time()
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else None
+        runtime = await detect(client, s.url, s.api, headers)
+        model = runtime.pick_model(s.model)
+        if s.api == API_OPENAI_CHAT and runtime.api == API_OLLAMA:
+            raise ProbeError(f"{runtime.url} speaks Ollama's API, not openai-chat")
+        notes = _cap_sweep(s, s.max_model_len or runtime.max_model_len)
+        prober = Prober(s, client, runtime, model, tick)
+        if not prober.exact_prompts:
+            notes.append(
+                "no /tokenize for this API: prompt sizes are calibrated from the "
+                "server's reported prompt counts; figures use the reported counts"
+            )
+        if on_start:
+            on_start(prober.planned_requests())
+        partial = None
+        try:
+            await prober.run()
+        except (httpx.HTTPError, ProbeError, OSError) as exc:
+            partial = f"stopped early: {type(exc).__name__}: {exc}"
+        root = await _model_root(client, runtime, headers)
+
+    ceilings, more = ceilings_for(s, runtime, s.prompt_tokens, s.output_tokens, root)
+    notes += more
+    result = analyze(prober.traces, runtime.name, ceilings)
+    return {
+        "runtime": {
+            "name": runtime.name,
+            "url": runtime.url,
+            "api": prober.api,
+            "evidence": runtime.evidence,
+            "max_model_len": prober.max_len,
+        },
+        "model": model,
+        "settings": {
+            "prompt_tokens": s.prompt_tokens,
+            "output_tokens": s.output_tokens,
+            "repeats": s.repeats,
+            "exact_prompt_tokens": prober.exact_prompts,
+            "context_tokens": prober.context_tokens,
+            "device": s.device,
+        },
+        "started_unix_s": started,
+        "partial": partial,
+        "notes": notes,
+        **result,
+        "traces": [t.to_dict() for t in prober.traces],
+    }
+
+
+async def _model_root(
+    client: httpx.AsyncClient, runtime: Runtime, headers: dict[str, str] | None
+) -> str | None:
+    """A local checkpoint directory the server reports (pdscope and vLLM give `root`)."""
+    if runtime.api == API_OLLAMA:
+        return None
+    try:
+        data = (await client.get(f"{runtime.url}/v1/models", headers=headers)).json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+    root = data[0].get("root") if data else None
+    return root if root and Path(root, "config.json").is_file() else None

@@ -1,0 +1,199 @@
+"""Terminal report and plot for `pdscope probe` (both read the same result dict)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _f(x: float | None, fmt: str = "{:,.0f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def render_probe(r: dict[str, Any], console: Console) -> None:
+    rt = r["runtime"]
+    console.print(
+        f"[bold]pdscope probe[/] {rt['url']}: [bold]{rt['name']}[/] "
+        f"({', '.join(rt['evidence'])}), model [bold]{r['model']}[/], API {rt['api']}"
+    )
+    s = r["settings"]
+    console.print(
+        f"{s['repeats']} repeats per point, {s['output_tokens']} output tokens, "
+        f"prompt tokens {'exact (/tokenize)' if s['exact_prompt_tokens'] else 'calibrated'}"
+    )
+    if r.get("cold"):
+        c = r["cold"]
+        console.print(
+            f"cold request (not mixed in): TTFT {_f(c['ttft_ms'])} ms, decode "
+            f"{_f(c['decode_tok_s'], '{:,.1f}')} tok/s"
+        )
+
+    table = Table(
+        title="Prefill and decode by prompt length (medians; range over repeats)",
+        title_justify="left",
+    )
+    for col in (
+        "prompt tokens",
+        "TTFT ms",
+        "TTFT range",
+        "decode tok/s",
+        "decode range",
+        "setup ms",
+    ):
+        table.add_column(col, justify="right")
+    server_cols = any("server_prompt_eval_ms" in p or "server_prompt_ms" in p for p in r["sweep"])
+    if server_cols:
+        table.add_column("server prefill ms", justify="right")
+        table.add_column("server decode tok/s", justify="right")
+    ceiling = {p["prompt_tokens"]: p for p in (r.get("ceiling") or {}).get("points", [])}
+    if ceiling:
+        table.add_column("% decode ceiling", justify="right")
+        table.add_column("TTFT floor ms", justify="right")
+    for p in r["sweep"]:
+        row = [
+            f"{p['prompt_tokens']:,}",
+            _f(p["ttft_ms"]),
+            f"{_f(p['ttft_ms_min'])}–{_f(p['ttft_ms_max'])}",
+            _f(p["decode_tok_s"], "{:,.1f}"),
+            f"{_f(p['decode_tok_s_min'], '{:,.1f}')}–{_f(p['decode_tok_s_max'], '{:,.1f}')}",
+            _f(p["setup_ms"], "{:,.2f}"),
+        ]
+        if server_cols:
+            row += [
+                _f(p.get("server_prompt_eval_ms", p.get("server_prompt_ms"))),
+                _f(p.get("server_eval_tok_s", p.get("server_predicted_tok_s")), "{:,.1f}"),
+            ]
+        if ceiling:
+            c = ceiling.get(p["prompt_tokens"], {})
+            row += [_f(c.get("decode_pct_of_ceiling"), "{:.0f}%"), _f(c.get("ttft_floor_ms"))]
+        table.add_row(*row)
+    console.print(table)
+    if server_cols:
+        console.print(
+            "[dim]server prefill/decode: the server's own phase timings; client TTFT "
+            "minus server prefill = network + queue + response handoff[/]"
+        )
+
+    fit = r.get("ttft_fit")
+    if fit:
+        console.print(
+            f"TTFT ≈ {fit['intercept_ms']:.1f} ms + {fit['ms_per_token']:.3f} ms × N "
+            f"+ {fit['ms_per_token2'] * 1e6:.2f} ms × (N/1000)²   (least squares)"
+        )
+    console.print(
+        f"prefill {_f(r['prefill_tok_s'])} tok/s at the longest prompt; decode "
+        f"{_f(r['decode_tok_s'], '{:,.1f}')} tok/s; prefill/decode "
+        f"{_f(r['prefill_to_decode_ratio'], '{:,.0f}x')}; decode slope "
+        f"{_f(r['decode_slope_tok_s_per_1k_prompt'], '{:+.2f}')} tok/s per 1k prompt "
+        "tokens"
+    )
+    pc = r.get("prefix_cache")
+    if pc:
+        console.print(
+            f"prefix cache: {pc['prompt_tokens']:,}-token prefix, TTFT "
+            f"{_f(pc['cold_ttft_ms'])} → {_f(pc['warm_ttft_ms'])} ms "
+            f"({pc['warm_over_cold']:.0%}), cached tokens reported: "
+            f"{_f(pc['cached_tokens'])}"
+        )
+    ctx = r.get("context")
+    if ctx and ctx["long_over_short"]:
+        console.print(
+            f"context: decode {_f(ctx['short']['decode_tok_s'], '{:,.1f}')} tok/s at "
+            f"{ctx['short']['prompt_tokens']:,} tokens, "
+            f"{_f(ctx['long']['decode_tok_s'], '{:,.1f}')} at "
+            f"{ctx['long']['prompt_tokens']:,} ({ctx['long_over_short']:.0%})"
+        )
+    if r.get("ceiling"):
+        c = r["ceiling"]
+        console.print(
+            f"vs {c['device']}: decode at {_f(c['decode_pct_of_ceiling'], '{:.0f}%')} "
+            f"of the bandwidth ceiling, prefill at "
+            f"{_f(c['prefill_pct_of_floor'], '{:.0f}%')} of the compute floor"
+        )
+
+    findings = Table(title="Findings", title_justify="left", show_lines=True)
+    for col in ("finding", "evidence", "what to change"):
+        findings.add_column(col)
+    for f in r["findings"]:
+        findings.add_row(f["finding"], f["evidence"], f["action"])
+    console.print(findings)
+    for note in r.get("notes", []):
+        console.print(f"[yellow]note:[/] {note}")
+    for failure in r["failures"]:
+        console.print(
+            f"[red]failed[/] {failure['label']} ({failure['prompt_tokens']} tokens): "
+            f"{failure['error']}"
+        )
+    if r.get("partial"):
+        console.print(f"[red]partial results:[/] {r['partial']}")
+
+
+def plot_probe(r: dict[str, Any], path: Path) -> None:
+    """TTFT vs prompt tokens and decode tok/s vs prompt tokens, side by side, ceiling drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [p for p in r["sweep"] if p["ttft_ms"] is not None]
+    xs = [p["prompt_tokens"] for p in points]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    left.errorbar(
+        xs,
+        [p["ttft_ms"] for p in points],
+        yerr=[
+            [p["ttft_ms"] - p["ttft_ms_min"] for p in points],
+            [p["ttft_ms_max"] - p["ttft_ms"] for p in points],
+        ],
+        fmt="o",
+        capsize=3,
+        label="measured (median, range)",
+    )
+    fit = r.get("ttft_fit")
+    if fit and xs:
+        grid = [min(xs) + (max(xs) - min(xs)) * i / 50 for i in range(51)]
+        left.plot(
+            grid,
+            [
+                fit["intercept_ms"] + fit["ms_per_token"] * g + fit["ms_per_token2"] * g * g
+                for g in grid
+            ],
+            "-",
+            label="fit",
+        )
+    ceiling = {p["prompt_tokens"]: p for p in (r.get("ceiling") or {}).get("points", [])}
+    floors = [
+        (n, ceiling[n]["ttft_floor_ms"]) for n in xs if ceiling.get(n, {}).get("ttft_floor_ms")
+    ]
+    if floors:
+        left.plot(*zip(*floors, strict=True), "--", label="compute floor")
+    left.set(xlabel="prompt tokens", ylabel="TTFT (ms)", title="Prefill: time to first token")
+    left.legend()
+    decode = [p for p in points if p["decode_tok_s"]]
+    right.plot(
+        [p["prompt_tokens"] for p in decode],
+        [p["decode_tok_s"] for p in decode],
+        "o-",
+        label="measured (median)",
+    )
+    ceil = [
+        (n, ceiling[n]["decode_ceiling_tok_s"])
+        for n in xs
+        if ceiling.get(n, {}).get("decode_ceiling_tok_s")
+    ]
+    if ceil:
+        right.plot(*zip(*ceil, strict=True), "--", label="bandwidth ceiling")
+    right.set(
+        xlabel="prompt tokens",
+        ylabel="decode tok/s",
+        title="Decode: tokens per second",
+        ylim=(0, None),
+    )
+    right.legend()
+    fig.suptitle(f"{r['model']} on {r['runtime']['name']} ({r['runtime']['url']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
