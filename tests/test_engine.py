@@ -135,3 +135,39 @@ class ModelBytes:
         head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
         per_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 4
         return count * block_size * per_token
+
+
+def test_preemption_with_prefix_caching(checkpoints, reference) -> None:
+    ps, expected = reference
+    llm = LLM(
+        model=str(checkpoints["qwen3"]),
+        block_size=4,
+        max_model_len=256,
+        enable_prefix_caching=True,
+        kv_cache_memory=ModelBytes.blocks(checkpoints["qwen3"], 70, 4),
+    )
+    outs = llm.generate(ps + ps, GREEDY)
+    assert llm.engine.num_preemptions > 0
+    assert [o.token_ids for o in outs] == expected + expected
+    pool = llm.engine.pool
+    pool.check_invariants()
+    assert pool.num_used_blocks == 0
+    # Re-admissions after preemption are not counted as prefix-cache demand.
+    assert pool.prefix_cache_hits <= pool.prefix_cache_queries <= sum(len(p) for p in ps + ps)
+
+
+@pytest.mark.parametrize("window", [8, 20])
+def test_mistral_sliding_window_matches_transformers(tmp_path: Path, window: int) -> None:
+    transformers = pytest.importorskip("transformers")
+    path = make_model(
+        tmp_path / "m", "tiny", arch="mistral", dtype="float32", sliding_window=window
+    )
+    llm = LLM(model=str(path), kv_cache_memory="8MiB", block_size=4, max_num_batched_tokens=16)
+    llm.engine.runner.capture_logits = True
+    prompt = prompts(llm)[0][:40]
+    out = llm.generate(prompt, GREEDY)[0]
+    ours = torch.cat(llm.engine.runner.captured)
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1 :]
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-3)

@@ -183,3 +183,82 @@ def test_one_failing_request_fails_alone(tiny: Path) -> None:
     assert "detokenizer broke" in failed[-1].error
     assert bad.is_finished and len(good.output_token_ids) == 5
     assert good.finish_reason == "length" and engine.pool.num_used_blocks == 0
+
+
+def test_sampler_and_request_validation(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate(PROMPT, SamplingParams(stop_token_ids=[10**9], min_tokens=2))
+    greedy = llm.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    tiny_t = llm.generate(PROMPT, SamplingParams(max_tokens=6, temperature=1e-9, ignore_eos=True))
+    assert tiny_t[0].token_ids == greedy[0].token_ids  # no overflow into NaN
+
+
+def test_min_tokens_masks_every_stop_id(llm: LLM) -> None:
+    import torch
+
+    from pdscope.engine.request import Request
+    from pdscope.engine.timeline import RequestTimeline
+
+    stop_ids = frozenset(llm.tokenizer.stop_token_ids)
+    assert len(stop_ids) >= 2  # eos from tokenizer_config plus generation_config's list
+    request = Request(
+        "r",
+        [5, 6],
+        SamplingParams(max_tokens=5, temperature=0, min_tokens=3),
+        RequestTimeline(0.0),
+        stop_token_ids=stop_ids,
+    )
+    for stop in stop_ids:
+        logits = torch.zeros(1, llm.tokenizer.vocab_size)
+        logits[0, stop] = 10.0
+        token = llm.engine.runner.sample(logits, [request])[0]
+        assert token not in stop_ids
+
+
+def test_step_failure_fails_its_requests_and_the_engine_lives(tiny: Path) -> None:
+    engine = LLMEngine(EngineArgs(model=str(tiny), kv_cache_memory="8MiB", max_model_len=512))
+    aengine = AsyncEngine(engine)
+    real = engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(out):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("kernel exploded")
+        return real(out)
+
+    engine.runner.execute = flaky  # type: ignore[method-assign]
+
+    async def main() -> None:
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        outs = [out async for out in aengine.generate(PROMPT, params)]
+        assert outs[-1].finished and "kernel exploded" in outs[-1].error
+        again = [out async for out in aengine.generate(PROMPT, params)]
+        assert again[-1].finish_reason == "length" and len(again[-1].token_ids) == 4
+        assert await aengine.call(lambda: engine.pool.num_used_blocks) == 0
+
+    try:
+        asyncio.run(main())
+        assert aengine.is_running
+    finally:
+        aengine.shutdown()
+
+
+def test_detokenizer_when_the_prompt_ends_mid_character(llm: LLM) -> None:
+    from pdscope.engine.tokenizer import IncrementalDetokenizer
+
+    tok = llm.tokenizer
+    ids = tok.encode("naïve テキスト café ☕ ok")
+    full = tok.decode(ids)
+    for cut in range(1, len(ids)):
+        det = IncrementalDetokenizer(tok, ids[:cut])
+        text = "".join(det.add(t) for t in ids[cut:])
+        assert tok.decode(ids[:cut]).rstrip("\ufffd") + text == full, cut
+
+
+def test_qwen_sliding_window_is_refused(tmp_path: Path) -> None:
+    path = make_model(tmp_path / "q", "tiny", arch="qwen2", dtype="float32", sliding_window=8)
+    with pytest.raises(ValueError, match="sliding-window"):
+        LLM(model=str(path))

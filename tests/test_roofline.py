@@ -160,3 +160,13 @@ def test_nonsense_is_refused() -> None:
         rf.prefill_flops(model, 0)
     with pytest.raises(ValueError, match="utilization"):
         rf.kv_pool(model, get_device("h100"), BF16, KV16, 100, gpu_memory_utilization=1.5)
+
+
+def test_mla_decode_uses_absorbed_attention() -> None:
+    model = load_model("deepseek-v3")
+    layer = model.layers[0]
+    assert (layer.decode_attention.qk_head_dim, layer.decode_attention.v_head_dim) == (576, 512)
+    decode = rf.attention_flops(model, 8000, 1)
+    assert decode == 61 * 2 * 128 * (576 + 512) * 8001
+    prefill = rf.attention_flops(model, 0, 2)  # prefill keeps the naive 192/128 shapes
+    assert prefill == 61 * 2 * 128 * (192 + 128) * 3

@@ -213,6 +213,16 @@ def test_ollama_counts_whole_prompt_when_cached(server: Server) -> None:
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
         ("/detokenize", {"tokens": [10**9]}, 400, "vocabulary"),
+        ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "seed"),
+        ("/v1/completions", {"prompt": "x", "stop": ""}, 400, "stop"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 5}, 400, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "min_tokens": 2, "stop_token_ids": [10**9]},
+            400,
+            "stop_token_ids",
+        ),
         ("/v1/nothing", {}, 404, "no route"),
     ],
 )
@@ -245,6 +255,34 @@ def test_ollama_errors(server: Server, path: str, body, status: int) -> None:
     r = httpx.post(f"{server.url}{path}", content=content, timeout=30)
     assert r.status_code == status
     assert isinstance(r.json()["error"], str) and r.json()["error"]
+
+
+def test_nulls_and_neutral_values_are_accepted(server: Server) -> None:
+    body = {
+        "prompt": "x",
+        "max_tokens": 2,
+        "temperature": None,
+        "top_p": None,
+        "n": None,
+        "seed": None,
+        "logprobs": None,
+        "presence_penalty": 0,
+        "echo": False,
+    }
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    r = httpx.post(
+        f"{server.url}/api/generate",
+        timeout=30,
+        json={
+            "model": server.model,
+            "prompt": "x",
+            "stream": False,
+            "options": {"num_predict": 2, "seed": 2**70},
+        },
+    )
+    assert r.status_code == 400 and "seed" in r.json()["error"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
 
 
 def test_tokenize_roundtrip(server: Server) -> None:

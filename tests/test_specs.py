@@ -219,3 +219,23 @@ def _config(name: str) -> dict:
     from pdscope.specs.models import _presets
 
     return dict(_presets()[name]["config"])
+
+
+def test_qwen2_moe_shared_expert_and_bias() -> None:
+    config = {
+        "model_type": "qwen2_moe",
+        "vocab_size": 151936,
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "moe_intermediate_size": 2560,
+        "shared_expert_intermediate_size": 20480,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "tie_word_embeddings": False,
+    }
+    spec = spec_from_config(config, "qwen2-57b-a14b")
+    assert abs(spec.total_params - 57.4e9) / 57.4e9 < 0.01  # Qwen's model card
+    assert abs(spec.active_params - 14.2e9) / 14.2e9 < 0.01

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -33,7 +34,10 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_queue: int | None = None):
         self.engine = engine
         self.max_queue = max_queue
-        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        # (work, on_dead): on_dead settles the caller if the loop stops before running work.
+        self._inbox: queue.SimpleQueue[tuple[Callable[[], None], Callable[[], None]]] = (
+            queue.SimpleQueue()
+        )
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stopping = False
@@ -45,11 +49,21 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    def _submit(self, fn: Callable[[], None]) -> None:
+    def _submit(self, fn: Callable[[], None], on_dead: Callable[[], None] = lambda: None) -> None:
         if not self.is_running:
             raise EngineDeadError(f"engine is not running: {self.error or 'shut down'}")
-        self._inbox.put(fn)
+        self._inbox.put((fn, on_dead))
         self._wake.set()
+        if not self._thread.is_alive():  # the loop died between the check and the put
+            self._drain()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                _, on_dead = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            on_dead()
 
     async def call(self, fn: Callable[[], object]) -> object:
         """Run ``fn`` on the engine thread between steps and return its result."""
@@ -64,7 +78,11 @@ class AsyncEngine:
             else:
                 loop.call_soon_threadsafe(_settle, future, result, None)
 
-        self._submit(run)
+        def dead() -> None:
+            error = EngineDeadError(f"engine is not running: {self.error or 'shut down'}")
+            loop.call_soon_threadsafe(_settle, future, None, error)
+
+        self._submit(run, dead)
         return await future
 
     async def add(
@@ -72,10 +90,15 @@ class AsyncEngine:
         prompt: str | Sequence[int],
         params: SamplingParams,
         request_id: str | None = None,
+        arrival_s: float | None = None,
     ) -> RequestStream:
         """Admit a request and return its output stream. A bad prompt or a full queue raises
-        here, before anything streams; closing the stream early aborts the request."""
+        here, before anything streams; closing the stream early aborts the request.
+
+        ``arrival_s`` (perf_counter) defaults to now: the request's clock starts when the caller
+        has it, not when the engine thread gets round to it after the step in progress."""
         loop = asyncio.get_running_loop()
+        arrival_s = time.perf_counter() if arrival_s is None else arrival_s
         request_id = request_id or uuid.uuid4().hex
         outputs: asyncio.Queue = asyncio.Queue()
 
@@ -86,7 +109,7 @@ class AsyncEngine:
                     f"server is at capacity: {waiting} requests already waiting "
                     f"(--max-queue {self.max_queue}); retry later"
                 )
-            self.engine.add_request(prompt, params, request_id)
+            self.engine.add_request(prompt, params, request_id, arrival_s)
             self._streams[request_id] = (loop, outputs)
 
         await self.call(add)
@@ -119,9 +142,10 @@ class AsyncEngine:
             while not self._stopping:
                 while True:
                     try:
-                        self._inbox.get_nowait()()
+                        work, _ = self._inbox.get_nowait()
                     except queue.Empty:
                         break
+                    work()
                 if not self.engine.has_unfinished():
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
@@ -142,6 +166,7 @@ class AsyncEngine:
             self._streams.clear()
         finally:
             self._stopping = True
+            self._drain()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the loop; requests still streaming get :class:`EngineDeadError`."""
@@ -155,7 +180,7 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(outputs.put_nowait, dead)
             self._streams.clear()
 
-        self._inbox.put(stop)
+        self._inbox.put((stop, lambda: None))
         self._wake.set()
         self._thread.join(timeout_s)
 

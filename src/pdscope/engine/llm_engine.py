@@ -195,10 +195,11 @@ class LLMEngine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt is empty")
-        if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
-            raise ValueError(
-                f"prompt has token ids outside the vocabulary (0..{self.tokenizer.vocab_size - 1})"
-            )
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt has token ids outside the vocabulary (0..{vocab - 1})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids outside the vocabulary (0..{vocab - 1})")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens; max_model_len is "
@@ -213,7 +214,9 @@ class LLMEngine:
             ids,
             params,
             RequestTimeline(now, prompt_tokens=len(ids)),
-            eos_token_id=self.tokenizer.eos_token_id,
+            stop_token_ids=frozenset(params.stop_token_ids).union(
+                () if params.ignore_eos else self.tokenizer.stop_token_ids
+            ),
         )
         self.requests[request_id] = request
         self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, ids)
@@ -244,7 +247,11 @@ class LLMEngine:
         for request, _ in out.scheduled:
             if request.timeline.first_scheduled_s is None:
                 request.timeline.first_scheduled_s = start
-        sampled = self.runner.execute(out)
+        try:
+            sampled = self.runner.execute(out)
+        except Exception as exc:  # one bad step fails its requests; the engine keeps serving
+            log.exception("step failed; aborting its %d requests", len(out.scheduled))
+            return self._fail_step(out.scheduled, f"{type(exc).__name__}: {exc}")
         self.scheduler.update(out)
         end = time.perf_counter()
 
@@ -291,14 +298,24 @@ class LLMEngine:
             listener(record, [o.request for o in outputs])
         return outputs
 
+    def _fail_step(self, scheduled: list[tuple[Request, int]], error: str) -> list[RequestOutput]:
+        now = time.perf_counter()
+        outputs = []
+        for request, _ in scheduled:
+            if not request.is_finished:
+                self._finish(request, "abort", now)
+            outputs.append(
+                RequestOutput(
+                    request.request_id, [], request.output_text, True, "abort", request, error
+                )
+            )
+        return outputs
+
     def _check_stop(self, request: Request, token: int) -> str | None:
         p = request.params
         delta = self.detokenizers[request.request_id].add(token)
         enough = len(request.output_token_ids) >= p.min_tokens
-        stop_ids = set(p.stop_token_ids)
-        if not p.ignore_eos:
-            stop_ids.update(self.tokenizer.stop_token_ids)
-        if enough and token in stop_ids:
+        if enough and token in request.stop_token_ids:
             return "stop"
         if delta:
             request.output_text += delta

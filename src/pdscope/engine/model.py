@@ -70,7 +70,17 @@ class ModelConfig:
                 raise ValueError(f"config.json lacks '{key}'")
         heads = config["num_attention_heads"]
         window = config.get("sliding_window")
-        if config.get("use_sliding_window") is False:
+        if arch != "MistralForCausalLM":
+            # Qwen configs carry sliding_window but switch it on per layer; real Qwen2.5/3
+            # checkpoints leave it off. Refuse rather than attend over the wrong keys.
+            sliding = config.get("use_sliding_window") or any(
+                kind == "sliding_attention" for kind in config.get("layer_types") or []
+            )
+            if sliding:
+                raise ValueError(
+                    f"{arch} with sliding-window layers is not supported "
+                    "(use_sliding_window / layer_types)"
+                )
             window = None
         return cls(
             architecture=arch,
@@ -88,7 +98,7 @@ class ModelConfig:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias")),
             qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_window=window if arch == "MistralForCausalLM" else None,
+            sliding_window=window,
         )
 
     @property

@@ -27,7 +27,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     timeline: RequestTimeline
-    eos_token_id: int | None = None
+    stop_token_ids: frozenset[int] = frozenset()  # ends the request: EOS ids + params' ids
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)

@@ -132,7 +132,7 @@ class ModelRunner:
         for i, request in enumerate(requests):
             p = request.params
             if len(request.output_token_ids) < p.min_tokens:  # no stop token before min_tokens
-                for stop_id in {request.eos_token_id, *p.stop_token_ids} - {None}:
+                for stop_id in request.stop_token_ids:
                     logits[i, stop_id] = float("-inf")
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]

@@ -30,6 +30,8 @@ class SamplingParams:
         problems = []
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            problems.append(f"seed must fit in 64 bits, got {self.seed}")
         if self.temperature < 0:
             problems.append(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -45,4 +47,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Dividing logits by a temperature this small overflows; vLLM draws the same line.
+        return self.temperature < 1e-5

@@ -103,7 +103,8 @@ class Scheduler:
             if needed > self.pool.num_free_blocks - reusable:
                 break  # pool full: the request waits
             self.waiting.popleft()
-            self.pool.record_lookup(request.num_tokens, num_cached)
+            if request.timeline.preemptions == 0:  # re-admissions are recomputation, not demand
+                self.pool.record_lookup(request.num_tokens, num_cached)
             self.pool.touch(cached)
             request.block_table = cached + self.pool.allocate(needed)
             request.block_hashes = self.pool.hashes_for(request.all_token_ids[:num_cached], [])

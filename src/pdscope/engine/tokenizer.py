@@ -76,18 +76,31 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
         self.tokenizer = tokenizer
-        self.ids: list[int] = list(prompt_ids[-4:])
+        self.ids: list[int] = list(prompt_ids[-8:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        # Start the window on a character boundary: a window that begins mid-character would
+        # decode to replacement marks that the trailing-partial rule below cannot tell apart.
+        while self.prefix_offset < self.read_offset and tokenizer.decode(
+            self.ids[self.prefix_offset : self.read_offset]
+        ).startswith("\ufffd"):
+            self.prefix_offset += 1
+        # Text released so far ends cleanly, except possibly the prompt's: when it ends part-way
+        # through a UTF-8 character, the first output tokens complete that character, and its
+        # replacement marks must not count as text already seen.
+        self.at_start = True
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
         decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_offset : self.read_offset])
+        if self.at_start:
+            prefix = prefix.rstrip("\ufffd")
         full = decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
+            self.at_start = False
             return delta
         return ""

@@ -103,10 +103,13 @@ def attention_pairs(query_start: int, query_tokens: int, window: int | None) -> 
 
 
 def attention_flops(model: ModelSpec, query_start: int, query_tokens: int) -> float:
-    """Score (QK^T) plus weighted-sum (AV) FLOPs over all layers."""
+    """Score (QK^T) plus weighted-sum (AV) FLOPs over all layers (a single decoding token uses
+    the layer's decode shape where it has one: MLA's absorbed attention)."""
     total = 0.0
     for layer in model.layers:
         shape = layer.attention
+        if query_tokens == 1 and layer.decode_attention is not None:
+            shape = layer.decode_attention
         pairs = attention_pairs(query_start, query_tokens, layer.window)
         total += 2 * shape.num_heads * (shape.qk_head_dim + shape.v_head_dim) * pairs
     return total

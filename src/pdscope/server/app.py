@@ -75,6 +75,14 @@ class ServerState:
             raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
         return self.llm.tokenizer.encode(text, add_special_tokens=False)
 
+    @staticmethod
+    def sampling(build: Callable[[], SamplingParams]) -> SamplingParams:
+        """Sampling parameters from a request body; a bad combination is the client's 400."""
+        try:
+            return build()
+        except ValueError as exc:
+            raise APIError(400, f"invalid sampling parameters: {exc}") from exc
+
     def max_tokens_for(self, prompt_ids: list[int], asked: int | None) -> int:
         """Output budget: what was asked, or the rest of the context; refuse if it cannot fit."""
         limit = self.llm.max_model_len
@@ -99,10 +107,11 @@ class ServerState:
         return asked
 
     async def start(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self, request: Request, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> RequestStream:
         try:
-            return await self.engine.add(prompt_ids, params, request_id)
+            arrival = getattr(request.state, "arrival_s", None)
+            return await self.engine.add(prompt_ids, params, request_id, arrival)
         except QueueFullError as exc:
             raise APIError(503, str(exc), "ServiceUnavailableError") from exc
         except EngineDeadError as exc:
@@ -148,10 +157,15 @@ async def collect(stream: RequestStream, request: Request) -> RequestOutput:
         while True:
             done, _ = await asyncio.wait({task}, timeout=0.5)
             if done:
-                return task.result()
+                out = task.result()
+                if out.error:  # this request alone failed inside the engine
+                    raise APIError(500, f"request failed: {out.error}", "InternalServerError")
+                return out
             if await request.is_disconnected():
                 task.cancel()
                 raise APIError(499, "client disconnected")
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), "ServiceUnavailableError") from exc
     finally:
         await stream.aclose()
 
@@ -219,6 +233,8 @@ def build_app(state: ServerState) -> JSONBodies:
 
     @app.middleware("http")
     async def require_key(request: Request, call_next: Callable) -> Any:
+        # A request's clocks (TTFT, queue time, e2e) start here, when the server has it.
+        request.state.arrival_s = time.perf_counter()
         if state.api_key and request.url.path not in OPEN_PATHS:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):

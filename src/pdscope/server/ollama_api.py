@@ -68,8 +68,9 @@ async def _respond(
     shape: str,
 ) -> Any:
     """Run a request and answer as Ollama does: NDJSON lines or one object."""
-    params = options.sampling(s.max_tokens_for(ids, None))
-    stream = await s.start(ids, params, f"ollama-{uuid.uuid4().hex}")
+    limit = s.max_tokens_for(ids, None)
+    params = s.sampling(lambda: options.sampling(limit))
+    stream = await s.start(request, ids, params, f"ollama-{uuid.uuid4().hex}")
 
     def piece(text: str) -> dict[str, Any]:
         if shape == "chat":

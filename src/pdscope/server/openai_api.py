@@ -72,9 +72,10 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     s = _state(request)
     s.check_model(body.model)
     ids = _completion_prompt(s, body.prompt)
-    params = body.sampling(s.max_tokens_for(ids, body.max_tokens))
+    limit = s.max_tokens_for(ids, body.max_tokens)
+    params = s.sampling(lambda: body.sampling(limit))
     rid = f"cmpl-{uuid.uuid4().hex}"
-    stream = await s.start(ids, params, rid)
+    stream = await s.start(request, ids, params, rid)
     created = int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": s.model_name}
 
@@ -137,9 +138,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     s.check_model(body.model)
     ids = s.chat_prompt(body.messages)
     asked = body.max_completion_tokens or body.max_tokens
-    params = body.sampling(s.max_tokens_for(ids, asked))
+    limit = s.max_tokens_for(ids, asked)
+    params = s.sampling(lambda: body.sampling(limit))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = await s.start(ids, params, rid)
+    stream = await s.start(request, ids, params, rid)
     head = {"id": rid, "created": int(time.time()), "model": s.model_name}
 
     if not body.stream:

@@ -1,14 +1,16 @@
 """Request bodies of the OpenAI- and Ollama-compatible routes, validated by pydantic.
 
 Fields follow the public APIs (and vLLM's extensions: top_k, ignore_eos, min_tokens,
-stop_token_ids); unknown fields are ignored, as the servers people run ignore them.
+stop_token_ids). Optional fields accept null, as OpenAI's do. Unknown fields are ignored, but a
+known OpenAI feature pdscope does not implement (logprobs, penalties, tools, ...) is refused when
+set to anything but its neutral value: silently ignoring it would return wrong results.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pdscope.engine.sampling_params import SamplingParams
 
@@ -21,24 +23,56 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+SEED_RANGE = {"ge": -(2**63), "lt": 2**64}  # what torch.Generator.manual_seed accepts
+
+# OpenAI parameters pdscope does not implement, with the values that mean "not used".
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+}
+
+
 class _OpenAISampling(_Body):
     model: str | None = None
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
-    seed: int | None = None
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = Field(None, **SEED_RANGE)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    n: int = 1
+    n: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, neutral in UNSUPPORTED.items():
+                if key in data and data[key] not in neutral:
+                    raise ValueError(f"'{key}' is not supported by pdscope (got {data[key]!r})")
+        return data
+
     @field_validator("n")
     @classmethod
-    def _only_one(cls, n: int) -> int:
-        if n != 1:
+    def _only_one(cls, n: int | None) -> int | None:
+        if n not in (None, 1):
             raise ValueError(f"n={n} is not supported: pdscope returns one choice per request")
         return n
 
@@ -46,9 +80,9 @@ class _OpenAISampling(_Body):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
             seed=self.seed,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
@@ -93,7 +127,7 @@ class DetokenizeRequest(_Body):
 class OllamaOptions(_Body):
     num_predict: int | None = None
     temperature: float | None = Field(None, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(None, **SEED_RANGE)
     stop: list[str] | None = None
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)

@@ -49,6 +49,9 @@ class LayerSpec:
     kv_values_per_token: int
     window: int | None
     attention: AttentionShape
+    # How a single decoding token attends, when that differs: MLA decode runs "absorbed"
+    # attention over the latent (query/key width kv_lora_rank + rope, value width kv_lora_rank).
+    decode_attention: AttentionShape | None = None
     num_experts: int = 0  # routed experts (0 = dense layer)
     experts_per_token: int = 0
     expert_params: int = 0  # one routed expert
@@ -231,10 +234,12 @@ def spec_from_config(
         )
         kv_values = kv_rank + rope
         attention = AttentionShape(heads, nope + rope, v_dim)
+        decode_attention = AttentionShape(heads, kv_rank + rope, kv_rank)
     else:
         q_width, kv_width = heads * head_dim, kv_heads * head_dim
         attn_params = hidden * q_width + 2 * hidden * kv_width + q_width * hidden
-        bias = config.get("attention_bias", model_type == "qwen2")
+        decode_attention = None
+        bias = config.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))
         if bias:
             attn_params += q_width + 2 * kv_width
             if model_type == "gpt_oss":
@@ -257,6 +262,8 @@ def spec_from_config(
     top_k = config.get("num_experts_per_tok") or config.get("experts_per_token") or 0
     moe_inter = config.get("moe_intermediate_size") or inter
     shared = config.get("n_shared_experts") or 0
+    # Qwen2-MoE: one shared expert of its own width, behind a sigmoid gate (hidden -> 1).
+    shared_inter = config.get("shared_expert_intermediate_size") or 0
     first_dense = config.get("first_k_dense_replace") or 0
     moe_freq = config.get("moe_layer_freq") or config.get("decoder_sparse_step") or 1
     mlp_only = set(config.get("mlp_only_layers") or [])
@@ -274,8 +281,9 @@ def spec_from_config(
             if model_type == "gpt_oss":
                 expert += 3 * moe_inter  # gate_up and down biases
             router = hidden * routed
-            mlp_params = routed * expert + shared * expert + router
-            mlp_active = top_k * expert + shared * expert + router
+            always = shared * expert + (3 * hidden * shared_inter + hidden if shared_inter else 0)
+            mlp_params = routed * expert + always + router
+            mlp_active = top_k * expert + always + router
             moe_fields = {
                 "num_experts": routed,
                 "experts_per_token": top_k,
@@ -295,6 +303,7 @@ def spec_from_config(
                 kv_values_per_token=kv_values,
                 window=windows[index],
                 attention=attention,
+                decode_attention=decode_attention,
                 **moe_fields,
             )
         )
