@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/pdscope plan
+	$(BIN)/pdscope probe
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

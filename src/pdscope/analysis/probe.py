@@ -85,6 +85,7 @@ def _prompt_tokens(trace: Trace) -> int | None:
 
 def point(traces: list[Trace]) -> dict[str, Any]:
     """One sweep point: medians and spread over its repeats (failures left out, counted)."""
+    assert traces, "a point needs at least one request"
     good = _ok(traces)
     ttft = [t.ttft_s for t in good if t.ttft_s is not None]
     decode = [t.decode_tok_s for t in good if t.decode_tok_s is not None]
@@ -191,9 +192,9 @@ def analyze(traces: list[Trace], runtime: str, ceilings: Ceilings | None = None)
             "cached_tokens": warm[0].cached_tokens,
         }
 
-    short, long = point(by_label["context-short"]), point(by_label["context-long"])
     result["context"] = None
     if by_label["context-short"] and by_label["context-long"]:
+        short, long = point(by_label["context-short"]), point(by_label["context-long"])
         result["context"] = {
             "short": short,
             "long": long,

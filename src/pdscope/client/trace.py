@@ -101,21 +101,23 @@ class Trace:
         """Per-token inter-token latencies: a gap that delivered k tokens counts k times at
         gap / k. k is the chunk's own token count when the server gives it; else tokens are
         spread evenly over the gaps so the samples sum to the decode time (when the server's
-        token total equals the chunk count, that is exactly one token per chunk)."""
+        token total equals the chunk count, that is exactly one token per chunk). The samples
+        always sum to the time from first to last content chunk."""
         if not self.ok or len(self.chunks) < 2:
             return []
         gaps = [b.t_s - a.t_s for a, b in zip(self.chunks, self.chunks[1:], strict=False)]
         known = [c.tokens for c in self.chunks[1:]]
         if all(k is not None and k > 0 for k in known):
-            counts = [float(k) for k in known]  # type: ignore[arg-type]
+            counts: list[int] = known  # type: ignore[assignment]
         else:
-            n = self.n_output or len(self.chunks)
-            per_gap = max(n - 1, 1) / len(gaps)
-            counts = [per_gap] * len(gaps)
+            # n - 1 tokens over the gaps, as evenly as whole tokens allow (earlier gaps take the
+            # remainder), at least one per gap.
+            tokens = max((self.n_output or len(self.chunks)) - 1, len(gaps))
+            base, extra = divmod(tokens, len(gaps))
+            counts = [base + (1 if i < extra else 0) for i in range(len(gaps))]
         samples: list[float] = []
         for gap, k in zip(gaps, counts, strict=True):
-            whole = max(1, round(k))
-            samples.extend([gap / k] * whole)
+            samples.extend([gap / k] * k)
         return samples
 
     def to_dict(self) -> dict[str, Any]:

@@ -313,10 +313,12 @@ class LLMEngine:
 
     def _check_stop(self, request: Request, token: int) -> str | None:
         p = request.params
-        delta = self.detokenizers[request.request_id].add(token)
+        detokenizer = self.detokenizers[request.request_id]
         enough = len(request.output_token_ids) >= p.min_tokens
         if enough and token in request.stop_token_ids:
+            request.output_text += detokenizer.flush()  # the stop token itself adds no text
             return "stop"
+        delta = detokenizer.add(token)
         if delta:
             request.output_text += delta
             if enough and p.stop:
@@ -326,9 +328,10 @@ class LLMEngine:
                 if hits:
                     request.output_text = request.output_text[: min(hits)]
                     return "stop"
-        if len(request.output_token_ids) >= p.max_tokens:
-            return "length"
-        if request.num_tokens >= self.max_model_len:
+        if len(request.output_token_ids) >= p.max_tokens or (
+            request.num_tokens >= self.max_model_len
+        ):
+            request.output_text += detokenizer.flush()  # release a held-back partial character
             return "length"
         return None
 

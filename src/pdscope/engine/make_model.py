@@ -147,7 +147,7 @@ CHAT_TEMPLATE = (
 
 _INIT_STD = 0.02
 # Mixed into every tensor seed; changing it changes every weight of every model.
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
 _MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 # --------------------------------------------------------------------------------------------
@@ -345,6 +345,12 @@ def _init_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtyp
     gen.manual_seed(_tensor_seed(seed, name))
     # Sample in float32 then round, so bf16/fp16 weights are the float32 ones rounded.
     values = torch.empty(shape, dtype=torch.float32).normal_(0.0, _INIT_STD, generator=gen)
+    if name in ("lm_head.weight", "model.embed_tokens.weight"):
+        # Zero output rows for the special tokens: their logit is exactly 0 while the best of
+        # thousands of random logits is always above 0, so greedy decoding never emits EOS or a
+        # chat marker and streams carry text, as a real model's mostly do. (With tied
+        # embeddings this also zeroes their input embedding, which nothing relies on.)
+        values[: len(SPECIAL_TOKENS)] = 0
     return values.to(dtype)
 
 

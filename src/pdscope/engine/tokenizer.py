@@ -90,6 +90,15 @@ class IncrementalDetokenizer:
         # replacement marks must not count as text already seen.
         self.at_start = True
 
+    def flush(self) -> str:
+        """Whatever is still held back (text ending mid-character) when the request ends."""
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        if self.at_start:
+            prefix = prefix.rstrip("\ufffd")
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix) :]
+
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
         decode = self.tokenizer.decode
