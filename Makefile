@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint
+.PHONY: demo test test-fast test-vllm lint
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,7 +19,11 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m 'not slow'
+	$(BIN)/python -m pytest -q -m 'not slow and not vllm'
+
+# pdscope's client against a real vLLM (needs `make peers`; vLLM takes minutes to start here).
+test-vllm: $(STAMP) peers
+	$(BIN)/python -m pytest -q -m vllm
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
