@@ -481,6 +481,238 @@ def probe(
         raise typer.Exit(1)
 
 
+def _float_list(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise fail(f"{flag} takes comma-separated numbers (or inf), got {text!r}") from None
+    if not values or any(not v > 0 for v in values):
+        raise fail(f"{flag} needs positive numbers, got {text!r}")
+    return values
+
+
+@app.command()
+def bench(
+    url: Annotated[
+        str | None,
+        typer.Argument(
+            help="Server to load; omit to start the embedded "
+            "server. 'compare A.json B.json' compares two "
+            "saved runs."
+        ),
+    ] = None,
+    files: Annotated[
+        list[Path] | None,
+        typer.Argument(help="With 'compare': two result files.", show_default=False),
+    ] = None,
+    api: Annotated[
+        str, typer.Option(help="auto, openai-completions, openai-chat or ollama.")
+    ] = "auto",
+    model: Annotated[
+        str | None, typer.Option(help="Model (optional when the server has one).")
+    ] = None,
+    api_key: Annotated[str | None, typer.Option(help="Bearer token for the server.")] = None,
+    workload: Annotated[
+        str,
+        typer.Option(
+            help="random, shared-prefix, long-prompt or file:PATH (JSONL or ShareGPT JSON)."
+        ),
+    ] = "random",
+    num_prompts: Annotated[int, typer.Option(help="Requests per run.")] = 100,
+    input_len: Annotated[
+        str, typer.Option(help="random: N, LOW-HIGH or normal:MEAN:STD tokens.")
+    ] = "128",
+    output_len: Annotated[
+        str, typer.Option(help="Output tokens: N, LOW-HIGH or normal:MEAN:STD.")
+    ] = "128",
+    groups: Annotated[int, typer.Option(help="shared-prefix: prefix groups.")] = 4,
+    prefix_len: Annotated[int, typer.Option(help="shared-prefix: prefix tokens.")] = 1024,
+    suffix_len: Annotated[int, typer.Option(help="shared-prefix: unique suffix tokens.")] = 64,
+    streams: Annotated[int, typer.Option(help="long-prompt: decode streams.")] = 8,
+    stream_output: Annotated[int, typer.Option(help="long-prompt: tokens per stream.")] = 256,
+    long_len: Annotated[int, typer.Option(help="long-prompt: tokens per long prompt.")] = 2000,
+    long_rate: Annotated[float, typer.Option(help="long-prompt: long prompts per second.")] = 0.5,
+    request_rate: Annotated[
+        str, typer.Option(help="Requests/s, or a series: 1,2,4,8 (inf = all at once).")
+    ] = "inf",
+    max_concurrency: Annotated[
+        str | None, typer.Option(help="Cap on requests in flight, or a series: 1,4,16,64.")
+    ] = None,
+    burstiness: Annotated[
+        float, typer.Option(help="Gamma shape of arrival gaps (1 = Poisson).")
+    ] = 1.0,
+    duration: Annotated[
+        float | None, typer.Option(help="Stop sending after this many seconds.")
+    ] = None,
+    warmup: Annotated[int, typer.Option(help="Warm-up requests, excluded.")] = 1,
+    ramp_up: Annotated[float, typer.Option(help="Seconds over which the rate ramps up.")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Seed for lengths, prompts and arrivals.")] = 0,
+    percentiles: Annotated[str, typer.Option(help="Percentiles to report.")] = "50,90,95,99",
+    slo: Annotated[
+        str | None,
+        typer.Option(
+            help="Goodput SLOs per request: "
+            "ttft=2s,tpot=100ms,e2e=10s; with "
+            "--find-capacity: p99_ttft=2s,p99_itl=100ms."
+        ),
+    ] = None,
+    find_capacity: Annotated[
+        bool, typer.Option("--find-capacity", help="Search the highest concurrency meeting --slo.")
+    ] = False,
+    sweep: Annotated[
+        str | None, typer.Option(help="'auto': double concurrency until throughput saturates.")
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds allowed per request.")] = 300.0,
+    save_result: Annotated[
+        Path | None,
+        typer.Option(help="Write the result JSON (vllm bench serve's field names) here."),
+    ] = None,
+    server_args: Annotated[
+        str,
+        typer.Option(help="Flags for the embedded server, e.g. '--max-num-batched-tokens 256'."),
+    ] = "",
+) -> None:
+    """Load a server: arrivals, workloads, latency percentiles, goodput, the server's own
+    metrics, and the capacity where p99 breaks."""
+    import asyncio
+    import math
+    import shlex
+    import tempfile
+
+    from rich.progress import Progress as Bar
+    from rich.progress import TextColumn
+
+    from pdscope.analysis.bench import SLO, SLOError
+    from pdscope.client.adapters import APIS
+    from pdscope.client.detect import ProbeError
+    from pdscope.client.load import Progress as LoadProgress
+    from pdscope.commands.bench import WORKLOADS, BenchSettings, BenchState
+    from pdscope.commands.bench import bench as run_bench
+    from pdscope.report.bench import comparable, render_bench, render_compare
+
+    if url == "compare":
+        if not files or len(files) != 2:
+            raise fail("usage: pdscope bench compare A.json B.json")
+        try:
+            a, b = (comparable(json.loads(f.read_text())) for f in files)
+        except (OSError, ValueError) as exc:
+            raise fail(f"cannot read a saved run: {exc}") from None
+        render_compare(a, b, (files[0].name, files[1].name), console)
+        return
+    if files:
+        raise fail(f"unexpected arguments: {' '.join(map(str, files))}")
+    if api != "auto" and api not in APIS:
+        raise fail(f"--api must be auto or one of {', '.join(APIS)}, got {api!r}")
+    if workload not in WORKLOADS[:3] and not workload.startswith("file:"):
+        raise fail(f"--workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
+    if sweep not in (None, "auto"):
+        raise fail(f"--sweep takes 'auto', got {sweep!r}")
+    for flag, value in (
+        ("--num-prompts", num_prompts),
+        ("--groups", groups),
+        ("--streams", streams),
+        ("--prefix-len", prefix_len),
+    ):
+        if value < 1:
+            raise fail(f"{flag} must be >= 1, got {value}")
+    rates = _float_list(request_rate, "--request-rate")
+    concurrencies: list[int | None] = (
+        [int(c) for c in _int_list(max_concurrency, "--max-concurrency")]
+        if max_concurrency
+        else [None]
+    )
+    if len(rates) > 1 and len(concurrencies) > 1:
+        raise fail("give a series of --request-rate or of --max-concurrency, not both")
+    try:
+        pcts = tuple(float(p) for p in percentiles.split(","))
+        if any(not 0 < p < 100 for p in pcts):
+            raise ValueError
+    except ValueError:
+        raise fail(f"--percentiles takes numbers in (0, 100), got {percentiles!r}") from None
+    try:
+        if find_capacity:
+            if not slo:
+                raise fail("--find-capacity needs --slo, e.g. p99_ttft=2s,p99_itl=100ms")
+            SLO.parse(slo, aggregate=True)
+        else:
+            SLO.parse(slo)
+    except SLOError as exc:
+        raise fail(str(exc)) from None
+    settings = BenchSettings(
+        url=url or "",
+        api=api,
+        model=model,
+        api_key=api_key,
+        workload=workload,
+        num_prompts=num_prompts,
+        input_len=input_len,
+        output_len=output_len,
+        groups=groups,
+        prefix_len=prefix_len,
+        suffix_len=suffix_len,
+        streams=streams,
+        stream_output=stream_output,
+        long_len=long_len,
+        long_rate=long_rate,
+        request_rates=[math.inf if math.isinf(r) else r for r in rates],
+        concurrencies=concurrencies,
+        burstiness=burstiness,
+        duration_s=duration,
+        warmup=warmup,
+        ramp_up_s=ramp_up,
+        seed=seed,
+        percentiles=pcts,
+        goodput_slo=None if find_capacity else slo,
+        capacity_slo=slo if find_capacity else None,
+        sweep_auto=sweep == "auto",
+        timeout_s=timeout,
+    )
+    embedded = None
+    if url is None:
+        from pdscope.server.launch import start_server
+
+        if not max_concurrency and rates == [math.inf] and num_prompts == 100:
+            settings.num_prompts, settings.concurrencies = 32, [8]  # a short default load
+            settings.output_len = "64" if output_len == "128" else output_len
+        err_console.print("starting the embedded server (built-in small model) ...")
+        log = Path(tempfile.mkdtemp(prefix="pdscope-bench-")) / "server.log"
+        try:
+            embedded = start_server("small", log, *shlex.split(server_args), name="small")
+        except RuntimeError as exc:
+            raise fail(str(exc), 1) from None
+        settings.url = embedded.url
+    state = BenchState()
+    bar = Bar(TextColumn("{task.description}"), console=err_console, transient=True)
+    task = bar.add_task("starting", total=None)
+
+    def progress(level: str, p: LoadProgress) -> None:
+        bar.update(
+            task,
+            description=f"{level}: {p.completed} done, {p.in_flight} in flight, "
+            f"{p.failed} failed, {p.output_tok_s:,.0f} output tok/s",
+        )
+
+    try:
+        with bar:
+            result = asyncio.run(run_bench(settings, state, progress))
+    except KeyboardInterrupt:
+        state.partial = state.partial or "interrupted (Ctrl-C)"
+        result = state.result()
+    except (ProbeError, ValueError) as exc:
+        raise fail(str(exc), 1) from None
+    finally:
+        if embedded is not None:
+            embedded.stop()
+    if save_result:
+        save_result.write_text(json.dumps(result, indent=2))
+    if result["runs"]:
+        render_bench(result, console)
+    if save_result:
+        console.print(f"wrote {save_result}")
+    if result["partial"] or not result["runs"]:
+        raise typer.Exit(1)
+
+
 def _list_devices(as_json: bool) -> None:
     from rich.table import Table
 

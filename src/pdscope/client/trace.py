@@ -28,6 +28,7 @@ class Trace:
     prompt_tokens_asked: int | None = None
     max_tokens: int | None = None
     # client clock
+    scheduled_s: float | None = None  # when the load plan meant to send it (bench)
     start_s: float = 0.0  # the client began (before any connection work)
     connected_s: float | None = None  # TCP (and TLS) connection ready; None: reused
     sent_s: float | None = None  # request fully written
@@ -56,6 +57,11 @@ class Trace:
         if self.connected_s is None:
             return 0.0 if self.sent_s is not None else None
         return self.connected_s - self.start_s
+
+    @property
+    def lag_s(self) -> float | None:
+        """How late the client sent it against its schedule (concurrency cap, client load)."""
+        return None if self.scheduled_s is None else self.start_s - self.scheduled_s
 
     @property
     def request_start_s(self) -> float:

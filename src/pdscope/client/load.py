@@ -1,0 +1,174 @@
+"""The load generator: send workload requests on an arrival schedule, record one Trace each.
+
+Open loop: arrival times are drawn up front (gamma-distributed gaps with shape = burstiness and
+scale = 1 / (rate x burstiness), as vllm bench serve draws them; burstiness 1 is Poisson) and a
+request goes out at its time however slow earlier responses are, so there is no coordinated
+omission. ``max_concurrency`` caps requests in flight (closed loop, or a cap on open loop); the
+wait it causes is measured per request as client lag behind schedule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from pdscope.client.adapters import API_OLLAMA, openai_body, run_ollama, run_openai
+from pdscope.client.trace import Trace
+from pdscope.client.workloads import RequestSpec
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    request_rate: float = math.inf  # requests per second; inf sends everything at once
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    duration_s: float | None = None  # stop sending new requests after this
+    ramp_up_s: float = 0.0  # the rate climbs linearly from 0 over this long
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.request_rate > 0:
+            raise ValueError(f"request rate must be positive, got {self.request_rate}")
+        if not self.burstiness > 0:
+            raise ValueError(f"burstiness must be positive, got {self.burstiness}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max concurrency must be >= 1, got {self.max_concurrency}")
+
+    def schedule(self, n: int) -> list[float]:
+        """Send times (seconds from the start) for ``n`` requests."""
+        if math.isinf(self.request_rate):
+            return [0.0] * n
+        rng = random.Random(self.seed)
+        times, t = [], 0.0
+        for _ in range(n):
+            rate = self.request_rate
+            if self.ramp_up_s > 0 and t < self.ramp_up_s:
+                rate = max(rate * t / self.ramp_up_s, rate / 100)
+            t += rng.gammavariate(self.burstiness, 1 / (rate * self.burstiness))
+            times.append(t)
+        return times
+
+
+@dataclass
+class Progress:
+    sent: int = 0
+    completed: int = 0
+    failed: int = 0
+    in_flight: int = 0
+    output_tokens: int = 0
+    started_s: float = field(default_factory=time.perf_counter)
+
+    @property
+    def output_tok_s(self) -> float:
+        elapsed = time.perf_counter() - self.started_s
+        return self.output_tokens / elapsed if elapsed > 0 else 0.0
+
+
+@dataclass
+class LoadResult:
+    traces: list[Trace]
+    start_s: float
+    end_s: float
+    partial: str | None = None  # why the run stopped early, if it did
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+async def send(
+    client: httpx.AsyncClient,
+    url: str,
+    api: str,
+    model: str,
+    spec: RequestSpec,
+    headers: dict[str, str] | None = None,
+    label: str = "",
+) -> Trace:
+    if api == API_OLLAMA:
+        prompt = spec.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            prompt = "\n".join(str(m.get("content", "")) for m in prompt)
+        return await run_ollama(
+            client,
+            url,
+            model,
+            str(prompt),
+            spec.output_tokens,
+            label,
+            spec.input_tokens,
+            headers=headers,
+        )
+    body = openai_body(api, model, spec.prompt, spec.output_tokens)
+    return await run_openai(client, url, api, body, label, spec.input_tokens, headers)
+
+
+async def run_load(
+    client: httpx.AsyncClient,
+    url: str,
+    api: str,
+    model: str,
+    specs: list[RequestSpec],
+    plan: LoadPlan,
+    headers: dict[str, str] | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
+) -> LoadResult:
+    """Send every spec on schedule; returns when all sent requests have ended."""
+    offsets = plan.schedule(len(specs))
+    for i, spec in enumerate(specs):
+        if spec.at_s is not None:
+            offsets[i] = spec.at_s
+    order = sorted(range(len(specs)), key=lambda i: offsets[i])
+    gate = asyncio.Semaphore(plan.max_concurrency) if plan.max_concurrency else None
+    progress = Progress()
+    traces: list[Trace] = []
+    tasks: set[asyncio.Task] = set()
+    start = time.perf_counter()
+    partial = None
+
+    async def one(spec: RequestSpec, scheduled: float) -> None:
+        try:
+            trace = await send(client, url, api, model, spec, headers, spec.kind)
+        finally:
+            if gate:
+                gate.release()
+            progress.in_flight -= 1
+        trace.scheduled_s = scheduled
+        traces.append(trace)
+        if trace.ok:
+            progress.completed += 1
+            progress.output_tokens += trace.n_output or 0
+        else:
+            progress.failed += 1
+        if on_progress:
+            on_progress(progress)
+
+    try:
+        for i in order:
+            scheduled = start + offsets[i]
+            if plan.duration_s is not None and offsets[i] > plan.duration_s:
+                break
+            delay = scheduled - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if gate:
+                await gate.acquire()
+            progress.sent += 1
+            progress.in_flight += 1
+            task = asyncio.create_task(one(specs[i], scheduled))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.gather(*tasks)
+    except asyncio.CancelledError:
+        partial = "interrupted"
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return LoadResult(traces, start, time.perf_counter(), partial)

@@ -1,0 +1,210 @@
+"""Terminal report for `pdscope bench` and `pdscope bench compare`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _f(x: float | None, fmt: str = "{:,.1f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def render_bench(r: dict[str, Any], console: Console) -> None:
+    m = r["metadata"]
+    console.print(
+        f"[bold]pdscope bench[/] {m['url']}: [bold]{m['runtime']}[/], model "
+        f"[bold]{m['model']}[/], workload {m['workload']}, API {m['api']}, prompt "
+        f"tokens {'exact' if m.get('exact_prompt_tokens') else 'calibrated'}"
+    )
+    table = Table(
+        title="Runs (latencies in ms; percentiles by numpy linear interpolation)",
+        title_justify="left",
+    )
+    cols = [
+        "load",
+        "done",
+        "fail",
+        "req/s",
+        "out tok/s",
+        "TTFT p50",
+        "TTFT p99",
+        "TPOT p50",
+        "ITL p50",
+        "ITL p99",
+        "E2E p99",
+        "goodput",
+        "lag p99",
+    ]
+    for col in cols:
+        table.add_column(col, justify="right")
+    for run in r["runs"]:
+        s = run["summary"]
+        load = []
+        if run["request_rate"] is not None:
+            load.append(f"{run['request_rate']:g}/s")
+        if run["max_concurrency"]:
+            load.append(f"c={run['max_concurrency']}")
+        table.add_row(
+            " ".join(load) or "all at once",
+            str(s["completed"]),
+            str(s["failed"]),
+            _f(s["request_throughput"], "{:,.2f}"),
+            _f(s["output_throughput"]),
+            _f(s["median_ttft_ms"]),
+            _f(s.get("p99_ttft_ms")),
+            _f(s["median_tpot_ms"]),
+            _f(s["median_itl_ms"]),
+            _f(s.get("p99_itl_ms")),
+            _f(s.get("p99_e2el_ms")),
+            _f(s.get("goodput_fraction"), "{:.0%}"),
+            _f((s["client_lag_ms"] or {}).get("p99")),
+        )
+    console.print(table)
+
+    server = Table(title="Server's view (/metrics, sampled during each run)", title_justify="left")
+    for col in (
+        "load",
+        "max running",
+        "max waiting",
+        "max KV use",
+        "preemptions",
+        "prefix hit rate",
+        "server TTFT p50",
+        "server TTFT p99",
+        "server ITL p99",
+    ):
+        server.add_column(col, justify="right")
+    shown = False
+    for run in r["runs"]:
+        v = run["server"]
+        if not v.get("available"):
+            continue
+        shown = True
+        h = v.get("histograms") or {}
+        deltas = v.get("deltas") or {}
+        server.add_row(
+            _load(run),
+            _f(v.get("max_running"), "{:,.0f}"),
+            _f(v.get("max_waiting"), "{:,.0f}"),
+            _f(v.get("max_kv_usage"), "{:.0%}"),
+            _f(deltas.get("preemptions"), "{:,.0f}"),
+            _f(v.get("prefix_hit_rate"), "{:.0%}"),
+            _f((h.get("ttft") or {}).get("p50_ms")),
+            _f((h.get("ttft") or {}).get("p99_ms")),
+            _f((h.get("itl") or {}).get("p99_ms")),
+        )
+    if shown:
+        console.print(server)
+        console.print(
+            "[dim]server TTFT starts when the server has the request and ends at the "
+            "engine's first token; the client's adds the network and the client's "
+            "own scheduling. Histogram quantiles are interpolated within buckets.[/]"
+        )
+    else:
+        reasons = {run["server"].get("reason") for run in r["runs"]}
+        console.print(f"[dim]no server metrics: {', '.join(str(x) for x in reasons)}[/]")
+    for run in r["runs"]:
+        kinds = run.get("by_kind") or {}
+        if len(kinds) > 1:
+            t = Table(title=f"By request kind at {_load(run)}", title_justify="left")
+            for col in ("kind", "done", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"):
+                t.add_column(col, justify="right")
+            for kind, s in kinds.items():
+                t.add_row(
+                    kind,
+                    str(s["completed"]),
+                    _f(s["median_ttft_ms"]),
+                    _f(s.get("p99_ttft_ms")),
+                    _f(s["median_itl_ms"]),
+                    _f(s.get("p99_itl_ms")),
+                )
+            console.print(t)
+        failures = run["summary"]["failures_by_kind"]
+        if failures:
+            console.print(
+                f"[red]failures at {_load(run)}:[/] "
+                + ", ".join(f"{k}: {n}" for k, n in failures.items())
+            )
+    if m.get("saturation_concurrency"):
+        console.print(f"throughput saturates near concurrency {m['saturation_concurrency']}")
+    cap = r.get("capacity")
+    if cap:
+        slo = ", ".join(f"{k} ≤ {v * 1e3:g} ms" for k, v in cap["slo"].items())
+        best = cap["max_concurrency_meeting_slo"]
+        console.print(
+            f"capacity under {slo}: "
+            + (
+                f"[bold]{best}[/] concurrent requests "
+                f"({_f(cap['run']['output_throughput'])} output tok/s)"
+                if best
+                else "not even 1 concurrent request meets it"
+            )
+            + (
+                f"; {cap['first_failing_concurrency']} breaks it"
+                if cap["first_failing_concurrency"]
+                else ""
+            )
+            + f" ({cap['searched_runs']} runs)"
+        )
+    if r.get("partial"):
+        console.print(f"[red]partial results:[/] {r['partial']}")
+
+
+def _load(run: dict[str, Any]) -> str:
+    parts = []
+    if run["request_rate"] is not None:
+        parts.append(f"{run['request_rate']:g}/s")
+    if run["max_concurrency"]:
+        parts.append(f"c={run['max_concurrency']}")
+    return " ".join(parts) or "all at once"
+
+
+COMPARED = (
+    "completed",
+    "failed",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "median_e2el_ms",
+    "p99_e2el_ms",
+    "request_goodput",
+)
+
+
+def comparable(result: dict[str, Any]) -> dict[str, Any]:
+    """A saved run's figures: the top level (one run, or vllm bench serve's own JSON), else
+    the last run of a series."""
+    if "completed" in result:
+        return result
+    runs = result.get("runs") or []
+    if not runs:
+        raise ValueError("no run in this file")
+    return runs[-1]["summary"]
+
+
+def render_compare(
+    a: dict[str, Any], b: dict[str, Any], names: tuple[str, str], console: Console
+) -> None:
+    table = Table(title=f"{names[0]} vs {names[1]}", title_justify="left")
+    for col in ("figure", names[0], names[1], "B / A"):
+        table.add_column(col, justify="right")
+    for key in COMPARED:
+        x, y = a.get(key), b.get(key)
+        if x is None and y is None:
+            continue
+        ratio = (
+            f"{y / x:.2f}x"
+            if isinstance(x, int | float) and isinstance(y, int | float) and x
+            else "-"
+        )
+        table.add_row(key, _f(x, "{:,.2f}"), _f(y, "{:,.2f}"), ratio)
+    console.print(table)
