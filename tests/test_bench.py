@@ -171,12 +171,17 @@ def test_cli_save_and_compare(medium_server: Server, tmp_path: Path) -> None:
                 c,
                 "--save-result",
                 str(out),
+                "--report",
+                str(tmp_path / f"c{c}.html"),
             ],
         )
         assert res.exit_code == 0, res.output
         paths.append(out)
         data = json.loads(out.read_text())
         assert data["completed"] == 8 and data["metadata"]["pdscope_version"]
+        page = (tmp_path / f"c{c}.html").read_text()
+        assert page.count("data:image/png;base64,") >= 2  # latency CDFs and server timeline
+        assert "<table>" in page and "p99_itl_ms" in page
     res = runner.invoke(cli, ["bench", "compare", *map(str, paths)])
     assert res.exit_code == 0 and "output_throughput" in res.output and "x" in res.output
 
@@ -286,3 +291,47 @@ def test_capacity_search_bisects() -> None:
     assert b.state.capacity["max_concurrency_meeting_slo"] == 6
     assert b.state.capacity["first_failing_concurrency"] == 7
     assert b.tried[:4] == [1, 2, 4, 8]
+
+
+@pytest.mark.slow
+def test_html_report_renders_in_a_browser(medium_server: Server, tmp_path: Path) -> None:
+    """Headless Chromium screenshot of a series report; skipped where no browser is installed
+    (CI machines have none unless installed by hand)."""
+    import shutil
+    import subprocess
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if not browser:
+        pytest.skip("no chromium on this machine")
+    from pdscope.report.bench_html import render_html
+
+    r = run(
+        BenchSettings(
+            url=medium_server.url,
+            num_prompts=8,
+            input_len="32",
+            output_len="8",
+            concurrencies=[1, 4],
+        )
+    )
+    page = tmp_path / "report.html"
+    page.write_text(render_html(r))
+    shot = tmp_path / "shot.png"
+    subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--no-first-run",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            f"--screenshot={shot}",
+            "--window-size=1200,2400",
+            page.as_uri(),
+        ],
+        check=True,
+        timeout=120,
+        capture_output=True,
+    )
+    assert shot.stat().st_size > 20_000  # a page with plots, not a blank or error page

@@ -571,6 +571,9 @@ def bench(
         str,
         typer.Option(help="Flags for the embedded server, e.g. '--max-num-batched-tokens 256'."),
     ] = "",
+    report: Annotated[
+        Path | None, typer.Option(help="Write a self-contained HTML report with plots here.")
+    ] = None,
 ) -> None:
     """Load a server: arrivals, workloads, latency percentiles, goodput, the server's own
     metrics, and the capacity where p99 breaks."""
@@ -705,10 +708,15 @@ def bench(
             embedded.stop()
     if save_result:
         save_result.write_text(json.dumps(result, indent=2))
+    if report and result["runs"]:
+        from pdscope.report.bench_html import render_html
+
+        report.write_text(render_html(result))
     if result["runs"]:
         render_bench(result, console)
-    if save_result:
-        console.print(f"wrote {save_result}")
+    for path in (save_result, report):
+        if path:
+            console.print(f"wrote {path}")
     if result["partial"] or not result["runs"]:
         raise typer.Exit(1)
 
