@@ -14,7 +14,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
@@ -22,7 +21,7 @@ from fastapi.responses import StreamingResponse
 from typer.testing import CliRunner
 
 from pdscope.cli import app as cli
-from pdscope.client.adapters import openai_body, run_ollama, run_openai
+from pdscope.client.adapters import openai_body, run_ollama, run_openai, session
 from pdscope.client.trace import Chunk, Trace
 from pdscope.commands.probe import ProbeSettings, probe
 from pdscope.engine.make_model import make_model
@@ -88,7 +87,7 @@ def test_probe_openai_dialect(medium_server: Server) -> None:
 
 def test_probe_chat_ignores_the_role_chunk(medium_server: Server) -> None:
     async def one() -> Trace:
-        async with httpx.AsyncClient() as c:
+        async with session() as c:
             body = openai_body("openai-chat", "medium", "Say something", 8)
             return await run_openai(c, medium_server.url, "openai-chat", body)
 
@@ -244,7 +243,7 @@ def fake() -> Iterator[str]:
 
 def run(url: str) -> Trace:
     async def go() -> Trace:
-        async with httpx.AsyncClient(timeout=10) as c:
+        async with session(timeout_s=10) as c:
             body = openai_body("openai-completions", "m", "hi", 6)
             return await run_openai(c, url, "openai-completions", body)
 
@@ -289,7 +288,7 @@ def test_malformed_and_cut_streams_fake(fake: str) -> None:
     assert not cut.ok and "before data: [DONE]" in cut.error and cut.e2e_s is None
 
     async def ollama() -> Trace:
-        async with httpx.AsyncClient(timeout=10) as c:
+        async with session(timeout_s=10) as c:
             return await run_ollama(c, f"{fake}/ollama-cut", "m", "hi", 4)
 
     t = asyncio.run(ollama())

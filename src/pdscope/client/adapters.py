@@ -2,18 +2,23 @@
 
 OpenAI-compatible servers stream Server-Sent Events (``data: {...}`` lines ending with
 ``data: [DONE]``); Ollama streams NDJSON (one JSON object per line, the last with ``done``).
-Both record client timestamps on one monotonic clock through httpx's trace hooks: connection
+Both record client timestamps on one monotonic clock through aiohttp's trace hooks: connection
 ready, request written, headers received, every content chunk, last byte.
+
+Streams go through aiohttp (its C HTTP parser keeps per-chunk timestamps within a few ms at 500
+concurrent streams on 2 cores, where httpx lagged by ~90 ms at p99: bench/client_capacity.py);
+plain request/response calls elsewhere use httpx.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
-import httpx
+import aiohttp
 
 from pdscope.client.trace import Chunk, Trace
 
@@ -23,17 +28,45 @@ API_OLLAMA = "ollama"
 APIS = (API_OPENAI_COMPLETIONS, API_OPENAI_CHAT, API_OLLAMA)
 
 
-def _tracer(trace: Trace) -> Callable[[str, dict], Any]:
-    async def hook(event: str, info: dict) -> None:
-        now = time.perf_counter()
-        if event in ("connection.connect_tcp.complete", "connection.start_tls.complete"):
-            trace.connected_s = now
-        elif event.endswith("send_request_body.complete"):
-            trace.sent_s = now
-        elif event.endswith("receive_response_headers.complete"):
-            trace.headers_s = now
+def _trace_config() -> aiohttp.TraceConfig:
+    """Hooks that stamp the Trace passed as ``trace_request_ctx`` with connection events."""
 
-    return hook
+    async def connected(_s: Any, ctx: SimpleNamespace, _p: Any) -> None:
+        ctx.trace_request_ctx.connected_s = time.perf_counter()
+
+    async def sent(_s: Any, ctx: SimpleNamespace, _p: Any) -> None:
+        ctx.trace_request_ctx.sent_s = time.perf_counter()
+
+    config = aiohttp.TraceConfig()
+    config.on_connection_create_end.append(connected)
+    config.on_request_chunk_sent.append(sent)
+    return config
+
+
+def session(
+    timeout_s: float = 300.0, fresh_connections: bool = False, limit: int = 0
+) -> aiohttp.ClientSession:
+    """The session the adapters stream through. ``fresh_connections`` opens a new connection
+    per request so connection setup shows in every trace (probe); ``limit`` 0 = unbounded."""
+    connector = aiohttp.TCPConnector(limit=limit, force_close=fresh_connections)
+    return aiohttp.ClientSession(
+        connector=connector,
+        trace_configs=[_trace_config()],
+        timeout=aiohttp.ClientTimeout(total=timeout_s, connect=10),
+    )
+
+
+async def _lines(response: aiohttp.ClientResponse) -> AsyncIterator[tuple[float, str]]:
+    """Lines of a streamed body, each with the time its bytes arrived (all lines of one
+    network read share that read's time)."""
+    pending = b""
+    async for data in response.content.iter_any():
+        now = time.perf_counter()
+        *lines, pending = (pending + data).split(b"\n")
+        for line in lines:
+            yield now, line.decode("utf-8", errors="replace").rstrip("\r")
+    if pending:
+        yield time.perf_counter(), pending.decode("utf-8", errors="replace")
 
 
 def _error_text(body: bytes) -> str:
@@ -75,7 +108,7 @@ def openai_body(
 
 
 async def run_openai(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     url: str,
     api: str,
     body: dict[str, Any],
@@ -96,20 +129,15 @@ async def run_openai(
     trace.start_s = time.perf_counter()
     done = False
     try:
-        async with client.stream(
-            "POST",
-            url.rstrip("/") + path,
-            json=body,
-            headers=headers,
-            extensions={"trace": _tracer(trace)},
+        async with client.post(
+            url.rstrip("/") + path, json=body, headers=headers, trace_request_ctx=trace
         ) as response:
-            trace.headers_s = trace.headers_s or time.perf_counter()
-            trace.status = response.status_code
-            if response.status_code != 200:
-                trace.error = f"HTTP {response.status_code}: {_error_text(await response.aread())}"
+            trace.headers_s = time.perf_counter()
+            trace.status = response.status
+            if response.status != 200:
+                trace.error = f"HTTP {response.status}: {_error_text(await response.read())}"
                 return trace
-            async for line in response.aiter_lines():
-                now = time.perf_counter()
+            async for now, line in _lines(response):
                 if not line.strip() or line.startswith(":"):
                     continue  # keep-alive comments and event separators
                 if not line.startswith("data:"):
@@ -130,10 +158,10 @@ async def run_openai(
                     return trace
                 _openai_event(trace, event, api, now)
             trace.end_s = time.perf_counter()
-    except httpx.TimeoutException as exc:
+    except TimeoutError as exc:
         trace.error = f"timeout: {type(exc).__name__}"
         return trace
-    except httpx.HTTPError as exc:
+    except aiohttp.ClientError as exc:
         trace.error = f"{type(exc).__name__}: {exc}"
         return trace
     if not done:
@@ -174,7 +202,7 @@ def _openai_event(trace: Trace, event: dict[str, Any], api: str, now: float) -> 
 
 
 async def run_ollama(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     url: str,
     model: str,
     prompt: str,
@@ -203,19 +231,18 @@ async def run_ollama(
     trace.start_s = time.perf_counter()
     done = False
     try:
-        async with client.stream(
-            "POST",
+        async with client.post(
             url.rstrip("/") + "/api/generate",
             json=body,
             headers=headers,
-            extensions={"trace": _tracer(trace)},
+            trace_request_ctx=trace,
         ) as response:
-            trace.status = response.status_code
-            if response.status_code != 200:
-                trace.error = f"HTTP {response.status_code}: {_error_text(await response.aread())}"
+            trace.headers_s = time.perf_counter()
+            trace.status = response.status
+            if response.status != 200:
+                trace.error = f"HTTP {response.status}: {_error_text(await response.read())}"
                 return trace
-            async for line in response.aiter_lines():
-                now = time.perf_counter()
+            async for now, line in _lines(response):
                 if not line.strip():
                     continue
                 try:
@@ -233,10 +260,10 @@ async def run_ollama(
                     _ollama_final(trace, event)
                     break
             trace.end_s = time.perf_counter()
-    except httpx.TimeoutException as exc:
+    except TimeoutError as exc:
         trace.error = f"timeout: {type(exc).__name__}"
         return trace
-    except httpx.HTTPError as exc:
+    except aiohttp.ClientError as exc:
         trace.error = f"{type(exc).__name__}: {exc}"
         return trace
     if not done:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from pdscope.client.adapters import API_OLLAMA, openai_body, run_ollama, run_openai
 from pdscope.client.trace import Trace
@@ -83,7 +83,7 @@ class LoadResult:
 
 
 async def send(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     url: str,
     api: str,
     model: str,
@@ -110,7 +110,7 @@ async def send(
 
 
 async def run_load(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     url: str,
     api: str,
     model: str,

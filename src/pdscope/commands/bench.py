@@ -19,10 +19,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 
 from pdscope import __version__
 from pdscope.analysis.bench import SLO, by_kind, summarize
+from pdscope.client.adapters import session as adapter_session
 from pdscope.client.detect import ProbeError, Runtime, detect
 from pdscope.client.load import LoadPlan, Progress, run_load, send
 from pdscope.client.prompts import PromptBuilder
@@ -101,8 +103,10 @@ class Bench:
         model: str,
         state: BenchState,
         on_progress: Callable[[str, Progress], None] | None,
+        streams: aiohttp.ClientSession | None = None,
     ):
         self.s, self.client, self.runtime, self.model = s, client, runtime, model
+        self.streams = streams  # generation requests; `client` for tokenize and /metrics
         self.state, self.on_progress = state, on_progress
         self.headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else None
         self.api = runtime.api if s.api == "auto" else s.api
@@ -145,7 +149,7 @@ class Bench:
             self.builder, self.s.warmup, Lengths("fixed", 32), Lengths("fixed", 8), self.s.seed - 1
         ):
             await send(
-                self.client, self.runtime.url, self.api, self.model, spec, self.headers, "warmup"
+                self.streams, self.runtime.url, self.api, self.model, spec, self.headers, "warmup"
             )
 
     async def run(self, rate: float, concurrency: int | None) -> dict[str, Any]:
@@ -167,7 +171,7 @@ class Bench:
         await sampler.start()
         try:
             load = await run_load(
-                self.client,
+                self.streams,
                 self.runtime.url,
                 self.api,
                 self.model,
@@ -272,7 +276,10 @@ async def bench(
 ) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(s.timeout_s, connect=10)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    async with (
+        httpx.AsyncClient(limits=limits, timeout=timeout) as client,
+        adapter_session(s.timeout_s) as streams,
+    ):
         headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else None
         runtime = await detect(client, s.url, s.api, headers)
         model = runtime.pick_model(s.model)
@@ -292,7 +299,7 @@ async def bench(
                 "cpus": os.cpu_count(),
             },
         }
-        b = Bench(s, client, runtime, model, state, on_progress)
+        b = Bench(s, client, runtime, model, state, on_progress, streams)
         state.metadata["exact_prompt_tokens"] = b.builder.use_tokenize
         await b.warm_up()
         await b.series()

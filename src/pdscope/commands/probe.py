@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 
 from pdscope.analysis.probe import Ceilings, analyze
@@ -26,6 +27,7 @@ from pdscope.client.adapters import (
     run_ollama,
     run_openai,
 )
+from pdscope.client.adapters import session as adapter_session
 from pdscope.client.detect import ProbeError, Runtime, detect
 from pdscope.client.prompts import PromptBuilder
 from pdscope.client.trace import Trace
@@ -57,8 +59,10 @@ class Prober:
         runtime: Runtime,
         model: str,
         tick: Callable[[str], None],
+        streams: aiohttp.ClientSession,
     ):
         self.s, self.client, self.runtime, self.model, self.tick = s, client, runtime, model, tick
+        self.streams = streams  # generation requests; `client` for everything else
         self.headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else None
         self.api = runtime.api if s.api == "auto" else s.api
         exact = self.api == API_OPENAI_COMPLETIONS and runtime.has_tokenize
@@ -78,7 +82,7 @@ class Prober:
         out = max_tokens or self.s.output_tokens
         if self.api == API_OLLAMA:
             trace = await run_ollama(
-                self.client,
+                self.streams,
                 self.runtime.url,
                 self.model,
                 str(prompt),
@@ -90,7 +94,7 @@ class Prober:
         else:
             body = openai_body(self.api, self.model, prompt, out)
             trace = await run_openai(
-                self.client, self.runtime.url, self.api, body, label, asked, self.headers
+                self.streams, self.runtime.url, self.api, body, label, asked, self.headers
             )
         if trace.error is None and not self.exact_prompts and isinstance(prompt, str):
             words = len(prompt.split())
@@ -189,17 +193,20 @@ async def probe(
     tick: Callable[[str], None] = lambda label: None,
 ) -> dict[str, Any]:
     """Run the whole procedure; returns the JSON-ready result (traces included)."""
-    limits = httpx.Limits(max_keepalive_connections=0)  # a fresh connection each: setup shows
+    limits = httpx.Limits(max_keepalive_connections=0)
     timeout = httpx.Timeout(s.timeout_s, connect=10)
     started = time.time()
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    async with (
+        httpx.AsyncClient(limits=limits, timeout=timeout) as client,
+        adapter_session(s.timeout_s, fresh_connections=True) as streams,
+    ):
         headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else None
         runtime = await detect(client, s.url, s.api, headers)
         model = runtime.pick_model(s.model)
         if s.api == API_OPENAI_CHAT and runtime.api == API_OLLAMA:
             raise ProbeError(f"{runtime.url} speaks Ollama's API, not openai-chat")
         notes = _cap_sweep(s, s.max_model_len or runtime.max_model_len)
-        prober = Prober(s, client, runtime, model, tick)
+        prober = Prober(s, client, runtime, model, tick, streams)
         if not prober.exact_prompts:
             notes.append(
                 "no /tokenize for this API: prompt sizes are calibrated from the "
@@ -210,7 +217,7 @@ async def probe(
         partial = None
         try:
             await prober.run()
-        except (httpx.HTTPError, ProbeError, OSError) as exc:
+        except (httpx.HTTPError, aiohttp.ClientError, ProbeError, OSError) as exc:
             partial = f"stopped early: {type(exc).__name__}: {exc}"
         root = await _model_root(client, runtime, headers)
 

@@ -148,6 +148,8 @@ body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1150px;
 table {{ border-collapse: collapse; margin: 1em 0; font-size: 14px; }}
 th, td {{ border: 1px solid #ccc; padding: 4px 8px; text-align: right; }}
 img {{ max-width: 100%; }}
+.wide {{ overflow-x: auto; }}
+th {{ font-size: 12px; }}
 .partial {{ color: #b00; font-weight: bold; }}
 </style></head><body>
 <h1>pdscope bench</h1>
