@@ -24,6 +24,32 @@ def start_server(model: Path, log_dir: Path, *args: str, name: str = "tiny") -> 
     return _start(model, log_dir / "server.log", *args, name=name, timeout_s=90)
 
 
+@pytest.fixture(scope="session")
+def medium(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Big enough that prefill time clearly grows with the prompt, small enough to be quick;
+    head_dim 64, a shape vLLM's CPU attention takes too."""
+    from pdscope.engine.make_model import make_model
+
+    return make_model(
+        tmp_path_factory.mktemp("m") / "medium",
+        "tiny",
+        num_hidden_layers=4,
+        hidden_size=256,
+        intermediate_size=704,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+
+
+@pytest.fixture(scope="module")
+def medium_server(medium: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = start_server(
+        medium, tmp_path_factory.mktemp("logs"), "--kv-cache-memory", "64MiB", name="medium"
+    )
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv = start_server(

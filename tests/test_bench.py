@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,30 +16,7 @@ from pdscope.client.load import LoadPlan
 from pdscope.client.trace import Chunk, Trace
 from pdscope.client.workloads import Lengths, WorkloadError, file_workload
 from pdscope.commands.bench import Bench, BenchSettings, BenchState, bench
-from pdscope.engine.make_model import make_model
 from tests.conftest import Server, start_server
-
-
-@pytest.fixture(scope="module")
-def medium(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(
-        tmp_path_factory.mktemp("m") / "medium",
-        "tiny",
-        num_hidden_layers=4,
-        hidden_size=256,
-        intermediate_size=704,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-
-
-@pytest.fixture(scope="module")
-def medium_server(medium: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(
-        medium, tmp_path_factory.mktemp("logs"), "--kv-cache-memory", "64MiB", name="medium"
-    )
-    yield srv
-    srv.stop()
 
 
 def run(settings: BenchSettings) -> dict:

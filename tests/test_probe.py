@@ -24,34 +24,10 @@ from pdscope.cli import app as cli
 from pdscope.client.adapters import openai_body, run_ollama, run_openai, session
 from pdscope.client.trace import Chunk, Trace
 from pdscope.commands.probe import ProbeSettings, probe
-from pdscope.engine.make_model import make_model
 from pdscope.server.launch import free_port
-from tests.conftest import Server, start_server
+from tests.conftest import Server
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def medium(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Big enough that prefill time clearly grows with the prompt, small enough to be quick.
-    return make_model(
-        tmp_path_factory.mktemp("m") / "medium",
-        "tiny",
-        num_hidden_layers=4,
-        hidden_size=256,
-        intermediate_size=704,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-
-
-@pytest.fixture(scope="module")
-def medium_server(medium: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(
-        medium, tmp_path_factory.mktemp("logs"), "--kv-cache-memory", "64MiB", name="medium"
-    )
-    yield srv
-    srv.stop()
 
 
 def settings(url: str, **kw) -> ProbeSettings:

@@ -18,7 +18,6 @@ import httpx
 import pytest
 
 from pdscope.commands.probe import ProbeSettings, probe
-from pdscope.engine.make_model import make_model
 from pdscope.server.launch import free_port
 
 VLLM = Path(__file__).resolve().parents[1] / ".venv-peers" / "bin" / "vllm"
@@ -31,17 +30,8 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    # head_dim 64: a shape vLLM's CPU attention is known to take (PEERS.md).
-    model = make_model(
-        tmp_path_factory.mktemp("m") / "llama",
-        "tiny",
-        num_hidden_layers=4,
-        hidden_size=256,
-        intermediate_size=704,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+def vllm_url(medium: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    model = medium  # head_dim 64: a shape vLLM's CPU attention takes (PEERS.md)
     port = free_port()
     log = tmp_path_factory.mktemp("logs") / "vllm.log"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
@@ -106,3 +96,27 @@ def test_probe_real_vllm(vllm_url: str) -> None:
     for t in r["traces"]:
         assert t["token_source"] == "server-usage" and t["output_tokens"] == 24
         assert all(c["text"] for c in t["chunks"])
+
+
+def test_bench_real_vllm(vllm_url: str) -> None:
+    from pdscope.commands.bench import BenchSettings, BenchState, bench
+
+    r = asyncio.run(
+        bench(
+            BenchSettings(
+                url=vllm_url, num_prompts=8, input_len="64", output_len="16", concurrencies=[4]
+            ),
+            BenchState(),
+        )
+    )
+    # A random-weight model can emit a response whose tokens decode to no visible text (bytes
+    # that never form a character); with no content there is no TTFT, so the client counts it
+    # as failed ("no generated content") instead of inventing a number.
+    assert r["completed"] + r["failed"] == 8 and r["completed"] >= 6
+    assert all(f["error"] == "no generated content in the response" for f in r["failures"])
+    assert r["total_output_tokens"] == r["completed"] * 16  # read from vLLM's usage chunks
+    assert r["metadata"]["runtime"] == "vllm" and r["metadata"]["exact_prompt_tokens"]
+    server = r["runs"][0]["server"]
+    assert server["available"] and server["runtime"] == "vllm"
+    assert server["deltas"]["generation_tokens"] == 8 * 16  # vLLM counted every request
+    assert server["histograms"]["ttft"]["count"] == 8

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -107,6 +107,46 @@ def openai_body(
     return body
 
 
+async def _stream(
+    client: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None,
+    trace: Trace,
+    parse: Callable[[Trace, float, str], bool],
+    ending: str,
+) -> Trace:
+    """POST, then feed each line to ``parse`` (True once the stream says it is done) until it
+    ends, fails or sets ``trace.error``. Never raises for server or network faults."""
+    trace.start_s = time.perf_counter()
+    done = False
+    try:
+        async with client.post(url, json=body, headers=headers, trace_request_ctx=trace) as r:
+            trace.headers_s = time.perf_counter()
+            trace.status = r.status
+            if r.status != 200:
+                trace.error = f"HTTP {r.status}: {_error_text(await r.read())}"
+                return trace
+            async for now, line in _lines(r):
+                done = parse(trace, now, line)
+                if trace.error:
+                    return trace
+                if done:
+                    break
+            trace.end_s = time.perf_counter()
+    except TimeoutError as exc:
+        trace.error = f"timeout: {type(exc).__name__}"
+        return trace
+    except aiohttp.ClientError as exc:
+        trace.error = f"{type(exc).__name__}: {exc}"
+        return trace
+    if not done:
+        trace.error = f"stream ended before {ending}"
+    elif not trace.chunks:
+        trace.error = "no generated content in the response"
+    return trace
+
+
 async def run_openai(
     client: aiohttp.ClientSession,
     url: str,
@@ -116,7 +156,7 @@ async def run_openai(
     prompt_tokens_asked: int | None = None,
     headers: dict[str, str] | None = None,
 ) -> Trace:
-    """One streamed OpenAI completion or chat request; never raises for server faults."""
+    """One streamed OpenAI completion or chat request (SSE)."""
     path = "/v1/chat/completions" if api == API_OPENAI_CHAT else "/v1/completions"
     trace = Trace(
         api=api,
@@ -126,49 +166,31 @@ async def run_openai(
         prompt_tokens_asked=prompt_tokens_asked,
         max_tokens=body.get("max_tokens"),
     )
-    trace.start_s = time.perf_counter()
-    done = False
-    try:
-        async with client.post(
-            url.rstrip("/") + path, json=body, headers=headers, trace_request_ctx=trace
-        ) as response:
-            trace.headers_s = time.perf_counter()
-            trace.status = response.status
-            if response.status != 200:
-                trace.error = f"HTTP {response.status}: {_error_text(await response.read())}"
-                return trace
-            async for now, line in _lines(response):
-                if not line.strip() or line.startswith(":"):
-                    continue  # keep-alive comments and event separators
-                if not line.startswith("data:"):
-                    trace.error = f"malformed SSE line: {line[:80]!r}"
-                    return trace
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                try:
-                    event = json.loads(data)
-                except ValueError:
-                    trace.error = f"malformed SSE JSON: {data[:80]!r}"
-                    return trace
-                if "error" in event and not event.get("choices"):
-                    err = event["error"]
-                    trace.error = str(err.get("message", err) if isinstance(err, dict) else err)
-                    return trace
-                _openai_event(trace, event, api, now)
-            trace.end_s = time.perf_counter()
-    except TimeoutError as exc:
-        trace.error = f"timeout: {type(exc).__name__}"
-        return trace
-    except aiohttp.ClientError as exc:
-        trace.error = f"{type(exc).__name__}: {exc}"
-        return trace
-    if not done:
-        trace.error = "stream ended before data: [DONE]"
-    elif not trace.chunks:
-        trace.error = "no generated content in the response"
-    return trace
+
+    def parse(trace: Trace, now: float, line: str) -> bool:
+        if not line.strip() or line.startswith(":"):
+            return False  # keep-alive comments and event separators
+        if not line.startswith("data:"):
+            trace.error = f"malformed SSE line: {line[:80]!r}"
+            return False
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return True
+        try:
+            event = json.loads(data)
+        except ValueError:
+            trace.error = f"malformed SSE JSON: {data[:80]!r}"
+            return False
+        if "error" in event and not event.get("choices"):
+            err = event["error"]
+            trace.error = str(err.get("message", err) if isinstance(err, dict) else err)
+            return False
+        _openai_event(trace, event, api, now)
+        return False
+
+    return await _stream(
+        client, url.rstrip("/") + path, body, headers, trace, parse, "data: [DONE]"
+    )
 
 
 def _openai_event(trace: Trace, event: dict[str, Any], api: str, now: float) -> None:
@@ -212,7 +234,7 @@ async def run_ollama(
     raw: bool = True,
     headers: dict[str, str] | None = None,
 ) -> Trace:
-    """One streamed Ollama /api/generate request (raw prompt: no template, exact counts)."""
+    """One streamed Ollama /api/generate request (NDJSON; raw prompt: no template)."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -228,49 +250,28 @@ async def run_ollama(
         prompt_tokens_asked=prompt_tokens_asked,
         max_tokens=max_tokens,
     )
-    trace.start_s = time.perf_counter()
-    done = False
-    try:
-        async with client.post(
-            url.rstrip("/") + "/api/generate",
-            json=body,
-            headers=headers,
-            trace_request_ctx=trace,
-        ) as response:
-            trace.headers_s = time.perf_counter()
-            trace.status = response.status
-            if response.status != 200:
-                trace.error = f"HTTP {response.status}: {_error_text(await response.read())}"
-                return trace
-            async for now, line in _lines(response):
-                if not line.strip():
-                    continue
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    trace.error = f"malformed NDJSON line: {line[:80]!r}"
-                    return trace
-                if "error" in event:
-                    trace.error = str(event["error"])
-                    return trace
-                if event.get("response"):
-                    trace.chunks.append(Chunk(now, event["response"]))
-                if event.get("done"):
-                    done = True
-                    _ollama_final(trace, event)
-                    break
-            trace.end_s = time.perf_counter()
-    except TimeoutError as exc:
-        trace.error = f"timeout: {type(exc).__name__}"
-        return trace
-    except aiohttp.ClientError as exc:
-        trace.error = f"{type(exc).__name__}: {exc}"
-        return trace
-    if not done:
-        trace.error = "stream ended before the done object"
-    elif not trace.chunks:
-        trace.error = "no generated content in the response"
-    return trace
+
+    def parse(trace: Trace, now: float, line: str) -> bool:
+        if not line.strip():
+            return False
+        try:
+            event = json.loads(line)
+        except ValueError:
+            trace.error = f"malformed NDJSON line: {line[:80]!r}"
+            return False
+        if "error" in event:
+            trace.error = str(event["error"])
+            return False
+        if event.get("response"):
+            trace.chunks.append(Chunk(now, event["response"]))
+        if event.get("done"):
+            _ollama_final(trace, event)
+            return True
+        return False
+
+    return await _stream(
+        client, url.rstrip("/") + "/api/generate", body, headers, trace, parse, "the done object"
+    )
 
 
 def _ollama_final(trace: Trace, event: dict[str, Any]) -> None:

@@ -8,9 +8,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-
-def _f(x: float | None, fmt: str = "{:,.1f}") -> str:
-    return "-" if x is None else fmt.format(x)
+from pdscope.report.units import fmt as _f
 
 
 def render_bench(r: dict[str, Any], console: Console) -> None:

@@ -155,7 +155,7 @@ th {{ font-size: 12px; }}
 <h1>pdscope bench</h1>
 <p>{meta}</p>{partial}
 <h2>Numbers (latencies in ms; percentiles by numpy linear interpolation)</h2>
-<table><tr><th>load</th>{head}</tr>{"".join(rows)}</table>
+<div class="wide"><table><tr><th>load</th>{head}</tr>{"".join(rows)}</table></div>
 {plots}
 </body></html>
 """

@@ -8,9 +8,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from pdscope.report.units import fmt
 
-def _f(x: float | None, fmt: str = "{:,.0f}") -> str:
-    return "-" if x is None else fmt.format(x)
+
+def _f(x: float | None, pattern: str = "{:,.0f}") -> str:
+    return fmt(x, pattern)
 
 
 def render_probe(r: dict[str, Any], console: Console) -> None:

@@ -35,3 +35,8 @@ def fmt_rate(x: float | None, unit: str = "tok/s") -> str:
     if x is None:
         return "-"
     return f"{x:,.0f} {unit}" if x >= 100 else f"{x:,.1f} {unit}"
+
+
+def fmt(x: float | None, pattern: str = "{:,.1f}") -> str:
+    """``pattern`` applied to a figure, or "-" when there is none."""
+    return "-" if x is None else pattern.format(x)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from pdscope.engine.async_engine import EngineDeadError
+from pdscope.engine.async_engine import EngineDeadError, RequestStream
+from pdscope.engine.llm_engine import RequestOutput
 from pdscope.server.app import (
     APIError,
     ServerState,
@@ -67,6 +68,50 @@ def _completion_prompt(s: ServerState, prompt: Any) -> list[int]:
     return ids
 
 
+def _sse_response(
+    stream: RequestStream,
+    stop: list[str],
+    piece: Callable[[str, str | None], dict[str, Any]],
+    final: Callable[[RequestOutput], dict[str, Any]] | None,
+    first: dict[str, Any] | None = None,
+) -> StreamingResponse:
+    """Server-Sent Events for one request: ``piece`` per text delta (the last with its finish
+    reason), then ``final`` (the usage chunk) if asked, then ``data: [DONE]``. Leaving early
+    (the client went away) aborts the request."""
+
+    async def events() -> AsyncIterator[str]:
+        deltas = TextDeltas(stop)
+        try:
+            if first:
+                yield sse(first)
+            async for out in stream:
+                if out.error:
+                    yield sse(
+                        {
+                            "error": {
+                                "message": out.error,
+                                "type": "InternalServerError",
+                                "code": 500,
+                            }
+                        }
+                    )
+                    return
+                text = deltas(out)
+                if text or out.finished:
+                    yield sse(piece(text, out.finish_reason if out.finished else None))
+                if out.finished and final:
+                    yield sse(final(out))
+            yield sse("[DONE]")
+        except EngineDeadError as exc:
+            yield sse(
+                {"error": {"message": str(exc), "type": "ServiceUnavailableError", "code": 503}}
+            )
+        finally:
+            await stream.aclose()
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> Any:
     s = _state(request)
@@ -89,47 +134,16 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             "usage": usage(out),
         }
 
-    async def events() -> AsyncIterator[str]:
-        deltas = TextDeltas(params.stop)
-        try:
-            async for out in stream:
-                if out.error:
-                    yield sse(
-                        {
-                            "error": {
-                                "message": out.error,
-                                "type": "InternalServerError",
-                                "code": 500,
-                            }
-                        }
-                    )
-                    return
-                text = deltas(out)
-                if text or out.finished:
-                    yield sse(
-                        {
-                            **head,
-                            "choices": [
-                                {
-                                    "index": 0,
-                                    "text": text,
-                                    "logprobs": None,
-                                    "finish_reason": out.finish_reason if out.finished else None,
-                                }
-                            ],
-                        }
-                    )
-                if out.finished and body.include_usage:
-                    yield sse({**head, "choices": [], "usage": usage(out)})
-            yield sse("[DONE]")
-        except EngineDeadError as exc:
-            yield sse(
-                {"error": {"message": str(exc), "type": "ServiceUnavailableError", "code": 503}}
-            )
-        finally:
-            await stream.aclose()
+    def piece(text: str, finish: str | None) -> dict[str, Any]:
+        return {
+            **head,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        }
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    def final(out: RequestOutput) -> dict[str, Any]:
+        return {**head, "choices": [], "usage": usage(out)}
+
+    return _sse_response(stream, params.stop, piece, final if body.include_usage else None)
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -160,59 +174,34 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             "usage": usage(out),
         }
 
-    def chunk(delta: dict[str, Any], finish: str | None) -> str:
-        return sse(
+    def piece(text: str, finish: str | None) -> dict[str, Any]:
+        delta: dict[str, Any] = {"content": text} if text else {}
+        return {
+            **head,
+            "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+
+    def final(out: RequestOutput) -> dict[str, Any]:
+        return {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(out)}
+
+    # Like vLLM: a first chunk that carries only the role. It holds no generated content, so a
+    # client must not stop its TTFT clock here.
+    role = {
+        **head,
+        "object": "chat.completion.chunk",
+        "choices": [
             {
-                **head,
-                "object": "chat.completion.chunk",
-                "choices": [
-                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-                ],
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
             }
-        )
-
-    async def events() -> AsyncIterator[str]:
-        deltas = TextDeltas(params.stop)
-        try:
-            # Like vLLM: a first chunk that carries only the role. It holds no generated
-            # content, so a client must not stop its TTFT clock here.
-            yield chunk({"role": "assistant", "content": ""}, None)
-            async for out in stream:
-                if out.error:
-                    yield sse(
-                        {
-                            "error": {
-                                "message": out.error,
-                                "type": "InternalServerError",
-                                "code": 500,
-                            }
-                        }
-                    )
-                    return
-                text = deltas(out)
-                if text or out.finished:
-                    yield chunk(
-                        {"content": text} if text else {},
-                        out.finish_reason if out.finished else None,
-                    )
-                if out.finished and body.include_usage:
-                    yield sse(
-                        {
-                            **head,
-                            "object": "chat.completion.chunk",
-                            "choices": [],
-                            "usage": usage(out),
-                        }
-                    )
-            yield sse("[DONE]")
-        except EngineDeadError as exc:
-            yield sse(
-                {"error": {"message": str(exc), "type": "ServiceUnavailableError", "code": 503}}
-            )
-        finally:
-            await stream.aclose()
-
-    return StreamingResponse(events(), media_type="text/event-stream")
+        ],
+    }
+    return _sse_response(
+        stream, params.stop, piece, final if body.include_usage else None, first=role
+    )
 
 
 @router.post("/tokenize")
