@@ -54,6 +54,7 @@ def test_random_workload_run(medium_server: Server) -> None:
     server = r["runs"][0]["server"]
     assert server["available"] and server["deltas"]["generation_tokens"] == 16 * 16
     assert r["metadata"]["runtime"] == "pdscope" and r["metadata"]["exact_prompt_tokens"]
+    assert r["metadata"]["runtime_version"]  # from /api/version
     records = r["runs"][0]["requests"]
     assert len(records) == 16 and all(len(rec["itl_ms"]) == 15 for rec in records)
 
@@ -311,3 +312,64 @@ def test_html_report_renders_in_a_browser(medium_server: Server, tmp_path: Path)
         capture_output=True,
     )
     assert shot.stat().st_size > 20_000  # a page with plots, not a blank or error page
+
+
+def test_auto_sweep_stops_at_saturation() -> None:
+    class Synthetic(Bench):
+        def __init__(self) -> None:
+            self.s = BenchSettings(url="x", max_runs=10)
+            self.state = BenchState()
+            self.tried: list[int] = []
+
+        async def run(self, rate: float, concurrency: int | None) -> dict:
+            self.tried.append(concurrency)
+            # Throughput grows with the batch until 8 streams, then flattens.
+            run = {"summary": {"output_throughput": 100.0 * min(concurrency, 8)}}
+            self.state.runs.append(run)
+            return run
+
+    b = Synthetic()
+    asyncio.run(b.auto_sweep())
+    assert b.tried == [1, 2, 4, 8, 16]
+    assert b.state.metadata["saturation_concurrency"] == 8
+
+
+@pytest.mark.slow
+def test_ctrl_c_writes_partial_results(medium_server: Server, tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "partial.json"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdscope.cli",
+            "bench",
+            medium_server.url,
+            "--num-prompts",
+            "64",
+            "--input-len",
+            "32",
+            "--output-len",
+            "400",
+            "--max-concurrency",
+            "2",
+            "--save-result",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    time.sleep(6)  # start-up, warm-up, then a few requests in flight
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, output
+    data = json.loads(out.read_text())
+    assert data["partial"] and data["runs"]
+    done = data["runs"][0]["summary"]["completed"]
+    assert done < 64  # stopped early, and what finished is kept
+    assert "partial results" in output

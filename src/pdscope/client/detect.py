@@ -32,6 +32,7 @@ class Runtime:
     has_metrics: bool = False
     max_model_len: int | None = None
     evidence: list[str] = field(default_factory=list)  # what the detection saw
+    version: str | None = None  # the runtime's own version, where it says (/version)
 
     def pick_model(self, asked: str | None) -> str:
         if asked:
@@ -112,6 +113,15 @@ async def detect(
     if is_llamacpp:
         evidence.append("/props (llama.cpp)")
 
+    version = None
+    for path in ("/version", "/api/version"):  # vLLM and SGLang; Ollama (and pdscope)
+        answer = await get(path)
+        if answer is not None and answer.status_code == 200:
+            with contextlib.suppress(ValueError, AttributeError):
+                version = str(answer.json().get("version")) or None
+            if version:
+                break
+
     if openai_models and api in ("auto", "openai-completions", "openai-chat"):
         if owner == "pdscope":
             name = "pdscope"
@@ -121,13 +131,29 @@ async def detect(
             name = metric_runtime or ("vllm" if owner == "vllm" else "openai-compatible")
         chosen = API_OPENAI_COMPLETIONS if api == "auto" else api
         return Runtime(
-            base, name, chosen, openai_models, has_tokenize, has_metrics, max_len, evidence
+            base,
+            name,
+            chosen,
+            openai_models,
+            has_tokenize,
+            has_metrics,
+            max_len,
+            evidence,
+            version,
         )
     if ollama_models or (tags is not None and tags.status_code == 200):
         if api not in ("auto", API_OLLAMA):
             raise ProbeError(f"{base} speaks Ollama's API, not {api}")
         return Runtime(
-            base, "ollama", API_OLLAMA, ollama_models, False, has_metrics, None, evidence
+            base,
+            "ollama",
+            API_OLLAMA,
+            ollama_models,
+            False,
+            has_metrics,
+            None,
+            evidence,
+            version,
         )
     if api == API_OLLAMA:
         raise ProbeError(f"{base} does not answer Ollama's /api/tags")

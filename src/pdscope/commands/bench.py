@@ -286,6 +286,7 @@ async def bench(
         state.metadata = {
             "url": runtime.url,
             "runtime": runtime.name,
+            "runtime_version": runtime.version,
             "runtime_evidence": runtime.evidence,
             "model": model,
             "api": runtime.api if s.api == "auto" else s.api,

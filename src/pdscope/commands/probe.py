@@ -227,6 +227,7 @@ async def probe(
     return {
         "runtime": {
             "name": runtime.name,
+            "version": runtime.version,
             "url": runtime.url,
             "api": prober.api,
             "evidence": runtime.evidence,
