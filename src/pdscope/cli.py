@@ -303,6 +303,14 @@ def serve(
         int | None, typer.Option(help="Refuse (503) new requests while this many wait.")
     ] = None,
     seed: Annotated[int, typer.Option(help="Engine seed.")] = 0,
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            help="CPU threads for the engine's math "
+            "(default: all cores). Fewer leaves cores to "
+            "HTTP clients on the same machine."
+        ),
+    ] = None,
 ) -> None:
     """Serve the engine over HTTP: OpenAI (/v1) and Ollama (/api) routes, vLLM-named
     Prometheus metrics on /metrics."""
@@ -313,6 +321,12 @@ def serve(
         raise fail(f"--port must be 0-65535, got {port}")
     if max_queue is not None and max_queue < 0:
         raise fail(f"--max-queue must be >= 0, got {max_queue}")
+    if threads is not None:
+        if threads < 1:
+            raise fail(f"--threads must be >= 1, got {threads}")
+        import torch
+
+        torch.set_num_threads(threads)
     args = EngineArgs(
         model=model,
         max_num_batched_tokens=max_num_batched_tokens,
