@@ -373,3 +373,53 @@ def test_ctrl_c_writes_partial_results(medium_server: Server, tmp_path: Path) ->
     done = data["runs"][0]["summary"]["completed"]
     assert done < 64  # stopped early, and what finished is kept
     assert "partial results" in output
+
+
+def test_capacity_search_by_rate() -> None:
+    class Synthetic(Bench):
+        def __init__(self) -> None:
+            self.s = BenchSettings(url="x", max_runs=12, request_rates=[1.0])
+            self.state = BenchState()
+            self.tried: list[float] = []
+
+        async def run(self, rate: float, concurrency: int | None) -> dict:
+            assert concurrency is None and not math.isinf(rate)
+            self.tried.append(rate)
+            run = {"summary": {"p99_ttft_ms": 100.0 * rate, "failed": 0, "output_throughput": 1.0}}
+            self.state.runs.append(run)
+            return run
+
+    b = Synthetic()
+    asyncio.run(b.find_capacity(SLO.parse("p99_ttft=500ms", aggregate=True)))
+    cap = b.state.capacity
+    assert cap["by"] == "rate" and b.tried[:4] == [1.0, 2.0, 4.0, 8.0]
+    assert 4.5 <= cap["max_rate_meeting_slo"] <= 5.0 < cap["first_failing_rate"] <= 5.5
+
+
+@pytest.mark.slow
+def test_find_capacity_cli(medium_server: Server, tmp_path: Path) -> None:
+    out = tmp_path / "cap.json"
+    res = CliRunner().invoke(
+        cli,
+        [
+            "bench",
+            medium_server.url,
+            "--num-prompts",
+            "8",
+            "--input-len",
+            "32",
+            "--output-len",
+            "8",
+            "--find-capacity",
+            "--slo",
+            "p99_ttft=60s",
+            "--save-result",
+            str(out),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    cap = json.loads(out.read_text())["capacity"]
+    # Every level passes a 60 s SLO; the search stops where concurrency exceeds the requests.
+    assert cap["by"] == "concurrency" and cap["max_concurrency_meeting_slo"] == 8
+    assert cap["first_failing_concurrency"] is None and cap["searched_runs"] == 4
+    assert "capacity under" in res.output

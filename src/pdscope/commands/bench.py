@@ -224,32 +224,45 @@ class Bench:
         self.state.metadata["saturation_concurrency"] = concurrency // 2
 
     async def find_capacity(self, slo: SLO) -> None:
-        """Highest concurrency whose run meets every aggregate SLO: double until one fails,
-        then bisect between the last pass and the first failure."""
-        passed: tuple[int, dict] | None = None
-        failed_at = None
-        concurrency = 1
+        """Highest load whose run meets every aggregate SLO: concurrency (closed loop) by
+        default, request rate (open loop) when --request-rate names a finite starting rate.
+        Double until a run fails, then bisect between the last pass and the first failure
+        (to the next integer for concurrency, within 10% for rate); at most max_runs runs."""
+        finite = [r for r in self.s.request_rates if not math.isinf(r)]
+        by_rate = bool(finite)
+        level: float = min(finite) if by_rate else 1
+        passed: tuple[float, dict] | None = None
+        failed_at: float | None = None
         runs = 0
         while runs < self.s.max_runs:
-            run = await self.run(math.inf, concurrency)
+            if not by_rate and level > self.s.num_prompts:
+                break  # more streams than requests adds no load: --num-prompts caps the search
+            run = await (self.run(level, None) if by_rate else self.run(math.inf, int(level)))
             runs += 1
             ok = slo.met_by_run(run["summary"]) and run["summary"]["failed"] == 0
             run["meets_slo"] = ok
             if ok:
-                passed = (concurrency, run)
+                passed = (level, run)
                 if failed_at is None:
-                    concurrency *= 2
+                    level *= 2
                     continue
             else:
-                failed_at = concurrency
-            low = passed[0] if passed else 0
-            if failed_at - low <= 1:
+                failed_at = level
+            if passed is None:
+                if not by_rate:
+                    break  # one request at a time already misses the SLO
+                level /= 2  # look lower for a rate that passes
+                continue
+            assert failed_at is not None
+            if (failed_at / passed[0] <= 1.1) if by_rate else (failed_at - passed[0] <= 1):
                 break
-            concurrency = (low + failed_at) // 2
+            level = (passed[0] * failed_at) ** 0.5 if by_rate else (passed[0] + failed_at) // 2
+        unit = "rate" if by_rate else "concurrency"
         self.state.capacity = {
+            "by": unit,
             "slo": {k: v for k, v in slo.limits.items()},
-            "max_concurrency_meeting_slo": passed[0] if passed else None,
-            "first_failing_concurrency": failed_at,
+            f"max_{unit}_meeting_slo": passed[0] if passed else None,
+            f"first_failing_{unit}": failed_at,
             "run": passed[1]["summary"] if passed else None,
             "searched_runs": runs,
         }

@@ -142,21 +142,22 @@ def render_bench(r: dict[str, Any], console: Console) -> None:
         console.print(f"throughput saturates near concurrency {m['saturation_concurrency']}")
     cap = r.get("capacity")
     if cap:
+        unit = cap.get("by", "concurrency")
         slo = ", ".join(f"{k} ≤ {v * 1e3:g} ms" for k, v in cap["slo"].items())
-        best = cap["max_concurrency_meeting_slo"]
+        best, broke = cap[f"max_{unit}_meeting_slo"], cap[f"first_failing_{unit}"]
+        what = (
+            (lambda x: f"{x:.3g} requests/s")
+            if unit == "rate"
+            else (lambda x: f"{x:g} concurrent requests")
+        )
         console.print(
             f"capacity under {slo}: "
             + (
-                f"[bold]{best}[/] concurrent requests "
-                f"({_f(cap['run']['output_throughput'])} output tok/s)"
+                f"[bold]{what(best)}[/] ({_f(cap['run']['output_throughput'])} output tok/s)"
                 if best
-                else "not even 1 concurrent request meets it"
+                else f"no {unit} tried meets it"
             )
-            + (
-                f"; {cap['first_failing_concurrency']} breaks it"
-                if cap["first_failing_concurrency"]
-                else ""
-            )
+            + (f"; {what(broke)} breaks it" if broke else "")
             + f" ({cap['searched_runs']} runs)"
         )
     if r.get("partial"):
