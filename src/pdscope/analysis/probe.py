@@ -49,7 +49,8 @@ KNOBS: dict[str, dict[str, str]] = {
     "stack": {
         "vllm": "check --max-num-seqs, CPU threads (VLLM_CPU_OMP_THREADS_BIND) or the attention "
         "backend",
-        "pdscope": "the engine is leaving bandwidth unused: see docs/performance.md",
+        "pdscope": "on a small machine shared with its clients, serve --threads leaves them a "
+        "core; docs/performance.md says where the rest goes",
         "ollama": "check num_thread and that no layers spill to the CPU (ollama ps)",
         "llama.cpp": "check -t threads and -ngl (all layers offloaded)",
         "sglang": "check --mem-fraction-static and the attention backend",
@@ -307,7 +308,7 @@ def findings(r: dict[str, Any], runtime: str) -> list[dict[str, str]]:
             add(
                 "decode",
                 "Decode is near the bandwidth ceiling: the hardware is the limit",
-                f"{pct:.0f}% of the {ceiling['device']} ceiling",
+                f"{pct:.0f}% of the bandwidth ceiling on {ceiling['device']}",
                 f"fewer bytes per token: {knob('quantize', runtime)}; or a smaller model, or "
                 "more memory bandwidth",
             )
@@ -315,14 +316,14 @@ def findings(r: dict[str, Any], runtime: str) -> list[dict[str, str]]:
             add(
                 "decode",
                 "Decode is far below the bandwidth ceiling: look at the serving stack",
-                f"{pct:.0f}% of the {ceiling['device']} ceiling",
+                f"{pct:.0f}% of the bandwidth ceiling on {ceiling['device']}",
                 knob("stack", runtime),
             )
         else:
             add(
                 "decode",
                 "Decode reaches a fair share of the bandwidth ceiling",
-                f"{pct:.0f}% of the {ceiling['device']} ceiling",
+                f"{pct:.0f}% of the bandwidth ceiling on {ceiling['device']}",
                 f"more needs fewer bytes per token: {knob('quantize', runtime)}",
             )
     if ceiling and ceiling.get("prefill_pct_of_floor"):
