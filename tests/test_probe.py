@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
@@ -191,6 +192,43 @@ def fake_app() -> FastAPI:
     async def cut() -> StreamingResponse:
         return sse([{"choices": [{"index": 0, "text": "x", "finish_reason": None}]}])
 
+    @app.get("/lc/v1/models")
+    async def lc_models() -> dict:
+        return {"data": [{"id": "m", "owned_by": "llamacpp"}]}
+
+    @app.post("/lc/tokenize")
+    async def lc_tokenize() -> dict:
+        return {"tokens": []}  # llama.cpp reads "content"; a "prompt" gets nothing back
+
+    @app.get("/lc/props")
+    async def lc_props() -> dict:
+        return {"default_generation_settings": {"n_ctx": 4096}}
+
+    @app.post("/reasoning/v1/chat/completions")
+    async def reasoning() -> StreamingResponse:
+        # Recorded shape of a vLLM reasoning parser: reasoning_content first, then content.
+        think = [{"choices": [{"index": 0, "delta": {"reasoning_content": "hm"}}]}] * 4
+        say = [{"choices": [{"index": 0, "delta": {"content": "ok"}}]}] * 2
+        final = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 6}}
+        return sse(["event: message\n", *think, *say, final, "data: [DONE]\n\n"])
+
+    @app.post("/odd/v1/completions")
+    async def odd() -> StreamingResponse:
+        return sse(["data: 1\n\n"])
+
+    @app.post("/onechunk/v1/completions")
+    async def onechunk() -> StreamingResponse:
+        body = "".join(
+            f"data: {json.dumps({'choices': [{'index': 0, 'text': t}]})}\n\n" for t in "abc"
+        )
+        return sse(
+            [
+                body
+                + 'data: {"choices": [], "usage": {"completion_tokens": 3}}\n\n'
+                + "data: [DONE]\n\n"
+            ]
+        )
+
     @app.post("/ollama-cut/api/generate")
     async def ollama_cut() -> StreamingResponse:
         async def gen():
@@ -299,3 +337,47 @@ def test_failed_requests_never_become_numbers() -> None:
     point = r["sweep"][0]
     assert point["failed"] == 1 and point["ttft_ms"] == pytest.approx(100)
     assert r["failures"] == [{"label": "sweep", "prompt_tokens": 100, "error": "HTTP 500: boom"}]
+
+
+def test_llamacpp_detection_fake(fake: str) -> None:
+    from pdscope.client.detect import detect
+
+    async def go():
+        async with httpx.AsyncClient() as c:
+            return await detect(c, f"{fake}/lc")
+
+    rt = asyncio.run(go())
+    assert rt.name == "llama.cpp" and not rt.has_tokenize and rt.max_model_len == 4096
+
+
+def test_reasoning_tokens_count_for_timing_fake(fake: str) -> None:
+    async def go() -> Trace:
+        async with session(timeout_s=10) as c:
+            body = openai_body("openai-chat", "m", "hi", 6)
+            return await run_openai(c, f"{fake}/reasoning", "openai-chat", body)
+
+    t = asyncio.run(go())
+    assert t.ok and len(t.chunks) == 6 and t.output_tokens == 6
+    assert t.tpot_s == pytest.approx((t.chunks[-1].t_s - t.chunks[0].t_s) / 5)
+
+
+def test_odd_events_and_single_read_fake(fake: str) -> None:
+    bad = run(f"{fake}/odd")
+    assert not bad.ok and "malformed" in bad.error  # an error trace, not an exception
+    one = run(f"{fake}/onechunk")
+    assert one.ok and one.output_tokens == 3
+    assert one.tpot_s is None and one.itl_samples_s() == []  # no timing in a single read
+
+
+def test_duration_bounds_a_closed_loop(fake: str) -> None:
+    from pdscope.client.load import LoadPlan, run_load
+    from pdscope.client.workloads import RequestSpec
+
+    async def go():
+        async with session(timeout_s=10) as c:
+            specs = [RequestSpec("x", 3) for _ in range(40)]
+            plan = LoadPlan(max_concurrency=1, duration_s=0.2)
+            return await run_load(c, f"{fake}/multi", "openai-completions", "m", specs, plan)
+
+    result = asyncio.run(go())
+    assert len(result.traces) <= 3 and result.duration_s < 1.0

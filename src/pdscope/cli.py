@@ -596,6 +596,7 @@ def bench(
     import shlex
     import tempfile
 
+    import httpx
     from rich.progress import Progress as Bar
     from rich.progress import TextColumn
 
@@ -650,7 +651,7 @@ def bench(
         if find_capacity:
             if not slo:
                 raise fail("--find-capacity needs --slo, e.g. p99_ttft=2s,p99_itl=100ms")
-            SLO.parse(slo, aggregate=True)
+            pcts = tuple(sorted({*pcts, *SLO.parse(slo, aggregate=True).percentiles}))
         else:
             SLO.parse(slo)
     except SLOError as exc:
@@ -715,7 +716,7 @@ def bench(
     except KeyboardInterrupt:
         state.partial = state.partial or "interrupted (Ctrl-C)"
         result = state.result()
-    except (ProbeError, ValueError) as exc:
+    except (ProbeError, ValueError, httpx.HTTPError) as exc:
         raise fail(str(exc), 1) from None
     finally:
         if embedded is not None:

@@ -37,13 +37,14 @@ class SLO:
             return cls({})
         limits = {}
         for part in text.split(","):
-            m = re.fullmatch(r"\s*([a-z0-9_.]+)\s*=\s*([0-9.]+)\s*(ms|s|us)\s*", part)
+            m = re.fullmatch(r"\s*([a-z0-9_.]+)\s*=\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|us)\s*", part)
             if not m:
                 raise SLOError(f"cannot read SLO {part!r}; write e.g. ttft=2s,tpot=100ms")
             key = m.group(1)
             metric = key.split("_", 1)[1] if aggregate and "_" in key else key
             if metric == "e2e":
                 metric = "e2el"
+                key = key.replace("e2e", "e2el")
             if metric not in METRICS or (
                 aggregate and not re.fullmatch(r"p[0-9.]+_.+|mean_.+", key)
             ):
@@ -66,6 +67,11 @@ class SLO:
             "itl": max(trace.itl_samples_s(), default=None),
         }
         return all(values.get(k) is None or values[k] <= limit for k, limit in self.limits.items())
+
+    @property
+    def percentiles(self) -> list[float]:
+        """Percentiles the aggregate limits need computed (p99_ttft -> 99)."""
+        return sorted({float(k[1:].split("_")[0]) for k in self.limits if k.startswith("p")})
 
     def met_by_run(self, result: dict[str, Any]) -> bool:
         """Aggregate limits such as p99_ttft against a summarised run (ms fields)."""

@@ -8,7 +8,8 @@ turned into numbers.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pdscope.analysis.stats import fit_poly, median
@@ -68,8 +69,8 @@ class Ceilings:
     """The roofline's view of this model on this device (from `pdscope plan`'s arithmetic)."""
 
     device: str
-    decode_tok_s_at: dict[int, float] = field(default_factory=dict)  # context -> ceiling
-    ttft_floor_s_at: dict[int, float] = field(default_factory=dict)  # prompt -> floor
+    decode_tok_s: Callable[[int], float]  # prompt tokens -> one-stream decode ceiling
+    ttft_floor_s: Callable[[int], float | None]  # prompt tokens -> roofline prefill time
 
 
 def _ok(traces: list[Trace]) -> list[Trace]:
@@ -219,9 +220,9 @@ def analyze(traces: list[Trace], runtime: str, ceilings: Ceilings | None = None)
 def _ceiling(result: dict[str, Any], c: Ceilings) -> dict[str, Any]:
     out: dict[str, Any] = {"device": c.device, "points": []}
     for p in result["sweep"]:
-        n = p["prompt_tokens"]
-        ceiling = c.decode_tok_s_at.get(n)
-        floor = c.ttft_floor_s_at.get(n)
+        n = p["prompt_tokens"]  # the server's count: calibrated prompts are never exact
+        ceiling = c.decode_tok_s(n) if n else None
+        floor = c.ttft_floor_s(n) if n else None
         out["points"].append(
             {
                 "prompt_tokens": n,
@@ -254,13 +255,25 @@ def findings(r: dict[str, Any], runtime: str) -> list[dict[str, str]]:
         a, b = sweep[0], sweep[-1]
         growth = b["ttft_ms"] / a["ttft_ms"]
         tokens = b["prompt_tokens"] / a["prompt_tokens"]
-        add(
-            "ttft",
-            "Prefill sets TTFT: it grows with the prompt",
-            f"TTFT {a['ttft_ms']:.0f} ms at {a['prompt_tokens']} tokens, {b['ttft_ms']:.0f} ms "
-            f"at {b['prompt_tokens']} ({growth:.1f}x for {tokens:.1f}x the tokens)",
-            f"shorten the prompt; {knob('prefill_batch', runtime)}",
+        evidence = (
+            f"TTFT {a['ttft_ms']:.0f} ms at {a['prompt_tokens']} tokens, "
+            f"{b['ttft_ms']:.0f} ms at {b['prompt_tokens']} ({growth:.1f}x for "
+            f"{tokens:.1f}x the tokens)"
         )
+        if growth >= 1.5:
+            add(
+                "ttft",
+                "Prefill sets TTFT: it grows with the prompt",
+                evidence,
+                f"shorten the prompt; {knob('prefill_batch', runtime)}",
+            )
+        else:
+            add(
+                "ttft",
+                "TTFT barely grows with the prompt: fixed costs dominate it",
+                evidence,
+                "look at what every request pays: network, queueing, scheduling",
+            )
     if r.get("context") and r["context"]["long_over_short"]:
         ratio = r["context"]["long_over_short"]
         c = r["context"]
@@ -277,7 +290,7 @@ def findings(r: dict[str, Any], runtime: str) -> list[dict[str, str]]:
         )
     pc = r.get("prefix_cache")
     if pc:
-        if pc["warm_over_cold"] < 0.5:
+        if pc["warm_over_cold"] < 0.5 or (pc["cached_tokens"] or 0) > 0:
             add(
                 "ttft",
                 "Prefix caching works",

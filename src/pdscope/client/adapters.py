@@ -134,6 +134,10 @@ async def _stream(
                 if done:
                     break
             trace.end_s = time.perf_counter()
+            if done:
+                # Read to the end of the body so the connection can be reused.
+                async for _ in r.content.iter_any():
+                    pass
     except TimeoutError as exc:
         trace.error = f"timeout: {type(exc).__name__}"
         return trace
@@ -170,6 +174,11 @@ async def run_openai(
     def parse(trace: Trace, now: float, line: str) -> bool:
         if not line.strip() or line.startswith(":"):
             return False  # keep-alive comments and event separators
+        if line.startswith(("event:", "id:", "retry:")):
+            return False  # SSE fields a completion stream does not need
+        if line.startswith("error:"):  # llama.cpp reports some failures this way
+            trace.error = f"server error: {line[6:].strip()[:200]}"
+            return False
         if not line.startswith("data:"):
             trace.error = f"malformed SSE line: {line[:80]!r}"
             return False
@@ -179,6 +188,8 @@ async def run_openai(
         try:
             event = json.loads(data)
         except ValueError:
+            event = None
+        if not isinstance(event, dict):
             trace.error = f"malformed SSE JSON: {data[:80]!r}"
             return False
         if "error" in event and not event.get("choices"):
@@ -196,7 +207,15 @@ async def run_openai(
 def _openai_event(trace: Trace, event: dict[str, Any], api: str, now: float) -> None:
     for choice in event.get("choices") or []:
         if api == API_OPENAI_CHAT:
-            text = (choice.get("delta") or {}).get("content") or ""
+            delta = choice.get("delta") or {}
+            # Reasoning tokens (vLLM/SGLang reasoning parsers) are generated output too: the
+            # usage count includes them, so timing must see them or TPOT comes out too short.
+            text = (
+                delta.get("content")
+                or delta.get("reasoning_content")
+                or delta.get("reasoning")
+                or ""
+            )
         else:
             text = choice.get("text") or ""
         if text:  # role-only and empty chunks are not content: they never start TTFT
@@ -257,13 +276,22 @@ async def run_ollama(
         try:
             event = json.loads(line)
         except ValueError:
+            event = None
+        if not isinstance(event, dict):
             trace.error = f"malformed NDJSON line: {line[:80]!r}"
             return False
         if "error" in event:
             trace.error = str(event["error"])
             return False
-        if event.get("response"):
-            trace.chunks.append(Chunk(now, event["response"]))
+        # Thinking models stream reasoning first; it is generated output, so it counts for
+        # timing (TTFT, ITL) like the answer does.
+        text = (
+            event.get("response")
+            or event.get("thinking")
+            or ((event.get("message") or {}).get("content"))
+        )
+        if text:
+            trace.chunks.append(Chunk(now, text))
         if event.get("done"):
             _ollama_final(trace, event)
             return True

@@ -100,18 +100,25 @@ async def detect(
         text = metrics.text
         metric_runtime = next((name for prefix, name in _METRIC_PREFIXES if prefix in text), None)
         evidence.append(f"/metrics ({metric_runtime or 'unknown names'})")
-    tokenize = (
-        await client.post(base + "/tokenize", json={"prompt": "probe"}, headers=headers, timeout=10)
-        if openai_models
-        else None
-    )
-    has_tokenize = tokenize is not None and tokenize.status_code == 200
+    has_tokenize = False
+    if openai_models:
+        # vLLM/SGLang/pdscope read "prompt" and return {"tokens": [...]}. llama.cpp reads
+        # "content" in a different shape and answers 200 with no tokens to a "prompt": a
+        # tokenizer that tokenizes nothing is no tokenizer for exact prompt lengths.
+        with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError, TypeError):
+            answer = await client.post(
+                base + "/tokenize", json={"prompt": "probe"}, headers=headers, timeout=10
+            )
+            has_tokenize = answer.status_code == 200 and bool(answer.json().get("tokens"))
     if has_tokenize:
         evidence.append("/tokenize works")
     props = await get("/props")
     is_llamacpp = props is not None and props.status_code == 200 and "n_ctx" in props.text
     if is_llamacpp:
         evidence.append("/props (llama.cpp)")
+        with contextlib.suppress(ValueError, AttributeError, TypeError):
+            settings = props.json().get("default_generation_settings") or {}
+            max_len = max_len or settings.get("n_ctx") or props.json().get("n_ctx")
 
     version = None
     for path in ("/version", "/api/version"):  # vLLM and SGLang; Ollama (and pdscope)
@@ -122,6 +129,9 @@ async def detect(
             if version:
                 break
 
+    ollama_native = tags is not None and tags.status_code == 200 and owner != "pdscope"
+    if ollama_native and api == "auto":
+        api = API_OLLAMA  # Ollama also serves /v1; its native API carries its own timings
     if openai_models and api in ("auto", "openai-completions", "openai-chat"):
         if owner == "pdscope":
             name = "pdscope"

@@ -135,6 +135,16 @@ async def run_load(
     async def one(spec: RequestSpec, scheduled: float) -> None:
         try:
             trace = await send(client, url, api, model, spec, headers, spec.kind)
+        except Exception as exc:  # a bug or an odd reply fails this request, not the run
+            trace = Trace(
+                api,
+                url,
+                model,
+                label=spec.kind,
+                prompt_tokens_asked=spec.input_tokens,
+                start_s=time.perf_counter(),
+                error=f"{type(exc).__name__}: {exc}",
+            )
         finally:
             if gate:
                 gate.release()
@@ -159,6 +169,10 @@ async def run_load(
                 await asyncio.sleep(delay)
             if gate:
                 await gate.acquire()
+            if plan.duration_s is not None and time.perf_counter() - start > plan.duration_s:
+                if gate:
+                    gate.release()  # out of time: the wall clock bounds closed loops too
+                break
             progress.sent += 1
             progress.in_flight += 1
             task = asyncio.create_task(one(specs[i], scheduled))

@@ -47,7 +47,7 @@ class PromptBuilder:
     async def ids(self, tokens: int) -> list[int]:
         """Exactly ``tokens`` token ids (needs /tokenize)."""
         words = int(tokens / self.tokens_per_word) + 16
-        while True:
+        for _ in range(8):
             r = await self.client.post(
                 f"{self.url}/tokenize",
                 headers=self.headers,
@@ -63,7 +63,10 @@ class PromptBuilder:
             if len(ids) >= tokens:
                 self.tokens_per_word = len(ids) / words
                 return ids[:tokens]
-            words = int(words * tokens / max(len(ids), 1)) + 16
+            if not ids:
+                raise ValueError(f"{self.url}/tokenize returned no tokens")
+            words = int(words * tokens / len(ids)) + 16
+        raise ValueError(f"{self.url}/tokenize never reached {tokens} tokens")
 
     def text(self, tokens: int) -> str:
         """About ``tokens`` tokens of text, by the current calibration."""

@@ -94,9 +94,15 @@ class Trace:
         """Per request: (last content - first content) / (tokens - 1); the first token
         excluded, as vLLM defines TPOT."""
         n = self.n_output
-        if not self.ok or n is None or n < 2:
+        if not self.ok or n is None or n < 2 or not self.streamed:
             return None
         return (self.chunks[-1].t_s - self.chunks[0].t_s) / (n - 1)
+
+    @property
+    def streamed(self) -> bool:
+        """Whether content arrived over time. A response delivered in one network read (a
+        buffering proxy, a non-incremental server) has no inter-token timing to measure."""
+        return len(self.chunks) > 1 and self.chunks[-1].t_s > self.chunks[0].t_s
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -109,7 +115,7 @@ class Trace:
         spread evenly over the gaps so the samples sum to the decode time (when the server's
         token total equals the chunk count, that is exactly one token per chunk). The samples
         always sum to the time from first to last content chunk."""
-        if not self.ok or len(self.chunks) < 2:
+        if not self.ok or not self.streamed:
             return []
         gaps = [b.t_s - a.t_s for a, b in zip(self.chunks, self.chunks[1:], strict=False)]
         known = [c.tokens for c in self.chunks[1:]]

@@ -139,7 +139,16 @@ class Bench:
                 seed,
             )
         if s.workload.startswith("file:"):
-            return file_workload(Path(s.workload[5:]), s.num_prompts, out.draw(random.Random(seed)))
+            specs = file_workload(
+                Path(s.workload[5:]), s.num_prompts, out.draw(random.Random(seed))
+            )
+            chat = any(isinstance(spec.prompt, list) for spec in specs)
+            if chat and self.api == "openai-completions":
+                if s.api != "auto":
+                    raise WorkloadError(f"{s.workload} holds chat messages: use --api openai-chat")
+                self.api = "openai-chat"  # messages need the chat endpoint
+                self.state.metadata["api"] = self.api
+            return specs
         raise WorkloadError(f"unknown workload {s.workload!r}; choose from {', '.join(WORKLOADS)}")
 
     async def warm_up(self) -> None:
@@ -200,7 +209,9 @@ class Bench:
 
     async def series(self) -> None:
         s = self.s
-        if s.sweep_auto:
+        if s.capacity_slo:
+            pass  # the search chooses its own load levels
+        elif s.sweep_auto:
             await self.auto_sweep()
         else:
             for rate in s.request_rates:

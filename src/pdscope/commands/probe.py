@@ -152,7 +152,7 @@ def _cap_sweep(s: ProbeSettings, max_len: int | None) -> list[str]:
 
 
 def ceilings_for(
-    s: ProbeSettings, runtime: Runtime, sweep: list[int], output_tokens: int, root: str | None
+    s: ProbeSettings, output_tokens: int, root: str | None
 ) -> tuple[Ceilings | None, list[str]]:
     """The roofline for this model on the given device, when both are known."""
     if not s.device:
@@ -172,19 +172,20 @@ def ceilings_for(
         p = resolve(model=model, device=s.device, dtype=dtype or "bf16")
     except SpecError as exc:
         return None, [f"no ceiling: {exc}"]
-    c = Ceilings(
-        device=p.device.label
+
+    def decode(n: int) -> float:  # the mean context during the decode: prompt + half the output
+        return rf.decode_ceiling_tok_s(p.model, p.device, p.weights, p.kv, n + output_tokens // 2)
+
+    def floor(n: int) -> float | None:
+        step = rf.prefill_step(p.model, p.device, p.weights, p.kv, n)
+        return None if step.compute_s is None else step.seconds
+
+    label = (
+        p.device.label
         if p.device.name != "local"
         else f"this machine ({p.device.bandwidth_gb_s:.0f} GB/s measured)"
     )
-    for n in sweep:
-        c.decode_tok_s_at[n] = rf.decode_ceiling_tok_s(
-            p.model, p.device, p.weights, p.kv, n + output_tokens // 2
-        )
-        step = rf.prefill_step(p.model, p.device, p.weights, p.kv, n)
-        if step.compute_s is not None:
-            c.ttft_floor_s_at[n] = step.seconds
-    return c, []
+    return Ceilings(label, decode, floor), []
 
 
 async def probe(
@@ -221,7 +222,7 @@ async def probe(
             partial = f"stopped early: {type(exc).__name__}: {exc}"
         root = await _model_root(client, runtime, headers)
 
-    ceilings, more = ceilings_for(s, runtime, s.prompt_tokens, s.output_tokens, root)
+    ceilings, more = ceilings_for(s, s.output_tokens, root)
     notes += more
     result = analyze(prober.traces, runtime.name, ceilings)
     return {
