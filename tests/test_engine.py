@@ -108,47 +108,31 @@ def test_batched_outputs_match_single_runs(checkpoints, reference, engine_args) 
     llm.engine.pool.check_invariants()
 
 
-def test_forced_preemption_recomputes_identically(checkpoints, reference) -> None:
+def kv_budget_bytes(path: Path, blocks: int, block_size: int) -> int:
+    """Bytes of a float32 KV pool holding ``blocks`` blocks for this checkpoint."""
+    import json
+
+    c = json.loads((path / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    per_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 4
+    return blocks * block_size * per_token
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_forced_preemption_recomputes_identically(checkpoints, reference, caching) -> None:
     ps, expected = reference
-    # A pool far smaller than the four requests' total forces preemption and recomputation.
+    # A pool far smaller than the eight requests' total forces preemption and recomputation.
     llm = LLM(
         model=str(checkpoints["qwen3"]),
         block_size=4,
         max_model_len=256,
-        enable_prefix_caching=False,
-        kv_cache_memory=ModelBytes.blocks(checkpoints["qwen3"], 70, 4),
+        enable_prefix_caching=caching,
+        kv_cache_memory=kv_budget_bytes(checkpoints["qwen3"], 70, 4),
     )
     outs = llm.generate(ps + ps, GREEDY)
     assert llm.engine.num_preemptions > 0
     assert [o.token_ids for o in outs] == expected + expected
     assert sum(o.timeline.preemptions for o in outs) == llm.engine.num_preemptions
-    llm.engine.pool.check_invariants()
-    assert llm.engine.pool.num_used_blocks == 0
-
-
-class ModelBytes:
-    @staticmethod
-    def blocks(path: Path, count: int, block_size: int) -> int:
-        import json
-
-        c = json.loads((path / "config.json").read_text())
-        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-        per_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 4
-        return count * block_size * per_token
-
-
-def test_preemption_with_prefix_caching(checkpoints, reference) -> None:
-    ps, expected = reference
-    llm = LLM(
-        model=str(checkpoints["qwen3"]),
-        block_size=4,
-        max_model_len=256,
-        enable_prefix_caching=True,
-        kv_cache_memory=ModelBytes.blocks(checkpoints["qwen3"], 70, 4),
-    )
-    outs = llm.generate(ps + ps, GREEDY)
-    assert llm.engine.num_preemptions > 0
-    assert [o.token_ids for o in outs] == expected + expected
     pool = llm.engine.pool
     pool.check_invariants()
     assert pool.num_used_blocks == 0

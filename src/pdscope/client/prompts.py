@@ -72,9 +72,7 @@ class PromptBuilder:
         """About ``tokens`` tokens of text, by the current calibration."""
         return self._text(round(tokens / self.tokens_per_word))
 
-    def calibrate(self, asked_tokens: int, words_sent: int | None, reported: int | None) -> None:
+    def calibrate(self, words_sent: int, reported: int | None) -> None:
+        """Learn tokens per word from a prompt's word count and the server's token count."""
         if reported and words_sent:
             self.tokens_per_word = reported / words_sent
-
-    def words_for(self, tokens: int) -> int:
-        return round(tokens / self.tokens_per_word)

@@ -6,7 +6,7 @@ The dicts are the JSON output as is; the terminal report renders the same dicts.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from pdscope.roofline import arithmetic as rf
@@ -78,28 +78,18 @@ def resolve(
 
         compute = dtype if dtype in ("fp32", "bf16", "fp16") else "bf16"
         measured, measurement = local_device(compute)
-        local = {
-            "read_gb_s": round(measurement.read_gb_s, 2),
-            "triad_gb_s": round(measurement.triad_gb_s, 2),
-            "matmul_tflops": round(measurement.matmul_tflops, 3),
-            "matmul_dtype": measurement.matmul_dtype,
-            "threads": measurement.threads,
-            "array_bytes": measurement.array_bytes,
-        }
-        device_spec = resolve_device(
+        local = asdict(measurement)
+        flags = resolve_device(  # the measurement, with any figure the flags override
             None,
             bandwidth_gb_s or measured.bandwidth_gb_s,
             tflops or measured.tflops_bf16,
             memory_gb or measured.memory_gb,
         )
-        device_spec = Device(
-            **{
-                **device_spec.__dict__,
-                "name": "local",
-                "label": "this machine",
-                "kind": "cpu",
-                "source": measured.source,
-            }
+        device_spec = replace(
+            measured,
+            bandwidth_gb_s=flags.bandwidth_gb_s,
+            tflops_bf16=flags.tflops_bf16,
+            memory_gb=flags.memory_gb,
         )
     else:
         device_spec = resolve_device(device, bandwidth_gb_s, tflops, memory_gb)

@@ -98,7 +98,7 @@ class Prober:
             )
         if trace.error is None and not self.exact_prompts and isinstance(prompt, str):
             words = len(prompt.split())
-            self.builder.calibrate(asked, words, trace.prompt_tokens)
+            self.builder.calibrate(words, trace.prompt_tokens)
         if trace.error is None and trace.token_source == "none":
             trace.token_source = "chunks (server sent no token counts)"
         self.traces.append(trace)

@@ -120,8 +120,8 @@ def render_plan(r: dict[str, Any], console: Console) -> None:
     if r.get("local_measurement"):
         lm = r["local_measurement"]
         parts.append(
-            f"measured here: read {lm['read_gb_s']} GB/s, triad {lm['triad_gb_s']} GB/s, "
-            f"{lm['matmul_dtype']} matmul {lm['matmul_tflops']} TFLOP/s, "
+            f"measured here: read {lm['read_gb_s']:.1f} GB/s, triad {lm['triad_gb_s']:.1f} "
+            f"GB/s, {lm['matmul_dtype']} matmul {lm['matmul_tflops']:.2f} TFLOP/s, "
             f"{lm['threads']} threads"
         )
     parts.extend(f"[yellow]note:[/] {note}" for note in r["notes"])

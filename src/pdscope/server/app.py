@@ -120,6 +120,11 @@ class ServerState:
             raise APIError(400, str(exc), param="prompt") from exc
 
 
+def state_of(request: Request) -> ServerState:
+    """The ServerState every route works with (set by build_app)."""
+    return request.app.state.pdscope
+
+
 def _content_text(content: str | list[dict[str, Any]] | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""

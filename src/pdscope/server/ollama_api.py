@@ -22,7 +22,7 @@ from fastapi.responses import StreamingResponse
 from pdscope import __version__
 from pdscope.engine.async_engine import EngineDeadError
 from pdscope.engine.llm_engine import RequestOutput
-from pdscope.server.app import ServerState, TextDeltas, collect
+from pdscope.server.app import ServerState, TextDeltas, collect, state_of
 from pdscope.server.protocol import (
     ChatMessage,
     OllamaChatRequest,
@@ -31,10 +31,6 @@ from pdscope.server.protocol import (
 )
 
 router = APIRouter()
-
-
-def _state(request: Request) -> ServerState:
-    return request.app.state.pdscope
 
 
 def _now() -> str:
@@ -140,7 +136,7 @@ async def _respond(
 
 @router.post("/api/generate", response_model=None)
 async def generate(body: OllamaGenerateRequest, request: Request) -> Any:
-    s = _state(request)
+    s = state_of(request)
     s.check_model(body.model)
     if not body.prompt:
         # Ollama answers an empty prompt by loading the model: a done object, no text.
@@ -163,7 +159,7 @@ async def generate(body: OllamaGenerateRequest, request: Request) -> Any:
 
 @router.post("/api/chat", response_model=None)
 async def chat(body: OllamaChatRequest, request: Request) -> Any:
-    s = _state(request)
+    s = state_of(request)
     s.check_model(body.model)
     return await _respond(
         s, request, s.chat_prompt(body.messages), body.options, body.stream, "chat"
@@ -185,7 +181,7 @@ def _details(s: ServerState) -> dict[str, Any]:
 
 @router.get("/api/tags")
 async def tags(request: Request) -> dict[str, Any]:
-    s = _state(request)
+    s = state_of(request)
     size = sum(f.stat().st_size for f in s.llm.path.glob("*.safetensors"))
     return {
         "models": [
@@ -208,7 +204,7 @@ async def version() -> dict[str, str]:
 
 @router.post("/api/show")
 async def show(body: OllamaShowRequest, request: Request) -> dict[str, Any]:
-    s = _state(request)
+    s = state_of(request)
     s.check_model(body.model or body.name)
     config = s.llm.model.config
     family = config.architecture.removesuffix("ForCausalLM").lower()

@@ -18,6 +18,7 @@ from pdscope.server.app import (
     TextDeltas,
     collect,
     sse,
+    state_of,
     usage,
 )
 from pdscope.server.protocol import (
@@ -30,13 +31,9 @@ from pdscope.server.protocol import (
 router = APIRouter()
 
 
-def _state(request: Request) -> ServerState:
-    return request.app.state.pdscope
-
-
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
-    s = _state(request)
+    s = state_of(request)
     return {
         "object": "list",
         "data": [
@@ -114,7 +111,7 @@ def _sse_response(
 
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> Any:
-    s = _state(request)
+    s = state_of(request)
     s.check_model(body.model)
     ids = _completion_prompt(s, body.prompt)
     limit = s.max_tokens_for(ids, body.max_tokens)
@@ -148,7 +145,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-    s = _state(request)
+    s = state_of(request)
     s.check_model(body.model)
     ids = s.chat_prompt(body.messages)
     asked = body.max_completion_tokens or body.max_tokens
@@ -206,7 +203,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
-    s = _state(request)
+    s = state_of(request)
     s.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "send exactly one of 'prompt' or 'messages'", param="prompt")
@@ -219,7 +216,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
-    s = _state(request)
+    s = state_of(request)
     s.check_model(body.model)
     vocab = s.llm.tokenizer.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]

@@ -27,16 +27,9 @@ class _Server(uvicorn.Server):
 
 def start_engine(args: EngineArgs, max_queue: int | None) -> AsyncEngine:
     engine = LLMEngine(args)
-    pool = engine.pool
-    tokens = pool.num_blocks * pool.block_size
+    tokens = engine.pool.num_blocks * engine.pool.block_size
     log.info("model %s on %s, %s", engine.path, engine.device, str(engine.dtype).split(".")[-1])
-    log.info(
-        "KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB",
-        pool.num_blocks,
-        pool.block_size,
-        tokens,
-        engine.kv_cache_bytes / 2**20,
-    )
+    log.info(engine.pool_summary)
     log.info(
         "maximum concurrency for %d tokens per request: %.2fx",
         engine.max_model_len,

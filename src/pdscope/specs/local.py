@@ -85,6 +85,7 @@ def local_device(dtype: str = "bf16") -> tuple[Device, LocalMeasurement]:
         memory_gb = None
     device = Device(
         name="local",
+        label="this machine",
         bandwidth_gb_s=round(m.bandwidth_gb_s, 2),
         memory_gb=None if memory_gb is None else round(memory_gb, 1),
         tflops_bf16=round(m.matmul_tflops, 3),
