@@ -70,7 +70,8 @@ class ModelRunner:
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
 
         bs = self.block_size
-        decode_blocks = decode_mask = None
+        decode_rows = decode_mask = None
+        decode_keys = (0, 0)
         if decodes:
             lengths = [r.num_computed_tokens + 1 for r, _ in decodes]
             num_blocks = [-(-length // bs) for length in lengths]
@@ -79,15 +80,20 @@ class ModelRunner:
                 r.block_table[:nb] + [0] * (widest - nb)
                 for (r, _), nb in zip(decodes, num_blocks, strict=True)
             ]
-            decode_blocks = self._rows(torch.tensor(table, dtype=torch.long, device=dev))
-            key_pos = torch.arange(widest * bs, device=dev)
-            lens = torch.tensor(lengths, device=dev)[:, None]
-            decode_mask = key_pos[None, :] < lens
+            decode_rows = self._rows(torch.tensor(table, dtype=torch.long, device=dev))
             window = self.model.config.sliding_window
-            if window is not None:
-                decode_mask &= key_pos[None, :] >= lens - window
-            elif min(lengths) == widest * bs:
-                decode_mask = None  # no padding, no window: every key counts
+            if len(decodes) == 1:
+                # One sequence: cut the keys to exactly its context, so nothing needs masking.
+                decode_keys = (max(0, lengths[0] - window) if window else 0, lengths[0])
+            else:
+                decode_keys = (0, widest * bs)  # whole blocks: the gather stays contiguous
+                key_pos = torch.arange(decode_keys[1], device=dev)
+                lens = torch.tensor(lengths, device=dev)[:, None]
+                decode_mask = key_pos[None, :] < lens
+                if window is not None:
+                    decode_mask &= key_pos[None, :] >= lens - window
+                elif min(lengths) == decode_keys[1]:
+                    decode_mask = None  # equal lengths, no window: every key counts
         prefill_meta = []
         offset = len(decodes)
         for request, n in prefills:
@@ -99,7 +105,7 @@ class ModelRunner:
             prefill_meta.append((offset, n, cached, blocks))
             offset += n
         batch = AttentionBatch(
-            slot_mapping, bs, len(decodes), decode_blocks, decode_mask, prefill_meta
+            slot_mapping, bs, len(decodes), decode_rows, decode_keys, decode_mask, prefill_meta
         )
 
         hidden = self.model(
