@@ -112,17 +112,25 @@ def main() -> None:
     from pdscope.engine.make_model import resolve_model_path
 
     model_dir = resolve_model_path(args.model)
+    runs = {
+        "pdscope": lambda: ours(model_dir, args.quick),
+        "transformers": lambda: huggingface(model_dir, args.quick),
+        "vllm-cpu": lambda: vllm(model_dir, args.quick),
+        "vllm-cpu-1p": lambda: vllm(model_dir, args.quick, one_process=True),
+    }
+    skipped = {"hf": "transformers", "vllm": "vllm-cpu", "vllm-1p": "vllm-cpu-1p"}
+    for name in args.skip:
+        runs.pop(skipped[name])
     # This machine's bandwidth drifts by tens of percent over minutes (other tenants), so the
-    # ceiling is measured just before and just after our run; the ratio is given against both.
-    bw_before, per_token, ceiling_before = bandwidth_ceiling(model_dir)
-    results: dict[str, dict[str, float] | None] = {"pdscope": ours(model_dir, args.quick)}
-    bw_after, _, ceiling_after = bandwidth_ceiling(model_dir)
-    if "hf" not in args.skip:
-        results["transformers"] = huggingface(model_dir, args.quick)
-    if "vllm" not in args.skip:
-        results["vllm-cpu"] = vllm(model_dir, args.quick)
-    if "vllm-1p" not in args.skip:
-        results["vllm-cpu-1p"] = vllm(model_dir, args.quick, one_process=True)
+    # ceiling is measured just before and just after each stack's run, and each stack's decode
+    # is also given as a fraction of the ceiling around its own run.
+    results: dict[str, dict[str, float] | None] = {}
+    bandwidth: dict[str, tuple[float, float]] = {}
+    per_token = 0.0
+    for name, run in runs.items():
+        bw_before, per_token, _ = bandwidth_ceiling(model_dir)
+        results[name] = run()
+        bandwidth[name] = (bw_before, bandwidth_ceiling(model_dir)[0])
 
     keys = [
         "decode_b1_tok_s",
@@ -131,21 +139,22 @@ def main() -> None:
         "batch32_e2e_tok_s",
         "cached_prefix_ratio",
     ]
+    for r, (before, after) in zip(results.values(), bandwidth.values(), strict=True):
+        if r:
+            ceiling_tok_s = (before + after) / 2 * 1e9 / per_token
+            r["decode_b1_of_ceiling"] = r["decode_b1_tok_s"] / ceiling_tok_s
     print(f"model {model_dir}  bf16  torch threads {os.cpu_count()}")
-    print(
-        f"measured bandwidth {bw_before:.1f} GB/s before, {bw_after:.1f} GB/s after our run; "
-        f"{per_token / 1e6:.1f} MB read per decode token; "
-        f"ceiling {ceiling_before:.1f} / {ceiling_after:.1f} tok/s"
-    )
+    print(f"{per_token / 1e6:.1f} MB read per decode token; ceiling = bandwidth / that")
     print(f"{'':22}" + "".join(f"{name:>16}" for name in results))
-    for key in keys:
+    print(
+        f"{'bandwidth GB/s':22}"
+        + "".join(f"{f'{b:.1f}-{a:.1f}':>16}" for b, a in bandwidth.values())
+    )
+    for key in [*keys, "decode_b1_of_ceiling"]:
         row = "".join(f"{(r or {}).get(key, float('nan')):>16.3f}" for r in results.values())
         print(f"{key:22}{row}")
     mine = results["pdscope"]
-    print(
-        f"decode b1 / ceiling: {mine['decode_b1_tok_s'] / ceiling_before:.2f} (before), "
-        f"{mine['decode_b1_tok_s'] / ceiling_after:.2f} (after)"
-    )
+    assert mine is not None
     print(
         f"batch32 decode / decode b1 (ours): "
         f"{mine['batch32_decode_tok_s'] / mine['decode_b1_tok_s']:.2f}"
@@ -159,8 +168,8 @@ def main() -> None:
         args.json.write_text(
             json.dumps(
                 {
-                    "bandwidth_gb_s": [bw_before, bw_after],
-                    "ceiling_tok_s": [ceiling_before, ceiling_after],
+                    "bytes_per_decode_token": per_token,
+                    "bandwidth_gb_s_before_after": bandwidth,
                     "results": results,
                 },
                 indent=2,
