@@ -26,18 +26,22 @@ ROOT = Path(__file__).resolve().parents[1]
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 
 
-def bandwidth_ceiling(model_dir: Path) -> tuple[float, float, float]:
-    """(measured GB/s, bytes per decode token, ceiling tok/s) via pdscope plan's arithmetic."""
+def bytes_per_decode_token(model_dir: Path) -> float:
+    """Bytes a batch-1 decode step reads: bf16 weights and 32 tokens of bf16 KV (plan's sums)."""
     from pdscope.roofline import arithmetic as rf
     from pdscope.specs import get_kv_precision, get_weight_precision, load_model
-    from pdscope.specs.local import measure
 
     spec = load_model(str(model_dir))
-    bw = measure("bf16").bandwidth_gb_s
-    per_token = rf.decode_bytes_per_token(
+    return rf.decode_bytes_per_token(
         spec, get_weight_precision("bf16"), get_kv_precision("bf16"), 32
     )
-    return bw, per_token, bw * 1e9 / per_token
+
+
+def bandwidth_gb_s() -> float:
+    """This machine's memory bandwidth now, measured as `pdscope plan --device local` does."""
+    from pdscope.specs.local import measure
+
+    return measure("bf16").bandwidth_gb_s
 
 
 def ours(model_dir: Path, quick: bool) -> dict[str, float]:
@@ -126,11 +130,11 @@ def main() -> None:
     # is also given as a fraction of the ceiling around its own run.
     results: dict[str, dict[str, float] | None] = {}
     bandwidth: dict[str, tuple[float, float]] = {}
-    per_token = 0.0
+    per_token = bytes_per_decode_token(model_dir)
     for name, run in runs.items():
-        bw_before, per_token, _ = bandwidth_ceiling(model_dir)
+        before = bandwidth_gb_s()
         results[name] = run()
-        bandwidth[name] = (bw_before, bandwidth_ceiling(model_dir)[0])
+        bandwidth[name] = (before, bandwidth_gb_s())
 
     keys = [
         "decode_b1_tok_s",

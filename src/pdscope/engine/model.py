@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Decode batches up to this many sequences do attention math in float32 on CPU (see _decode).
+# Decode batches of 2 up to this many sequences do attention math in float32 on CPU (see _decode).
 _FLOAT32_DECODE_MAX_SEQS = 4
 # RMSNorm inputs up to this many elements take the LayerNorm form (see RMSNorm).
 _SMALL_NORM_ELEMENTS = 64 * 1024
