@@ -194,3 +194,22 @@ def test_mistral_sliding_window_matches_transformers(tmp_path: Path, window: int
     with torch.no_grad():
         ref = ref_model(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1 :]
     torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-3)
+
+
+def test_a_one_token_last_chunk_is_prefill_everywhere(checkpoints) -> None:
+    """17 prompt tokens, budget 16: step 2 computes the last prompt token alone. The scheduler
+    calls it prefill, the runner runs it as prefill and the timeline counts it as prefill, and
+    the tokens match an unchunked run."""
+    path = checkpoints["qwen3"]
+    whole = LLM(model=str(path), kv_cache_memory="8MiB")
+    prompt = (whole.tokenizer.encode("Prefill reads the prompt; decode writes one. " * 4))[:17]
+    assert len(prompt) == 17
+    expected = whole.generate(prompt, GREEDY)[0].token_ids
+
+    llm = LLM(model=str(path), kv_cache_memory="8MiB", max_num_batched_tokens=16)
+    out = llm.generate(prompt, GREEDY)[0]
+    assert out.token_ids == expected
+    steps = list(llm.engine.steps)
+    assert [(s.prefill_tokens, s.decode_tokens) for s in steps[:3]] == [(16, 0), (1, 0), (0, 1)]
+    assert out.timeline.prefill_chunks[1][1] == 1
+    assert sum(n for _, n in out.timeline.prefill_chunks) == 17

@@ -24,13 +24,19 @@ def run_step(s: Scheduler, token: int = 7):
     """One step without a model: every caught-up request gets ``token``; finish at max_tokens."""
     out = s.schedule()
     s.update(out)
-    for request, _ in out.scheduled:
+    for entry in out.scheduled:
+        request = entry.request
         if request.status is Status.RUNNING and request.num_computed_tokens == request.num_tokens:
-            request.output_token_ids.append(token)
+            assert entry.samples
+            request.append_output(token)
             if len(request.output_token_ids) >= request.params.max_tokens:
                 s.finish(request, "length")
     s.pool.check_invariants()
     return out
+
+
+def shares(out) -> dict[str, int]:
+    return {e.request.request_id: e.num_new_tokens for e in out.scheduled}
 
 
 def make(
@@ -52,11 +58,11 @@ def test_long_prompt_is_chunked_and_mixed_with_decodes() -> None:
     long = make_request("long", list(range(100, 140)))  # 40 tokens > budget 16
     s.add(long)
     out = run_step(s)
-    assert dict((r.request_id, n) for r, n in out.scheduled) == {"short": 1, "long": 15}
+    assert shares(out) == {"short": 1, "long": 15}
     out = run_step(s)
-    assert dict((r.request_id, n) for r, n in out.scheduled) == {"short": 1, "long": 15}
+    assert shares(out) == {"short": 1, "long": 15}
     out = run_step(s)
-    assert dict((r.request_id, n) for r, n in out.scheduled) == {"short": 1, "long": 10}
+    assert shares(out) == {"short": 1, "long": 10}
     assert long.output_token_ids == [7]
 
 
@@ -65,9 +71,9 @@ def test_no_chunking_waits_for_a_whole_budget() -> None:
     s.add(make_request("a", list(range(200))))
     s.add(make_request("b", list(range(300, 400))))
     out = run_step(s)
-    assert [n for _, n in out.scheduled] == [200]  # b does not fit the rest of the budget
+    assert shares(out) == {"a": 200}  # b does not fit the rest of the budget
     out = run_step(s)
-    assert sorted(n for _, n in out.scheduled) == [1, 100]
+    assert sorted(e.num_new_tokens for e in out.scheduled) == [1, 100]
     with pytest.raises(ValueError, match="chunked"):
         SchedulerConfig(100, 8, 256, enable_chunked_prefill=False)
 
@@ -92,7 +98,8 @@ def test_prefix_cache_hit_skips_full_blocks_but_never_the_last_token() -> None:
     second = make_request("b", prefix + [60, 61, 62])
     s.add(second)
     out = run_step(s)
-    assert out.scheduled == [(second, 3)]
+    assert shares(out) == {"b": 3}
+    assert out.num_prefix_hit_tokens == 12 and out.scheduled[0].start == 12
     assert second.timeline.num_cached_tokens == 12
     assert s.pool.prefix_cache_hits == 12
     assert s.pool.prefix_cache_queries == 14 + 15
@@ -100,7 +107,7 @@ def test_prefix_cache_hit_skips_full_blocks_but_never_the_last_token() -> None:
     third = make_request("c", prefix)
     s.add(third)
     out = run_step(s)
-    assert (third, 4) in out.scheduled  # the last block recomputed: hits are whole blocks
+    assert shares(out)["c"] == 4  # the last block recomputed: hits are whole blocks
 
 
 def test_prefix_caching_off() -> None:
@@ -110,8 +117,103 @@ def test_prefix_caching_off() -> None:
     b = make_request("b", list(range(12)))
     s.add(b)
     out = run_step(s)
-    assert out.scheduled == [(b, 12)]
+    assert shares(out) == {"b": 12} and out.num_prefix_hit_tokens == 0
     assert s.pool.prefix_cache_queries == 0
+
+
+def test_the_scheduler_decides_each_entry_phase_once() -> None:
+    """A 17-token prompt with a budget of 16: step 2 computes the last prompt token alone.
+
+    It is prefill (it is a prompt token, and it produces the first output token), although it
+    is one token over a cached context just as a decode is; the step counts say so too.
+    """
+    s = make(budget=16)
+    r = make_request("r", list(range(17)), max_tokens=3)
+    s.add(r)
+    out = run_step(s)
+    assert [(e.start, e.num_new_tokens, e.is_prefill, e.samples) for e in out.scheduled] == [
+        (0, 16, True, False)
+    ]
+    out = run_step(s)
+    assert [(e.start, e.num_new_tokens, e.is_prefill, e.samples) for e in out.scheduled] == [
+        (16, 1, True, True)
+    ]
+    assert (out.num_prefill_tokens, out.num_decode_tokens) == (1, 0)
+    out = run_step(s)  # now the sampled token: a decode
+    assert [(e.start, e.num_new_tokens, e.is_prefill) for e in out.scheduled] == [(17, 1, False)]
+    assert (out.num_prefill_tokens, out.num_decode_tokens) == (0, 1)
+
+
+def test_step_counts_cover_preemption_and_recomputation() -> None:
+    s = make(blocks=6, budget=64)  # two requests outgrow 6 blocks at 13 tokens each
+    a = make_request("a", list(range(6)), max_tokens=10)
+    b = make_request("b", list(range(50, 56)), max_tokens=10)
+    s.add(a)
+    s.add(b)
+    out = run_step(s)
+    assert out.num_prefill_tokens == 12 and out.num_preemptions == 0
+    for _ in range(20):
+        out = run_step(s)
+        if out.preempted:
+            break
+    assert out.preempted == [b]  # the newest
+    assert out.num_preemptions == 1
+    for _ in range(20):
+        out = run_step(s)
+        if b.status is Status.RUNNING:
+            break
+    # Re-admitted: what it had is recomputed as prefill (cached blocks may be reused), and the
+    # reuse is not counted as a prefix-cache hit (recomputation is not demand).
+    (entry,) = [e for e in out.scheduled if e.request is b]
+    assert entry.is_prefill and entry.samples
+    assert entry.num_cached_tokens == 0 and out.num_prefix_hit_tokens == 0
+
+
+def test_block_hashes_grow_with_tokens_and_are_never_recomputed() -> None:
+    s = make(budget=64)
+    r = make_request("r", list(range(10)), max_tokens=8)
+    s.add(r)
+    run_step(s)
+    first_two = list(r.block_hashes)
+    assert len(first_two) == 2  # 10 prompt tokens: 2 full blocks of 4
+    for _ in range(6):
+        run_step(s)
+    assert len(r.block_hashes) == r.num_computed_tokens // 4
+    assert r.block_hashes[:2] == first_two
+    assert r.token_ids == r.prompt_token_ids + r.output_token_ids
+
+
+def two_finished_requests() -> tuple[BlockPool, list[bytes], list[bytes]]:
+    """A pool of exactly 4 blocks holding two finished 2-block prompts, a's freed before b's.
+
+    Free queue afterwards, least recently freed first: a's tail, a's head, b's tail, b's head.
+    """
+    pool = BlockPool(4, 4)
+    s = Scheduler(SchedulerConfig(64, 8, 64), pool)
+    hashes = []
+    for rid, first in (("a", 0), ("b", 100)):
+        r = make_request(rid, list(range(first, first + 8)), max_tokens=1)
+        s.add(r)
+        run_step(s)
+        assert r.is_finished
+        hashes.append(r.block_hashes[:2])
+    assert pool.counts() == (0, 4, 0)
+    return pool, hashes[0], hashes[1]
+
+
+def test_lru_evicts_the_least_recently_freed_cached_block_first() -> None:
+    pool, a, b = two_finished_requests()
+    pool.allocate(2)
+    assert pool.find_cached_prefix(a, 9) == []
+    assert len(pool.find_cached_prefix(b, 9)) == 2
+
+
+def test_a_freed_request_loses_its_tail_block_before_its_head() -> None:
+    pool, a, b = two_finished_requests()
+    pool.allocate(1)
+    # The head survives (it serves more future prompts); a's chain now stops after one block.
+    assert len(pool.find_cached_prefix(a, 9)) == 1
+    assert len(pool.find_cached_prefix(b, 9)) == 2
 
 
 def test_cached_blocks_are_evicted_lru() -> None:

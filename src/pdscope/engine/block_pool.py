@@ -80,24 +80,25 @@ class BlockPool:
 
     # --- prefix cache -------------------------------------------------------------------
 
-    def hashes_for(self, token_ids: Sequence[int], known: list[bytes]) -> list[bytes]:
-        """Chained hashes of every full block of ``token_ids``, extending ``known``."""
-        hashes = list(known)
+    def extend_hashes(self, hashes: list[bytes], token_ids: Sequence[int]) -> list[bytes]:
+        """Append to ``hashes`` the chained hash of every full block of ``token_ids`` it does
+        not cover yet, and return it. Blocks already hashed are never hashed again."""
         size = self.block_size
         for start in range(len(hashes) * size, len(token_ids) - size + 1, size):
             parent = hashes[-1] if hashes else None
             hashes.append(block_hash(parent, token_ids[start : start + size]))
         return hashes
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Blocks holding the longest cached prefix of ``token_ids``.
+    def find_cached_prefix(self, hashes: Sequence[bytes], num_tokens: int) -> list[int]:
+        """Blocks holding the longest cached prefix of a sequence of ``num_tokens`` tokens whose
+        full blocks hash to ``hashes``.
 
         The hit never covers the last token: it must still be computed to produce logits.
         """
         if not self.enable_prefix_caching:
             return []
         hit: list[int] = []
-        for h in self.hashes_for(token_ids[: len(token_ids) - 1], []):
+        for h in hashes[: (num_tokens - 1) // self.block_size]:
             block_id = self.cached.get(h)
             if block_id is None:
                 break

@@ -242,27 +242,27 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        prefilling = {r.request_id for r, _ in out.scheduled if r.is_prefill}
-        prefill_tokens = sum(n for r, n in out.scheduled if r.request_id in prefilling)
-        for request, _ in out.scheduled:
-            if request.timeline.first_scheduled_s is None:
-                request.timeline.first_scheduled_s = start
+        for entry in out.scheduled:
+            if entry.request.timeline.first_scheduled_s is None:
+                entry.request.timeline.first_scheduled_s = start
         try:
             sampled = self.runner.execute(out)
         except Exception as exc:  # one bad step fails its requests; the engine keeps serving
             log.exception("step failed; aborting its %d requests", len(out.scheduled))
-            return self._fail_step(out.scheduled, f"{type(exc).__name__}: {exc}")
+            failed = [e.request for e in out.scheduled]
+            return self._fail_step(failed, f"{type(exc).__name__}: {exc}")
         self.scheduler.update(out)
         end = time.perf_counter()
 
         outputs = []
-        for request, n in out.scheduled:
-            if request.request_id in prefilling:
-                request.timeline.prefill_chunks.append((end, n))
+        for entry in out.scheduled:
+            request = entry.request
+            if entry.is_prefill:
+                request.timeline.prefill_chunks.append((end, entry.num_new_tokens))
             token = sampled.get(request)
             if token is None:
                 continue
-            request.output_token_ids.append(token)
+            request.append_output(token)
             request.timeline.token_s.append(end)
             error = None
             try:
@@ -289,19 +289,20 @@ class LLMEngine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.pool.usage,
-            prefill_tokens=prefill_tokens,
-            decode_tokens=out.num_tokens - prefill_tokens,
-            num_preempted=len(out.preempted),
+            prefill_tokens=out.num_prefill_tokens,
+            decode_tokens=out.num_decode_tokens,
+            num_preempted=out.num_preemptions,
+            prefix_hit_tokens=out.num_prefix_hit_tokens,
         )
         self.steps.append(record)
         for listener in self.step_listeners:
             listener(record, [o.request for o in outputs])
         return outputs
 
-    def _fail_step(self, scheduled: list[tuple[Request, int]], error: str) -> list[RequestOutput]:
+    def _fail_step(self, requests: list[Request], error: str) -> list[RequestOutput]:
         now = time.perf_counter()
         outputs = []
-        for request, _ in scheduled:
+        for request in requests:
             if not request.is_finished:
                 self._finish(request, "abort", now)
             outputs.append(

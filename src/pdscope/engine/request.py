@@ -19,8 +19,11 @@ class Status(Enum):
 class Request:
     """One generation request.
 
-    Invariant: ``num_computed_tokens <= num_tokens``. A step that brings ``num_computed_tokens`` up
-    to ``num_tokens`` samples one new token, which makes them differ by one again (a decode).
+    Invariants: ``num_computed_tokens <= num_tokens``; ``token_ids`` is the prompt followed by the
+    outputs and only grows (:meth:`append_output`), so slices taken from it and the hashes of its
+    full blocks stay valid for the request's whole life, preemptions included. A step that brings
+    ``num_computed_tokens`` up to ``num_tokens`` samples one new token, which makes them differ by
+    one again (a decode).
     """
 
     request_id: str
@@ -31,28 +34,38 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # of full, computed blocks
+    # Chained hashes of the full blocks of ``token_ids`` seen so far (computed or not). Extended
+    # by the block pool as tokens arrive, never recomputed: the tokens they cover never change.
+    block_hashes: list[bytes] = field(default_factory=list)
     status: Status = Status.WAITING
     output_text: str = ""
     finish_reason: str | None = None
+    token_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.token_ids = self.prompt_token_ids + self.output_token_ids
+
+    def append_output(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self.token_ids.append(token)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
     @property
-    def is_prefill(self) -> bool:
-        """Still computing tokens it already has (prompt, or all tokens after a preemption)."""
-        return self.num_tokens - self.num_computed_tokens > 1 or not self.output_token_ids
+    def is_decode_next(self) -> bool:
+        """The only token left to compute is the last sampled one: the next step is a decode.
+
+        This is the one rule for a token's phase. Anything else still computing tokens the
+        request already had (a prompt chunk, the recomputation after a preemption) is prefill.
+        """
+        return self.num_tokens - self.num_computed_tokens == 1 and bool(self.output_token_ids)

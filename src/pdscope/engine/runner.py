@@ -56,16 +56,16 @@ class ModelRunner:
         """Run one step; returns the sampled token for every request whose computed tokens
         caught up with its tokens in this step."""
         # Decodes first (one token each), then prefill chunks, matching AttentionBatch's layout.
-        decodes = [(r, n) for r, n in out.scheduled if n == 1 and r.num_computed_tokens > 0]
-        prefills = [(r, n) for r, n in out.scheduled if not (n == 1 and r.num_computed_tokens > 0)]
+        # The phase is the scheduler's call (ScheduledRequest.is_prefill), never decided here.
+        decodes = [e for e in out.scheduled if not e.is_prefill]
+        prefills = [e for e in out.scheduled if e.is_prefill]
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        for request, n in decodes + prefills:
-            start = request.num_computed_tokens
-            ids.extend(request.all_token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            slots.extend(self._slots(request, start, start + n))
+        for e in decodes + prefills:
+            ids.extend(e.request.token_ids[e.start : e.end])
+            positions.extend(range(e.start, e.end))
+            slots.extend(self._slots(e.request, e.start, e.end))
         dev = self.device
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
 
@@ -73,12 +73,13 @@ class ModelRunner:
         decode_rows = decode_mask = None
         decode_keys = (0, 0)
         if decodes:
-            lengths = [r.num_computed_tokens + 1 for r, _ in decodes]
+            assert all(e.num_new_tokens == 1 for e in decodes)
+            lengths = [e.end for e in decodes]
             num_blocks = [-(-length // bs) for length in lengths]
             widest = max(num_blocks)
             table = [
-                r.block_table[:nb] + [0] * (widest - nb)
-                for (r, _), nb in zip(decodes, num_blocks, strict=True)
+                e.request.block_table[:nb] + [0] * (widest - nb)
+                for e, nb in zip(decodes, num_blocks, strict=True)
             ]
             decode_rows = self._rows(torch.tensor(table, dtype=torch.long, device=dev))
             window = self.model.config.sliding_window
@@ -96,11 +97,11 @@ class ModelRunner:
                     decode_mask = None  # equal lengths, no window: every key counts
         prefill_meta = []
         offset = len(decodes)
-        for request, n in prefills:
-            cached = request.num_computed_tokens
+        for e in prefills:
+            cached, n = e.start, e.num_new_tokens
             blocks = None
             if cached:
-                table = request.block_table[: -(-(cached + n) // bs)]
+                table = e.request.block_table[: -(-e.end // bs)]
                 blocks = self._rows(torch.tensor(table, dtype=torch.long, device=dev))
             prefill_meta.append((offset, n, cached, blocks))
             offset += n
@@ -119,10 +120,10 @@ class ModelRunner:
         due: list[Request] = []
         rows: list[int] = []
         offset = 0
-        for request, n in decodes + prefills:
-            offset += n
-            if request.num_computed_tokens + n == request.num_tokens:
-                due.append(request)
+        for e in decodes + prefills:
+            offset += e.num_new_tokens
+            if e.samples:
+                due.append(e.request)
                 rows.append(offset - 1)
         if not due:
             return {}

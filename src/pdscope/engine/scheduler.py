@@ -30,16 +30,55 @@ class SchedulerConfig:
             )
 
 
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: tokens ``[start, start + num_new_tokens)`` are computed.
+
+    ``is_prefill`` is decided here, once, by :attr:`Request.is_decode_next`; the runner picks
+    its attention path by it and the timeline and metrics count tokens by it.
+    ``num_cached_tokens`` is the prefix-cache hit counted when the request was first admitted in
+    this step, as the pool's ``prefix_cache_hits`` counts it (0 otherwise, and 0 for a
+    re-admission after preemption, which is recomputation rather than demand).
+    """
+
+    request: Request
+    num_new_tokens: int
+    start: int
+    is_prefill: bool
+    samples: bool  # computes the request's last token, so it yields logits and a new token
+    num_cached_tokens: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+
 @dataclass
 class SchedulerOutput:
-    """One step's plan: ``scheduled`` pairs a request with how many new tokens it computes."""
+    """One step's plan: which requests compute which tokens, and what it cost the pool."""
 
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+        return sum(e.num_new_tokens for e in self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(e.num_new_tokens for e in self.scheduled if e.is_prefill)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(e.num_new_tokens for e in self.scheduled if not e.is_prefill)
+
+    @property
+    def num_prefix_hit_tokens(self) -> int:
+        return sum(e.num_cached_tokens for e in self.scheduled)
+
+    @property
+    def num_preemptions(self) -> int:
+        return len(self.preempted)
 
     @property
     def is_empty(self) -> bool:
@@ -79,7 +118,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append((request, new))
+                out.scheduled.append(self._entry(request, new))
                 budget -= new
                 index += 1
 
@@ -92,7 +131,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            cached = self.pool.find_cached_prefix(request.all_token_ids)
+            hashes = self.pool.extend_hashes(request.block_hashes, request.token_ids)
+            cached = self.pool.find_cached_prefix(hashes, request.num_tokens)
             num_cached = len(cached) * self.pool.block_size
             new = request.num_tokens - num_cached
             if new > budget and not self.config.enable_chunked_prefill:
@@ -103,22 +143,30 @@ class Scheduler:
             if needed > self.pool.num_free_blocks - reusable:
                 break  # pool full: the request waits
             self.waiting.popleft()
-            if request.timeline.preemptions == 0:  # re-admissions are recomputation, not demand
+            # Re-admissions are recomputation, not demand: only first admissions count as lookups.
+            counted_hit = num_cached if request.timeline.preemptions == 0 else 0
+            if request.timeline.preemptions == 0:
                 self.pool.record_lookup(request.num_tokens, num_cached)
             self.pool.touch(cached)
             request.block_table = cached + self.pool.allocate(needed)
-            request.block_hashes = self.pool.hashes_for(request.all_token_ids[:num_cached], [])
             request.num_computed_tokens = num_cached
             if request.timeline.first_scheduled_s is None:
                 request.timeline.num_cached_tokens = num_cached
             request.status = Status.RUNNING
             self.running.append(request)
-            out.scheduled.append((request, new))
+            out.scheduled.append(self._entry(request, new, counted_hit))
             budget -= new
 
         assert out.num_tokens <= self.config.max_num_batched_tokens
         assert len(self.running) <= self.config.max_num_seqs
         return out
+
+    @staticmethod
+    def _entry(request: Request, new: int, num_cached: int = 0) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        samples = start + new == request.num_tokens
+        is_prefill = not request.is_decode_next
+        return ScheduledRequest(request, new, start, is_prefill, samples, num_cached)
 
     def _grow(self, request: Request, new: int) -> bool:
         """Make room in ``request``'s block table for ``new`` more tokens; False if the pool is
@@ -137,7 +185,6 @@ class Scheduler:
         recomputes its tokens (prompt and outputs so far) when it is admitted again."""
         self.pool.free(request.block_table)
         request.block_table = []
-        request.block_hashes = []
         request.num_computed_tokens = 0
         request.status = Status.WAITING
         request.timeline.preemptions += 1
@@ -146,16 +193,18 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput) -> None:
         """Advance computed counts after the model ran, and publish newly full blocks."""
-        for request, new in out.scheduled:
+        for entry in out.scheduled:
+            request = entry.request
             if request.status is not Status.RUNNING:
                 continue  # aborted during the step
-            request.num_computed_tokens += new
+            assert request.num_computed_tokens == entry.start
+            request.num_computed_tokens = entry.end
             assert request.num_computed_tokens <= request.num_tokens
-            full = request.num_computed_tokens // self.pool.block_size
-            if full > len(request.block_hashes):
-                tokens = request.all_token_ids[: full * self.pool.block_size]
-                request.block_hashes = self.pool.hashes_for(tokens, request.block_hashes)
-                self.pool.register_full_blocks(request.block_table, request.block_hashes)
+            # Blocks that became full in this step; earlier ones were published already.
+            first, full = entry.start // self.pool.block_size, entry.end // self.pool.block_size
+            if full > first:
+                hashes = self.pool.extend_hashes(request.block_hashes, request.token_ids)
+                self.pool.register_full_blocks(request.block_table[first:full], hashes[first:full])
 
     def finish(self, request: Request, reason: str) -> None:
         """Remove a request (done or aborted) from wherever it is and free its blocks."""

@@ -80,6 +80,7 @@ class StepRecord:
     prefill_tokens: int
     decode_tokens: int
     num_preempted: int
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache at admission
 
     @property
     def duration_s(self) -> float:
