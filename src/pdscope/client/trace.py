@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pdscope.engine.timeline import RequestTimeline
+
 
 @dataclass
 class Chunk:
@@ -148,3 +150,35 @@ class Trace:
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
+
+
+def trace_from_timeline(
+    timeline: RequestTimeline, *, api: str, url: str, model: str, label: str = ""
+) -> Trace:
+    """A Trace from an engine timeline (the in-process engine, or the simulator's clock).
+
+    The request is taken as sent at arrival on a ready connection (no setup, no network), each
+    output token as one chunk at the end of the step that sampled it. A request the engine
+    failed or never finished becomes a failed trace, never a figure.
+    """
+    trace = Trace(
+        api=api,
+        url=url,
+        model=model,
+        label=label,
+        prompt_tokens_asked=timeline.prompt_tokens,
+        start_s=timeline.arrival_s,
+        sent_s=timeline.arrival_s,
+        prompt_tokens=timeline.prompt_tokens,
+        cached_tokens=timeline.num_cached_tokens,
+        token_source="engine-timeline",
+        finish_reason=timeline.finish_reason,
+    )
+    if timeline.finish_reason in (None, "abort", "error") or not timeline.token_s:
+        trace.error = f"engine: request ended with {timeline.finish_reason or 'no finish'}"
+        return trace
+    trace.status = 200
+    trace.chunks = [Chunk(t, "", 1) for t in timeline.token_s]
+    trace.output_tokens = len(timeline.token_s)
+    trace.end_s = timeline.token_s[-1]
+    return trace

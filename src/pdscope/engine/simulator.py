@@ -1,0 +1,141 @@
+"""The engine's own scheduler and block pool on a simulated clock. Pure Python, no torch.
+
+Everything but the forward pass is the real engine: requests, the token budget, chunked
+prefill, prefix caching, preemption. Where :class:`LLMEngine` runs the model, the simulator asks
+a cost model how long the step would take and moves its clock on by that much. Each request's
+timeline is the same :class:`RequestTimeline` the real engine keeps, so the same conversions
+and analysis apply to both.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from pdscope.engine.block_pool import BlockPool
+from pdscope.engine.request import Request
+from pdscope.engine.sampling_params import SamplingParams
+from pdscope.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdscope.engine.timeline import RequestTimeline, StepRecord
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """One request to simulate: its prompt's token ids (only their equality matters: prefix
+    caching hashes them), how many tokens it generates, and when it arrives (seconds)."""
+
+    prompt_token_ids: Sequence[int]
+    output_tokens: int
+    arrival_s: float = 0.0
+    request_id: str = ""
+
+
+@dataclass
+class SimResult:
+    requests: list[Request]  # in submission order; failed ones have finish_reason "error: ..."
+    steps: list[StepRecord] = field(default_factory=list)
+    end_s: float = 0.0  # clock when the last request finished
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(s.num_preempted for s in self.steps)
+
+
+class Simulator:
+    """Steps a :class:`Scheduler` with ``step_seconds(out)`` in place of the model runner."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        num_blocks: int,
+        block_size: int,
+        step_seconds: Callable[[SchedulerOutput], float],
+        enable_prefix_caching: bool = True,
+    ):
+        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.pool)
+        self.step_seconds = step_seconds
+        self.now_s = 0.0
+
+    def run(self, specs: Sequence[SimRequest]) -> SimResult:
+        result = SimResult([])
+        arrivals: list[tuple[float, int, Request]] = []
+        max_len = self.scheduler.config.max_model_len
+        tags: dict[str, int] = {}
+        for index, spec in enumerate(specs):
+            request = self._request(index, spec)
+            tags[request.request_id] = index
+            result.requests.append(request)
+            if not spec.prompt_token_ids:
+                self._fail(request, spec.arrival_s, "empty prompt")
+            elif spec.output_tokens < 1:
+                self._fail(request, spec.arrival_s, "output_tokens must be >= 1")
+            elif request.num_tokens + spec.output_tokens > max_len:
+                # What a server's 400 would say: the request cannot fit max_model_len.
+                total = request.num_tokens + spec.output_tokens
+                self._fail(request, spec.arrival_s, f"{total} tokens > max_model_len {max_len}")
+            elif self.pool.blocks_needed(request.num_tokens + spec.output_tokens) > (
+                self.pool.num_blocks
+            ):
+                self._fail(request, spec.arrival_s, "larger than the whole KV pool")
+            else:
+                heapq.heappush(arrivals, (spec.arrival_s, index, request))
+        scheduler = self.scheduler
+        while arrivals or scheduler.has_work:
+            while arrivals and arrivals[0][0] <= self.now_s:
+                scheduler.add(heapq.heappop(arrivals)[2])
+            if not scheduler.has_work:
+                self.now_s = arrivals[0][0]  # idle until the next arrival
+                continue
+            out = scheduler.schedule()
+            assert not out.is_empty, "work that can never be scheduled (checked on arrival)"
+            start = self.now_s
+            for entry in out.scheduled:
+                if entry.request.timeline.first_scheduled_s is None:
+                    entry.request.timeline.first_scheduled_s = start
+            self.now_s += self.step_seconds(out)
+            scheduler.update(out)
+            for entry in out.scheduled:
+                request = entry.request
+                if entry.is_prefill:
+                    request.timeline.prefill_chunks.append((self.now_s, entry.num_new_tokens))
+                if not entry.samples:
+                    continue
+                # Outputs are negative ids unique to the request: they never match a prompt's
+                # (non-negative) tokens, so they never fake a prefix-cache hit.
+                request.append_output(-1 - tags[request.request_id])
+                request.timeline.token_s.append(self.now_s)
+                if len(request.output_token_ids) >= request.params.max_tokens:
+                    scheduler.finish(request, "length")
+                    request.timeline.finished_s = self.now_s
+                    request.timeline.finish_reason = "length"
+            result.steps.append(
+                StepRecord(
+                    start_s=start,
+                    end_s=self.now_s,
+                    num_running=len(scheduler.running),
+                    num_waiting=len(scheduler.waiting),
+                    kv_cache_usage=self.pool.usage,
+                    prefill_tokens=out.num_prefill_tokens,
+                    decode_tokens=out.num_decode_tokens,
+                    num_preempted=out.num_preemptions,
+                    prefix_hit_tokens=out.num_prefix_hit_tokens,
+                )
+            )
+        result.end_s = self.now_s
+        return result
+
+    @staticmethod
+    def _request(index: int, spec: SimRequest) -> Request:
+        request_id = spec.request_id or f"sim-{index}"
+        prompt = list(spec.prompt_token_ids)
+        timeline = RequestTimeline(spec.arrival_s, prompt_tokens=len(prompt))
+        params = SamplingParams(max_tokens=max(spec.output_tokens, 1), ignore_eos=True)
+        return Request(request_id, prompt, params, timeline)
+
+    @staticmethod
+    def _fail(request: Request, now_s: float, reason: str) -> None:
+        request.finish_reason = f"error: {reason}"
+        request.timeline.finished_s = now_s
+        request.timeline.finish_reason = "error"

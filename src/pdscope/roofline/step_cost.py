@@ -1,0 +1,158 @@
+"""The time of one scheduled engine step, from roofline arithmetic: the simulator's clock.
+
+A stand-in for the model runner. Each term is a roofline time, max(FLOPs / achieved FLOP/s,
+bytes / achieved bandwidth), over what the step actually does:
+
+* ``linear_s``: the decoder layers' matmuls for every token of the step. Their weights are read
+  once per step however many tokens share it (MoE: the experts the batch touches), so a decode
+  batch costs about what one decode costs until its FLOPs catch up with its bytes.
+* ``attention_s``: per scheduled entry, a prefill chunk's scores and weighted sums over the
+  context it sees (grows with the square of the chunk) and the KV it reads; a decode entry's KV
+  read over its whole context (grows with context, one sequence at a time).
+* ``lm_head_s``: the output projection, only for entries that sample a token.
+* ``overhead_s``: what no roofline sees (kernel launches, the scheduler, sampling, Python): a
+  fixed cost per step plus a cost per scheduled sequence.
+
+Every figure is per step; see docs/simulation.md for what each term stands for and how the
+parameters are calibrated.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Protocol
+
+from pdscope.roofline.arithmetic import attention_pairs, params_touched
+from pdscope.specs import KVPrecision, ModelSpec, SpecError, WeightPrecision
+
+
+class ScheduledWork(Protocol):
+    """What the cost model needs of one scheduled entry (the engine's ScheduledRequest)."""
+
+    @property
+    def start(self) -> int: ...  # tokens already in the KV cache before this step
+
+    @property
+    def num_new_tokens(self) -> int: ...
+
+    @property
+    def samples(self) -> bool: ...  # the step produces a token for this entry
+
+
+@dataclass(frozen=True)
+class CostParams:
+    """Achieved (not peak) rates of the machine being modelled, and the costs no roofline sees."""
+
+    bandwidth_gb_s: float  # achieved memory bandwidth, 1e9 bytes/s
+    tflops: float  # achieved dense matmul rate at the weights' compute type, 1e12 FLOP/s
+    step_overhead_s: float = 0.0  # fixed cost of every step
+    seq_overhead_s: float = 0.0  # extra cost of every sequence scheduled in a step
+    source: str = ""  # where the figures came from (a probe file, a measurement, the catalog)
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_gb_s > 0:
+            raise SpecError(f"bandwidth must be > 0 GB/s, got {self.bandwidth_gb_s}")
+        if not self.tflops > 0:
+            raise SpecError(f"FLOP rate must be > 0 TFLOP/s, got {self.tflops}")
+        if self.step_overhead_s < 0 or self.seq_overhead_s < 0:
+            raise SpecError("overheads must be >= 0 seconds")
+
+    @property
+    def bandwidth_bytes_s(self) -> float:
+        return self.bandwidth_gb_s * 1e9
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.tflops * 1e12
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One step's time, split into the terms of the module docstring (seconds)."""
+
+    linear_s: float
+    attention_s: float
+    lm_head_s: float
+    overhead_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.linear_s + self.attention_s + self.lm_head_s + self.overhead_s
+
+
+@dataclass(frozen=True)
+class _LayerGroup:
+    """Layers that cost the same: one window, one attention width (summed over the group)."""
+
+    window: int | None
+    prefill_flops_per_pair: int  # 2 x heads x (qk + v) x layers
+    decode_flops_per_pair: int  # the same with the layer's decode shape (MLA absorbs)
+    kv_values_per_token: int  # summed over the group's layers
+
+
+@dataclass(frozen=True)
+class CostModel:
+    model: ModelSpec
+    weights: WeightPrecision
+    kv: KVPrecision
+    params: CostParams
+
+    @cached_property
+    def _groups(self) -> tuple[_LayerGroup, ...]:
+        """The model's layers folded into groups of equal cost, so a step costs a few operations
+        per entry instead of a loop over every layer (the simulator's hot path). Sums the same
+        terms as roofline's attention_flops and kv_bytes_at_context."""
+        counts: Counter[tuple[int | None, int, int, int]] = Counter()
+        for layer in self.model.layers:
+            full = layer.attention
+            dec = layer.decode_attention or full
+            counts[
+                (
+                    layer.window,
+                    2 * full.num_heads * (full.qk_head_dim + full.v_head_dim),
+                    2 * dec.num_heads * (dec.qk_head_dim + dec.v_head_dim),
+                    layer.kv_values_per_token,
+                )
+            ] += 1
+        return tuple(
+            _LayerGroup(window, n * prefill, n * decode, n * kv)
+            for (window, prefill, decode, kv), n in counts.items()
+        )
+
+    def _roofline_s(self, flops: float, bytes_moved: float) -> float:
+        return max(flops / self.params.flops_per_s, bytes_moved / self.params.bandwidth_bytes_s)
+
+    def attention_s(self, start: int, new_tokens: int) -> float:
+        """One entry's attention: ``new_tokens`` queries over ``start`` cached tokens plus their
+        own, against reading the KV of that whole context."""
+        flops = 0.0
+        kv_values = 0
+        end = start + new_tokens
+        for g in self._groups:
+            per_pair = g.decode_flops_per_pair if new_tokens == 1 else g.prefill_flops_per_pair
+            flops += per_pair * attention_pairs(start, new_tokens, g.window)
+            kv_values += g.kv_values_per_token * (end if g.window is None else min(end, g.window))
+        return self._roofline_s(flops, kv_values * self.kv.bytes_per_element)
+
+    def step(self, entries: Sequence[ScheduledWork]) -> StepCost:
+        """Seconds one step takes to compute ``entries`` (an empty step costs nothing)."""
+        if not entries:
+            return StepCost(0.0, 0.0, 0.0, 0.0)
+        model, bpw = self.model, self.weights.bytes_per_weight
+        tokens = sum(e.num_new_tokens for e in entries)
+        assert tokens > 0
+        # params_touched counts the LM head (decode reads it); it is charged to lm_head_s.
+        layer_bytes = (params_touched(model, tokens) - model.lm_head_params) * bpw
+        linear_s = self._roofline_s(2 * tokens * model.matmul_params_per_token, layer_bytes)
+        attention_s = sum(self.attention_s(e.start, e.num_new_tokens) for e in entries)
+        sampled = sum(1 for e in entries if e.samples)
+        lm_head_s = 0.0
+        if sampled:
+            lm_head_s = self._roofline_s(
+                2 * sampled * model.lm_head_params, model.lm_head_params * bpw
+            )
+        overhead_s = self.params.step_overhead_s + self.params.seq_overhead_s * len(entries)
+        return StepCost(linear_s, attention_s, lm_head_s, overhead_s)

@@ -1,0 +1,171 @@
+"""The engine's scheduler on a roofline clock: the cost model against plan's own arithmetic, and
+the simulated server against the article's claims. No model, no torch."""
+
+import subprocess
+import sys
+
+import pytest
+
+from pdscope.analysis.bench import summarize
+from pdscope.client.trace import trace_from_timeline
+from pdscope.engine.scheduler import SchedulerConfig
+from pdscope.engine.simulator import SimRequest, Simulator
+from pdscope.roofline import arithmetic as rf
+from pdscope.roofline.step_cost import CostModel, CostParams
+from pdscope.specs import get_kv_precision, get_weight_precision, load_model, resolve_device
+
+BF16 = get_weight_precision("bf16")
+KV16 = get_kv_precision("bf16")
+
+
+def h100_cost(model: str = "llama-3.1-8b", **overheads: float) -> CostModel:
+    device = resolve_device("h100-sxm")
+    params = CostParams(device.bandwidth_gb_s, device.tflops_bf16, **overheads)
+    return CostModel(load_model(model), BF16, KV16, params)
+
+
+def simulator(cost: CostModel, budget: int = 2048, seqs: int = 64, blocks: int = 4096):
+    return Simulator(
+        SchedulerConfig(budget, seqs, max_model_len=8192),
+        num_blocks=blocks,
+        block_size=16,
+        step_seconds=lambda out: cost.step(out.scheduled).seconds,
+    )
+
+
+def unique_prompt(index: int, tokens: int) -> list[int]:
+    return [index * 100_000 + i for i in range(tokens)]
+
+
+def test_importing_the_simulator_does_not_import_torch() -> None:
+    code = (
+        "import sys, pdscope.engine.simulator, pdscope.roofline.step_cost;"
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_batch_one_decode_runs_at_plans_bandwidth_ceiling() -> None:
+    cost = h100_cost()
+    result = simulator(cost).run([SimRequest(unique_prompt(0, 1000), 101)])
+    trace = trace_from_timeline(result.requests[0].timeline, api="sim", url="sim", model="8b")
+    # With no overheads, a decode step is memory-bound: weights plus the context's KV, at the
+    # mid-point context of the decode, must give plan's ceiling (within the KV growth).
+    device = resolve_device("h100-sxm")
+    ceiling = rf.decode_ceiling_tok_s(cost.model, device, BF16, KV16, context_tokens=1050)
+    assert trace.tpot_s is not None
+    assert 1 / trace.tpot_s == pytest.approx(ceiling, rel=0.005)
+
+
+def test_prefill_takes_plans_compute_floor() -> None:
+    cost = h100_cost()
+    result = simulator(cost, budget=4096).run([SimRequest(unique_prompt(0, 2000), 1)])
+    timeline = result.requests[0].timeline
+    floor = rf.prefill_step(cost.model, resolve_device("h100-sxm"), BF16, KV16, 2000)
+    assert floor.bound == "compute"
+    # Plan takes one roofline over the whole pass; the simulator charges the LM head as its own
+    # memory-bound matmul (1 GB read for one row), so it may only add that much.
+    lm_head_read_s = cost.model.lm_head_params * 2 / (3350 * 1e9)
+    assert floor.seconds <= timeline.ttft_s <= floor.seconds + lm_head_read_s * 1.01
+
+
+def test_decode_batches_are_nearly_free_until_compute_bound() -> None:
+    cost = h100_cost()
+
+    def tpot_ms(concurrency: int) -> float:
+        specs = [SimRequest(unique_prompt(i, 200), 64) for i in range(concurrency)]
+        result = simulator(cost).run(specs)
+        traces = [
+            trace_from_timeline(r.timeline, api="sim", url="sim", model="8b")
+            for r in result.requests
+        ]
+        return summarize(traces, result.end_s)["median_tpot_ms"]
+
+    one, sixteen = tpot_ms(1), tpot_ms(16)
+    assert sixteen < 1.25 * one  # 16x the tokens per step for < 25% more time per step
+
+
+def test_small_budget_removes_decode_stalls_from_a_long_prompt() -> None:
+    """The article's chunked-prefill claim, on the simulated clock: a 8,000-token prompt
+    arriving among 8 streams stalls them for one long step at a large budget, and by far less
+    at a small one."""
+    cost = h100_cost(step_overhead_s=0.002)
+
+    def worst_itl_ms(budget: int) -> float:
+        specs = [SimRequest(unique_prompt(i, 100), 200) for i in range(8)]
+        specs.append(SimRequest(unique_prompt(99, 8000), 1, arrival_s=0.2))
+        result = simulator(cost, budget=budget).run(specs)
+        streams = result.requests[:8]
+        return max(max(r.timeline.itl_s) for r in streams) * 1e3
+
+    assert worst_itl_ms(512) < 0.5 * worst_itl_ms(8192)
+
+
+def test_prefix_cache_hit_skips_the_shared_prompt() -> None:
+    cost = h100_cost()
+    shared = unique_prompt(7, 4000)
+    specs = [SimRequest(shared + [1, 2, 3], 4), SimRequest(shared + [4, 5, 6], 4, arrival_s=1.0)]
+    result = simulator(cost, budget=8192).run(specs)
+    first, second = (r.timeline for r in result.requests)
+    assert second.num_cached_tokens == 4000
+    assert second.ttft_s < 0.1 * first.ttft_s
+    assert sum(s.prefix_hit_tokens for s in result.steps) == 4000
+
+
+def test_a_small_pool_preempts_and_conserves_every_token() -> None:
+    cost = h100_cost()
+    specs = [SimRequest(unique_prompt(i, 64), 200) for i in range(12)]
+    sim = simulator(cost, budget=512, blocks=100)  # 1,600 token slots for 12 x 264 tokens
+    result = sim.run(specs)
+    assert result.num_preemptions > 0
+    assert max(s.num_waiting for s in result.steps) > 0
+    assert all(len(r.output_token_ids) == 200 for r in result.requests)
+    assert all(r.timeline.finish_reason == "length" for r in result.requests)
+    assert sim.pool.num_used_blocks == 0
+    sim.pool.check_invariants()
+
+
+def test_requests_that_cannot_run_fail_with_a_reason_and_are_not_figures() -> None:
+    cost = h100_cost()
+    specs = [SimRequest(unique_prompt(0, 100), 10), SimRequest(unique_prompt(1, 9000), 10)]
+    result = simulator(cost).run(specs)
+    ok, too_long = result.requests
+    assert too_long.finish_reason is not None and "max_model_len" in too_long.finish_reason
+    traces = [trace_from_timeline(r.timeline, api="sim", url="sim", model="8b") for r in [ok]]
+    traces.append(trace_from_timeline(too_long.timeline, api="sim", url="sim", model="8b"))
+    summary = summarize(traces, result.end_s)
+    assert summary["completed"] == 1 and summary["failed"] == 1
+
+
+def test_overheads_add_per_step_and_per_sequence() -> None:
+    bare = h100_cost()
+    loaded = h100_cost(step_overhead_s=0.001, seq_overhead_s=0.0002)
+
+    class Entry:
+        def __init__(self, start: int) -> None:
+            self.start, self.num_new_tokens, self.samples = start, 1, True
+
+    batch = [Entry(500) for _ in range(4)]
+    assert loaded.step(batch).seconds == pytest.approx(
+        bare.step(batch).seconds + 0.001 + 4 * 0.0002
+    )
+
+
+def test_bad_cost_parameters_are_refused() -> None:
+    from pdscope.specs import SpecError
+
+    with pytest.raises(SpecError, match="bandwidth"):
+        CostParams(0, 100)
+    with pytest.raises(SpecError, match="FLOP"):
+        CostParams(100, -1)
+
+
+@pytest.mark.parametrize("model", ["llama-3.1-8b", "mistral-7b", "gpt-oss-20b", "deepseek-v3"])
+@pytest.mark.parametrize(("start", "new"), [(0, 1), (0, 700), (300, 1), (5000, 1), (4000, 900)])
+def test_grouped_attention_cost_sums_the_same_terms_as_roofline(model, start, new) -> None:
+    """The cost model folds equal layers together for speed; it must still charge exactly
+    roofline's attention FLOPs and KV bytes (windows, MLA's decode shape included)."""
+    cost = CostModel(load_model(model), BF16, KV16, CostParams(1, 1))  # 1 GB/s, 1 TFLOP/s
+    flops = rf.attention_flops(cost.model, start, new)
+    kv_bytes = rf.kv_bytes_at_context(cost.model, KV16, start + new)
+    assert cost.attention_s(start, new) == pytest.approx(max(flops / 1e12, kv_bytes / 1e9))
