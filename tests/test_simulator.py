@@ -169,3 +169,17 @@ def test_grouped_attention_cost_sums_the_same_terms_as_roofline(model, start, ne
     flops = rf.attention_flops(cost.model, start, new)
     kv_bytes = rf.kv_bytes_at_context(cost.model, KV16, start + new)
     assert cost.attention_s(start, new) == pytest.approx(max(flops / 1e12, kv_bytes / 1e9))
+
+
+@pytest.mark.parametrize("model", ["llama-3.1-8b", "mistral-7b", "gpt-oss-20b"])
+def test_a_step_of_decodes_costs_the_sum_of_its_entries(model) -> None:
+    """The fast path for a step's decodes must equal pricing each entry on its own."""
+
+    class Entry:
+        def __init__(self, start: int, new: int) -> None:
+            self.start, self.num_new_tokens, self.samples = start, new, True
+
+    cost = CostModel(load_model(model), BF16, KV16, CostParams(3350, 989))
+    entries = [Entry(start, 1) for start in (10, 900, 5000, 20_000)] + [Entry(3000, 500)]
+    expected = sum(cost.attention_s(e.start, e.num_new_tokens) for e in entries)
+    assert cost.step(entries).attention_s == pytest.approx(expected, rel=1e-9)

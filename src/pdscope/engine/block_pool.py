@@ -12,6 +12,7 @@ and evicts its hash, so cached blocks survive as long as possible.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ def block_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     equal prefixes (up to a 128-bit collision).
     """
     h = hashlib.blake2b(parent or b"", digest_size=16)
-    h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in token_ids))
+    h.update(struct.pack(f"<{len(token_ids)}i", *token_ids))  # 4-byte little-endian ids
     return h.digest()
 
 

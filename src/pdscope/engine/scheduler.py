@@ -30,7 +30,7 @@ class SchedulerConfig:
             )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ScheduledRequest:
     """One request's share of a step: tokens ``[start, start + num_new_tokens)`` are computed.
 

@@ -137,18 +137,41 @@ class CostModel:
             kv_values += g.kv_values_per_token * (end if g.window is None else min(end, g.window))
         return self._roofline_s(flops, kv_values * self.kv.bytes_per_element)
 
+    @cached_property
+    def _decode_s_per_context_token(self) -> float | None:
+        """For a model whose layers all cost the same with no window, a decode's attention is
+        max(a x context, b x context) = max(a, b) x context: the time per token of context, so
+        a step's decodes cost one sum. None where windows or mixed layers break the proportion."""
+        if len(self._groups) != 1 or self._groups[0].window is not None:
+            return None
+        g = self._groups[0]
+        return max(
+            g.decode_flops_per_pair / self.params.flops_per_s,
+            g.kv_values_per_token * self.kv.bytes_per_element / self.params.bandwidth_bytes_s,
+        )
+
     def step(self, entries: Sequence[ScheduledWork]) -> StepCost:
         """Seconds one step takes to compute ``entries`` (an empty step costs nothing)."""
         if not entries:
             return StepCost(0.0, 0.0, 0.0, 0.0)
         model, bpw = self.model, self.weights.bytes_per_weight
-        tokens = sum(e.num_new_tokens for e in entries)
+        per_context = self._decode_s_per_context_token
+        tokens = sampled = decode_context = 0
+        attention_s = 0.0
+        for e in entries:
+            n = e.num_new_tokens
+            tokens += n
+            sampled += e.samples
+            if n == 1 and per_context is not None:
+                decode_context += e.start + 1  # one query over its whole context
+            else:
+                attention_s += self.attention_s(e.start, n)
+        if decode_context:
+            attention_s += per_context * decode_context  # type: ignore[operator]
         assert tokens > 0
         # params_touched counts the LM head (decode reads it); it is charged to lm_head_s.
         layer_bytes = (params_touched(model, tokens) - model.lm_head_params) * bpw
         linear_s = self._roofline_s(2 * tokens * model.matmul_params_per_token, layer_bytes)
-        attention_s = sum(self.attention_s(e.start, e.num_new_tokens) for e in entries)
-        sampled = sum(1 for e in entries if e.samples)
         lm_head_s = 0.0
         if sampled:
             lm_head_s = self._roofline_s(
