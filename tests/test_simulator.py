@@ -183,3 +183,88 @@ def test_a_step_of_decodes_costs_the_sum_of_its_entries(model) -> None:
     entries = [Entry(start, 1) for start in (10, 900, 5000, 20_000)] + [Entry(3000, 500)]
     expected = sum(cost.attention_s(e.start, e.num_new_tokens) for e in entries)
     assert cost.step(entries).attention_s == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_concurrency_cap_holds_requests_until_a_slot_frees() -> None:
+    cost = h100_cost()
+    specs = [SimRequest(unique_prompt(i, 100), 50) for i in range(6)]
+    result = simulator(cost).run(specs, max_concurrency=2)
+    assert max(s.num_running + s.num_waiting for s in result.steps) <= 2
+    sent = sorted(r.timeline.arrival_s for r in result.requests)
+    finished = sorted(r.timeline.finished_s for r in result.requests)
+    assert sent[:2] == [0.0, 0.0]
+    # Each later request is sent exactly when an earlier one finished.
+    assert sent[2:] == pytest.approx(finished[:4])
+    assert all(len(r.output_token_ids) == 50 for r in result.requests)
+
+
+def test_without_a_cap_requests_arrive_when_scheduled_even_mid_step() -> None:
+    """A request arriving while a step runs waits for the next step; that wait is part of its
+    TTFT, so its arrival time must stay when it was sent, not move to the step's end."""
+    cost = h100_cost()
+    specs = [SimRequest(unique_prompt(0, 4000), 100), SimRequest(unique_prompt(1, 100), 10, 0.001)]
+    result = simulator(cost, budget=8192).run(specs)
+    late = result.requests[1].timeline
+    assert late.arrival_s == 0.001
+    assert late.queue_s is not None and late.queue_s > 0
+
+
+def test_simulate_cli_writes_bench_shaped_json_that_bench_compare_reads(tmp_path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from pdscope.cli import app
+
+    runner = CliRunner()
+    files = []
+    for budget in (512, 8192):
+        path = tmp_path / f"sim-{budget}.json"
+        result = runner.invoke(
+            app,
+            [
+                "simulate", "--workload", "long-prompt", "--long-len", "8000", "--long-rate",
+                "2", "--duration", "5", "--stream-output", "400",
+                "--max-num-batched-tokens", str(budget), "--save-result", str(path),
+            ],
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        data = json.loads(path.read_text())
+        assert data["simulated"] is True and data["metadata"]["device"] == "h100-sxm"
+        assert data["failed"] == 0 and data["completed"] > 8
+        files.append(path)
+    small, large = (json.loads(f.read_text()) for f in files)
+    decode = [r["runs"][0]["by_kind"]["decode"]["p99_itl_ms"] for r in (small, large)]
+    assert decode[0] < decode[1]  # small budgets protect the streams from long prefills
+    compared = runner.invoke(app, ["bench", "compare", str(files[0]), str(files[1])])
+    assert compared.exit_code == 0, compared.output
+    assert "p99_itl_ms" in compared.output or "ITL" in compared.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--device", "nonsense"], "nonsense"),
+        (["--model", "llama-3.1-70b", "--device", "l4"], "does not fit"),
+        (["--workload", "nope"], "--workload"),
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--bandwidth-efficiency", "1.5"], "--bandwidth-efficiency"),
+        (["--input-len", "ten"], "--input-len"),
+    ],
+)
+def test_simulate_cli_refuses_bad_input_with_exit_2(args, message) -> None:
+    from typer.testing import CliRunner
+
+    from pdscope.cli import app
+
+    result = CliRunner().invoke(app, ["simulate", "--num-prompts", "4", *args])
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_a_request_over_max_model_len_is_a_counted_failure_with_its_reason() -> None:
+    from pdscope.commands.simulate import SimulateSettings, simulate
+
+    r = simulate(SimulateSettings(num_prompts=10, input_len="100-3000", max_model_len=2048))
+    assert r["failed"] > 0 and r["completed"] + r["failed"] == 10
+    assert all("max_model_len" in f["error"] for f in r["failures"])

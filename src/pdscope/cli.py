@@ -6,6 +6,7 @@ Errors in facts or flags (:class:`SpecError`) print one line naming the problem 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -734,6 +735,117 @@ def bench(
             console.print(f"wrote {path}")
     if result["partial"] or not result["runs"]:
         raise typer.Exit(1)
+
+
+@app.command()
+def simulate(
+    model: Annotated[
+        str, typer.Option("--model", "-m", help="As plan: preset, config.json or checkpoint.")
+    ] = "8b",
+    device: Annotated[
+        str | None, typer.Option("--device", "-d", help="As plan: catalog device or 'local'.")
+    ] = "h100-sxm",
+    dtype: Annotated[str, typer.Option(help="Weight precision, as plan.")] = "bf16",
+    kv_dtype: Annotated[str | None, typer.Option(help="KV cache precision, as plan.")] = None,
+    bandwidth: Annotated[
+        float | None, typer.Option(help="Peak GB/s (overrides the device's).")
+    ] = None,
+    tflops: Annotated[float | None, typer.Option(help="Peak dense TFLOP/s (overrides).")] = None,
+    memory: Annotated[float | None, typer.Option(help="Device memory in GB (read as GiB).")] = None,
+    gpu_memory_utilization: Annotated[
+        float, typer.Option(help="Memory fraction for weights + KV.")
+    ] = 0.9,
+    kv_cache_memory: Annotated[
+        str | None, typer.Option(help="KV pool size instead, e.g. 50MiB.")
+    ] = None,
+    bandwidth_efficiency: Annotated[
+        float | None, typer.Option(help="Achieved / peak bandwidth.")
+    ] = None,
+    flops_efficiency: Annotated[float | None, typer.Option(help="Achieved / peak FLOP/s.")] = None,
+    step_overhead_ms: Annotated[
+        float | None, typer.Option(help="Fixed cost of every step.")
+    ] = None,
+    seq_overhead_ms: Annotated[
+        float | None, typer.Option(help="Cost per sequence per step.")
+    ] = None,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of one step.")] = 2048,
+    max_num_seqs: Annotated[int, typer.Option(help="Most requests running at once.")] = 256,
+    max_model_len: Annotated[int, typer.Option(help="Prompt + output tokens per request.")] = 8192,
+    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
+    enable_prefix_caching: Annotated[
+        bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching")
+    ] = True,
+    enable_chunked_prefill: Annotated[
+        bool, typer.Option("--enable-chunked-prefill/--no-chunked-prefill")
+    ] = True,
+    workload: Annotated[str, typer.Option(help="random, shared-prefix or long-prompt.")] = "random",
+    num_prompts: Annotated[int, typer.Option(help="Requests.")] = 200,
+    input_len: Annotated[
+        str, typer.Option(help="random: N, LOW-HIGH or normal:MEAN:STD.")
+    ] = "1000",
+    output_len: Annotated[
+        str, typer.Option(help="Output tokens: N, LOW-HIGH or normal:MEAN:STD.")
+    ] = "200",
+    groups: Annotated[int, typer.Option(help="shared-prefix: prefix groups.")] = 4,
+    prefix_len: Annotated[int, typer.Option(help="shared-prefix: prefix tokens.")] = 1024,
+    suffix_len: Annotated[int, typer.Option(help="shared-prefix: unique suffix tokens.")] = 64,
+    streams: Annotated[int, typer.Option(help="long-prompt: decode streams.")] = 8,
+    stream_output: Annotated[int, typer.Option(help="long-prompt: tokens per stream.")] = 256,
+    long_len: Annotated[int, typer.Option(help="long-prompt: tokens per long prompt.")] = 2000,
+    long_rate: Annotated[float, typer.Option(help="long-prompt: long prompts per second.")] = 0.5,
+    duration: Annotated[float, typer.Option(help="long-prompt: seconds of long prompts.")] = 30.0,
+    request_rate: Annotated[float, typer.Option(help="Requests/s (inf = all at once).")] = math.inf,
+    burstiness: Annotated[
+        float, typer.Option(help="Gamma shape of arrival gaps (1 = Poisson).")
+    ] = 1.0,
+    max_concurrency: Annotated[int | None, typer.Option(help="Cap on requests in flight.")] = None,
+    seed: Annotated[int, typer.Option(help="Workload and arrival seed.")] = 0,
+    slo: Annotated[
+        str | None, typer.Option(help="Goodput SLO, as bench: ttft=2s,tpot=50ms.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    save_result: Annotated[Path | None, typer.Option(help="Write the result JSON here.")] = None,
+) -> None:
+    """Bench's workloads through pdscope's own scheduler on a roofline clock: latency and
+    throughput for hardware you do not have. Not yet validated against the real engine (see
+    docs/simulation.md)."""
+    from pdscope.commands.simulate import SimulateSettings
+    from pdscope.commands.simulate import simulate as run_simulation
+    from pdscope.engine.llm_engine import parse_bytes
+    from pdscope.report.bench import render_bench
+
+    try:
+        settings = SimulateSettings(
+            model=model, device=device, dtype=dtype, kv_dtype=kv_dtype, bandwidth_gb_s=bandwidth,
+            tflops=tflops, memory_gb=memory, gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory_bytes=None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
+            bandwidth_efficiency=bandwidth_efficiency, flops_efficiency=flops_efficiency,
+            step_overhead_ms=step_overhead_ms, seq_overhead_ms=seq_overhead_ms,
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len, block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill, workload=workload,
+            input_len=input_len, output_len=output_len, num_prompts=num_prompts, groups=groups,
+            prefix_len=prefix_len, suffix_len=suffix_len, streams=streams,
+            stream_output=stream_output, long_len=long_len, long_rate=long_rate,
+            duration_s=duration, request_rate=request_rate, burstiness=burstiness,
+            max_concurrency=max_concurrency, seed=seed, slo=slo,
+        )  # fmt: skip
+        result = run_simulation(settings)
+    except (SpecError, ValueError) as exc:
+        raise fail(str(exc)) from None
+    if save_result is not None:
+        save_result.write_text(json.dumps(result, indent=2))
+    if as_json:
+        print_json(result)
+    else:
+        render_bench(result, console)
+        c = result["metadata"]["cost_params"]
+        console.print(
+            f"simulated: {c['bandwidth_gb_s']:g} GB/s, {c['tflops']:g} TFLOP/s, step overhead "
+            f"{c['step_overhead_s'] * 1e3:g} ms, per sequence {c['seq_overhead_s'] * 1e3:g} ms "
+            f"({c['source']}); KV pool {result['metadata']['kv_pool_tokens']:,} tokens"
+        )
 
 
 def _list_devices(as_json: bool) -> None:

@@ -10,6 +10,7 @@ and analysis apply to both.
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -23,12 +24,15 @@ from pdscope.engine.timeline import RequestTimeline, StepRecord
 @dataclass(frozen=True)
 class SimRequest:
     """One request to simulate: its prompt's token ids (only their equality matters: prefix
-    caching hashes them), how many tokens it generates, and when it arrives (seconds)."""
+    caching hashes them), how many tokens it generates, and when the client means to send it
+    (seconds). Under a concurrency cap it is sent later, when a slot frees; its timeline's
+    ``arrival_s`` is when it was sent."""
 
     prompt_token_ids: Sequence[int]
     output_tokens: int
     arrival_s: float = 0.0
     request_id: str = ""
+    label: str = ""
 
 
 @dataclass
@@ -58,7 +62,11 @@ class Simulator:
         self.step_seconds = step_seconds
         self.now_s = 0.0
 
-    def run(self, specs: Sequence[SimRequest]) -> SimResult:
+    def run(self, specs: Sequence[SimRequest], max_concurrency: int | None = None) -> SimResult:
+        """Simulate ``specs`` to the end. ``max_concurrency`` caps requests in flight, as a
+        client-side semaphore does (vllm bench's --max-concurrency): a due request waits for a
+        finished one."""
+        assert max_concurrency is None or max_concurrency >= 1
         result = SimResult([])
         arrivals: list[tuple[float, int, Request]] = []
         max_len = self.scheduler.config.max_model_len
@@ -82,9 +90,19 @@ class Simulator:
             else:
                 heapq.heappush(arrivals, (spec.arrival_s, index, request))
         scheduler = self.scheduler
-        while arrivals or scheduler.has_work:
+        held: deque[Request] = deque()  # due, waiting for a free slot under the cap
+        # When each free slot became free: a held request is sent at max(due, that time).
+        free_since: deque[float] = deque([0.0] * (max_concurrency or 0))
+
+        while arrivals or held or scheduler.has_work:
             while arrivals and arrivals[0][0] <= self.now_s:
-                scheduler.add(heapq.heappop(arrivals)[2])
+                held.append(heapq.heappop(arrivals)[2])
+            while held and (max_concurrency is None or free_since):
+                request = held.popleft()
+                if max_concurrency is not None:
+                    sent_s = max(request.timeline.arrival_s, free_since.popleft())
+                    request.timeline.arrival_s = sent_s
+                scheduler.add(request)
             if not scheduler.has_work:
                 self.now_s = arrivals[0][0]  # idle until the next arrival
                 continue
@@ -107,6 +125,8 @@ class Simulator:
                 request.append_output(-1 - tags[request.request_id])
                 request.timeline.token_s.append(self.now_s)
                 if len(request.output_token_ids) >= request.params.max_tokens:
+                    if max_concurrency is not None:
+                        free_since.append(self.now_s)
                     scheduler.finish(request, "length")
                     request.timeline.finished_s = self.now_s
                     request.timeline.finish_reason = "length"
