@@ -1,13 +1,12 @@
 """How fast the simulator runs: simulated requests per wall second (issue floor: 10,000 requests
 of input 1,000 +/- 50% and output 200 +/- 50% on one replica near saturation in <= 20 s).
 
-    python bench/simulate_speed.py [--requests 10000] [--rate 40]
+    python bench/simulate_speed.py [--requests 10000] [--rate 30]
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
 import random
 import time
 
@@ -17,10 +16,18 @@ from pdscope.roofline.step_cost import CostModel, CostParams
 from pdscope.specs import get_kv_precision, get_weight_precision, load_model, resolve_device
 
 
+def cpu_model() -> str:
+    with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=10_000)
-    parser.add_argument("--rate", type=float, default=40.0, help="Poisson arrivals per second")
+    parser.add_argument("--rate", type=float, default=30.0, help="Poisson arrivals per second")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -46,10 +53,14 @@ def main() -> None:
     result = sim.run(specs)
     wall = time.perf_counter() - wall
     done = sum(1 for r in result.requests if r.timeline.finish_reason == "length")
-    print(f"cpu: {platform.processor() or platform.machine()}")
+    steps = result.steps
+    mean_running = sum(x.num_running for x in steps) / max(len(steps), 1)
+    print(f"cpu: {cpu_model()}")
     print(
-        f"{args.requests} requests at {args.rate}/s: {len(result.steps)} steps, "
-        f"{result.end_s:.1f} simulated s, {done} finished, {result.num_preemptions} preemptions"
+        f"{args.requests} requests at {args.rate}/s: {len(steps)} steps, "
+        f"{result.end_s:.1f} simulated s, {done} finished, {result.num_preemptions} preemptions; "
+        f"running {mean_running:.0f} on average, most waiting "
+        f"{max((x.num_waiting for x in steps), default=0)}"
     )
     print(f"wall {wall:.2f} s: {args.requests / wall:,.0f} simulated requests per wall second")
 

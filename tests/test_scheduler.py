@@ -169,7 +169,30 @@ def test_step_counts_cover_preemption_and_recomputation() -> None:
     assert entry.num_cached_tokens == 0 and out.num_prefix_hit_tokens == 0
 
 
-def test_block_hashes_grow_with_tokens_and_are_never_recomputed() -> None:
+def test_each_full_block_is_hashed_once(monkeypatch) -> None:
+    """A waiting prompt is not re-hashed each step it waits, and a running request hashes only
+    the blocks its new tokens fill."""
+    from pdscope.engine import block_pool
+
+    calls = []
+    real = block_pool.block_hash
+    monkeypatch.setattr(block_pool, "block_hash", lambda p, t: calls.append(1) or real(p, t))
+    s = make(blocks=6, budget=64, seqs=1)  # one running at a time: the second waits
+    first = make_request("first", list(range(8)), max_tokens=9)  # grows to 16 tokens, 4 blocks
+    waiting = make_request("waiting", list(range(100, 108)), max_tokens=1)
+    s.add(first)
+    s.add(waiting)
+    for _ in range(20):
+        run_step(s)
+        if waiting.is_finished:
+            break
+    assert first.is_finished and waiting.is_finished
+    # first: 4 full blocks over its life; waiting: 2 full blocks. Each hashed exactly once.
+    assert len(first.block_hashes) == 4 and len(waiting.block_hashes) == 2
+    assert len(calls) == 6
+
+
+def test_block_hashes_grow_with_tokens_and_survive_preemption() -> None:
     s = make(budget=64)
     r = make_request("r", list(range(10)), max_tokens=8)
     s.add(r)
@@ -181,6 +204,49 @@ def test_block_hashes_grow_with_tokens_and_are_never_recomputed() -> None:
     assert len(r.block_hashes) == r.num_computed_tokens // 4
     assert r.block_hashes[:2] == first_two
     assert r.token_ids == r.prompt_token_ids + r.output_token_ids
+
+
+def test_a_block_skipped_for_its_twin_is_published_later() -> None:
+    """Two requests compute the same prefix in one step: only one copy can hold each hash. When
+    that copy is evicted, the other request's identical block must still become findable."""
+    pool = BlockPool(12, 4)
+    s = Scheduler(SchedulerConfig(64, 8, 64), pool)
+    prompt = list(range(9))
+    a, b = make_request("a", prompt, max_tokens=1), make_request("b", prompt, max_tokens=30)
+    s.add(a)
+    s.add(b)
+    run_step(s)  # a finishes; its two full blocks hold the hashes, b's twins do not
+    assert a.is_finished and [pool.blocks[x].hash is None for x in b.block_table[:2]] == [
+        True,
+        True,
+    ]
+    taken = pool.allocate(pool.num_free_blocks)  # pressure evicts a's cached blocks
+    pool.free(taken)
+    for _ in range(4):  # b fills another block: every full block of b is offered again
+        run_step(s)
+    c = make_request("c", prompt, max_tokens=1)
+    s.add(c)
+    out = run_step(s)
+    (entry,) = [e for e in out.scheduled if e.request is c]
+    assert entry.num_cached_tokens == 8  # b's copy of the prefix serves c
+
+
+def test_a_recomputation_that_ends_on_the_last_sampled_token_is_a_decode() -> None:
+    """Preempted after it sampled, re-admitted with every block but its tail cached: the one
+    token left is the last sampled one, so the entry is a decode (one query over a cached
+    context), and it is not counted as a prefix-cache hit."""
+    s = make(blocks=8, budget=64)
+    r = make_request("r", list(range(7)), max_tokens=5)
+    s.add(r)
+    run_step(s)  # 7 prompt tokens computed, 1 sampled: 8 tokens, 2 full blocks once computed
+    run_step(s)  # the sampled token is computed: blocks 0-1 full and published
+    assert r.num_tokens == 9 and r.num_computed_tokens == 8
+    s.running.remove(r)
+    s._preempt(r)  # as the scheduler does when the pool runs short
+    out = run_step(s)
+    (entry,) = out.scheduled
+    assert (entry.start, entry.num_new_tokens) == (8, 1)
+    assert not entry.is_prefill and entry.samples and entry.num_cached_tokens == 0
 
 
 def two_finished_requests() -> tuple[BlockPool, list[bytes], list[bytes]]:

@@ -779,13 +779,11 @@ def simulate(
         bool, typer.Option("--enable-chunked-prefill/--no-chunked-prefill")
     ] = True,
     workload: Annotated[str, typer.Option(help="random, shared-prefix or long-prompt.")] = "random",
-    num_prompts: Annotated[int, typer.Option(help="Requests.")] = 200,
-    input_len: Annotated[
-        str, typer.Option(help="random: N, LOW-HIGH or normal:MEAN:STD.")
-    ] = "1000",
+    num_prompts: Annotated[int, typer.Option(help="Requests.")] = 100,
+    input_len: Annotated[str, typer.Option(help="random: N, LOW-HIGH or normal:MEAN:STD.")] = "128",
     output_len: Annotated[
         str, typer.Option(help="Output tokens: N, LOW-HIGH or normal:MEAN:STD.")
-    ] = "200",
+    ] = "128",
     groups: Annotated[int, typer.Option(help="shared-prefix: prefix groups.")] = 4,
     prefix_len: Annotated[int, typer.Option(help="shared-prefix: prefix tokens.")] = 1024,
     suffix_len: Annotated[int, typer.Option(help="shared-prefix: unique suffix tokens.")] = 64,
@@ -793,7 +791,10 @@ def simulate(
     stream_output: Annotated[int, typer.Option(help="long-prompt: tokens per stream.")] = 256,
     long_len: Annotated[int, typer.Option(help="long-prompt: tokens per long prompt.")] = 2000,
     long_rate: Annotated[float, typer.Option(help="long-prompt: long prompts per second.")] = 0.5,
-    duration: Annotated[float, typer.Option(help="long-prompt: seconds of long prompts.")] = 30.0,
+    duration: Annotated[
+        float | None,
+        typer.Option(help="Stop sending after this many seconds (long-prompt: default 30)."),
+    ] = None,
     request_rate: Annotated[float, typer.Option(help="Requests/s (inf = all at once).")] = math.inf,
     burstiness: Annotated[
         float, typer.Option(help="Gamma shape of arrival gaps (1 = Poisson).")
@@ -811,8 +812,8 @@ def simulate(
     docs/simulation.md)."""
     from pdscope.commands.simulate import SimulateSettings
     from pdscope.commands.simulate import simulate as run_simulation
-    from pdscope.engine.llm_engine import parse_bytes
     from pdscope.report.bench import render_bench
+    from pdscope.specs.sizes import parse_bytes
 
     try:
         settings = SimulateSettings(

@@ -36,6 +36,7 @@ from pdscope.roofline.step_cost import CostModel, CostParams
 from pdscope.specs import SpecError
 
 WORKLOADS = ("random", "shared-prefix", "long-prompt")
+LONG_PROMPT_DURATION_S = 30.0  # how long long prompts keep arriving when --duration is not given
 
 # Fractions of a catalog device's peak figures that a tuned server reaches, and the costs per
 # step and per sequence that no roofline sees. Assumptions, not measurements: --bandwidth-
@@ -72,9 +73,9 @@ class SimulateSettings:
     enable_chunked_prefill: bool = True
     # the load: bench's flags
     workload: str = "random"
-    input_len: str = "1000"
-    output_len: str = "200"
-    num_prompts: int = 200
+    input_len: str = "128"
+    output_len: str = "128"
+    num_prompts: int = 100
     request_rate: float = math.inf
     burstiness: float = 1.0
     max_concurrency: int | None = None
@@ -86,7 +87,7 @@ class SimulateSettings:
     stream_output: int = 256
     long_len: int = 2000
     long_rate: float = 0.5
-    duration_s: float = 30.0
+    duration_s: float | None = None  # stop sending after this (long-prompt: default 30 s)
     slo: str | None = None
 
     def validate(self) -> None:
@@ -112,6 +113,8 @@ class SimulateSettings:
                 raise SpecError(f"{flag} must be in (0, 1], got {value}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise SpecError(f"--kv-cache-memory must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.duration_s is not None and not self.duration_s > 0:
+            raise SpecError(f"--duration must be > 0 seconds, got {self.duration_s}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise SpecError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
 
@@ -157,6 +160,14 @@ def kv_pool_blocks(s: SimulateSettings, p: PlanInputs) -> int:
                 f"{s.gpu_memory_utilization:.0%} of its memory"
             )
         pool_bytes = pool.pool_bytes
+    weights_bytes = rf.weight_bytes(p.model, p.weights)
+    memory = p.device.memory_bytes
+    if memory is not None and weights_bytes + pool_bytes > memory:
+        raise SpecError(
+            f"{p.model.name} weights ({weights_bytes / 1e9:.1f} GB) plus a "
+            f"{pool_bytes / 1e9:.1f} GB KV pool need more than {p.device.name}'s "
+            f"{memory / 1e9:.1f} GB"
+        )
     blocks = int(pool_bytes // per_block)
     if blocks < 1:
         raise SpecError(f"the KV pool ({pool_bytes:.0f} bytes) holds no {s.block_size}-token block")
@@ -187,8 +198,9 @@ async def _workload(s: SimulateSettings, vocab_size: int) -> list[RequestSpec]:
         return await shared_prefix_workload(
             builder, s.num_prompts, s.groups, s.prefix_len, s.suffix_len, output, s.seed
         )
+    duration_s = s.duration_s if s.duration_s is not None else LONG_PROMPT_DURATION_S
     return await long_prompt_workload(
-        builder, s.streams, s.stream_output, s.long_len, s.long_rate, s.duration_s, s.seed
+        builder, s.streams, s.stream_output, s.long_len, s.long_rate, duration_s, s.seed
     )
 
 
@@ -213,7 +225,10 @@ def _server_report(sim: Simulator, result: SimResult, url: str) -> MetricsReport
             "preemptions": result.num_preemptions,
             "prefix_hits": hits,
             "prefix_queries": queries,
-            "prompt_tokens": sum(x.prefill_tokens for x in steps),
+            # As the server's counter: every started request's whole prompt, hits included.
+            "prompt_tokens": sum(
+                r.timeline.prompt_tokens for r in result.requests if r.timeline.token_s
+            ),
             "generation_tokens": sum(1 for r in result.requests for _ in r.output_token_ids),
         },
         prefix_hit_rate=hits / queries if queries else None,
@@ -237,6 +252,12 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
         tflops=s.tflops,
         memory_gb=s.memory_gb,
     )
+    limit = p.model.max_position_embeddings
+    if limit is not None and s.max_model_len > limit:
+        raise SpecError(
+            f"--max-model-len {s.max_model_len} exceeds {p.model.name}'s "
+            f"max_position_embeddings {limit}"
+        )
     params = cost_params(s, p)
     cost = CostModel(p.model, p.weights, p.kv, params)
     blocks = kv_pool_blocks(s, p)
@@ -256,6 +277,9 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
         )
         for spec, at in zip(specs, times, strict=True)
     ]
+    if s.duration_s is not None and s.workload != "long-prompt":
+        # As bench's --duration: nothing is sent after it (running requests finish).
+        requests = [r for r in requests if r.arrival_s <= s.duration_s]
     config = SchedulerConfig(
         s.max_num_batched_tokens, s.max_num_seqs, s.max_model_len, s.enable_chunked_prefill
     )
@@ -280,7 +304,7 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
         if request.finish_reason and request.finish_reason.startswith("error"):
             trace.error = request.finish_reason
         traces.append(trace)
-    duration_s = result.end_s - min((r.arrival_s for r in requests), default=0.0)
+    duration_s = result.end_s  # from the run's start at 0, as bench measures it
     summary = summarize(traces, duration_s, slo=slo)
     run = {
         "request_rate": None if math.isinf(s.request_rate) else s.request_rate,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import re
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -21,44 +20,9 @@ from pdscope.engine.sampling_params import SamplingParams
 from pdscope.engine.scheduler import Scheduler, SchedulerConfig
 from pdscope.engine.timeline import RequestTimeline, StepRecord
 from pdscope.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdscope.specs.sizes import parse_bytes
 
 log = logging.getLogger(__name__)
-
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1e3,
-    "kb": 1e3,
-    "m": 1e6,
-    "mb": 1e6,
-    "g": 1e9,
-    "gb": 1e9,
-    "t": 1e12,
-    "tb": 1e12,
-    "ki": 2**10,
-    "kib": 2**10,
-    "mi": 2**20,
-    "mib": 2**20,
-    "gi": 2**30,
-    "gib": 2**30,
-    "ti": 2**40,
-    "tib": 2**40,
-}
-
-
-def parse_bytes(value: int | str) -> int:
-    """``"2GiB"`` -> 2147483648; ``"500MB"`` -> 500000000; an int is bytes already."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    else:
-        match = _SIZE.match(str(value))
-        if not match:
-            raise ValueError(f"cannot read {value!r} as a size (examples: 2GiB, 512MiB, 1e9)")
-        size = int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
-    if size <= 0:
-        raise ValueError(f"size must be positive, got {value!r}")
-    return size
 
 
 @dataclass
@@ -242,9 +206,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        for entry in out.scheduled:
-            if entry.request.timeline.first_scheduled_s is None:
-                entry.request.timeline.first_scheduled_s = start
+        self.scheduler.started(out, start)
         try:
             sampled = self.runner.execute(out)
         except Exception as exc:  # one bad step fails its requests; the engine keeps serving
@@ -257,8 +219,6 @@ class LLMEngine:
         outputs = []
         for entry in out.scheduled:
             request = entry.request
-            if entry.is_prefill:
-                request.timeline.prefill_chunks.append((end, entry.num_new_tokens))
             token = sampled.get(request)
             if token is None:
                 continue
@@ -283,17 +243,7 @@ class LLMEngine:
                     error,
                 )
             )
-        record = StepRecord(
-            start_s=start,
-            end_s=end,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=self.pool.usage,
-            prefill_tokens=out.num_prefill_tokens,
-            decode_tokens=out.num_decode_tokens,
-            num_preempted=out.num_preemptions,
-            prefix_hit_tokens=out.num_prefix_hit_tokens,
-        )
+        record = self.scheduler.record(out, start, end)
         self.steps.append(record)
         for listener in self.step_listeners:
             listener(record, [o.request for o in outputs])

@@ -66,6 +66,7 @@ class Request:
         """The only token left to compute is the last sampled one: the next step is a decode.
 
         This is the one rule for a token's phase. Anything else still computing tokens the
-        request already had (a prompt chunk, the recomputation after a preemption) is prefill.
+        request already had (a prompt chunk, the recomputation after a preemption up to its
+        last sampled token) is prefill.
         """
         return self.num_tokens - self.num_computed_tokens == 1 and bool(self.output_token_ids)

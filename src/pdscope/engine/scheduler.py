@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from pdscope.engine.block_pool import BlockPool
 from pdscope.engine.request import Request, Status
+from pdscope.engine.timeline import StepRecord
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,10 @@ class ScheduledRequest:
     """One request's share of a step: tokens ``[start, start + num_new_tokens)`` are computed.
 
     ``is_prefill`` is decided here, once, by :attr:`Request.is_decode_next`; the runner picks
-    its attention path by it and the timeline and metrics count tokens by it.
+    its attention path by it and the timeline and metrics count tokens by it. An entry that
+    computes only the last sampled token is a decode, also when it ends a recomputation after
+    preemption (the rest of that request's KV came back from the prefix cache or earlier
+    chunks): physically it is one query over a cached context.
     ``num_cached_tokens`` is the prefix-cache hit counted when the request was first admitted in
     this step, as the pool's ``prefix_cache_hits`` counts it (0 otherwise, and 0 for a
     re-admission after preemption, which is recomputation rather than demand).
@@ -131,8 +135,10 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            hashes = self.pool.extend_hashes(request.block_hashes, request.token_ids)
-            cached = self.pool.find_cached_prefix(hashes, request.num_tokens)
+            cached = []
+            if self.pool.enable_prefix_caching:
+                hashes = self.pool.extend_hashes(request.block_hashes, request.token_ids)
+                cached = self.pool.find_cached_prefix(hashes, request.num_tokens)
             num_cached = len(cached) * self.pool.block_size
             new = request.num_tokens - num_cached
             if new > budget and not self.config.enable_chunked_prefill:
@@ -200,11 +206,37 @@ class Scheduler:
             assert request.num_computed_tokens == entry.start
             request.num_computed_tokens = entry.end
             assert request.num_computed_tokens <= request.num_tokens
-            # Blocks that became full in this step; earlier ones were published already.
-            first, full = entry.start // self.pool.block_size, entry.end // self.pool.block_size
-            if full > first:
+            full = entry.end // self.pool.block_size
+            if full > entry.start // self.pool.block_size and self.pool.enable_prefix_caching:
+                # Blocks became full in this step. Offer every full block, not just the new
+                # ones: a block skipped earlier because a twin held its hash can be published
+                # now that the twin may have been evicted (published ones are skipped cheaply).
                 hashes = self.pool.extend_hashes(request.block_hashes, request.token_ids)
-                self.pool.register_full_blocks(request.block_table[first:full], hashes[first:full])
+                self.pool.register_full_blocks(request.block_table[:full], hashes[:full])
+
+    def started(self, out: SchedulerOutput, start_s: float) -> None:
+        """Stamp the step's start on requests scheduled for the first time (queue time ends)."""
+        for entry in out.scheduled:
+            if entry.request.timeline.first_scheduled_s is None:
+                entry.request.timeline.first_scheduled_s = start_s
+
+    def record(self, out: SchedulerOutput, start_s: float, end_s: float) -> StepRecord:
+        """After :meth:`update`: log the step's prefill chunks on their requests' timelines and
+        return the step's record. The engine and the simulator both close a step with this."""
+        for entry in out.scheduled:
+            if entry.is_prefill:
+                entry.request.timeline.prefill_chunks.append((end_s, entry.num_new_tokens))
+        return StepRecord(
+            start_s=start_s,
+            end_s=end_s,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.pool.usage,
+            prefill_tokens=out.num_prefill_tokens,
+            decode_tokens=out.num_decode_tokens,
+            num_preempted=out.num_preemptions,
+            prefix_hit_tokens=out.num_prefix_hit_tokens,
+        )
 
     def finish(self, request: Request, reason: str) -> None:
         """Remove a request (done or aborted) from wherever it is and free its blocks."""

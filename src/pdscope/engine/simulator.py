@@ -47,7 +47,11 @@ class SimResult:
 
 
 class Simulator:
-    """Steps a :class:`Scheduler` with ``step_seconds(out)`` in place of the model runner."""
+    """Steps a :class:`Scheduler` with ``step_seconds(out)`` in place of the model runner.
+
+    One simulator is one server's life: its clock and its pool (prefix cache included) carry
+    over from one :meth:`run` to the next, as a real server's do between benchmark runs.
+    """
 
     def __init__(
         self,
@@ -70,10 +74,10 @@ class Simulator:
         result = SimResult([])
         arrivals: list[tuple[float, int, Request]] = []
         max_len = self.scheduler.config.max_model_len
-        tags: dict[str, int] = {}
+        tags: dict[int, int] = {}  # id(request) -> index in specs
         for index, spec in enumerate(specs):
             request = self._request(index, spec)
-            tags[request.request_id] = index
+            tags[id(request)] = index
             result.requests.append(request)
             if not spec.prompt_token_ids:
                 self._fail(request, spec.arrival_s, "empty prompt")
@@ -83,7 +87,8 @@ class Simulator:
                 # What a server's 400 would say: the request cannot fit max_model_len.
                 total = request.num_tokens + spec.output_tokens
                 self._fail(request, spec.arrival_s, f"{total} tokens > max_model_len {max_len}")
-            elif self.pool.blocks_needed(request.num_tokens + spec.output_tokens) > (
+            # The last sampled token's KV is never computed, so it needs no slot.
+            elif self.pool.blocks_needed(request.num_tokens + spec.output_tokens - 1) > (
                 self.pool.num_blocks
             ):
                 self._fail(request, spec.arrival_s, "larger than the whole KV pool")
@@ -109,20 +114,16 @@ class Simulator:
             out = scheduler.schedule()
             assert not out.is_empty, "work that can never be scheduled (checked on arrival)"
             start = self.now_s
-            for entry in out.scheduled:
-                if entry.request.timeline.first_scheduled_s is None:
-                    entry.request.timeline.first_scheduled_s = start
+            scheduler.started(out, start)
             self.now_s += self.step_seconds(out)
             scheduler.update(out)
             for entry in out.scheduled:
                 request = entry.request
-                if entry.is_prefill:
-                    request.timeline.prefill_chunks.append((self.now_s, entry.num_new_tokens))
                 if not entry.samples:
                     continue
                 # Outputs are negative ids unique to the request: they never match a prompt's
                 # (non-negative) tokens, so they never fake a prefix-cache hit.
-                request.append_output(-1 - tags[request.request_id])
+                request.append_output(-1 - tags[id(request)])
                 request.timeline.token_s.append(self.now_s)
                 if len(request.output_token_ids) >= request.params.max_tokens:
                     if max_concurrency is not None:
@@ -130,19 +131,7 @@ class Simulator:
                     scheduler.finish(request, "length")
                     request.timeline.finished_s = self.now_s
                     request.timeline.finish_reason = "length"
-            result.steps.append(
-                StepRecord(
-                    start_s=start,
-                    end_s=self.now_s,
-                    num_running=len(scheduler.running),
-                    num_waiting=len(scheduler.waiting),
-                    kv_cache_usage=self.pool.usage,
-                    prefill_tokens=out.num_prefill_tokens,
-                    decode_tokens=out.num_decode_tokens,
-                    num_preempted=out.num_preemptions,
-                    prefix_hit_tokens=out.num_prefix_hit_tokens,
-                )
-            )
+            result.steps.append(scheduler.record(out, start, self.now_s))
         result.end_s = self.now_s
         return result
 
