@@ -407,6 +407,16 @@ def test_once_json_and_record_against_pdscope_serve(server: Server, tmp_path: Pa
     lines = [json.loads(line) for line in record.read_text().splitlines()]
     assert len(lines) >= 5 and lines[-1] == snap
     assert any((line["generation_tok_s"] or 0) > 0 for line in lines)
+    assert [line["t_s"] for line in lines] == sorted(line["t_s"] for line in lines)
+    # The recording draws as a page: bench's server timeline, quantiles and rates.
+    drawn = runner.invoke(app, ["watch", "--report", str(record)])
+    assert drawn.exit_code == 0, drawn.output
+    page = (tmp_path / "watch.html").read_text()
+    assert page.count("data:image/png;base64,") == 1 and str(server.url) in page
+    (tmp_path / "bad.jsonl").write_text('{"not": "a snapshot"}\n')
+    bad = runner.invoke(app, ["watch", "--report", str(tmp_path / "bad.jsonl")])
+    assert bad.exit_code == 2
+    assert "not a pdscope watch snapshot" in " ".join(bad.output.split()) and ":1:" in bad.output
 
 
 # --- Grafana and Prometheus files ---------------------------------------------------------------

@@ -771,6 +771,10 @@ def watch(
     runtime: Annotated[
         str, typer.Option(help="With --export: the dashboard's runtime (vllm, sglang, tgi).")
     ] = "vllm",
+    report: Annotated[
+        Path | None,
+        typer.Option(help="Draw a --record file as an HTML page (written beside it, .html), exit."),
+    ] = None,
     api_key: Annotated[str | None, typer.Option(help="Bearer token for the server.")] = None,
     server_args: Annotated[
         str, typer.Option(help="Flags for the embedded server, e.g. '--kv-cache-memory 64MiB'.")
@@ -788,6 +792,19 @@ def watch(
     from pdscope.commands import watch as cmd
     from pdscope.report.watch import render_watch
 
+    if report is not None:
+        from pdscope.report.watch_html import read_recording, render_watch_html
+
+        out = report.with_suffix(".html")
+        if out == report:
+            raise fail(f"--report takes the --record file (JSON lines), got {report}")
+        try:
+            page = render_watch_html(read_recording(report))
+            out.write_text(page, encoding="utf-8")
+        except (ValueError, OSError) as exc:
+            raise fail(str(exc)) from None
+        console.print(f"wrote {out}")
+        return
     if export is not None:
         from pdscope.commands.grafana import export_grafana
 

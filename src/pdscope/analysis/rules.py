@@ -211,7 +211,7 @@ def live_findings(f: LiveFigures, runtime: str) -> list[dict[str, str]]:
     ):
         add(
             "queueing",
-            f"TTFT p50 {a:.0f} → {b:.0f} ms across the window while running stayed at "
-            f"{ra:g} → {rb:g}",
+            f"TTFT p50 {a:.0f} → {b:.0f} ms from the first half of the window to the second, "
+            f"while at most {ra:g}, then {rb:g} requests ran",
         )
     return out

@@ -112,6 +112,7 @@ class WatchSnapshot:
     """What watch shows at one moment. JSON-ready through `to_dict` (one line of --record)."""
 
     time: str  # wall clock, ISO 8601 UTC
+    t_s: float  # seconds since the watch started (client clock), for timelines
     url: str
     reachable: bool
     runtime: str | None = None  # whose metric names the server exports
@@ -131,6 +132,7 @@ class WatchSnapshot:
     def to_dict(self) -> dict[str, Any]:
         return {
             "time": self.time,
+            "t_s": self.t_s,
             "url": self.url,
             "reachable": self.reachable,
             "runtime": self.runtime,
@@ -188,6 +190,7 @@ class Watcher:
         self.history: deque[tuple[float, dict[str, float | None]]] = deque()
         self._unreachable_since: str | None = None
         self._events: list[str] = []
+        self._started_s = time.perf_counter()
 
     async def tick(self) -> WatchSnapshot:
         """One scrape and the snapshot it gives. Raises NotPrometheusError on a foreign page."""
@@ -259,9 +262,11 @@ class Watcher:
         if self._unreachable_since is None:
             self._unreachable_since = _now_iso()
         values: dict[str, float | None] = {name: None for name in FIGURES}
-        self._remember(time.perf_counter(), values)
+        now_s = time.perf_counter()
+        self._remember(now_s, values)
         return WatchSnapshot(
             time=_now_iso(),
+            t_s=now_s - self._started_s,
             url=self.url,
             reachable=False,
             runtime=self.runtime,
@@ -287,6 +292,7 @@ class Watcher:
         span_s = last.t_s - first.t_s
         out = WatchSnapshot(
             time=_now_iso(),
+            t_s=last.t_s - self._started_s,
             url=self.url,
             reachable=True,
             runtime=runtime,

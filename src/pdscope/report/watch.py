@@ -47,7 +47,7 @@ def format_value(figure: str, value: float | None, window_s: float = 0.0) -> str
     return f"{value:,.0f}"
 
 
-def sparkline(values: Sequence[float | None], width: int = 40) -> str:
+def sparkline(values: Sequence[float | None], width: int = 30) -> str:
     """`values` (oldest first) as block characters, at most `width` wide.
 
     Consecutive values are binned to fit, each bin drawn at its maximum (a spike stays
@@ -83,7 +83,7 @@ def render_watch(
     history: Sequence[tuple[float, dict[str, float | None]]] = (),
     *,
     history_s: float = 300.0,
-    width: int = 40,
+    width: int = 30,
 ) -> Group:
     """The live view of one snapshot and the history behind it."""
     header = Text()
@@ -111,7 +111,7 @@ def render_watch(
     table = Table(title_justify="left", box=None, pad_edge=False)
     table.add_column("figure")
     table.add_column("now", justify="right")
-    table.add_column(f"last {min(span, history_s) / 60:.1f} min")
+    table.add_column(f"last {min(span, history_s) / 60:.1f} min", no_wrap=True, overflow="crop")
     table.add_column("series / why absent", overflow="fold")
     for figure, label in LABELS.items():
         value = snap.get(figure)
@@ -134,7 +134,7 @@ def render_watch(
         for r in rules:
             line = Text("  ● ", style="bold yellow")
             line.append(r["finding"], style="bold")
-            line.append(f" ({r['evidence']})\n      → {r['action']}")
+            line.append(f"\n    {r['evidence']}\n    → {r['action']}")
             parts.append(line)
     else:
         parts.append(Text("No reading rule holds now.", style="dim"))
