@@ -847,11 +847,13 @@ def watch(
         settings.url = embedded.url
     live = None if (as_json or once) else Live(console=console, auto_refresh=False)
     last: dict[str, Any] = {}
+    watchers: list[cmd.Watcher] = []
 
     def show(snapshot: cmd.WatchSnapshot, watcher: cmd.Watcher) -> None:
         data = snapshot.to_dict()
         last.clear()
         last.update(data)
+        watchers[:] = [watcher]
         if record_file is not None:
             # One line per snapshot, flushed at once: Ctrl-C or a crash keeps every line.
             record_file.write(json.dumps(data) + "\n")
@@ -884,11 +886,14 @@ def watch(
             record_file.close()
         if embedded is not None:
             embedded.stop()
+    if once and not last:  # interrupted before the first scrape answered
+        raise typer.Exit(1)
     if once:
         if as_json:
             print_json(last)
         else:
-            console.print(render_watch(last))
+            history = watchers[0].history if watchers else ()
+            console.print(render_watch(last, history, history_s=settings.history_s))
         code = 0 if last.get("reachable") else 1
     if record is not None:
         err_console.print(f"recorded to {record}")
