@@ -255,7 +255,7 @@ def test_unreachable_then_recovered() -> None:
     url = f"http://127.0.0.1:{port}"
     settings = WatchSettings(url=url, window_s=60, interval_s=0.1, timeout_s=2)
 
-    async def main() -> list[WatchSnapshot]:
+    async def main() -> tuple[list[WatchSnapshot], Watcher]:
         out = []
         async with httpx.AsyncClient() as client:
             watcher = Watcher(settings, client)
@@ -267,9 +267,9 @@ def test_unreachable_then_recovered() -> None:
             finally:
                 srv.close()
             out.append(await watcher.tick())
-        return out
+        return out, watcher
 
-    down, still_down, back, gone = asyncio.run(main())
+    (down, still_down, back, gone), watcher = asyncio.run(main())
     assert not down.reachable and down.unreachable_since is not None and down.error
     assert still_down.unreachable_since == down.unreachable_since  # since the first failure
     assert all(v is None for v in down.values.values())
@@ -279,8 +279,10 @@ def test_unreachable_then_recovered() -> None:
     from rich.console import Console
 
     console = Console(width=160, record=True)
-    console.print(render_watch(gone.to_dict()))
-    assert f"unreachable since {gone.unreachable_since}" in console.export_text()
+    console.print(render_watch(gone.to_dict(), recent_events=watcher.recent_events))
+    view = console.export_text()
+    assert f"unreachable since {gone.unreachable_since}" in view
+    assert "recovered at" in view  # the recovery stays on screen after its own tick
     # --once on a server that never answers: one JSON snapshot saying so, exit 1.
     args = ["watch", url, "--once", "--json", "--window", "0.3", "--interval", "0.1"]
     result = runner.invoke(app, args)
@@ -388,16 +390,23 @@ def test_once_json_and_record_against_pdscope_serve(server: Server, tmp_path: Pa
     record = tmp_path / "watch.jsonl"
     record.write_text("")  # --record appends to what is there
 
-    def load() -> None:
+    stop = threading.Event()
+
+    def load() -> None:  # requests one after another for as long as the watch runs
         body = {"model": server.model, "prompt": "Hello there", "max_tokens": 16}
-        for _ in range(6):
+        for _ in range(500):
+            if stop.is_set():
+                return
             httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).raise_for_status()
 
     thread = threading.Thread(target=load)
     thread.start()
     args = ["watch", server.url, "--once", "--json", "--window", "2", "--interval", "0.25"]
-    result = runner.invoke(app, [*args, "--record", str(record)])
-    thread.join()
+    try:
+        result = runner.invoke(app, [*args, "--record", str(record)])
+    finally:
+        stop.set()
+        thread.join()
     assert result.exit_code == 0, result.output
     snap = json.loads(result.stdout)
     assert snap["reachable"] and snap["runtime"] == "vllm" and snap["knobs_for"] == "pdscope"
@@ -406,7 +415,7 @@ def test_once_json_and_record_against_pdscope_serve(server: Server, tmp_path: Pa
         assert snap[figure] is not None, figure
     lines = [json.loads(line) for line in record.read_text().splitlines()]
     assert len(lines) >= 5 and lines[-1] == snap
-    assert any((line["generation_tok_s"] or 0) > 0 for line in lines)
+    assert (snap["generation_tok_s"] or 0) > 0 and (snap["ttft_p50_ms"] or 0) > 0
     assert [line["t_s"] for line in lines] == sorted(line["t_s"] for line in lines)
     # The recording draws as a page: bench's server timeline, quantiles and rates.
     drawn = runner.invoke(app, ["watch", "--report", str(record)])

@@ -860,7 +860,12 @@ def watch(
             record_file.flush()
         if live is not None:
             live.update(
-                render_watch(data, watcher.history, history_s=settings.history_s),
+                render_watch(
+                    data,
+                    watcher.history,
+                    history_s=settings.history_s,
+                    recent_events=watcher.recent_events,
+                ),
                 refresh=True,
             )
         elif as_json and not once:

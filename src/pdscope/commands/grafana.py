@@ -12,9 +12,9 @@ table, the one watch and bench use.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 from pdscope.client.server_metrics import RUNTIME_NAMES
@@ -52,7 +52,7 @@ def panels() -> list[Panel]:
     """The dashboard's panels, each with one target per runtime that exports the series."""
     out: list[Panel] = []
 
-    def per_runtime(role: str, build: Any, legend: str) -> list[Target]:
+    def per_runtime(role: str, build: Callable[[str], str], legend: str) -> list[Target]:
         targets = []
         for runtime, _ in DASHBOARD_RUNTIMES:
             name = RUNTIME_NAMES[runtime].get(role)
@@ -101,7 +101,9 @@ def panels() -> list[Panel]:
     return out
 
 
-def dashboard(title: str = "pdscope watch: prefill and decode", runtime: str = "vllm") -> dict:
+def dashboard(
+    title: str = "pdscope watch: prefill and decode", runtime: str = "vllm"
+) -> dict[str, object]:
     """A Grafana dashboard (JSON model) with a `runtime` variable selecting `runtime`."""
     numbers = dict(DASHBOARD_RUNTIMES)
     if runtime not in numbers:

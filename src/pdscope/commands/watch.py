@@ -190,6 +190,8 @@ class Watcher:
         self.history: deque[tuple[float, dict[str, float | None]]] = deque()
         self._unreachable_since: str | None = None
         self._events: list[str] = []
+        # The last few events, for a view that should show a recovery for longer than a tick.
+        self.recent_events: deque[str] = deque(maxlen=3)
         self._started_s = time.perf_counter()
 
     async def tick(self) -> WatchSnapshot:
@@ -280,6 +282,7 @@ class Watcher:
 
     def _take_events(self) -> list[str]:
         events, self._events = self._events, []
+        self.recent_events.extend(events)
         return events
 
     def _remember(self, t_s: float, values: dict[str, float | None]) -> None:

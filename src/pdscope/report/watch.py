@@ -84,8 +84,12 @@ def render_watch(
     *,
     history_s: float = 300.0,
     width: int = 30,
+    recent_events: Sequence[str] = (),
 ) -> Group:
-    """The live view of one snapshot and the history behind it."""
+    """The live view of one snapshot and the history behind it.
+
+    `recent_events` (restarts, recoveries) are shown in place of the snapshot's own, so they
+    stay on screen after the tick that saw them."""
     header = Text()
     header.append("pdscope watch ", style="bold")
     header.append(f"{snap['url']}  ")
@@ -105,7 +109,7 @@ def render_watch(
                 style="bold red",
             )
         )
-    for event in snap.get("events") or []:
+    for event in recent_events or snap.get("events") or []:
         parts.append(Text(event, style="yellow"))
     span = (history[-1][0] - history[0][0]) if len(history) >= 2 else 0.0
     table = Table(title_justify="left", box=None, pad_edge=False)
