@@ -24,16 +24,23 @@ pytestmark = [
 
 
 def test_watch_real_vllm(vllm_url: str) -> None:  # noqa: F811
-    def load() -> None:
+    stop = threading.Event()
+
+    def load() -> None:  # requests one after another for as long as the watch runs
         body = {"model": "llama", "prompt": "Prefill, then decode.", "max_tokens": 48}
-        for _ in range(4):
+        for _ in range(200):
+            if stop.is_set():
+                return
             httpx.post(f"{vllm_url}/v1/completions", json=body, timeout=120).raise_for_status()
 
     thread = threading.Thread(target=load)
     thread.start()
     args = ["watch", vllm_url, "--once", "--json", "--window", "4", "--interval", "0.5"]
-    result = CliRunner().invoke(app, args)
-    thread.join()
+    try:
+        result = CliRunner().invoke(app, args)
+    finally:
+        stop.set()
+        thread.join()
     assert result.exit_code == 0, result.output
     snap = json.loads(result.stdout)
     assert snap["runtime"] == "vllm" and snap["knobs_for"] == "vllm"
