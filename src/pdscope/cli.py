@@ -849,6 +849,176 @@ def simulate(
         )
 
 
+@app.command()
+def watch(
+    url: Annotated[
+        str | None,
+        typer.Argument(
+            help="Server to watch, e.g. http://127.0.0.1:8000 (or its /metrics URL). Omit to "
+            "start the embedded server with the built-in model."
+        ),
+    ] = None,
+    window: Annotated[
+        float | None,
+        typer.Option(help="Seconds the quantiles and rates cover (default 60; 5 with --once)."),
+    ] = None,
+    interval: Annotated[float, typer.Option(help="Seconds between scrapes.")] = 1.0,
+    history: Annotated[float, typer.Option(help="Seconds the sparklines reach back.")] = 300.0,
+    once: Annotated[
+        bool, typer.Option("--once", help="Watch for one window, print one snapshot, exit.")
+    ] = False,
+    as_json: Annotated[
+        bool,
+        typer.Option("--json", help="JSON instead of the live view (one line per snapshot)."),
+    ] = False,
+    record: Annotated[
+        Path | None, typer.Option(help="Append every snapshot to this file as a JSON line.")
+    ] = None,
+    export: Annotated[
+        tuple[str, Path] | None,
+        typer.Option(
+            help="'grafana DIR': write a Grafana dashboard and a prometheus.yml for URL, exit.",
+            show_default=False,
+        ),
+    ] = None,
+    runtime: Annotated[
+        str, typer.Option(help="With --export: the dashboard's runtime (vllm, sglang, tgi).")
+    ] = "vllm",
+    report: Annotated[
+        Path | None,
+        typer.Option(help="Draw a --record file as an HTML page (written beside it, .html), exit."),
+    ] = None,
+    api_key: Annotated[str | None, typer.Option(help="Bearer token for the server.")] = None,
+    server_args: Annotated[
+        str, typer.Option(help="Flags for the embedded server, e.g. '--kv-cache-memory 64MiB'.")
+    ] = "",
+) -> None:
+    """The article's five metrics of a live server (TTFT and ITL p50/p99, running, waiting,
+    KV use) with throughput, preemptions and prefix-cache hits, over a sliding window, and the
+    reading rules that hold."""
+    import asyncio
+    import shlex
+    import tempfile
+
+    from rich.live import Live
+
+    from pdscope.commands import watch as cmd
+    from pdscope.report.watch import render_watch
+
+    if report is not None:
+        from pdscope.report.watch_html import read_recording, render_watch_html
+
+        out = report.with_suffix(".html")
+        if out == report:
+            raise fail(f"--report takes the --record file (JSON lines), got {report}")
+        try:
+            page = render_watch_html(read_recording(report))
+            out.write_text(page, encoding="utf-8")
+        except (ValueError, OSError) as exc:
+            raise fail(str(exc)) from None
+        console.print(f"wrote {out}")
+        return
+    if export is not None:
+        from pdscope.commands.grafana import export_grafana
+
+        kind, directory = export
+        if kind != "grafana":
+            raise fail(f"--export takes 'grafana DIR', got {kind!r}")
+        try:
+            paths = export_grafana(directory, url or "http://127.0.0.1:8000", runtime)
+        except (ValueError, OSError) as exc:
+            raise fail(str(exc)) from None
+        for path in paths:
+            console.print(f"wrote {path}")
+        return
+    try:
+        settings = cmd.WatchSettings(
+            url=url or "",
+            window_s=window if window is not None else (5.0 if once else 60.0),
+            interval_s=interval,
+            history_s=history,
+            api_key=api_key,
+        )
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    record_file = None
+    if record is not None:
+        try:
+            record_file = record.open("a", encoding="utf-8")
+        except OSError as exc:
+            raise fail(f"cannot write --record {record}: {exc}") from None
+    embedded = None
+    if url is None:
+        from pdscope.server.launch import start_server
+
+        err_console.print("starting the embedded server (built-in small model) ...")
+        log = Path(tempfile.mkdtemp(prefix="pdscope-watch-")) / "server.log"
+        try:
+            embedded = start_server("small", log, *shlex.split(server_args), name="small")
+        except RuntimeError as exc:
+            raise fail(str(exc), 1) from None
+        settings.url = embedded.url
+    live = None if (as_json or once) else Live(console=console, auto_refresh=False)
+    last: dict[str, Any] = {}
+    watchers: list[cmd.Watcher] = []
+
+    def show(snapshot: cmd.WatchSnapshot, watcher: cmd.Watcher) -> None:
+        data = snapshot.to_dict()
+        last.clear()
+        last.update(data)
+        watchers[:] = [watcher]
+        if record_file is not None:
+            # One line per snapshot, flushed at once: Ctrl-C or a crash keeps every line.
+            record_file.write(json.dumps(data) + "\n")
+            record_file.flush()
+        if live is not None:
+            live.update(
+                render_watch(
+                    data,
+                    watcher.history,
+                    history_s=settings.history_s,
+                    recent_events=watcher.recent_events,
+                ),
+                refresh=True,
+            )
+        elif as_json and not once:
+            sys.stdout.write(json.dumps(data) + "\n")
+            sys.stdout.flush()
+
+    code = 0
+    try:
+        if live is not None:
+            live.start()
+        asyncio.run(cmd.run(settings, show, once=once))
+    except KeyboardInterrupt:
+        pass  # Ctrl-C is how a live watch ends; the record is already on disk
+    except cmd.NotPrometheusError as exc:
+        if live is not None:
+            live.stop()
+            live = None
+        raise fail(str(exc)) from None
+    finally:
+        if live is not None:
+            live.stop()
+        if record_file is not None:
+            record_file.close()
+        if embedded is not None:
+            embedded.stop()
+    if once and not last:  # interrupted before the first scrape answered
+        raise typer.Exit(1)
+    if once:
+        if as_json:
+            print_json(last)
+        else:
+            history = watchers[0].history if watchers else ()
+            console.print(render_watch(last, history, history_s=settings.history_s))
+        code = 0 if last.get("reachable") else 1
+    if record is not None:
+        err_console.print(f"recorded to {record}")
+    if code:
+        raise typer.Exit(code)
+
+
 def _list_devices(as_json: bool) -> None:
     from rich.table import Table
 

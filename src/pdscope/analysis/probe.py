@@ -12,56 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pdscope.analysis.rules import knob  # one knob table, shared with watch
 from pdscope.analysis.stats import fit_poly, median
 from pdscope.client.trace import Trace
-
-# Knobs per runtime for each kind of finding (BRIEF.md section 1, "What to change").
-KNOBS: dict[str, dict[str, str]] = {
-    "prefill_batch": {
-        "vllm": "raise --max-num-batched-tokens (bigger prefill chunks per step)",
-        "pdscope": "raise --max-num-batched-tokens (bigger prefill chunks per step)",
-        "sglang": "raise --chunked-prefill-size",
-        "llama.cpp": "raise -b/--batch-size and -ub/--ubatch-size",
-        "ollama": "raise options.num_batch",
-    },
-    "prefix_cache": {
-        "vllm": "--enable-prefix-caching (on by default in the V1 engine); keep the shared "
-        "prefix byte-identical and at the start",
-        "pdscope": "--enable-prefix-caching (on by default); keep the shared prefix identical",
-        "sglang": "RadixAttention is on unless --disable-radix-cache",
-        "llama.cpp": "cache_prompt: true per request and --cache-reuse N",
-        "ollama": "keep the system prompt identical; OLLAMA_NUM_PARALLEL=1 keeps one slot's cache",
-    },
-    "cold": {
-        "ollama": "OLLAMA_KEEP_ALIVE=-1 (or keep_alive per request) keeps the model loaded",
-        "vllm": "warm up after start-up (torch.compile and CUDA graphs are built lazily)",
-        "pdscope": "send a warm-up request after start-up",
-        "llama.cpp": "--mlock keeps the weights resident",
-    },
-    "quantize": {
-        "vllm": "serve a quantized checkpoint (--quantization fp8 / AWQ / GPTQ) or --kv-cache-"
-        "dtype fp8",
-        "pdscope": "a smaller model or fewer bytes per weight (pdscope plan --dtype int8 shows "
-        "the gain)",
-        "ollama": "pull a smaller quantization tag (q4_K_M instead of q8_0 or fp16)",
-        "llama.cpp": "use a Q4_K_M / Q5_K_M GGUF",
-        "sglang": "--quantization fp8 or a quantized checkpoint",
-    },
-    "stack": {
-        "vllm": "check --max-num-seqs, CPU threads (VLLM_CPU_OMP_THREADS_BIND) or the attention "
-        "backend",
-        "pdscope": "on a small machine shared with its clients, serve --threads leaves them a "
-        "core; docs/performance.md says where the rest goes",
-        "ollama": "check num_thread and that no layers spill to the CPU (ollama ps)",
-        "llama.cpp": "check -t threads and -ngl (all layers offloaded)",
-        "sglang": "check --mem-fraction-static and the attention backend",
-    },
-}
-
-
-def knob(kind: str, runtime: str) -> str:
-    table = KNOBS[kind]
-    return table.get(runtime) or table.get("vllm", "")
 
 
 @dataclass

@@ -149,6 +149,7 @@ class EngineMetrics:
         self._scheduler = engine.scheduler
         engine.step_listeners.append(self.on_step)
         engine.finish_listeners.append(self.on_finish)
+        self.dashboard = DashboardMetrics(engine, model_name, self.registry)
 
     def on_step(self, record: StepRecord, produced: list[Request]) -> None:
         now = (
@@ -181,3 +182,104 @@ class EngineMetrics:
         ):
             if value is not None:
                 hist.observe(value)
+
+
+# --- the rest of vLLM's dashboard series ------------------------------------------------------
+# Checked against vLLM 0.32's own /metrics (tests/fixtures/vllm-0.32.0-cpu-metrics.txt, recorded
+# from its CPU build): same names, types, buckets and model_name label.
+
+# vLLM's iteration_tokens_total buckets as its CPU build exports them.
+ITERATION_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0,
+                     8192.0, 16384.0)  # fmt: skip
+PREEMPTION_BUCKETS = (1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0)
+
+
+def one_two_five_buckets(limit: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit`: vLLM's token-count buckets for a max_model_len."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(float(m * scale))
+        scale *= 10
+
+
+class DashboardMetrics:
+    """Per-request and per-step histograms vLLM's Grafana dashboards read beyond the five:
+    inference time, per-request TPOT, prompt and generation lengths, tokens per step,
+    preemptions per request, requested max_tokens, and cached prompt tokens."""
+
+    def __init__(self, engine: LLMEngine, model_name: str, registry: CollectorRegistry):
+        labels = ["model_name"]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=registry).labels(
+                model_name
+            )
+
+        lengths = one_two_five_buckets(engine.max_model_len)
+        self.inference = hist(
+            "vllm:request_inference_time_seconds",
+            "First scheduled to finished (prefill + decode).",
+            REQUEST_BUCKETS,
+        )
+        self.tpot = hist(
+            "vllm:request_time_per_output_token_seconds",
+            "Per request: first to last token over output tokens - 1.",
+            ITL_BUCKETS,
+        )
+        self.prompt_len = hist(
+            "vllm:request_prompt_tokens", "Prompt tokens per finished request.", lengths
+        )
+        self.generation_len = hist(
+            "vllm:request_generation_tokens", "Output tokens per finished request.", lengths
+        )
+        self.max_tokens = hist(
+            "vllm:request_params_max_tokens", "max_tokens asked per request.", lengths
+        )
+        self.max_generation = hist(
+            "vllm:request_max_num_generation_tokens",
+            "Most output tokens a request may produce (max_tokens; n is 1).",
+            lengths,
+        )
+        self.step_tokens = hist(
+            "vllm:iteration_tokens_total",
+            "Tokens computed per engine step (prefill + decode).",
+            ITERATION_BUCKETS,
+        )
+        self.preemptions = hist(
+            "vllm:request_num_preemptions", "Preemptions per finished request.", PREEMPTION_BUCKETS
+        )
+        self.cached = Counter(
+            "vllm:prompt_tokens_cached",
+            "Prompt tokens served from the prefix cache.",
+            labels,
+            registry=registry,
+        ).labels(model_name)
+        engine.step_listeners.append(self.on_step)
+        engine.finish_listeners.append(self.on_finish)
+
+    def on_step(self, record: StepRecord, produced: list[Request]) -> None:
+        tokens = record.prefill_tokens + record.decode_tokens
+        if tokens > 0:
+            self.step_tokens.observe(tokens)
+        for request in produced:
+            t = request.timeline
+            if len(t.token_s) == 1:  # counted once, at the first token, as prompt_tokens is
+                self.cached.inc(t.num_cached_tokens)
+
+    def on_finish(self, request: Request) -> None:
+        t = request.timeline
+        self.max_tokens.observe(request.params.max_tokens)
+        self.max_generation.observe(request.params.max_tokens)
+        if not t.token_s:  # aborted before its first token: no lengths or times to report
+            return
+        self.prompt_len.observe(t.prompt_tokens)
+        self.generation_len.observe(len(t.token_s))
+        self.preemptions.observe(t.preemptions)
+        if t.finished_s is not None and t.first_scheduled_s is not None:
+            self.inference.observe(t.finished_s - t.first_scheduled_s)
+        if len(t.token_s) > 1 and t.decode_s is not None:
+            self.tpot.observe(t.decode_s / (len(t.token_s) - 1))
