@@ -148,12 +148,12 @@ async def generate(body: OllamaGenerateRequest, request: Request) -> Any:
             "done_reason": "load",
         }
     if body.raw:
-        ids = s.llm.tokenizer.encode(body.prompt)
+        ids = await s.encode(body.prompt, "prompt")
     else:
         messages = [ChatMessage(role="user", content=body.prompt)]
         if body.system:
             messages.insert(0, ChatMessage(role="system", content=body.system))
-        ids = s.chat_prompt(messages)
+        ids = await s.chat_prompt(messages)
     return await _respond(s, request, ids, body.options, body.stream, "generate")
 
 
@@ -161,9 +161,8 @@ async def generate(body: OllamaGenerateRequest, request: Request) -> Any:
 async def chat(body: OllamaChatRequest, request: Request) -> Any:
     s = state_of(request)
     s.check_model(body.model)
-    return await _respond(
-        s, request, s.chat_prompt(body.messages), body.options, body.stream, "chat"
-    )
+    ids = await s.chat_prompt(body.messages)
+    return await _respond(s, request, ids, body.options, body.stream, "chat")
 
 
 def _details(s: ServerState) -> dict[str, Any]:
@@ -192,6 +191,29 @@ async def tags(request: Request) -> dict[str, Any]:
                 "size": size,
                 "digest": uuid.uuid5(uuid.NAMESPACE_URL, str(s.llm.path)).hex,
                 "details": _details(s),
+            }
+        ]
+    }
+
+
+@router.get("/api/ps")
+async def ps(request: Request) -> dict[str, Any]:
+    """The loaded models: always the one served, resident until the server stops."""
+    s = state_of(request)
+    size = sum(f.stat().st_size for f in s.llm.path.glob("*.safetensors"))
+    on_gpu = str(s.llm.device).startswith("cuda")
+    return {
+        "models": [
+            {
+                "name": s.model_name,
+                "model": s.model_name,
+                "size": size,
+                "digest": uuid.uuid5(uuid.NAMESPACE_URL, str(s.llm.path)).hex,
+                "details": _details(s),
+                # Never unloaded: Ollama's way of saying so is an expiry far in the future.
+                "expires_at": "2318-01-01T00:00:00Z",
+                "size_vram": size if on_gpu else 0,
+                "context_length": s.llm.max_model_len,
             }
         ]
     }
