@@ -127,7 +127,9 @@ class ServerState:
         except ValueError as exc:
             raise APIError(400, f"invalid sampling parameters: {exc}") from exc
 
-    def max_tokens_for(self, prompt_ids: list[int], asked: int | None) -> int:
+    def max_tokens_for(
+        self, prompt_ids: list[int], asked: int | None, name: str = "max_tokens"
+    ) -> int:
         """Output budget: what was asked, or the rest of the context; refuse if it cannot fit."""
         limit = self.llm.max_model_len
         room = limit - len(prompt_ids)
@@ -146,7 +148,7 @@ class ServerState:
                 f"This model's maximum context length is {limit} tokens. "
                 f"However, you requested {len(prompt_ids) + asked} tokens "
                 f"({len(prompt_ids)} in the prompt, {asked} in the completion).",
-                param="max_tokens",
+                param=name,
             )
         return asked
 
@@ -273,7 +275,7 @@ def _is_field_step(step: Any) -> bool:
 
 
 def build_app(state: ServerState) -> Guard:
-    from pdscope.server import ollama_api, openai_api
+    from pdscope.server import ollama_api, openai_api, openapi
 
     app = FastAPI(title="pdscope", version=__version__, docs_url=None, redoc_url=None)
     app.state.pdscope = state
@@ -333,6 +335,7 @@ def build_app(state: ServerState) -> Guard:
 
     app.include_router(openai_api.router)
     app.include_router(ollama_api.router)
+    openapi.install(app, state.llm)
     json_paths = frozenset(
         r.path
         for router in (openai_api.router, ollama_api.router)

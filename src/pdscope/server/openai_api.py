@@ -149,6 +149,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     s = state_of(request)
     s.check_model(body.model)
     ids = await s.chat_prompt(body.messages)
+    limit = s.llm.max_model_len
+    for name in ("max_tokens", "max_completion_tokens"):
+        # Both are checked, though the newer name wins: what the schema refuses, the server does.
+        value = getattr(body, name)
+        if value is not None and value >= limit:
+            raise APIError(
+                400,
+                f"{name} must be less than the context length {limit} (the prompt takes at "
+                f"least one token), got {value}",
+                param=name,
+            )
     asked = body.max_completion_tokens or body.max_tokens
     limit = s.max_tokens_for(ids, asked)
     params = s.sampling(lambda: body.sampling(limit))

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     field_validator,
@@ -37,9 +38,21 @@ def _no_lone_surrogates(text: str) -> str:
     return text
 
 
+def _integral(value: Any) -> Any:
+    # JSON Schema counts 2.0 as an integer; so does this server (and nothing else as one).
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# Integer types carry their bounds inside, so that the published schema shows them.
+Int = Annotated[int, BeforeValidator(_integral)]
+NonNegative = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
 Text = Annotated[str, AfterValidator(_no_lone_surrogates)]
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_no_lone_surrogates)]
-TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-pdscope": "token-id"})]
+TokenId = Annotated[
+    int, Field(ge=0, json_schema_extra={"x-pdscope": "token-id"}), BeforeValidator(_integral)
+]
 Role = Literal["system", "user", "assistant", "tool"]
 
 
@@ -51,7 +64,12 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-SEED_RANGE = {"ge": -(2**63), "lt": 2**64}  # what torch.Generator.manual_seed accepts
+# What torch.Generator.manual_seed accepts; the bounds go into the schema as exact integers.
+Seed = Annotated[
+    int,
+    Field(ge=-(2**63), le=2**64 - 1, json_schema_extra={"x-pdscope": "seed"}),
+    BeforeValidator(_integral),
+]
 
 # OpenAI parameters pdscope does not implement, with the values that mean "not used".
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -78,13 +96,13 @@ class _OpenAISampling(_Body):
     model: Text | None = None
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    seed: int | None = Field(None, **SEED_RANGE)
+    top_k: Annotated[int, Field(ge=-1), BeforeValidator(_integral)] | None = None
+    seed: Seed | None = None
     stop: NonEmptyText | list[NonEmptyText] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    n: Literal[1] | None = None
+    min_tokens: NonNegative = 0
+    n: Annotated[Literal[1], BeforeValidator(_integral)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -126,7 +144,9 @@ class _OpenAISampling(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-MaxTokens = Annotated[int, Field(ge=1, json_schema_extra={"x-pdscope": "max-tokens"})]
+MaxTokens = Annotated[
+    int, Field(ge=1, json_schema_extra={"x-pdscope": "max-tokens"}), BeforeValidator(_integral)
+]
 TokenIds = Annotated[
     list[TokenId], Field(min_length=1, json_schema_extra={"x-pdscope": "prompt-ids"})
 ]
@@ -183,12 +203,12 @@ class DetokenizeRequest(_Body):
 
 
 class OllamaOptions(_Body):
-    num_predict: int | None = None
+    num_predict: Int | None = None
     temperature: float | None = Field(None, ge=0)
-    seed: int | None = Field(None, **SEED_RANGE)
+    seed: Seed | None = None
     stop: list[NonEmptyText] | None = None
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    top_k: NonNegative | None = None
 
     def sampling(self, limit: int) -> SamplingParams:
         # Ollama: num_predict -1 (or absent) means "until the context is full"; its default
