@@ -427,3 +427,59 @@ def test_host_check(host: str, allowed: bool) -> None:
 def test_origin_check(origin: str, allowed: bool) -> None:
     assert GuardConfig(allowed_origins=("https://app.example",)).origin_allowed(origin) is allowed
     assert GuardConfig(allowed_origins=("*",)).origin_allowed(origin) is True
+
+
+# --- item 5: the schema says what the server does; smaller protocol gaps ---
+
+
+@pytest.mark.slow
+def test_openapi_agrees_with_behaviour(plain: Server) -> None:
+    schema = httpx.get(f"{plain.url}/openapi.json").json()
+    assert '"422"' not in json.dumps(schema)
+    paths = schema["paths"]
+    for path, ops in paths.items():
+        for method, op in ops.items():
+            if method == "post":
+                assert {"400", "413", "415"} <= set(op["responses"]), path
+    ok = paths["/v1/completions"]["post"]["responses"]["200"]["content"]
+    assert {"application/json", "text/event-stream"} <= set(ok)
+    ok = paths["/api/generate"]["post"]["responses"]["200"]["content"]
+    assert {"application/json", "application/x-ndjson"} <= set(ok)
+    assert "text/plain" in paths["/metrics"]["get"]["responses"]["200"]["content"]
+    assert "Retry-After" in paths["/v1/completions"]["post"]["responses"]["503"]["headers"]
+    # What the schema now refuses, the server refuses, and the other way round.
+    schemas = schema["components"]["schemas"]
+    assert schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"][0]["minLength"] == 1
+    assert httpx.post(f"{plain.url}/tokenize", json={}).status_code == 400
+    assert httpx.post(f"{plain.url}/v1/completions", json={"prompt": ""}).status_code == 400
+    two = httpx.post(f"{plain.url}/v1/completions", json={"prompt": "x", "max_tokens": 2.0})
+    assert two.status_code == 200  # 2.0 is an integer to JSON Schema
+    assert (
+        httpx.post(
+            f"{plain.url}/v1/completions", json={"prompt": "x", "max_tokens": "2"}
+        ).status_code
+        == 400
+    )
+
+
+@pytest.mark.slow
+def test_405_carries_allow(plain: Server) -> None:
+    r = httpx.get(f"{plain.url}/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["code"] == 405
+    r = httpx.delete(f"{plain.url}/api/tags")
+    assert r.status_code == 405 and "GET" in r.headers["allow"]
+
+
+@pytest.mark.slow
+def test_ollama_ps_and_one_token_durations(plain: Server) -> None:
+    import ollama
+
+    o = ollama.Client(host=plain.url)
+    loaded = o.ps().models
+    assert [m.model for m in loaded] == ["tiny"] and loaded[0].context_length == 2048
+    r = o.generate(model="tiny", prompt="Hi", options={"num_predict": 1})
+    # One token comes out of prefill; no decode step follows, so there is no decode time to
+    # report: eval_duration is 0 by definition (documented in the README and ollama_api.py).
+    assert r.eval_count == 1 and r.eval_duration == 0
+    assert r.prompt_eval_duration > 0 and r.total_duration >= r.prompt_eval_duration

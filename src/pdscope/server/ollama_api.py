@@ -4,7 +4,8 @@ The final object's counters and durations (nanoseconds) come from the engine's t
 Ollama's meanings:
 * ``prompt_eval_count``: the whole prompt, cached tokens included (as recent Ollama reports it);
 * ``prompt_eval_duration``: first scheduled to first token, the uncached prefill only;
-* ``eval_count``: every output token; ``eval_duration``: first token to last token;
+* ``eval_count``: every output token; ``eval_duration``: first token to last token (0 for a
+  single token, as with ``num_predict: 1``: it came out of prefill, no decode step followed);
 * ``total_duration``: arrival to finish; ``load_duration``: 0, the model stays loaded.
 """
 
