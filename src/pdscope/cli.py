@@ -22,6 +22,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Click's plain help: rich's option table cut long flags to "--max-num-batched-t…" on an
+    # 80-column terminal; this one wraps the help text and never shortens a flag.
+    rich_markup_mode=None,
 )
 console = Console()
 err_console = Console(stderr=True)
