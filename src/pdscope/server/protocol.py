@@ -50,9 +50,16 @@ Int = Annotated[int, BeforeValidator(_integral)]
 NonNegative = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
 Text = Annotated[str, AfterValidator(_no_lone_surrogates)]
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_no_lone_surrogates)]
-TokenId = Annotated[
-    int, Field(ge=0, json_schema_extra={"x-pdscope": "token-id"}), BeforeValidator(_integral)
-]
+def _integral_items(value: Any) -> Any:
+    # One pass over the list, not one validator call per id: a million ids validate in a
+    # fraction of the time.
+    if isinstance(value, list):
+        return [int(v) if type(v) is float and v.is_integer() else v for v in value]
+    return value
+
+
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-pdscope": "token-id"})]
+IdList = Annotated[list[TokenId], BeforeValidator(_integral_items)]
 Role = Literal["system", "user", "assistant", "tool"]
 
 
@@ -99,7 +106,7 @@ class _OpenAISampling(_Body):
     top_k: Annotated[int, Field(ge=-1), BeforeValidator(_integral)] | None = None
     seed: Seed | None = None
     stop: NonEmptyText | list[NonEmptyText] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: IdList | None = None
     ignore_eos: bool = False
     min_tokens: NonNegative = 0
     n: Annotated[Literal[1], BeforeValidator(_integral)] | None = None
@@ -148,7 +155,7 @@ MaxTokens = Annotated[
     int, Field(ge=1, json_schema_extra={"x-pdscope": "max-tokens"}), BeforeValidator(_integral)
 ]
 TokenIds = Annotated[
-    list[TokenId], Field(min_length=1, json_schema_extra={"x-pdscope": "prompt-ids"})
+    IdList, Field(min_length=1, json_schema_extra={"x-pdscope": "prompt-ids"})
 ]
 
 
@@ -199,7 +206,7 @@ TokenizeRequest = Annotated[TokenizeChat | TokenizePrompt, Field(union_mode="lef
 
 class DetokenizeRequest(_Body):
     model: Text | None = None
-    tokens: list[TokenId]
+    tokens: IdList
 
 
 class OllamaOptions(_Body):
