@@ -50,6 +50,8 @@ Int = Annotated[int, BeforeValidator(_integral)]
 NonNegative = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
 Text = Annotated[str, AfterValidator(_no_lone_surrogates)]
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_no_lone_surrogates)]
+
+
 def _integral_items(value: Any) -> Any:
     # One pass over the list, not one validator call per id: a million ids validate in a
     # fraction of the time.
@@ -154,9 +156,7 @@ class _OpenAISampling(_Body):
 MaxTokens = Annotated[
     int, Field(ge=1, json_schema_extra={"x-pdscope": "max-tokens"}), BeforeValidator(_integral)
 ]
-TokenIds = Annotated[
-    IdList, Field(min_length=1, json_schema_extra={"x-pdscope": "prompt-ids"})
-]
+TokenIds = Annotated[IdList, Field(min_length=1, json_schema_extra={"x-pdscope": "prompt-ids"})]
 
 
 class CompletionRequest(_OpenAISampling):
