@@ -9,7 +9,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -63,7 +63,9 @@ def _auth(with_key: bool) -> dict[str, str]:
     return {"Authorization": f"Bearer {KEY}"} if with_key else {}
 
 
-def _wait_for(url: str, test: callable, timeout_s: float = 20) -> dict[str, float]:
+def _wait_for(
+    url: str, test: Callable[[dict[str, float]], bool], timeout_s: float = 20
+) -> dict[str, float]:
     deadline = time.monotonic() + timeout_s
     while True:
         m = metrics(url)

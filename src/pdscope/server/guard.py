@@ -180,6 +180,7 @@ class Guard:
                     401,
                     "missing or invalid API key: send 'Authorization: Bearer <key>'",
                     "AuthenticationError",
+                    cors,  # an allowed page may read why it was refused
                 )
                 return
         if method == "POST" and path in c.json_paths:
