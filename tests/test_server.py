@@ -252,7 +252,12 @@ def test_openai_errors(server: Server, path: str, body, status: int, needle: str
 )
 def test_ollama_errors(server: Server, path: str, body, status: int) -> None:
     content = body if isinstance(body, str) else json.dumps(body)
-    r = httpx.post(f"{server.url}{path}", content=content, timeout=30)
+    r = httpx.post(
+        f"{server.url}{path}",
+        content=content,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
     assert r.status_code == status
     assert isinstance(r.json()["error"], str) and r.json()["error"]
 
@@ -450,25 +455,26 @@ def test_max_queue_refuses_with_503(tiny_model: Path, tmp_path: Path) -> None:
         tiny_model, tmp_path, "--max-num-seqs", "1", "--max-queue", "2", "--kv-cache-memory", "8MiB"
     )
 
-    async def main() -> list[int]:
+    async def main() -> list[tuple[int, dict, httpx.Headers]]:
         async with httpx.AsyncClient(timeout=120) as http:
 
-            async def one(i: int) -> tuple[int, dict]:
+            async def one(i: int) -> tuple[int, dict, httpx.Headers]:
                 r = await http.post(
                     f"{srv.url}/v1/completions",
                     json={"prompt": f"{i} {PROMPT}", "max_tokens": 60, "ignore_eos": True},
                 )
-                return r.status_code, r.json()
+                return r.status_code, r.json(), r.headers
 
             return await asyncio.gather(*(one(i) for i in range(8)))
 
     try:
         results = asyncio.run(main())
-        statuses = [s for s, _ in results]
+        statuses = [s for s, _, _ in results]
         assert 503 in statuses and 200 in statuses
-        for status, body in results:
+        for status, body, headers in results:
             if status == 503:
                 assert "--max-queue" in body["error"]["message"]
+                assert int(headers["retry-after"]) >= 1
             else:
                 assert status == 200 and body["usage"]["completion_tokens"] == 60
     finally:

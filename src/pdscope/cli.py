@@ -23,6 +23,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Click's plain help: rich's option table cut long flags to "--max-num-batched-t…" on an
+    # 80-column terminal; this one wraps the help text and never shortens a flag.
+    rich_markup_mode=None,
 )
 console = Console()
 err_console = Console(stderr=True)
@@ -303,6 +306,23 @@ def serve(
     max_queue: Annotated[
         int | None, typer.Option(help="Refuse (503) new requests while this many wait.")
     ] = None,
+    max_request_bytes: Annotated[
+        str, typer.Option(help="Refuse (413) request bodies larger than this, e.g. 8MiB.")
+    ] = "8MiB",
+    allowed_origins: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated browser origins allowed besides loopback ones, e.g. "
+            "'https://app.example,http://*.lan:*'; '*' allows any."
+        ),
+    ] = "",
+    allowed_hosts: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated Host names accepted besides loopback names and IP "
+            "addresses (checked when bound to loopback, against DNS rebinding)."
+        ),
+    ] = "",
     seed: Annotated[int, typer.Option(help="Engine seed.")] = 0,
     threads: Annotated[
         int | None,
@@ -315,13 +335,19 @@ def serve(
 ) -> None:
     """Serve the engine over HTTP: OpenAI (/v1) and Ollama (/api) routes, vLLM-named
     Prometheus metrics on /metrics."""
-    from pdscope.engine.llm_engine import EngineArgs
+    from pdscope.engine.llm_engine import EngineArgs, parse_bytes
     from pdscope.server.run import serve as run_server
 
     if not 0 <= port <= 65535:
         raise fail(f"--port must be 0-65535, got {port}")
     if max_queue is not None and max_queue < 0:
         raise fail(f"--max-queue must be >= 0, got {max_queue}")
+    try:
+        body_limit_bytes = parse_bytes(max_request_bytes)
+    except ValueError as exc:
+        raise fail(f"--max-request-bytes: {exc}") from None
+    if body_limit_bytes < 1024:
+        raise fail(f"--max-request-bytes must be at least 1KiB, got {max_request_bytes}")
     if threads is not None:
         if threads < 1:
             raise fail(f"--threads must be >= 1, got {threads}")
@@ -349,9 +375,16 @@ def serve(
             served_model_name=served_model_name,
             api_key=api_key,
             max_queue=max_queue,
+            allowed_origins=_names(allowed_origins),
+            allowed_hosts=_names(allowed_hosts),
+            max_request_bytes=body_limit_bytes,
         )
     except (ValueError, FileNotFoundError) as exc:
         raise fail(str(exc)) from None
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def _int_list(text: str, flag: str) -> list[int]:

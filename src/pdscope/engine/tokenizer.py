@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,38 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def encode_releasing_gil(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``encode`` for a worker thread: the batch call releases the GIL while it splits the
+        text (``encode`` holds it), so an event loop on another thread keeps running."""
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int | None:
+        """The most characters one token can stand for, where that bound is certain: a
+        byte-level BPE with no normalizer, no pre-tokenizer that drops text and no added token
+        that swallows whitespace. Then a text of c characters has at least c / this many
+        tokens. None where text could vanish in tokenization (so no bound holds)."""
+        spec = json.loads(self._tok.to_str())
+        if spec.get("normalizer") is not None:
+            return None
+        pre = spec.get("pre_tokenizer") or {}
+        parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+        for part in parts:
+            kind = part.get("type")
+            if kind == "Split" and part.get("behavior") != "Removed":
+                continue
+            if kind != "ByteLevel":
+                return None
+        if not any(part.get("type") == "ByteLevel" for part in parts):
+            return None
+        added = spec.get("added_tokens", [])
+        if any(t.get("lstrip") or t.get("rstrip") for t in added):
+            return None
+        # Byte-level vocabulary entries spell one character per byte, and a text never has
+        # more characters than bytes; added tokens match their content literally.
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        return max((len(piece) for piece in vocab), default=None)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True

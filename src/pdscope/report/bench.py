@@ -8,6 +8,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from pdscope.report.fit import fit_figures
 from pdscope.report.units import fmt as _f
 
 
@@ -59,7 +60,7 @@ def render_bench(r: dict[str, Any], console: Console) -> None:
         if goodput:
             row.append(_f(s.get("goodput_fraction"), "{:.0%}"))
         table.add_row(*row)
-    console.print(table)
+    console.print(fit_figures(table, console))
     for run in r["runs"]:
         lag = run["summary"]["client_lag_ms"] or {}
         if run["request_rate"] is not None and lag.get("p99") is not None:
@@ -107,7 +108,7 @@ def render_bench(r: dict[str, Any], console: Console) -> None:
             _f((h.get("itl") or {}).get("p99_ms")),
         )
     if shown:
-        console.print(server)
+        console.print(fit_figures(server, console))
         console.print(
             "[dim]server TTFT starts when the server has the request and ends at the "
             "engine's first token; the client's adds the network and the client's "
@@ -131,7 +132,7 @@ def render_bench(r: dict[str, Any], console: Console) -> None:
                     _f(s["median_itl_ms"]),
                     _f(s.get("p99_itl_ms")),
                 )
-            console.print(t)
+            console.print(fit_figures(t, console))
         failures = run["summary"]["failures_by_kind"]
         if failures:
             console.print(
@@ -218,4 +219,4 @@ def render_compare(
             else "-"
         )
         table.add_row(key, _f(x, "{:,.2f}"), _f(y, "{:,.2f}"), ratio)
-    console.print(table)
+    console.print(fit_figures(table, console))

@@ -8,6 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from pdscope.report.fit import fit_figures, fit_prose
 from pdscope.report.units import fmt
 
 
@@ -72,7 +73,7 @@ def render_probe(r: dict[str, Any], console: Console) -> None:
             c = ceiling.get(p["prompt_tokens"], {})
             row += [_f(c.get("decode_pct_of_ceiling"), "{:.0f}%"), _f(c.get("ttft_floor_ms"))]
         table.add_row(*row)
-    console.print(table)
+    console.print(fit_figures(table, console))
     if server_cols:
         console.print(
             "[dim]server prefill/decode: the server's own phase timings; client TTFT "
@@ -121,7 +122,7 @@ def render_probe(r: dict[str, Any], console: Console) -> None:
         findings.add_column(col)
     for f in r["findings"]:
         findings.add_row(f["finding"], f["evidence"], f["action"])
-    console.print(findings)
+    console.print(fit_prose(findings, console))
     for note in r.get("notes", []):
         console.print(f"[yellow]note:[/] {note}")
     for failure in r["failures"]:

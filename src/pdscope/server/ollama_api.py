@@ -4,7 +4,8 @@ The final object's counters and durations (nanoseconds) come from the engine's t
 Ollama's meanings:
 * ``prompt_eval_count``: the whole prompt, cached tokens included (as recent Ollama reports it);
 * ``prompt_eval_duration``: first scheduled to first token, the uncached prefill only;
-* ``eval_count``: every output token; ``eval_duration``: first token to last token;
+* ``eval_count``: every output token; ``eval_duration``: first token to last token (0 for a
+  single token, as with ``num_predict: 1``: it came out of prefill, no decode step followed);
 * ``total_duration``: arrival to finish; ``load_duration``: 0, the model stays loaded.
 """
 
@@ -148,12 +149,12 @@ async def generate(body: OllamaGenerateRequest, request: Request) -> Any:
             "done_reason": "load",
         }
     if body.raw:
-        ids = s.llm.tokenizer.encode(body.prompt)
+        ids = await s.encode(body.prompt, "prompt")
     else:
         messages = [ChatMessage(role="user", content=body.prompt)]
         if body.system:
             messages.insert(0, ChatMessage(role="system", content=body.system))
-        ids = s.chat_prompt(messages)
+        ids = await s.chat_prompt(messages)
     return await _respond(s, request, ids, body.options, body.stream, "generate")
 
 
@@ -161,9 +162,8 @@ async def generate(body: OllamaGenerateRequest, request: Request) -> Any:
 async def chat(body: OllamaChatRequest, request: Request) -> Any:
     s = state_of(request)
     s.check_model(body.model)
-    return await _respond(
-        s, request, s.chat_prompt(body.messages), body.options, body.stream, "chat"
-    )
+    ids = await s.chat_prompt(body.messages)
+    return await _respond(s, request, ids, body.options, body.stream, "chat")
 
 
 def _details(s: ServerState) -> dict[str, Any]:
@@ -192,6 +192,29 @@ async def tags(request: Request) -> dict[str, Any]:
                 "size": size,
                 "digest": uuid.uuid5(uuid.NAMESPACE_URL, str(s.llm.path)).hex,
                 "details": _details(s),
+            }
+        ]
+    }
+
+
+@router.get("/api/ps")
+async def ps(request: Request) -> dict[str, Any]:
+    """The loaded models: always the one served, resident until the server stops."""
+    s = state_of(request)
+    size = sum(f.stat().st_size for f in s.llm.path.glob("*.safetensors"))
+    on_gpu = str(s.llm.device).startswith("cuda")
+    return {
+        "models": [
+            {
+                "name": s.model_name,
+                "model": s.model_name,
+                "size": size,
+                "digest": uuid.uuid5(uuid.NAMESPACE_URL, str(s.llm.path)).hex,
+                "details": _details(s),
+                # Never unloaded: Ollama's way of saying so is an expiry far in the future.
+                "expires_at": "2318-01-01T00:00:00Z",
+                "size_vram": size if on_gpu else 0,
+                "context_length": s.llm.max_model_len,
             }
         ]
     }

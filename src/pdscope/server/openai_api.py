@@ -25,6 +25,7 @@ from pdscope.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    TokenizeChat,
     TokenizeRequest,
 )
 
@@ -49,7 +50,7 @@ async def models(request: Request) -> dict[str, Any]:
     }
 
 
-def _completion_prompt(s: ServerState, prompt: Any) -> list[int]:
+async def _completion_prompt(s: ServerState, prompt: Any) -> list[int]:
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
             raise APIError(
@@ -59,7 +60,7 @@ def _completion_prompt(s: ServerState, prompt: Any) -> list[int]:
                 param="prompt",
             )
         prompt = prompt[0]
-    ids = s.llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    ids = await s.encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise APIError(400, "prompt is empty", param="prompt")
     return ids
@@ -113,7 +114,7 @@ def _sse_response(
 async def completions(body: CompletionRequest, request: Request) -> Any:
     s = state_of(request)
     s.check_model(body.model)
-    ids = _completion_prompt(s, body.prompt)
+    ids = await _completion_prompt(s, body.prompt)
     limit = s.max_tokens_for(ids, body.max_tokens)
     params = s.sampling(lambda: body.sampling(limit))
     rid = f"cmpl-{uuid.uuid4().hex}"
@@ -147,7 +148,18 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     s = state_of(request)
     s.check_model(body.model)
-    ids = s.chat_prompt(body.messages)
+    ids = await s.chat_prompt(body.messages)
+    limit = s.llm.max_model_len
+    for name in ("max_tokens", "max_completion_tokens"):
+        # Both are checked, though the newer name wins: what the schema refuses, the server does.
+        value = getattr(body, name)
+        if value is not None and value >= limit:
+            raise APIError(
+                400,
+                f"{name} must be less than the context length {limit} (the prompt takes at "
+                f"least one token), got {value}",
+                param=name,
+            )
     asked = body.max_completion_tokens or body.max_tokens
     limit = s.max_tokens_for(ids, asked)
     params = s.sampling(lambda: body.sampling(limit))
@@ -205,12 +217,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     s = state_of(request)
     s.check_model(body.model)
-    if (body.prompt is None) == (body.messages is None):
-        raise APIError(400, "send exactly one of 'prompt' or 'messages'", param="prompt")
-    if body.messages is not None:
-        ids = s.chat_prompt(body.messages)
+    if isinstance(body, TokenizeChat):
+        ids = await s.chat_prompt(body.messages)
     else:
-        ids = s.llm.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        ids = await s.encode(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
     return {"count": len(ids), "max_model_len": s.llm.max_model_len, "tokens": ids}
 
 

@@ -4,26 +4,81 @@ Fields follow the public APIs (and vLLM's extensions: top_k, ignore_eos, min_tok
 stop_token_ids). Optional fields accept null, as OpenAI's do. Unknown fields are ignored, but a
 known OpenAI feature pdscope does not implement (logprobs, penalties, tools, ...) is refused when
 set to anything but its neutral value: silently ignoring it would return wrong results.
+
+Validation is strict (no "5" for 5, no 1 for true), so what the published OpenAPI schema calls
+invalid is refused with a 400, and every text field refuses lone surrogates (``"\\ud800"``
+escapes) that no tokenizer can take.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from pdscope.engine.sampling_params import SamplingParams
 
 
+def _no_lone_surrogates(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"text holds a lone UTF-16 surrogate ({text[exc.start]!r} at character "
+            f"{exc.start}); send valid Unicode"
+        ) from None
+    return text
+
+
+def _integral(value: Any) -> Any:
+    # JSON Schema counts 2.0 as an integer; so does this server (and nothing else as one).
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# Integer types carry their bounds inside, so that the published schema shows them.
+Int = Annotated[int, BeforeValidator(_integral)]
+NonNegative = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
+Text = Annotated[str, AfterValidator(_no_lone_surrogates)]
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_no_lone_surrogates)]
+
+
+def _integral_items(value: Any) -> Any:
+    # One pass over the list, not one validator call per id: a million ids validate in a
+    # fraction of the time.
+    if isinstance(value, list):
+        return [int(v) if type(v) is float and v.is_integer() else v for v in value]
+    return value
+
+
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-pdscope": "token-id"})]
+IdList = Annotated[list[TokenId], BeforeValidator(_integral_items)]
+Role = Literal["system", "user", "assistant", "tool"]
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
 
 
-SEED_RANGE = {"ge": -(2**63), "lt": 2**64}  # what torch.Generator.manual_seed accepts
+# What torch.Generator.manual_seed accepts; the bounds go into the schema as exact integers.
+Seed = Annotated[
+    int,
+    Field(ge=-(2**63), le=2**64 - 1, json_schema_extra={"x-pdscope": "seed"}),
+    BeforeValidator(_integral),
+]
 
 # OpenAI parameters pdscope does not implement, with the values that mean "not used".
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -47,16 +102,16 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 
 
 class _OpenAISampling(_Body):
-    model: str | None = None
+    model: Text | None = None
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    seed: int | None = Field(None, **SEED_RANGE)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    top_k: Annotated[int, Field(ge=-1), BeforeValidator(_integral)] | None = None
+    seed: Seed | None = None
+    stop: NonEmptyText | list[NonEmptyText] | None = None
+    stop_token_ids: IdList | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    n: int | None = None
+    min_tokens: NonNegative = 0
+    n: Annotated[Literal[1], BeforeValidator(_integral)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -69,12 +124,15 @@ class _OpenAISampling(_Body):
                     raise ValueError(f"'{key}' is not supported by pdscope (got {data[key]!r})")
         return data
 
-    @field_validator("n")
+    @field_validator("n", mode="wrap")
     @classmethod
-    def _only_one(cls, n: int | None) -> int | None:
-        if n not in (None, 1):
-            raise ValueError(f"n={n} is not supported: pdscope returns one choice per request")
-        return n
+    def _only_one(cls, n: Any, handler: Any) -> int | None:
+        try:
+            return handler(n)
+        except ValueError:
+            raise ValueError(
+                f"n={n!r} is not supported: pdscope returns one choice per request"
+            ) from None
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -95,42 +153,69 @@ class _OpenAISampling(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+MaxTokens = Annotated[
+    int, Field(ge=1, json_schema_extra={"x-pdscope": "max-tokens"}), BeforeValidator(_integral)
+]
+TokenIds = Annotated[IdList, Field(min_length=1, json_schema_extra={"x-pdscope": "prompt-ids"})]
+
+
 class CompletionRequest(_OpenAISampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    # One prompt per request: a list holds token ids, or exactly one text or id list.
+    prompt: (
+        NonEmptyText
+        | TokenIds
+        | Annotated[list[NonEmptyText], Field(min_length=1, max_length=1)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
+    )
+    max_tokens: MaxTokens | None = 16
+
+
+class TextPart(_Body):
+    """A chat content part; only text parts exist for a text-only model."""
+
+    type: Literal["text"]
+    text: Text
 
 
 class ChatMessage(_Body):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    role: Role
+    content: Text | list[TextPart] | None = None
 
 
 class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
 
 
-class TokenizeRequest(_Body):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+class TokenizeChat(_Body):
+    model: Text | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
 
 
+class TokenizePrompt(_Body):
+    model: Text | None = None
+    prompt: Text
+    add_special_tokens: bool = True
+
+
+# vLLM's two shapes of /tokenize; a body with both fields is read as chat.
+TokenizeRequest = Annotated[TokenizeChat | TokenizePrompt, Field(union_mode="left_to_right")]
+
+
 class DetokenizeRequest(_Body):
-    model: str | None = None
-    tokens: list[int]
+    model: Text | None = None
+    tokens: IdList
 
 
 class OllamaOptions(_Body):
-    num_predict: int | None = None
+    num_predict: Int | None = None
     temperature: float | None = Field(None, ge=0)
-    seed: int | None = Field(None, **SEED_RANGE)
-    stop: list[str] | None = None
+    seed: Seed | None = None
+    stop: list[NonEmptyText] | None = None
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    top_k: NonNegative | None = None
 
     def sampling(self, limit: int) -> SamplingParams:
         # Ollama: num_predict -1 (or absent) means "until the context is full"; its default
@@ -148,21 +233,21 @@ class OllamaOptions(_Body):
 
 
 class OllamaGenerateRequest(_Body):
-    model: str
-    prompt: str = ""
-    system: str | None = None
+    model: Text
+    prompt: Text = ""
+    system: Text | None = None
     raw: bool = False
     stream: bool = True
     options: OllamaOptions = Field(default_factory=OllamaOptions)
 
 
 class OllamaChatRequest(_Body):
-    model: str
+    model: Text
     messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = True
     options: OllamaOptions = Field(default_factory=OllamaOptions)
 
 
 class OllamaShowRequest(_Body):
-    model: str | None = None
-    name: str | None = None  # older clients send "name"
+    model: Text | None = None
+    name: Text | None = None  # older clients send "name"

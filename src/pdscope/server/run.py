@@ -11,6 +11,7 @@ import uvicorn
 from pdscope.engine.async_engine import AsyncEngine
 from pdscope.engine.llm_engine import EngineArgs, LLMEngine
 from pdscope.server.app import ServerState, build_app
+from pdscope.server.guard import DEFAULT_MAX_REQUEST_BYTES, GuardConfig
 
 log = logging.getLogger("pdscope.serve")
 
@@ -45,11 +46,21 @@ def serve(
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_queue: int | None = None,
+    allowed_origins: tuple[str, ...] = (),
+    allowed_hosts: tuple[str, ...] = (),
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine = start_engine(args, max_queue)
     name = served_model_name or args.model
-    app = build_app(ServerState(engine, name, api_key))
+    guard = GuardConfig(
+        api_key=api_key,
+        bound_host=host,
+        allowed_origins=allowed_origins,
+        allowed_hosts=allowed_hosts,
+        max_request_bytes=max_request_bytes,
+    )
+    app = build_app(ServerState(engine, name, guard))
     log.info("serving %r on http://%s:%d (OpenAI /v1, Ollama /api, /metrics)", name, host, port)
     try:
         # uvicorn handles SIGINT/SIGTERM: stop accepting, finish the responses in flight.
