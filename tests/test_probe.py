@@ -236,7 +236,104 @@ def fake_app() -> FastAPI:
 
         return StreamingResponse(gen(), media_type="application/x-ndjson")
 
+    add_vllm_fake(app, "/vllm")
+    add_ollama_fake(app, "/ollama2k")
     return app
+
+
+def _common_prefix(a: list[str], b: list[str]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def add_vllm_fake(app: FastAPI, base: str) -> None:
+    """A recorded-behaviour fake of vLLM 0.32 (a real one needs a 3.4 GB install): prefix-cache
+    hits go to `vllm:prefix_cache_hits_total` on /metrics and never into `usage` (vLLM's
+    default without --enable-prompt-tokens-details). One word is one token; a prompt whose
+    leading 16-word blocks were seen before counts those blocks as hits (capped at n - 1) and
+    skips their prefill time."""
+    seen: list[list[str]] = []
+    counters = {"hits": 0, "queries": 0}
+
+    @app.get(f"{base}/v1/models")
+    async def models() -> dict:
+        return {"data": [{"id": "m", "owned_by": "vllm", "root": "m", "max_model_len": 4096}]}
+
+    @app.get(f"{base}/metrics")
+    async def metrics() -> StreamingResponse:
+        text = (
+            "# TYPE vllm:prefix_cache_hits_total counter\n"
+            f'vllm:prefix_cache_hits_total{{model_name="m"}} {counters["hits"]}.0\n'
+            "# TYPE vllm:prefix_cache_queries_total counter\n"
+            f'vllm:prefix_cache_queries_total{{model_name="m"}} {counters["queries"]}.0\n'
+        )
+        return StreamingResponse(iter([text]), media_type="text/plain")
+
+    @app.post(f"{base}/v1/completions")
+    async def complete(body: dict) -> StreamingResponse:
+        words = str(body["prompt"]).split()
+        common = max((_common_prefix(w, words) for w in seen), default=0)
+        hits = min(common // 16 * 16, len(words) - 1)
+        seen.append(words)
+        counters["hits"] += hits
+        counters["queries"] += len(words)
+        n = int(body["max_tokens"])
+
+        async def gen():
+            await asyncio.sleep(0.02 + 2e-5 * (len(words) - hits))  # prefill of uncached words
+            for _ in range(n):
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'text': ' x'}]})}\n\n"
+                await asyncio.sleep(0.004)
+            usage = {"prompt_tokens": len(words), "completion_tokens": n}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+
+def add_ollama_fake(app: FastAPI, base: str) -> None:
+    """A recorded-behaviour fake of an Ollama serving with num_ctx 2048: /api/ps says so, and a
+    prompt longer than the context gets HTTP 400 (one word is one token)."""
+
+    @app.get(f"{base}/api/tags")
+    async def tags() -> dict:
+        return {"models": [{"name": "m:latest", "model": "m:latest"}]}
+
+    @app.get(f"{base}/api/ps")
+    async def ps() -> dict:
+        return {"models": [{"name": "m:latest", "model": "m:latest", "context_length": 2048}]}
+
+    @app.post(f"{base}/api/generate")
+    async def generate(body: dict):
+        from fastapi.responses import JSONResponse
+
+        words = len(str(body["prompt"]).split())
+        n = int(body["options"]["num_predict"])
+        if words + n > 2048:
+            return JSONResponse({"error": "prompt too long; exceeded context length"}, 400)
+
+        async def gen():
+            await asyncio.sleep(0.01 + 2e-5 * words)
+            for _ in range(n):
+                yield json.dumps({"model": "m", "response": " x", "done": False}) + "\n"
+                await asyncio.sleep(0.003)
+            final = {
+                "model": "m",
+                "response": "",
+                "done": True,
+                "done_reason": "length",
+                "prompt_eval_count": words,
+                "eval_count": n,
+                "prompt_eval_duration": 1000,
+                "eval_duration": 3_000_000 * n,
+            }
+            yield json.dumps(final) + "\n"
+
+        return StreamingResponse(gen(), media_type="application/x-ndjson")
 
 
 @pytest.fixture(scope="module")
@@ -381,3 +478,89 @@ def test_duration_bounds_a_closed_loop(fake: str) -> None:
 
     result = asyncio.run(go())
     assert len(result.traces) <= 3 and result.duration_s < 1.0
+
+
+def fast_settings(url: str, **kw) -> ProbeSettings:
+    base = {"prompt_tokens": [64, 256], "output_tokens": 6, "repeats": 2, "timeout_s": 20}
+    return ProbeSettings(url=url, **{**base, **kw})
+
+
+def test_vllm_hits_read_from_its_counter_fake(fake: str) -> None:
+    """vLLM leaves cached tokens out of usage: probe reads vllm:prefix_cache_hits around each
+    request instead (issue 10, item 2)."""
+    r = asyncio.run(probe(fast_settings(f"{fake}/vllm")))
+    assert r["prefix_counter"] == "vllm:prefix_cache_hits"
+    pc = r["prefix_cache"]
+    assert pc["cached_source"] == "metrics-counter" and pc["cached_tokens"] >= 240
+    assert "Prefix caching works" in {f["finding"] for f in r["findings"]}
+    evidence = next(f["evidence"] for f in r["findings"] if f["finding"] == "Prefix caching works")
+    assert "None" not in evidence and "hit counter" in evidence
+    assert all(p["cache_hits"] == 0 and p["cache_known"] for p in r["sweep"])
+
+
+def test_second_probe_with_a_seed_is_flagged_fake(fake: str) -> None:
+    """A repeated seed repeats the prompts: the sweep then hits the cache, and those points are
+    flagged, left out of the fit and reported as not measured (item 1). Without a seed every
+    probe draws fresh prompts."""
+    first = asyncio.run(probe(fast_settings(f"{fake}/vllm", seed=1234)))
+    assert first["settings"]["seed"] == 1234 and not first["unmeasured"]
+    again = asyncio.run(probe(fast_settings(f"{fake}/vllm", seed=1234)))
+    assert all(p["cache_hit"] and p["ttft_ms"] is None for p in again["sweep"])
+    assert again["ttft_fit"] is None and again["prefill_tok_s"] is None
+    assert any("hit the prefix cache" in f["finding"] for f in again["findings"])
+    assert any("hit the prefix cache" in u for u in again["unmeasured"])
+    fresh = [asyncio.run(probe(fast_settings(f"{fake}/vllm"))) for _ in range(2)]
+    assert fresh[0]["settings"]["seed"] != fresh[1]["settings"]["seed"]
+    for r in fresh:
+        assert all(p["cache_hits"] == 0 for p in r["sweep"]) and not r["unmeasured"]
+
+
+def test_llamacpp_tokens_cached_is_read() -> None:
+    from pdscope.client.adapters import _openai_event
+
+    t = Trace("openai-completions", "u", "m")
+    final = {"choices": [], "tokens_cached": 40, "timings": {"prompt_n": 10, "predicted_n": 2}}
+    _openai_event(t, final, "openai-completions", 0.0)
+    assert t.cached_tokens == 40 and t.prompt_tokens == 50 and t.cached_source == "llamacpp-timings"
+
+
+def test_checks_sized_to_ollamas_context_fake(fake: str) -> None:
+    """An Ollama at num_ctx 2048: the context check fits it (it used to send 3,072 tokens and
+    get 400 twice, exiting 0); asked beyond it, every failure is listed and the CLI exits 1
+    (item 6)."""
+    r = asyncio.run(probe(fast_settings(f"{fake}/ollama2k")))
+    assert r["runtime"]["max_model_len"] == 2048
+    assert r["settings"]["context_tokens"] <= 2048 - 6 and not r["failures"]
+    assert r["context"]["long"]["prompt_tokens"] > 1000 and not r["unmeasured"]
+    result = CliRunner().invoke(
+        cli,
+        [
+            "probe",
+            f"{fake}/ollama2k",
+            "--prompt-tokens",
+            "64",
+            "--repeats",
+            "1",
+            "--output-tokens",
+            "6",
+            "--max-model-len",
+            "8192",
+        ],
+    )
+    assert result.exit_code == 1, result.output
+    assert "not measured" in result.output and "HTTP 400" in result.output
+
+
+def test_repeated_seed_on_the_embedded_server(medium_server: Server) -> None:
+    """The real server: a repeated seed hits its prefix cache and is flagged; the hit counter
+    read around each request agrees with the count in usage."""
+    kw = {"prompt_tokens": [64, 200], "repeats": 1, "output_tokens": 4, "context_tokens": 300}
+    first = asyncio.run(probe(settings(medium_server.url, seed=99, **kw)))
+    assert all(p["cache_hits"] == 0 for p in first["sweep"]) and not first["unmeasured"]
+    warm = next(t for t in first["traces"] if t["label"] == "prefix-warm")
+    assert warm["cached_source"] == "server-usage"
+    assert warm["server"]["prefix_cache_hits_delta"] == {
+        "vllm:prefix_cache_hits": warm["cached_tokens"]
+    }
+    again = asyncio.run(probe(settings(medium_server.url, seed=99, **kw)))
+    assert all(p["cache_hit"] for p in again["sweep"]) and again["unmeasured"]

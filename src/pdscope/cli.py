@@ -406,6 +406,13 @@ def probe(
         ),
     ] = None,
     dtype: Annotated[str | None, typer.Option(help="Weight precision for the ceiling.")] = None,
+    seed: Annotated[
+        int | None,
+        typer.Option(
+            help="Repeat an earlier run's prompts (its seed is in the result). Default: fresh "
+            "random prompts, so no run meets an earlier one's in the prefix cache."
+        ),
+    ] = None,
     json_file: Annotated[
         Path | None, typer.Option("--json", help="Write every trace and figure here.")
     ] = None,
@@ -444,6 +451,7 @@ def probe(
         device=device,
         plan_model=plan_model,
         dtype=dtype,
+        seed=seed,
     )
     embedded = None
     if url is None:
@@ -491,7 +499,9 @@ def probe(
         console.print(f"wrote {json_file}")
     if plot:
         console.print(f"wrote {plot}")
-    if result["partial"] or not any(p["ttft_ms"] for p in result["sweep"]):
+    # Any failed request or part left unmeasured fails the command: a script reading only the
+    # exit code must not take a half-made measurement for a whole one.
+    if result["partial"] or result["failures"] or result["unmeasured"]:
         raise typer.Exit(1)
 
 

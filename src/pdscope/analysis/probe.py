@@ -59,6 +59,14 @@ KNOBS: dict[str, dict[str, str]] = {
 }
 
 
+# How a trace's cached-token count was obtained, in words.
+_SOURCES = {
+    "server-usage": "usage.prompt_tokens_details",
+    "llamacpp-timings": "llama.cpp timings",
+    "metrics-counter": "hit counter on /metrics, before vs after",
+}
+
+
 def knob(kind: str, runtime: str) -> str:
     table = KNOBS[kind]
     return table.get(runtime) or table.get("vllm", "")
@@ -85,17 +93,38 @@ def _prompt_tokens(trace: Trace) -> int | None:
     return trace.prompt_tokens if trace.prompt_tokens is not None else trace.prompt_tokens_asked
 
 
+# A request whose cached prompt tokens exceed this share of its prompt measured the prefix
+# cache, not prefill. Fresh prompts can still share a chat template's first block or two.
+CACHE_HIT_FRACTION = 0.1
+
+
+def cache_hit(trace: Trace) -> bool | None:
+    """Whether the server served a real part of this prompt from its prefix cache; None when
+    the server gave no way to tell (no cached-token count, no hit counter)."""
+    if trace.cached_tokens is None:
+        return None
+    prompt = _prompt_tokens(trace) or 0
+    return trace.cached_tokens > max(CACHE_HIT_FRACTION * prompt, 0)
+
+
 def point(traces: list[Trace]) -> dict[str, Any]:
-    """One sweep point: medians and spread over its repeats (failures left out, counted)."""
+    """One sweep point: medians and spread over its repeats. Failures and requests that hit
+    the prefix cache are left out of every figure, and counted."""
     assert traces, "a point needs at least one request"
-    good = _ok(traces)
+    answered = _ok(traces)
+    hits = [t for t in answered if cache_hit(t)]
+    good = [t for t in answered if not cache_hit(t)]
     ttft = [t.ttft_s for t in good if t.ttft_s is not None]
     decode = [t.decode_tok_s for t in good if t.decode_tok_s is not None]
     counts = [_prompt_tokens(t) for t in good if _prompt_tokens(t) is not None]
     out: dict[str, Any] = {
         "prompt_tokens": int(median(counts)) if counts else traces[0].prompt_tokens_asked,
         "repeats": len(traces),
-        "failed": len(traces) - len(good),
+        "failed": len(traces) - len(answered),
+        "cache_hits": len(hits),
+        # True when every answered repeat hit the cache: the point measured nothing of prefill.
+        "cache_hit": bool(hits) and not good,
+        "cache_known": any(cache_hit(t) is not None for t in answered),
         "ttft_ms": _ms(median(ttft)),
         "ttft_ms_min": _ms(min(ttft)) if ttft else None,
         "ttft_ms_max": _ms(max(ttft)) if ttft else None,
@@ -104,7 +133,7 @@ def point(traces: list[Trace]) -> dict[str, Any]:
         "decode_tok_s_max": max(decode) if decode else None,
         "setup_ms": _ms(median([t.setup_s for t in good if t.setup_s is not None])),
         "output_tokens": median([t.n_output for t in good if t.n_output]),
-        "cached_tokens": median([t.cached_tokens for t in good if t.cached_tokens is not None]),
+        "cached_tokens": median([t.cached_tokens for t in answered if t.cached_tokens is not None]),
     }
     server = [t.server.get("ollama") for t in good if t.server.get("ollama")]
     if server:
@@ -142,6 +171,7 @@ def analyze(traces: list[Trace], runtime: str, ceilings: Ceilings | None = None)
             "ttft_ms": _ms(cold[0].ttft_s),
             "decode_tok_s": cold[0].decode_tok_s,
             "prompt_tokens": _prompt_tokens(cold[0]),
+            "cached_tokens": cold[0].cached_tokens,
             "server": cold[0].server,
         }
         if cold
@@ -192,6 +222,8 @@ def analyze(traces: list[Trace], runtime: str, ceilings: Ceilings | None = None)
             "warm_ttft_ms": _ms(warm[0].ttft_s),
             "warm_over_cold": warm[0].ttft_s / first[0].ttft_s,  # type: ignore[operator]
             "cached_tokens": warm[0].cached_tokens,
+            "cached_source": warm[0].cached_source,
+            "cold_cached_tokens": first[0].cached_tokens,
         }
 
     result["context"] = None
@@ -213,8 +245,39 @@ def analyze(traces: list[Trace], runtime: str, ceilings: Ceilings | None = None)
         for t in traces
         if not t.ok
     ]
+    result["unmeasured"] = unmeasured(result, by_label)
     result["findings"] = findings(result, runtime)
     return result
+
+
+def unmeasured(r: dict[str, Any], by_label: dict[str, list[Trace]]) -> list[str]:
+    """Each part of the probe that yielded no figure, and why: the CLI exits non-zero on any."""
+    out = []
+    for p in r["sweep"]:
+        if p["ttft_ms"] is None:
+            why = (
+                "every repeat hit the prefix cache"
+                if p["cache_hit"]
+                else f"{p['failed']} of {p['repeats']} requests failed"
+            )
+            out.append(f"sweep point {p['prompt_tokens']} tokens: {why}")
+    if not r["sweep"]:
+        out.append("prompt-length sweep: no request was sent")
+    if r["prefix_cache"] is None:
+        out.append("prefix-cache check: " + _why(by_label, "prefix-cold", "prefix-warm"))
+    if r["context"] is None or r["context"]["long_over_short"] is None:
+        out.append("context check: " + _why(by_label, "context-short", "context-long"))
+    return out
+
+
+def _why(by_label: dict[str, list[Trace]], *labels: str) -> str:
+    sent = [t for label in labels for t in by_label[label]]
+    failed = [t for t in sent if not t.ok]
+    if not sent:
+        return "not run"
+    if failed:
+        return f"{len(failed)} of {len(sent)} requests failed ({failed[0].error})"
+    return "no decode rate (responses too short to time)"
 
 
 def _ceiling(result: dict[str, Any], c: Ceilings) -> dict[str, Any]:
@@ -290,12 +353,26 @@ def findings(r: dict[str, Any], runtime: str) -> list[dict[str, str]]:
         )
     pc = r.get("prefix_cache")
     if pc:
-        if pc["warm_over_cold"] < 0.5 or (pc["cached_tokens"] or 0) > 0:
+        cached = pc["cached_tokens"]
+        reported = (
+            "the server reports no cached-token count"
+            if cached is None
+            else f"server reports {cached:,} cached tokens "
+            f"({_SOURCES.get(pc['cached_source'], '')})"
+        )
+        if (pc.get("cold_cached_tokens") or 0) > CACHE_HIT_FRACTION * (pc["prompt_tokens"] or 0):
+            add(
+                "error",
+                "The prefix check's first send already hit the cache: no cold reference",
+                f"{pc['cold_cached_tokens']:,} cached tokens on the first send of the prefix",
+                "run again without --seed (fresh prompts)",
+            )
+        elif pc["warm_over_cold"] < 0.5 or (cached or 0) > 0:
             add(
                 "ttft",
                 "Prefix caching works",
                 f"a repeated {pc['prompt_tokens']}-token prefix: TTFT {pc['cold_ttft_ms']:.0f} → "
-                f"{pc['warm_ttft_ms']:.0f} ms; server reports {pc['cached_tokens']} cached tokens",
+                f"{pc['warm_ttft_ms']:.0f} ms; {reported}",
                 "put long shared text (system prompt, documents) first and keep it identical",
             )
         else:
@@ -303,9 +380,22 @@ def findings(r: dict[str, Any], runtime: str) -> list[dict[str, str]]:
                 "ttft",
                 "A repeated prefix is not being reused",
                 f"TTFT {pc['cold_ttft_ms']:.0f} → {pc['warm_ttft_ms']:.0f} ms on the second send; "
-                f"cached tokens reported: {pc['cached_tokens']}",
+                f"{reported}",
                 knob("prefix_cache", runtime),
             )
+    hits = sum(p.get("cache_hits", 0) for p in r["sweep"])
+    if hits:
+        add(
+            "error",
+            f"{hits} sweep request(s) hit the prefix cache and were left out of the figures",
+            ", ".join(
+                f"{p['cache_hits']} of {p['repeats']} at {p['prompt_tokens']} tokens"
+                for p in r["sweep"]
+                if p.get("cache_hits")
+            )
+            + " (cached tokens over 10% of the prompt)",
+            "these prompts were seen before (a repeated --seed?): run without --seed",
+        )
     cold = r.get("cold")
     if cold and sweep and cold["ttft_ms"] and cold["ttft_ms"] > 3 * sweep[0]["ttft_ms"]:
         add(

@@ -229,17 +229,36 @@ def _openai_event(trace: Trace, event: dict[str, Any], api: str, now: float) -> 
         details = usage.get("prompt_tokens_details") or {}
         if details.get("cached_tokens") is not None:
             trace.cached_tokens = details["cached_tokens"]
+            trace.cached_source = "server-usage"
         trace.token_source = "server-usage"
     timings = event.get("timings")  # llama.cpp's server
     if timings:
         trace.server["llamacpp"] = timings
+        # Builds name the reused-prompt count differently: cache_n in timings, tokens_cached
+        # or n_cache_tokens beside them.
+        cache_n = next(
+            (
+                v
+                for v in (
+                    timings.get("cache_n"),
+                    event.get("tokens_cached"),
+                    timings.get("tokens_cached"),
+                    event.get("n_cache_tokens"),
+                    timings.get("n_cache_tokens"),
+                )
+                if isinstance(v, int)
+            ),
+            None,
+        )
         if trace.token_source != "server-usage":
             trace.output_tokens = timings.get("predicted_n")
-            prompt_n, cache_n = timings.get("prompt_n"), timings.get("cache_n") or 0
+            prompt_n = timings.get("prompt_n")
             if prompt_n is not None:
-                trace.prompt_tokens = prompt_n + cache_n  # prompt_n counts new tokens only
-            trace.cached_tokens = cache_n
+                trace.prompt_tokens = prompt_n + (cache_n or 0)  # prompt_n: new tokens only
             trace.token_source = "llamacpp-timings"
+        if cache_n is not None and trace.cached_source is None:
+            trace.cached_tokens = cache_n
+            trace.cached_source = "llamacpp-timings"
 
 
 async def run_ollama(

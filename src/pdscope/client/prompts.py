@@ -32,9 +32,12 @@ class PromptBuilder:
         use_tokenize: bool,
         headers: dict[str, str] | None = None,
         seed: int = 0,
+        tokenize_key: str = "prompt",
     ):
         self.client, self.url, self.model = client, url.rstrip("/"), model
         self.use_tokenize = use_tokenize
+        self.tokenize_key = tokenize_key  # llama.cpp's /tokenize reads "content"
+        self.calibrations = 0  # prompt counts from the server learned from so far
         self.headers = headers
         self.rng = random.Random(seed)
         self.tokens_per_word = 1.3  # updated from the server's counts
@@ -54,7 +57,7 @@ class PromptBuilder:
                 timeout=30,
                 json={
                     "model": self.model,
-                    "prompt": self._text(words),
+                    self.tokenize_key: self._text(words),
                     "add_special_tokens": False,
                 },
             )
@@ -76,3 +79,4 @@ class PromptBuilder:
         """Learn tokens per word from a prompt's word count and the server's token count."""
         if reported and words_sent:
             self.tokens_per_word = reported / words_sent
+            self.calibrations += 1

@@ -40,10 +40,16 @@ class Trace:
     prompt_tokens: int | None = None
     output_tokens: int | None = None
     cached_tokens: int | None = None
+    # Where cached_tokens came from: "server-usage", "llamacpp-timings", or "metrics-counter"
+    # (the server's prefix-hit counter read before and after this request alone).
+    cached_source: str | None = None
     token_source: str = "none"  # server-usage, ollama-counters, llamacpp-timings, chunks, ...
     finish_reason: str | None = None
     server: dict[str, Any] = field(default_factory=dict)  # server-side phase numbers
     error: str | None = None  # set when the request failed; a failed trace yields no figures
+    # Set when the request was sent again on a fresh connection because a reused keep-alive
+    # connection was closed under it before any response byte came back; says why.
+    retried: str | None = None
 
     @property
     def ok(self) -> bool:

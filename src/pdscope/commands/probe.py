@@ -9,6 +9,8 @@ the traces into figures and findings.
 from __future__ import annotations
 
 import json
+import re
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +30,7 @@ from pdscope.client.adapters import (
     run_openai,
 )
 from pdscope.client.adapters import session as adapter_session
+from pdscope.client.counters import PrefixHitCounter
 from pdscope.client.detect import ProbeError, Runtime, detect
 from pdscope.client.prompts import PromptBuilder
 from pdscope.client.trace import Trace
@@ -49,6 +52,9 @@ class ProbeSettings:
     device: str | None = None  # for the ceiling: catalog name or "local"
     plan_model: str | None = None  # preset or config.json for the ceiling
     dtype: str | None = None  # weight precision for the ceiling (default: checkpoint's)
+    # Prompts are drawn fresh for every probe so no run meets an earlier one's prompts in the
+    # server's prefix cache; a seed repeats a run's prompts exactly (recorded in the result).
+    seed: int | None = None
 
 
 class Prober:
@@ -60,14 +66,20 @@ class Prober:
         model: str,
         tick: Callable[[str], None],
         streams: aiohttp.ClientSession,
+        seed: int = 0,
     ):
         self.s, self.client, self.runtime, self.model, self.tick = s, client, runtime, model, tick
         self.streams = streams  # generation requests; `client` for everything else
         self.headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else None
         self.api = runtime.api if s.api == "auto" else s.api
         exact = self.api == API_OPENAI_COMPLETIONS and runtime.has_tokenize
-        self.builder = PromptBuilder(client, runtime.url, model, exact, self.headers)
+        self.builder = PromptBuilder(
+            client, runtime.url, model, exact, self.headers, seed, runtime.tokenize_key
+        )
         self.traces: list[Trace] = []
+        self.counter = (
+            PrefixHitCounter(client, runtime.url, self.headers) if runtime.has_metrics else None
+        )
 
     @property
     def exact_prompts(self) -> bool:
@@ -80,6 +92,7 @@ class Prober:
         self, prompt: list[int] | str, asked: int, label: str, max_tokens: int | None = None
     ) -> Trace:
         out = max_tokens or self.s.output_tokens
+        hits_before = await self.counter.read() if self.counter else None
         if self.api == API_OLLAMA:
             trace = await run_ollama(
                 self.streams,
@@ -101,6 +114,13 @@ class Prober:
             self.builder.calibrate(words, trace.prompt_tokens)
         if trace.error is None and trace.token_source == "none":
             trace.token_source = "chunks (server sent no token counts)"
+        hits_after = await self.counter.read() if self.counter else None
+        if hits_before is not None and hits_after is not None and self.counter:
+            delta = round(hits_after - hits_before)
+            trace.server["prefix_cache_hits_delta"] = {self.counter.label: delta}
+            if trace.cached_source is None:  # the server's own per-request count wins
+                trace.cached_tokens = delta
+                trace.cached_source = "metrics-counter"
         self.traces.append(trace)
         self.tick(label)
         return trace
@@ -137,9 +157,15 @@ class Prober:
 
 
 def _cap_sweep(s: ProbeSettings, max_len: int | None) -> list[str]:
+    """Size every check to the server's context, so no request is sent that must fail."""
     notes = []
     if max_len:
         room = max_len - s.output_tokens - 32
+        if room < 16:
+            raise ProbeError(
+                f"the server's context of {max_len} tokens leaves no room for a prompt with "
+                f"{s.output_tokens} output tokens: lower --output-tokens"
+            )
         capped = sorted({min(n, room) for n in s.prompt_tokens if n > 0})
         if capped != sorted(s.prompt_tokens):
             notes.append(
@@ -148,7 +174,39 @@ def _cap_sweep(s: ProbeSettings, max_len: int | None) -> list[str]:
         s.prompt_tokens = capped
         if s.prefix_tokens:
             s.prefix_tokens = min(s.prefix_tokens, room - 16)
+        elif s.prompt_tokens[-1] + 16 > room:
+            s.prefix_tokens = room - 16
+        if s.context_tokens and s.context_tokens > room:
+            notes.append(
+                f"context check capped at {room} tokens by the server's max length {max_len}"
+            )
+            s.context_tokens = room
     return notes
+
+
+async def _ollama_context(
+    client: httpx.AsyncClient, url: str, model: str, headers: dict[str, str] | None
+) -> tuple[int | None, str]:
+    """The context Ollama serves this model with (its num_ctx), and where that came from.
+
+    /api/ps gives the loaded model's context_length (recent versions); /api/show gives num_ctx
+    when the Modelfile sets it. The model's trained length in model_info is not what Ollama
+    serves (it runs at num_ctx, 2,048 tokens in older releases), so it is never used."""
+    try:
+        ps = (await client.get(f"{url}/api/ps", headers=headers)).json()
+        for m in ps.get("models") or []:
+            if model in (m.get("name"), m.get("model")) and m.get("context_length"):
+                return int(m["context_length"]), "/api/ps context_length"
+    except (httpx.HTTPError, ValueError, TypeError, AttributeError):
+        pass
+    try:
+        show = (await client.post(f"{url}/api/show", json={"model": model}, headers=headers)).json()
+        found = re.search(r"num_ctx\s+(\d+)", str(show.get("parameters") or ""))
+        if found:
+            return int(found.group(1)), "/api/show num_ctx"
+    except (httpx.HTTPError, ValueError, TypeError, AttributeError):
+        pass
+    return None, ""
 
 
 def ceilings_for(
@@ -188,6 +246,11 @@ def ceilings_for(
     return Ceilings(label, decode, floor), []
 
 
+# Ollama's num_ctx when nothing says otherwise: 2,048 in releases before 0.6 (later ones serve
+# more), so checks sized to it fit every release.
+OLLAMA_DEFAULT_CONTEXT = 2048
+
+
 async def probe(
     s: ProbeSettings,
     on_start: Callable[[int], None] | None = None,
@@ -206,8 +269,22 @@ async def probe(
         model = runtime.pick_model(s.model)
         if s.api == API_OPENAI_CHAT and runtime.api == API_OLLAMA:
             raise ProbeError(f"{runtime.url} speaks Ollama's API, not openai-chat")
-        notes = _cap_sweep(s, s.max_model_len or runtime.max_model_len)
-        prober = Prober(s, client, runtime, model, tick, streams)
+        notes: list[str] = []
+        if runtime.name == "ollama" and not (s.max_model_len or runtime.max_model_len):
+            runtime.max_model_len, source = await _ollama_context(
+                client, runtime.url, model, headers
+            )
+            if runtime.max_model_len is None:
+                runtime.max_model_len = OLLAMA_DEFAULT_CONTEXT
+                notes.append(
+                    f"Ollama did not say its context (num_ctx): checks sized to "
+                    f"{OLLAMA_DEFAULT_CONTEXT} tokens, its smallest default; pass --max-model-len"
+                )
+            else:
+                runtime.evidence.append(f"{source} {runtime.max_model_len}")
+        notes += _cap_sweep(s, s.max_model_len or runtime.max_model_len)
+        seed = s.seed if s.seed is not None else secrets.randbelow(2**31)
+        prober = Prober(s, client, runtime, model, tick, streams, seed)
         if not prober.exact_prompts:
             notes.append(
                 "no /tokenize for this API: prompt sizes are calibrated from the "
@@ -242,7 +319,10 @@ async def probe(
             "exact_prompt_tokens": prober.exact_prompts,
             "context_tokens": prober.context_tokens,
             "device": s.device,
+            "seed": seed,
+            "seed_given": s.seed is not None,
         },
+        "prefix_counter": prober.counter.label if prober.counter and prober.counter.name else None,
         "started_unix_s": started,
         "partial": partial,
         "notes": notes,

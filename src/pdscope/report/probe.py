@@ -24,7 +24,9 @@ def render_probe(r: dict[str, Any], console: Console) -> None:
     s = r["settings"]
     console.print(
         f"{s['repeats']} repeats per point, {s['output_tokens']} output tokens, "
-        f"prompt tokens {'exact (/tokenize)' if s['exact_prompt_tokens'] else 'calibrated'}"
+        f"prompt tokens {'exact (/tokenize)' if s['exact_prompt_tokens'] else 'calibrated'}, "
+        f"seed {s.get('seed')} ({'given' if s.get('seed_given') else 'fresh prompts'})"
+        + (f", cache hits read from {r['prefix_counter']}" if r.get("prefix_counter") else "")
     )
     if r.get("cold"):
         c = r["cold"]
@@ -129,6 +131,8 @@ def render_probe(r: dict[str, Any], console: Console) -> None:
             f"[red]failed[/] {failure['label']} ({failure['prompt_tokens']} tokens): "
             f"{failure['error']}"
         )
+    for what in r.get("unmeasured", []):
+        console.print(f"[red]not measured:[/] {what}")
     if r.get("partial"):
         console.print(f"[red]partial results:[/] {r['partial']}")
 
