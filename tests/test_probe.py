@@ -555,8 +555,10 @@ def test_repeated_seed_on_the_embedded_server(medium_server: Server) -> None:
     """The real server: a repeated seed hits its prefix cache and is flagged; the hit counter
     read around each request agrees with the count in usage."""
     kw = {"prompt_tokens": [64, 200], "repeats": 1, "output_tokens": 4, "context_tokens": 300}
-    first = asyncio.run(probe(settings(medium_server.url, seed=99, **kw)))
+    first = asyncio.run(probe(settings(medium_server.url, seed=99, device="local", **kw)))
     assert all(p["cache_hits"] == 0 for p in first["sweep"]) and not first["unmeasured"]
+    assert len(first["ceiling"]["bandwidth_readings_gb_s"]) == 2  # before and after
+    assert first["served_model"]["params"] > 1e6 and first["context"]["bytes"]["weight_bytes"]
     warm = next(t for t in first["traces"] if t["label"] == "prefix-warm")
     assert warm["cached_source"] == "server-usage"
     assert warm["server"]["prefix_cache_hits_delta"] == {
@@ -564,3 +566,89 @@ def test_repeated_seed_on_the_embedded_server(medium_server: Server) -> None:
     }
     again = asyncio.run(probe(settings(medium_server.url, seed=99, **kw)))
     assert all(p["cache_hit"] for p in again["sweep"]) and again["unmeasured"]
+
+
+def _trace(label: str, prompt: int, ttft_s: float, tok_s: float, n: int = 9) -> Trace:
+    chunks = [Chunk(ttft_s + i / tok_s, "x") for i in range(n)]
+    return Trace(
+        "openai-completions",
+        "u",
+        "m",
+        label=label,
+        prompt_tokens_asked=prompt,
+        prompt_tokens=prompt,
+        output_tokens=n,
+        max_tokens=n,
+        start_s=0.0,
+        end_s=chunks[-1].t_s,
+        chunks=chunks,
+        cached_tokens=0,
+    )
+
+
+def _probe_traces(tok_s: list[float], long_tok_s: float = 0.0) -> list[Trace]:
+    out = [_trace("sweep", 100, 0.05, r) for r in tok_s]
+    out += [_trace("sweep", 1000, 0.4, r) for r in tok_s]
+    if long_tok_s:
+        out += [_trace("context-short", 64, 0.03, 43.0), _trace("context-long", 3068, 1.0, 15.2)]
+    return out
+
+
+def test_impossible_results_get_no_verdict() -> None:
+    """Decode at 2x the ceiling of a plan model 50x bigger than the served one: the result
+    names the mismatch and gives no hardware verdict (item 3)."""
+    from pdscope.analysis.probe import Ceilings, analyze
+
+    c = Ceilings("NVIDIA H100 SXM", lambda n: 50.0, lambda n: None, "llama-3.1-8b", 8.03e9)
+    r = analyze(
+        _probe_traces([100.0, 101.0]), "vllm", c, served_model={"name": "m", "params": 1.7e8}
+    )
+    assert r["ceiling"]["decode_pct_of_ceiling"] == pytest.approx(200, rel=0.02)
+    (text,) = r["ceiling"]["impossible"]
+    assert "impossible" in text and "llama-3.1-8b" in text and "0.17B" in text
+    titles = [f["finding"] for f in r["findings"]]
+    assert "Faster than the hardware allows: no verdict on the ceiling" in titles
+    assert not any("bandwidth ceiling" in t for t in titles)
+
+
+def test_noisy_machine_withholds_the_verdict() -> None:
+    """Bandwidth read 17 then 24 GB/s: the 73%-or-43% verdict is withheld; steady readings and
+    repeats give a verdict with its margin (item 4)."""
+    from pdscope.analysis.probe import Ceilings, analyze
+
+    def ceilings(readings: list[float]) -> Ceilings:
+        mean = sum(readings) / len(readings)
+        return Ceilings("this machine", lambda n: mean * 3, lambda n: None, "m", 1e8, readings)
+
+    noisy = analyze(_probe_traces([40.0, 41.0]), "pdscope", ceilings([17.0, 24.0]))
+    assert noisy["ceiling"]["noisy"] and "17.0 and 24.0" in noisy["ceiling"]["noisy"][0]
+    titles = [f["finding"] for f in noisy["findings"]]
+    assert "The machine is noisy: no verdict on decode against the ceiling" in titles
+    assert not any("Decode is" in t or "Decode reaches" in t for t in titles)
+    jumpy = analyze(_probe_traces([30.0, 45.0]), "pdscope", ceilings([20.0, 20.5]))
+    assert any("ranged 30.0–45.0" in n for n in jumpy["ceiling"]["noisy"])
+    steady = analyze(_probe_traces([40.0, 41.0]), "pdscope", ceilings([20.0, 20.6]))
+    assert not steady["ceiling"]["noisy"]
+    low, high = steady["ceiling"]["decode_pct_range"]
+    assert low < steady["ceiling"]["decode_pct_of_ceiling"] < high
+    verdict = next(
+        f for f in steady["findings"] if f["kind"] == "decode" and "ceiling" in f["finding"]
+    )
+    assert f"margin {low:.0f}–{high:.0f}%" in verdict["evidence"]
+
+
+def test_context_slowdown_split_into_bytes_and_the_rest() -> None:
+    """43.0 -> 15.2 tok/s at 3,068 tokens where the KV is ~38 MB against 338 MB of weights: the
+    bytes explain ~10%, the rest is attention compute or the kernel, not bandwidth (item 5)."""
+    from pdscope.analysis.probe import ModelBytes, analyze
+
+    mb = ModelBytes("168m", 1.69e8, 338e6, lambda n: 12_288.0 * n)
+    r = analyze(_probe_traces([40.0, 41.0], long_tok_s=15.2), "llama.cpp", model_bytes=mb)
+    split = r["context"]["bytes"]
+    assert 0.88 < split["explained_long_over_short"] < 0.92
+    f = next(f for f in r["findings"] if "context" in f["finding"])
+    assert f["finding"].startswith("Decode slows with context far more than its KV bytes explain")
+    assert "not bandwidth" in f["evidence"] and "re-reads" not in f["finding"]
+    plain = analyze(_probe_traces([40.0, 41.0], long_tok_s=15.2), "llama.cpp")
+    g = next(f for f in plain["findings"] if "context" in f["finding"])
+    assert "pass --plan-model" in g["evidence"]

@@ -8,6 +8,7 @@ the traces into figures and findings.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import secrets
@@ -20,7 +21,7 @@ from typing import Any
 import aiohttp
 import httpx
 
-from pdscope.analysis.probe import Ceilings, analyze
+from pdscope.analysis.probe import Ceilings, ModelBytes, analyze
 from pdscope.client.adapters import (
     API_OLLAMA,
     API_OPENAI_CHAT,
@@ -209,10 +210,53 @@ async def _ollama_context(
     return None, ""
 
 
+def _dtype_of(s: ProbeSettings, root: str | None) -> str:
+    if s.dtype:
+        return s.dtype
+    if root and (Path(root) / "config.json").is_file():
+        torch_dtype = json.loads((Path(root) / "config.json").read_text()).get("torch_dtype")
+        return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(torch_dtype, "bf16")
+    return "bf16"
+
+
+def model_bytes_for(s: ProbeSettings, root: str | None) -> ModelBytes | None:
+    """What one decode step reads for the plan model (or the served checkpoint): needs no
+    device, so the context check can be split into bytes and the rest on any server."""
+    from pdscope.roofline import arithmetic as rf
+    from pdscope.specs import SpecError
+    from pdscope.specs.models import load_model
+    from pdscope.specs.precisions import get_kv_precision, get_weight_precision
+
+    name = s.plan_model or root
+    if not name:
+        return None
+    try:
+        spec = load_model(name)
+        weights = get_weight_precision(_dtype_of(s, root))
+        kv = get_kv_precision(weights.name if weights.name in ("fp32", "bf16", "fp16") else "bf16")
+    except SpecError:
+        return None
+    return ModelBytes(
+        model=spec.name,
+        params=spec.total_params,
+        weight_bytes=spec.params_read_per_token * weights.bytes_per_weight,
+        kv_bytes=lambda n: float(rf.kv_bytes_at_context(spec, kv, max(n, 0))),
+    )
+
+
+def measure_bandwidth_gb_s() -> float:
+    """This machine's streaming read bandwidth now (probe takes one reading before its
+    requests and one after: decode verdicts on a shared machine need both)."""
+    from pdscope.specs.local import measure
+
+    return measure(array_mib=256, repeats=3).bandwidth_gb_s
+
+
 def ceilings_for(
-    s: ProbeSettings, output_tokens: int, root: str | None
+    s: ProbeSettings, output_tokens: int, root: str | None, readings_gb_s: list[float]
 ) -> tuple[Ceilings | None, list[str]]:
-    """The roofline for this model on the given device, when both are known."""
+    """The roofline for this model on the given device, when both are known. On this machine
+    ('local') the bandwidth is the mean of the readings taken around the probe."""
     if not s.device:
         return None, []
     from pdscope.commands.plan import resolve
@@ -222,12 +266,12 @@ def ceilings_for(
     model = s.plan_model or root
     if not model:
         return None, ["no model for the ceiling: pass --plan-model (a preset or config.json)"]
-    dtype = s.dtype
-    if dtype is None and root and (Path(root) / "config.json").is_file():
-        torch_dtype = json.loads((Path(root) / "config.json").read_text()).get("torch_dtype")
-        dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(torch_dtype)
+    local = s.device.lower() == "local"
+    mean_gb_s = sum(readings_gb_s) / len(readings_gb_s) if local and readings_gb_s else None
     try:
-        p = resolve(model=model, device=s.device, dtype=dtype or "bf16")
+        p = resolve(
+            model=model, device=s.device, dtype=_dtype_of(s, root), bandwidth_gb_s=mean_gb_s
+        )
     except SpecError as exc:
         return None, [f"no ceiling: {exc}"]
 
@@ -240,10 +284,22 @@ def ceilings_for(
 
     label = (
         p.device.label
-        if p.device.name != "local"
-        else f"this machine ({p.device.bandwidth_gb_s:.0f} GB/s measured)"
+        if not local
+        else "this machine ("
+        + " and ".join(f"{g:.1f}" for g in readings_gb_s)
+        + " GB/s measured before and after)"
     )
-    return Ceilings(label, decode, floor), []
+    return (
+        Ceilings(
+            label,
+            decode,
+            floor,
+            model=p.model.name,
+            model_params=p.model.total_params,
+            bandwidth_readings_gb_s=list(readings_gb_s) if local else [],
+        ),
+        [],
+    )
 
 
 # Ollama's num_ctx when nothing says otherwise: 2,048 in releases before 0.6 (later ones serve
@@ -292,16 +348,23 @@ async def probe(
             )
         if on_start:
             on_start(prober.planned_requests())
+        local = (s.device or "").lower() == "local"
+        readings = [measure_bandwidth_gb_s()] if local else []
         partial = None
         try:
             await prober.run()
         except (httpx.HTTPError, aiohttp.ClientError, ProbeError, OSError) as exc:
             partial = f"stopped early: {type(exc).__name__}: {exc}"
-        root = await _model_root(client, runtime, headers)
+        if local:
+            readings.append(measure_bandwidth_gb_s())
+        served = await _served_model(client, runtime, model, headers)
 
-    ceilings, more = ceilings_for(s, s.output_tokens, root)
+    root = served.get("root")
+    ceilings, more = ceilings_for(s, s.output_tokens, root, readings)
     notes += more
-    result = analyze(prober.traces, runtime.name, ceilings)
+    result = analyze(
+        prober.traces, runtime.name, ceilings, model_bytes_for(s, root), served_model=served
+    )
     return {
         "runtime": {
             "name": runtime.name,
@@ -312,6 +375,7 @@ async def probe(
             "max_model_len": prober.max_len,
         },
         "model": model,
+        "served_model": served,
         "settings": {
             "prompt_tokens": s.prompt_tokens,
             "output_tokens": s.output_tokens,
@@ -331,15 +395,35 @@ async def probe(
     }
 
 
-async def _model_root(
-    client: httpx.AsyncClient, runtime: Runtime, headers: dict[str, str] | None
-) -> str | None:
-    """A local checkpoint directory the server reports (pdscope and vLLM give `root`)."""
-    if runtime.api == API_OLLAMA:
-        return None
-    try:
-        data = (await client.get(f"{runtime.url}/v1/models", headers=headers)).json()["data"]
-    except (httpx.HTTPError, ValueError, KeyError):
-        return None
-    root = data[0].get("root") if data else None
-    return root if root and Path(root, "config.json").is_file() else None
+async def _served_model(
+    client: httpx.AsyncClient, runtime: Runtime, model: str, headers: dict[str, str] | None
+) -> dict[str, Any]:
+    """What the server says about the model it serves: name, context, parameter count where it
+    exposes one, and a local checkpoint directory (pdscope and vLLM give `root`)."""
+    out: dict[str, Any] = {"name": model, "max_model_len": runtime.max_model_len}
+    if runtime.api == API_OLLAMA or runtime.name in ("ollama", "pdscope"):
+        try:
+            show = await client.post(
+                f"{runtime.url}/api/show", json={"model": model}, headers=headers
+            )
+            info = show.json().get("model_info") or {} if show.status_code == 200 else {}
+            if isinstance(info.get("general.parameter_count"), int | float):
+                out["params"] = float(info["general.parameter_count"])
+        except (httpx.HTTPError, ValueError, AttributeError):
+            pass
+    if runtime.api != API_OLLAMA:
+        try:
+            data = (await client.get(f"{runtime.url}/v1/models", headers=headers)).json()["data"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            data = []
+        entry = next((m for m in data if m.get("id") == model), data[0] if data else {})
+        root = entry.get("root")
+        if root and Path(root, "config.json").is_file():
+            out["root"] = root
+            if "params" not in out:
+                from pdscope.specs import SpecError
+                from pdscope.specs.models import load_model
+
+                with contextlib.suppress(SpecError):
+                    out["params"] = load_model(root).total_params
+    return out

@@ -112,10 +112,20 @@ def render_probe(r: dict[str, Any], console: Console) -> None:
         )
     if r.get("ceiling"):
         c = r["ceiling"]
+        margin = c.get("decode_pct_range")
         console.print(
-            f"vs {c['device']}: decode at {_f(c['decode_pct_of_ceiling'], '{:.0f}%')} "
-            f"of the bandwidth ceiling, prefill at "
+            f"vs {c['device']} ({c.get('model') or 'model'}): decode at "
+            f"{_f(c['decode_pct_of_ceiling'], '{:.0f}%')}"
+            + (f" (margin {margin[0]:.0f}–{margin[1]:.0f}%)" if margin else "")
+            + f" of the bandwidth ceiling, prefill at "
             f"{_f(c['prefill_pct_of_floor'], '{:.0f}%')} of the compute floor"
+        )
+    served = r.get("served_model") or {}
+    if served.get("params") or served.get("max_model_len"):
+        console.print(
+            f"served model {served.get('name')}: "
+            f"{_f((served.get('params') or 0) / 1e9 or None, '{:.3g}B parameters')}, context "
+            f"{_f(served.get('max_model_len'), '{:,}')} tokens"
         )
 
     findings = Table(title="Findings", title_justify="left", show_lines=True)
