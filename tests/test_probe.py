@@ -236,6 +236,19 @@ def fake_app() -> FastAPI:
 
         return StreamingResponse(gen(), media_type="application/x-ndjson")
 
+    @app.get("/lcc/v1/models")
+    async def lcc_models() -> dict:
+        return {"data": [{"id": "m", "owned_by": "llamacpp"}]}
+
+    @app.post("/lcc/tokenize")
+    async def lcc_tokenize(body: dict) -> dict:
+        # Recorded shape of llama.cpp's /tokenize: it reads "content" only.
+        return {"tokens": list(range(len(str(body.get("content", "")).split())))}
+
+    @app.get("/lcc/props")
+    async def lcc_props() -> dict:
+        return {"default_generation_settings": {"n_ctx": 4096}}
+
     add_vllm_fake(app, "/vllm")
     add_ollama_fake(app, "/ollama2k")
     return app
@@ -445,6 +458,23 @@ def test_llamacpp_detection_fake(fake: str) -> None:
 
     rt = asyncio.run(go())
     assert rt.name == "llama.cpp" and not rt.has_tokenize and rt.max_model_len == 4096
+
+
+def test_llamacpp_tokenize_content_field_fake(fake: str) -> None:
+    """llama.cpp's /tokenize reads "content": detection finds it, so bench and probe cut
+    prompts to exact token counts there too (item 7)."""
+    from pdscope.client.detect import detect
+    from pdscope.client.prompts import PromptBuilder
+
+    async def go() -> tuple:
+        async with httpx.AsyncClient() as c:
+            rt = await detect(c, f"{fake}/lcc")
+            builder = PromptBuilder(c, rt.url, "m", rt.has_tokenize, None, 1, rt.tokenize_key)
+            return rt, await builder.ids(128)
+
+    rt, ids = asyncio.run(go())
+    assert rt.name == "llama.cpp" and rt.has_tokenize and rt.tokenize_key == "content"
+    assert len(ids) == 128
 
 
 def test_reasoning_tokens_count_for_timing_fake(fake: str) -> None:

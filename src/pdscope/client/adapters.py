@@ -47,8 +47,15 @@ def session(
     timeout_s: float = 300.0, fresh_connections: bool = False, limit: int = 0
 ) -> aiohttp.ClientSession:
     """The session the adapters stream through. ``fresh_connections`` opens a new connection
-    per request so connection setup shows in every trace (probe); ``limit`` 0 = unbounded."""
-    connector = aiohttp.TCPConnector(limit=limit, force_close=fresh_connections)
+    per request so connection setup shows in every trace (probe). ``limit`` bounds the pool
+    (bench: the run's concurrency, as vllm bench serve's connector does; 0 = unbounded), so
+    no more connections are opened, and left idle for the server to close, than can be used."""
+    connector = aiohttp.TCPConnector(
+        limit=limit,
+        limit_per_host=limit,
+        force_close=fresh_connections,
+        enable_cleanup_closed=True,
+    )
     return aiohttp.ClientSession(
         connector=connector,
         trace_configs=[_trace_config()],
@@ -117,7 +124,48 @@ async def _stream(
     ending: str,
 ) -> Trace:
     """POST, then feed each line to ``parse`` (True once the stream says it is done) until it
-    ends, fails or sets ``trace.error``. Never raises for server or network faults."""
+    ends, fails or sets ``trace.error``. Never raises for server or network faults.
+
+    A keep-alive connection the server closed while it sat idle in the pool fails the next
+    request written on it before the server can have read it ("Can not write request body",
+    "Server disconnected"). Only that case is sent again, on another connection, at most
+    `_STALE_RETRIES` times, and the trace says so in `retried`: it is not a server failure."""
+    for attempt in range(_STALE_RETRIES + 1):
+        await _stream_once(client, url, body, headers, trace, parse, ending)
+        if not _stale_connection(trace) or attempt == _STALE_RETRIES:
+            return trace
+        reason = trace.error
+        trace.error, trace.status, trace.connected_s, trace.sent_s = None, None, None, None
+        trace.headers_s, trace.end_s = None, None
+        trace.retried = f"{reason} on a reused keep-alive connection; sent again ({attempt + 1}x)"
+    return trace
+
+
+# Each retry discards one stale pooled connection, so a few cover a pool the server emptied.
+_STALE_RETRIES = 3
+
+
+def _stale_connection(trace: Trace) -> bool:
+    """A request that failed on a reused connection before any response arrived, the way a
+    connection closed by the server's keep-alive timeout fails."""
+    return (
+        trace.error is not None
+        and trace.connected_s is None  # no new connection was made: a pooled one was reused
+        and trace.headers_s is None
+        and not trace.chunks
+        and trace.error.startswith(("ClientOSError", "ServerDisconnectedError"))
+    )
+
+
+async def _stream_once(
+    client: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None,
+    trace: Trace,
+    parse: Callable[[Trace, float, str], bool],
+    ending: str,
+) -> Trace:
     trace.start_s = time.perf_counter()
     done = False
     try:

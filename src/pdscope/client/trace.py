@@ -84,9 +84,19 @@ class Trace:
 
     @property
     def e2e_s(self) -> float | None:
+        """Request sent to the last content chunk, as vLLM's bench ends its latency; the wait
+        from there to the stream's last byte (usage event, [DONE], the close) is `close_s`."""
         if not self.ok:
             return None
-        return self.end_s - self.request_start_s  # type: ignore[operator]
+        return self.chunks[-1].t_s - self.request_start_s
+
+    @property
+    def close_s(self) -> float | None:
+        """Last content chunk to the last byte of the response: the final usage event, the
+        end marker and the server's close, which can lag under load."""
+        if not self.ok:
+            return None
+        return self.end_s - self.chunks[-1].t_s  # type: ignore[operator]
 
     @property
     def n_output(self) -> int | None:
@@ -145,6 +155,7 @@ class Trace:
             "setup_ms": _ms(self.setup_s),
             "ttft_ms": _ms(self.ttft_s),
             "e2e_ms": _ms(self.e2e_s),
+            "close_ms": _ms(self.close_s),
             "tpot_ms": _ms(self.tpot_s),
             "decode_tok_s": self.decode_tok_s,
             "output_tokens": self.n_output,
