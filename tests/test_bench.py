@@ -686,3 +686,25 @@ def test_each_bench_draws_fresh_prompts(medium_server: Server) -> None:
     again = once(4242)
     assert again["runs"][0]["server"]["prefix_hit_rate"] > 0.8
     assert "seen before" in again["runs"][0]["warnings"][0]
+
+
+def test_e2e_ends_at_the_last_content_token() -> None:
+    """E2E stops at the last content chunk as vLLM's does; the wait for the usage event, [DONE]
+    and the close is its own figure (measured up to 674 ms at concurrency 16), and setup too
+    (item 12)."""
+    t = Trace(
+        "openai-completions",
+        "u",
+        "m",
+        start_s=0.0,
+        connected_s=0.004,
+        end_s=2.0,
+        output_tokens=3,
+        chunks=[Chunk(0.104, "a"), Chunk(0.204, "b"), Chunk(0.304, "c")],
+    )
+    assert t.setup_s == pytest.approx(0.004) and t.ttft_s == pytest.approx(0.1)
+    assert t.e2e_s == pytest.approx(0.3) and t.close_s == pytest.approx(1.696)
+    s = summarize([t], 2.0)
+    assert s["mean_e2el_ms"] == pytest.approx(300)
+    assert s["mean_close_ms"] == pytest.approx(1696) and s["mean_setup_ms"] == pytest.approx(4)
+    assert s["request_goodput"] is None  # vLLM's key, null without an SLO

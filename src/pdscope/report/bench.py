@@ -81,6 +81,17 @@ def render_bench(r: dict[str, Any], console: Console) -> None:
                 "(see requests[].retried)"
             )
     for run in r["runs"]:
+        sm = run["summary"]
+        if sm.get("mean_setup_ms") is not None or sm.get("p99_close_ms") is not None:
+            # The two places where vLLM's clocks would give other numbers (docs/metrics.md).
+            console.print(
+                f"[dim]at {_load(run)}: connection setup mean "
+                f"{_f(sm.get('mean_setup_ms'), '{:,.2f}')} ms (outside TTFT here; vLLM's TTFT "
+                "includes it); close p99 "
+                f"{_f(sm.get('p99_close_ms'), '{:,.1f}')} ms after the last content token "
+                "(outside E2E, as in vLLM)[/]"
+            )
+    for run in r["runs"]:
         lag = run["summary"]["client_lag_ms"] or {}
         if run["request_rate"] is not None and lag.get("p99") is not None:
             # Open loop only: behind a concurrency cap, waiting is the point, not client lag.
