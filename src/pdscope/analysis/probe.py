@@ -319,7 +319,7 @@ def _why(by_label: dict[str, list[Trace]], *labels: str) -> str:
         return "not run"
     if failed:
         return f"{len(failed)} of {len(sent)} requests failed ({failed[0].error})"
-    return "no decode rate (responses too short to time)"
+    return "no decode rate (each response came in one piece, or had under 2 tokens)"
 
 
 def _spread(values: list[float]) -> float | None:
@@ -457,14 +457,15 @@ def _context_finding(c: dict[str, Any], add: Callable[[str, str, str, str], None
     evidence = (
         f"{measured}; the extra KV bytes ({split['kv_bytes_long'] / 1e6:,.1f} MB at the long "
         f"context against {split['weight_bytes'] / 1e6:,.0f} MB of weights) explain a fall to "
-        f"{explained:.0%}; the remaining factor {remainder:.2f} is not bandwidth"
+        f"{explained:.0%}"
     )
     if remainder < 0.9:
         add(
             "decode",
             "Decode slows with context far more than its KV bytes explain: attention compute "
             "or the attention kernel, not bandwidth",
-            evidence,
+            f"{evidence}; the remaining factor {remainder:.2f} is attention compute or kernel "
+            "cost, not bandwidth",
             "a faster decode-attention kernel (or backend) for this device; shorter contexts "
             "help, more bandwidth or a quantized KV cache barely will",
         )
@@ -472,7 +473,7 @@ def _context_finding(c: dict[str, Any], add: Callable[[str, str, str, str], None
         add(
             "decode",
             "Decode slows as context fills: the extra KV bytes explain it",
-            evidence,
+            f"{evidence}; what remains (factor {remainder:.2f}) is small",
             "keep conversations short, or a quantized KV cache (fewer bytes per token)",
         )
 

@@ -365,6 +365,12 @@ async def probe(
     result = analyze(
         prober.traces, runtime.name, ceilings, model_bytes_for(s, root), served_model=served
     )
+    if prober.traces and all(t.cached_source is None for t in prober.traces if t.ok):
+        notes.append(
+            "the server reports no cached-token count and has no prefix-hit counter: a cache "
+            "hit cannot be ruled out"
+            + (" (--seed repeats earlier prompts)" if s.seed is not None else "")
+        )
     return {
         "runtime": {
             "name": runtime.name,
