@@ -682,3 +682,13 @@ def test_context_slowdown_split_into_bytes_and_the_rest() -> None:
     plain = analyze(_probe_traces([40.0, 41.0], long_tok_s=15.2), "llama.cpp")
     g = next(f for f in plain["findings"] if "context" in f["finding"])
     assert "pass --plan-model" in g["evidence"]
+
+
+def test_probe_cli_records_the_seed_fake(fake: str, tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    args = ["probe", f"{fake}/vllm", "--prompt-tokens", "48", "--repeats", "1"]
+    args += ["--output-tokens", "4", "--seed", "31337", "--json", str(out)]
+    result = CliRunner().invoke(cli, args, env={"COLUMNS": "200"})
+    data = json.loads(out.read_text())
+    assert data["settings"]["seed"] == 31337 and data["settings"]["seed_given"]
+    assert "seed 31337 (given)" in result.output
