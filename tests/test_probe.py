@@ -47,7 +47,8 @@ def test_probe_openai_dialect(medium_server: Server) -> None:
     assert r["settings"]["exact_prompt_tokens"]
     sweep = r["sweep"]
     assert [p["prompt_tokens"] for p in sweep] == [100, 400, 1000]  # exact, via /tokenize
-    assert sweep[-1]["ttft_ms"] > 2 * sweep[0]["ttft_ms"]  # prefill grows with the prompt
+    # Fastest repeats: on a shared 2-core machine one contended repeat can double a TTFT.
+    assert sweep[-1]["ttft_ms_min"] > 2 * sweep[0]["ttft_ms_min"]  # prefill grows with the prompt
     rates = [p["decode_tok_s"] for p in sweep]
     assert max(rates) / min(rates) < 2.5  # decode roughly flat
     pc = r["prefix_cache"]
@@ -59,7 +60,12 @@ def test_probe_openai_dialect(medium_server: Server) -> None:
         assert t["token_source"] == "server-usage"
         assert t["output_tokens"] == 24 and t["prompt_tokens"] == t["prompt_tokens_asked"]
         assert all(c["text"] for c in t["chunks"])
-    assert r["ttft_fit"]["ms_per_token"] > 0
+    fit = r["ttft_fit"]  # the fitted curve rises over the sweep (its terms may trade off)
+
+    def fitted(n: int) -> float:
+        return fit["intercept_ms"] + fit["ms_per_token"] * n + fit["ms_per_token2"] * n * n
+
+    assert fitted(1000) > fitted(100)
 
 
 def test_probe_chat_ignores_the_role_chunk(medium_server: Server) -> None:
@@ -77,7 +83,7 @@ def test_probe_ollama_dialect(medium_server: Server) -> None:
     r = asyncio.run(probe(settings(medium_server.url, api="ollama")))
     assert r["runtime"]["api"] == "ollama" and not r["settings"]["exact_prompt_tokens"]
     sweep = r["sweep"]
-    assert sweep[-1]["ttft_ms"] > 2 * sweep[0]["ttft_ms"]
+    assert sweep[-1]["ttft_ms_min"] > 2 * sweep[0]["ttft_ms_min"]
     for t in r["traces"]:
         assert t["token_source"] == "ollama-counters"
         assert t["server"]["ollama"]["eval_count"] == t["output_tokens"]
