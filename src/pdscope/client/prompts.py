@@ -38,6 +38,7 @@ class PromptBuilder:
         self.use_tokenize = use_tokenize
         self.tokenize_key = tokenize_key  # llama.cpp's /tokenize reads "content"
         self.calibrations = 0  # prompt counts from the server learned from so far
+        self._reported = self._words = 0
         self.headers = headers
         self.rng = random.Random(seed)
         self.tokens_per_word = 1.3  # updated from the server's counts
@@ -78,5 +79,9 @@ class PromptBuilder:
     def calibrate(self, words_sent: int, reported: int | None) -> None:
         """Learn tokens per word from a prompt's word count and the server's token count."""
         if reported and words_sent:
-            self.tokens_per_word = reported / words_sent
+            # Pooled over every prompt so far: one prompt's words can run ~10% above or below
+            # the average in tokens, and a single sample would carry that into every prompt.
+            self._reported += reported
+            self._words += words_sent
+            self.tokens_per_word = self._reported / self._words
             self.calibrations += 1

@@ -183,8 +183,8 @@ class Bench:
 
     async def calibrate(self) -> None:
         """Without a tokenizer route, size text prompts by the server's own prompt counts:
-        send prompts of the target length (one output token each) until the count lands
-        within 3%, at most 4 times. Records what was learned; says when nothing could be."""
+        four prompts of the target length (one output token each), tokens per word pooled
+        over them. Records what was learned; says when nothing could be."""
         if self.builder.use_tokenize or self.s.workload.startswith("file:"):
             return
         target = self.target_input_tokens()
@@ -200,8 +200,6 @@ class Bench:
                 break
             record["reported"].append(trace.prompt_tokens)
             self.builder.calibrate(len(text.split()), trace.prompt_tokens)
-            if abs(trace.prompt_tokens - target) <= 0.03 * target:
-                break
         record["tokens_per_word"] = self.builder.tokens_per_word
         self.state.metadata["prompt_calibration"] = record
 
