@@ -440,6 +440,13 @@ def probe(
         ),
     ] = None,
     dtype: Annotated[str | None, typer.Option(help="Weight precision for the ceiling.")] = None,
+    seed: Annotated[
+        int | None,
+        typer.Option(
+            help="Repeat an earlier run's prompts (its seed is in the result). Default: fresh "
+            "random prompts, so no run meets an earlier one's in the prefix cache."
+        ),
+    ] = None,
     json_file: Annotated[
         Path | None, typer.Option("--json", help="Write every trace and figure here.")
     ] = None,
@@ -478,6 +485,7 @@ def probe(
         device=device,
         plan_model=plan_model,
         dtype=dtype,
+        seed=seed,
     )
     embedded = None
     if url is None:
@@ -525,7 +533,9 @@ def probe(
         console.print(f"wrote {json_file}")
     if plot:
         console.print(f"wrote {plot}")
-    if result["partial"] or not any(p["ttft_ms"] for p in result["sweep"]):
+    # Any failed request or part left unmeasured fails the command: a script reading only the
+    # exit code must not take a half-made measurement for a whole one.
+    if result["partial"] or result["failures"] or result["unmeasured"]:
         raise typer.Exit(1)
 
 
@@ -594,7 +604,13 @@ def bench(
     ] = None,
     warmup: Annotated[int, typer.Option(help="Warm-up requests, excluded.")] = 1,
     ramp_up: Annotated[float, typer.Option(help="Seconds over which the rate ramps up.")] = 0.0,
-    seed: Annotated[int, typer.Option(help="Seed for lengths, prompts and arrivals.")] = 0,
+    seed: Annotated[
+        int | None,
+        typer.Option(
+            help="Seed for lengths, prompts and arrivals, to repeat a run exactly (its seed is "
+            "in the result). Default: fresh prompts every run."
+        ),
+    ] = None,
     percentiles: Annotated[str, typer.Option(help="Percentiles to report.")] = "50,90,95,99",
     slo: Annotated[
         str | None,
@@ -640,16 +656,16 @@ def bench(
     from pdscope.client.load import Progress as LoadProgress
     from pdscope.commands.bench import WORKLOADS, BenchSettings, BenchState
     from pdscope.commands.bench import bench as run_bench
-    from pdscope.report.bench import comparable, render_bench, render_compare
+    from pdscope.report.bench import render_bench, render_compare, runs_of
 
     if url == "compare":
         if not files or len(files) != 2:
             raise fail("usage: pdscope bench compare A.json B.json")
         try:
-            a, b = (comparable(json.loads(f.read_text())) for f in files)
+            a, b = (runs_of(json.loads(f.read_text())) for f in files)
+            render_compare(a, b, (files[0].name, files[1].name), console)
         except (OSError, ValueError) as exc:
-            raise fail(f"cannot read a saved run: {exc}") from None
-        render_compare(a, b, (files[0].name, files[1].name), console)
+            raise fail(f"cannot compare the saved runs: {exc}") from None
         return
     if files:
         raise fail(f"unexpected arguments: {' '.join(map(str, files))}")

@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from pdscope.analysis.stats import summary
+from pdscope.analysis.stats import median, summary
 from pdscope.client.trace import Trace
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -132,11 +132,34 @@ def summarize(
         out[f"std_{name}_ms"] = s.get("std")
         for p in percentiles:
             out[f"p{p:g}_{name}_ms"] = s.get(f"p{p:g}")
+    # Where pdscope's clocks differ from vLLM's, the difference is its own figure: connection
+    # setup (vLLM's TTFT includes it) and the close (last content chunk to the last byte, which
+    # an E2E to the last byte would include).
+    for name, values in (
+        ("setup", [t.setup_s for t in good if t.setup_s is not None]),
+        ("close", [t.close_s for t in good if t.close_s is not None]),
+    ):
+        s_ = summary([v * 1e3 for v in values], (99,))
+        out[f"mean_{name}_ms"] = s_.get("mean")
+        out[f"p99_{name}_ms"] = s_.get("p99")
+    out["request_goodput"] = None  # vLLM's key is always there; null without an SLO
     if slo and slo.limits:
         met = sum(1 for t in traces if slo.met_by(t))
         out["request_goodput"] = met / duration_s if duration_s > 0 else None
         out["goodput_fraction"] = met / len(traces) if traces else None
         out["slo"] = {k: v for k, v in slo.limits.items()}
+    reported = [t.prompt_tokens for t in good if t.prompt_tokens is not None]
+    out["input_tokens_achieved"] = (
+        {
+            "median": median(reported),
+            "min": min(reported),
+            "max": max(reported),
+            "source": "server prompt counts",
+        }
+        if reported
+        else None
+    )
+    out["retried"] = sum(1 for t in traces if t.retried)
     lags = [t.lag_s for t in traces if t.lag_s is not None]
     lag = summary([v * 1e3 for v in lags], (50, 99))
     out["client_lag_ms"] = {"mean": lag.get("mean"), "p99": lag.get("p99"), "max": lag.get("max")}

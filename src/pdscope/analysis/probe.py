@@ -9,12 +9,19 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdscope.analysis.rules import knob  # one knob table, shared with watch
 from pdscope.analysis.stats import fit_poly, median
 from pdscope.client.trace import Trace
+
+# How a trace's cached-token count was obtained, in words.
+_SOURCES = {
+    "server-usage": "usage.prompt_tokens_details",
+    "llamacpp-timings": "llama.cpp timings",
+    "metrics-counter": "hit counter on /metrics, before vs after",
+}
 
 
 @dataclass
@@ -24,6 +31,30 @@ class Ceilings:
     device: str
     decode_tok_s: Callable[[int], float]  # prompt tokens -> one-stream decode ceiling
     ttft_floor_s: Callable[[int], float | None]  # prompt tokens -> roofline prefill time
+    model: str = ""  # the model the arithmetic assumed (--plan-model or the checkpoint)
+    model_params: float | None = None
+    # This machine's bandwidth read before and after the probe (device "local"); the ceiling
+    # uses their mean. Empty for a catalog device.
+    bandwidth_readings_gb_s: list[float] = field(default_factory=list)
+
+
+@dataclass
+class ModelBytes:
+    """What one batch-1 decode step reads, for splitting a context slowdown into the part the
+    bytes explain and the rest."""
+
+    model: str
+    params: float
+    weight_bytes: float
+    kv_bytes: Callable[[int], float]  # context tokens -> KV bytes read per step
+
+    def per_token(self, context_tokens: int) -> float:
+        return self.weight_bytes + self.kv_bytes(context_tokens)
+
+
+# Readings or repeats further apart than this (max / min - 1) make a verdict a coin toss: two
+# identical runs on a shared 2-core machine have landed on both sides of a threshold.
+NOISE_LIMIT = 0.15
 
 
 def _ok(traces: list[Trace]) -> list[Trace]:
@@ -38,17 +69,38 @@ def _prompt_tokens(trace: Trace) -> int | None:
     return trace.prompt_tokens if trace.prompt_tokens is not None else trace.prompt_tokens_asked
 
 
+# A request whose cached prompt tokens exceed this share of its prompt measured the prefix
+# cache, not prefill. Fresh prompts can still share a chat template's first block or two.
+CACHE_HIT_FRACTION = 0.1
+
+
+def cache_hit(trace: Trace) -> bool | None:
+    """Whether the server served a real part of this prompt from its prefix cache; None when
+    the server gave no way to tell (no cached-token count, no hit counter)."""
+    if trace.cached_tokens is None:
+        return None
+    prompt = _prompt_tokens(trace) or 0
+    return trace.cached_tokens > max(CACHE_HIT_FRACTION * prompt, 0)
+
+
 def point(traces: list[Trace]) -> dict[str, Any]:
-    """One sweep point: medians and spread over its repeats (failures left out, counted)."""
+    """One sweep point: medians and spread over its repeats. Failures and requests that hit
+    the prefix cache are left out of every figure, and counted."""
     assert traces, "a point needs at least one request"
-    good = _ok(traces)
+    answered = _ok(traces)
+    hits = [t for t in answered if cache_hit(t)]
+    good = [t for t in answered if not cache_hit(t)]
     ttft = [t.ttft_s for t in good if t.ttft_s is not None]
     decode = [t.decode_tok_s for t in good if t.decode_tok_s is not None]
     counts = [_prompt_tokens(t) for t in good if _prompt_tokens(t) is not None]
     out: dict[str, Any] = {
         "prompt_tokens": int(median(counts)) if counts else traces[0].prompt_tokens_asked,
         "repeats": len(traces),
-        "failed": len(traces) - len(good),
+        "failed": len(traces) - len(answered),
+        "cache_hits": len(hits),
+        # True when every answered repeat hit the cache: the point measured nothing of prefill.
+        "cache_hit": bool(hits) and not good,
+        "cache_known": any(cache_hit(t) is not None for t in answered),
         "ttft_ms": _ms(median(ttft)),
         "ttft_ms_min": _ms(min(ttft)) if ttft else None,
         "ttft_ms_max": _ms(max(ttft)) if ttft else None,
@@ -57,7 +109,7 @@ def point(traces: list[Trace]) -> dict[str, Any]:
         "decode_tok_s_max": max(decode) if decode else None,
         "setup_ms": _ms(median([t.setup_s for t in good if t.setup_s is not None])),
         "output_tokens": median([t.n_output for t in good if t.n_output]),
-        "cached_tokens": median([t.cached_tokens for t in good if t.cached_tokens is not None]),
+        "cached_tokens": median([t.cached_tokens for t in answered if t.cached_tokens is not None]),
     }
     server = [t.server.get("ollama") for t in good if t.server.get("ollama")]
     if server:
@@ -77,7 +129,13 @@ def point(traces: list[Trace]) -> dict[str, Any]:
     return out
 
 
-def analyze(traces: list[Trace], runtime: str, ceilings: Ceilings | None = None) -> dict[str, Any]:
+def analyze(
+    traces: list[Trace],
+    runtime: str,
+    ceilings: Ceilings | None = None,
+    model_bytes: ModelBytes | None = None,
+    served_model: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     by_label: dict[str, list[Trace]] = defaultdict(list)
     for t in traces:
         by_label[t.label].append(t)
@@ -95,6 +153,7 @@ def analyze(traces: list[Trace], runtime: str, ceilings: Ceilings | None = None)
             "ttft_ms": _ms(cold[0].ttft_s),
             "decode_tok_s": cold[0].decode_tok_s,
             "prompt_tokens": _prompt_tokens(cold[0]),
+            "cached_tokens": cold[0].cached_tokens,
             "server": cold[0].server,
         }
         if cold
@@ -145,6 +204,8 @@ def analyze(traces: list[Trace], runtime: str, ceilings: Ceilings | None = None)
             "warm_ttft_ms": _ms(warm[0].ttft_s),
             "warm_over_cold": warm[0].ttft_s / first[0].ttft_s,  # type: ignore[operator]
             "cached_tokens": warm[0].cached_tokens,
+            "cached_source": warm[0].cached_source,
+            "cold_cached_tokens": first[0].cached_tokens,
         }
 
     result["context"] = None
@@ -159,41 +220,214 @@ def analyze(traces: list[Trace], runtime: str, ceilings: Ceilings | None = None)
                 else None
             ),
         }
+        out = by_label["context-long"][0].max_tokens or 0
+        if model_bytes and short["prompt_tokens"] and long["prompt_tokens"]:
+            # Mean context over each decode: prompt + half the output, as the ceiling uses.
+            a = model_bytes.per_token(short["prompt_tokens"] + out // 2)
+            b = model_bytes.per_token(long["prompt_tokens"] + out // 2)
+            result["context"]["bytes"] = {
+                "model": model_bytes.model,
+                "weight_bytes": model_bytes.weight_bytes,
+                "kv_bytes_long": model_bytes.kv_bytes(long["prompt_tokens"] + out // 2),
+                "explained_long_over_short": a / b,
+            }
 
-    result["ceiling"] = _ceiling(result, ceilings) if ceilings else None
+    result["served_model"] = served_model
+    result["ceiling"] = _ceiling(result, ceilings, served_model) if ceilings else None
     result["failures"] = [
         {"label": t.label, "prompt_tokens": t.prompt_tokens_asked, "error": t.error}
         for t in traces
         if not t.ok
     ]
+    result["unmeasured"] = unmeasured(result, by_label)
     result["findings"] = findings(result, runtime)
     return result
 
 
-def _ceiling(result: dict[str, Any], c: Ceilings) -> dict[str, Any]:
-    out: dict[str, Any] = {"device": c.device, "points": []}
+def unmeasured(r: dict[str, Any], by_label: dict[str, list[Trace]]) -> list[str]:
+    """Each part of the probe that yielded no figure, and why: the CLI exits non-zero on any."""
+    out = []
+    for p in r["sweep"]:
+        if p["ttft_ms"] is None:
+            why = (
+                "every repeat hit the prefix cache"
+                if p["cache_hit"]
+                else f"{p['failed']} of {p['repeats']} requests failed"
+            )
+            out.append(f"sweep point {p['prompt_tokens']} tokens: {why}")
+    if not r["sweep"]:
+        out.append("prompt-length sweep: no request was sent")
+    if r["prefix_cache"] is None:
+        out.append("prefix-cache check: " + _why(by_label, "prefix-cold", "prefix-warm"))
+    if r["context"] is None or r["context"]["long_over_short"] is None:
+        out.append("context check: " + _why(by_label, "context-short", "context-long"))
+    return out
+
+
+def _why(by_label: dict[str, list[Trace]], *labels: str) -> str:
+    sent = [t for label in labels for t in by_label[label]]
+    failed = [t for t in sent if not t.ok]
+    if not sent:
+        return "not run"
+    if failed:
+        return f"{len(failed)} of {len(sent)} requests failed ({failed[0].error})"
+    return "no decode rate (each response came in one piece, or had under 2 tokens)"
+
+
+def _spread(values: list[float]) -> float | None:
+    """max / min - 1: how far apart readings of one quantity are."""
+    values = [v for v in values if v]
+    return max(values) / min(values) - 1 if len(values) >= 2 else None
+
+
+def _ceiling(
+    result: dict[str, Any], c: Ceilings, served: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    readings = c.bandwidth_readings_gb_s
+    mean_bw = sum(readings) / len(readings) if readings else None
+    out: dict[str, Any] = {
+        "device": c.device,
+        "model": c.model,
+        "model_params": c.model_params,
+        "bandwidth_readings_gb_s": readings,
+        "points": [],
+    }
     for p in result["sweep"]:
         n = p["prompt_tokens"]  # the server's count: calibrated prompts are never exact
         ceiling = c.decode_tok_s(n) if n else None
         floor = c.ttft_floor_s(n) if n else None
+        pct = 100 * p["decode_tok_s"] / ceiling if ceiling and p["decode_tok_s"] else None
+        low = high = pct
+        if pct is not None and ceiling:
+            # The margin: slowest repeat against the ceiling at the fastest bandwidth reading,
+            # fastest repeat against the slowest reading.
+            fast = max(readings) / mean_bw if mean_bw else 1.0
+            slow = min(readings) / mean_bw if mean_bw else 1.0
+            low = 100 * p["decode_tok_s_min"] / (ceiling * fast)
+            high = 100 * p["decode_tok_s_max"] / (ceiling * slow)
         out["points"].append(
             {
                 "prompt_tokens": n,
                 "decode_ceiling_tok_s": ceiling,
-                "decode_pct_of_ceiling": (
-                    100 * p["decode_tok_s"] / ceiling if ceiling and p["decode_tok_s"] else None
-                ),
+                "decode_pct_of_ceiling": pct,
+                "decode_pct_range": None if pct is None else [low, high],
                 "ttft_floor_ms": _ms(floor),
                 "prefill_pct_of_floor": (
                     100 * floor * 1e3 / p["ttft_ms"] if floor and p["ttft_ms"] else None
                 ),
             }
         )
-    first = out["points"][0] if out["points"] else {}
-    last = out["points"][-1] if out["points"] else {}
+    measured = [p for p in out["points"] if p["decode_pct_of_ceiling"] is not None]
+    timed = [p for p in out["points"] if p["prefill_pct_of_floor"] is not None]
+    first = measured[0] if measured else {}
     out["decode_pct_of_ceiling"] = first.get("decode_pct_of_ceiling")
-    out["prefill_pct_of_floor"] = last.get("prefill_pct_of_floor")
+    out["decode_pct_range"] = first.get("decode_pct_range")
+    out["prefill_pct_of_floor"] = timed[-1]["prefill_pct_of_floor"] if timed else None
+    sweep_first = next((p for p in result["sweep"] if p["decode_tok_s"]), None)
+    out["bandwidth_spread"] = _spread(readings)
+    out["repeat_spread"] = (
+        _spread([sweep_first["decode_tok_s_min"], sweep_first["decode_tok_s_max"]])
+        if sweep_first
+        else None
+    )
+    noisy = []
+    if (out["bandwidth_spread"] or 0) > NOISE_LIMIT:
+        noisy.append(
+            f"bandwidth read {' and '.join(f'{g:.1f}' for g in readings)} GB/s before and "
+            f"after ({out['bandwidth_spread']:.0%} apart)"
+        )
+    if (out["repeat_spread"] or 0) > NOISE_LIMIT and sweep_first:
+        noisy.append(
+            f"decode repeats at {sweep_first['prompt_tokens']} tokens ranged "
+            f"{sweep_first['decode_tok_s_min']:.1f}–{sweep_first['decode_tok_s_max']:.1f} tok/s "
+            f"({out['repeat_spread']:.0%} apart)"
+        )
+    out["noisy"] = noisy
+    out["impossible"] = _impossible(out, result, c, served)
     return out
+
+
+def _impossible(
+    out: dict[str, Any], result: dict[str, Any], c: Ceilings, served: dict[str, Any] | None
+) -> list[str]:
+    """Above 100% of the bandwidth ceiling or the compute floor cannot happen: name what is
+    wrong instead (a cached prompt, the wrong plan model, the wrong device)."""
+    over = []
+    if (out["decode_pct_of_ceiling"] or 0) > 100:
+        over.append(f"decode at {out['decode_pct_of_ceiling']:.0f}% of the bandwidth ceiling")
+    if (out["prefill_pct_of_floor"] or 0) > 100:
+        over.append(f"prefill at {out['prefill_pct_of_floor']:.0f}% of the compute floor")
+    if not over:
+        return []
+    causes = []
+    if any(p.get("cache_hits") for p in result["sweep"]):
+        causes.append("prompts served from the prefix cache")
+    params = (served or {}).get("params")
+    if params and c.model_params and not 0.67 < c.model_params / params < 1.5:
+        causes.append(
+            f"the wrong model for the arithmetic: it assumed {c.model} "
+            f"({c.model_params / 1e9:.2f}B parameters), the server reports "
+            f"{(served or {}).get('name')} with {params / 1e9:.3g}B"
+        )
+    elif not params:
+        causes.append(
+            f"the wrong model for the arithmetic ({c.model}; the server does not say its "
+            "parameter count, so this cannot be checked)"
+        )
+    causes.append(f"the wrong device ({c.device}): pass --device for the hardware serving it")
+    return [f"{' and '.join(over)} is impossible; likely: " + "; or ".join(causes)]
+
+
+def _context_finding(c: dict[str, Any], add: Callable[[str, str, str, str], None]) -> None:
+    """Decode at a long context against a short one, split into what the extra KV bytes
+    explain and the rest (attention compute, the kernel): on CPUs the rest is often most."""
+    ratio = c["long_over_short"]
+    short, long = c["short"], c["long"]
+    measured = (
+        f"{short['decode_tok_s']:.1f} tok/s at {short['prompt_tokens']:,} tokens of context, "
+        f"{long['decode_tok_s']:.1f} at {long['prompt_tokens']:,} ({ratio:.0%})"
+    )
+    if ratio >= 0.9:
+        add(
+            "decode",
+            "Decode barely moves with context length",
+            measured,
+            "weights dominate each step's reads at these lengths",
+        )
+        return
+    split = c.get("bytes")
+    if not split:
+        add(
+            "decode",
+            "Decode slows as context fills",
+            measured + "; no model config to split bytes from the rest (pass --plan-model)",
+            "keep conversations short or summarise old turns",
+        )
+        return
+    explained = split["explained_long_over_short"]
+    remainder = ratio / explained
+    evidence = (
+        f"{measured}; the extra KV bytes ({split['kv_bytes_long'] / 1e6:,.1f} MB at the long "
+        f"context against {split['weight_bytes'] / 1e6:,.0f} MB of weights) explain a fall to "
+        f"{explained:.0%}"
+    )
+    if remainder < 0.9:
+        add(
+            "decode",
+            "Decode slows with context far more than its KV bytes explain: attention compute "
+            "or the attention kernel, not bandwidth",
+            f"{evidence}; the remaining factor {remainder:.2f} is attention compute or kernel "
+            "cost, not bandwidth",
+            "a faster decode-attention kernel (or backend) for this device; shorter contexts "
+            "help, more bandwidth or a quantized KV cache barely will",
+        )
+    else:
+        add(
+            "decode",
+            "Decode slows as context fills: the extra KV bytes explain it",
+            f"{evidence}; what remains (factor {remainder:.2f}) is small",
+            "keep conversations short, or a quantized KV cache (fewer bytes per token)",
+        )
 
 
 def findings(r: dict[str, Any], runtime: str) -> list[dict[str, str]]:
@@ -228,27 +462,29 @@ def findings(r: dict[str, Any], runtime: str) -> list[dict[str, str]]:
                 "look at what every request pays: network, queueing, scheduling",
             )
     if r.get("context") and r["context"]["long_over_short"]:
-        ratio = r["context"]["long_over_short"]
-        c = r["context"]
-        add(
-            "decode",
-            "Decode slows as context fills (every step re-reads the KV cache)"
-            if ratio < 0.9
-            else "Decode barely moves with context length",
-            f"{c['short']['decode_tok_s']:.1f} tok/s at {c['short']['prompt_tokens']} tokens of "
-            f"context, {c['long']['decode_tok_s']:.1f} tok/s at {c['long']['prompt_tokens']}",
-            "keep conversations short or summarise old turns"
-            if ratio < 0.9
-            else "weights dominate each step's reads at these lengths",
-        )
+        _context_finding(r["context"], add)
     pc = r.get("prefix_cache")
     if pc:
-        if pc["warm_over_cold"] < 0.5 or (pc["cached_tokens"] or 0) > 0:
+        cached = pc["cached_tokens"]
+        reported = (
+            "the server reports no cached-token count"
+            if cached is None
+            else f"server reports {cached:,} cached tokens "
+            f"({_SOURCES.get(pc['cached_source'], '')})"
+        )
+        if (pc.get("cold_cached_tokens") or 0) > CACHE_HIT_FRACTION * (pc["prompt_tokens"] or 0):
+            add(
+                "error",
+                "The prefix check's first send already hit the cache: no cold reference",
+                f"{pc['cold_cached_tokens']:,} cached tokens on the first send of the prefix",
+                "run again without --seed (fresh prompts)",
+            )
+        elif pc["warm_over_cold"] < 0.5 or (cached or 0) > 0:
             add(
                 "ttft",
                 "Prefix caching works",
                 f"a repeated {pc['prompt_tokens']}-token prefix: TTFT {pc['cold_ttft_ms']:.0f} → "
-                f"{pc['warm_ttft_ms']:.0f} ms; server reports {pc['cached_tokens']} cached tokens",
+                f"{pc['warm_ttft_ms']:.0f} ms; {reported}",
                 "put long shared text (system prompt, documents) first and keep it identical",
             )
         else:
@@ -256,9 +492,22 @@ def findings(r: dict[str, Any], runtime: str) -> list[dict[str, str]]:
                 "ttft",
                 "A repeated prefix is not being reused",
                 f"TTFT {pc['cold_ttft_ms']:.0f} → {pc['warm_ttft_ms']:.0f} ms on the second send; "
-                f"cached tokens reported: {pc['cached_tokens']}",
+                f"{reported}",
                 knob("prefix_cache", runtime),
             )
+    hits = sum(p.get("cache_hits", 0) for p in r["sweep"])
+    if hits:
+        add(
+            "error",
+            f"{hits} sweep request(s) hit the prefix cache and were left out of the figures",
+            ", ".join(
+                f"{p['cache_hits']} of {p['repeats']} at {p['prompt_tokens']} tokens"
+                for p in r["sweep"]
+                if p.get("cache_hits")
+            )
+            + " (cached tokens over 10% of the prompt)",
+            "these prompts were seen before (a repeated --seed?): run without --seed",
+        )
     cold = r.get("cold")
     if cold and sweep and cold["ttft_ms"] and cold["ttft_ms"] > 3 * sweep[0]["ttft_ms"]:
         add(
@@ -268,13 +517,36 @@ def findings(r: dict[str, Any], runtime: str) -> list[dict[str, str]]:
             knob("cold", runtime),
         )
     ceiling = r.get("ceiling")
-    if ceiling and ceiling.get("decode_pct_of_ceiling"):
+    if ceiling and ceiling.get("impossible"):
+        for text in ceiling["impossible"]:
+            add(
+                "error",
+                "Faster than the hardware allows: no verdict on the ceiling",
+                text,
+                "fix the comparison (--plan-model, --device) or run without --seed",
+            )
+    elif ceiling and ceiling.get("noisy") and ceiling.get("decode_pct_of_ceiling"):
+        add(
+            "decode",
+            "The machine is noisy: no verdict on decode against the ceiling",
+            f"{ceiling['decode_pct_of_ceiling']:.0f}% of the bandwidth ceiling, but "
+            + "; ".join(ceiling["noisy"])
+            + f" (more than {NOISE_LIMIT:.0%})",
+            "run again on a quiet machine (nothing else using its memory bandwidth), or with "
+            "more --repeats",
+        )
+    elif ceiling and ceiling.get("decode_pct_of_ceiling"):
         pct = ceiling["decode_pct_of_ceiling"]
+        low, high = ceiling.get("decode_pct_range") or [pct, pct]
+        evidence = (
+            f"{pct:.0f}% of the bandwidth ceiling on {ceiling['device']} (margin "
+            f"{low:.0f}–{high:.0f}% over repeats and bandwidth readings)"
+        )
         if pct >= 70:
             add(
                 "decode",
                 "Decode is near the bandwidth ceiling: the hardware is the limit",
-                f"{pct:.0f}% of the bandwidth ceiling on {ceiling['device']}",
+                evidence,
                 f"fewer bytes per token: {knob('quantize', runtime)}; or a smaller model, or "
                 "more memory bandwidth",
             )
@@ -282,25 +554,25 @@ def findings(r: dict[str, Any], runtime: str) -> list[dict[str, str]]:
             add(
                 "decode",
                 "Decode is far below the bandwidth ceiling: look at the serving stack",
-                f"{pct:.0f}% of the bandwidth ceiling on {ceiling['device']}",
+                evidence,
                 knob("stack", runtime),
             )
         else:
             add(
                 "decode",
                 "Decode reaches a fair share of the bandwidth ceiling",
-                f"{pct:.0f}% of the bandwidth ceiling on {ceiling['device']}",
+                evidence,
                 f"more needs fewer bytes per token: {knob('quantize', runtime)}",
             )
-    if ceiling and ceiling.get("prefill_pct_of_floor"):
-        pct = ceiling["prefill_pct_of_floor"]
+    pct_floor = ceiling.get("prefill_pct_of_floor") if ceiling else None
+    if ceiling and pct_floor and not ceiling.get("impossible"):
         add(
             "ttft",
             "Prefill against the compute floor",
-            f"TTFT at the longest prompt is {100 / pct:.1f}x the compute-bound floor "
-            f"({pct:.0f}% of peak FLOP/s)",
+            f"TTFT at the longest prompt is {100 / pct_floor:.1f}x the compute-bound floor "
+            f"({pct_floor:.0f}% of peak FLOP/s)",
             "near the floor only fewer prompt tokens or more FLOP/s help"
-            if pct >= 50
+            if pct_floor >= 50
             else knob("prefill_batch", runtime),
         )
     if r["failures"]:

@@ -47,8 +47,15 @@ def session(
     timeout_s: float = 300.0, fresh_connections: bool = False, limit: int = 0
 ) -> aiohttp.ClientSession:
     """The session the adapters stream through. ``fresh_connections`` opens a new connection
-    per request so connection setup shows in every trace (probe); ``limit`` 0 = unbounded."""
-    connector = aiohttp.TCPConnector(limit=limit, force_close=fresh_connections)
+    per request so connection setup shows in every trace (probe). ``limit`` bounds the pool
+    (bench: the run's concurrency, as vllm bench serve's connector does; 0 = unbounded), so
+    no more connections are opened, and left idle for the server to close, than can be used."""
+    connector = aiohttp.TCPConnector(
+        limit=limit,
+        limit_per_host=limit,
+        force_close=fresh_connections,
+        enable_cleanup_closed=True,
+    )
     return aiohttp.ClientSession(
         connector=connector,
         trace_configs=[_trace_config()],
@@ -117,7 +124,48 @@ async def _stream(
     ending: str,
 ) -> Trace:
     """POST, then feed each line to ``parse`` (True once the stream says it is done) until it
-    ends, fails or sets ``trace.error``. Never raises for server or network faults."""
+    ends, fails or sets ``trace.error``. Never raises for server or network faults.
+
+    A keep-alive connection the server closed while it sat idle in the pool fails the next
+    request written on it before the server can have read it ("Can not write request body",
+    "Server disconnected"). Only that case is sent again, on another connection, at most
+    `_STALE_RETRIES` times, and the trace says so in `retried`: it is not a server failure."""
+    for attempt in range(_STALE_RETRIES + 1):
+        await _stream_once(client, url, body, headers, trace, parse, ending)
+        if not _stale_connection(trace) or attempt == _STALE_RETRIES:
+            return trace
+        reason = trace.error
+        trace.error, trace.status, trace.connected_s, trace.sent_s = None, None, None, None
+        trace.headers_s, trace.end_s = None, None
+        trace.retried = f"{reason} on a reused keep-alive connection; sent again ({attempt + 1}x)"
+    return trace
+
+
+# Each retry discards one stale pooled connection, so a few cover a pool the server emptied.
+_STALE_RETRIES = 3
+
+
+def _stale_connection(trace: Trace) -> bool:
+    """A request that failed on a reused connection before any response arrived, the way a
+    connection closed by the server's keep-alive timeout fails."""
+    return (
+        trace.error is not None
+        and trace.connected_s is None  # no new connection was made: a pooled one was reused
+        and trace.headers_s is None
+        and not trace.chunks
+        and trace.error.startswith(("ClientOSError", "ServerDisconnectedError"))
+    )
+
+
+async def _stream_once(
+    client: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None,
+    trace: Trace,
+    parse: Callable[[Trace, float, str], bool],
+    ending: str,
+) -> Trace:
     trace.start_s = time.perf_counter()
     done = False
     try:
@@ -229,17 +277,36 @@ def _openai_event(trace: Trace, event: dict[str, Any], api: str, now: float) -> 
         details = usage.get("prompt_tokens_details") or {}
         if details.get("cached_tokens") is not None:
             trace.cached_tokens = details["cached_tokens"]
+            trace.cached_source = "server-usage"
         trace.token_source = "server-usage"
     timings = event.get("timings")  # llama.cpp's server
     if timings:
         trace.server["llamacpp"] = timings
+        # Builds name the reused-prompt count differently: cache_n in timings, tokens_cached
+        # or n_cache_tokens beside them.
+        cache_n = next(
+            (
+                v
+                for v in (
+                    timings.get("cache_n"),
+                    event.get("tokens_cached"),
+                    timings.get("tokens_cached"),
+                    event.get("n_cache_tokens"),
+                    timings.get("n_cache_tokens"),
+                )
+                if isinstance(v, int)
+            ),
+            None,
+        )
         if trace.token_source != "server-usage":
             trace.output_tokens = timings.get("predicted_n")
-            prompt_n, cache_n = timings.get("prompt_n"), timings.get("cache_n") or 0
+            prompt_n = timings.get("prompt_n")
             if prompt_n is not None:
-                trace.prompt_tokens = prompt_n + cache_n  # prompt_n counts new tokens only
-            trace.cached_tokens = cache_n
+                trace.prompt_tokens = prompt_n + (cache_n or 0)  # prompt_n: new tokens only
             trace.token_source = "llamacpp-timings"
+        if cache_n is not None and trace.cached_source is None:
+            trace.cached_tokens = cache_n
+            trace.cached_source = "llamacpp-timings"
 
 
 async def run_ollama(

@@ -33,6 +33,7 @@ class Runtime:
     max_model_len: int | None = None
     evidence: list[str] = field(default_factory=list)  # what the detection saw
     version: str | None = None  # the runtime's own version, where it says (/version)
+    tokenize_key: str = "prompt"  # /tokenize's text field; llama.cpp's is "content"
 
     def pick_model(self, asked: str | None) -> str:
         if asked:
@@ -101,17 +102,22 @@ async def detect(
         metric_runtime = next((name for prefix, name in _METRIC_PREFIXES if prefix in text), None)
         evidence.append(f"/metrics ({metric_runtime or 'unknown names'})")
     has_tokenize = False
+    tokenize_key = "prompt"
     if openai_models:
         # vLLM/SGLang/pdscope read "prompt" and return {"tokens": [...]}. llama.cpp reads
-        # "content" in a different shape and answers 200 with no tokens to a "prompt": a
-        # tokenizer that tokenizes nothing is no tokenizer for exact prompt lengths.
-        with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError, TypeError):
-            answer = await client.post(
-                base + "/tokenize", json={"prompt": "probe"}, headers=headers, timeout=10
-            )
-            has_tokenize = answer.status_code == 200 and bool(answer.json().get("tokens"))
+        # "content" and answers 200 with no tokens to a "prompt": a tokenizer that tokenizes
+        # nothing is no tokenizer, so each field is tried and the one that yields tokens kept.
+        for key in ("prompt", "content"):
+            with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError, TypeError):
+                answer = await client.post(
+                    base + "/tokenize", json={key: "probe"}, headers=headers, timeout=10
+                )
+                tokens = answer.json().get("tokens") if answer.status_code == 200 else None
+                if tokens and all(isinstance(t, int) for t in tokens):
+                    has_tokenize, tokenize_key = True, key
+                    break
     if has_tokenize:
-        evidence.append("/tokenize works")
+        evidence.append(f"/tokenize works ({tokenize_key!r} field)")
     props = await get("/props")
     is_llamacpp = props is not None and props.status_code == 200 and "n_ctx" in props.text
     if is_llamacpp:
@@ -150,6 +156,7 @@ async def detect(
             max_len,
             evidence,
             version,
+            tokenize_key,
         )
     if ollama_models or (tags is not None and tags.status_code == 200):
         if api not in ("auto", API_OLLAMA):

@@ -32,9 +32,13 @@ class PromptBuilder:
         use_tokenize: bool,
         headers: dict[str, str] | None = None,
         seed: int = 0,
+        tokenize_key: str = "prompt",
     ):
         self.client, self.url, self.model = client, url.rstrip("/"), model
         self.use_tokenize = use_tokenize
+        self.tokenize_key = tokenize_key  # llama.cpp's /tokenize reads "content"
+        self.calibrations = 0  # prompt counts from the server learned from so far
+        self._reported = self._words = 0
         self.headers = headers
         self.rng = random.Random(seed)
         self.tokens_per_word = 1.3  # updated from the server's counts
@@ -54,7 +58,7 @@ class PromptBuilder:
                 timeout=30,
                 json={
                     "model": self.model,
-                    "prompt": self._text(words),
+                    self.tokenize_key: self._text(words),
                     "add_special_tokens": False,
                 },
             )
@@ -75,4 +79,9 @@ class PromptBuilder:
     def calibrate(self, words_sent: int, reported: int | None) -> None:
         """Learn tokens per word from a prompt's word count and the server's token count."""
         if reported and words_sent:
-            self.tokens_per_word = reported / words_sent
+            # Pooled over every prompt so far: one prompt's words can run ~10% above or below
+            # the average in tokens, and a single sample would carry that into every prompt.
+            self._reported += reported
+            self._words += words_sent
+            self.tokens_per_word = self._reported / self._words
+            self.calibrations += 1

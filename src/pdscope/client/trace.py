@@ -42,10 +42,16 @@ class Trace:
     prompt_tokens: int | None = None
     output_tokens: int | None = None
     cached_tokens: int | None = None
+    # Where cached_tokens came from: "server-usage", "llamacpp-timings", or "metrics-counter"
+    # (the server's prefix-hit counter read before and after this request alone).
+    cached_source: str | None = None
     token_source: str = "none"  # server-usage, ollama-counters, llamacpp-timings, chunks, ...
     finish_reason: str | None = None
     server: dict[str, Any] = field(default_factory=dict)  # server-side phase numbers
     error: str | None = None  # set when the request failed; a failed trace yields no figures
+    # Set when the request was sent again on a fresh connection because a reused keep-alive
+    # connection was closed under it before any response byte came back; says why.
+    retried: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -80,9 +86,19 @@ class Trace:
 
     @property
     def e2e_s(self) -> float | None:
+        """Request sent to the last content chunk, as vLLM's bench ends its latency; the wait
+        from there to the stream's last byte (usage event, [DONE], the close) is `close_s`."""
         if not self.ok:
             return None
-        return self.end_s - self.request_start_s  # type: ignore[operator]
+        return self.chunks[-1].t_s - self.request_start_s
+
+    @property
+    def close_s(self) -> float | None:
+        """Last content chunk to the last byte of the response: the final usage event, the
+        end marker and the server's close, which can lag under load."""
+        if not self.ok:
+            return None
+        return self.end_s - self.chunks[-1].t_s  # type: ignore[operator]
 
     @property
     def n_output(self) -> int | None:
@@ -141,6 +157,7 @@ class Trace:
             "setup_ms": _ms(self.setup_s),
             "ttft_ms": _ms(self.ttft_s),
             "e2e_ms": _ms(self.e2e_s),
+            "close_ms": _ms(self.close_s),
             "tpot_ms": _ms(self.tpot_s),
             "decode_tok_s": self.decode_tok_s,
             "output_tokens": self.n_output,

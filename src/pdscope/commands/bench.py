@@ -12,10 +12,12 @@ import math
 import os
 import platform
 import random
+import secrets
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ from pdscope.client.adapters import session as adapter_session
 from pdscope.client.detect import ProbeError, Runtime, detect
 from pdscope.client.load import LoadPlan, Progress, run_load, send
 from pdscope.client.prompts import PromptBuilder
+from pdscope.client.trace import Trace
 from pdscope.client.workloads import (
     Lengths,
     RequestSpec,
@@ -64,7 +67,9 @@ class BenchSettings:
     duration_s: float | None = None
     warmup: int = 1
     ramp_up_s: float = 0.0
-    seed: int = 0
+    # None: fresh prompts for every bench (a random seed, recorded), so a before/after pair
+    # never meets the first run's prompts in the prefix cache; a seed repeats a run exactly.
+    seed: int | None = None
     percentiles: tuple[float, ...] = (50, 90, 95, 99)
     goodput_slo: str | None = None  # ttft=2s,tpot=100ms
     capacity_slo: str | None = None  # p99_ttft=2s,p99_itl=100ms
@@ -84,7 +89,9 @@ class BenchState:
     partial: str | None = None
 
     def result(self) -> dict[str, Any]:
-        single = self.runs[0]["summary"] if len(self.runs) == 1 else {}
+        # One run: its figures and vllm bench serve's keys at the top level, as vLLM writes
+        # them. A series keeps them per run (each run record has the same keys).
+        single = {**self.runs[0]["summary"], **self.runs[0]["vllm"]} if len(self.runs) == 1 else {}
         return {
             **single,
             "metadata": self.metadata,
@@ -111,14 +118,17 @@ class Bench:
         self.headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else None
         self.api = runtime.api if s.api == "auto" else s.api
         exact = self.api == "openai-completions" and runtime.has_tokenize
-        self.builder = PromptBuilder(client, runtime.url, model, exact, self.headers, s.seed)
+        self.seed = s.seed if s.seed is not None else secrets.randbelow(2**31)
+        self.builder = PromptBuilder(
+            client, runtime.url, model, exact, self.headers, self.seed, runtime.tokenize_key
+        )
         self.goodput = SLO.parse(s.goodput_slo)
         self.runs_made = 0
 
     async def workload(self) -> list[RequestSpec]:
         """Fresh prompts for every run, so no run gets a prefix-cache hit from an earlier one
         (shared-prefix shares within its run, by design)."""
-        s, seed = self.s, self.s.seed + self.runs_made
+        s, seed = self.s, self.seed + self.runs_made
         out = Lengths.parse(s.output_len, "--output-len")
         if s.workload == "random":
             return await random_workload(
@@ -155,11 +165,43 @@ class Bench:
         if self.s.warmup < 1:
             return
         for spec in await random_workload(
-            self.builder, self.s.warmup, Lengths("fixed", 32), Lengths("fixed", 8), self.s.seed - 1
+            self.builder, self.s.warmup, Lengths("fixed", 32), Lengths("fixed", 8), self.seed - 1
         ):
             await send(
                 self.streams, self.runtime.url, self.api, self.model, spec, self.headers, "warmup"
             )
+
+    def target_input_tokens(self) -> int:
+        """The prompt length that matters most in this workload (for calibration)."""
+        s = self.s
+        if s.workload == "shared-prefix":
+            return s.prefix_len + s.suffix_len
+        if s.workload == "long-prompt":
+            return s.long_len
+        lengths = Lengths.parse(s.input_len, "--input-len")
+        return int(lengths.a if lengths.kind != "uniform" else (lengths.a + lengths.b) / 2)
+
+    async def calibrate(self) -> None:
+        """Without a tokenizer route, size text prompts by the server's own prompt counts:
+        four prompts of the target length (one output token each), tokens per word pooled
+        over them. Records what was learned; says when nothing could be."""
+        if self.builder.use_tokenize or self.s.workload.startswith("file:"):
+            return
+        target = self.target_input_tokens()
+        record: dict[str, Any] = {"target_tokens": target, "requests": 0, "reported": []}
+        for _ in range(4):
+            text = self.builder.text(target)
+            spec = RequestSpec(text, 1, target)
+            url, api = self.runtime.url, self.api
+            trace = await send(self.streams, url, api, self.model, spec, self.headers, "calibrate")
+            record["requests"] += 1
+            if not trace.ok or not trace.prompt_tokens:
+                record["error"] = trace.error or "the server reported no prompt token count"
+                break
+            record["reported"].append(trace.prompt_tokens)
+            self.builder.calibrate(len(text.split()), trace.prompt_tokens)
+        record["tokens_per_word"] = self.builder.tokens_per_word
+        self.state.metadata["prompt_calibration"] = record
 
     async def run(self, rate: float, concurrency: int | None) -> dict[str, Any]:
         from pdscope.client.server_metrics import MetricsSampler
@@ -173,32 +215,38 @@ class Bench:
             max_concurrency=concurrency,
             duration_s=None if s.workload == "long-prompt" else s.duration_s,
             ramp_up_s=s.ramp_up_s,
-            seed=s.seed + self.runs_made,
+            seed=self.seed + self.runs_made,
         )
         level = f"rate {rate:g}/s" + (f", concurrency {concurrency}" if concurrency else "")
         sampler = MetricsSampler(self.client, self.runtime.url, s.metrics_interval_s, self.headers)
         await sampler.start()
         try:
-            load = await run_load(
-                self.streams,
-                self.runtime.url,
-                self.api,
-                self.model,
-                specs,
-                plan,
-                self.headers,
-                (lambda p: self.on_progress(level, p)) if self.on_progress else None,
-            )
+            # A pool bounded to the run's concurrency (vllm bench serve's connector does the
+            # same): no idle surplus connections for the server's keep-alive timer to close.
+            async with adapter_session(s.timeout_s, limit=concurrency or 0) as streams:
+                load = await run_load(
+                    streams,
+                    self.runtime.url,
+                    self.api,
+                    self.model,
+                    specs,
+                    plan,
+                    self.headers,
+                    (lambda p: self.on_progress(level, p)) if self.on_progress else None,
+                )
         finally:
             server = await sampler.stop()
         summary = summarize(load.traces, load.duration_s, s.percentiles, self.goodput)
         run = {
             "request_rate": None if math.isinf(rate) else rate,
             "max_concurrency": concurrency,
+            "input_tokens_requested": _requested(s),
             "summary": summary,
             "by_kind": by_kind(load.traces, load.duration_s, s.percentiles),
             "server": server.to_dict(),
+            "warnings": _reuse_warnings(s.workload, summary, server.to_dict()),
             "partial": load.partial,
+            "vllm": vllm_fields(load.traces, self.state.metadata, s, rate, concurrency, summary),
             "requests": [_request_record(t) for t in load.traces],
         }
         self.state.runs.append(run)
@@ -237,46 +285,190 @@ class Bench:
     async def find_capacity(self, slo: SLO) -> None:
         """Highest load whose run meets every aggregate SLO: concurrency (closed loop) by
         default, request rate (open loop) when --request-rate names a finite starting rate.
+
         Double until a run fails, then bisect between the last pass and the first failure
-        (to the next integer for concurrency, within 10% for rate); at most max_runs runs."""
+        (to the next integer for concurrency, within 10% for rate); at most max_runs runs. A
+        rate search judges the rate the server served, not the one offered: a run whose served
+        rate fell below 90% of the offered one did not keep up (its SLO figures describe a
+        queue still filling when the prompts ran out), and once served throughput stops
+        growing the search stops climbing. The capacity reported is the served rate of the
+        best passing run, never more. Why the search stopped is always recorded."""
         finite = [r for r in self.s.request_rates if not math.isinf(r)]
         by_rate = bool(finite)
         level: float = min(finite) if by_rate else 1
         passed: tuple[float, dict] | None = None
         failed_at: float | None = None
+        best_served = 0.0
         runs = 0
+        stop: str | None = None
+        notes: list[str] = []
         while runs < self.s.max_runs:
             if not by_rate and level > self.s.num_prompts:
-                break  # more streams than requests adds no load: --num-prompts caps the search
+                stop = (
+                    f"ran out of prompts: concurrency {level:g} exceeds --num-prompts "
+                    f"{self.s.num_prompts}"
+                )
+                break
             run = await (self.run(level, None) if by_rate else self.run(math.inf, int(level)))
             runs += 1
-            ok = slo.met_by_run(run["summary"]) and run["summary"]["failed"] == 0
+            summary = run["summary"]
+            served = summary.get("request_throughput") or 0.0
+            ok = slo.met_by_run(summary) and summary["failed"] == 0
             run["meets_slo"] = ok
+            run["served_rate"] = served
+            if by_rate:
+                kept_up = served >= 0.9 * level
+                run["kept_up"] = kept_up
+                if ok and not kept_up:
+                    notes.append(
+                        f"offered {level:.3g}/s, served {served:.3g}/s: the server fell behind, "
+                        "so this run counts as failing whatever its percentiles say"
+                    )
+                    ok = False
+                elif ok and passed and served < best_served * 1.1 and level > passed[0]:
+                    notes.append(
+                        f"offered {level:.3g}/s, served {served:.3g}/s: served throughput "
+                        "stopped growing"
+                    )
+                    ok = False
             if ok:
                 passed = (level, run)
+                best_served = max(best_served, served)
                 if failed_at is None:
                     level *= 2
                     continue
             else:
-                failed_at = level
+                failed_at = level if failed_at is None else min(failed_at, level)
             if passed is None:
                 if not by_rate:
-                    break  # one request at a time already misses the SLO
+                    stop = "one request at a time already misses the SLO"
+                    break
                 level /= 2  # look lower for a rate that passes
                 continue
             assert failed_at is not None
             if (failed_at / passed[0] <= 1.1) if by_rate else (failed_at - passed[0] <= 1):
+                stop = "bracketed: the last passing and first failing loads are adjacent"
                 break
             level = (passed[0] * failed_at) ** 0.5 if by_rate else (passed[0] + failed_at) // 2
+        if stop is None:
+            stop = (
+                f"ran out of runs (--max-runs {self.s.max_runs}) before bracketing the capacity"
+                + ("" if failed_at else ": no failing load was found, so it may be higher")
+            )
         unit = "rate" if by_rate else "concurrency"
+        best = passed[0] if passed else None
+        if by_rate and passed:
+            best = min(passed[0], passed[1]["served_rate"])  # never above what was served
         self.state.capacity = {
             "by": unit,
             "slo": {k: v for k, v in slo.limits.items()},
-            f"max_{unit}_meeting_slo": passed[0] if passed else None,
+            f"max_{unit}_meeting_slo": best,
             f"first_failing_{unit}": failed_at,
+            "offered_rate": passed[0] if passed and by_rate else None,
+            "served_rate": passed[1]["served_rate"] if passed else None,
             "run": passed[1]["summary"] if passed else None,
             "searched_runs": runs,
+            "stopped": stop,
+            "notes": notes,
         }
+
+
+def _requested(s: BenchSettings) -> str:
+    if s.workload == "shared-prefix":
+        return f"{s.prefix_len}+{s.suffix_len}"
+    if s.workload == "long-prompt":
+        return f"32 (streams), {s.long_len} (long prompts)"
+    if s.workload.startswith("file:"):
+        return "from the file"
+    return s.input_len
+
+
+def _reuse_warnings(workload: str, summary: dict[str, Any], server: dict[str, Any]) -> list[str]:
+    """A workload of fresh prompts that the cache served anyway was run before (same seed)."""
+    if workload not in ("random", "long-prompt"):
+        return []  # shared-prefix and files share prompts by design
+    rate = server.get("prefix_hit_rate")
+    if rate is None and summary.get("total_cached_tokens") is not None:
+        rate = summary["total_cached_tokens"] / max(summary["total_input_tokens"], 1)
+    if rate is not None and rate > 0.3:
+        return [
+            f"{rate:.0%} of prompt tokens came from the prefix cache: these prompts were seen "
+            "before (an earlier run with the same --seed?), so TTFT is not prefill's"
+        ]
+    return []
+
+
+_BACKENDS = {"openai-completions": "openai", "openai-chat": "openai-chat", "ollama": "ollama"}
+
+
+def vllm_fields(
+    traces: list[Trace],
+    metadata: dict[str, Any],
+    s: BenchSettings,
+    rate: float,
+    concurrency: int | None,
+    summary: dict[str, Any],
+) -> dict[str, Any]:
+    """vllm bench serve's result keys with vLLM's meanings, so tools that read its JSON read
+    ours. Per-request arrays follow its conventions: seconds, every request in send order,
+    failed ones with 0 and their error (vLLM's own convention; our `requests` records keep
+    None instead), `itls` one sample per chunk gap as vLLM records it (our per-token samples are
+    in `requests[].itl_ms`)."""
+    order = sorted(traces, key=lambda t: t.start_s)
+    t0 = min((t.start_s for t in order), default=0.0)
+    api = metadata.get("api", "openai-completions")
+    return {
+        "backend": _BACKENDS.get(api, api),
+        "endpoint_type": _BACKENDS.get(api, api),
+        "label": None,
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "model_id": metadata.get("model"),
+        "tokenizer_id": metadata.get("model"),  # prompts are tokenized by the server itself
+        "num_prompts": len(traces),
+        "request_rate": "inf" if math.isinf(rate) else rate,
+        "burstiness": s.burstiness,
+        "max_concurrency": concurrency,
+        "max_concurrent_requests": _max_in_flight(order),
+        "max_output_tokens_per_s": _max_output_tokens_per_s(order),
+        "request_goodput": summary.get("request_goodput"),
+        "input_lens": [t.prompt_tokens or t.prompt_tokens_asked or 0 for t in order],
+        "output_lens": [(t.n_output or 0) if t.ok else 0 for t in order],
+        "ttfts": [t.ttft_s or 0.0 for t in order],
+        "itls": [
+            [b.t_s - a.t_s for a, b in zip(t.chunks, t.chunks[1:], strict=False)] if t.ok else []
+            for t in order
+        ],
+        "latencies": [t.e2e_s or 0.0 for t in order],
+        "start_times": [t.start_s - t0 for t in order],
+        "errors": [t.error or "" for t in order],
+    }
+
+
+def _max_in_flight(traces: list[Trace]) -> int:
+    events = sorted(
+        [(t.start_s, 1) for t in traces] + [(t.end_s or t.start_s, -1) for t in traces],
+        key=lambda e: (e[0], e[1]),
+    )
+    now = peak = 0
+    for _, step in events:
+        now += step
+        peak = max(peak, now)
+    return peak
+
+
+def _max_output_tokens_per_s(traces: list[Trace]) -> float:
+    """Most output tokens delivered in any whole second of the run (chunks carry the tokens;
+    a request's count is spread over its chunks)."""
+    t0 = min((t.start_s for t in traces), default=0.0)
+    per_second: dict[int, float] = {}
+    for t in traces:
+        if not t.ok or not t.chunks:
+            continue
+        each = (t.n_output or len(t.chunks)) / len(t.chunks)
+        for c in t.chunks:
+            second = int(c.t_s - t0)
+            per_second[second] = per_second.get(second, 0.0) + each
+    return max(per_second.values(), default=0.0)
 
 
 def _request_record(t: Any) -> dict[str, Any]:
@@ -326,7 +518,10 @@ async def bench(
         }
         b = Bench(s, client, runtime, model, state, on_progress, streams)
         state.metadata["exact_prompt_tokens"] = b.builder.use_tokenize
+        state.metadata["seed"] = b.seed
+        state.metadata["seed_given"] = s.seed is not None
         await b.warm_up()
+        await b.calibrate()
         await b.series()
     return state.result()
 

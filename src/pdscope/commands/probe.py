@@ -8,7 +8,10 @@ the traces into figures and findings.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +21,7 @@ from typing import Any
 import aiohttp
 import httpx
 
-from pdscope.analysis.probe import Ceilings, analyze
+from pdscope.analysis.probe import Ceilings, ModelBytes, analyze
 from pdscope.client.adapters import (
     API_OLLAMA,
     API_OPENAI_CHAT,
@@ -28,6 +31,7 @@ from pdscope.client.adapters import (
     run_openai,
 )
 from pdscope.client.adapters import session as adapter_session
+from pdscope.client.counters import PrefixHitCounter
 from pdscope.client.detect import ProbeError, Runtime, detect
 from pdscope.client.prompts import PromptBuilder
 from pdscope.client.trace import Trace
@@ -49,6 +53,9 @@ class ProbeSettings:
     device: str | None = None  # for the ceiling: catalog name or "local"
     plan_model: str | None = None  # preset or config.json for the ceiling
     dtype: str | None = None  # weight precision for the ceiling (default: checkpoint's)
+    # Prompts are drawn fresh for every probe so no run meets an earlier one's prompts in the
+    # server's prefix cache; a seed repeats a run's prompts exactly (recorded in the result).
+    seed: int | None = None
 
 
 class Prober:
@@ -60,14 +67,20 @@ class Prober:
         model: str,
         tick: Callable[[str], None],
         streams: aiohttp.ClientSession,
+        seed: int = 0,
     ):
         self.s, self.client, self.runtime, self.model, self.tick = s, client, runtime, model, tick
         self.streams = streams  # generation requests; `client` for everything else
         self.headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else None
         self.api = runtime.api if s.api == "auto" else s.api
         exact = self.api == API_OPENAI_COMPLETIONS and runtime.has_tokenize
-        self.builder = PromptBuilder(client, runtime.url, model, exact, self.headers)
+        self.builder = PromptBuilder(
+            client, runtime.url, model, exact, self.headers, seed, runtime.tokenize_key
+        )
         self.traces: list[Trace] = []
+        self.counter = (
+            PrefixHitCounter(client, runtime.url, self.headers) if runtime.has_metrics else None
+        )
 
     @property
     def exact_prompts(self) -> bool:
@@ -80,6 +93,7 @@ class Prober:
         self, prompt: list[int] | str, asked: int, label: str, max_tokens: int | None = None
     ) -> Trace:
         out = max_tokens or self.s.output_tokens
+        hits_before = await self.counter.read() if self.counter else None
         if self.api == API_OLLAMA:
             trace = await run_ollama(
                 self.streams,
@@ -101,6 +115,13 @@ class Prober:
             self.builder.calibrate(words, trace.prompt_tokens)
         if trace.error is None and trace.token_source == "none":
             trace.token_source = "chunks (server sent no token counts)"
+        hits_after = await self.counter.read() if self.counter else None
+        if hits_before is not None and hits_after is not None and self.counter:
+            delta = round(hits_after - hits_before)
+            trace.server["prefix_cache_hits_delta"] = {self.counter.label: delta}
+            if trace.cached_source is None:  # the server's own per-request count wins
+                trace.cached_tokens = delta
+                trace.cached_source = "metrics-counter"
         self.traces.append(trace)
         self.tick(label)
         return trace
@@ -137,9 +158,15 @@ class Prober:
 
 
 def _cap_sweep(s: ProbeSettings, max_len: int | None) -> list[str]:
+    """Size every check to the server's context, so no request is sent that must fail."""
     notes = []
     if max_len:
         room = max_len - s.output_tokens - 32
+        if room < 16:
+            raise ProbeError(
+                f"the server's context of {max_len} tokens leaves no room for a prompt with "
+                f"{s.output_tokens} output tokens: lower --output-tokens"
+            )
         capped = sorted({min(n, room) for n in s.prompt_tokens if n > 0})
         if capped != sorted(s.prompt_tokens):
             notes.append(
@@ -148,13 +175,88 @@ def _cap_sweep(s: ProbeSettings, max_len: int | None) -> list[str]:
         s.prompt_tokens = capped
         if s.prefix_tokens:
             s.prefix_tokens = min(s.prefix_tokens, room - 16)
+        elif s.prompt_tokens[-1] + 16 > room:
+            s.prefix_tokens = room - 16
+        if s.context_tokens and s.context_tokens > room:
+            notes.append(
+                f"context check capped at {room} tokens by the server's max length {max_len}"
+            )
+            s.context_tokens = room
     return notes
 
 
+async def _ollama_context(
+    client: httpx.AsyncClient, url: str, model: str, headers: dict[str, str] | None
+) -> tuple[int | None, str]:
+    """The context Ollama serves this model with (its num_ctx), and where that came from.
+
+    /api/ps gives the loaded model's context_length (recent versions); /api/show gives num_ctx
+    when the Modelfile sets it. The model's trained length in model_info is not what Ollama
+    serves (it runs at num_ctx, 2,048 tokens in older releases), so it is never used."""
+    try:
+        ps = (await client.get(f"{url}/api/ps", headers=headers)).json()
+        for m in ps.get("models") or []:
+            if model in (m.get("name"), m.get("model")) and m.get("context_length"):
+                return int(m["context_length"]), "/api/ps context_length"
+    except (httpx.HTTPError, ValueError, TypeError, AttributeError):
+        pass
+    try:
+        show = (await client.post(f"{url}/api/show", json={"model": model}, headers=headers)).json()
+        found = re.search(r"num_ctx\s+(\d+)", str(show.get("parameters") or ""))
+        if found:
+            return int(found.group(1)), "/api/show num_ctx"
+    except (httpx.HTTPError, ValueError, TypeError, AttributeError):
+        pass
+    return None, ""
+
+
+def _dtype_of(s: ProbeSettings, root: str | None) -> str:
+    if s.dtype:
+        return s.dtype
+    if root and (Path(root) / "config.json").is_file():
+        torch_dtype = json.loads((Path(root) / "config.json").read_text()).get("torch_dtype")
+        return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(torch_dtype, "bf16")
+    return "bf16"
+
+
+def model_bytes_for(s: ProbeSettings, root: str | None) -> ModelBytes | None:
+    """What one decode step reads for the plan model (or the served checkpoint): needs no
+    device, so the context check can be split into bytes and the rest on any server."""
+    from pdscope.roofline import arithmetic as rf
+    from pdscope.specs import SpecError
+    from pdscope.specs.models import load_model
+    from pdscope.specs.precisions import get_kv_precision, get_weight_precision
+
+    name = s.plan_model or root
+    if not name:
+        return None
+    try:
+        spec = load_model(name)
+        weights = get_weight_precision(_dtype_of(s, root))
+        kv = get_kv_precision(weights.name if weights.name in ("fp32", "bf16", "fp16") else "bf16")
+    except SpecError:
+        return None
+    return ModelBytes(
+        model=spec.name,
+        params=spec.total_params,
+        weight_bytes=spec.params_read_per_token * weights.bytes_per_weight,
+        kv_bytes=lambda n: float(rf.kv_bytes_at_context(spec, kv, max(n, 0))),
+    )
+
+
+def measure_bandwidth_gb_s() -> float:
+    """This machine's streaming read bandwidth now (probe takes one reading before its
+    requests and one after: decode verdicts on a shared machine need both)."""
+    from pdscope.specs.local import measure
+
+    return measure(array_mib=256, repeats=3).bandwidth_gb_s
+
+
 def ceilings_for(
-    s: ProbeSettings, output_tokens: int, root: str | None
+    s: ProbeSettings, output_tokens: int, root: str | None, readings_gb_s: list[float]
 ) -> tuple[Ceilings | None, list[str]]:
-    """The roofline for this model on the given device, when both are known."""
+    """The roofline for this model on the given device, when both are known. On this machine
+    ('local') the bandwidth is the mean of the readings taken around the probe."""
     if not s.device:
         return None, []
     from pdscope.commands.plan import resolve
@@ -164,12 +266,12 @@ def ceilings_for(
     model = s.plan_model or root
     if not model:
         return None, ["no model for the ceiling: pass --plan-model (a preset or config.json)"]
-    dtype = s.dtype
-    if dtype is None and root and (Path(root) / "config.json").is_file():
-        torch_dtype = json.loads((Path(root) / "config.json").read_text()).get("torch_dtype")
-        dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(torch_dtype)
+    local = s.device.lower() == "local"
+    mean_gb_s = sum(readings_gb_s) / len(readings_gb_s) if local and readings_gb_s else None
     try:
-        p = resolve(model=model, device=s.device, dtype=dtype or "bf16")
+        p = resolve(
+            model=model, device=s.device, dtype=_dtype_of(s, root), bandwidth_gb_s=mean_gb_s
+        )
     except SpecError as exc:
         return None, [f"no ceiling: {exc}"]
 
@@ -182,10 +284,27 @@ def ceilings_for(
 
     label = (
         p.device.label
-        if p.device.name != "local"
-        else f"this machine ({p.device.bandwidth_gb_s:.0f} GB/s measured)"
+        if not local
+        else "this machine ("
+        + " and ".join(f"{g:.1f}" for g in readings_gb_s)
+        + " GB/s measured before and after)"
     )
-    return Ceilings(label, decode, floor), []
+    return (
+        Ceilings(
+            label,
+            decode,
+            floor,
+            model=p.model.name,
+            model_params=p.model.total_params,
+            bandwidth_readings_gb_s=list(readings_gb_s) if local else [],
+        ),
+        [],
+    )
+
+
+# Ollama's num_ctx when nothing says otherwise: 2,048 in releases before 0.6 (later ones serve
+# more), so checks sized to it fit every release.
+OLLAMA_DEFAULT_CONTEXT = 2048
 
 
 async def probe(
@@ -206,8 +325,22 @@ async def probe(
         model = runtime.pick_model(s.model)
         if s.api == API_OPENAI_CHAT and runtime.api == API_OLLAMA:
             raise ProbeError(f"{runtime.url} speaks Ollama's API, not openai-chat")
-        notes = _cap_sweep(s, s.max_model_len or runtime.max_model_len)
-        prober = Prober(s, client, runtime, model, tick, streams)
+        notes: list[str] = []
+        if runtime.name == "ollama" and not (s.max_model_len or runtime.max_model_len):
+            runtime.max_model_len, source = await _ollama_context(
+                client, runtime.url, model, headers
+            )
+            if runtime.max_model_len is None:
+                runtime.max_model_len = OLLAMA_DEFAULT_CONTEXT
+                notes.append(
+                    f"Ollama did not say its context (num_ctx): checks sized to "
+                    f"{OLLAMA_DEFAULT_CONTEXT} tokens, its smallest default; pass --max-model-len"
+                )
+            else:
+                runtime.evidence.append(f"{source} {runtime.max_model_len}")
+        notes += _cap_sweep(s, s.max_model_len or runtime.max_model_len)
+        seed = s.seed if s.seed is not None else secrets.randbelow(2**31)
+        prober = Prober(s, client, runtime, model, tick, streams, seed)
         if not prober.exact_prompts:
             notes.append(
                 "no /tokenize for this API: prompt sizes are calibrated from the "
@@ -215,16 +348,29 @@ async def probe(
             )
         if on_start:
             on_start(prober.planned_requests())
+        local = (s.device or "").lower() == "local"
+        readings = [measure_bandwidth_gb_s()] if local else []
         partial = None
         try:
             await prober.run()
         except (httpx.HTTPError, aiohttp.ClientError, ProbeError, OSError) as exc:
             partial = f"stopped early: {type(exc).__name__}: {exc}"
-        root = await _model_root(client, runtime, headers)
+        if local:
+            readings.append(measure_bandwidth_gb_s())
+        served = await _served_model(client, runtime, model, headers)
 
-    ceilings, more = ceilings_for(s, s.output_tokens, root)
+    root = served.get("root")
+    ceilings, more = ceilings_for(s, s.output_tokens, root, readings)
     notes += more
-    result = analyze(prober.traces, runtime.name, ceilings)
+    result = analyze(
+        prober.traces, runtime.name, ceilings, model_bytes_for(s, root), served_model=served
+    )
+    if prober.traces and all(t.cached_source is None for t in prober.traces if t.ok):
+        notes.append(
+            "the server reports no cached-token count and has no prefix-hit counter: a cache "
+            "hit cannot be ruled out"
+            + (" (--seed repeats earlier prompts)" if s.seed is not None else "")
+        )
     return {
         "runtime": {
             "name": runtime.name,
@@ -235,6 +381,7 @@ async def probe(
             "max_model_len": prober.max_len,
         },
         "model": model,
+        "served_model": served,
         "settings": {
             "prompt_tokens": s.prompt_tokens,
             "output_tokens": s.output_tokens,
@@ -242,7 +389,10 @@ async def probe(
             "exact_prompt_tokens": prober.exact_prompts,
             "context_tokens": prober.context_tokens,
             "device": s.device,
+            "seed": seed,
+            "seed_given": s.seed is not None,
         },
+        "prefix_counter": prober.counter.label if prober.counter and prober.counter.name else None,
         "started_unix_s": started,
         "partial": partial,
         "notes": notes,
@@ -251,15 +401,35 @@ async def probe(
     }
 
 
-async def _model_root(
-    client: httpx.AsyncClient, runtime: Runtime, headers: dict[str, str] | None
-) -> str | None:
-    """A local checkpoint directory the server reports (pdscope and vLLM give `root`)."""
-    if runtime.api == API_OLLAMA:
-        return None
-    try:
-        data = (await client.get(f"{runtime.url}/v1/models", headers=headers)).json()["data"]
-    except (httpx.HTTPError, ValueError, KeyError):
-        return None
-    root = data[0].get("root") if data else None
-    return root if root and Path(root, "config.json").is_file() else None
+async def _served_model(
+    client: httpx.AsyncClient, runtime: Runtime, model: str, headers: dict[str, str] | None
+) -> dict[str, Any]:
+    """What the server says about the model it serves: name, context, parameter count where it
+    exposes one, and a local checkpoint directory (pdscope and vLLM give `root`)."""
+    out: dict[str, Any] = {"name": model, "max_model_len": runtime.max_model_len}
+    if runtime.api == API_OLLAMA or runtime.name in ("ollama", "pdscope"):
+        try:
+            show = await client.post(
+                f"{runtime.url}/api/show", json={"model": model}, headers=headers
+            )
+            info = show.json().get("model_info") or {} if show.status_code == 200 else {}
+            if isinstance(info.get("general.parameter_count"), int | float):
+                out["params"] = float(info["general.parameter_count"])
+        except (httpx.HTTPError, ValueError, AttributeError):
+            pass
+    if runtime.api != API_OLLAMA:
+        try:
+            data = (await client.get(f"{runtime.url}/v1/models", headers=headers)).json()["data"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            data = []
+        entry = next((m for m in data if m.get("id") == model), data[0] if data else {})
+        root = entry.get("root")
+        if root and Path(root, "config.json").is_file():
+            out["root"] = root
+            if "params" not in out:
+                from pdscope.specs import SpecError
+                from pdscope.specs.models import load_model
+
+                with contextlib.suppress(SpecError):
+                    out["params"] = load_model(root).total_params
+    return out

@@ -17,7 +17,8 @@ def render_bench(r: dict[str, Any], console: Console) -> None:
     console.print(
         f"[bold]pdscope bench[/] {m['url']}: [bold]{m['runtime']}[/], model "
         f"[bold]{m['model']}[/], workload {m['workload']}, API {m['api']}, prompt "
-        f"tokens {'exact' if m.get('exact_prompt_tokens') else 'calibrated'}"
+        f"tokens {_prompt_mode(m)}, seed {m.get('seed')} "
+        f"({'given' if m.get('seed_given') else 'fresh prompts'})"
     )
     table = Table(
         title="Runs (latencies in ms; percentiles by numpy linear interpolation)",
@@ -61,6 +62,36 @@ def render_bench(r: dict[str, Any], console: Console) -> None:
             row.append(_f(s.get("goodput_fraction"), "{:.0%}"))
         table.add_row(*row)
     console.print(fit_figures(table, console))
+    for run in r["runs"]:
+        got = run["summary"].get("input_tokens_achieved")
+        console.print(
+            f"input tokens at {_load(run)}: asked {run.get('input_tokens_requested', '?')}, "
+            + (
+                f"sent median {got['median']:,.0f} (range {got['min']:,}–{got['max']:,}, "
+                f"{got['source']})"
+                if got
+                else "sent unknown (the server reports no prompt counts)"
+            )
+        )
+        for warning in run.get("warnings") or []:
+            console.print(f"[yellow]warning at {_load(run)}:[/] {warning}")
+        if run["summary"].get("retried"):
+            console.print(
+                f"[yellow]{run['summary']['retried']} request(s) at {_load(run)} were sent again[/]"
+                " after the server closed an idle keep-alive connection under them "
+                "(see requests[].retried)"
+            )
+    for run in r["runs"]:
+        sm = run["summary"]
+        if sm.get("mean_setup_ms") is not None or sm.get("p99_close_ms") is not None:
+            # The two places where vLLM's clocks would give other numbers (docs/metrics.md).
+            console.print(
+                f"[dim]at {_load(run)}: connection setup mean "
+                f"{_f(sm.get('mean_setup_ms'), '{:,.2f}')} ms (outside TTFT here; vLLM's TTFT "
+                "includes it); close p99 "
+                f"{_f(sm.get('p99_close_ms'), '{:,.1f}')} ms after the last content token "
+                "(outside E2E, as in vLLM)[/]"
+            )
     for run in r["runs"]:
         lag = run["summary"]["client_lag_ms"] or {}
         if run["request_rate"] is not None and lag.get("p99") is not None:
@@ -147,7 +178,7 @@ def render_bench(r: dict[str, Any], console: Console) -> None:
         slo = ", ".join(f"{k} ≤ {v * 1e3:g} ms" for k, v in cap["slo"].items())
         best, broke = cap[f"max_{unit}_meeting_slo"], cap[f"first_failing_{unit}"]
         what = (
-            (lambda x: f"{x:.3g} requests/s")
+            (lambda x: f"{x:.3g} requests/s served")
             if unit == "rate"
             else (lambda x: f"{x:g} concurrent requests")
         )
@@ -158,11 +189,30 @@ def render_bench(r: dict[str, Any], console: Console) -> None:
                 if best
                 else f"no {unit} tried meets it"
             )
-            + (f"; {what(broke)} breaks it" if broke else "")
+            + (
+                f"; {broke:.3g} requests/s offered breaks it"
+                if broke and unit == "rate"
+                else (f"; {what(broke)} breaks it" if broke else "")
+            )
             + f" ({cap['searched_runs']} runs)"
         )
+        if cap.get("stopped"):
+            console.print(f"search stopped: {cap['stopped']}")
+        for note in cap.get("notes") or []:
+            console.print(f"[dim]{note}[/]")
     if r.get("partial"):
         console.print(f"[red]partial results:[/] {r['partial']}")
+
+
+def _prompt_mode(m: dict[str, Any]) -> str:
+    if m.get("exact_prompt_tokens"):
+        return "exact (/tokenize)"
+    cal = m.get("prompt_calibration")
+    if cal and cal.get("reported") and not cal.get("error"):
+        return f"calibrated on the server's counts ({cal['requests']} requests)"
+    if cal:
+        return f"estimated, not calibrated ({cal.get('error')})"
+    return "from the workload file" if str(m.get("workload", "")).startswith("file:") else "?"
 
 
 def _load(run: dict[str, Any]) -> str:
@@ -192,21 +242,50 @@ COMPARED = (
 )
 
 
-def comparable(result: dict[str, Any]) -> dict[str, Any]:
-    """A saved run's figures: the top level (one run, or vllm bench serve's own JSON), else
-    the last run of a series."""
+def runs_of(result: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Every run in a saved result, labelled by its load: a pdscope file holds one run or a
+    series (`runs`); a vllm bench serve file is one run with its figures at the top level."""
+    runs = result.get("runs")
+    if runs:
+        return [(_load(run), run["summary"]) for run in runs]
     if "completed" in result:
-        return result
-    runs = result.get("runs") or []
-    if not runs:
-        raise ValueError("no run in this file")
-    return runs[-1]["summary"]
+        rate = result.get("request_rate")
+        conc = result.get("max_concurrency")
+        label = " ".join(
+            [f"{rate:g}/s" if isinstance(rate, int | float) else "all at once"]
+            + ([f"c={conc}"] if conc else [])
+        )
+        return [(label, result)]
+    raise ValueError("no run in this file")
 
 
 def render_compare(
-    a: dict[str, Any], b: dict[str, Any], names: tuple[str, str], console: Console
+    a: list[tuple[str, dict[str, Any]]],
+    b: list[tuple[str, dict[str, Any]]],
+    names: tuple[str, str],
+    console: Console,
 ) -> None:
-    table = Table(title=f"{names[0]} vs {names[1]}", title_justify="left")
+    """Run i of A against run i of B for every run (a single run is set against each run of a
+    series); series of different lengths are refused rather than silently cut."""
+    if len(a) != len(b) and 1 not in (len(a), len(b)):
+        raise ValueError(
+            f"{names[0]} holds {len(a)} runs and {names[1]} {len(b)}: compare series of equal "
+            "length, or one run against a series"
+        )
+    pairs = list(
+        zip(a * len(b) if len(a) == 1 else a, b * len(a) if len(b) == 1 else b, strict=True)
+    )
+    for (la, x), (lb, y) in pairs:
+        title = f"{names[0]} ({la}) vs {names[1]} ({lb})"
+        _compare_table(x, y, title, names, console)
+    if len(pairs) > 1:
+        console.print(f"compared {len(pairs)} pairs of runs, in order")
+
+
+def _compare_table(
+    a: dict[str, Any], b: dict[str, Any], title: str, names: tuple[str, str], console: Console
+) -> None:
+    table = Table(title=title, title_justify="left")
     for col in ("figure", names[0], names[1], "B / A"):
         table.add_column(col, justify="right")
     for key in COMPARED:

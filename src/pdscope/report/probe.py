@@ -25,7 +25,9 @@ def render_probe(r: dict[str, Any], console: Console) -> None:
     s = r["settings"]
     console.print(
         f"{s['repeats']} repeats per point, {s['output_tokens']} output tokens, "
-        f"prompt tokens {'exact (/tokenize)' if s['exact_prompt_tokens'] else 'calibrated'}"
+        f"prompt tokens {'exact (/tokenize)' if s['exact_prompt_tokens'] else 'calibrated'}, "
+        f"seed {s.get('seed')} ({'given' if s.get('seed_given') else 'fresh prompts'})"
+        + (f", cache hits read from {r['prefix_counter']}" if r.get("prefix_counter") else "")
     )
     if r.get("cold"):
         c = r["cold"]
@@ -111,10 +113,20 @@ def render_probe(r: dict[str, Any], console: Console) -> None:
         )
     if r.get("ceiling"):
         c = r["ceiling"]
+        margin = c.get("decode_pct_range")
         console.print(
-            f"vs {c['device']}: decode at {_f(c['decode_pct_of_ceiling'], '{:.0f}%')} "
-            f"of the bandwidth ceiling, prefill at "
+            f"vs {c['device']} ({c.get('model') or 'model'}): decode at "
+            f"{_f(c['decode_pct_of_ceiling'], '{:.0f}%')}"
+            + (f" (margin {margin[0]:.0f}–{margin[1]:.0f}%)" if margin else "")
+            + f" of the bandwidth ceiling, prefill at "
             f"{_f(c['prefill_pct_of_floor'], '{:.0f}%')} of the compute floor"
+        )
+    served = r.get("served_model") or {}
+    if served.get("params") or served.get("max_model_len"):
+        console.print(
+            f"served model {served.get('name')}: "
+            f"{_f((served.get('params') or 0) / 1e9 or None, '{:.3g}B parameters')}, context "
+            f"{_f(served.get('max_model_len'), '{:,}')} tokens"
         )
 
     findings = Table(title="Findings", title_justify="left", show_lines=True)
@@ -130,6 +142,8 @@ def render_probe(r: dict[str, Any], console: Console) -> None:
             f"[red]failed[/] {failure['label']} ({failure['prompt_tokens']} tokens): "
             f"{failure['error']}"
         )
+    for what in r.get("unmeasured", []):
+        console.print(f"[red]not measured:[/] {what}")
     if r.get("partial"):
         console.print(f"[red]partial results:[/] {r['partial']}")
 
