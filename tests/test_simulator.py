@@ -223,18 +223,23 @@ def test_simulate_cli_writes_bench_shaped_json_that_bench_compare_reads(tmp_path
     files = []
     for budget in (512, 8192):
         path = tmp_path / f"sim-{budget}.json"
+        html = tmp_path / f"sim-{budget}.html"
         result = runner.invoke(
             app,
             [
                 "simulate", "--workload", "long-prompt", "--long-len", "8000", "--long-rate",
                 "2", "--duration", "5", "--stream-output", "400",
                 "--max-num-batched-tokens", str(budget), "--save-result", str(path),
+                "--report", str(html),
             ],
         )  # fmt: skip
         assert result.exit_code == 0, result.output
         data = json.loads(path.read_text())
         assert data["simulated"] is True and data["metadata"]["device"] == "h100-sxm"
         assert data["failed"] == 0 and data["completed"] > 8
+        # vllm bench serve's keys, per request, as bench writes them
+        assert data["num_prompts"] == len(data["ttfts"]) == len(data["input_lens"])
+        assert "simulated://h100-sxm" in html.read_text() and "<img" in html.read_text()
         files.append(path)
     small, large = (json.loads(f.read_text()) for f in files)
     decode = [r["runs"][0]["by_kind"]["decode"]["p99_itl_ms"] for r in (small, large)]

@@ -855,6 +855,9 @@ def simulate(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     save_result: Annotated[Path | None, typer.Option(help="Write the result JSON here.")] = None,
+    report: Annotated[
+        Path | None, typer.Option(help="Write bench's HTML report (with the server timeline) here.")
+    ] = None,
 ) -> None:
     """Bench's workloads through pdscope's own scheduler on a roofline clock: latency and
     throughput for hardware you do not have. Not yet validated against the real engine (see
@@ -886,6 +889,10 @@ def simulate(
         raise fail(str(exc)) from None
     if save_result is not None:
         save_result.write_text(json.dumps(result, indent=2))
+    if report is not None:
+        from pdscope.report.bench_html import render_html
+
+        report.write_text(render_html(result))
     if as_json:
         print_json(result)
     else:

@@ -246,8 +246,10 @@ class Bench:
             "server": server.to_dict(),
             "warnings": _reuse_warnings(s.workload, summary, server.to_dict()),
             "partial": load.partial,
-            "vllm": vllm_fields(load.traces, self.state.metadata, s, rate, concurrency, summary),
-            "requests": [_request_record(t) for t in load.traces],
+            "vllm": vllm_fields(
+                load.traces, self.state.metadata, s.burstiness, rate, concurrency, summary
+            ),
+            "requests": [request_record(t) for t in load.traces],
         }
         self.state.runs.append(run)
         if load.partial:
@@ -404,7 +406,7 @@ _BACKENDS = {"openai-completions": "openai", "openai-chat": "openai-chat", "olla
 def vllm_fields(
     traces: list[Trace],
     metadata: dict[str, Any],
-    s: BenchSettings,
+    burstiness: float,
     rate: float,
     concurrency: int | None,
     summary: dict[str, Any],
@@ -426,7 +428,7 @@ def vllm_fields(
         "tokenizer_id": metadata.get("model"),  # prompts are tokenized by the server itself
         "num_prompts": len(traces),
         "request_rate": "inf" if math.isinf(rate) else rate,
-        "burstiness": s.burstiness,
+        "burstiness": burstiness,
         "max_concurrency": concurrency,
         "max_concurrent_requests": _max_in_flight(order),
         "max_output_tokens_per_s": _max_output_tokens_per_s(order),
@@ -471,7 +473,8 @@ def _max_output_tokens_per_s(traces: list[Trace]) -> float:
     return max(per_second.values(), default=0.0)
 
 
-def _request_record(t: Any) -> dict[str, Any]:
+def request_record(t: Trace) -> dict[str, Any]:
+    """One request of a run, as the saved result and the HTML report keep it."""
     return {
         "kind": t.label,
         "ok": t.ok,

@@ -28,6 +28,7 @@ from pdscope.client.workloads import (
     random_workload,
     shared_prefix_workload,
 )
+from pdscope.commands.bench import BenchState, request_record, vllm_fields
 from pdscope.commands.plan import PlanInputs, resolve
 from pdscope.engine.scheduler import SchedulerConfig
 from pdscope.engine.simulator import SimRequest, SimResult, Simulator
@@ -306,36 +307,48 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
         traces.append(trace)
     duration_s = result.end_s  # from the run's start at 0, as bench measures it
     summary = summarize(traces, duration_s, slo=slo)
+    rate = None if math.isinf(s.request_rate) else s.request_rate
+    metadata = {
+        "url": url,
+        "runtime": "pdscope simulate",
+        "runtime_version": __version__,
+        "pdscope_version": __version__,
+        "model": p.model.name,
+        "api": "simulated",
+        "workload": s.workload,
+        "exact_prompt_tokens": True,
+        "prompt_mode": "exact (synthetic token ids, no tokenizer)",
+        "device": p.device.name,
+        "dtype": p.weights.name,
+        "kv_dtype": p.kv.name,
+        "kv_pool_blocks": blocks,
+        "kv_pool_tokens": blocks * s.block_size,
+        "cost_params": asdict(params),
+        "settings": {**asdict(s), "request_rate": rate},
+        "seed": s.seed,
+        "seed_given": True,
+        "wall_s": wall,
+    }
     run = {
-        "request_rate": None if math.isinf(s.request_rate) else s.request_rate,
+        "request_rate": rate,
         "max_concurrency": s.max_concurrency,
+        "input_tokens_requested": _requested(s),
         "summary": summary,
         "by_kind": by_kind(traces, duration_s, (50, 90, 95, 99)),
         "server": _server_report(sim, result, url).to_dict(),
-    }
-    settings = asdict(s)
-    settings["request_rate"] = run["request_rate"]
-    return {
-        **summary,
-        "simulated": True,
-        "metadata": {
-            "url": url,
-            "runtime": "pdscope simulate",
-            "runtime_version": __version__,
-            "model": p.model.name,
-            "api": "simulated",
-            "workload": s.workload,
-            "exact_prompt_tokens": True,
-            "device": p.device.name,
-            "dtype": p.weights.name,
-            "kv_dtype": p.kv.name,
-            "kv_pool_blocks": blocks,
-            "kv_pool_tokens": blocks * s.block_size,
-            "cost_params": asdict(params),
-            "settings": settings,
-            "wall_s": wall,
-        },
-        "runs": [run],
-        "capacity": None,
+        "warnings": [],
         "partial": None,
+        "vllm": vllm_fields(
+            traces, metadata, s.burstiness, s.request_rate, s.max_concurrency, summary
+        ),
+        "requests": [request_record(t) for t in traces],
     }
+    return {**BenchState(metadata, [run]).result(), "simulated": True}
+
+
+def _requested(s: SimulateSettings) -> str:
+    if s.workload == "shared-prefix":
+        return f"{s.prefix_len}+{s.suffix_len}"
+    if s.workload == "long-prompt":
+        return f"32 (streams), {s.long_len} (long prompts)"
+    return s.input_len

@@ -205,6 +205,8 @@ def render_bench(r: dict[str, Any], console: Console) -> None:
 
 
 def _prompt_mode(m: dict[str, Any]) -> str:
+    if m.get("prompt_mode"):  # a source that says what its prompts are (simulate)
+        return str(m["prompt_mode"])
     if m.get("exact_prompt_tokens"):
         return "exact (/tokenize)"
     cal = m.get("prompt_calibration")
