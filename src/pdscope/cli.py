@@ -31,6 +31,17 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+# Workload flags that bench and simulate share: one definition, one help text.
+OutputLen = Annotated[str, typer.Option(help="Output tokens: N, LOW-HIGH or normal:MEAN:STD.")]
+Groups = Annotated[int, typer.Option(help="shared-prefix: prefix groups.")]
+PrefixLen = Annotated[int, typer.Option(help="shared-prefix: prefix tokens.")]
+SuffixLen = Annotated[int, typer.Option(help="shared-prefix: unique suffix tokens.")]
+Streams = Annotated[int, typer.Option(help="long-prompt: decode streams.")]
+StreamOutput = Annotated[int, typer.Option(help="long-prompt: tokens per stream.")]
+LongLen = Annotated[int, typer.Option(help="long-prompt: tokens per long prompt.")]
+LongRate = Annotated[float, typer.Option(help="long-prompt: long prompts per second.")]
+
+
 def fail(message: str, code: int = 2) -> typer.Exit:
     err_console.print(f"[bold red]error:[/] {message}", highlight=False)
     return typer.Exit(code)
@@ -580,16 +591,14 @@ def bench(
     input_len: Annotated[
         str, typer.Option(help="random: N, LOW-HIGH or normal:MEAN:STD tokens.")
     ] = "128",
-    output_len: Annotated[
-        str, typer.Option(help="Output tokens: N, LOW-HIGH or normal:MEAN:STD.")
-    ] = "128",
-    groups: Annotated[int, typer.Option(help="shared-prefix: prefix groups.")] = 4,
-    prefix_len: Annotated[int, typer.Option(help="shared-prefix: prefix tokens.")] = 1024,
-    suffix_len: Annotated[int, typer.Option(help="shared-prefix: unique suffix tokens.")] = 64,
-    streams: Annotated[int, typer.Option(help="long-prompt: decode streams.")] = 8,
-    stream_output: Annotated[int, typer.Option(help="long-prompt: tokens per stream.")] = 256,
-    long_len: Annotated[int, typer.Option(help="long-prompt: tokens per long prompt.")] = 2000,
-    long_rate: Annotated[float, typer.Option(help="long-prompt: long prompts per second.")] = 0.5,
+    output_len: OutputLen = "128",
+    groups: Groups = 4,
+    prefix_len: PrefixLen = 1024,
+    suffix_len: SuffixLen = 64,
+    streams: Streams = 8,
+    stream_output: StreamOutput = 256,
+    long_len: LongLen = 2000,
+    long_rate: LongRate = 0.5,
     request_rate: Annotated[
         str, typer.Option(help="Requests/s, or a series: 1,2,4,8 (inf = all at once).")
     ] = "inf",
@@ -830,16 +839,14 @@ def simulate(
     workload: Annotated[str, typer.Option(help="random, shared-prefix or long-prompt.")] = "random",
     num_prompts: Annotated[int, typer.Option(help="Requests.")] = 100,
     input_len: Annotated[str, typer.Option(help="random: N, LOW-HIGH or normal:MEAN:STD.")] = "128",
-    output_len: Annotated[
-        str, typer.Option(help="Output tokens: N, LOW-HIGH or normal:MEAN:STD.")
-    ] = "128",
-    groups: Annotated[int, typer.Option(help="shared-prefix: prefix groups.")] = 4,
-    prefix_len: Annotated[int, typer.Option(help="shared-prefix: prefix tokens.")] = 1024,
-    suffix_len: Annotated[int, typer.Option(help="shared-prefix: unique suffix tokens.")] = 64,
-    streams: Annotated[int, typer.Option(help="long-prompt: decode streams.")] = 8,
-    stream_output: Annotated[int, typer.Option(help="long-prompt: tokens per stream.")] = 256,
-    long_len: Annotated[int, typer.Option(help="long-prompt: tokens per long prompt.")] = 2000,
-    long_rate: Annotated[float, typer.Option(help="long-prompt: long prompts per second.")] = 0.5,
+    output_len: OutputLen = "128",
+    groups: Groups = 4,
+    prefix_len: PrefixLen = 1024,
+    suffix_len: SuffixLen = 64,
+    streams: Streams = 8,
+    stream_output: StreamOutput = 256,
+    long_len: LongLen = 2000,
+    long_rate: LongRate = 0.5,
     duration: Annotated[
         float | None,
         typer.Option(help="Stop sending after this many seconds (long-prompt: default 30)."),

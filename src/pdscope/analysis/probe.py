@@ -470,7 +470,7 @@ def findings(r: dict[str, Any], runtime: str) -> list[dict[str, str]]:
             "the server reports no cached-token count"
             if cached is None
             else f"server reports {cached:,} cached tokens "
-            f"({_SOURCES.get(pc['cached_source'], '')})"
+            f"({_SOURCES.get(pc.get('cached_source') or '', '')})"
         )
         if (pc.get("cold_cached_tokens") or 0) > CACHE_HIT_FRACTION * (pc["prompt_tokens"] or 0):
             add(
