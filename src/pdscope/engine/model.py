@@ -11,14 +11,19 @@ then reads keys and values from the cache through each sequence's block table.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Decode batches of 2 up to this many sequences do attention math in float32 on CPU (see _decode).
+if TYPE_CHECKING:
+    from pdscope.engine.kernels import KernelChoice
+
+# Decode batches of 2 up to this many sequences may do attention math in float32 on CPU (see
+# _decode; the kernel choice's decode_math says whether they do).
 _FLOAT32_DECODE_MAX_SEQS = 4
 # RMSNorm inputs up to this many elements take the LayerNorm form (see RMSNorm).
 _SMALL_NORM_ELEMENTS = 64 * 1024
@@ -263,6 +268,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.window = c.sliding_window
         self.scale = c.head_dim**-0.5
+        # Set by apply_kernels from the machine's kernel choice (see kernels.py).
+        self.prefill_sdpa = False
+        self.decode_float32 = True
 
     def forward(
         self,
@@ -332,7 +340,7 @@ class Attention(nn.Module):
         # On CPU, bf16 batched matmuls this small cost more in fixed overhead than converting a
         # few sequences' context to float32; past a few sequences the conversion costs more.
         dtype = kv_cache.dtype
-        if kv_cache.device.type == "cpu" and d <= _FLOAT32_DECODE_MAX_SEQS:
+        if self.decode_float32 and kv_cache.device.type == "cpu" and d <= _FLOAT32_DECODE_MAX_SEQS:
             dtype = torch.float32
         keys, values = kv[0].to(dtype), kv[1].to(dtype)  # [kvh, D, S, dim]
         q = q.to(dtype).view(d, self.num_kv_heads, group, dim).transpose(0, 1)
@@ -363,8 +371,14 @@ class Attention(nn.Module):
         else:
             kv = _gather_blocks(kv_cache, rows, batch.block_size)[:, :, : cached + q.shape[0]]
             keys, values = kv[0], kv[1]
-        if q.device.type == "cpu":
+        if q.device.type == "cpu" and not self.prefill_sdpa:
             return self._prefill_cpu(q, keys, values, cached)
+        return self._prefill_sdpa(q, keys, values, cached)
+
+    def _prefill_sdpa(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int
+    ) -> torch.Tensor:
+        """Torch's fused attention; a cached prefix or a window needs an explicit mask."""
         n, total = q.shape[0], keys.shape[1]
         mask = None
         if cached or self.window is not None:
@@ -482,3 +496,116 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+
+def apply_kernels(model: CausalLM, choice: KernelChoice) -> None:
+    """Point every module at the paths ``choice`` names (packing or unpacking linears)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            if choice.linear == "packed" and module.weight.dtype == torch.bfloat16:
+                if module.packed is None and can_pack(module.weight.dtype, module.weight.device):
+                    module.pack()
+            else:
+                module.packed = None  # frees the packed copy too
+        elif isinstance(module, Attention):
+            module.prefill_sdpa = choice.prefill_attention == "sdpa"
+            module.decode_float32 = choice.decode_math == "float32"
+
+
+def kernel_trials(
+    model: CausalLM, prefill_tokens: int
+) -> dict[str, Callable[[], dict[str, Callable[[], object]]]]:
+    """For each machine-dependent path of ``model`` on this device, a factory of timed
+    stand-ins for its candidates, built from the model's own weights and shapes (only when a
+    trial runs: a cached or forced choice allocates nothing). Paths with one candidate here
+    are left out.
+
+    * linear: one decode step's worth of matmuls (every weight read once, at one row), so the
+      trial streams from memory as a real step does;
+    * prefill attention: layer 0's attention over a fresh chunk of ``prefill_tokens``;
+    * decode math: every layer's attention for a batch of the largest size that may take the
+      float32 path, each with 256 tokens of context.
+    """
+    weight = model.embed_tokens.weight
+    dtype, device = weight.dtype, weight.device
+    if device.type != "cpu":
+        return {}
+    trials: dict[str, Callable[[], dict[str, Callable[[], object]]]] = {
+        "prefill_attention": lambda: _prefill_trial(model, max(1, prefill_tokens))
+    }
+    if can_pack(dtype, device):
+        trials["linear"] = lambda: _linear_trial(model)
+    if dtype != torch.float32:
+        trials["decode_math"] = lambda: _decode_math_trial(model)
+    return trials
+
+
+def _random(shape: tuple[int, ...], like: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator(device=like.device).manual_seed(0)
+    return (torch.randn(shape, generator=gen, device=like.device) * scale).to(like.dtype)
+
+
+def _linear_trial(model: CausalLM) -> dict[str, Callable[[], object]]:
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    weight = model.embed_tokens.weight
+    inputs = {m.in_features: _random((1, m.in_features), weight) for m in linears}
+    packed = {
+        m: m.packed
+        if m.packed is not None
+        else torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 1)
+        for m in linears
+    }
+
+    def run_packed() -> None:
+        for m in linears:
+            _packed_linear(inputs[m.in_features], packed[m], m.bias, "none", [], "")
+
+    def run_plain() -> None:
+        for m in linears:
+            F.linear(inputs[m.in_features], m.weight, m.bias)
+
+    return {"packed": run_packed, "plain": run_plain}
+
+
+def _prefill_trial(model: CausalLM, n: int) -> dict[str, Callable[[], object]]:
+    c, weight = model.config, model.embed_tokens.weight
+    attn = model.layers[0].self_attn
+    q = _random((n, c.num_heads, c.head_dim), weight, 0.1)
+    keys = _random((c.num_kv_heads, n, c.head_dim), weight, 0.1)
+    values = _random((c.num_kv_heads, n, c.head_dim), weight)
+    return {
+        "blocked": lambda: attn._prefill_cpu(q, keys, values, 0),
+        "sdpa": lambda: attn._prefill_sdpa(q, keys, values, 0),
+    }
+
+
+def _decode_math_trial(model: CausalLM) -> dict[str, Callable[[], object]]:
+    c, weight = model.config, model.embed_tokens.weight
+    seqs, context, block = _FLOAT32_DECODE_MAX_SEQS, 256, 16
+    blocks_per_seq = context // block
+    cache = _random((2, c.num_kv_heads, seqs * context, c.head_dim), weight)
+    table = torch.arange(seqs * blocks_per_seq, device=weight.device).view(seqs, blocks_per_seq)
+    batch = AttentionBatch(
+        slot_mapping=torch.zeros(0, dtype=torch.long, device=weight.device),
+        block_size=block,
+        num_decode=seqs,
+        decode_rows=block_rows(table, c.num_kv_heads, seqs * blocks_per_seq),
+        decode_keys=(0, context),
+        decode_mask=None,
+        prefills=[],
+    )
+    q = _random((seqs, c.num_heads, c.head_dim), weight)
+    layers = [layer.self_attn for layer in model.layers]
+
+    def decode_with(float32: bool) -> Callable[[], object]:
+        def run() -> None:
+            for a in layers:
+                before, a.decode_float32 = a.decode_float32, float32
+                try:
+                    a._decode(q, cache, batch)
+                finally:
+                    a.decode_float32 = before
+
+        return run
+
+    return {"float32": decode_with(True), "native": decode_with(False)}
