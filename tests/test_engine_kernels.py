@@ -19,7 +19,14 @@ from prometheus_client import generate_latest
 from pdscope import LLM
 from pdscope.engine.kernels import OPTIONS, TrialShapes, choose, cpu_flags, parse_kernels
 from pdscope.engine.make_model import make_model
-from pdscope.engine.model import Attention, AttentionBatch, ModelConfig, block_rows
+from pdscope.engine.model import (
+    Attention,
+    AttentionBatch,
+    ModelConfig,
+    block_rows,
+    can_decode_in_place,
+    slot_runs,
+)
 
 SHAPES = TrialShapes("bfloat16", 64, 128, 256, 2, 4, 2, 16, 32)
 
@@ -182,3 +189,60 @@ def test_decode_math_candidates_match_a_float32_reference(float32: bool) -> None
         probs = (qi @ k.transpose(-1, -2) * attn.scale).softmax(-1)
         ref = (probs @ v).reshape(4, dim)
         torch.testing.assert_close(out[i].float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_slot_runs_merge_adjacent_blocks() -> None:
+    assert slot_runs([5, 6, 7], 0, 40, 16) == [(80, 40)]
+    assert slot_runs([5, 2, 3, 9], 0, 60, 16) == [(80, 16), (32, 32), (144, 12)]
+    assert slot_runs([5, 2, 3], 20, 40, 16) == [(36, 20)]  # a window starting mid-block
+
+
+@pytest.mark.parametrize(
+    "table",
+    [[3, 4, 5, 6, 7], [3, 4, 9, 1, 2], list(range(20, 10, -2))[:5]],
+    ids=["one-run", "three-runs", "five-runs"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_single_sequence_decode_in_place_matches_the_gather(
+    table: list[int], dtype: torch.dtype
+) -> None:
+    """The in-place paths (one strided view; several merged by log-sum-exp) against the gather
+    path and a float32 reference, for a context ending mid-block."""
+    cfg = ModelConfig.from_hf(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 64,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        }
+    )
+    attn = Attention(cfg).to(dtype)
+    gen = torch.Generator().manual_seed(1)
+    block, blocks, dim, length = 4, 24, cfg.head_dim, 18
+    cache = torch.randn(2, 2, blocks * block, dim, generator=gen).to(dtype)
+    q = torch.randn(1, 4, dim, generator=gen).to(dtype)
+    runs = slot_runs(table, 0, length, block)
+    assert can_decode_in_place(runs, torch.device("cpu"))
+    rows = block_rows(torch.tensor([table]), 2, blocks)
+    empty = torch.zeros(0, dtype=torch.long)
+    in_place = attn._decode(
+        q, cache, AttentionBatch(empty, block, 1, None, (0, length), None, [], runs)
+    )
+    gathered = attn._decode(q, cache, AttentionBatch(empty, block, 1, rows, (0, length), None, []))
+    slots = torch.cat([torch.arange(b * block, (b + 1) * block) for b in table])[:length]
+    k, v = cache[0][:, slots].double(), cache[1][:, slots].double()
+    probs = (q[0].double().view(2, 2, dim) @ k.transpose(-1, -2) * attn.scale).softmax(-1)
+    ref = (probs @ v).reshape(1, 4, dim)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(in_place.double(), ref, **tol)
+    torch.testing.assert_close(gathered.double(), ref, **tol)
+
+
+def test_fragmented_context_falls_back_to_the_gather() -> None:
+    many = slot_runs(list(range(40, 0, -2)), 0, 80, 4)  # 20 blocks, none adjacent
+    assert len(many) == 20 and not can_decode_in_place(many, torch.device("cpu"))
+    assert can_decode_in_place(many[:1], torch.device("meta"))
+    assert not can_decode_in_place(many[:2], torch.device("meta"))
