@@ -10,8 +10,8 @@ measured the same way for each stack:
 * cached_prefix_ratio: T(prefix + suffix B) / T(prefix + suffix A), one output token, where the
   2,000-token prefix was computed by the first call (needs prefix caching).
 * decode_ctx64_tok_s, decode_ctx4000_tok_s (``long_context``): one request decoding N = 96
-  tokens after a prompt of 16 or 3,952 tokens, so its mean context is 64 or 4,000 tokens; the
-  rate by the same difference as decode_b1.
+  tokens (32 when quick) after a prompt of 64 or 4,000 minus N / 2 tokens, so its mean context
+  is 64 or 4,000 tokens; the rate by the same difference as decode_b1.
 Every prompt is fresh random token ids from ``seed`` unless cached on purpose, so no cache helps
 by accident, and a new seed per round keeps rounds from hitting each other's prefixes.
 
@@ -69,9 +69,9 @@ def run_round(
         uncached = timed([prefix + fresh(16)], 1)
         result["cached_prefix_ratio"] = timed([prefix + fresh(16)], 1) / uncached
     if long_context:
+        tokens = LONG_CONTEXT_DECODE // 3 if quick else LONG_CONTEXT_DECODE
         for key, context in CONTEXTS.items():
-            prompt_len = context - LONG_CONTEXT_DECODE // 2
-            result[key] = decode_rate(prompt_len, LONG_CONTEXT_DECODE)
+            result[key] = decode_rate(context - tokens // 2, tokens)
     return result
 
 
