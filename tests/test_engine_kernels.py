@@ -246,3 +246,11 @@ def test_fragmented_context_falls_back_to_the_gather() -> None:
     assert len(many) == 20 and not can_decode_in_place(many, torch.device("cpu"))
     assert can_decode_in_place(many[:1], torch.device("meta"))
     assert not can_decode_in_place(many[:2], torch.device("meta"))
+
+
+def test_a_float32_model_reports_the_paths_it_really_runs(tmp_path: Path) -> None:
+    path = make_model(tmp_path / "f32", "tiny", dtype="float32")
+    choice = LLM(model=str(path), kv_cache_memory="8MiB", kernels="prefill_attention=sdpa")
+    kernels = choice.engine.kernels
+    assert kernels.how == {"linear": "fixed", "prefill_attention": "forced", "decode_math": "fixed"}
+    assert (kernels.linear, kernels.decode_math) == ("plain", "float32")  # nothing to pack

@@ -166,12 +166,14 @@ def choose(
     shapes: TrialShapes,
     cache_dir: Path | None,
     budget_s: float = 1.0,
+    fixed: dict[str, str] | None = None,
 ) -> KernelChoice:
     """Pick every path: forced ones as given, the rest from the cache or a trial.
 
     ``applicable`` maps each path that has more than one candidate on this device to a
     factory of its candidates' trial functions (called only when that path is timed); paths
-    missing from it keep their default.
+    missing from it take their entry in ``fixed`` (what this device and dtype always run), else
+    the default.
     """
     cache_file = cache_dir / f"{shapes.cache_key()}.json" if cache_dir else None
     cached: dict[str, object] = {}
@@ -191,6 +193,8 @@ def choose(
             picks[path], how[path] = forced[path], "forced"
         elif path not in applicable:
             how[path] = "fixed"
+            if fixed and path in fixed:
+                picks[path] = fixed[path]
         elif isinstance(cached.get(path), str) and cached[path] in OPTIONS[path]:
             picks[path], how[path] = str(cached[path]), "cached"
         else:

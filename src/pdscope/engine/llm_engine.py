@@ -16,7 +16,7 @@ import torch
 from pdscope.engine.block_pool import BlockPool
 from pdscope.engine.kernels import KernelChoice, TrialShapes, choose, cpu_model, parse_kernels
 from pdscope.engine.loader import load_model, read_config, resolve_dtype
-from pdscope.engine.model import apply_kernels, kernel_trials
+from pdscope.engine.model import apply_kernels, can_pack, kernel_trials
 from pdscope.engine.request import Request
 from pdscope.engine.runner import ModelRunner
 from pdscope.engine.sampling_params import SamplingParams
@@ -188,7 +188,13 @@ class LLMEngine:
             head_dim=c.head_dim,
             prefill_tokens=prefill_tokens,
         )
-        choice = choose(trials, forced, shapes, default_cache_dir() / "kernels")
+        cpu = self.device.type == "cpu"
+        fixed = {  # what runs where a path has one candidate (CUDA, or float32 weights)
+            "linear": "packed" if can_pack(self.dtype, self.device) else "plain",
+            "prefill_attention": "blocked" if cpu else "sdpa",
+            "decode_math": "float32" if cpu or self.dtype == torch.float32 else "native",
+        }
+        choice = choose(trials, forced, shapes, default_cache_dir() / "kernels", fixed=fixed)
         apply_kernels(self.model, choice)
         return choice
 
