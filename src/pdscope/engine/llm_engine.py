@@ -13,7 +13,9 @@ from pathlib import Path
 import torch
 
 from pdscope.engine.block_pool import BlockPool
+from pdscope.engine.kernels import KernelChoice, TrialShapes, choose, cpu_model, parse_kernels
 from pdscope.engine.loader import load_model, read_config, resolve_dtype
+from pdscope.engine.model import apply_kernels, can_pack, kernel_trials
 from pdscope.engine.request import Request
 from pdscope.engine.runner import ModelRunner
 from pdscope.engine.sampling_params import SamplingParams
@@ -41,6 +43,9 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9  # KV pool on CUDA: this fraction of memory minus use
     device: str = "auto"  # auto: cuda when torch sees one, else cpu
     seed: int = 0
+    # auto: each machine-dependent path timed at load (cached); or force some, e.g.
+    # "linear=plain,prefill_attention=sdpa,decode_math=native" (see engine/kernels.py)
+    kernels: str = "auto"
 
 
 @dataclass
@@ -83,6 +88,7 @@ class LLMEngine:
                 "float32" if dtype_name == "float16" and self.device.type == "cpu" else dtype_name
             )
         self.dtype = resolve_dtype(dtype_name)
+        forced_kernels = parse_kernels(args.kernels)  # bad input fails before the load
         torch.manual_seed(args.seed)
         self.model = load_model(self.path, self.dtype, self.device)
         self.tokenizer = Tokenizer(self.path)
@@ -93,6 +99,8 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len} exceeds the model's "
                 f"max_position_embeddings {config.max_position_embeddings}"
             )
+        self.kernels = self._choose_kernels(forced_kernels)
+        log.info("kernels on %s: %s", cpu_model(), self.kernels.summary())
         if args.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {args.block_size}")
 
@@ -124,6 +132,35 @@ class LLMEngine:
         self.step_listeners: list[Callable[[StepRecord, list[Request]], None]] = []
         self.finish_listeners: list[Callable[[Request], None]] = []  # any reason, abort too
         self._ids = itertools.count()
+
+    def _choose_kernels(self, forced: dict[str, str]) -> KernelChoice:
+        """Time each machine-dependent path on this model's shapes (or read the cached
+        outcome), then point the model at the winners."""
+        from pdscope.engine.make_model import default_cache_dir
+
+        c = self.model.config
+        prefill_tokens = min(self.args.max_num_batched_tokens, self.max_model_len)
+        trials = kernel_trials(self.model, prefill_tokens)
+        shapes = TrialShapes(
+            dtype=str(self.dtype).removeprefix("torch."),
+            hidden=c.hidden_size,
+            intermediate=c.intermediate_size,
+            vocab=c.vocab_size,
+            layers=c.num_layers,
+            heads=c.num_heads,
+            kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            prefill_tokens=prefill_tokens,
+        )
+        cpu = self.device.type == "cpu"
+        fixed = {  # what runs where a path has one candidate (CUDA, or float32 weights)
+            "linear": "packed" if can_pack(self.dtype, self.device) else "plain",
+            "prefill_attention": "blocked" if cpu else "sdpa",
+            "decode_math": "float32" if cpu or self.dtype == torch.float32 else "native",
+        }
+        choice = choose(trials, forced, shapes, default_cache_dir() / "kernels", fixed=fixed)
+        apply_kernels(self.model, choice)
+        return choice
 
     def _kv_budget_bytes(self) -> int:
         if self.device.type == "cuda":

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from pdscope.engine.model import AttentionBatch, CausalLM, block_rows
+from pdscope.engine.model import (
+    AttentionBatch,
+    CausalLM,
+    block_rows,
+    can_decode_in_place,
+    slot_runs,
+)
 from pdscope.engine.request import Request
 from pdscope.engine.scheduler import SchedulerOutput
 
@@ -70,23 +76,28 @@ class ModelRunner:
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
 
         bs = self.block_size
-        decode_rows = decode_mask = None
+        decode_rows = decode_mask = decode_runs = None
         decode_keys = (0, 0)
         if decodes:
             assert all(e.num_new_tokens == 1 for e in decodes)
             lengths = [e.end for e in decodes]
             num_blocks = [-(-length // bs) for length in lengths]
             widest = max(num_blocks)
-            table = [
-                e.request.block_table[:nb] + [0] * (widest - nb)
-                for e, nb in zip(decodes, num_blocks, strict=True)
-            ]
-            decode_rows = self._rows(torch.tensor(table, dtype=torch.long, device=dev))
             window = self.model.config.sliding_window
             if len(decodes) == 1:
-                # One sequence: cut the keys to exactly its context, so nothing needs masking.
+                # One sequence: cut the keys to exactly its context, so nothing needs masking,
+                # and read them in place when they lie in few runs of the pool.
                 decode_keys = (max(0, lengths[0] - window) if window else 0, lengths[0])
-            else:
+                decode_runs = slot_runs(decodes[0].request.block_table, *decode_keys, bs)
+                if not can_decode_in_place(decode_runs, dev):
+                    decode_runs = None
+            if decode_runs is None:
+                table = [
+                    e.request.block_table[:nb] + [0] * (widest - nb)
+                    for e, nb in zip(decodes, num_blocks, strict=True)
+                ]
+                decode_rows = self._rows(torch.tensor(table, dtype=torch.long, device=dev))
+            if len(decodes) > 1:
                 decode_keys = (0, widest * bs)  # whole blocks: the gather stays contiguous
                 key_pos = torch.arange(decode_keys[1], device=dev)
                 lens = torch.tensor(lengths, device=dev)[:, None]
@@ -106,7 +117,14 @@ class ModelRunner:
             prefill_meta.append((offset, n, cached, blocks))
             offset += n
         batch = AttentionBatch(
-            slot_mapping, bs, len(decodes), decode_rows, decode_keys, decode_mask, prefill_meta
+            slot_mapping,
+            bs,
+            len(decodes),
+            decode_rows,
+            decode_keys,
+            decode_mask,
+            prefill_meta,
+            decode_runs,
         )
 
         hidden = self.model(

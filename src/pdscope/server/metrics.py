@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pdscope import __version__
+from pdscope.engine.kernels import cpu_model
 from pdscope.engine.llm_engine import LLMEngine
 from pdscope.engine.request import Request
 from pdscope.engine.timeline import StepRecord
@@ -144,6 +146,21 @@ class EngineMetrics:
         self.waiting.set_function(lambda: len(engine.scheduler.waiting))
         self.kv_usage.set_function(lambda: engine.pool.usage)
         self.model_name = model_name
+        # Which kernel each machine-dependent engine path took on this CPU (engine/kernels.py).
+        kernels = engine.kernels
+        Gauge(
+            "pdscope:build_info",
+            "Constant 1; the labels say what this engine runs on and which kernels it chose.",
+            ["model_name", "version", "cpu", "linear", "prefill_attention", "decode_math"],
+            registry=r,
+        ).labels(
+            model_name,
+            __version__,
+            cpu_model(),
+            kernels.linear,
+            kernels.prefill_attention,
+            kernels.decode_math,
+        ).set(1)
         self._pool = engine.pool
         self._seen = (0, 0, 0)  # prefix queries, hits, preemptions already counted
         self._scheduler = engine.scheduler

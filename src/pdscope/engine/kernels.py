@@ -1,0 +1,221 @@
+"""Which kernel each machine-dependent path of the model takes, chosen by a short timed trial.
+
+The same engine runs on CPUs whose fastest kernels differ: on an AMD EPYC without AMX the
+blocked prefill attention beat torch's SDPA by 2x, on an Intel Xeon with AMX SDPA wins. So
+when the engine loads, each path with more than one implementation is timed on the model's own
+shapes (about a second in all), interleaved and repeated so that a noisy neighbour hits both
+candidates alike, and the faster one is kept. The choice is cached per CPU model, ISA flags,
+torch version, thread count and shapes under the pdscope cache, so later starts skip the trial.
+
+Paths (every candidate computes the same function; tests pin each against transformers):
+
+* ``linear``: ``packed`` (weights pre-packed once in oneDNN's blocked layout) or ``plain``
+  (``F.linear``). Only bf16 on CPU has a packed form.
+* ``prefill_attention``: ``blocked`` (blocks of queries, each scored only against the keys it
+  can see) or ``sdpa`` (torch's fused kernel). CPU only; CUDA always takes SDPA.
+* ``decode_math``: ``float32`` (small decode batches convert their context to float32 first)
+  or ``native`` (the model dtype throughout). Only bf16 on CPU differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("pdscope.engine")
+
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "linear": ("packed", "plain"),
+    "prefill_attention": ("blocked", "sdpa"),
+    "decode_math": ("float32", "native"),
+}
+# ISA flags that change which kernel wins (oneDNN dispatches on them).
+_ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+# Bump when a kernel or the trial changes, so stale cached choices are not reused.
+_TRIAL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The path each machine-dependent part of the model takes, and how it was decided."""
+
+    linear: str = "packed"
+    prefill_attention: str = "blocked"
+    decode_math: str = "float32"
+    # per path: "measured", "cached", "forced", or "fixed" (only one candidate applies here)
+    how: dict[str, str] = field(default_factory=dict, compare=False)
+    # per candidate: median seconds of the trial, for the log and the cache file
+    trial_s: dict[str, float] = field(default_factory=dict, compare=False)
+
+    def summary(self) -> str:
+        return ", ".join(
+            f"{path}={getattr(self, path)} ({self.how.get(path, 'fixed')})" for path in OPTIONS
+        )
+
+
+def parse_kernels(spec: str) -> dict[str, str]:
+    """``auto``, or ``path=option`` pairs joined by commas (paths not named are measured).
+
+    >>> parse_kernels("linear=plain, prefill_attention=sdpa")
+    {'linear': 'plain', 'prefill_attention': 'sdpa'}
+    """
+    forced: dict[str, str] = {}
+    if spec.strip() in ("", "auto"):
+        return forced
+    for part in spec.split(","):
+        path, sep, option = (s.strip() for s in part.partition("="))
+        if not sep or path not in OPTIONS:
+            raise ValueError(
+                f"kernels: {part.strip()!r} is not path=option; paths: {', '.join(OPTIONS)}"
+            )
+        if option not in OPTIONS[path] and option != "auto":
+            raise ValueError(
+                f"kernels: {path} cannot be {option!r}; choose one of "
+                f"{', '.join(OPTIONS[path])} or auto"
+            )
+        if option != "auto":
+            forced[path] = option
+    return forced
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name (``lscpu``'s Model name), or the platform's best guess."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> list[str]:
+    """The ISA flags of :data:`_ISA_FLAGS` this CPU has."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in _ISA_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
+
+
+@dataclass(frozen=True)
+class TrialShapes:
+    """What the trial's outcome depends on besides the CPU: the model's shapes and dtype."""
+
+    dtype: str
+    hidden: int
+    intermediate: int
+    vocab: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    prefill_tokens: int
+
+    def cache_key(self) -> str:
+        parts = {
+            "trial": _TRIAL_VERSION,
+            "cpu": cpu_model(),
+            "flags": cpu_flags(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "shapes": asdict(self),
+        }
+        text = json.dumps(parts, sort_keys=True)
+        return hashlib.blake2b(text.encode(), digest_size=10).hexdigest()
+
+
+def median_times_s(
+    candidates: dict[str, Callable[[], object]], rounds: int, budget_s: float
+) -> dict[str, float]:
+    """Median wall time of each candidate, run interleaved (A, B, A, B, ...) after one warm-up
+    each; stops early once ``budget_s`` is spent (at least 2 rounds are always timed)."""
+    for fn in candidates.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    start = time.perf_counter()
+    for i in range(rounds):
+        for name, fn in candidates.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+        if i >= 1 and time.perf_counter() - start > budget_s:
+            break
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+Candidates = dict[str, Callable[[], object]]
+
+
+def choose(
+    applicable: dict[str, Callable[[], Candidates]],
+    forced: dict[str, str],
+    shapes: TrialShapes,
+    cache_dir: Path | None,
+    budget_s: float = 1.0,
+    fixed: dict[str, str] | None = None,
+) -> KernelChoice:
+    """Pick every path: forced ones as given, the rest from the cache or a trial.
+
+    ``applicable`` maps each path that has more than one candidate on this device to a
+    factory of its candidates' trial functions (called only when that path is timed); paths
+    missing from it take their entry in ``fixed`` (what this device and dtype always run), else
+    the default.
+    """
+    cache_file = cache_dir / f"{shapes.cache_key()}.json" if cache_dir else None
+    cached: dict[str, object] = {}
+    if cache_file is not None and cache_file.is_file():
+        try:
+            cached = json.loads(cache_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            cached = {}  # a damaged cache file is measured again and rewritten
+    picks: dict[str, str] = {}
+    how: dict[str, str] = {}
+    trial_s: dict[str, float] = {}
+    measured_any = False
+    to_measure = [p for p in applicable if p not in forced]
+    per_path_s = budget_s / max(1, len(to_measure))
+    for path in OPTIONS:
+        if path in forced:
+            picks[path], how[path] = forced[path], "forced"
+        elif path not in applicable:
+            how[path] = "fixed"
+            if fixed and path in fixed:
+                picks[path] = fixed[path]
+        elif isinstance(cached.get(path), str) and cached[path] in OPTIONS[path]:
+            picks[path], how[path] = str(cached[path]), "cached"
+        else:
+            medians = median_times_s(applicable[path](), rounds=7, budget_s=per_path_s)
+            trial_s.update({f"{path}={name}": t for name, t in medians.items()})
+            picks[path], how[path] = min(medians, key=medians.__getitem__), "measured"
+            measured_any = True
+    choice = replace(KernelChoice(), **picks, how=how, trial_s=trial_s)
+    if measured_any and cache_file is not None:
+        record = {
+            **{p: getattr(choice, p) for p in applicable if how[p] != "forced"},
+            "cpu": cpu_model(),
+            "flags": cpu_flags(),
+            "shapes": asdict(shapes),
+            "trial_s": trial_s,
+        }
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(record, indent=2))
+            tmp.replace(cache_file)  # atomic: a concurrent start reads the old file or this one
+        except OSError as exc:  # a read-only cache costs a trial per start, nothing else
+            log.warning("kernel choice not cached (%s)", exc)
+    return choice

@@ -1,0 +1,256 @@
+"""Kernel choice by measurement (engine/kernels.py): parsing, the trial, its cache, the forced
+paths, the decode math candidates against a float32 reference, and /metrics' build info.
+
+The greedy-equality and logits tests of test_engine.py run over every forced path; these
+check the machinery that picks one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+
+from pdscope import LLM
+from pdscope.engine.kernels import OPTIONS, TrialShapes, choose, cpu_flags, parse_kernels
+from pdscope.engine.make_model import make_model
+from pdscope.engine.model import (
+    Attention,
+    AttentionBatch,
+    ModelConfig,
+    block_rows,
+    can_decode_in_place,
+    slot_runs,
+)
+
+SHAPES = TrialShapes("bfloat16", 64, 128, 256, 2, 4, 2, 16, 32)
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("k") / "tiny", "tiny", dtype="bfloat16")
+
+
+def test_parse_kernels_names_the_bad_part() -> None:
+    assert parse_kernels("auto") == {}
+    assert parse_kernels(" linear=plain , decode_math=auto ") == {"linear": "plain"}
+    with pytest.raises(ValueError, match="prefill_attention cannot be 'flash'"):
+        parse_kernels("prefill_attention=flash")
+    with pytest.raises(ValueError, match="'matmul=fast' is not path=option"):
+        parse_kernels("matmul=fast")
+    with pytest.raises(ValueError, match="'sdpa' is not path=option"):
+        parse_kernels("sdpa")
+
+
+def test_bad_kernels_fail_the_engine_and_the_cli(tiny_bf16: Path) -> None:
+    with pytest.raises(ValueError, match="linear cannot be 'fast'"):
+        LLM(model=str(tiny_bf16), kernels="linear=fast")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdscope.cli", "serve", "--model", str(tiny_bf16)]
+        + ["--kernels", "linear=fast", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "linear cannot be 'fast'" in proc.stderr
+
+
+def test_trial_picks_the_faster_candidate_and_caches_it(tmp_path: Path) -> None:
+    calls: list[str] = []
+
+    def candidate(name: str, seconds: float):
+        def run() -> None:
+            calls.append(name)
+            time.sleep(seconds)
+
+        return run
+
+    def trials():
+        return {
+            "prefill_attention": lambda: {
+                "blocked": candidate("blocked", 0.02),
+                "sdpa": candidate("sdpa", 0.0),
+            }
+        }
+
+    first = choose(trials(), {}, SHAPES, tmp_path)
+    assert first.prefill_attention == "sdpa"
+    assert first.how == {"linear": "fixed", "prefill_attention": "measured", "decode_math": "fixed"}
+    assert set(first.trial_s) == {"prefill_attention=blocked", "prefill_attention=sdpa"}
+    # Interleaved: after the warm-ups, the candidates alternate.
+    assert calls[2:6] == ["blocked", "sdpa", "blocked", "sdpa"]
+    (cache_file,) = tmp_path.glob("*.json")
+    record = json.loads(cache_file.read_text())
+    assert record["prefill_attention"] == "sdpa" and record["flags"] == cpu_flags()
+
+    calls.clear()
+    second = choose(trials(), {}, SHAPES, tmp_path)
+    assert second.prefill_attention == "sdpa" and second.how["prefill_attention"] == "cached"
+    assert calls == []  # a cached choice runs no trial
+
+    forced = choose(trials(), {"prefill_attention": "blocked"}, SHAPES, tmp_path)
+    assert forced.prefill_attention == "blocked" and forced.how["prefill_attention"] == "forced"
+    assert calls == []
+
+    # Other shapes are another cache entry; a damaged entry is measured again and rewritten.
+    other = TrialShapes(**{**SHAPES.__dict__, "prefill_tokens": 64})
+    assert other.cache_key() != SHAPES.cache_key()
+    cache_file.write_text("{not json")
+    again = choose(trials(), {}, SHAPES, tmp_path)
+    assert again.how["prefill_attention"] == "measured"
+    assert json.loads(cache_file.read_text())["prefill_attention"] == "sdpa"
+
+
+def test_engine_logs_applies_and_reports_its_choice(
+    tiny_bf16: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from pdscope.server.metrics import EngineMetrics
+
+    forced = "linear=plain,prefill_attention=sdpa,decode_math=native"
+    with caplog.at_level("INFO", logger="pdscope.engine"):
+        llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels=forced)
+    choice = llm.engine.kernels
+    assert (choice.linear, choice.prefill_attention, choice.decode_math) == (
+        "plain",
+        "sdpa",
+        "native",
+    )
+    assert all(how == "forced" for how in choice.how.values())
+    assert any("prefill_attention=sdpa (forced)" in r.getMessage() for r in caplog.records)
+    model = llm.engine.runner.model
+    assert all(a.prefill_sdpa and not a.decode_float32 for a in _attentions(model))
+    assert all(m.packed is None for m in model.modules() if hasattr(m, "packed"))
+
+    text = generate_latest(EngineMetrics(llm.engine, "tiny").registry).decode()
+    line = next(ln for ln in text.splitlines() if ln.startswith("pdscope:build_info{"))
+    assert 'linear="plain"' in line and 'prefill_attention="sdpa"' in line
+    assert 'decode_math="native"' in line and line.endswith(" 1.0")
+
+
+def test_auto_measures_every_path_that_has_two_candidates(
+    tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", max_model_len=256)
+    choice = llm.engine.kernels
+    expected = {"prefill_attention", "decode_math"}
+    if torch.backends.mkldnn.is_available():
+        expected.add("linear")
+    assert {p for p, how in choice.how.items() if how == "measured"} == expected
+    for path in OPTIONS:
+        assert getattr(choice, path) in OPTIONS[path]
+    assert len(list((tmp_path / "kernels").glob("*.json"))) == 1
+    again = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", max_model_len=256).engine.kernels
+    assert {p for p, how in again.how.items() if how == "cached"} == expected
+    assert again == choice
+
+
+def _attentions(model: torch.nn.Module) -> list[Attention]:
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+@pytest.mark.parametrize("float32", [True, False])
+def test_decode_math_candidates_match_a_float32_reference(float32: bool) -> None:
+    """Both decode math paths over a padded, masked batch of 3 bf16 sequences."""
+    cfg = ModelConfig.from_hf(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 64,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        }
+    )
+    attn = Attention(cfg).to(torch.bfloat16)
+    attn.decode_float32 = float32
+    gen = torch.Generator().manual_seed(0)
+    block, blocks, dim = 4, 12, cfg.head_dim
+    cache = torch.randn(2, 2, blocks * block, dim, generator=gen).bfloat16()
+    lengths = [5, 12, 9]
+    table = torch.tensor([[3, 7, 0], [1, 2, 11], [4, 6, 9]])
+    mask = torch.arange(12)[None, :] < torch.tensor(lengths)[:, None]
+    batch = AttentionBatch(
+        torch.zeros(0, dtype=torch.long), block, 3, block_rows(table, 2, blocks), (0, 12), mask, []
+    )
+    q = torch.randn(3, 4, dim, generator=gen).bfloat16()
+    out = attn._decode(q, cache, batch)
+    for i, length in enumerate(lengths):
+        slots = torch.cat([torch.arange(b * block, (b + 1) * block) for b in table[i]])[:length]
+        k, v = cache[0][:, slots].float(), cache[1][:, slots].float()  # [kvh, S, dim]
+        qi = q[i].float().view(2, 2, dim)  # query heads grouped by KV head
+        probs = (qi @ k.transpose(-1, -2) * attn.scale).softmax(-1)
+        ref = (probs @ v).reshape(4, dim)
+        torch.testing.assert_close(out[i].float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_slot_runs_merge_adjacent_blocks() -> None:
+    assert slot_runs([5, 6, 7], 0, 40, 16) == [(80, 40)]
+    assert slot_runs([5, 2, 3, 9], 0, 60, 16) == [(80, 16), (32, 32), (144, 12)]
+    assert slot_runs([5, 2, 3], 20, 40, 16) == [(36, 20)]  # a window starting mid-block
+
+
+@pytest.mark.parametrize(
+    "table",
+    [[3, 4, 5, 6, 7], [3, 4, 9, 1, 2], list(range(20, 10, -2))[:5]],
+    ids=["one-run", "three-runs", "five-runs"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_single_sequence_decode_in_place_matches_the_gather(
+    table: list[int], dtype: torch.dtype
+) -> None:
+    """The in-place paths (one strided view; several merged by log-sum-exp) against the gather
+    path and a float32 reference, for a context ending mid-block."""
+    cfg = ModelConfig.from_hf(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 64,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        }
+    )
+    attn = Attention(cfg).to(dtype)
+    gen = torch.Generator().manual_seed(1)
+    block, blocks, dim, length = 4, 24, cfg.head_dim, 18
+    cache = torch.randn(2, 2, blocks * block, dim, generator=gen).to(dtype)
+    q = torch.randn(1, 4, dim, generator=gen).to(dtype)
+    runs = slot_runs(table, 0, length, block)
+    assert can_decode_in_place(runs, torch.device("cpu"))
+    rows = block_rows(torch.tensor([table]), 2, blocks)
+    empty = torch.zeros(0, dtype=torch.long)
+    in_place = attn._decode(
+        q, cache, AttentionBatch(empty, block, 1, None, (0, length), None, [], runs)
+    )
+    gathered = attn._decode(q, cache, AttentionBatch(empty, block, 1, rows, (0, length), None, []))
+    slots = torch.cat([torch.arange(b * block, (b + 1) * block) for b in table])[:length]
+    k, v = cache[0][:, slots].double(), cache[1][:, slots].double()
+    probs = (q[0].double().view(2, 2, dim) @ k.transpose(-1, -2) * attn.scale).softmax(-1)
+    ref = (probs @ v).reshape(1, 4, dim)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(in_place.double(), ref, **tol)
+    torch.testing.assert_close(gathered.double(), ref, **tol)
+
+
+def test_fragmented_context_falls_back_to_the_gather() -> None:
+    many = slot_runs(list(range(40, 0, -2)), 0, 80, 4)  # 20 blocks, none adjacent
+    assert len(many) == 20 and not can_decode_in_place(many, torch.device("cpu"))
+    assert can_decode_in_place(many[:1], torch.device("meta"))
+    assert not can_decode_in_place(many[:2], torch.device("meta"))
+
+
+def test_a_float32_model_reports_the_paths_it_really_runs(tmp_path: Path) -> None:
+    path = make_model(tmp_path / "f32", "tiny", dtype="float32")
+    choice = LLM(model=str(path), kv_cache_memory="8MiB", kernels="prefill_attention=sdpa")
+    kernels = choice.engine.kernels
+    assert kernels.how == {"linear": "fixed", "prefill_attention": "forced", "decode_math": "fixed"}
+    assert (kernels.linear, kernels.decode_math) == ("plain", "float32")  # nothing to pack
