@@ -29,7 +29,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# vLLM's CPU build in its own venv, for side-by-side benchmarks (bench/engine_bench.py --vllm).
+# vLLM's CPU build in its own venv, for side-by-side benchmarks (bench/engine_bench.py --stacks ... vllm-1p).
 # Two fixes after install, from ../shared/PEERS.md: drop the CUDA-only torchvision/torchaudio/
 # torchcodec wheels, and add a metadata-only `vllm` dist-info so vLLM finds its own version.
 PEERS := .venv-peers
