@@ -155,10 +155,9 @@ def _attentions(model: torch.nn.Module) -> list[Attention]:
     return [m for m in model.modules() if isinstance(m, Attention)]
 
 
-@pytest.mark.parametrize("float32", [True, False])
-def test_decode_math_candidates_match_a_float32_reference(float32: bool) -> None:
-    """Both decode math paths over a padded, masked batch of 3 bf16 sequences."""
-    cfg = ModelConfig.from_hf(
+def one_layer_config() -> ModelConfig:
+    """One small GQA layer (4 query heads over 2 KV heads) for the attention kernels' tests."""
+    return ModelConfig.from_hf(
         {
             "architectures": ["LlamaForCausalLM"],
             "vocab_size": 64,
@@ -169,6 +168,12 @@ def test_decode_math_candidates_match_a_float32_reference(float32: bool) -> None
             "num_key_value_heads": 2,
         }
     )
+
+
+@pytest.mark.parametrize("float32", [True, False])
+def test_decode_math_candidates_match_a_float32_reference(float32: bool) -> None:
+    """Both decode math paths over a padded, masked batch of 3 bf16 sequences."""
+    cfg = one_layer_config()
     attn = Attention(cfg).to(torch.bfloat16)
     attn.decode_float32 = float32
     gen = torch.Generator().manual_seed(0)
@@ -208,17 +213,7 @@ def test_single_sequence_decode_in_place_matches_the_gather(
 ) -> None:
     """The in-place paths (one strided view; several merged by log-sum-exp) against the gather
     path and a float32 reference, for a context ending mid-block."""
-    cfg = ModelConfig.from_hf(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "vocab_size": 64,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-        }
-    )
+    cfg = one_layer_config()
     attn = Attention(cfg).to(dtype)
     gen = torch.Generator().manual_seed(1)
     block, blocks, dim, length = 4, 24, cfg.head_dim, 18

@@ -3,6 +3,7 @@ the simulated server against the article's claims. No model, no torch."""
 
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 
@@ -31,6 +32,15 @@ def simulator(cost: CostModel, budget: int = 2048, seqs: int = 64, blocks: int =
         block_size=16,
         step_seconds=lambda out: cost.step(out.scheduled).seconds,
     )
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A scheduled entry as the cost model reads it, built by hand."""
+
+    start: int
+    num_new_tokens: int
+    samples: bool = True
 
 
 def unique_prompt(index: int, tokens: int) -> list[int]:
@@ -141,12 +151,7 @@ def test_requests_that_cannot_run_fail_with_a_reason_and_are_not_figures() -> No
 def test_overheads_add_per_step_and_per_sequence() -> None:
     bare = h100_cost()
     loaded = h100_cost(step_overhead_s=0.001, seq_overhead_s=0.0002)
-
-    class Entry:
-        def __init__(self, start: int) -> None:
-            self.start, self.num_new_tokens, self.samples = start, 1, True
-
-    batch = [Entry(500) for _ in range(4)]
+    batch = [Entry(500, 1) for _ in range(4)]
     assert loaded.step(batch).seconds == pytest.approx(
         bare.step(batch).seconds + 0.001 + 4 * 0.0002
     )
@@ -177,10 +182,6 @@ def test_grouped_attention_cost_sums_the_same_terms_as_roofline(model, start, ne
 )
 def test_a_step_of_decodes_costs_the_sum_of_its_entries(model) -> None:
     """The fast path for a step's decodes must equal pricing each entry on its own."""
-
-    class Entry:
-        def __init__(self, start: int, new: int) -> None:
-            self.start, self.num_new_tokens, self.samples = start, new, True
 
     cost = CostModel(load_model(model), BF16, KV16, CostParams(3350, 989))
     entries = [Entry(start, 1) for start in (10, 900, 5000, 20_000)] + [Entry(3000, 500)]
