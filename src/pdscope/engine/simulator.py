@@ -117,15 +117,20 @@ class Simulator:
             scheduler.started(out, start)
             self.now_s += self.step_seconds(out)
             scheduler.update(out)
+            now_s = self.now_s
             for entry in out.scheduled:
-                request = entry.request
                 if not entry.samples:
                     continue
+                request = entry.request
                 # Outputs are negative ids unique to the request: they never match a prompt's
-                # (non-negative) tokens, so they never fake a prefix-cache hit.
-                request.append_output(-1 - tags[id(request)])
-                request.timeline.token_s.append(self.now_s)
-                if len(request.output_token_ids) >= request.params.max_tokens:
+                # (non-negative) tokens, so they never fake a prefix-cache hit. Inlined
+                # Request.append_output: this runs once per sampled token.
+                token = -1 - tags[id(request)]
+                outputs = request.output_token_ids
+                outputs.append(token)
+                request.token_ids.append(token)
+                request.timeline.token_s.append(now_s)
+                if len(outputs) >= request.params.max_tokens:
                     if max_concurrency is not None:
                         free_since.append(self.now_s)
                     scheduler.finish(request, "length")

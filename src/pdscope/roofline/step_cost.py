@@ -122,6 +122,12 @@ class CostModel:
             for (window, prefill, decode, kv), n in counts.items()
         )
 
+    @cached_property
+    def _linear_cache(self) -> dict[int, float]:
+        """linear_s by the step's token count: it depends on nothing else, and summing the
+        model's layers for every step was a visible share of a simulation's time."""
+        return {}
+
     def _roofline_s(self, flops: float, bytes_moved: float) -> float:
         return max(flops / self.params.flops_per_s, bytes_moved / self.params.bandwidth_bytes_s)
 
@@ -169,9 +175,12 @@ class CostModel:
         if decode_context:
             attention_s += per_context * decode_context  # type: ignore[operator]
         assert tokens > 0
-        # params_touched counts the LM head (decode reads it); it is charged to lm_head_s.
-        layer_bytes = (params_touched(model, tokens) - model.lm_head_params) * bpw
-        linear_s = self._roofline_s(2 * tokens * model.matmul_params_per_token, layer_bytes)
+        linear_s = self._linear_cache.get(tokens)
+        if linear_s is None:
+            # params_touched counts the LM head (decode reads it); it is charged to lm_head_s.
+            layer_bytes = (params_touched(model, tokens) - model.lm_head_params) * bpw
+            linear_s = self._roofline_s(2 * tokens * model.matmul_params_per_token, layer_bytes)
+            self._linear_cache[tokens] = linear_s
         lm_head_s = 0.0
         if sampled:
             lm_head_s = self._roofline_s(
