@@ -438,6 +438,10 @@ def probe(
     ] = "200,500,1000,2000",
     output_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 64,
     repeats: Annotated[int, typer.Option(help="Requests per sweep point.")] = 3,
+    batch_streams: Annotated[
+        int,
+        typer.Option(help="Streams sent at once for the batched-decode check (0 skips it)."),
+    ] = 8,
     timeout: Annotated[float, typer.Option(help="Seconds allowed per request.")] = 120.0,
     max_model_len: Annotated[
         int | None,
@@ -491,6 +495,8 @@ def probe(
             raise fail(f"{flag} must be >= 1, got {value}")
     if timeout <= 0:
         raise fail(f"--timeout must be positive, got {timeout}")
+    if batch_streams < 0:
+        raise fail(f"--batch-streams must be >= 0, got {batch_streams}")
     settings = ProbeSettings(
         url=url or "",
         api=api,
@@ -499,6 +505,7 @@ def probe(
         prompt_tokens=_int_list(prompt_tokens, "--prompt-tokens"),
         output_tokens=output_tokens,
         repeats=repeats,
+        batch_streams=batch_streams,
         timeout_s=timeout,
         max_model_len=max_model_len,
         device=device,
@@ -806,11 +813,30 @@ def bench(
 @app.command()
 def simulate(
     model: Annotated[
-        str, typer.Option("--model", "-m", help="As plan: preset, config.json or checkpoint.")
-    ] = "8b",
+        str | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="As plan: preset, config.json or checkpoint (default: 8b; with --calibrate, "
+            "the probed server's checkpoint).",
+        ),
+    ] = None,
     device: Annotated[
-        str | None, typer.Option("--device", "-d", help="As plan: catalog device or 'local'.")
-    ] = "h100-sxm",
+        str | None,
+        typer.Option(
+            "--device",
+            "-d",
+            help="As plan: catalog device or 'local' (default: h100-sxm; with --calibrate, a "
+            "device of the fitted rates whose KV pool is --kv-cache-memory, default 1GiB).",
+        ),
+    ] = None,
+    calibrate: Annotated[
+        str | None,
+        typer.Option(
+            help="Fit bandwidth, FLOP/s and overheads to a saved `pdscope probe --json` of "
+            "the server modelled (pass its engine args too)."
+        ),
+    ] = None,
     dtype: Annotated[str, typer.Option(help="Weight precision, as plan.")] = "bf16",
     kv_dtype: Annotated[str | None, typer.Option(help="KV cache precision, as plan.")] = None,
     bandwidth: Annotated[
@@ -884,7 +910,8 @@ def simulate(
 
     try:
         settings = SimulateSettings(
-            model=model, device=device, dtype=dtype, kv_dtype=kv_dtype, bandwidth_gb_s=bandwidth,
+            model=model, device=device, calibrate=calibrate, dtype=dtype, kv_dtype=kv_dtype,
+            bandwidth_gb_s=bandwidth,
             tflops=tflops, memory_gb=memory, gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_memory_bytes=None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
             bandwidth_efficiency=bandwidth_efficiency, flops_efficiency=flops_efficiency,
@@ -912,6 +939,10 @@ def simulate(
         print_json(result)
     else:
         render_bench(result, console)
+        if result["metadata"].get("calibration"):
+            from pdscope.report.bench import render_calibration
+
+            render_calibration(result["metadata"]["calibration"], console)
         c = result["metadata"]["cost_params"]
         console.print(
             f"simulated: {c['bandwidth_gb_s']:g} GB/s, {c['tflops']:g} TFLOP/s, step overhead "

@@ -9,14 +9,17 @@ result has bench's shape (`pdscope bench compare` reads both).
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from pdscope import __version__
 from pdscope.analysis.bench import SLO, by_kind, summarize
+from pdscope.analysis.calibrate import Calibration, fit, observations
 from pdscope.client.load import LoadPlan
 from pdscope.client.server_metrics import MetricsReport, TimelinePoint
 from pdscope.client.trace import trace_from_timeline
@@ -47,13 +50,19 @@ GPU_BANDWIDTH_EFFICIENCY = 0.8
 GPU_FLOPS_EFFICIENCY = 0.6
 GPU_STEP_OVERHEAD_MS = 2.0
 GPU_SEQ_OVERHEAD_MS = 0.01
+DEFAULT_MODEL = "8b"
+DEFAULT_DEVICE = "h100-sxm"
+# The KV pool when calibrating without a device: `pdscope serve`'s on a CPU (EngineArgs).
+CPU_SERVE_KV_CACHE_BYTES = 2**30
 
 
 @dataclass(frozen=True)
 class SimulateSettings:
-    # what is simulated: plan's flags
-    model: str = "8b"
-    device: str | None = "h100-sxm"
+    # what is simulated: plan's flags (None: the probe's model with --calibrate, else 8b; the
+    # catalog H100 SXM, or with --calibrate a device of the fitted rates)
+    model: str | None = None
+    device: str | None = None
+    calibrate: str | None = None  # a saved `pdscope probe --json` of the server modelled
     dtype: str = "bf16"
     kv_dtype: str | None = None
     bandwidth_gb_s: float | None = None
@@ -118,6 +127,19 @@ class SimulateSettings:
             raise SpecError(f"--duration must be > 0 seconds, got {self.duration_s}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise SpecError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        if self.calibrate is not None:
+            given = [
+                flag
+                for flag, value in (
+                    ("--bandwidth-efficiency", self.bandwidth_efficiency),
+                    ("--flops-efficiency", self.flops_efficiency),
+                    ("--step-overhead-ms", self.step_overhead_ms),
+                    ("--seq-overhead-ms", self.seq_overhead_ms),
+                )
+                if value is not None
+            ]
+            if given:
+                raise SpecError(f"--calibrate fits the cost parameters: drop {', '.join(given)}")
 
 
 def cost_params(s: SimulateSettings, p: PlanInputs) -> CostParams:
@@ -143,6 +165,60 @@ def cost_params(s: SimulateSettings, p: PlanInputs) -> CostParams:
         seq_overhead_s=seq_ms / 1e3,
         source=f"{source} x bandwidth {bw_eff:g}, FLOP/s {fl_eff:g}",
     )
+
+
+def read_probe(path: str) -> dict[str, Any]:
+    """A saved `pdscope probe --json`, or a one-line error naming what is wrong with it."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SpecError(f"--calibrate: cannot read {path}: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("traces"), list):
+        raise SpecError(f"--calibrate: {path} is not a `pdscope probe --json` file (no traces)")
+    return data
+
+
+def calibrated_inputs(s: SimulateSettings) -> tuple[PlanInputs, Calibration]:
+    """The model as plan resolves it, cost parameters fitted to the probe, and a device: the
+    one named, or a custom one of the fitted rates (its KV pool then needs --kv-cache-memory,
+    default serve's CPU pool)."""
+    assert s.calibrate is not None
+    probe = read_probe(s.calibrate)
+    model = s.model or (probe.get("served_model") or {}).get("root")
+    if not model:
+        raise SpecError(
+            f"--calibrate: {s.calibrate} names no local checkpoint: pass --model "
+            "(the served model's preset or config.json)"
+        )
+    # The starting point of the fit only; any positive rates do.
+    first = resolve(model=model, device=None, dtype=s.dtype, kv_dtype=s.kv_dtype,
+                    bandwidth_gb_s=100.0, tflops=10.0)  # fmt: skip
+    start = CostParams(100.0, 10.0)
+    obs = observations(probe, s.max_num_batched_tokens)
+    calibration = fit(
+        CostModel(first.model, first.weights, first.kv, start), obs, f"fitted to {s.calibrate}"
+    )
+    fitted = calibration.params
+    if s.device is None:
+        p = replace(
+            first,
+            device=replace(
+                first.device,
+                name="calibrated",
+                label=f"the server probed in {s.calibrate}",
+                bandwidth_gb_s=fitted.bandwidth_gb_s,
+                tflops_bf16=fitted.tflops,
+                memory_gb=s.memory_gb,
+                source=f"fitted to {s.calibrate}",
+            ),
+        )
+    else:
+        p = resolve(
+            model=model, device=s.device, dtype=s.dtype, kv_dtype=s.kv_dtype,
+            gpu_memory_utilization=s.gpu_memory_utilization, bandwidth_gb_s=s.bandwidth_gb_s,
+            tflops=s.tflops, memory_gb=s.memory_gb,
+        )  # fmt: skip
+    return p, calibration
 
 
 def kv_pool_blocks(s: SimulateSettings, p: PlanInputs) -> int:
@@ -243,23 +319,32 @@ def _server_report(sim: Simulator, result: SimResult, url: str) -> MetricsReport
 def simulate(s: SimulateSettings) -> dict[str, Any]:
     """One simulated run, as a dict shaped like `pdscope bench`'s result (plus `simulated`)."""
     s.validate()
-    p = resolve(
-        model=s.model,
-        device=s.device,
-        dtype=s.dtype,
-        kv_dtype=s.kv_dtype,
-        gpu_memory_utilization=s.gpu_memory_utilization,
-        bandwidth_gb_s=s.bandwidth_gb_s,
-        tflops=s.tflops,
-        memory_gb=s.memory_gb,
-    )
+    calibration = None
+    if s.calibrate is not None:
+        p, calibration = calibrated_inputs(s)
+        if s.device is None and s.kv_cache_memory_bytes is None and s.memory_gb is None:
+            s = replace(s, kv_cache_memory_bytes=CPU_SERVE_KV_CACHE_BYTES)
+    else:
+        device = s.device
+        if device is None and s.bandwidth_gb_s is None:
+            device = DEFAULT_DEVICE  # with --bandwidth alone: a custom device, as plan
+        p = resolve(
+            model=s.model or DEFAULT_MODEL,
+            device=device,
+            dtype=s.dtype,
+            kv_dtype=s.kv_dtype,
+            gpu_memory_utilization=s.gpu_memory_utilization,
+            bandwidth_gb_s=s.bandwidth_gb_s,
+            tflops=s.tflops,
+            memory_gb=s.memory_gb,
+        )
     limit = p.model.max_position_embeddings
     if limit is not None and s.max_model_len > limit:
         raise SpecError(
             f"--max-model-len {s.max_model_len} exceeds {p.model.name}'s "
             f"max_position_embeddings {limit}"
         )
-    params = cost_params(s, p)
+    params = calibration.params if calibration else cost_params(s, p)
     cost = CostModel(p.model, p.weights, p.kv, params)
     blocks = kv_pool_blocks(s, p)
     try:
@@ -324,6 +409,7 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
         "kv_pool_blocks": blocks,
         "kv_pool_tokens": blocks * s.block_size,
         "cost_params": asdict(params),
+        "calibration": calibration.to_dict() if calibration else None,
         "settings": {**asdict(s), "request_rate": rate},
         "seed": s.seed,
         "seed_given": True,

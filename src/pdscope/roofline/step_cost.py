@@ -131,9 +131,9 @@ class CostModel:
     def _roofline_s(self, flops: float, bytes_moved: float) -> float:
         return max(flops / self.params.flops_per_s, bytes_moved / self.params.bandwidth_bytes_s)
 
-    def attention_s(self, start: int, new_tokens: int) -> float:
-        """One entry's attention: ``new_tokens`` queries over ``start`` cached tokens plus their
-        own, against reading the KV of that whole context."""
+    def attention_work(self, start: int, new_tokens: int) -> tuple[float, float]:
+        """One entry's attention as (FLOPs, bytes): ``new_tokens`` queries over ``start``
+        cached tokens plus their own, and the KV of that whole context read."""
         flops = 0.0
         kv_values = 0
         end = start + new_tokens
@@ -141,7 +141,40 @@ class CostModel:
             per_pair = g.decode_flops_per_pair if new_tokens == 1 else g.prefill_flops_per_pair
             flops += per_pair * attention_pairs(start, new_tokens, g.window)
             kv_values += g.kv_values_per_token * (end if g.window is None else min(end, g.window))
-        return self._roofline_s(flops, kv_values * self.kv.bytes_per_element)
+        return flops, kv_values * self.kv.bytes_per_element
+
+    def attention_s(self, start: int, new_tokens: int) -> float:
+        """One entry's attention time (see :meth:`attention_work`)."""
+        return self._roofline_s(*self.attention_work(start, new_tokens))
+
+    def linear_work(self, tokens: int) -> tuple[float, float]:
+        """The decoder layers' matmuls for a step of ``tokens`` tokens as (FLOPs, bytes): the
+        weights are read once per step. params_touched counts the LM head (decode reads it);
+        it is charged to the LM head's own term."""
+        model = self.model
+        layer_bytes = (params_touched(model, tokens) - model.lm_head_params) * (
+            self.weights.bytes_per_weight
+        )
+        return 2 * tokens * model.matmul_params_per_token, layer_bytes
+
+    def lm_head_work(self, sampled: int) -> tuple[float, float]:
+        """The output projection for ``sampled`` entries as (FLOPs, bytes): weights read once."""
+        head = self.model.lm_head_params
+        return 2 * sampled * head, head * self.weights.bytes_per_weight
+
+    def roofline_terms(self, entries: Sequence[ScheduledWork]) -> list[tuple[float, float]]:
+        """Every roofline term of a step as (FLOPs, bytes): the linear layers, each entry's
+        attention, the LM head when anything samples. ``step`` prices the same terms (faster);
+        calibration fits the achieved rates to them."""
+        if not entries:
+            return []
+        tokens = sum(e.num_new_tokens for e in entries)
+        sampled = sum(1 for e in entries if e.samples)
+        terms = [self.linear_work(tokens)]
+        terms += [self.attention_work(e.start, e.num_new_tokens) for e in entries]
+        if sampled:
+            terms.append(self.lm_head_work(sampled))
+        return terms
 
     @cached_property
     def _decode_s_per_context_token(self) -> float | None:
@@ -160,7 +193,6 @@ class CostModel:
         """Seconds one step takes to compute ``entries`` (an empty step costs nothing)."""
         if not entries:
             return StepCost(0.0, 0.0, 0.0, 0.0)
-        model, bpw = self.model, self.weights.bytes_per_weight
         per_context = self._decode_s_per_context_token
         tokens = sampled = decode_context = 0
         attention_s = 0.0
@@ -177,14 +209,7 @@ class CostModel:
         assert tokens > 0
         linear_s = self._linear_cache.get(tokens)
         if linear_s is None:
-            # params_touched counts the LM head (decode reads it); it is charged to lm_head_s.
-            layer_bytes = (params_touched(model, tokens) - model.lm_head_params) * bpw
-            linear_s = self._roofline_s(2 * tokens * model.matmul_params_per_token, layer_bytes)
-            self._linear_cache[tokens] = linear_s
-        lm_head_s = 0.0
-        if sampled:
-            lm_head_s = self._roofline_s(
-                2 * sampled * model.lm_head_params, model.lm_head_params * bpw
-            )
+            linear_s = self._linear_cache[tokens] = self._roofline_s(*self.linear_work(tokens))
+        lm_head_s = self._roofline_s(*self.lm_head_work(sampled)) if sampled else 0.0
         overhead_s = self.params.step_overhead_s + self.params.seq_overhead_s * len(entries)
         return StepCost(linear_s, attention_s, lm_head_s, overhead_s)
