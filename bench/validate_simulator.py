@@ -1,10 +1,12 @@
 """Validate `pdscope simulate` against the real engine (issue 14's acceptance).
 
-Calibrates from one `pdscope probe --json` of the embedded server, then for each case runs
-`pdscope bench` against the embedded server and `pdscope simulate --calibrate` with the same
-workload, seed and engine args, and prints one error table (simulated / measured - 1).
+Starts the embedded server (`pdscope serve`, built-in small model), calibrates from one
+`pdscope probe --json` of it, then for each case runs `pdscope bench` against an embedded server
+with the case's engine args and `pdscope simulate --calibrate` with the same workload, seed and
+engine args, and prints one error table (simulated / measured - 1).
 
-    python bench/validate_simulator.py [--scale 0.25] [--cases random-c1,long-256] [--probe P]
+    python bench/validate_simulator.py [--scale 0.25] [--cases random-c1,...] [--probe P]
+        [--server-threads 1]
 
 Floors (the issue's): median TTFT, TPOT and ITL within 10%; p99 within 20%; output throughput
 within 10%; preemptions and the most requests waiting within 25%. A case's request count is
@@ -140,48 +142,46 @@ def main() -> None:
     parser.add_argument("--probe", type=Path, help="a saved probe of the embedded server")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument(
+        "--server-threads",
+        type=int,
+        help="serve --threads for every server (1 keeps a shared host's contention from "
+        "stalling the engine's thread barriers; the probe sees the same servers)",
+    )
     args = parser.parse_args()
     chosen = [c for c in cases() if not args.cases or c.name in args.cases.split(",")]
     work = Path(tempfile.mkdtemp(prefix="pdscope-validate-"))
     t0 = time.time()
-    probe = args.probe
-    if probe is None:
-        probe = work / "probe.json"
-        print("probing the embedded server ...", flush=True)
-        subprocess.run([*PDSCOPE, "probe", "--json", str(probe)], capture_output=True)
-        if not probe.is_file():
-            raise SystemExit("probe wrote no JSON")
-    max_len = json.loads(probe.read_text())["runtime"]["max_model_len"] or 4096
-
+    threads = ["--threads", str(args.server_threads)] if args.server_threads else []
     servers: dict[tuple[str, ...], Any] = {}
+
+    def server_for(case_args: list[str], kv: str) -> Any:
+        """The server for these engine args; one runs at a time (memory on a shared host)."""
+        key = (*case_args, "--kv-cache-memory", kv, *threads)
+        if key not in servers:
+            for other in list(servers):
+                servers.pop(other).stop()
+            log = work / f"server-{len(list(work.glob('server-*.log')))}.log"
+            servers[key] = start_server("small", log, *key, name="small")
+        return servers[key]
+
     rows: list[dict[str, Any]] = []
-    saturation_rps: float | None = None
+    probe = args.probe
     try:
-        for case in chosen:
-            key = (*case.server, "--kv-cache-memory", case.kv)
-            if key not in servers:
-                log = work / f"server-{len(servers)}.log"
-                servers[key] = start_server("small", log, *key, name="small")
-            server = servers[key]
-            prompts = max(8, round(case.prompts * args.scale))
-            load = [*case.load, "--num-prompts", str(prompts), "--seed", str(args.seed)]
-            if case.rate_of_saturation is not None:
-                if saturation_rps is None:
-                    raise SystemExit(f"{case.name} needs random-c16 first (its capacity)")
-                load += ["--request-rate", f"{case.rate_of_saturation * saturation_rps:.3f}"]
-            real_file, sim_file = work / f"{case.name}-bench.json", work / f"{case.name}-sim.json"
-            started = time.time()
-            run([*PDSCOPE, "bench", server.url, *load, "--save-result", str(real_file)])
-            bench_s = time.time() - started
-            engine = [*case.server, "--kv-cache-memory", case.kv, "--max-model-len", str(max_len)]
-            simulate = [*PDSCOPE, "simulate", "--calibrate", str(probe), *engine, *load]
-            run([*simulate, "--max-num-seqs", "64", "--save-result", str(sim_file)])
-            real = figures(json.loads(real_file.read_text()))
-            sim = figures(json.loads(sim_file.read_text()))
-            if case.name == "random-c16":
-                saturation_rps = real["request_throughput"]
-            rows.append({"case": case.name, "prompts": prompts, "real": real, "sim": sim})
-            print(f"{case.name}: bench {bench_s:.0f} s", flush=True)
+        if probe is None:
+            probe = work / "probe.json"
+            print("probing the embedded server ...", flush=True)
+            url = server_for([], KV_DEFAULT).url
+            subprocess.run(
+                [*PDSCOPE, "probe", url, "--json", str(probe), "--prompt-tokens",
+                 "128,512,1024,2048", "--repeats", "2", "--output-tokens", "32"],
+                capture_output=True,
+            )  # fmt: skip
+            if not probe.is_file():
+                raise SystemExit("probe wrote no JSON")
+            print(f"probe: {time.time() - t0:.0f} s", flush=True)
+        max_len = json.loads(probe.read_text())["runtime"]["max_model_len"] or 4096
+        run_cases(args, chosen, probe, max_len, server_for, work, rows)
     finally:
         for server in servers.values():
             server.stop()
@@ -190,10 +190,44 @@ def main() -> None:
     print(
         f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {cpu_model()}, "
         f"load average {os.getloadavg()[0]:.1f}, scale {args.scale}, seed {args.seed}, "
-        f"wall {time.time() - t0:.0f} s, probe {probe}"
+        f"server threads {args.server_threads or 'default'}, wall {time.time() - t0:.0f} s, "
+        f"probe {probe}"
     )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
+
+
+def run_cases(
+    args: argparse.Namespace,
+    chosen: list[Case],
+    probe: Path,
+    max_len: int,
+    server_for: Any,
+    work: Path,
+    rows: list[dict[str, Any]],
+) -> None:
+    saturation_rps: float | None = None
+    for case in chosen:
+        server = server_for(case.server, case.kv)
+        prompts = max(8, round(case.prompts * args.scale))
+        load = [*case.load, "--num-prompts", str(prompts), "--seed", str(args.seed)]
+        if case.rate_of_saturation is not None:
+            if saturation_rps is None:
+                raise SystemExit(f"{case.name} needs random-c16 first (its capacity)")
+            load += ["--request-rate", f"{case.rate_of_saturation * saturation_rps:.3f}"]
+        real_file, sim_file = work / f"{case.name}-bench.json", work / f"{case.name}-sim.json"
+        started = time.time()
+        run([*PDSCOPE, "bench", server.url, *load, "--save-result", str(real_file)])
+        bench_s = time.time() - started
+        engine = [*case.server, "--kv-cache-memory", case.kv, "--max-model-len", str(max_len)]
+        simulate = [*PDSCOPE, "simulate", "--calibrate", str(probe), *engine, *load]
+        run([*simulate, "--max-num-seqs", "64", "--save-result", str(sim_file)])
+        real = figures(json.loads(real_file.read_text()))
+        sim = figures(json.loads(sim_file.read_text()))
+        if case.name == "random-c16":
+            saturation_rps = real["request_throughput"]
+        rows.append({"case": case.name, "prompts": prompts, "real": real, "sim": sim})
+        print(f"{case.name}: bench {bench_s:.0f} s", flush=True)
 
 
 SHORT = {

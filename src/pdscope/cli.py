@@ -870,7 +870,16 @@ def simulate(
     enable_chunked_prefill: Annotated[
         bool, typer.Option("--enable-chunked-prefill/--no-chunked-prefill")
     ] = True,
-    workload: Annotated[str, typer.Option(help="random, shared-prefix or long-prompt.")] = "random",
+    workload: Annotated[
+        str, typer.Option(help="random, shared-prefix, long-prompt or file:PATH (as bench).")
+    ] = "random",
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            help="file: workloads: a directory with tokenizer.json that counts the prompts "
+            "(default: the model's checkpoint)."
+        ),
+    ] = None,
     num_prompts: Annotated[int, typer.Option(help="Requests.")] = 100,
     input_len: Annotated[str, typer.Option(help="random: N, LOW-HIGH or normal:MEAN:STD.")] = "128",
     output_len: OutputLen = "128",
@@ -892,8 +901,21 @@ def simulate(
     max_concurrency: Annotated[int | None, typer.Option(help="Cap on requests in flight.")] = None,
     seed: Annotated[int, typer.Option(help="Workload and arrival seed.")] = 0,
     slo: Annotated[
-        str | None, typer.Option(help="Goodput SLO, as bench: ttft=2s,tpot=50ms.")
+        str | None,
+        typer.Option(
+            help="Goodput SLO, as bench: ttft=2s,tpot=50ms; with --find-capacity: "
+            "p99_ttft=2s,p99_itl=100ms."
+        ),
     ] = None,
+    find_capacity: Annotated[
+        bool,
+        typer.Option(
+            "--find-capacity",
+            help="Search the highest concurrency (or, with a finite --request-rate, rate) "
+            "meeting --slo: bench's search, one fresh simulated server per run.",
+        ),
+    ] = False,
+    max_runs: Annotated[int, typer.Option(help="Most runs of the capacity search.")] = 10,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     save_result: Annotated[Path | None, typer.Option(help="Write the result JSON here.")] = None,
     report: Annotated[
@@ -924,7 +946,8 @@ def simulate(
             prefix_len=prefix_len, suffix_len=suffix_len, streams=streams,
             stream_output=stream_output, long_len=long_len, long_rate=long_rate,
             duration_s=duration, request_rate=request_rate, burstiness=burstiness,
-            max_concurrency=max_concurrency, seed=seed, slo=slo,
+            max_concurrency=max_concurrency, seed=seed, slo=slo, tokenizer=tokenizer,
+            find_capacity=find_capacity, max_runs=max_runs,
         )  # fmt: skip
         result = run_simulation(settings)
     except (SpecError, ValueError) as exc:

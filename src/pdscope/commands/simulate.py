@@ -15,7 +15,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdscope import __version__
 from pdscope.analysis.bench import SLO, by_kind, summarize
@@ -27,17 +27,21 @@ from pdscope.client.workloads import (
     Lengths,
     RequestSpec,
     WorkloadError,
+    file_workload,
     long_prompt_workload,
     random_workload,
     shared_prefix_workload,
 )
-from pdscope.commands.bench import BenchState, request_record, vllm_fields
+from pdscope.commands.bench import BenchState, request_record, search_capacity, vllm_fields
 from pdscope.commands.plan import PlanInputs, resolve
 from pdscope.engine.scheduler import SchedulerConfig
 from pdscope.engine.simulator import SimRequest, SimResult, Simulator
 from pdscope.roofline import arithmetic as rf
 from pdscope.roofline.step_cost import CostModel, CostParams
 from pdscope.specs import SpecError
+
+if TYPE_CHECKING:
+    from pdscope.engine.tokenizer import Tokenizer
 
 WORKLOADS = ("random", "shared-prefix", "long-prompt")
 LONG_PROMPT_DURATION_S = 30.0  # how long long prompts keep arriving when --duration is not given
@@ -99,13 +103,21 @@ class SimulateSettings:
     long_rate: float = 0.5
     duration_s: float | None = None  # stop sending after this (long-prompt: default 30 s)
     slo: str | None = None
+    tokenizer: str | None = None  # counts a file workload's text prompts (default: the model's)
+    find_capacity: bool = False  # search the highest load meeting --slo, as bench does
+    max_runs: int = 10  # bound on the capacity search
 
     def validate(self) -> None:
         """Refuse nonsense before anything runs; the message names the flag."""
-        if self.workload not in WORKLOADS:
+        if self.workload not in WORKLOADS and not self.workload.startswith("file:"):
             raise SpecError(
-                f"--workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}"
+                f"--workload must be one of {', '.join(WORKLOADS)} or file:PATH, "
+                f"got {self.workload!r}"
             )
+        if self.find_capacity and not self.slo:
+            raise SpecError("--find-capacity needs --slo, e.g. p99_ttft=2s,p99_itl=100ms")
+        if self.max_runs < 1:
+            raise SpecError(f"--max-runs must be >= 1, got {self.max_runs}")
         for flag, value in (
             ("--max-num-batched-tokens", self.max_num_batched_tokens),
             ("--max-num-seqs", self.max_num_seqs),
@@ -178,7 +190,7 @@ def read_probe(path: str) -> dict[str, Any]:
     return data
 
 
-def calibrated_inputs(s: SimulateSettings) -> tuple[PlanInputs, Calibration]:
+def calibrated_inputs(s: SimulateSettings) -> tuple[PlanInputs, Calibration, str]:
     """The model as plan resolves it, cost parameters fitted to the probe, and a device: the
     one named, or a custom one of the fitted rates (its KV pool then needs --kv-cache-memory,
     default serve's CPU pool)."""
@@ -218,7 +230,7 @@ def calibrated_inputs(s: SimulateSettings) -> tuple[PlanInputs, Calibration]:
             gpu_memory_utilization=s.gpu_memory_utilization, bandwidth_gb_s=s.bandwidth_gb_s,
             tflops=s.tflops, memory_gb=s.memory_gb,
         )  # fmt: skip
-    return p, calibration
+    return p, calibration, model
 
 
 def kv_pool_blocks(s: SimulateSettings, p: PlanInputs) -> int:
@@ -263,6 +275,42 @@ class _SyntheticPrompts:
 
     async def ids(self, tokens: int) -> list[int]:
         return [self.rng.randrange(self.vocab_size) for _ in range(tokens)]
+
+
+def _tokenizer_for(s: SimulateSettings, model: str) -> Tokenizer:
+    """The tokenizer that counts a file workload's text: --tokenizer, else the model's own
+    checkpoint directory; a clear error when neither has a tokenizer.json."""
+    from pdscope.engine.tokenizer import Tokenizer
+
+    where = Path(s.tokenizer or model)
+    if where.is_file():
+        where = where.parent  # a config.json or tokenizer.json path: its directory
+    try:
+        return Tokenizer(where)
+    except (FileNotFoundError, OSError, ValueError) as exc:
+        hint = "" if s.tokenizer else ": pass --tokenizer DIR (a directory with tokenizer.json)"
+        raise SpecError(f"{s.workload} has text prompts to count, but {exc}{hint}") from None
+
+
+def _file_specs(s: SimulateSettings, model: str) -> list[RequestSpec]:
+    """Bench's file workload (JSONL or ShareGPT) with each prompt counted by a tokenizer, as
+    the server would: a text prompt encoded as a completion, messages through the chat
+    template. Equal texts give equal ids, so the prefix cache sees what a server would."""
+    output = Lengths.parse(s.output_len, "--output-len").draw(random.Random(s.seed))
+    specs = file_workload(Path(s.workload[5:]), s.num_prompts, output)
+    tokenizer = _tokenizer_for(s, model)
+    out = []
+    for spec in specs:
+        if isinstance(spec.prompt, list):
+            try:
+                text = tokenizer.apply_chat_template(spec.prompt)
+            except ValueError as exc:
+                raise SpecError(f"{s.workload} holds chat messages, but {exc}") from None
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = tokenizer.encode(str(spec.prompt))
+        out.append(replace(spec, prompt=ids, input_tokens=len(ids)))
+    return out
 
 
 async def _workload(s: SimulateSettings, vocab_size: int) -> list[RequestSpec]:
@@ -321,15 +369,16 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
     s.validate()
     calibration = None
     if s.calibrate is not None:
-        p, calibration = calibrated_inputs(s)
+        p, calibration, model_ref = calibrated_inputs(s)
         if s.device is None and s.kv_cache_memory_bytes is None and s.memory_gb is None:
             s = replace(s, kv_cache_memory_bytes=CPU_SERVE_KV_CACHE_BYTES)
     else:
+        model_ref = s.model or DEFAULT_MODEL
         device = s.device
         if device is None and s.bandwidth_gb_s is None:
             device = DEFAULT_DEVICE  # with --bandwidth alone: a custom device, as plan
         p = resolve(
-            model=s.model or DEFAULT_MODEL,
+            model=model_ref,
             device=device,
             dtype=s.dtype,
             kv_dtype=s.kv_dtype,
@@ -348,50 +397,15 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
     cost = CostModel(p.model, p.weights, p.kv, params)
     blocks = kv_pool_blocks(s, p)
     try:
-        specs = asyncio.run(_workload(s, p.model.vocab_size))
-        slo = SLO.parse(s.slo) if s.slo else None
+        if s.workload.startswith("file:"):
+            specs = _file_specs(s, model_ref)
+        else:
+            specs = asyncio.run(_workload(s, p.model.vocab_size))
+        slo = SLO.parse(s.slo) if s.slo and not s.find_capacity else None
+        capacity_slo = SLO.parse(s.slo, aggregate=True) if s.find_capacity and s.slo else None
     except (WorkloadError, ValueError) as exc:
         raise SpecError(str(exc)) from None
-    plan = LoadPlan(request_rate=s.request_rate, burstiness=s.burstiness, seed=s.seed)
-    times = plan.schedule(len(specs))
-    requests = [
-        SimRequest(
-            spec.prompt,  # type: ignore[arg-type]  # token ids from the synthetic builder
-            spec.output_tokens,
-            arrival_s=spec.at_s if spec.at_s is not None else at,
-            label=spec.kind,
-        )
-        for spec, at in zip(specs, times, strict=True)
-    ]
-    if s.duration_s is not None and s.workload != "long-prompt":
-        # As bench's --duration: nothing is sent after it (running requests finish).
-        requests = [r for r in requests if r.arrival_s <= s.duration_s]
-    config = SchedulerConfig(
-        s.max_num_batched_tokens, s.max_num_seqs, s.max_model_len, s.enable_chunked_prefill
-    )
-    sim = Simulator(
-        config,
-        blocks,
-        s.block_size,
-        lambda out: cost.step(out.scheduled).seconds,
-        s.enable_prefix_caching,
-    )
-    wall = time.perf_counter()
-    result = sim.run(requests, s.max_concurrency)
-    wall = time.perf_counter() - wall
-
     url = f"simulated://{p.device.name}"
-    traces = []
-    for spec, request in zip(requests, result.requests, strict=True):
-        trace = trace_from_timeline(
-            request.timeline, api="simulated", url=url, model=p.model.name, label=spec.label
-        )
-        trace.scheduled_s = spec.arrival_s
-        if request.finish_reason and request.finish_reason.startswith("error"):
-            trace.error = request.finish_reason
-        traces.append(trace)
-    duration_s = result.end_s  # from the run's start at 0, as bench measures it
-    summary = summarize(traces, duration_s, slo=slo)
     rate = None if math.isinf(s.request_rate) else s.request_rate
     metadata = {
         "url": url,
@@ -402,7 +416,11 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
         "api": "simulated",
         "workload": s.workload,
         "exact_prompt_tokens": True,
-        "prompt_mode": "exact (synthetic token ids, no tokenizer)",
+        "prompt_mode": (
+            "exact (counted by the tokenizer)"
+            if s.workload.startswith("file:")
+            else "exact (synthetic token ids, no tokenizer)"
+        ),
         "device": p.device.name,
         "dtype": p.weights.name,
         "kv_dtype": p.kv.name,
@@ -413,23 +431,76 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
         "settings": {**asdict(s), "request_rate": rate},
         "seed": s.seed,
         "seed_given": True,
-        "wall_s": wall,
+        "wall_s": 0.0,
     }
-    run = {
-        "request_rate": rate,
-        "max_concurrency": s.max_concurrency,
-        "input_tokens_requested": _requested(s),
-        "summary": summary,
-        "by_kind": by_kind(traces, duration_s, (50, 90, 95, 99)),
-        "server": _server_report(sim, result, url).to_dict(),
-        "warnings": [],
-        "partial": None,
-        "vllm": vllm_fields(
-            traces, metadata, s.burstiness, s.request_rate, s.max_concurrency, summary
-        ),
-        "requests": [request_record(t) for t in traces],
-    }
-    return {**BenchState(metadata, [run]).result(), "simulated": True}
+    state = BenchState(metadata, [])
+
+    def one_run(request_rate: float, concurrency: int | None) -> dict[str, Any]:
+        """One simulated run at this load on a fresh server (its own pool and clock)."""
+        plan = LoadPlan(request_rate=request_rate, burstiness=s.burstiness, seed=s.seed)
+        times = plan.schedule(len(specs))
+        requests = [
+            SimRequest(
+                spec.prompt,  # type: ignore[arg-type]  # token ids (synthetic or counted)
+                spec.output_tokens,
+                arrival_s=spec.at_s if spec.at_s is not None else at,
+                label=spec.kind,
+            )
+            for spec, at in zip(specs, times, strict=True)
+        ]
+        if s.duration_s is not None and s.workload != "long-prompt":
+            # As bench's --duration: nothing is sent after it (running requests finish).
+            requests = [r for r in requests if r.arrival_s <= s.duration_s]
+        config = SchedulerConfig(
+            s.max_num_batched_tokens, s.max_num_seqs, s.max_model_len, s.enable_chunked_prefill
+        )
+        sim = Simulator(
+            config,
+            blocks,
+            s.block_size,
+            lambda out: cost.step(out.scheduled).seconds,
+            s.enable_prefix_caching,
+        )
+        wall = time.perf_counter()
+        result = sim.run(requests, concurrency)
+        metadata["wall_s"] += time.perf_counter() - wall
+        traces = []
+        for spec, request in zip(requests, result.requests, strict=True):
+            trace = trace_from_timeline(
+                request.timeline, api="simulated", url=url, model=p.model.name, label=spec.label
+            )
+            trace.scheduled_s = spec.arrival_s
+            if request.finish_reason and request.finish_reason.startswith("error"):
+                trace.error = request.finish_reason
+            traces.append(trace)
+        duration_s = result.end_s  # from the run's start at 0, as bench measures it
+        summary = summarize(traces, duration_s, slo=slo)
+        run = {
+            "request_rate": None if math.isinf(request_rate) else request_rate,
+            "max_concurrency": concurrency,
+            "input_tokens_requested": _requested(s),
+            "summary": summary,
+            "by_kind": by_kind(traces, duration_s, (50, 90, 95, 99)),
+            "server": _server_report(sim, result, url).to_dict(),
+            "warnings": [],
+            "partial": None,
+            "vllm": vllm_fields(traces, metadata, s.burstiness, request_rate, concurrency, summary),
+            "requests": [request_record(t) for t in traces],
+        }
+        state.runs.append(run)
+        return run
+
+    if capacity_slo is not None:
+
+        async def run_at(request_rate: float, concurrency: int | None) -> dict[str, Any]:
+            return one_run(request_rate, concurrency)
+
+        state.capacity = asyncio.run(
+            search_capacity(run_at, capacity_slo, rate, s.max_runs, s.num_prompts)
+        )
+    else:
+        one_run(s.request_rate, s.max_concurrency)
+    return {**state.result(), "simulated": True}
 
 
 def _requested(s: SimulateSettings) -> str:
