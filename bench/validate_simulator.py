@@ -207,10 +207,13 @@ def run_cases(
     rows: list[dict[str, Any]],
 ) -> None:
     saturation_rps: float | None = None
-    for case in chosen:
+    for index, case in enumerate(chosen):
         server = server_for(case.server, case.kv)
         prompts = max(8, round(case.prompts * args.scale))
-        load = [*case.load, "--num-prompts", str(prompts), "--seed", str(args.seed)]
+        # A seed per case: bench draws prompts from it, and a server that saw a case's prompts
+        # would serve the next case's from its prefix cache (a fresh simulation would not).
+        seed = args.seed + 100 * index
+        load = [*case.load, "--num-prompts", str(prompts), "--seed", str(seed)]
         if case.rate_of_saturation is not None:
             if saturation_rps is None:
                 raise SystemExit(f"{case.name} needs random-c16 first (its capacity)")

@@ -163,3 +163,49 @@ def test_simulate_cli_refuses_a_bad_probe_file_with_exit_2(
     )
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split())  # the error line may wrap
+
+
+@pytest.mark.slow
+def test_calibrated_simulation_tracks_the_real_engine_end_to_end(tiny_model, tmp_path) -> None:
+    """One small validation case end to end (bench/validate_simulator.py runs the full set):
+    probe a real server, calibrate from its JSON, then bench and simulate the same workload.
+    On a shared 2-core host the bounds are loose (a factor of 2.5): they catch a broken fit or
+    a unit error, not a 10% drift, which the validation table records."""
+    from tests.conftest import start_server
+
+    server = start_server(tiny_model, tmp_path, "--kv-cache-memory", "32MiB")
+    probe_file, real_file, sim_file = (tmp_path / f"{n}.json" for n in ("probe", "real", "sim"))
+    runner = CliRunner()
+    load = ["--input-len", "64", "--output-len", "32", "--num-prompts", "12", "--seed", "3"]
+    try:
+        probed = runner.invoke(
+            app,
+            [
+                "probe", server.url, "--json", str(probe_file), "--prompt-tokens", "64,256,512",
+                "--repeats", "2", "--output-tokens", "16", "--batch-streams", "4",
+            ],
+        )  # fmt: skip
+        assert probe_file.is_file(), probed.output
+        benched = runner.invoke(
+            app,
+            ["bench", server.url, *load, "--max-concurrency", "4", "--save-result",
+             str(real_file)],
+        )  # fmt: skip
+        assert benched.exit_code == 0, benched.output
+    finally:
+        server.stop()
+    max_len = json.loads(probe_file.read_text())["runtime"]["max_model_len"]
+    simulated = runner.invoke(
+        app,
+        [
+            "simulate", "--calibrate", str(probe_file), *load, "--max-concurrency", "4",
+            "--kv-cache-memory", "32MiB", "--max-model-len", str(max_len),
+            "--max-num-seqs", "64", "--save-result", str(sim_file),
+        ],
+    )  # fmt: skip
+    assert simulated.exit_code == 0, simulated.output
+    real, sim = (json.loads(f.read_text()) for f in (real_file, sim_file))
+    assert sim["completed"] == real["completed"] == 12
+    assert sim["metadata"]["calibration"]["residuals"]
+    for key in ("median_tpot_ms", "median_ttft_ms", "output_throughput"):
+        assert 1 / 2.5 < sim[key] / real[key] < 2.5, (key, sim[key], real[key])

@@ -380,3 +380,33 @@ def test_simulate_find_capacity_uses_bench_search_and_brackets_the_slo(tmp_path)
     )
     refused = CliRunner().invoke(app, ["simulate", "--find-capacity", "--num-prompts", "4"])
     assert refused.exit_code == 2 and "--slo" in refused.output
+
+
+def test_simulate_draws_workload_and_arrivals_from_benchs_seeds() -> None:
+    """A bench run and a simulation given one --seed see the same load: bench's first run draws
+    its workload from the seed and its arrivals from seed + 1."""
+    import asyncio
+
+    from pdscope.client.load import LoadPlan
+    from pdscope.client.workloads import Lengths, random_workload
+    from pdscope.commands.simulate import SimulateSettings, _SyntheticPrompts, simulate
+
+    s = SimulateSettings(
+        input_len="50-500", output_len="10-40", num_prompts=6, request_rate=4.0, seed=7
+    )
+    result = simulate(s)
+    arrivals = LoadPlan(request_rate=4.0, seed=8).schedule(6)
+    # vllm bench serve's field: send times from the first send
+    sent = sorted(result["start_times"])
+    assert sent == pytest.approx([a - min(arrivals) for a in sorted(arrivals)])
+    specs = asyncio.run(
+        random_workload(
+            _SyntheticPrompts(7, 1000),
+            6,
+            Lengths.parse("50-500", "in"),
+            Lengths.parse("10-40", "out"),
+            7,
+        )
+    )
+    assert result["input_lens"] == [len(x.prompt) for x in specs]
+    assert result["output_lens"] == [x.output_tokens for x in specs]

@@ -13,9 +13,10 @@ import json
 import math
 import random
 import time
+from collections.abc import Coroutine
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pdscope import __version__
 from pdscope.analysis.bench import SLO, by_kind, summarize
@@ -42,6 +43,8 @@ from pdscope.specs import SpecError
 
 if TYPE_CHECKING:
     from pdscope.engine.tokenizer import Tokenizer
+
+T = TypeVar("T")
 
 WORKLOADS = ("random", "shared-prefix", "long-prompt")
 LONG_PROMPT_DURATION_S = 30.0  # how long long prompts keep arriving when --duration is not given
@@ -292,11 +295,11 @@ def _tokenizer_for(s: SimulateSettings, model: str) -> Tokenizer:
         raise SpecError(f"{s.workload} has text prompts to count, but {exc}{hint}") from None
 
 
-def _file_specs(s: SimulateSettings, model: str) -> list[RequestSpec]:
+def _file_specs(s: SimulateSettings, model: str, seed: int) -> list[RequestSpec]:
     """Bench's file workload (JSONL or ShareGPT) with each prompt counted by a tokenizer, as
     the server would: a text prompt encoded as a completion, messages through the chat
     template. Equal texts give equal ids, so the prefix cache sees what a server would."""
-    output = Lengths.parse(s.output_len, "--output-len").draw(random.Random(s.seed))
+    output = Lengths.parse(s.output_len, "--output-len").draw(random.Random(seed))
     specs = file_workload(Path(s.workload[5:]), s.num_prompts, output)
     tokenizer = _tokenizer_for(s, model)
     out = []
@@ -313,19 +316,30 @@ def _file_specs(s: SimulateSettings, model: str) -> list[RequestSpec]:
     return out
 
 
-async def _workload(s: SimulateSettings, vocab_size: int) -> list[RequestSpec]:
-    builder: Any = _SyntheticPrompts(s.seed, vocab_size)
+def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Drive a coroutine that never suspends (bench's workload builders over the synthetic
+    prompts await nothing real) without an event loop: the capacity search runs inside one."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coro.close()
+    raise RuntimeError("a synthetic workload builder suspended")
+
+
+async def _workload(s: SimulateSettings, vocab_size: int, seed: int) -> list[RequestSpec]:
+    builder: Any = _SyntheticPrompts(seed, vocab_size)
     output = Lengths.parse(s.output_len, "--output-len")
     if s.workload == "random":
         inputs = Lengths.parse(s.input_len, "--input-len")
-        return await random_workload(builder, s.num_prompts, inputs, output, s.seed)
+        return await random_workload(builder, s.num_prompts, inputs, output, seed)
     if s.workload == "shared-prefix":
         return await shared_prefix_workload(
-            builder, s.num_prompts, s.groups, s.prefix_len, s.suffix_len, output, s.seed
+            builder, s.num_prompts, s.groups, s.prefix_len, s.suffix_len, output, seed
         )
     duration_s = s.duration_s if s.duration_s is not None else LONG_PROMPT_DURATION_S
     return await long_prompt_workload(
-        builder, s.streams, s.stream_output, s.long_len, s.long_rate, duration_s, s.seed
+        builder, s.streams, s.stream_output, s.long_len, s.long_rate, duration_s, seed
     )
 
 
@@ -396,11 +410,14 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
     params = calibration.params if calibration else cost_params(s, p)
     cost = CostModel(p.model, p.weights, p.kv, params)
     blocks = kv_pool_blocks(s, p)
-    try:
+
+    def make_specs(seed: int) -> list[RequestSpec]:
         if s.workload.startswith("file:"):
-            specs = _file_specs(s, model_ref)
-        else:
-            specs = asyncio.run(_workload(s, p.model.vocab_size))
+            return _file_specs(s, model_ref, seed)
+        return _run_sync(_workload(s, p.model.vocab_size, seed))
+
+    try:
+        first_specs = make_specs(s.seed)  # run 1's, made now so bad input fails before a run
         slo = SLO.parse(s.slo) if s.slo and not s.find_capacity else None
         capacity_slo = SLO.parse(s.slo, aggregate=True) if s.find_capacity and s.slo else None
     except (WorkloadError, ValueError) as exc:
@@ -436,8 +453,12 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
     state = BenchState(metadata, [])
 
     def one_run(request_rate: float, concurrency: int | None) -> dict[str, Any]:
-        """One simulated run at this load on a fresh server (its own pool and clock)."""
-        plan = LoadPlan(request_rate=request_rate, burstiness=s.burstiness, seed=s.seed)
+        """One simulated run at this load on a fresh server (its own pool and clock). Seeds
+        follow bench's: run k (from 1) draws its workload from seed + k - 1 and its arrivals
+        from seed + k, so a bench run and a simulation with one --seed share both."""
+        k = len(state.runs) + 1
+        specs = first_specs if k == 1 else make_specs(s.seed + k - 1)
+        plan = LoadPlan(request_rate=request_rate, burstiness=s.burstiness, seed=s.seed + k)
         times = plan.schedule(len(specs))
         requests = [
             SimRequest(
