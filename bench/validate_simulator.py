@@ -143,6 +143,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument(
+        "--noise",
+        action="store_true",
+        help="bench every case twice (the second on a fresh server) and print the real "
+        "engine's error against itself: what this host lets the floors be checked to",
+    )
+    parser.add_argument(
         "--server-threads",
         type=int,
         help="serve --threads for every server (1 keeps a shared host's contention from "
@@ -155,10 +161,11 @@ def main() -> None:
     threads = ["--threads", str(args.server_threads)] if args.server_threads else []
     servers: dict[tuple[str, ...], Any] = {}
 
-    def server_for(case_args: list[str], kv: str) -> Any:
-        """The server for these engine args; one runs at a time (memory on a shared host)."""
+    def server_for(case_args: list[str], kv: str, fresh: bool = False) -> Any:
+        """The server for these engine args; one runs at a time (memory on a shared host).
+        ``fresh``: a new one even if it runs (an empty prefix cache)."""
         key = (*case_args, "--kv-cache-memory", kv, *threads)
-        if key not in servers:
+        if fresh or key not in servers:
             for other in list(servers):
                 servers.pop(other).stop()
             log = work / f"server-{len(list(work.glob('server-*.log')))}.log"
@@ -187,6 +194,9 @@ def main() -> None:
             server.stop()
 
     print_table(rows)
+    if args.noise:
+        print("\nthe real engine against itself: a second bench of each case on a fresh server")
+        print_table(rows, "real2", "real")
     print(
         f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {cpu_model()}, "
         f"load average {os.getloadavg()[0]:.1f}, scale {args.scale}, seed {args.seed}, "
@@ -229,7 +239,13 @@ def run_cases(
         sim = figures(json.loads(sim_file.read_text()))
         if case.name == "random-c16":
             saturation_rps = real["request_throughput"]
-        rows.append({"case": case.name, "prompts": prompts, "real": real, "sim": sim})
+        row = {"case": case.name, "prompts": prompts, "real": real, "sim": sim}
+        if args.noise:
+            again = work / f"{case.name}-bench2.json"
+            server = server_for(case.server, case.kv, fresh=True)
+            run([*PDSCOPE, "bench", server.url, *load, "--save-result", str(again)])
+            row["real2"] = figures(json.loads(again.read_text()))
+        rows.append(row)
         print(f"{case.name}: bench {bench_s:.0f} s", flush=True)
 
 
@@ -246,15 +262,15 @@ SHORT = {
 }
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
+def print_table(rows: list[dict[str, Any]], test: str = "sim", base: str = "real") -> None:
     """One row per case: each figure's error, '!' where it misses its floor; the measured
     value beside it so an error on a tiny number reads as what it is."""
-    print("error = simulated / measured - 1 (measured value in brackets); ! misses the floor")
+    print(f"error = {test} / {base} - 1 ({base} value in brackets); ! misses the floor")
     print("case".ljust(18) + "".join(SHORT[k].rjust(19) for k in FLOORS))
     for row in rows:
         cells = []
         for key, floor in FLOORS.items():
-            real, sim = row["real"][key], row["sim"][key]
+            real, sim = row[base][key], row[test][key]
             e = error(sim, real)
             if e is None:
                 cells.append("-".rjust(19))
