@@ -17,7 +17,7 @@ from pdscope.roofline.step_cost import CostModel, CostParams
 from pdscope.specs import SpecError, get_kv_precision, get_weight_precision, load_model
 
 MODEL = "llama-3.2-1b"
-TRUE = CostParams(30.0, 0.5, step_overhead_s=0.003, seq_overhead_s=0.0005)
+TRUE = CostParams(30.0, 0.5, step_overhead_s=0.003, seq_overhead_s=0.0005, request_overhead_s=0.004)
 BUDGET = 2048
 
 
@@ -36,6 +36,7 @@ def simulated_probe(batch_streams: int = 8) -> dict:
         num_blocks=8192,
         block_size=16,
         step_seconds=lambda out: model.step(out.scheduled).seconds,
+        admission_delay_s=TRUE.request_overhead_s,
     )
     traces: list[Trace] = []
     counter = iter(range(10**6))
@@ -99,6 +100,7 @@ def test_the_fit_recovers_the_parameters_a_probe_was_made_with() -> None:
     assert p.tflops == pytest.approx(TRUE.tflops, rel=0.02)
     assert p.step_overhead_s == pytest.approx(TRUE.step_overhead_s, rel=0.05)
     assert p.seq_overhead_s == pytest.approx(TRUE.seq_overhead_s, rel=0.1)
+    assert p.request_overhead_s == pytest.approx(TRUE.request_overhead_s, rel=0.1)
     assert max(abs(r.error) for r in calibration.residuals) < 0.01
     assert not calibration.notes
 

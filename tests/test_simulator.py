@@ -410,3 +410,24 @@ def test_simulate_draws_workload_and_arrivals_from_benchs_seeds() -> None:
     )
     assert result["input_lens"] == [len(x.prompt) for x in specs]
     assert result["output_lens"] == [x.output_tokens for x in specs]
+
+
+def test_admission_delay_adds_to_ttft_and_queue_time_not_to_decode() -> None:
+    """A request overhead (HTTP, hand-off to the engine) delays when the scheduler sees a
+    request: its TTFT grows by exactly that much, its token gaps not at all."""
+    cost = h100_cost(step_overhead_s=0.002)
+    timelines = []
+    for delay in (0.0, 0.05):
+        sim = Simulator(
+            SchedulerConfig(2048, 64, 8192),
+            num_blocks=4096,
+            block_size=16,
+            step_seconds=lambda out: cost.step(out.scheduled).seconds,
+            admission_delay_s=delay,
+        )
+        specs = [SimRequest(unique_prompt(i, 500), 20, arrival_s=0.3 * i) for i in range(3)]
+        timelines.append([r.timeline for r in sim.run(specs, max_concurrency=1).requests])
+    for plain, delayed in zip(*timelines, strict=True):
+        assert delayed.ttft_s == pytest.approx(plain.ttft_s + 0.05)
+        assert delayed.queue_s == pytest.approx(plain.queue_s + 0.05)
+        assert delayed.itl_s == pytest.approx(plain.itl_s)

@@ -5,8 +5,10 @@ request at a time), single-stream decodes at short and long context (TPOT), and 
 decode (several streams at once: the median per-token gap is one step carrying all of them).
 Each becomes an :class:`Observation`: the steps the engine's scheduler would run for it, and the
 seconds they took. The cost model prices a step as a sum of roofline terms ``max(FLOPs / F,
-bytes / B)`` plus ``step_overhead + seq_overhead x entries``; once each term's binding side is
-chosen the time is linear in ``(1/F, 1/B, step_overhead, seq_overhead)``, so the fit alternates
+bytes / B)`` plus ``step_overhead + seq_overhead x entries``, and a TTFT also pays
+``request_overhead`` once (HTTP, hand-off to the engine: time outside any step); once each
+term's binding side is chosen the time is linear in ``(1/F, 1/B, step_overhead,
+seq_overhead, request_overhead)``, so the fit alternates
 choosing sides at the current parameters and solving a non-negative least-squares problem in
 relative error, until the sides stop changing.
 
@@ -51,6 +53,11 @@ class Observation:
     seconds: float
     samples: int = 1  # requests (or gaps) the median was taken over
 
+    @property
+    def requests(self) -> int:
+        """Request overheads inside the measured time: a TTFT includes one, a gap none."""
+        return 1 if self.kind == "prefill" else 0
+
 
 @dataclass(frozen=True)
 class Residual:
@@ -78,6 +85,7 @@ class Calibration:
             "tflops": p.tflops,
             "step_overhead_ms": p.step_overhead_s * 1e3,
             "seq_overhead_ms": p.seq_overhead_s * 1e3,
+            "request_overhead_ms": p.request_overhead_s * 1e3,
             "source": p.source,
             "residuals": [
                 {
@@ -173,9 +181,9 @@ def observations(probe: dict[str, Any], budget: int) -> list[Observation]:
 
 
 def _row(cost: CostModel, obs: Observation, x: np.ndarray) -> np.ndarray:
-    """The observation's time as coefficients of (1/F, 1/B, step, seq), each roofline term on
-    the side that binds at ``x`` (1/F, 1/B in s/FLOP and s/byte)."""
-    row = np.zeros(4)
+    """The observation's time as coefficients of (1/F, 1/B, step, seq, request), each roofline
+    term on the side that binds at ``x`` (1/F, 1/B in s/FLOP and s/byte)."""
+    row = np.zeros(5)
     for step in obs.steps:
         for flops, nbytes in cost.roofline_terms(step):
             if flops * x[0] >= nbytes * x[1]:
@@ -184,19 +192,20 @@ def _row(cost: CostModel, obs: Observation, x: np.ndarray) -> np.ndarray:
                 row[1] += nbytes
         row[2] += 1
         row[3] += len(step)
+    row[4] = obs.requests
     return row
 
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
     """Least squares with x >= 0 and both rates free (x[0], x[1] > 0), by trying every set of
-    overheads held at zero (four unknowns: a handful of solves)."""
+    overheads held at zero (five unknowns: eight solves)."""
     best, best_norm = None, np.inf
-    for keep in itertools.product((True, False), repeat=2):
+    for keep in itertools.product((True, False), repeat=3):
         cols = [0, 1] + [2 + i for i, k in enumerate(keep) if k]
         sol, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
         if (sol[:2] <= 0).any() or (sol < 0).any():
             continue
-        x = np.zeros(4)
+        x = np.zeros(5)
         x[cols] = sol
         norm = float(np.linalg.norm(a @ x - b))
         if norm < best_norm - 1e-15:
@@ -220,7 +229,7 @@ def fit(cost: CostModel, obs: Sequence[Observation], source: str = "") -> Calibr
             "no batched-decode point (probe with --batch-streams 8): the per-sequence "
             "overhead cannot be told apart from the per-step one and is held at 0"
         )
-    x = np.array([1 / cost.params.flops_per_s, 1 / cost.params.bandwidth_bytes_s, 0.0, 0.0])
+    x = np.array([1 / cost.params.flops_per_s, 1 / cost.params.bandwidth_bytes_s, 0, 0, 0.0])
     weights = np.array([1 / o.seconds for o in obs])
     sides: list[np.ndarray] = []
     for _ in range(30):
@@ -243,6 +252,7 @@ def fit(cost: CostModel, obs: Sequence[Observation], source: str = "") -> Calibr
         tflops=1 / x[0] / 1e12,
         step_overhead_s=float(x[2]),
         seq_overhead_s=float(x[3]),
+        request_overhead_s=float(x[4]),
         source=source or "fitted to a probe",
     )
     fitted = replace(cost, params=params)
@@ -251,7 +261,8 @@ def fit(cost: CostModel, obs: Sequence[Observation], source: str = "") -> Calibr
             o.label,
             o.kind,
             o.seconds,
-            sum(fitted.step(list(step)).seconds for step in o.steps),
+            sum(fitted.step(list(step)).seconds for step in o.steps)
+            + params.request_overhead_s * o.requests,
         )
         for o in obs
     ]

@@ -481,6 +481,7 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
             s.block_size,
             lambda out: cost.step(out.scheduled).seconds,
             s.enable_prefix_caching,
+            admission_delay_s=params.request_overhead_s,
         )
         wall = time.perf_counter()
         result = sim.run(requests, concurrency)

@@ -60,10 +60,16 @@ class Simulator:
         block_size: int,
         step_seconds: Callable[[SchedulerOutput], float],
         enable_prefix_caching: bool = True,
+        admission_delay_s: float = 0.0,
     ):
+        """``admission_delay_s``: how long a sent request takes to reach the scheduler (a
+        server's HTTP handling and hand-off to the engine loop; the cost model's
+        ``request_overhead_s``). It counts in TTFT and queue time, never in a step."""
+        assert admission_delay_s >= 0
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(config, self.pool)
         self.step_seconds = step_seconds
+        self.admission_delay_s = admission_delay_s
         self.now_s = 0.0
 
     def run(self, specs: Sequence[SimRequest], max_concurrency: int | None = None) -> SimResult:
@@ -98,8 +104,10 @@ class Simulator:
         held: deque[Request] = deque()  # due, waiting for a free slot under the cap
         # When each free slot became free: a held request is sent at max(due, that time).
         free_since: deque[float] = deque([0.0] * (max_concurrency or 0))
+        # Sent, on their way to the scheduler: (when they reach it, order, request).
+        admitting: list[tuple[float, int, Request]] = []
 
-        while arrivals or held or scheduler.has_work:
+        while arrivals or held or admitting or scheduler.has_work:
             while arrivals and arrivals[0][0] <= self.now_s:
                 held.append(heapq.heappop(arrivals)[2])
             while held and (max_concurrency is None or free_since):
@@ -107,9 +115,13 @@ class Simulator:
                 if max_concurrency is not None:
                     sent_s = max(request.timeline.arrival_s, free_since.popleft())
                     request.timeline.arrival_s = sent_s
-                scheduler.add(request)
+                due_s = request.timeline.arrival_s + self.admission_delay_s
+                heapq.heappush(admitting, (due_s, tags[id(request)], request))
+            while admitting and admitting[0][0] <= self.now_s:
+                scheduler.add(heapq.heappop(admitting)[2])
             if not scheduler.has_work:
-                self.now_s = arrivals[0][0]  # idle until the next arrival
+                # Idle until the next request is sent or reaches the scheduler.
+                self.now_s = min(x[0][0] for x in (arrivals, admitting) if x)
                 continue
             out = scheduler.schedule()
             assert not out.is_empty, "work that can never be scheduled (checked on arrival)"

@@ -308,7 +308,7 @@ def render_calibration(c: dict[str, Any], console: Console) -> None:
     console.print(
         f"calibrated ({c['source']}): {c['bandwidth_gb_s']:.3g} GB/s, {c['tflops']:.3g} "
         f"TFLOP/s, step overhead {c['step_overhead_ms']:.3g} ms, per sequence "
-        f"{c['seq_overhead_ms']:.3g} ms"
+        f"{c['seq_overhead_ms']:.3g} ms, per request {c['request_overhead_ms']:.3g} ms"
     )
     table = Table(box=box.SIMPLE, title="calibration residuals (fitted / measured - 1)")
     for name in ("probe figure", "kind", "measured ms", "fitted ms", "error"):

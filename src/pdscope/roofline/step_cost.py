@@ -50,6 +50,10 @@ class CostParams:
     tflops: float  # achieved dense matmul rate at the weights' compute type, 1e12 FLOP/s
     step_overhead_s: float = 0.0  # fixed cost of every step
     seq_overhead_s: float = 0.0  # extra cost of every sequence scheduled in a step
+    # Time a request spends outside any step before the scheduler sees it (HTTP handling,
+    # hand-off to the engine loop): part of its TTFT, never of a step. The simulator delays
+    # admission by it.
+    request_overhead_s: float = 0.0
     source: str = ""  # where the figures came from (a probe file, a measurement, the catalog)
 
     def __post_init__(self) -> None:
@@ -57,7 +61,7 @@ class CostParams:
             raise SpecError(f"bandwidth must be > 0 GB/s, got {self.bandwidth_gb_s}")
         if not self.tflops > 0:
             raise SpecError(f"FLOP rate must be > 0 TFLOP/s, got {self.tflops}")
-        if self.step_overhead_s < 0 or self.seq_overhead_s < 0:
+        if min(self.step_overhead_s, self.seq_overhead_s, self.request_overhead_s) < 0:
             raise SpecError("overheads must be >= 0 seconds")
 
     @property
