@@ -970,8 +970,9 @@ def simulate(
         c = result["metadata"]["cost_params"]
         console.print(
             f"simulated: {c['bandwidth_gb_s']:g} GB/s, {c['tflops']:g} TFLOP/s, step overhead "
-            f"{c['step_overhead_s'] * 1e3:g} ms, per sequence {c['seq_overhead_s'] * 1e3:g} ms "
-            f"({c['source']}); KV pool {result['metadata']['kv_pool_tokens']:,} tokens"
+            f"{c['step_overhead_s'] * 1e3:g} ms, per sequence {c['seq_overhead_s'] * 1e3:g} ms, "
+            f"per request {c['request_overhead_s'] * 1e3:g} ms ({c['source']}); KV pool "
+            f"{result['metadata']['kv_pool_tokens']:,} tokens"
         )
 
 
