@@ -26,6 +26,7 @@ from pdscope.client.adapters import (
     API_OLLAMA,
     API_OPENAI_CHAT,
     API_OPENAI_COMPLETIONS,
+    APIS,
     openai_body,
     run_ollama,
     run_openai,
@@ -35,6 +36,7 @@ from pdscope.client.counters import PrefixHitCounter
 from pdscope.client.detect import ProbeError, Runtime, detect
 from pdscope.client.prompts import PromptBuilder
 from pdscope.client.trace import Trace
+from pdscope.commands.flags import at_least, int_list
 
 
 @dataclass
@@ -56,6 +58,20 @@ class ProbeSettings:
     # Prompts are drawn fresh for every probe so no run meets an earlier one's prompts in the
     # server's prefix cache; a seed repeats a run's prompts exactly (recorded in the result).
     seed: int | None = None
+
+    @classmethod
+    def from_flags(cls, url: str | None, prompt_tokens: str, **fields: Any) -> ProbeSettings:
+        """The CLI's flags, checked (a ``ValueError`` names the flag). No URL: the embedded
+        server, whose ceiling is this machine's (``device`` defaults to local)."""
+        s = cls(url=url or "", prompt_tokens=int_list(prompt_tokens, "--prompt-tokens"), **fields)
+        if s.api != "auto" and s.api not in APIS:
+            raise ValueError(f"--api must be auto or one of {', '.join(APIS)}, got {s.api!r}")
+        at_least(1, ("--output-tokens", s.output_tokens), ("--repeats", s.repeats))
+        if s.timeout_s <= 0:
+            raise ValueError(f"--timeout must be positive, got {s.timeout_s}")
+        if url is None:
+            s.device = s.device or "local"
+        return s
 
 
 class Prober:
