@@ -25,7 +25,10 @@ from pdscope.client.trace import Chunk, Trace
 API_OPENAI_COMPLETIONS = "openai-completions"
 API_OPENAI_CHAT = "openai-chat"
 API_OLLAMA = "ollama"
-APIS = (API_OPENAI_COMPLETIONS, API_OPENAI_CHAT, API_OLLAMA)
+OPENAI_APIS = (API_OPENAI_COMPLETIONS, API_OPENAI_CHAT)
+# The dialects probe and bench speak (their --api values besides "auto"): each has a runner
+# below that turns one response into a Trace, and detect.py recognises its server.
+APIS = (*OPENAI_APIS, API_OLLAMA)
 
 
 def _trace_config() -> aiohttp.TraceConfig:

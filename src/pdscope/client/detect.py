@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from pdscope.client.adapters import API_OLLAMA, API_OPENAI_COMPLETIONS
+from pdscope.client.adapters import API_OLLAMA, API_OPENAI_COMPLETIONS, OPENAI_APIS
 
 # Metric-name prefixes that identify a runtime on /metrics.
 _METRIC_PREFIXES = (
@@ -138,7 +138,7 @@ async def detect(
     ollama_native = tags is not None and tags.status_code == 200 and owner != "pdscope"
     if ollama_native and api == "auto":
         api = API_OLLAMA  # Ollama also serves /v1; its native API carries its own timings
-    if openai_models and api in ("auto", "openai-completions", "openai-chat"):
+    if openai_models and api in ("auto", *OPENAI_APIS):
         if owner == "pdscope":
             name = "pdscope"
         elif is_llamacpp:
