@@ -298,7 +298,8 @@ def make_model_cmd(
 
     Random weights produce meaningless text but cost exactly what a real model of the same
     shape costs, which is all that latency needs. No download, ever."""
-    from pdscope.engine.make_model import make_model, num_parameters
+    from pdscope.checkpoint.make_model import make_model, num_parameters
+    from pdscope.specs.models import read_config
 
     overrides = {
         k: v
@@ -317,7 +318,7 @@ def make_model_cmd(
         path = make_model(directory, preset=preset, arch=arch, dtype=dtype, seed=seed, **overrides)
     except ValueError as exc:
         raise fail(str(exc)) from None
-    config = json.loads((path / "config.json").read_text())
+    config = read_config(path)
     size = (path / "model.safetensors").stat().st_size
     console.print(
         f"wrote {path}: {config['architectures'][0]}, "

@@ -9,7 +9,6 @@ the traces into figures and findings.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import secrets
 import time
@@ -37,6 +36,7 @@ from pdscope.client.detect import ProbeError, Runtime, detect
 from pdscope.client.prompts import PromptBuilder
 from pdscope.client.trace import Trace
 from pdscope.commands.flags import at_least, int_list
+from pdscope.specs.models import read_config
 
 
 @dataclass
@@ -230,7 +230,7 @@ def _dtype_of(s: ProbeSettings, root: str | None) -> str:
     if s.dtype:
         return s.dtype
     if root and (Path(root) / "config.json").is_file():
-        torch_dtype = json.loads((Path(root) / "config.json").read_text()).get("torch_dtype")
+        torch_dtype = read_config(Path(root)).get("torch_dtype")
         return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(torch_dtype, "bf16")
     return "bf16"
 

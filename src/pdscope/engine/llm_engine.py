@@ -51,7 +51,7 @@ class RequestOutput:
 
 class LLMEngine:
     def __init__(self, args: EngineArgs | None = None, **kwargs: object):
-        from pdscope.engine.make_model import resolve_model_path
+        from pdscope.checkpoint.make_model import resolve_model_path
 
         args = args or EngineArgs(**kwargs)  # type: ignore[arg-type]
         self.args = args
@@ -116,7 +116,7 @@ class LLMEngine:
     def _choose_kernels(self, forced: dict[str, str]) -> KernelChoice:
         """Time each machine-dependent path on this model's shapes (or read the cached
         outcome), then point the model at the winners."""
-        from pdscope.engine.make_model import default_cache_dir
+        from pdscope.checkpoint.make_model import default_cache_dir
 
         c = self.model.config
         prefill_tokens = min(self.args.max_num_batched_tokens, self.max_model_len)
