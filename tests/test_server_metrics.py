@@ -10,14 +10,13 @@ import math
 import httpx
 import pytest
 
+from pdscope.analysis.server_metrics import build_report, histogram_quantile, report_of
 from pdscope.client.server_metrics import (
     COUNTER_ROLES,
     HISTOGRAM_ROLES,
     RUNTIME_NAMES,
     MetricsSampler,
-    build_report,
     detect_runtime,
-    histogram_quantile,
     parse_metrics,
     timeline_point,
 )
@@ -309,7 +308,7 @@ def run_sampler(handler, interval_s: float = 0.01, run_s: float = 0.1):
             sampler = MetricsSampler(client, "http://srv", interval_s=interval_s)
             await sampler.start()
             await asyncio.sleep(run_s)
-            return await sampler.stop()
+            return report_of(await sampler.stop())
 
     return asyncio.run(main())
 

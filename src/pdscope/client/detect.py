@@ -8,14 +8,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from pdscope.client.adapters import API_OLLAMA, API_OPENAI_COMPLETIONS, OPENAI_APIS
-
-# Metric-name prefixes that identify a runtime on /metrics.
-_METRIC_PREFIXES = (
-    ("vllm:", "vllm"),
-    ("sglang:", "sglang"),
-    ("tgi_", "tgi"),
-    ("llamacpp:", "llama.cpp"),
-)
+from pdscope.client.server_metrics import METRIC_PREFIXES
 
 
 class ProbeError(RuntimeError):
@@ -99,7 +92,7 @@ async def detect(
     has_metrics = metrics is not None and metrics.status_code == 200
     if has_metrics:
         text = metrics.text
-        metric_runtime = next((name for prefix, name in _METRIC_PREFIXES if prefix in text), None)
+        metric_runtime = next((name for prefix, name in METRIC_PREFIXES if prefix in text), None)
         evidence.append(f"/metrics ({metric_runtime or 'unknown names'})")
     has_tokenize = False
     tokenize_key = "prompt"

@@ -26,6 +26,7 @@ import httpx
 
 from pdscope import __version__
 from pdscope.analysis.bench import SLO, by_kind, summarize
+from pdscope.analysis.server_metrics import report_of
 from pdscope.client.adapters import APIS
 from pdscope.client.adapters import session as adapter_session
 from pdscope.client.detect import ProbeError, Runtime, detect
@@ -295,7 +296,7 @@ class Bench:
                     (lambda p: self.on_progress(level, p)) if self.on_progress else None,
                 )
         finally:
-            server = await sampler.stop()
+            server = report_of(await sampler.stop())
         summary = summarize(load.traces, load.duration_s, s.percentiles, self.goodput)
         run = {
             "request_rate": None if math.isinf(rate) else rate,
