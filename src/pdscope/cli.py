@@ -52,6 +52,270 @@ StreamOutput = Annotated[int, typer.Option(help="long-prompt: tokens per stream.
 LongLen = Annotated[int, typer.Option(help="long-prompt: tokens per long prompt.")]
 LongRate = Annotated[float, typer.Option(help="long-prompt: long prompts per second.")]
 
+# Each command's flags, declared once here so the command functions stay short; a flag that
+# several commands share with the same help (--api, --api-key, --timeout) has one alias.
+
+# plan
+PlanModel = Annotated[
+    str,
+    typer.Option(
+        "--model",
+        "-m",
+        help="Preset name (see --list-models), a config.json, or a checkpoint directory.",
+    ),
+]
+PlanDevice = Annotated[
+    str | None,
+    typer.Option(
+        "--device",
+        "-d",
+        help="Catalog device (see --list-devices), or 'local' to measure this machine. "
+        "Omit with --bandwidth to describe your own device.",
+    ),
+]
+PlanDtype = Annotated[
+    str,
+    typer.Option(
+        help="Weight precision: fp32, bf16, fp16, fp8, int8, int4, q8_0, q6_k, q5_k_m, q4_k_m, "
+        "q4_0.",
+    ),
+]
+KvDtype = Annotated[
+    str | None,
+    typer.Option(
+        help="KV cache precision: fp32, bf16, fp16, fp8 (default: follows --dtype, else bf16).",
+    ),
+]
+Context = Annotated[
+    int | None,
+    typer.Option(
+        help="Tokens already in the KV cache during decode (default 4096; 0 for --compare).",
+    ),
+]
+PlanPromptTokens = Annotated[int, typer.Option(help="Prompt length for the prefill figures.")]
+GpuMemoryUtilization = Annotated[
+    float,
+    typer.Option(
+        help="Fraction of device memory the server may use (vLLM's flag), 0-1.",
+    ),
+]
+Bandwidth = Annotated[
+    float | None,
+    typer.Option(
+        help="Memory bandwidth in GB/s: a custom device, or override the named one.",
+    ),
+]
+Tflops = Annotated[
+    float | None,
+    typer.Option(
+        help="Dense peak TFLOP/s: a custom device, or override the named one.",
+    ),
+]
+Memory = Annotated[
+    float | None,
+    typer.Option(
+        help="Device memory in GB (read as GiB, like the catalog).",
+    ),
+]
+Compare = Annotated[
+    bool,
+    typer.Option(
+        "--compare",
+        help="The seed article's table: the decode ceiling on each device.",
+    ),
+]
+AllDevices = Annotated[
+    bool,
+    typer.Option(
+        "--all",
+        help="With --compare: every catalog device, not just the article's six.",
+    ),
+]
+PlanAsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+ListDevices = Annotated[
+    bool,
+    typer.Option(
+        "--list-devices",
+        help="List the device catalog and exit.",
+    ),
+]
+ListModels = Annotated[
+    bool,
+    typer.Option(
+        "--list-models",
+        help="List the model presets and exit.",
+    ),
+]
+
+# make-model
+Directory = Annotated[Path, typer.Argument(help="Where to write the checkpoint.")]
+Preset = Annotated[
+    str, typer.Option(help="tiny (tests, a few MB) or small (168M, the embedded default).")
+]
+Arch = Annotated[str, typer.Option(help="llama, mistral, qwen2 or qwen3.")]
+MakeDtype = Annotated[str, typer.Option(help="float32 or bfloat16.")]
+MakeSeed = Annotated[int, typer.Option(help="Weights are a pure function of the seed.")]
+Layers = Annotated[int | None, typer.Option(help="num_hidden_layers.")]
+Hidden = Annotated[int | None, typer.Option(help="hidden_size.")]
+Intermediate = Annotated[int | None, typer.Option(help="intermediate_size.")]
+Heads = Annotated[int | None, typer.Option(help="num_attention_heads.")]
+KvHeads = Annotated[int | None, typer.Option(help="num_key_value_heads.")]
+Vocab = Annotated[int | None, typer.Option(help="vocab_size (tokenizer trained to it).")]
+MaxLen = Annotated[int | None, typer.Option(help="max_position_embeddings.")]
+
+# probe
+ProbeUrl = Annotated[
+    str | None,
+    typer.Argument(
+        help="Server to probe, e.g. "
+        "http://127.0.0.1:8000. Omit to start the "
+        "embedded server with the built-in model."
+    ),
+]
+Api = Annotated[str, typer.Option(help="auto, openai-completions, openai-chat or ollama.")]
+ProbeModel = Annotated[
+    str | None, typer.Option(help="Model to probe (optional when the server has one).")
+]
+ApiKey = Annotated[str | None, typer.Option(help="Bearer token for the server.")]
+ProbePromptTokens = Annotated[str, typer.Option(help="Sweep of prompt lengths in tokens.")]
+OutputTokens = Annotated[int, typer.Option(help="Output tokens per request.")]
+Repeats = Annotated[int, typer.Option(help="Requests per sweep point.")]
+Timeout = Annotated[float, typer.Option(help="Seconds allowed per request.")]
+MaxModelLen = Annotated[
+    int | None,
+    typer.Option(help="Cap for prompt + output when the server does not report one."),
+]
+ProbeDevice = Annotated[
+    str | None,
+    typer.Option(
+        help="Device for the ceiling: catalog name or 'local' (default for the embedded server)."
+    ),
+]
+ProbePlanModel = Annotated[
+    str | None,
+    typer.Option(
+        help="Model for the ceiling: preset or "
+        "config.json (default: the server's "
+        "checkpoint when local)."
+    ),
+]
+ProbeDtype = Annotated[str | None, typer.Option(help="Weight precision for the ceiling.")]
+ProbeSeed = Annotated[
+    int | None,
+    typer.Option(
+        help="Repeat an earlier run's prompts (its seed is in the result). Default: fresh "
+        "random prompts, so no run meets an earlier one's in the prefix cache."
+    ),
+]
+JsonFile = Annotated[Path | None, typer.Option("--json", help="Write every trace and figure here.")]
+Plot = Annotated[Path | None, typer.Option(help="Write TTFT and decode plots (PNG).")]
+
+# bench
+BenchUrl = Annotated[
+    str | None,
+    typer.Argument(
+        help="Server to load; omit to start the embedded "
+        "server. 'compare A.json B.json' compares two "
+        "saved runs."
+    ),
+]
+Files = Annotated[
+    list[Path] | None,
+    typer.Argument(help="With 'compare': two result files.", show_default=False),
+]
+BenchModel = Annotated[str | None, typer.Option(help="Model (optional when the server has one).")]
+Workload = Annotated[
+    str,
+    typer.Option(help="random, shared-prefix, long-prompt or file:PATH (JSONL or ShareGPT JSON)."),
+]
+NumPrompts = Annotated[int, typer.Option(help="Requests per run.")]
+InputLen = Annotated[str, typer.Option(help="random: N, LOW-HIGH or normal:MEAN:STD tokens.")]
+RequestRate = Annotated[
+    str, typer.Option(help="Requests/s, or a series: 1,2,4,8 (inf = all at once).")
+]
+MaxConcurrency = Annotated[
+    str | None, typer.Option(help="Cap on requests in flight, or a series: 1,4,16,64.")
+]
+Burstiness = Annotated[float, typer.Option(help="Gamma shape of arrival gaps (1 = Poisson).")]
+Duration = Annotated[float | None, typer.Option(help="Stop sending after this many seconds.")]
+Warmup = Annotated[int, typer.Option(help="Warm-up requests, excluded.")]
+RampUp = Annotated[float, typer.Option(help="Seconds over which the rate ramps up.")]
+BenchSeed = Annotated[
+    int | None,
+    typer.Option(
+        help="Seed for lengths, prompts and arrivals, to repeat a run exactly (its seed is "
+        "in the result). Default: fresh prompts every run."
+    ),
+]
+Percentiles = Annotated[str, typer.Option(help="Percentiles to report.")]
+Slo = Annotated[
+    str | None,
+    typer.Option(
+        help="Goodput SLOs per request: "
+        "ttft=2s,tpot=100ms,e2e=10s; with "
+        "--find-capacity: p99_ttft=2s,p99_itl=100ms."
+    ),
+]
+FindCapacity = Annotated[
+    bool, typer.Option("--find-capacity", help="Search the highest concurrency meeting --slo.")
+]
+Sweep = Annotated[
+    str | None, typer.Option(help="'auto': double concurrency until throughput saturates.")
+]
+SaveResult = Annotated[
+    Path | None,
+    typer.Option(help="Write the result JSON (vllm bench serve's field names) here."),
+]
+BenchServerArgs = Annotated[
+    str,
+    typer.Option(help="Flags for the embedded server, e.g. '--max-num-batched-tokens 256'."),
+]
+BenchReport = Annotated[
+    Path | None, typer.Option(help="Write a self-contained HTML report with plots here.")
+]
+
+# watch
+WatchUrl = Annotated[
+    str | None,
+    typer.Argument(
+        help="Server to watch, e.g. http://127.0.0.1:8000 (or its /metrics URL). Omit to "
+        "start the embedded server with the built-in model."
+    ),
+]
+Window = Annotated[
+    float | None,
+    typer.Option(help="Seconds the quantiles and rates cover (default 60; 5 with --once)."),
+]
+Interval = Annotated[float, typer.Option(help="Seconds between scrapes.")]
+History = Annotated[float, typer.Option(help="Seconds the sparklines reach back.")]
+Once = Annotated[
+    bool, typer.Option("--once", help="Watch for one window, print one snapshot, exit.")
+]
+WatchAsJson = Annotated[
+    bool,
+    typer.Option("--json", help="JSON instead of the live view (one line per snapshot)."),
+]
+Record = Annotated[
+    Path | None, typer.Option(help="Append every snapshot to this file as a JSON line.")
+]
+Export = Annotated[
+    tuple[str, Path] | None,
+    typer.Option(
+        help="'grafana DIR': write a Grafana dashboard and a prometheus.yml for URL, exit.",
+        show_default=False,
+    ),
+]
+Runtime = Annotated[
+    str, typer.Option(help="With --export: the dashboard's runtime (vllm, sglang, tgi).")
+]
+WatchReport = Annotated[
+    Path | None,
+    typer.Option(help="Draw a --record file as an HTML page (written beside it, .html), exit."),
+]
+WatchServerArgs = Annotated[
+    str, typer.Option(help="Flags for the embedded server, e.g. '--kv-cache-memory 64MiB'.")
+]
+
 
 def fail(message: str, code: int = 2) -> typer.Exit:
     err_console.print(f"[bold red]error:[/] {message}", highlight=False)
@@ -125,98 +389,21 @@ def main() -> None:
 
 @app.command()
 def plan(
-    model: Annotated[
-        str,
-        typer.Option(
-            "--model",
-            "-m",
-            help="Preset name (see --list-models), a config.json, or a checkpoint directory.",
-        ),
-    ] = "8b",
-    device: Annotated[
-        str | None,
-        typer.Option(
-            "--device",
-            "-d",
-            help="Catalog device (see --list-devices), or 'local' to measure this machine. "
-            "Omit with --bandwidth to describe your own device.",
-        ),
-    ] = None,
-    dtype: Annotated[
-        str,
-        typer.Option(
-            help="Weight precision: fp32, bf16, fp16, fp8, int8, int4, q8_0, q6_k, q5_k_m, q4_k_m, "
-            "q4_0.",
-        ),
-    ] = "bf16",
-    kv_dtype: Annotated[
-        str | None,
-        typer.Option(
-            help="KV cache precision: fp32, bf16, fp16, fp8 (default: follows --dtype, else bf16).",
-        ),
-    ] = None,
-    context: Annotated[
-        int | None,
-        typer.Option(
-            help="Tokens already in the KV cache during decode (default 4096; 0 for --compare).",
-        ),
-    ] = None,
-    prompt_tokens: Annotated[
-        int, typer.Option(help="Prompt length for the prefill figures.")
-    ] = 2000,
-    gpu_memory_utilization: Annotated[
-        float,
-        typer.Option(
-            help="Fraction of device memory the server may use (vLLM's flag), 0-1.",
-        ),
-    ] = 0.9,
-    bandwidth: Annotated[
-        float | None,
-        typer.Option(
-            help="Memory bandwidth in GB/s: a custom device, or override the named one.",
-        ),
-    ] = None,
-    tflops: Annotated[
-        float | None,
-        typer.Option(
-            help="Dense peak TFLOP/s: a custom device, or override the named one.",
-        ),
-    ] = None,
-    memory: Annotated[
-        float | None,
-        typer.Option(
-            help="Device memory in GB (read as GiB, like the catalog).",
-        ),
-    ] = None,
-    compare: Annotated[
-        bool,
-        typer.Option(
-            "--compare",
-            help="The seed article's table: the decode ceiling on each device.",
-        ),
-    ] = False,
-    all_devices: Annotated[
-        bool,
-        typer.Option(
-            "--all",
-            help="With --compare: every catalog device, not just the article's six.",
-        ),
-    ] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
-    list_devices: Annotated[
-        bool,
-        typer.Option(
-            "--list-devices",
-            help="List the device catalog and exit.",
-        ),
-    ] = False,
-    list_models: Annotated[
-        bool,
-        typer.Option(
-            "--list-models",
-            help="List the model presets and exit.",
-        ),
-    ] = False,
+    model: PlanModel = "8b",
+    device: PlanDevice = None,
+    dtype: PlanDtype = "bf16",
+    kv_dtype: KvDtype = None,
+    context: Context = None,
+    prompt_tokens: PlanPromptTokens = 2000,
+    gpu_memory_utilization: GpuMemoryUtilization = 0.9,
+    bandwidth: Bandwidth = None,
+    tflops: Tflops = None,
+    memory: Memory = None,
+    compare: Compare = False,
+    all_devices: AllDevices = False,
+    as_json: PlanAsJson = False,
+    list_devices: ListDevices = False,
+    list_models: ListModels = False,
 ) -> None:
     """The paper arithmetic: weight bytes, decode ceilings, KV sizes, pool capacity, prefill
     FLOPs and the TTFT floor, and batched decode, for a model on a device."""
@@ -279,20 +466,18 @@ def _list_catalog(devices: bool, as_json: bool) -> None:
 
 @app.command("make-model")
 def make_model_cmd(
-    directory: Annotated[Path, typer.Argument(help="Where to write the checkpoint.")],
-    preset: Annotated[
-        str, typer.Option(help="tiny (tests, a few MB) or small (168M, the embedded default).")
-    ] = "tiny",
-    arch: Annotated[str, typer.Option(help="llama, mistral, qwen2 or qwen3.")] = "llama",
-    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "bfloat16",
-    seed: Annotated[int, typer.Option(help="Weights are a pure function of the seed.")] = 0,
-    layers: Annotated[int | None, typer.Option(help="num_hidden_layers.")] = None,
-    hidden: Annotated[int | None, typer.Option(help="hidden_size.")] = None,
-    intermediate: Annotated[int | None, typer.Option(help="intermediate_size.")] = None,
-    heads: Annotated[int | None, typer.Option(help="num_attention_heads.")] = None,
-    kv_heads: Annotated[int | None, typer.Option(help="num_key_value_heads.")] = None,
-    vocab: Annotated[int | None, typer.Option(help="vocab_size (tokenizer trained to it).")] = None,
-    max_len: Annotated[int | None, typer.Option(help="max_position_embeddings.")] = None,
+    directory: Directory,
+    preset: Preset = "tiny",
+    arch: Arch = "llama",
+    dtype: MakeDtype = "bfloat16",
+    seed: MakeSeed = 0,
+    layers: Layers = None,
+    hidden: Hidden = None,
+    intermediate: Intermediate = None,
+    heads: Heads = None,
+    kv_heads: KvHeads = None,
+    vocab: Vocab = None,
+    max_len: MaxLen = None,
 ) -> None:
     """Write a random-weight Hugging Face checkpoint with a real BPE tokenizer.
 
@@ -343,58 +528,21 @@ def serve(**flags: Any) -> None:
 
 @app.command()
 def probe(
-    url: Annotated[
-        str | None,
-        typer.Argument(
-            help="Server to probe, e.g. "
-            "http://127.0.0.1:8000. Omit to start the "
-            "embedded server with the built-in model."
-        ),
-    ] = None,
-    api: Annotated[
-        str, typer.Option(help="auto, openai-completions, openai-chat or ollama.")
-    ] = "auto",
-    model: Annotated[
-        str | None, typer.Option(help="Model to probe (optional when the server has one).")
-    ] = None,
-    api_key: Annotated[str | None, typer.Option(help="Bearer token for the server.")] = None,
-    prompt_tokens: Annotated[
-        str, typer.Option(help="Sweep of prompt lengths in tokens.")
-    ] = "200,500,1000,2000",
-    output_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 64,
-    repeats: Annotated[int, typer.Option(help="Requests per sweep point.")] = 3,
-    timeout: Annotated[float, typer.Option(help="Seconds allowed per request.")] = 120.0,
-    max_model_len: Annotated[
-        int | None,
-        typer.Option(help="Cap for prompt + output when the server does not report one."),
-    ] = None,
-    device: Annotated[
-        str | None,
-        typer.Option(
-            help="Device for the ceiling: catalog name or "
-            "'local' (default for the embedded server)."
-        ),
-    ] = None,
-    plan_model: Annotated[
-        str | None,
-        typer.Option(
-            help="Model for the ceiling: preset or "
-            "config.json (default: the server's "
-            "checkpoint when local)."
-        ),
-    ] = None,
-    dtype: Annotated[str | None, typer.Option(help="Weight precision for the ceiling.")] = None,
-    seed: Annotated[
-        int | None,
-        typer.Option(
-            help="Repeat an earlier run's prompts (its seed is in the result). Default: fresh "
-            "random prompts, so no run meets an earlier one's in the prefix cache."
-        ),
-    ] = None,
-    json_file: Annotated[
-        Path | None, typer.Option("--json", help="Write every trace and figure here.")
-    ] = None,
-    plot: Annotated[Path | None, typer.Option(help="Write TTFT and decode plots (PNG).")] = None,
+    url: ProbeUrl = None,
+    api: Api = "auto",
+    model: ProbeModel = None,
+    api_key: ApiKey = None,
+    prompt_tokens: ProbePromptTokens = "200,500,1000,2000",
+    output_tokens: OutputTokens = 64,
+    repeats: Repeats = 3,
+    timeout: Timeout = 120.0,
+    max_model_len: MaxModelLen = None,
+    device: ProbeDevice = None,
+    plan_model: ProbePlanModel = None,
+    dtype: ProbeDtype = None,
+    seed: ProbeSeed = None,
+    json_file: JsonFile = None,
+    plot: Plot = None,
 ) -> None:
     """Measure one server's prefill and decode apart: a prompt-length sweep, a prefix-cache
     check, a context check; fit, ceilings and findings."""
@@ -448,35 +596,14 @@ def probe(
 
 @app.command()
 def bench(
-    url: Annotated[
-        str | None,
-        typer.Argument(
-            help="Server to load; omit to start the embedded "
-            "server. 'compare A.json B.json' compares two "
-            "saved runs."
-        ),
-    ] = None,
-    files: Annotated[
-        list[Path] | None,
-        typer.Argument(help="With 'compare': two result files.", show_default=False),
-    ] = None,
-    api: Annotated[
-        str, typer.Option(help="auto, openai-completions, openai-chat or ollama.")
-    ] = "auto",
-    model: Annotated[
-        str | None, typer.Option(help="Model (optional when the server has one).")
-    ] = None,
-    api_key: Annotated[str | None, typer.Option(help="Bearer token for the server.")] = None,
-    workload: Annotated[
-        str,
-        typer.Option(
-            help="random, shared-prefix, long-prompt or file:PATH (JSONL or ShareGPT JSON)."
-        ),
-    ] = "random",
-    num_prompts: Annotated[int, typer.Option(help="Requests per run.")] = 100,
-    input_len: Annotated[
-        str, typer.Option(help="random: N, LOW-HIGH or normal:MEAN:STD tokens.")
-    ] = "128",
+    url: BenchUrl = None,
+    files: Files = None,
+    api: Api = "auto",
+    model: BenchModel = None,
+    api_key: ApiKey = None,
+    workload: Workload = "random",
+    num_prompts: NumPrompts = 100,
+    input_len: InputLen = "128",
     output_len: OutputLen = "128",
     groups: Groups = 4,
     prefix_len: PrefixLen = 1024,
@@ -485,54 +612,21 @@ def bench(
     stream_output: StreamOutput = 256,
     long_len: LongLen = 2000,
     long_rate: LongRate = 0.5,
-    request_rate: Annotated[
-        str, typer.Option(help="Requests/s, or a series: 1,2,4,8 (inf = all at once).")
-    ] = "inf",
-    max_concurrency: Annotated[
-        str | None, typer.Option(help="Cap on requests in flight, or a series: 1,4,16,64.")
-    ] = None,
-    burstiness: Annotated[
-        float, typer.Option(help="Gamma shape of arrival gaps (1 = Poisson).")
-    ] = 1.0,
-    duration: Annotated[
-        float | None, typer.Option(help="Stop sending after this many seconds.")
-    ] = None,
-    warmup: Annotated[int, typer.Option(help="Warm-up requests, excluded.")] = 1,
-    ramp_up: Annotated[float, typer.Option(help="Seconds over which the rate ramps up.")] = 0.0,
-    seed: Annotated[
-        int | None,
-        typer.Option(
-            help="Seed for lengths, prompts and arrivals, to repeat a run exactly (its seed is "
-            "in the result). Default: fresh prompts every run."
-        ),
-    ] = None,
-    percentiles: Annotated[str, typer.Option(help="Percentiles to report.")] = "50,90,95,99",
-    slo: Annotated[
-        str | None,
-        typer.Option(
-            help="Goodput SLOs per request: "
-            "ttft=2s,tpot=100ms,e2e=10s; with "
-            "--find-capacity: p99_ttft=2s,p99_itl=100ms."
-        ),
-    ] = None,
-    find_capacity: Annotated[
-        bool, typer.Option("--find-capacity", help="Search the highest concurrency meeting --slo.")
-    ] = False,
-    sweep: Annotated[
-        str | None, typer.Option(help="'auto': double concurrency until throughput saturates.")
-    ] = None,
-    timeout: Annotated[float, typer.Option(help="Seconds allowed per request.")] = 300.0,
-    save_result: Annotated[
-        Path | None,
-        typer.Option(help="Write the result JSON (vllm bench serve's field names) here."),
-    ] = None,
-    server_args: Annotated[
-        str,
-        typer.Option(help="Flags for the embedded server, e.g. '--max-num-batched-tokens 256'."),
-    ] = "",
-    report: Annotated[
-        Path | None, typer.Option(help="Write a self-contained HTML report with plots here.")
-    ] = None,
+    request_rate: RequestRate = "inf",
+    max_concurrency: MaxConcurrency = None,
+    burstiness: Burstiness = 1.0,
+    duration: Duration = None,
+    warmup: Warmup = 1,
+    ramp_up: RampUp = 0.0,
+    seed: BenchSeed = None,
+    percentiles: Percentiles = "50,90,95,99",
+    slo: Slo = None,
+    find_capacity: FindCapacity = False,
+    sweep: Sweep = None,
+    timeout: Timeout = 300.0,
+    save_result: SaveResult = None,
+    server_args: BenchServerArgs = "",
+    report: BenchReport = None,
 ) -> None:
     """Load a server: arrivals, workloads, latency percentiles, goodput, the server's own
     metrics, and the capacity where p99 breaks."""
@@ -732,47 +826,18 @@ def simulate(
 
 @app.command()
 def watch(
-    url: Annotated[
-        str | None,
-        typer.Argument(
-            help="Server to watch, e.g. http://127.0.0.1:8000 (or its /metrics URL). Omit to "
-            "start the embedded server with the built-in model."
-        ),
-    ] = None,
-    window: Annotated[
-        float | None,
-        typer.Option(help="Seconds the quantiles and rates cover (default 60; 5 with --once)."),
-    ] = None,
-    interval: Annotated[float, typer.Option(help="Seconds between scrapes.")] = 1.0,
-    history: Annotated[float, typer.Option(help="Seconds the sparklines reach back.")] = 300.0,
-    once: Annotated[
-        bool, typer.Option("--once", help="Watch for one window, print one snapshot, exit.")
-    ] = False,
-    as_json: Annotated[
-        bool,
-        typer.Option("--json", help="JSON instead of the live view (one line per snapshot)."),
-    ] = False,
-    record: Annotated[
-        Path | None, typer.Option(help="Append every snapshot to this file as a JSON line.")
-    ] = None,
-    export: Annotated[
-        tuple[str, Path] | None,
-        typer.Option(
-            help="'grafana DIR': write a Grafana dashboard and a prometheus.yml for URL, exit.",
-            show_default=False,
-        ),
-    ] = None,
-    runtime: Annotated[
-        str, typer.Option(help="With --export: the dashboard's runtime (vllm, sglang, tgi).")
-    ] = "vllm",
-    report: Annotated[
-        Path | None,
-        typer.Option(help="Draw a --record file as an HTML page (written beside it, .html), exit."),
-    ] = None,
-    api_key: Annotated[str | None, typer.Option(help="Bearer token for the server.")] = None,
-    server_args: Annotated[
-        str, typer.Option(help="Flags for the embedded server, e.g. '--kv-cache-memory 64MiB'.")
-    ] = "",
+    url: WatchUrl = None,
+    window: Window = None,
+    interval: Interval = 1.0,
+    history: History = 300.0,
+    once: Once = False,
+    as_json: WatchAsJson = False,
+    record: Record = None,
+    export: Export = None,
+    runtime: Runtime = "vllm",
+    report: WatchReport = None,
+    api_key: ApiKey = None,
+    server_args: WatchServerArgs = "",
 ) -> None:
     """The article's five metrics of a live server (TTFT and ITL p50/p99, running, waiting,
     KV use) with throughput, preemptions and prefix-cache hits, over a sliding window, and the
