@@ -389,3 +389,26 @@ def _ollama_final(trace: Trace, event: dict[str, Any]) -> None:
         )
         if k in event
     }
+
+
+async def run_request(
+    client: aiohttp.ClientSession,
+    url: str,
+    api: str,
+    model: str,
+    prompt: str | list[int] | list[dict],
+    max_tokens: int,
+    label: str = "",
+    prompt_tokens_asked: int | None = None,
+    headers: dict[str, str] | None = None,
+) -> Trace:
+    """One streamed request in dialect ``api`` (one of APIS): the one dispatch that probe's and
+    bench's requests go through. Ollama's raw prompt is text: chat messages are joined."""
+    if api == API_OLLAMA:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            prompt = "\n".join(str(m.get("content", "")) for m in prompt)
+        return await run_ollama(
+            client, url, model, str(prompt), max_tokens, label, prompt_tokens_asked, headers=headers
+        )
+    body = openai_body(api, model, prompt, max_tokens)
+    return await run_openai(client, url, api, body, label, prompt_tokens_asked, headers)

@@ -26,9 +26,7 @@ from pdscope.client.adapters import (
     API_OPENAI_CHAT,
     API_OPENAI_COMPLETIONS,
     APIS,
-    openai_body,
-    run_ollama,
-    run_openai,
+    run_request,
 )
 from pdscope.client.adapters import session as adapter_session
 from pdscope.client.counters import PrefixHitCounter
@@ -110,22 +108,10 @@ class Prober:
     ) -> Trace:
         out = max_tokens or self.s.output_tokens
         hits_before = await self.counter.read() if self.counter else None
-        if self.api == API_OLLAMA:
-            trace = await run_ollama(
-                self.streams,
-                self.runtime.url,
-                self.model,
-                str(prompt),
-                out,
-                label,
-                asked,
-                headers=self.headers,
-            )
-        else:
-            body = openai_body(self.api, self.model, prompt, out)
-            trace = await run_openai(
-                self.streams, self.runtime.url, self.api, body, label, asked, self.headers
-            )
+        trace = await run_request(
+            self.streams, self.runtime.url, self.api, self.model, prompt, out, label, asked,
+            self.headers,
+        )  # fmt: skip
         if trace.error is None and not self.exact_prompts and isinstance(prompt, str):
             words = len(prompt.split())
             self.builder.calibrate(words, trace.prompt_tokens)
