@@ -36,12 +36,18 @@ def embedded_server(
         return
     from pdscope.server.launch import start_server
 
+    try:
+        args = shlex.split(server_args)
+    except ValueError as exc:
+        raise EmbeddedServerError(
+            f"cannot split the server's flags {server_args!r}: {exc}"
+        ) from None
     if announce is not None:
         announce(f"starting the embedded server (built-in {EMBEDDED_MODEL} model) ...")
     log = Path(tempfile.mkdtemp(prefix=f"pdscope-{command}-")) / "server.log"
     try:
-        server = start_server(EMBEDDED_MODEL, log, *shlex.split(server_args), name=EMBEDDED_MODEL)
-    except (RuntimeError, ValueError) as exc:  # ValueError: server_args that shlex cannot split
+        server = start_server(EMBEDDED_MODEL, log, *args, name=EMBEDDED_MODEL)
+    except RuntimeError as exc:
         raise EmbeddedServerError(str(exc)) from None
     try:
         yield server.url
