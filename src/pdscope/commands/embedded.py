@@ -43,7 +43,10 @@ def embedded_server(
             f"cannot split the server's flags {server_args!r}: {exc}"
         ) from None
     if announce is not None:
-        announce(f"starting the embedded server (built-in {EMBEDDED_MODEL} model) ...")
+        announce(
+            f"starting the embedded server (pdscope serve, built-in {EMBEDDED_MODEL} model; "
+            "built on first use) ..."
+        )
     log = Path(tempfile.mkdtemp(prefix=f"pdscope-{command}-")) / "server.log"
     try:
         server = start_server(EMBEDDED_MODEL, log, *args, name=EMBEDDED_MODEL)
