@@ -380,7 +380,7 @@ def test_sampler_against_real_server(server: Server) -> None:
             # Two sequential requests sharing a long prefix: the second hits the prefix cache.
             for suffix in ("one", "two"):
                 usages.append(await complete(client, prefix + suffix, 4))
-            return usages, await sampler.stop()
+            return usages, report_of(await sampler.stop())
 
     usages, report = asyncio.run(main())
     n = len(usages)
