@@ -227,9 +227,13 @@ def build_config(
             "(256 byte tokens plus the special tokens)"
         )
     sliding_window = p.get("sliding_window")
+    spec = registry.ARCHITECTURES[arch]
     if sliding_window is not None:
-        if arch == "llama":
-            raise ValueError("llama has no sliding window; use arch mistral, qwen2 or qwen3")
+        if spec.window == "none":
+            *others, last = [t for t, a in registry.ARCHITECTURES.items() if a.window != "none"]
+            raise ValueError(
+                f"{arch} has no sliding window; use arch {', '.join(others)} or {last}"
+            )
         if (
             isinstance(sliding_window, bool)
             or not isinstance(sliding_window, int)
@@ -263,20 +267,16 @@ def build_config(
         "use_cache": True,
         "torch_dtype": dtype,
     }
-    if arch == "llama":
-        config |= {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
-    elif arch == "mistral":
+    if spec.window == "every_layer":
         config["sliding_window"] = sliding_window
-    else:  # qwen2, qwen3
+    elif spec.window == "per_layer":
         # Layers at index >= max_window_layers use the window, so 0 means "all of them".
         config |= {
             "use_sliding_window": sliding_window is not None,
             "sliding_window": sliding_window,
             "max_window_layers": 0 if sliding_window is not None else p["num_hidden_layers"],
         }
-        if arch == "qwen3":
-            # Qwen2's q/k/v biases are implied by its architecture; Qwen3 has none.
-            config["attention_bias"] = False
+    config |= dict(spec.config_extras)
     return config
 
 

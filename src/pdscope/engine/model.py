@@ -77,19 +77,7 @@ class ModelConfig:
             if not config.get(key):
                 raise ValueError(f"config.json lacks '{key}'")
         heads = config["num_attention_heads"]
-        window = config.get("sliding_window")
-        if not found.window_on_every_layer:
-            # Qwen configs carry sliding_window but switch it on per layer; real Qwen2.5/3
-            # checkpoints leave it off. Refuse rather than attend over the wrong keys.
-            sliding = config.get("use_sliding_window") or any(
-                kind == "sliding_attention" for kind in config.get("layer_types") or []
-            )
-            if sliding:
-                raise ValueError(
-                    f"{arch} with sliding-window layers is not supported "
-                    "(use_sliding_window / layer_types)"
-                )
-            window = None
+        window = registry.engine_window(config)  # refuses windows on some layers only
         return cls(
             architecture=arch,
             vocab_size=config["vocab_size"],

@@ -20,18 +20,33 @@ class Architecture:
     # them); False: only when "attention_bias" is true.
     qkv_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3)
-    # True: "sliding_window" applies to every layer (Mistral). False: a window is switched on
-    # per layer ("use_sliding_window", "layer_types"), which the engine refuses.
-    window_on_every_layer: bool = False
+    # How "sliding_window" applies: "none" (no window), "every_layer" (Mistral: one window on
+    # all layers), "per_layer" (Qwen: switched on per layer by "use_sliding_window",
+    # "max_window_layers" or "layer_types"; the engine refuses such layers).
+    window: str = "none"
+    # Fields a config.json of this architecture carries besides the common ones and the window
+    # (make-model writes them).
+    config_extras: tuple[tuple[str, Any], ...] = ()
 
 
 ARCHITECTURES: dict[str, Architecture] = {
     a.model_type: a
     for a in (
-        Architecture("LlamaForCausalLM", "llama"),
-        Architecture("MistralForCausalLM", "mistral", window_on_every_layer=True),
-        Architecture("Qwen2ForCausalLM", "qwen2", qkv_bias=True),
-        Architecture("Qwen3ForCausalLM", "qwen3", qk_norm=True),
+        Architecture(
+            "LlamaForCausalLM",
+            "llama",
+            config_extras=(("attention_bias", False), ("mlp_bias", False), ("pretraining_tp", 1)),
+        ),
+        Architecture("MistralForCausalLM", "mistral", window="every_layer"),
+        Architecture("Qwen2ForCausalLM", "qwen2", qkv_bias=True, window="per_layer"),
+        # Qwen2's q/k/v biases are implied by its architecture; Qwen3 says it has none.
+        Architecture(
+            "Qwen3ForCausalLM",
+            "qwen3",
+            qk_norm=True,
+            window="per_layer",
+            config_extras=(("attention_bias", False),),
+        ),
     )
 }
 # Architectures only the specs read whose attention always has q/k/v biases.
@@ -55,6 +70,27 @@ def has_qkv_bias(config: Mapping[str, Any]) -> bool:
     arch = architecture_of(config) or ARCHITECTURES.get(model_type)
     implied = arch.qkv_bias if arch is not None else model_type in _SPEC_ONLY_QKV_BIAS
     return implied or bool(config.get("attention_bias"))
+
+
+def engine_window(config: Mapping[str, Any]) -> int | None:
+    """The attention window the engine applies to every layer (None: full attention).
+
+    Raises ValueError where the config switches a window on for some layers only: the engine
+    would attend over the wrong keys."""
+    arch = architecture_of(config)
+    if arch is not None and arch.window == "every_layer":
+        return config.get("sliding_window")
+    # Qwen configs carry sliding_window but switch it on per layer; real Qwen2.5/3
+    # checkpoints leave it off.
+    sliding = config.get("use_sliding_window") or any(
+        kind == "sliding_attention" for kind in config.get("layer_types") or []
+    )
+    if sliding:
+        name = arch.name if arch is not None else config.get("model_type")
+        raise ValueError(
+            f"{name} with sliding-window layers is not supported (use_sliding_window / layer_types)"
+        )
+    return None
 
 
 def head_dim(config: Mapping[str, Any]) -> int:
