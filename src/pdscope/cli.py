@@ -341,7 +341,7 @@ def note(message: str) -> None:
 
 
 def write_result(result: dict[str, Any], save_result: Path | None, report: Path | None) -> None:
-    """bench's and simulate's files: the result JSON, the HTML page (when there are runs)."""
+    """bench's files: the result JSON, and the HTML page when there are runs."""
     if save_result is not None:
         save_result.write_text(json.dumps(result, indent=2))
     if report is not None and result["runs"]:
