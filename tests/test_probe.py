@@ -131,6 +131,8 @@ def test_probe_cli_json_and_plot(medium_server: Server, tmp_path: Path) -> None:
     assert {"cold_ttft_ms", "warm_ttft_ms"} <= set(data["prefix_cache"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Findings" in result.output
+    assert data["settings"]["batch_streams"] == 8 and data["batch_decode"]["streams"] == 8
+    assert "batched decode: 8 streams at once" in " ".join(result.output.split())
 
 
 def test_probe_errors(medium_server: Server) -> None:
