@@ -60,10 +60,11 @@ def test_probe_openai_dialect(medium_server: Server) -> None:
     assert "Prefix caching works" in kinds
     assert not r["failures"] and r["partial"] is None
     # The batched-decode check: 8 short prompts at once, decoding together (most of the time),
-    # one step for all of them costing more than one stream's step but far less than 8.
+    # one step for all of them costing far less than 8 single-stream steps. (Not "more than
+    # one": on a shared 2-core host the single-stream figure, taken earlier, can be the slower.)
     batch = r["batch_decode"]
     assert batch["streams"] == 8 and batch["concurrency"] > 4
-    assert 1 < batch["step_over_one_stream"] < 8
+    assert 0 < batch["step_over_one_stream"] < 4
     for t in r["traces"]:
         assert t["token_source"] == "server-usage"
         assert t["output_tokens"] == 24 and t["prompt_tokens"] == t["prompt_tokens_asked"]
