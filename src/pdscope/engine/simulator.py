@@ -66,6 +66,7 @@ class Simulator:
         self.step_seconds = step_seconds
         self.now_s = 0.0
         self.tags: dict[int, int] = {}  # id(request) -> a number unique to it (output token ids)
+        self.num_sampled = 0  # tokens sampled so far (a cluster's router reads load off it)
 
     def run(self, specs: Sequence[SimRequest], max_concurrency: int | None = None) -> SimResult:
         """Simulate ``specs`` to the end. ``max_concurrency`` caps requests in flight, as a
@@ -144,6 +145,7 @@ class Simulator:
             # (non-negative) tokens, so they never fake a prefix-cache hit.
             request.append_output(-1 - self.tags[id(request)])
             request.timeline.token_s.append(self.now_s)
+            self.num_sampled += 1
             if len(request.output_token_ids) >= request.params.max_tokens:
                 scheduler.finish(request, "length")
                 request.timeline.finished_s = self.now_s
