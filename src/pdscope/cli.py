@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -873,10 +874,44 @@ def simulate(
     report: Annotated[
         Path | None, typer.Option(help="Write bench's HTML report (with the server timeline) here.")
     ] = None,
+    # --- cluster scale (commands/cluster.py, docs/disaggregation.md) ---
+    replicas: Annotated[int | None, typer.Option(help="Replicas behind a router.")] = None,
+    router: Annotated[
+        str, typer.Option(help="round-robin, least-loaded or prefix-aware.")
+    ] = "round-robin",
+    tensor_parallel_size: Annotated[
+        int, typer.Option("--tensor-parallel-size", "-tp", help="GPUs per replica (dense).")
+    ] = 1,
+    tp_link: Annotated[
+        str | None, typer.Option(help="GPU link: nvlink3/4/5, xgmi, pcie4/5 (default: device's).")
+    ] = None,
+    tp_link_gb_s: Annotated[float | None, typer.Option(help="Link GB/s per direction.")] = None,
+    tp_link_latency_us: Annotated[
+        float | None, typer.Option(help="Fixed cost of one all-reduce.")
+    ] = None,
+    gpus: Annotated[int | None, typer.Option(help="GPUs in all (checked against the split).")] = (
+        None
+    ),
+    disaggregate: Annotated[
+        str | None, typer.Option(help="P:D prefill and decode workers.")
+    ] = None,
+    prefill_device: Annotated[str | None, typer.Option(help="Prefill pool's device.")] = None,
+    decode_device: Annotated[str | None, typer.Option(help="Decode pool's device.")] = None,
+    prefill_args: Annotated[
+        str | None, typer.Option(help="Prefill pool: tp=2,max-num-batched-tokens=8192,...")
+    ] = None,
+    decode_args: Annotated[
+        str | None, typer.Option(help="Decode pool: tp=1,max-num-seqs=512,...")
+    ] = None,
+    kv_link_gb_s: Annotated[float, typer.Option(help="KV link between the pools, GB/s.")] = 50.0,
+    kv_link_latency_ms: Annotated[float, typer.Option(help="KV link cost per transfer.")] = 0.1,
+    first_token: Annotated[
+        str, typer.Option(help="Disaggregated: first token from the prefill or decode worker.")
+    ] = "prefill",
 ) -> None:
     """Bench's workloads through pdscope's own scheduler on a roofline clock: latency and
-    throughput for hardware you do not have. Not yet validated against the real engine (see
-    docs/simulation.md)."""
+    throughput for hardware you do not have, from one GPU to a disaggregated cluster. Not yet
+    validated against the real engine (see docs/simulation.md)."""
     from pdscope.commands.simulate import SimulateSettings
     from pdscope.commands.simulate import simulate as run_simulation
     from pdscope.report.bench import render_bench
@@ -899,7 +934,20 @@ def simulate(
             duration_s=duration, request_rate=request_rate, burstiness=burstiness,
             max_concurrency=max_concurrency, seed=seed, slo=slo,
         )  # fmt: skip
-        result = run_simulation(settings)
+        from pdscope.commands import cluster as cl
+
+        cs = cl.ClusterSettings(
+            settings, replicas=replicas, router=router, tensor_parallel_size=tensor_parallel_size,
+            tp_link=tp_link, tp_link_gb_s=tp_link_gb_s, tp_link_latency_us=tp_link_latency_us,
+            disaggregate=disaggregate, kv_link_gb_s=kv_link_gb_s,
+            kv_link_latency_ms=kv_link_latency_ms, first_token=first_token, gpus=gpus,
+            prefill=cl.PoolArgs.parse(prefill_args, "--prefill-args"),
+            decode=cl.PoolArgs.parse(decode_args, "--decode-args"),
+        )  # fmt: skip
+        for pool, device_flag in (("prefill", prefill_device), ("decode", decode_device)):
+            if device_flag is not None:
+                cs = replace(cs, **{pool: replace(getattr(cs, pool), device=device_flag)})
+        result = cl.simulate_cluster(cs) if cl.is_cluster(cs) else run_simulation(settings)
     except (SpecError, ValueError) as exc:
         raise fail(str(exc)) from None
     if save_result is not None:
@@ -907,11 +955,16 @@ def simulate(
     if report is not None:
         from pdscope.report.bench_html import render_html
 
-        report.write_text(render_html(result))
+        page = render_html(result)
+        if "cluster" in result:
+            page = page.replace("</body>", cl.cluster_html(result) + "\n</body>", 1)
+        report.write_text(page)
     if as_json:
         print_json(result)
     else:
         render_bench(result, console)
+        for line in cl.render_cluster(result) if "cluster" in result else []:
+            console.print(line)
         c = result["metadata"]["cost_params"]
         console.print(
             f"simulated: {c['bandwidth_gb_s']:g} GB/s, {c['tflops']:g} TFLOP/s, step overhead "

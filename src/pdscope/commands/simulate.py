@@ -12,6 +12,7 @@ import asyncio
 import math
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -30,8 +31,10 @@ from pdscope.client.workloads import (
 )
 from pdscope.commands.bench import BenchState, request_record, vllm_fields
 from pdscope.commands.plan import PlanInputs, resolve
+from pdscope.engine.request import Request
 from pdscope.engine.scheduler import SchedulerConfig
 from pdscope.engine.simulator import SimRequest, SimResult, Simulator
+from pdscope.engine.timeline import StepRecord
 from pdscope.roofline import arithmetic as rf
 from pdscope.roofline.step_cost import CostModel, CostParams
 from pdscope.specs import SpecError
@@ -208,29 +211,43 @@ async def _workload(s: SimulateSettings, vocab_size: int) -> list[RequestSpec]:
 def _server_report(sim: Simulator, result: SimResult, url: str) -> MetricsReport:
     """What a `/metrics` sampler would have seen, read off the simulated steps: the gauges at
     most ~500 points in time, the counters' totals, the maxima over every step."""
-    steps = result.steps
+    return server_report(
+        result.steps,
+        result.requests,
+        result.end_s,
+        sim.pool.prefix_cache_hits,
+        sim.pool.prefix_cache_queries,
+        url,
+    )
+
+
+def server_report(
+    steps: Sequence[StepRecord],
+    requests: Sequence[Request],
+    end_s: float,
+    hits: int,
+    queries: int,
+    url: str,
+) -> MetricsReport:
+    """The server's view from step records (one server's, or a cluster's merged in time)."""
     stride = max(1, len(steps) // 500)
     start = steps[0].start_s if steps else 0.0
-    pool = sim.pool
-    hits, queries = pool.prefix_cache_hits, pool.prefix_cache_queries
     return MetricsReport(
         available=True,
         runtime="pdscope simulate",
         url=url,
-        duration_s=result.end_s - start,
+        duration_s=end_s - start,
         timeline=[
             TimelinePoint(x.end_s - start, x.num_running, x.num_waiting, x.kv_cache_usage)
             for x in steps[::stride]
         ],
         deltas={
-            "preemptions": result.num_preemptions,
+            "preemptions": sum(x.num_preempted for x in steps),
             "prefix_hits": hits,
             "prefix_queries": queries,
             # As the server's counter: every started request's whole prompt, hits included.
-            "prompt_tokens": sum(
-                r.timeline.prompt_tokens for r in result.requests if r.timeline.token_s
-            ),
-            "generation_tokens": sum(1 for r in result.requests for _ in r.output_token_ids),
+            "prompt_tokens": sum(r.timeline.prompt_tokens for r in requests if r.timeline.token_s),
+            "generation_tokens": sum(len(r.output_token_ids) for r in requests),
         },
         prefix_hit_rate=hits / queries if queries else None,
         max_waiting=max((x.num_waiting for x in steps), default=0),
@@ -243,6 +260,37 @@ def _server_report(sim: Simulator, result: SimResult, url: str) -> MetricsReport
 def simulate(s: SimulateSettings) -> dict[str, Any]:
     """One simulated run, as a dict shaped like `pdscope bench`'s result (plus `simulated`)."""
     s.validate()
+    p = resolve_inputs(s)
+    params = cost_params(s, p)
+    cost = CostModel(p.model, p.weights, p.kv, params)
+    blocks = kv_pool_blocks(s, p)
+    requests, slo = build_requests(s, p)
+    config = SchedulerConfig(
+        s.max_num_batched_tokens, s.max_num_seqs, s.max_model_len, s.enable_chunked_prefill
+    )
+    sim = Simulator(
+        config,
+        blocks,
+        s.block_size,
+        lambda out: cost.step(out.scheduled).seconds,
+        s.enable_prefix_caching,
+    )
+    wall = time.perf_counter()
+    result = sim.run(requests, s.max_concurrency)
+    wall = time.perf_counter() - wall
+    url = f"simulated://{p.device.name}"
+    server = _server_report(sim, result, url)
+    metadata = {"kv_pool_blocks": blocks, "kv_pool_tokens": blocks * s.block_size}
+    return bench_result(
+        s, p, params, requests, result.requests, result.end_s, server, wall, metadata, slo
+    )
+
+
+# --- the pieces `simulate` is made of (the cluster simulation reuses them) -------------------
+
+
+def resolve_inputs(s: SimulateSettings) -> PlanInputs:
+    """Model, precision and device as plan resolves them; max_model_len checked against it."""
     p = resolve(
         model=s.model,
         device=s.device,
@@ -259,9 +307,11 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
             f"--max-model-len {s.max_model_len} exceeds {p.model.name}'s "
             f"max_position_embeddings {limit}"
         )
-    params = cost_params(s, p)
-    cost = CostModel(p.model, p.weights, p.kv, params)
-    blocks = kv_pool_blocks(s, p)
+    return p
+
+
+def build_requests(s: SimulateSettings, p: PlanInputs) -> tuple[list[SimRequest], SLO | None]:
+    """Bench's workload and arrival schedule as simulated requests, and the parsed SLO."""
     try:
         specs = asyncio.run(_workload(s, p.model.vocab_size))
         slo = SLO.parse(s.slo) if s.slo else None
@@ -281,23 +331,26 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
     if s.duration_s is not None and s.workload != "long-prompt":
         # As bench's --duration: nothing is sent after it (running requests finish).
         requests = [r for r in requests if r.arrival_s <= s.duration_s]
-    config = SchedulerConfig(
-        s.max_num_batched_tokens, s.max_num_seqs, s.max_model_len, s.enable_chunked_prefill
-    )
-    sim = Simulator(
-        config,
-        blocks,
-        s.block_size,
-        lambda out: cost.step(out.scheduled).seconds,
-        s.enable_prefix_caching,
-    )
-    wall = time.perf_counter()
-    result = sim.run(requests, s.max_concurrency)
-    wall = time.perf_counter() - wall
+    return requests, slo
 
+
+def bench_result(
+    s: SimulateSettings,
+    p: PlanInputs,
+    params: CostParams,
+    requests: Sequence[SimRequest],
+    done: Sequence[Request],
+    end_s: float,
+    server: MetricsReport,
+    wall_s: float,
+    metadata: dict[str, Any],
+    slo: SLO | None,
+) -> dict[str, Any]:
+    """Every simulated request as a Trace, summarised by bench's analysis into bench's result
+    (plus ``simulated: true``); ``metadata`` adds to bench's metadata."""
     url = f"simulated://{p.device.name}"
     traces = []
-    for spec, request in zip(requests, result.requests, strict=True):
+    for spec, request in zip(requests, done, strict=True):
         trace = trace_from_timeline(
             request.timeline, api="simulated", url=url, model=p.model.name, label=spec.label
         )
@@ -305,7 +358,7 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
         if request.finish_reason and request.finish_reason.startswith("error"):
             trace.error = request.finish_reason
         traces.append(trace)
-    duration_s = result.end_s  # from the run's start at 0, as bench measures it
+    duration_s = end_s  # from the run's start at 0, as bench measures it
     summary = summarize(traces, duration_s, slo=slo)
     rate = None if math.isinf(s.request_rate) else s.request_rate
     metadata = {
@@ -321,13 +374,12 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
         "device": p.device.name,
         "dtype": p.weights.name,
         "kv_dtype": p.kv.name,
-        "kv_pool_blocks": blocks,
-        "kv_pool_tokens": blocks * s.block_size,
+        **metadata,
         "cost_params": asdict(params),
         "settings": {**asdict(s), "request_rate": rate},
         "seed": s.seed,
         "seed_given": True,
-        "wall_s": wall,
+        "wall_s": wall_s,
     }
     run = {
         "request_rate": rate,
@@ -335,7 +387,7 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
         "input_tokens_requested": _requested(s),
         "summary": summary,
         "by_kind": by_kind(traces, duration_s, (50, 90, 95, 99)),
-        "server": _server_report(sim, result, url).to_dict(),
+        "server": server.to_dict(),
         "warnings": [],
         "partial": None,
         "vllm": vllm_fields(
