@@ -908,6 +908,13 @@ def simulate(
     first_token: Annotated[
         str, typer.Option(help="Disaggregated: first token from the prefill or decode worker.")
     ] = "prefill",
+    plan_capacity: Annotated[
+        bool,
+        typer.Option(
+            "--plan-capacity", help="Search --gpus for the most goodput per GPU within --slo."
+        ),
+    ] = False,
+    plot: Annotated[Path | None, typer.Option(help="--plan-capacity: PNG of the frontier.")] = None,
 ) -> None:
     """Bench's workloads through pdscope's own scheduler on a roofline clock: latency and
     throughput for hardware you do not have, from one GPU to a disaggregated cluster. Not yet
@@ -947,9 +954,27 @@ def simulate(
         for pool, device_flag in (("prefill", prefill_device), ("decode", decode_device)):
             if device_flag is not None:
                 cs = replace(cs, **{pool: replace(getattr(cs, pool), device=device_flag)})
-        result = cl.simulate_cluster(cs) if cl.is_cluster(cs) else run_simulation(settings)
+        if plan_capacity:
+            from pdscope.commands import capacity
+
+            if gpus is None:
+                raise SpecError("--plan-capacity needs --gpus")
+            plan = capacity.plan_capacity(replace(cs, base=replace(settings, slo=None)), gpus, slo)
+        else:
+            result = cl.simulate_cluster(cs) if cl.is_cluster(cs) else run_simulation(settings)
     except (SpecError, ValueError) as exc:
         raise fail(str(exc)) from None
+    if plan_capacity:
+        if save_result is not None:
+            save_result.write_text(json.dumps(plan, indent=2))
+        if plot is not None:
+            capacity.plot_plan(plan, plot)
+        if as_json:
+            print_json(plan)
+        else:
+            for line in capacity.render_plan(plan):
+                console.print(line)
+        return
     if save_result is not None:
         save_result.write_text(json.dumps(result, indent=2))
     if report is not None:
