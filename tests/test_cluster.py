@@ -345,3 +345,58 @@ def test_cluster_bad_input_exits_2_with_one_line(args, message) -> None:
 def test_pool_args_parse() -> None:
     args = PoolArgs.parse("device=h200,tp=2,max-num-seqs=512", "--decode-args")
     assert args == PoolArgs(device="h200", tensor_parallel_size=2, max_num_seqs=512)
+
+
+# --- the capacity plan ---------------------------------------------------------------------
+
+
+def test_pareto_keeps_only_points_nothing_beats_on_both_axes() -> None:
+    from pdscope.commands.capacity import pareto
+
+    points = [(10, 100, "a"), (20, 50, "b"), (15, 40, "c"), (5, 120, "d"), (20, 30, "e")]
+    assert [p[2] for p in pareto(points)] == ["b", "a", "d"]
+
+
+def test_candidates_cover_colocated_and_split_shapes_at_their_smallest() -> None:
+    from pdscope.commands.capacity import candidates
+
+    c = ClusterSettings(SimulateSettings(model="llama-3.1-8b"))
+    cands = candidates(c, 8, (2048,), (1, 2))
+    colocated = [x for x in cands if x.kind == "colocated"]
+    assert [(x.label, x.scale) for x in colocated] == [
+        ("8 x TP1, budget 2048", 8),
+        ("4 x TP2, budget 2048", 4),
+    ]
+    split = {x.label: x for x in cands if x.kind == "disaggregated"}
+    four_four = split["4P x TP1 : 4D x TP1"]
+    assert four_four.settings.disaggregate == "1:1" and four_four.scale == 4
+    assert four_four.settings.kv_link_gb_s == pytest.approx(c.kv_link_gb_s / 4)
+    assert all(x.gpus == 8 for x in cands)
+
+
+@pytest.mark.slow  # ~20 simulated runs: 15-35 s on 2 shared cores
+def test_plan_capacity_finds_a_winner_within_the_slo(tmp_path) -> None:
+    from pdscope.commands.capacity import plan_capacity, plot_plan
+
+    base = SimulateSettings(num_prompts=20, input_len="200-600", output_len="10-30")
+    plan = plan_capacity(
+        ClusterSettings(base), 2, "ttft_p99=500ms,p99_itl=60ms", budgets=(2048,),
+        tp_sizes=(1,), processes=1, horizon_s=1.0,
+    )  # fmt: skip
+    assert plan["searched"] == 2  # 2 x TP1, and 1P : 1D
+    winner = plan["winner"]
+    assert winner is not None and winner["req_s_per_gpu"] > 0
+    # The capacity is a rate that met the SLO, and twice it... did not (or the search ran out).
+    best = max((r for r in winner["runs"] if r["meets"]), key=lambda r: r["rate"])
+    assert best["summary"]["p99_ttft_ms"] <= 500 and best["summary"]["p99_itl_ms"] <= 60
+    assert any(not r["meets"] for r in winner["runs"])
+    assert plan["frontier"] and plan["margin_over_other_kind"] is not None
+    plot_plan(plan, tmp_path / "plan.png")
+    assert (tmp_path / "plan.png").stat().st_size > 1000
+
+
+def test_plan_capacity_needs_gpus_and_an_slo() -> None:
+    result = CliRunner().invoke(app, ["simulate", "--plan-capacity", "--slo", "p99_ttft=1s"])
+    assert result.exit_code == 2 and "--plan-capacity needs --gpus" in result.output
+    result = CliRunner().invoke(app, ["simulate", "--plan-capacity", "--gpus", "2"])
+    assert result.exit_code == 2 and "needs --slo" in result.output

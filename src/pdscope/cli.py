@@ -804,6 +804,13 @@ def bench(
         raise typer.Exit(1)
 
 
+def _int_tuple(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise SpecError(f"{flag} takes comma-separated integers, got {text!r}") from None
+
+
 @app.command()
 def simulate(
     model: Annotated[
@@ -915,6 +922,8 @@ def simulate(
         ),
     ] = False,
     plot: Annotated[Path | None, typer.Option(help="--plan-capacity: PNG of the frontier.")] = None,
+    plan_budgets: Annotated[str, typer.Option(help="--plan-capacity: budgets.")] = "512,2048,8192",
+    plan_tp: Annotated[str, typer.Option(help="--plan-capacity: TP sizes.")] = "1,2,4,8",
 ) -> None:
     """Bench's workloads through pdscope's own scheduler on a roofline clock: latency and
     throughput for hardware you do not have, from one GPU to a disaggregated cluster. Not yet
@@ -959,7 +968,11 @@ def simulate(
 
             if gpus is None:
                 raise SpecError("--plan-capacity needs --gpus")
-            plan = capacity.plan_capacity(replace(cs, base=replace(settings, slo=None)), gpus, slo)
+            plan = capacity.plan_capacity(
+                replace(cs, base=replace(settings, slo=None)), gpus, slo,
+                budgets=_int_tuple(plan_budgets, "--plan-budgets"),
+                tp_sizes=_int_tuple(plan_tp, "--plan-tp"),
+            )  # fmt: skip
         else:
             result = cl.simulate_cluster(cs) if cl.is_cluster(cs) else run_simulation(settings)
     except (SpecError, ValueError) as exc:

@@ -65,11 +65,16 @@ def parse_plan_slo(text: str | None) -> SLO:
     return slo
 
 
-def candidates(c: ClusterSettings, gpus: int, budgets: tuple[int, ...]) -> list[Candidate]:
+def candidates(
+    c: ClusterSettings,
+    gpus: int,
+    budgets: tuple[int, ...],
+    tp_sizes: tuple[int, ...] = TP_SIZES,
+) -> list[Candidate]:
     """Every configuration of ``gpus`` GPUs worth simulating, at its smallest shape."""
     model = load_model(c.base.model)
     sizes = []
-    for tp in TP_SIZES:
+    for tp in tp_sizes:
         try:
             tensor_parallel(model, tp, None if tp == 1 else _any_link())
         except SpecError:
@@ -118,12 +123,12 @@ def _any_link():
     return LINKS["nvlink4"]
 
 
-def _run(cand: Candidate, rate: float) -> dict[str, Any]:
+def _run(cand: Candidate, rate: float, horizon_s: float) -> dict[str, Any]:
     """One run of the reduced shape at ``rate`` requests/s for the full configuration."""
     reduced = rate / cand.scale
     # Enough requests to arrive over HORIZON_S: a rate past capacity must have time to build
     # the queue that breaks the TTFT SLO, however few prompts were asked for.
-    n = max(cand.settings.base.num_prompts, math.ceil(reduced * HORIZON_S))
+    n = max(cand.settings.base.num_prompts, math.ceil(reduced * horizon_s))
     base = replace(cand.settings.base, request_rate=reduced, num_prompts=n, slo=None)
     r = simulate_cluster(replace(cand.settings, base=base))
     tpot = r.get("median_tpot_ms")
@@ -150,12 +155,12 @@ def _run(cand: Candidate, rate: float) -> dict[str, Any]:
     }
 
 
-def search(cand: Candidate, slo: SLO) -> dict[str, Any]:
+def search(cand: Candidate, slo: SLO, horizon_s: float = HORIZON_S) -> dict[str, Any]:
     """The highest rate meeting ``slo`` for one configuration, and every run on the way."""
     runs: list[dict[str, Any]] = []
 
     def ok(rate: float) -> bool:
-        run = _run(cand, rate)
+        run = _run(cand, rate, horizon_s)
         run["meets"] = run["result"]["failed"] == 0 and slo.met_by_run(run["result"])
         del run["result"]
         runs.append(run)
@@ -213,7 +218,9 @@ def plan_capacity(
     gpus: int,
     slo_text: str | None,
     budgets: tuple[int, ...] = (512, 2048, 8192),
+    tp_sizes: tuple[int, ...] = TP_SIZES,
     processes: int | None = None,
+    horizon_s: float = HORIZON_S,
 ) -> dict[str, Any]:
     """Search every configuration of ``gpus`` GPUs; the best of each kind, the winner and its
     margin, and the Pareto frontier of all runs that met the SLOs."""
@@ -221,15 +228,17 @@ def plan_capacity(
         raise SpecError(f"--gpus must be >= 1, got {gpus}")
     slo = parse_plan_slo(slo_text)
     c.validate()
-    cands = candidates(c, gpus, budgets)
+    if not budgets or min(budgets) < 1 or not tp_sizes or min(tp_sizes) < 1:
+        raise SpecError("--plan-budgets and --plan-tp take positive integers")
+    cands = candidates(c, gpus, budgets, tp_sizes)
     if not cands:
         raise SpecError(f"no configuration of {c.base.model} fits {gpus} GPUs")
     workers = processes or os.cpu_count() or 1
     if workers > 1 and len(cands) > 1:
         with ProcessPoolExecutor(max_workers=min(workers, len(cands))) as pool:
-            found = list(pool.map(search, cands, [slo] * len(cands)))
+            found = list(pool.map(search, cands, [slo] * len(cands), [horizon_s] * len(cands)))
     else:
-        found = [search(cand, slo) for cand in cands]
+        found = [search(cand, slo, horizon_s) for cand in cands]
     ranked = sorted((f for f in found if "error" not in f), key=lambda f: -f["req_s_per_gpu"])
     best = {
         kind: [f for f in ranked if f["kind"] == kind][:5]
