@@ -972,6 +972,7 @@ def simulate(
                 replace(cs, base=replace(settings, slo=None)), gpus, slo,
                 budgets=_int_tuple(plan_budgets, "--plan-budgets"),
                 tp_sizes=_int_tuple(plan_tp, "--plan-tp"),
+                progress=lambda line: print(line, file=sys.stderr, flush=True),
             )  # fmt: skip
         else:
             result = cl.simulate_cluster(cs) if cl.is_cluster(cs) else run_simulation(settings)

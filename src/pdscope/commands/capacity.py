@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import math
 import os
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -221,6 +222,7 @@ def plan_capacity(
     tp_sizes: tuple[int, ...] = TP_SIZES,
     processes: int | None = None,
     horizon_s: float = HORIZON_S,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Search every configuration of ``gpus`` GPUs; the best of each kind, the winner and its
     margin, and the Pareto frontier of all runs that met the SLOs."""
@@ -234,11 +236,26 @@ def plan_capacity(
     if not cands:
         raise SpecError(f"no configuration of {c.base.model} fits {gpus} GPUs")
     workers = processes or os.cpu_count() or 1
+    found: list[dict[str, Any]] = []
+
+    def done(f: dict[str, Any]) -> None:
+        found.append(f)
+        if progress is not None:
+            progress(
+                f"{len(found)}/{len(cands)} {f['label']}: "
+                + (f"{f['capacity_req_s']:.3g} req/s" if "error" not in f else f["error"])
+            )
+
     if workers > 1 and len(cands) > 1:
         with ProcessPoolExecutor(max_workers=min(workers, len(cands))) as pool:
-            found = list(pool.map(search, cands, [slo] * len(cands), [horizon_s] * len(cands)))
+            futures = [pool.submit(search, cand, slo, horizon_s) for cand in cands]
+            for future in as_completed(futures):
+                done(future.result())
     else:
-        found = [search(cand, slo, horizon_s) for cand in cands]
+        for cand in cands:
+            done(search(cand, slo, horizon_s))
+    order = {cand.label: i for i, cand in enumerate(cands)}
+    found.sort(key=lambda f: order[f["label"]])
     ranked = sorted((f for f in found if "error" not in f), key=lambda f: -f["req_s_per_gpu"])
     best = {
         kind: [f for f in ranked if f["kind"] == kind][:5]
