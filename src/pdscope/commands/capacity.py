@@ -165,10 +165,10 @@ def _worst_gaps_ok(r: dict[str, Any], slo: SLO) -> bool:
     decode slot after a split's prefill is one gap in hundreds."""
     worst = [max(gaps) for gaps in r.get("itls", []) if gaps]
     for key, limit in slo.limits.items():
-        pct = float(key[1:].split("_")[0]) if key.startswith("p") else None
-        if key.endswith("_itl") and pct is not None and worst:
-            if float(np.percentile(worst, pct)) > limit:
-                return False
+        if not (key.endswith("_itl") and key.startswith("p") and worst):
+            continue
+        if float(np.percentile(worst, float(key[1:].split("_")[0]))) > limit:
+            return False
     return True
 
 
