@@ -8,11 +8,11 @@ holds over each request's worst gap, see :func:`_worst_gaps_ok`): doubling, then
 Every run that meets the SLOs is a point of tokens/s per GPU against tokens/s per user
 (1 / median TPOT); the Pareto frontier is drawn from them.
 
-A cluster of identical workers splits steady traffic evenly, so a configuration is simulated at
-its smallest shape: colocated R replicas as one replica at 1/R of the rate; P:D as P/k:D/k with
-k = gcd(P, D), at 1/k of the rate and 1/k of the KV link. What this leaves out (the burstiness a
-router evens out over more replicas) is small next to the SLO margins searched for, and it is
-what makes G = 64 a matter of minutes. Each run's arrivals span at least ``HORIZON_S`` seconds
+Replicas that share nothing split steady traffic evenly, so R colocated replicas are simulated
+as one replica at 1/R of the rate. What this leaves out (the burstiness a router evens out over
+more replicas) is small next to the SLO margins searched for. A P:D split is simulated whole: its
+pools share one KV link, and a smaller shape with a slower link of its own would misstate both
+the transfer time and the queue. Each run's arrivals span at least ``HORIZON_S`` seconds
 (more requests than ``--num-prompts`` where the rate asks for it), so a rate past capacity has
 time to build the queue that breaks a TTFT SLO. Configurations run in parallel processes.
 """
@@ -108,16 +108,17 @@ def candidates(
                 if (p, tp_p, d, tp_d) in seen:
                     continue
                 seen.add((p, tp_p, d, tp_d))
-                k = math.gcd(p, d)
+                # Simulated whole: the pools share one KV link, whose queue a smaller shape
+                # with a slower link of its own would misstate.
                 s = replace(
-                    c, replicas=None, gpus=None, disaggregate=f"{p // k}:{d // k}",
-                    tensor_parallel_size=1, kv_link_gb_s=c.kv_link_gb_s / k,
+                    c, replicas=None, gpus=None, disaggregate=f"{p}:{d}",
+                    tensor_parallel_size=1,
                     prefill=replace(c.prefill, tensor_parallel_size=tp_p,
                                     max_num_batched_tokens=max(budgets)),
                     decode=replace(c.decode, tensor_parallel_size=tp_d),
                 )  # fmt: skip
                 label = f"{p}P x TP{tp_p} : {d}D x TP{tp_d}"
-                out.append(Candidate("disaggregated", label, s, k, gpus))
+                out.append(Candidate("disaggregated", label, s, 1, gpus))
     return out
 
 
