@@ -401,3 +401,20 @@ def test_plan_capacity_needs_gpus_and_an_slo() -> None:
     assert result.exit_code == 2 and "--plan-capacity needs --gpus" in result.output
     result = CliRunner().invoke(app, ["simulate", "--plan-capacity", "--gpus", "2"])
     assert result.exit_code == 2 and "needs --slo" in result.output
+
+
+def test_pools_may_run_on_different_devices() -> None:
+    base = SimulateSettings(num_prompts=20, request_rate=10, input_len="500")
+    c = ClusterSettings(
+        base,
+        disaggregate="1:2",
+        prefill=PoolArgs(device="h200"),
+        decode=PoolArgs(device="a100-80gb-sxm", max_num_seqs=32),
+    )
+    r = simulate_cluster(c)
+    pools = r["cluster"]["pools"]
+    assert pools["prefill"]["device"] == "h200" and pools["decode"]["device"] == "a100-80gb-sxm"
+    # Each pool prices its steps with its own device's figures.
+    assert pools["prefill"]["cost_params"]["bandwidth_gb_s"] == pytest.approx(4800 * 0.8)
+    assert pools["decode"]["cost_params"]["bandwidth_gb_s"] == pytest.approx(2039 * 0.8)
+    assert r["completed"] == 20 and pools["decode"]["max_num_seqs"] == 32
