@@ -13,6 +13,7 @@ import math
 import sys
 import typing
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -711,6 +712,13 @@ def _run_bench(settings: BenchSettings, url: str | None, server_args: str) -> di
         return state.result()
 
 
+def _int_tuple(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise SpecError(f"{flag} takes comma-separated integers, got {text!r}") from None
+
+
 @app.command()
 def simulate(
     model: Annotated[
@@ -822,11 +830,54 @@ def simulate(
     report: Annotated[
         Path | None, typer.Option(help="Write bench's HTML report (with the server timeline) here.")
     ] = None,
+    # --- cluster scale (commands/cluster.py, docs/disaggregation.md) ---
+    replicas: Annotated[int | None, typer.Option(help="Replicas behind a router.")] = None,
+    router: Annotated[
+        str, typer.Option(help="round-robin, least-loaded or prefix-aware.")
+    ] = "round-robin",
+    tensor_parallel_size: Annotated[
+        int, typer.Option("--tensor-parallel-size", "-tp", help="GPUs per replica (dense).")
+    ] = 1,
+    tp_link: Annotated[
+        str | None, typer.Option(help="GPU link: nvlink3/4/5, xgmi, pcie4/5 (default: device's).")
+    ] = None,
+    tp_link_gb_s: Annotated[float | None, typer.Option(help="Link GB/s per direction.")] = None,
+    tp_link_latency_us: Annotated[
+        float | None, typer.Option(help="Fixed cost of one all-reduce.")
+    ] = None,
+    gpus: Annotated[int | None, typer.Option(help="GPUs in all (checked against the split).")] = (
+        None
+    ),
+    disaggregate: Annotated[
+        str | None, typer.Option(help="P:D prefill and decode workers.")
+    ] = None,
+    prefill_device: Annotated[str | None, typer.Option(help="Prefill pool's device.")] = None,
+    decode_device: Annotated[str | None, typer.Option(help="Decode pool's device.")] = None,
+    prefill_args: Annotated[
+        str | None, typer.Option(help="Prefill pool: tp=2,max-num-batched-tokens=8192,...")
+    ] = None,
+    decode_args: Annotated[
+        str | None, typer.Option(help="Decode pool: tp=1,max-num-seqs=512,...")
+    ] = None,
+    kv_link_gb_s: Annotated[float, typer.Option(help="KV link between the pools, GB/s.")] = 50.0,
+    kv_link_latency_ms: Annotated[float, typer.Option(help="KV link cost per transfer.")] = 0.1,
+    first_token: Annotated[
+        str, typer.Option(help="Disaggregated: first token from the prefill or decode worker.")
+    ] = "prefill",
+    plan_capacity: Annotated[
+        bool,
+        typer.Option(
+            "--plan-capacity", help="Search --gpus for the most goodput per GPU within --slo."
+        ),
+    ] = False,
+    plot: Annotated[Path | None, typer.Option(help="--plan-capacity: PNG of the frontier.")] = None,
+    plan_budgets: Annotated[str, typer.Option(help="--plan-capacity: budgets.")] = "512,2048,8192",
+    plan_tp: Annotated[str, typer.Option(help="--plan-capacity: TP sizes.")] = "1,2,4,8",
 ) -> None:
     """Bench's workloads through pdscope's own scheduler on a roofline clock: latency and
-    throughput for hardware you do not have. Against the real engine, decode medians and
-    throughput hold within 10% on this project's host; TTFT and p99 do not yet (see
-    docs/simulation.md, Validation)."""
+    throughput for hardware you do not have, from one GPU to a disaggregated cluster. Against
+    the real engine, decode medians and throughput hold within 10% on this project's host;
+    TTFT and p99 do not yet (see docs/simulation.md, Validation)."""
     from pdscope.commands.simulate import SimulateSettings
     from pdscope.commands.simulate import simulate as run_simulation
     from pdscope.report.bench import render_bench
@@ -851,15 +902,59 @@ def simulate(
             max_concurrency=max_concurrency, seed=seed, slo=slo, tokenizer=tokenizer,
             find_capacity=find_capacity, max_runs=max_runs,
         )  # fmt: skip
-        result = run_simulation(settings)
+        from pdscope.commands import cluster as cl
+
+        cs = cl.ClusterSettings(
+            settings, replicas=replicas, router=router, tensor_parallel_size=tensor_parallel_size,
+            tp_link=tp_link, tp_link_gb_s=tp_link_gb_s, tp_link_latency_us=tp_link_latency_us,
+            disaggregate=disaggregate, kv_link_gb_s=kv_link_gb_s,
+            kv_link_latency_ms=kv_link_latency_ms, first_token=first_token, gpus=gpus,
+            prefill=cl.PoolArgs.parse(prefill_args, "--prefill-args"),
+            decode=cl.PoolArgs.parse(decode_args, "--decode-args"),
+        )  # fmt: skip
+        if (cl.is_cluster(cs) or plan_capacity) and (calibrate or find_capacity):
+            raise SpecError(
+                "--calibrate and --find-capacity simulate one replica: drop them, or drop the "
+                "cluster flags (--replicas, --disaggregate, -tp, --gpus, --plan-capacity)"
+            )
+        for pool, device_flag in (("prefill", prefill_device), ("decode", decode_device)):
+            if device_flag is not None:
+                cs = replace(cs, **{pool: replace(getattr(cs, pool), device=device_flag)})
+        if plan_capacity:
+            from pdscope.commands import capacity
+
+            if gpus is None:
+                raise SpecError("--plan-capacity needs --gpus")
+            plan = capacity.plan_capacity(
+                replace(cs, base=replace(settings, slo=None)), gpus, slo,
+                budgets=_int_tuple(plan_budgets, "--plan-budgets"),
+                tp_sizes=_int_tuple(plan_tp, "--plan-tp"),
+                progress=lambda line: print(line, file=sys.stderr, flush=True),
+            )  # fmt: skip
+        else:
+            result = cl.simulate_cluster(cs) if cl.is_cluster(cs) else run_simulation(settings)
     except (SpecError, ValueError) as exc:
         raise fail(str(exc)) from None
+    if plan_capacity:
+        if save_result is not None:
+            save_result.write_text(json.dumps(plan, indent=2))
+        if plot is not None:
+            capacity.plot_plan(plan, plot)
+        if as_json:
+            print_json(plan)
+        else:
+            for line in capacity.render_plan(plan):
+                console.print(line)
+        return
     if save_result is not None:
         save_result.write_text(json.dumps(result, indent=2))
     if report is not None:
         from pdscope.report.bench_html import render_html
 
-        report.write_text(render_html(result))
+        page = render_html(result)
+        if "cluster" in result:
+            page = page.replace("</body>", cl.cluster_html(result) + "\n</body>", 1)
+        report.write_text(page)
     if as_json:
         print_json(result)
     else:
@@ -868,6 +963,8 @@ def simulate(
             from pdscope.report.bench import render_calibration
 
             render_calibration(result["metadata"]["calibration"], console)
+        for line in cl.render_cluster(result) if "cluster" in result else []:
+            console.print(line)
         c = result["metadata"]["cost_params"]
         console.print(
             f"simulated: {c['bandwidth_gb_s']:g} GB/s, {c['tflops']:g} TFLOP/s, step overhead "

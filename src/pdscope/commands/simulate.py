@@ -13,7 +13,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -36,8 +36,10 @@ from pdscope.client.workloads import (
 )
 from pdscope.commands.bench import BenchState, request_record, search_capacity, vllm_fields
 from pdscope.commands.plan import PlanInputs, resolve
+from pdscope.engine.request import Request
 from pdscope.engine.scheduler import SchedulerConfig
 from pdscope.engine.simulator import SimRequest, SimResult, Simulator
+from pdscope.engine.timeline import StepRecord
 from pdscope.roofline import arithmetic as rf
 from pdscope.roofline.step_cost import CostModel, CostParams
 from pdscope.specs import SpecError
@@ -347,29 +349,43 @@ async def _workload(s: SimulateSettings, vocab_size: int, seed: int) -> list[Req
 def _server_report(sim: Simulator, result: SimResult, url: str) -> MetricsReport:
     """What a `/metrics` sampler would have seen, read off the simulated steps: the gauges at
     most ~500 points in time, the counters' totals, the maxima over every step."""
-    steps = result.steps
+    return server_report(
+        result.steps,
+        result.requests,
+        result.end_s,
+        sim.pool.prefix_cache_hits,
+        sim.pool.prefix_cache_queries,
+        url,
+    )
+
+
+def server_report(
+    steps: Sequence[StepRecord],
+    requests: Sequence[Request],
+    end_s: float,
+    hits: int,
+    queries: int,
+    url: str,
+) -> MetricsReport:
+    """The server's view from step records (one server's, or a cluster's merged in time)."""
     stride = max(1, len(steps) // 500)
     start = steps[0].start_s if steps else 0.0
-    pool = sim.pool
-    hits, queries = pool.prefix_cache_hits, pool.prefix_cache_queries
     return MetricsReport(
         available=True,
         runtime="pdscope simulate",
         url=url,
-        duration_s=result.end_s - start,
+        duration_s=end_s - start,
         timeline=[
             TimelinePoint(x.end_s - start, x.num_running, x.num_waiting, x.kv_cache_usage)
             for x in steps[::stride]
         ],
         deltas={
-            "preemptions": result.num_preemptions,
+            "preemptions": sum(x.num_preempted for x in steps),
             "prefix_hits": hits,
             "prefix_queries": queries,
             # As the server's counter: every started request's whole prompt, hits included.
-            "prompt_tokens": sum(
-                r.timeline.prompt_tokens for r in result.requests if r.timeline.token_s
-            ),
-            "generation_tokens": sum(1 for r in result.requests for _ in r.output_token_ids),
+            "prompt_tokens": sum(r.timeline.prompt_tokens for r in requests if r.timeline.token_s),
+            "generation_tokens": sum(len(r.output_token_ids) for r in requests),
         },
         prefix_hit_rate=hits / queries if queries else None,
         max_waiting=max((x.num_waiting for x in steps), default=0),
@@ -380,53 +396,149 @@ def _server_report(sim: Simulator, result: SimResult, url: str) -> MetricsReport
 
 
 def simulate(s: SimulateSettings) -> dict[str, Any]:
-    """One simulated run, as a dict shaped like `pdscope bench`'s result (plus `simulated`)."""
+    """One simulated run (or a capacity search of runs), as a dict shaped like `pdscope
+    bench`'s result (plus `simulated`)."""
     s.validate()
     calibration = None
     if s.calibrate is not None:
         p, calibration, model_ref = calibrated_inputs(s)
+        check_model_len(s, p)
         if s.device is None and s.kv_cache_memory_bytes is None and s.memory_gb is None:
             s = replace(s, kv_cache_memory_bytes=CPU_SERVE_KV_CACHE_BYTES)
     else:
-        model_ref = s.model or DEFAULT_MODEL
-        device = s.device
-        if device is None and s.bandwidth_gb_s is None:
-            device = DEFAULT_DEVICE  # with --bandwidth alone: a custom device, as plan
-        p = resolve(
-            model=model_ref,
-            device=device,
-            dtype=s.dtype,
-            kv_dtype=s.kv_dtype,
-            gpu_memory_utilization=s.gpu_memory_utilization,
-            bandwidth_gb_s=s.bandwidth_gb_s,
-            tflops=s.tflops,
-            memory_gb=s.memory_gb,
+        p, model_ref = resolve_inputs(s), s.model or DEFAULT_MODEL
+    params = calibration.params if calibration else cost_params(s, p)
+    cost = CostModel(p.model, p.weights, p.kv, params)
+    blocks = kv_pool_blocks(s, p)
+    try:
+        first_specs = make_specs(s, p, model_ref, s.seed)  # run 1's: bad input fails first
+        slo = SLO.parse(s.slo) if s.slo and not s.find_capacity else None
+        capacity_slo = SLO.parse(s.slo, aggregate=True) if s.find_capacity and s.slo else None
+    except (WorkloadError, ValueError) as exc:
+        raise SpecError(str(exc)) from None
+    metadata = base_metadata(s, p, params)
+    metadata.update(kv_pool_blocks=blocks, kv_pool_tokens=blocks * s.block_size)
+    metadata["calibration"] = calibration.to_dict() if calibration else None
+    state = BenchState(metadata, [])
+
+    def one_run(request_rate: float, concurrency: int | None) -> dict[str, Any]:
+        """One simulated run at this load on a fresh server (its own pool and clock). Seeds
+        follow bench's: run k (from 1) draws its workload from seed + k - 1 and its arrivals
+        from seed + k, so a bench run and a simulation with one --seed share both."""
+        k = len(state.runs) + 1
+        specs = first_specs if k == 1 else make_specs(s, p, model_ref, s.seed + k - 1)
+        requests = sim_requests(s, specs, request_rate, s.seed + k)
+        config = SchedulerConfig(
+            s.max_num_batched_tokens, s.max_num_seqs, s.max_model_len, s.enable_chunked_prefill
         )
+        sim = Simulator(
+            config,
+            blocks,
+            s.block_size,
+            lambda out: cost.step(out.scheduled).seconds,
+            s.enable_prefix_caching,
+            admission_delay_s=params.request_overhead_s,
+        )
+        wall = time.perf_counter()
+        result = sim.run(requests, concurrency)
+        metadata["wall_s"] += time.perf_counter() - wall
+        server = _server_report(sim, result, metadata["url"])
+        run = run_record(
+            s, p, requests, result.requests, result.end_s, server, slo, metadata,
+            request_rate, concurrency,
+        )  # fmt: skip
+        state.runs.append(run)
+        return run
+
+    if capacity_slo is not None:
+
+        async def run_at(request_rate: float, concurrency: int | None) -> dict[str, Any]:
+            return one_run(request_rate, concurrency)
+
+        rate = None if math.isinf(s.request_rate) else s.request_rate
+        state.capacity = asyncio.run(
+            search_capacity(run_at, capacity_slo, rate, s.max_runs, s.num_prompts)
+        )
+    else:
+        one_run(s.request_rate, s.max_concurrency)
+    return {**state.result(), "simulated": True}
+
+
+# --- the pieces `simulate` is made of (the cluster simulation reuses them) -------------------
+
+
+def check_model_len(s: SimulateSettings, p: PlanInputs) -> None:
     limit = p.model.max_position_embeddings
     if limit is not None and s.max_model_len > limit:
         raise SpecError(
             f"--max-model-len {s.max_model_len} exceeds {p.model.name}'s "
             f"max_position_embeddings {limit}"
         )
-    params = calibration.params if calibration else cost_params(s, p)
-    cost = CostModel(p.model, p.weights, p.kv, params)
-    blocks = kv_pool_blocks(s, p)
 
-    def make_specs(seed: int) -> list[RequestSpec]:
-        if s.workload.startswith("file:"):
-            return _file_specs(s, model_ref, seed)
-        return _run_sync(_workload(s, p.model.vocab_size, seed))
 
+def resolve_inputs(s: SimulateSettings) -> PlanInputs:
+    """Model, precision and device as plan resolves them (the defaults when none is named);
+    max_model_len checked against the model. Not for --calibrate (see calibrated_inputs)."""
+    device = s.device
+    if device is None and s.bandwidth_gb_s is None:
+        device = DEFAULT_DEVICE  # with --bandwidth alone: a custom device, as plan
+    p = resolve(
+        model=s.model or DEFAULT_MODEL,
+        device=device,
+        dtype=s.dtype,
+        kv_dtype=s.kv_dtype,
+        gpu_memory_utilization=s.gpu_memory_utilization,
+        bandwidth_gb_s=s.bandwidth_gb_s,
+        tflops=s.tflops,
+        memory_gb=s.memory_gb,
+    )
+    check_model_len(s, p)
+    return p
+
+
+def make_specs(s: SimulateSettings, p: PlanInputs, model_ref: str, seed: int) -> list[RequestSpec]:
+    """Bench's workload drawn with ``seed`` (file workloads counted by a tokenizer)."""
+    if s.workload.startswith("file:"):
+        return _file_specs(s, model_ref, seed)
+    return _run_sync(_workload(s, p.model.vocab_size, seed))
+
+
+def sim_requests(
+    s: SimulateSettings, specs: Sequence[RequestSpec], request_rate: float, arrival_seed: int
+) -> list[SimRequest]:
+    """The workload on bench's arrival schedule, as simulated requests."""
+    plan = LoadPlan(request_rate=request_rate, burstiness=s.burstiness, seed=arrival_seed)
+    times = plan.schedule(len(specs))
+    requests = [
+        SimRequest(
+            spec.prompt,  # type: ignore[arg-type]  # token ids (synthetic or counted)
+            spec.output_tokens,
+            arrival_s=spec.at_s if spec.at_s is not None else at,
+            label=spec.kind,
+        )
+        for spec, at in zip(specs, times, strict=True)
+    ]
+    if s.duration_s is not None and s.workload != "long-prompt":
+        # As bench's --duration: nothing is sent after it (running requests finish).
+        requests = [r for r in requests if r.arrival_s <= s.duration_s]
+    return requests
+
+
+def build_requests(s: SimulateSettings, p: PlanInputs) -> tuple[list[SimRequest], SLO | None]:
+    """Run 1's requests (the seeds `simulate` gives its first run) and the parsed SLO."""
     try:
-        first_specs = make_specs(s.seed)  # run 1's, made now so bad input fails before a run
-        slo = SLO.parse(s.slo) if s.slo and not s.find_capacity else None
-        capacity_slo = SLO.parse(s.slo, aggregate=True) if s.find_capacity and s.slo else None
+        specs = make_specs(s, p, s.model or DEFAULT_MODEL, s.seed)
+        slo = SLO.parse(s.slo) if s.slo else None
     except (WorkloadError, ValueError) as exc:
         raise SpecError(str(exc)) from None
-    url = f"simulated://{p.device.name}"
+    return sim_requests(s, specs, s.request_rate, s.seed + 1), slo
+
+
+def base_metadata(s: SimulateSettings, p: PlanInputs, params: CostParams) -> dict[str, Any]:
+    """Bench's metadata for a simulated run; ``wall_s`` grows as runs are simulated."""
     rate = None if math.isinf(s.request_rate) else s.request_rate
-    metadata = {
-        "url": url,
+    return {
+        "url": f"simulated://{p.device.name}",
         "runtime": "pdscope simulate",
         "runtime_version": __version__,
         "pdscope_version": __version__,
@@ -442,88 +554,73 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
         "device": p.device.name,
         "dtype": p.weights.name,
         "kv_dtype": p.kv.name,
-        "kv_pool_blocks": blocks,
-        "kv_pool_tokens": blocks * s.block_size,
         "cost_params": asdict(params),
-        "calibration": calibration.to_dict() if calibration else None,
         "settings": {**asdict(s), "request_rate": rate},
         "seed": s.seed,
         "seed_given": True,
         "wall_s": 0.0,
     }
-    state = BenchState(metadata, [])
 
-    def one_run(request_rate: float, concurrency: int | None) -> dict[str, Any]:
-        """One simulated run at this load on a fresh server (its own pool and clock). Seeds
-        follow bench's: run k (from 1) draws its workload from seed + k - 1 and its arrivals
-        from seed + k, so a bench run and a simulation with one --seed share both."""
-        k = len(state.runs) + 1
-        specs = first_specs if k == 1 else make_specs(s.seed + k - 1)
-        plan = LoadPlan(request_rate=request_rate, burstiness=s.burstiness, seed=s.seed + k)
-        times = plan.schedule(len(specs))
-        requests = [
-            SimRequest(
-                spec.prompt,  # type: ignore[arg-type]  # token ids (synthetic or counted)
-                spec.output_tokens,
-                arrival_s=spec.at_s if spec.at_s is not None else at,
-                label=spec.kind,
-            )
-            for spec, at in zip(specs, times, strict=True)
-        ]
-        if s.duration_s is not None and s.workload != "long-prompt":
-            # As bench's --duration: nothing is sent after it (running requests finish).
-            requests = [r for r in requests if r.arrival_s <= s.duration_s]
-        config = SchedulerConfig(
-            s.max_num_batched_tokens, s.max_num_seqs, s.max_model_len, s.enable_chunked_prefill
+
+def run_record(
+    s: SimulateSettings,
+    p: PlanInputs,
+    requests: Sequence[SimRequest],
+    done: Sequence[Request],
+    end_s: float,
+    server: MetricsReport,
+    slo: SLO | None,
+    metadata: dict[str, Any],
+    request_rate: float,
+    concurrency: int | None,
+) -> dict[str, Any]:
+    """Every simulated request as a Trace, summarised by bench's analysis into one of bench's
+    runs."""
+    url = metadata["url"]
+    traces = []
+    for spec, request in zip(requests, done, strict=True):
+        trace = trace_from_timeline(
+            request.timeline, api="simulated", url=url, model=p.model.name, label=spec.label
         )
-        sim = Simulator(
-            config,
-            blocks,
-            s.block_size,
-            lambda out: cost.step(out.scheduled).seconds,
-            s.enable_prefix_caching,
-            admission_delay_s=params.request_overhead_s,
-        )
-        wall = time.perf_counter()
-        result = sim.run(requests, concurrency)
-        metadata["wall_s"] += time.perf_counter() - wall
-        traces = []
-        for spec, request in zip(requests, result.requests, strict=True):
-            trace = trace_from_timeline(
-                request.timeline, api="simulated", url=url, model=p.model.name, label=spec.label
-            )
-            trace.scheduled_s = spec.arrival_s
-            if request.finish_reason and request.finish_reason.startswith("error"):
-                trace.error = request.finish_reason
-            traces.append(trace)
-        duration_s = result.end_s  # from the run's start at 0, as bench measures it
-        summary = summarize(traces, duration_s, slo=slo)
-        run = {
-            "request_rate": None if math.isinf(request_rate) else request_rate,
-            "max_concurrency": concurrency,
-            "input_tokens_requested": _requested(s),
-            "summary": summary,
-            "by_kind": by_kind(traces, duration_s, (50, 90, 95, 99)),
-            "server": _server_report(sim, result, url).to_dict(),
-            "warnings": [],
-            "partial": None,
-            "vllm": vllm_fields(traces, metadata, s.burstiness, request_rate, concurrency, summary),
-            "requests": [request_record(t) for t in traces],
-        }
-        state.runs.append(run)
-        return run
+        trace.scheduled_s = spec.arrival_s
+        if request.finish_reason and request.finish_reason.startswith("error"):
+            trace.error = request.finish_reason
+        traces.append(trace)
+    duration_s = end_s  # from the run's start at 0, as bench measures it
+    summary = summarize(traces, duration_s, slo=slo)
+    return {
+        "request_rate": None if math.isinf(request_rate) else request_rate,
+        "max_concurrency": concurrency,
+        "input_tokens_requested": _requested(s),
+        "summary": summary,
+        "by_kind": by_kind(traces, duration_s, (50, 90, 95, 99)),
+        "server": server.to_dict(),
+        "warnings": [],
+        "partial": None,
+        "vllm": vllm_fields(traces, metadata, s.burstiness, request_rate, concurrency, summary),
+        "requests": [request_record(t) for t in traces],
+    }
 
-    if capacity_slo is not None:
 
-        async def run_at(request_rate: float, concurrency: int | None) -> dict[str, Any]:
-            return one_run(request_rate, concurrency)
-
-        state.capacity = asyncio.run(
-            search_capacity(run_at, capacity_slo, rate, s.max_runs, s.num_prompts)
-        )
-    else:
-        one_run(s.request_rate, s.max_concurrency)
-    return {**state.result(), "simulated": True}
+def bench_result(
+    s: SimulateSettings,
+    p: PlanInputs,
+    params: CostParams,
+    requests: Sequence[SimRequest],
+    done: Sequence[Request],
+    end_s: float,
+    server: MetricsReport,
+    wall_s: float,
+    metadata: dict[str, Any],
+    slo: SLO | None,
+) -> dict[str, Any]:
+    """One run as bench's whole result (plus ``simulated: true``); ``metadata`` adds to
+    bench's metadata."""
+    meta = {**base_metadata(s, p, params), **metadata, "wall_s": wall_s}
+    run = run_record(
+        s, p, requests, done, end_s, server, slo, meta, s.request_rate, s.max_concurrency
+    )
+    return {**BenchState(meta, [run]).result(), "simulated": True}
 
 
 def _requested(s: SimulateSettings) -> str:

@@ -10,6 +10,8 @@ bytes / achieved bandwidth), over what the step actually does:
   context it sees (grows with the square of the chunk) and the KV it reads; a decode entry's KV
   read over its whole context (grows with context, one sequence at a time).
 * ``lm_head_s``: the output projection, only for entries that sample a token.
+* ``comm_s``: with tensor parallelism (``roofline/parallel.py``), the two all-reduces per layer
+  of the step's activations; the other terms then run on each GPU's 1/T share.
 * ``overhead_s``: what no roofline sees (kernel launches, the scheduler, sampling, Python): a
   fixed cost per step plus a cost per scheduled sequence.
 
@@ -26,6 +28,7 @@ from functools import cached_property
 from typing import Protocol
 
 from pdscope.roofline.arithmetic import attention_pairs, params_touched
+from pdscope.roofline.parallel import NO_TP, TensorParallel
 from pdscope.specs import KVPrecision, ModelSpec, SpecError, WeightPrecision
 
 
@@ -81,10 +84,11 @@ class StepCost:
     attention_s: float
     lm_head_s: float
     overhead_s: float
+    comm_s: float = 0.0  # tensor-parallel all-reduces (0 on one GPU)
 
     @property
     def seconds(self) -> float:
-        return self.linear_s + self.attention_s + self.lm_head_s + self.overhead_s
+        return self.linear_s + self.attention_s + self.lm_head_s + self.overhead_s + self.comm_s
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,21 @@ class CostModel:
     weights: WeightPrecision
     kv: KVPrecision
     params: CostParams
+    # Tensor parallelism: each GPU does 1/T of the FLOPs and reads 1/T of the weights and
+    # 1/kv_split of the KV, which is the same as T (kv_split) times the rates. T = 1: unchanged.
+    tp: TensorParallel = NO_TP
+
+    @cached_property
+    def _flops_s(self) -> float:
+        return self.params.flops_per_s * self.tp.size
+
+    @cached_property
+    def _bytes_s(self) -> float:
+        return self.params.bandwidth_bytes_s * self.tp.size
+
+    @cached_property
+    def _kv_bytes_s(self) -> float:
+        return self.params.bandwidth_bytes_s * self.tp.kv_split
 
     @cached_property
     def _groups(self) -> tuple[_LayerGroup, ...]:
@@ -133,7 +152,7 @@ class CostModel:
         return {}
 
     def _roofline_s(self, flops: float, bytes_moved: float) -> float:
-        return max(flops / self.params.flops_per_s, bytes_moved / self.params.bandwidth_bytes_s)
+        return max(flops / self._flops_s, bytes_moved / self._bytes_s)
 
     def attention_work(self, start: int, new_tokens: int) -> tuple[float, float]:
         """One entry's attention as (FLOPs, bytes): ``new_tokens`` queries over ``start``
@@ -149,7 +168,9 @@ class CostModel:
 
     def attention_s(self, start: int, new_tokens: int) -> float:
         """One entry's attention time (see :meth:`attention_work`)."""
-        return self._roofline_s(*self.attention_work(start, new_tokens))
+        flops, kv_bytes = self.attention_work(start, new_tokens)
+        # Under TP the KV is split kv_split ways (fewer KV heads than GPUs are copied).
+        return max(flops / self._flops_s, kv_bytes / self._kv_bytes_s)
 
     def linear_work(self, tokens: int) -> tuple[float, float]:
         """The decoder layers' matmuls for a step of ``tokens`` tokens as (FLOPs, bytes): the
@@ -189,8 +210,8 @@ class CostModel:
             return None
         g = self._groups[0]
         return max(
-            g.decode_flops_per_pair / self.params.flops_per_s,
-            g.kv_values_per_token * self.kv.bytes_per_element / self.params.bandwidth_bytes_s,
+            g.decode_flops_per_pair / self._flops_s,
+            g.kv_values_per_token * self.kv.bytes_per_element / self._kv_bytes_s,
         )
 
     def step(self, entries: Sequence[ScheduledWork]) -> StepCost:
@@ -216,4 +237,5 @@ class CostModel:
             linear_s = self._linear_cache[tokens] = self._roofline_s(*self.linear_work(tokens))
         lm_head_s = self._roofline_s(*self.lm_head_work(sampled)) if sampled else 0.0
         overhead_s = self.params.step_overhead_s + self.params.seq_overhead_s * len(entries)
-        return StepCost(linear_s, attention_s, lm_head_s, overhead_s)
+        comm_s = self.tp.comm_s(self.model, tokens) if self.tp.size > 1 else 0.0
+        return StepCost(linear_s, attention_s, lm_head_s, overhead_s, comm_s)
