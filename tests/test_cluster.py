@@ -333,6 +333,8 @@ def test_disaggregated_run_writes_link_and_pool_figures(tmp_path) -> None:
         (["--prefill-device", "h100-sxm"], "need --disaggregate"),
         (["--disaggregate", "1:1", "--decode-args", "tp"], "key=value"),
         (["--disaggregate", "1:1", "--first-token", "proxy"], "--first-token"),
+        (["--replicas", "2", "--calibrate", "probe.json"], "simulate one replica"),
+        (["--replicas", "2", "--find-capacity", "--slo", "p99_ttft=1s"], "simulate one replica"),
     ],
 )
 def test_cluster_bad_input_exits_2_with_one_line(args, message) -> None:
