@@ -14,13 +14,28 @@ from pdscope.engine.make_model import make_model
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-# Every path the kernel trial may choose on a CPU (engine/kernels.py). In float32 only the
-# prefill attention has two candidates; the bf16 tests below cover the linear and decode math.
-FLOAT32_PATHS = ["prefill_attention=blocked", "prefill_attention=sdpa"]
-BF16_PATHS = [
-    "linear=packed,prefill_attention=blocked,decode_math=float32",
-    "linear=plain,prefill_attention=sdpa,decode_math=native",
+# Every path the kernel trial may choose on a CPU (engine/kernels.py), each candidate in at
+# least one row. In float32 the prefill attention and the decode ops have two candidates (the
+# prefill one runs in prefill steps, the other in decode-only steps, so they do not interact);
+# the bf16 tests below cover the linear and decode math too.
+FLOAT32_PATHS = [
+    "prefill_attention=blocked,decode_ops=torch",
+    "prefill_attention=sdpa,decode_ops=c",
 ]
+BF16_PATHS = [
+    "linear=packed,prefill_attention=blocked,decode_math=float32,decode_ops=torch",
+    "linear=plain,prefill_attention=sdpa,decode_math=native,decode_ops=c",
+]
+
+
+@pytest.fixture(autouse=True)
+def _needs_a_compiler_for_c(request: pytest.FixtureRequest) -> None:
+    """The C decode kernels build with any C compiler; a machine without one runs the rest."""
+    from pdscope.engine.native import compiler
+
+    kernels = getattr(request.node, "callspec", None)
+    if kernels and "decode_ops=c" in str(kernels.params.get("kernels", "")) and not compiler():
+        pytest.skip("no C compiler: the C decode kernels cannot be built here")
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +150,7 @@ def baseline(path: Path, ps: list[list[int]]) -> list[list[int]]:
             kv_cache_memory="8MiB",
             enable_prefix_caching=False,
             max_num_batched_tokens=2048,
+            kernels="decode_ops=torch",  # the PyTorch path is the reference
         )
         results.append(llm.generate(p, GREEDY)[0].token_ids)
     return results

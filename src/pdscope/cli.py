@@ -339,7 +339,7 @@ def serve(
         str,
         typer.Option(
             help="auto (timed at start-up, cached per CPU), or force paths, e.g. "
-            "linear=plain,prefill_attention=sdpa,decode_math=native."
+            "linear=plain,prefill_attention=sdpa,decode_math=native,decode_ops=c."
         ),
     ] = "auto",
     threads: Annotated[
