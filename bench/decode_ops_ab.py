@@ -3,14 +3,15 @@
 Two engines on the same checkpoint, identical but for ``decode_ops`` (torch / c; every other
 kernel path forced alike), take turns: round after round each runs every figure once, in an
 order alternated per round, and the figures are medians with within-round ratios (c / torch).
-Decode rates use the engine bench's difference protocol (bench/workload.py): N / (T(1 + N
-tokens) - T(1 token)), so prefill is excluded.
+Each figure is the median duration of the engine's decode-only steps (its own step records,
+``LLMEngine.steps``) while one generate call runs: scheduling, the model and sampling, with
+prefill steps left out; a median over ~30 steps shrugs off a descheduled step on a busy host.
 
     .venv/bin/python bench/decode_ops_ab.py                     # small model, 5 rounds
-    .venv/bin/python bench/decode_ops_ab.py --rounds 3 --others linear=packed,decode_math=native
+    .venv/bin/python bench/decode_ops_ab.py --rounds 3 --threads 1
 
 Figures: batch-1 decode at 64 and 4,000 tokens of context (their ratio against plan's bytes
-arithmetic, issue 12 item 3) and batch-32 decode at 128 tokens of prompt.
+arithmetic, issue 12 item 3) and batch-32 decode after 128-token prompts, in tokens/s.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
+
+import torch
 
 from engine_bench import bytes_per_decode_token, machine_line
 from pdscope import LLM, SamplingParams
@@ -34,7 +36,10 @@ def main() -> None:
         default="linear=packed,prefill_attention=sdpa,decode_math=native",
         help="the other kernel paths, forced the same for both engines",
     )
+    parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model_dir = resolve_model_path(args.model)
     engines = {
         ops: LLM(
@@ -53,21 +58,27 @@ def main() -> None:
     def fresh(n: int) -> list[int]:
         return [rng.randrange(100, 16000) for _ in range(n)]
 
-    def timed(llm: LLM, prompts: list[list[int]], tokens: int) -> float:
+    def rate(llm: LLM, context: int, batch: int, tokens: int = 32) -> float:
+        """Tokens/s of the median decode-only step; prompts end ``tokens / 2`` before
+        ``context`` so the mean context is ``context``."""
+        prompt_len = max(1, context - tokens // 2)
         params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-        start = time.perf_counter()
-        llm.generate(prompts, params)
-        return time.perf_counter() - start
+        llm.engine.steps.clear()
+        llm.generate([fresh(prompt_len) for _ in range(batch)], params)
+        steps = [
+            s.end_s - s.start_s
+            for s in llm.engine.steps
+            if s.prefill_tokens == 0 and s.decode_tokens == batch
+        ]
+        return batch / statistics.median(steps)
 
-    def rate(llm: LLM, prompt_len: int, batch: int, tokens: int) -> float:
-        first = timed(llm, [fresh(prompt_len) for _ in range(batch)], 1)
-        whole = timed(llm, [fresh(prompt_len) for _ in range(batch)], 1 + tokens)
-        return batch * tokens / (whole - first)
+    def timed(llm: LLM, prompts: list[list[int]], tokens: int) -> None:
+        llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
 
     figures = {
-        "decode_b1_ctx64_tok_s": lambda llm: rate(llm, 64 - 48, 1, 96),
-        "decode_b1_ctx4000_tok_s": lambda llm: rate(llm, 4000 - 48, 1, 96),
-        "decode_b32_tok_s": lambda llm: rate(llm, 128, 32, 64),
+        "decode_b1_ctx64_tok_s": lambda llm: rate(llm, 64, 1),
+        "decode_b1_ctx4000_tok_s": lambda llm: rate(llm, 4000, 1),
+        "decode_b32_tok_s": lambda llm: rate(llm, 128 + 16, 32),
     }
     for llm in engines.values():  # warm-up
         timed(llm, [fresh(64)], 8)
@@ -89,6 +100,7 @@ def main() -> None:
     print()
     print(machine_line())
     print(f"{args.model}, bf16, {args.others}; {args.rounds} rounds; median (min-max)")
+    print("tokens/s of the median decode-only step")
     print(f"{'':26}{'torch':>22}{'c':>22}{'c / torch':>22}")
     for name in figures:
         cells = []

@@ -139,7 +139,8 @@ class NativeOps:
         self.lib.paged_decode_attention.argtypes = [_P, _P, _P, _P, _P] + [_I] * 7 + [_F, _C, _C]
         self.lib.qkv_rope_store.argtypes = [_P] * 9 + [_F] + [_I] * 5 + [_C, _C]
         self.lib.rms_norm.argtypes = [_P] * 4 + [_I, _I, _F, _C, _C]
-        for fn in (self.lib.paged_decode_attention, self.lib.qkv_rope_store, self.lib.rms_norm):
+        self.lib.paged_decode_attention.restype = ctypes.c_int
+        for fn in (self.lib.qkv_rope_store, self.lib.rms_norm):
             fn.restype = None
 
     def decode_attention(
@@ -157,7 +158,7 @@ class NativeOps:
         seqs, heads, dim = q.shape
         _, kv_heads, slots, _ = kv_cache.shape
         out = torch.empty_like(q)
-        self.lib.paged_decode_attention(
+        status = self.lib.paged_decode_attention(
             q.data_ptr(),
             kv_cache.data_ptr(),
             out.data_ptr(),
@@ -174,6 +175,8 @@ class NativeOps:
             q.dtype == torch.bfloat16,
             torch.get_num_threads(),
         )
+        if status != 0:
+            raise MemoryError("paged_decode_attention: no memory for its scratch space")
         return out
 
     def qkv_rope_store(
@@ -229,6 +232,8 @@ class NativeOps:
         """rms_norm(x) * weight; with ``residual``, first ``residual += x`` in place and the
         sum is normalized (a decoder layer's residual add and next norm in one call)."""
         _check(x, weight, residual)
+        if weight.dtype != x.dtype or (residual is not None and residual.shape != x.shape):
+            raise ValueError("rms_norm: weight dtype or residual shape differs from x")
         n = x.shape[-1]
         out = torch.empty_like(x)
         self.lib.rms_norm(

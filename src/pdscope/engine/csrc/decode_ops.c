@@ -155,11 +155,12 @@ static void attend_range(const float *qf, int64_t group, int64_t dim, const void
  *   q [seqs, heads, dim], out [seqs, heads, dim] (model dtype)
  *   tables [seqs, table_width] int64 block ids; bounds [seqs, 2] int64: keys [lo, hi) attended
  * Work is split over (sequence, kv head, context part): a long context with few sequences is
- * cut into parts attended in parallel and merged by their max and sum (flash decoding). */
-void paged_decode_attention(const void *q, const void *kv, void *out, const int64_t *tables,
-                            const int64_t *bounds, int64_t seqs, int64_t heads,
-                            int64_t kv_heads, int64_t dim, int64_t slots, int64_t block_size,
-                            int64_t table_width, float scale, int bf, int threads) {
+ * cut into parts attended in parallel and merged by their max and sum (flash decoding).
+ * Returns 0, or -1 when its scratch memory could not be allocated. */
+int paged_decode_attention(const void *q, const void *kv, void *out, const int64_t *tables,
+                           const int64_t *bounds, int64_t seqs, int64_t heads, int64_t kv_heads,
+                           int64_t dim, int64_t slots, int64_t block_size, int64_t table_width,
+                           float scale, int bf, int threads) {
     const int64_t group = heads / kv_heads;
     int64_t longest = 1, total = 0;
     for (int64_t d = 0; d < seqs; d++) {
@@ -177,7 +178,7 @@ void paged_decode_attention(const void *q, const void *kv, void *out, const int6
     }
     const int64_t width = (longest + parts - 1) / parts;
     float *scratch = malloc((size_t)(items * parts * group * (dim + 2)) * sizeof(float));
-    if (!scratch) return;
+    if (!scratch) return -1;
     /* Below ~8K key rows the whole job takes microseconds: a parallel region costs more. */
     const int parallel = threads > 1 && total * kv_heads >= 8192;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (parallel)
@@ -222,6 +223,7 @@ void paged_decode_attention(const void *q, const void *kv, void *out, const int6
         }
     }
     free(scratch);
+    return 0;
 }
 
 /* RMS norm of one row in float: x / sqrt(mean(x^2) + eps) * w. */
