@@ -44,7 +44,7 @@ class EngineArgs:
     device: str = "auto"  # auto: cuda when torch sees one, else cpu
     seed: int = 0
     # auto: each machine-dependent path timed at load (cached); or force some, e.g.
-    # "linear=plain,prefill_attention=sdpa,decode_math=native" (see engine/kernels.py)
+    # "linear=plain,prefill_attention=sdpa,decode_math=native,decode_ops=c" (engine/kernels.py)
     kernels: str = "auto"
 
 
