@@ -24,7 +24,7 @@ import torch
 
 from engine_bench import bytes_per_decode_token, machine_line
 from pdscope import LLM, SamplingParams
-from pdscope.engine.make_model import resolve_model_path
+from pdscope.checkpoint.make_model import resolve_model_path
 
 
 def main() -> None:

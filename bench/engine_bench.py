@@ -197,7 +197,7 @@ def main() -> None:
     if unknown or args.repeats < 1:
         parser.error(f"--stacks from {', '.join(STACKS)}; --repeats >= 1 (got {unknown})")
 
-    from pdscope.engine.make_model import resolve_model_path
+    from pdscope.checkpoint.make_model import resolve_model_path
 
     model_dir = resolve_model_path(args.model)
     args.log_dir.mkdir(parents=True, exist_ok=True)

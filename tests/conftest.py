@@ -15,7 +15,7 @@ Server = ServerProcess
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pdscope.engine.make_model import make_model
+    from pdscope.checkpoint.make_model import make_model
 
     return make_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", dtype="bfloat16")
 
@@ -28,7 +28,7 @@ def start_server(model: Path, log_dir: Path, *args: str, name: str = "tiny") -> 
 def medium(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Big enough that prefill time clearly grows with the prompt, small enough to be quick;
     head_dim 64, a shape vLLM's CPU attention takes too."""
-    from pdscope.engine.make_model import make_model
+    from pdscope.checkpoint.make_model import make_model
 
     return make_model(
         tmp_path_factory.mktemp("m") / "medium",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdscope import LLM, SamplingParams
-from pdscope.engine.make_model import make_model
+from pdscope.checkpoint.make_model import make_model
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from pdscope import LLM, SamplingParams
+from pdscope.checkpoint.make_model import make_model
 from pdscope.engine.async_engine import AsyncEngine
 from pdscope.engine.llm_engine import EngineArgs, LLMEngine, parse_bytes
-from pdscope.engine.make_model import make_model
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,9 @@ import torch
 from prometheus_client import generate_latest
 
 from pdscope import LLM, SamplingParams
+from pdscope.checkpoint.make_model import make_model
 from pdscope.engine import native
 from pdscope.engine.kernels import OPTIONS, TrialShapes, choose, cpu_flags, parse_kernels
-from pdscope.engine.make_model import make_model
 from pdscope.engine.model import (
     Attention,
     AttentionBatch,

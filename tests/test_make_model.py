@@ -1,4 +1,4 @@
-"""Tests for the random-weight checkpoint writer (pdscope.engine.make_model)."""
+"""Tests for the random-weight checkpoint writer (pdscope.checkpoint.make_model)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pdscope.engine import make_model as mm
+from pdscope.checkpoint import make_model as mm
 
 transformers = pytest.importorskip("transformers")
 

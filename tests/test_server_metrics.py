@@ -10,14 +10,13 @@ import math
 import httpx
 import pytest
 
+from pdscope.analysis.server_metrics import build_report, histogram_quantile, report_of
 from pdscope.client.server_metrics import (
     COUNTER_ROLES,
     HISTOGRAM_ROLES,
     RUNTIME_NAMES,
     MetricsSampler,
-    build_report,
     detect_runtime,
-    histogram_quantile,
     parse_metrics,
     timeline_point,
 )
@@ -309,7 +308,7 @@ def run_sampler(handler, interval_s: float = 0.01, run_s: float = 0.1):
             sampler = MetricsSampler(client, "http://srv", interval_s=interval_s)
             await sampler.start()
             await asyncio.sleep(run_s)
-            return await sampler.stop()
+            return report_of(await sampler.stop())
 
     return asyncio.run(main())
 
@@ -381,7 +380,7 @@ def test_sampler_against_real_server(server: Server) -> None:
             # Two sequential requests sharing a long prefix: the second hits the prefix cache.
             for suffix in ("one", "two"):
                 usages.append(await complete(client, prefix + suffix, 4))
-            return usages, await sampler.stop()
+            return usages, report_of(await sampler.stop())
 
     usages, report = asyncio.run(main())
     n = len(usages)

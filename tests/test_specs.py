@@ -239,3 +239,30 @@ def test_qwen2_moe_shared_expert_and_bias() -> None:
     spec = spec_from_config(config, "qwen2-57b-a14b")
     assert abs(spec.total_params - 57.4e9) / 57.4e9 < 0.01  # Qwen's model card
     assert abs(spec.active_params - 14.2e9) / 14.2e9 < 0.01
+
+
+def test_architecture_registry_rules_shared_by_engine_and_specs() -> None:
+    from pdscope.checkpoint.make_model import build_config
+    from pdscope.engine.model import ModelConfig
+    from pdscope.specs import spec_from_config
+    from pdscope.specs.architectures import engine_window, has_qkv_bias
+
+    qwen2 = build_config("tiny", "qwen2")
+    # Qwen2's attention always has q/k/v biases, whatever attention_bias says: the engine's
+    # loader and the parameter count agree.
+    assert has_qkv_bias({**qwen2, "attention_bias": False})
+    assert ModelConfig.from_hf({**qwen2, "attention_bias": False}).qkv_bias
+    with_bias = spec_from_config(qwen2, name="qwen2")
+    without = spec_from_config({**qwen2, "architectures": ["LlamaForCausalLM"]}, name="llama")
+    assert with_bias.total_params > without.total_params
+    unflagged = spec_from_config({**qwen2, "attention_bias": False}, name="qwen2")
+    assert unflagged.total_params == with_bias.total_params
+    assert not has_qkv_bias(build_config("tiny", "qwen3"))
+    assert ModelConfig.from_hf(build_config("tiny", "qwen3")).qk_norm
+    # Windows: Mistral's applies to every layer; a per-layer window is refused, not ignored.
+    assert engine_window(build_config("tiny", "mistral", sliding_window=64)) == 64
+    assert engine_window(build_config("tiny", "qwen2")) is None
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        ModelConfig.from_hf(build_config("tiny", "qwen2", sliding_window=64))
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        ModelConfig.from_hf({**qwen2, "architectures": ["GemmaForCausalLM"]})

@@ -25,7 +25,10 @@ from pdscope.client.trace import Chunk, Trace
 API_OPENAI_COMPLETIONS = "openai-completions"
 API_OPENAI_CHAT = "openai-chat"
 API_OLLAMA = "ollama"
-APIS = (API_OPENAI_COMPLETIONS, API_OPENAI_CHAT, API_OLLAMA)
+OPENAI_APIS = (API_OPENAI_COMPLETIONS, API_OPENAI_CHAT)
+# The dialects probe and bench speak (their --api values besides "auto"): each has a runner
+# below that turns one response into a Trace, and detect.py recognises its server.
+APIS = (*OPENAI_APIS, API_OLLAMA)
 
 
 def _trace_config() -> aiohttp.TraceConfig:
@@ -386,3 +389,26 @@ def _ollama_final(trace: Trace, event: dict[str, Any]) -> None:
         )
         if k in event
     }
+
+
+async def run_request(
+    client: aiohttp.ClientSession,
+    url: str,
+    api: str,
+    model: str,
+    prompt: str | list[int] | list[dict],
+    max_tokens: int,
+    label: str = "",
+    prompt_tokens_asked: int | None = None,
+    headers: dict[str, str] | None = None,
+) -> Trace:
+    """One streamed request in dialect ``api`` (one of APIS): the one dispatch that probe's and
+    bench's requests go through. Ollama's raw prompt is text: chat messages are joined."""
+    if api == API_OLLAMA:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            prompt = "\n".join(str(m.get("content", "")) for m in prompt)
+        return await run_ollama(
+            client, url, model, str(prompt), max_tokens, label, prompt_tokens_asked, headers=headers
+        )
+    body = openai_body(api, model, prompt, max_tokens)
+    return await run_openai(client, url, api, body, label, prompt_tokens_asked, headers)

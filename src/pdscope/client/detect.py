@@ -7,15 +7,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from pdscope.client.adapters import API_OLLAMA, API_OPENAI_COMPLETIONS
-
-# Metric-name prefixes that identify a runtime on /metrics.
-_METRIC_PREFIXES = (
-    ("vllm:", "vllm"),
-    ("sglang:", "sglang"),
-    ("tgi_", "tgi"),
-    ("llamacpp:", "llama.cpp"),
-)
+from pdscope.client.adapters import API_OLLAMA, API_OPENAI_COMPLETIONS, OPENAI_APIS
+from pdscope.client.server_metrics import METRIC_PREFIXES
 
 
 class ProbeError(RuntimeError):
@@ -99,7 +92,7 @@ async def detect(
     has_metrics = metrics is not None and metrics.status_code == 200
     if has_metrics:
         text = metrics.text
-        metric_runtime = next((name for prefix, name in _METRIC_PREFIXES if prefix in text), None)
+        metric_runtime = next((name for prefix, name in METRIC_PREFIXES if prefix in text), None)
         evidence.append(f"/metrics ({metric_runtime or 'unknown names'})")
     has_tokenize = False
     tokenize_key = "prompt"
@@ -138,7 +131,7 @@ async def detect(
     ollama_native = tags is not None and tags.status_code == 200 and owner != "pdscope"
     if ollama_native and api == "auto":
         api = API_OLLAMA  # Ollama also serves /v1; its native API carries its own timings
-    if openai_models and api in ("auto", "openai-completions", "openai-chat"):
+    if openai_models and api in ("auto", *OPENAI_APIS):
         if owner == "pdscope":
             name = "pdscope"
         elif is_llamacpp:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from pdscope.client.adapters import API_OLLAMA, openai_body, run_ollama, run_openai
+from pdscope.client.adapters import run_request
 from pdscope.client.trace import Trace
 from pdscope.client.workloads import RequestSpec
 
@@ -91,22 +91,9 @@ async def send(
     headers: dict[str, str] | None = None,
     label: str = "",
 ) -> Trace:
-    if api == API_OLLAMA:
-        prompt = spec.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            prompt = "\n".join(str(m.get("content", "")) for m in prompt)
-        return await run_ollama(
-            client,
-            url,
-            model,
-            str(prompt),
-            spec.output_tokens,
-            label,
-            spec.input_tokens,
-            headers=headers,
-        )
-    body = openai_body(api, model, spec.prompt, spec.output_tokens)
-    return await run_openai(client, url, api, body, label, spec.input_tokens, headers)
+    return await run_request(
+        client, url, api, model, spec.prompt, spec.output_tokens, label, spec.input_tokens, headers
+    )
 
 
 async def run_load(

@@ -1,7 +1,7 @@
 """The server's own view of a load run, sampled from its Prometheus ``/metrics``.
 
-`MetricsSampler` scrapes ``/metrics`` before, during and after a run and turns what it saw into a
-`MetricsReport`:
+`MetricsSampler` scrapes ``/metrics`` before, during and after a run and returns what it saw
+(`ScrapedRun`); ``analysis/server_metrics.py`` turns that into a `MetricsReport`:
 
 * a **timeline** of gauges (running, waiting, KV-cache usage), one point per scrape;
 * **deltas** of counters (tokens, prefix-cache queries and hits, preemptions), final − first;
@@ -25,7 +25,6 @@ import math
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -47,7 +46,6 @@ COUNTER_ROLES = (
     "generation_tokens",
 )
 HISTOGRAM_ROLES = ("ttft", "itl", "e2e", "queue")
-QUANTILES = (0.5, 0.9, 0.99)
 
 _VLLM = {
     # gauges: requests in the running batch / waiting; KV-cache blocks in use as a 0-1 fraction
@@ -133,8 +131,13 @@ OLDER_NAMES: dict[str, dict[str, tuple[str, ...]]] = {
 }
 OLDER_NAMES["pdscope"] = OLDER_NAMES["vllm"]
 
-# Metric-name prefixes that identify a runtime (as in client/detect.py).
-_PREFIXES = (("vllm:", "vllm"), ("sglang:", "sglang"), ("tgi_", "tgi"), ("llamacpp:", "llama.cpp"))
+# Metric-name prefixes that identify a runtime: the one list (detect.py reads it too).
+METRIC_PREFIXES = (
+    ("vllm:", "vllm"),
+    ("sglang:", "sglang"),
+    ("tgi_", "tgi"),
+    ("llamacpp:", "llama.cpp"),
+)
 
 _MAX_ERRORS_KEPT = 10  # scrape error messages kept in the report; all are counted
 
@@ -228,67 +231,16 @@ def detect_runtime(snapshot: Snapshot) -> str | None:
 
     Returns "vllm" for `pdscope serve`, which exports vLLM's names.
     """
-    counts = {runtime: 0 for _, runtime in _PREFIXES}
+    counts = {runtime: 0 for _, runtime in METRIC_PREFIXES}
     for name in snapshot.names():
-        for prefix, runtime in _PREFIXES:
+        for prefix, runtime in METRIC_PREFIXES:
             if name.startswith(prefix):
                 counts[runtime] += 1
-    best = max(counts.items(), key=lambda kv: kv[1])  # ties: the first in _PREFIXES order
+    best = max(counts.items(), key=lambda kv: kv[1])  # ties: the first in METRIC_PREFIXES order
     return best[0] if best[1] > 0 else None
 
 
-# --- histogram quantiles ------------------------------------------------------------------------
-
-
-def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
-    """The q-quantile (0 ≤ q ≤ 1) of a histogram, as Prometheus' ``histogram_quantile`` computes it.
-
-    `buckets` are cumulative (upper bound, count) pairs in any order, the +Inf bucket included;
-    the result is in the bounds' unit. Within the bucket holding the rank q·total the value is
-    interpolated linearly, the first bucket's lower bound being 0 (or its bound if that is ≤ 0).
-    A rank that falls in the +Inf bucket returns the largest finite bound. Buckets with the
-    same bound are added up, and counts are forced monotonic, as Prometheus does.
-
-    Returns None where Prometheus returns NaN: no +Inf bucket, fewer than two buckets, or no
-    observations. One deviation: where Prometheus divides 0/0 (q = 0 with an empty first
-    bucket) this returns the bucket's lower bound.
-    """
-    if not 0.0 <= q <= 1.0:
-        raise ValueError(f"quantile must be within [0, 1], got {q}")
-    merged: dict[float, float] = {}
-    for bound, count in buckets:
-        merged[bound] = merged.get(bound, 0.0) + count
-    ordered = sorted(merged.items())
-    if len(ordered) < 2 or not math.isinf(ordered[-1][0]) or ordered[-1][0] < 0:
-        return None
-    # Cumulative counts can dip when buckets are scraped non-atomically or summed from series
-    # scraped at slightly different moments; Prometheus takes the running maximum.
-    bounds, counts = [b for b, _ in ordered], []
-    running = 0.0
-    for _, count in ordered:
-        running = max(running, count)
-        counts.append(running)
-    total = counts[-1]
-    if total <= 0:
-        return None
-    rank = q * total
-    # First finite bucket whose cumulative count reaches the rank; the +Inf bucket otherwise.
-    b = next((i for i in range(len(counts) - 1) if counts[i] >= rank), len(counts) - 1)
-    if b == len(counts) - 1:
-        return bounds[-2]
-    if b == 0 and bounds[0] <= 0:
-        return bounds[0]
-    start, end, count = 0.0, bounds[b], counts[b]
-    if b > 0:
-        start = bounds[b - 1]
-        count -= counts[b - 1]
-        rank -= counts[b - 1]
-    if count == 0:
-        return start
-    return start + (end - start) * (rank / count)
-
-
-# --- the report ---------------------------------------------------------------------------------
+# --- gauges at one scrape ------------------------------------------------------------------------
 
 
 @dataclass
@@ -301,198 +253,17 @@ class TimelinePoint:
     kv_usage: float | None  # fraction of KV cache in use, 0-1
 
 
-@dataclass
-class HistogramSummary:
-    """One latency histogram over the run (final − first bucket counts), in milliseconds.
-
-    `name` is the histogram's base name on the server. Quantiles follow `histogram_quantile`, so
-    they are only as fine as the server's buckets; `max_bound_ms` is the largest finite bound
-    (no quantile exceeds it). Quantiles and the mean are None when the run observed nothing or
-    the server exports no buckets (e.g. a summary).
-    """
-
-    name: str
-    count: float
-    mean_ms: float | None
-    p50_ms: float | None
-    p90_ms: float | None
-    p99_ms: float | None
-    max_bound_ms: float | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "count": self.count,
-            "mean_ms": self.mean_ms,
-            "p50_ms": self.p50_ms,
-            "p90_ms": self.p90_ms,
-            "p99_ms": self.p99_ms,
-            "max_bound_ms": self.max_bound_ms,
-        }
-
-
-@dataclass
-class MetricsReport:
-    """What the server's ``/metrics`` said about one run.
-
-    When `available` is False, `reason` says why (no endpoint, not Prometheus, unknown runtime)
-    and the figures are empty. `deltas` maps each counter role to final − first (tokens,
-    requests), None where the runtime lacks the role or the counter went backwards (a server
-    restart). `prefix_hit_rate` is Δhits / Δqueries over the run (prompt tokens), None without
-    queries. Maxima are over every scrape, first and final included.
-    """
-
-    available: bool
-    reason: str | None = None
-    runtime: str | None = None
-    url: str = ""
-    interval_s: float = 0.0
-    duration_s: float = 0.0  # first scrape to last scrape, client clock
-    scrapes: int = 0  # successful scrapes, first and final included
-    scrape_errors: int = 0
-    errors: list[str] = field(default_factory=list)  # the first few error messages
-    names: dict[str, str] = field(default_factory=dict)  # role -> name used on this server
-    timeline: list[TimelinePoint] = field(default_factory=list)
-    deltas: dict[str, float | None] = field(default_factory=dict)
-    prefix_hit_rate: float | None = None
-    max_waiting: float | None = None
-    max_running: float | None = None
-    max_kv_usage: float | None = None
-    histograms: dict[str, HistogramSummary | None] = field(default_factory=dict)
-    warnings: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: only str, float, int, bool, None, lists and dicts."""
-        return {
-            "available": self.available,
-            "reason": self.reason,
-            "runtime": self.runtime,
-            "url": self.url,
-            "interval_s": self.interval_s,
-            "duration_s": self.duration_s,
-            "scrapes": self.scrapes,
-            "scrape_errors": self.scrape_errors,
-            "errors": list(self.errors),
-            "names": dict(self.names),
-            "timeline": [vars(p).copy() for p in self.timeline],
-            "deltas": dict(self.deltas),
-            "prefix_hit_rate": self.prefix_hit_rate,
-            "max_waiting": self.max_waiting,
-            "max_running": self.max_running,
-            "max_kv_usage": self.max_kv_usage,
-            "histograms": {k: (h.to_dict() if h else None) for k, h in self.histograms.items()},
-            "warnings": list(self.warnings),
-        }
-
-
-def _first_present(snapshot: Snapshot, names: tuple[str, ...]) -> str | None:
+def first_present(snapshot: Snapshot, names: tuple[str, ...]) -> str | None:
     return next((n for n in names if snapshot.has(n)), None)
-
-
-def _histogram_present(snapshot: Snapshot, base: str) -> bool:
-    return any(snapshot.has(f"{base}{suffix}") for suffix in ("_bucket", "_count", "_sum"))
 
 
 def timeline_point(snapshot: Snapshot, runtime: str, t0_s: float) -> TimelinePoint:
     """The gauges of `snapshot`, its time made relative to `t0_s` (seconds)."""
     values: dict[str, float | None] = {}
     for role in GAUGE_ROLES:
-        name = _first_present(snapshot, candidate_names(runtime, role))
+        name = first_present(snapshot, candidate_names(runtime, role))
         values[role] = snapshot.total(name) if name else None
     return TimelinePoint(t_s=snapshot.t_s - t0_s, **values)
-
-
-def _histogram_summary(first: Snapshot, last: Snapshot, base: str) -> HistogramSummary:
-    """Bucket, sum and count deltas of histogram `base` (in seconds) between two scrapes."""
-    # A labelled histogram can appear only at its first observation; absent at the start means 0.
-    before = dict(first.buckets(base))
-    after = last.buckets(base)
-    delta = [(bound, count - before.get(bound, 0.0)) for bound, count in after]
-    d_count = (last.total(f"{base}_count") or 0.0) - (first.total(f"{base}_count") or 0.0)
-    if not last.has(f"{base}_count") and delta and math.isinf(delta[-1][0]):
-        d_count = delta[-1][1]
-    d_sum = (last.total(f"{base}_sum") or 0.0) - (first.total(f"{base}_sum") or 0.0)
-    finite = [b for b, _ in after if not math.isinf(b)]
-    quantiles = {
-        q: (None if (v := histogram_quantile(q, delta)) is None else v * 1e3) for q in QUANTILES
-    }
-    return HistogramSummary(
-        name=base,
-        count=d_count,
-        mean_ms=d_sum / d_count * 1e3 if d_count > 0 and last.has(f"{base}_sum") else None,
-        p50_ms=quantiles[0.5],
-        p90_ms=quantiles[0.9],
-        p99_ms=quantiles[0.99],
-        max_bound_ms=max(finite) * 1e3 if finite else None,
-    )
-
-
-def build_report(
-    first: Snapshot,
-    last: Snapshot,
-    timeline: list[TimelinePoint],
-    runtime: str,
-    *,
-    url: str = "",
-    interval_s: float = 0.0,
-    scrapes: int = 2,
-    scrape_errors: int = 0,
-    errors: list[str] | None = None,
-) -> MetricsReport:
-    """Turn the first and last scrape and the gauge timeline into a `MetricsReport`."""
-    report = MetricsReport(
-        available=True,
-        runtime=runtime,
-        url=url,
-        interval_s=interval_s,
-        duration_s=last.t_s - first.t_s,
-        scrapes=scrapes,
-        scrape_errors=scrape_errors,
-        errors=list(errors or []),
-        timeline=timeline,
-    )
-    for role in COUNTER_ROLES:
-        # Resolved on the last scrape: a counter created during the run started at 0.
-        name = _first_present(last, candidate_names(runtime, role))
-        if name is None:
-            report.deltas[role] = None
-            continue
-        report.names[role] = name
-        delta = (last.total(name) or 0.0) - (first.total(name) or 0.0)
-        if delta < 0:
-            report.warnings.append(f"{name} went backwards ({delta:+g}): did the server restart?")
-            report.deltas[role] = None
-        else:
-            report.deltas[role] = delta
-    queries, hits = report.deltas.get("prefix_queries"), report.deltas.get("prefix_hits")
-    if queries and hits is not None:
-        report.prefix_hit_rate = hits / queries
-    for role in GAUGE_ROLES:
-        name = _first_present(last, candidate_names(runtime, role)) or _first_present(
-            first, candidate_names(runtime, role)
-        )
-        if name:
-            report.names[role] = name
-    for role, attr in (("waiting", "max_waiting"), ("running", "max_running")):
-        values = [getattr(p, role) for p in timeline if getattr(p, role) is not None]
-        setattr(report, attr, max(values) if values else None)
-    kv = [p.kv_usage for p in timeline if p.kv_usage is not None]
-    report.max_kv_usage = max(kv) if kv else None
-    for role in HISTOGRAM_ROLES:
-        base = next(
-            (n for n in candidate_names(runtime, role) if _histogram_present(last, n)), None
-        )
-        if base is None:
-            report.histograms[role] = None
-            continue
-        report.names[role] = base
-        summary = _histogram_summary(first, last, base)
-        if summary.count < 0:
-            report.warnings.append(f"{base} went backwards: did the server restart?")
-            report.histograms[role] = None
-        else:
-            report.histograms[role] = summary
-    return report
 
 
 # --- the sampler --------------------------------------------------------------------------------
@@ -506,12 +277,29 @@ class ScrapeError(RuntimeError):
         self.status = status
 
 
+@dataclass
+class ScrapedRun:
+    """What a sampler saw of one run: the first and last full scrapes and one gauge point per
+    scrape; or, when ``first`` is None, the ``reason`` it could not sample."""
+
+    url: str
+    reason: str | None = None
+    first: Snapshot | None = None
+    last: Snapshot | None = None
+    timeline: list[TimelinePoint] = field(default_factory=list)
+    runtime: str | None = None
+    interval_s: float = 0.0
+    scrapes: int = 0
+    scrape_errors: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
 class MetricsSampler:
     """Scrape a server's ``/metrics`` every `interval_s` seconds during a run.
 
     `url` is the server's base URL (``http://host:port``) or the full metrics URL (ending in
     ``/metrics``). `headers` go with every scrape (e.g. an API key). Call `start()` before the
-    load and `stop()` after it; `stop()` returns the `MetricsReport`.
+    load and `stop()` after it; `stop()` returns the `ScrapedRun`.
 
     Memory stays bounded on long runs: only the first and the latest full scrapes are kept, plus
     one small `TimelinePoint` per scrape. A failed scrape during the run is counted and skipped;
@@ -582,7 +370,8 @@ class MetricsSampler:
         runtime = detect_runtime(first)
         if runtime is None:
             self._reason = (
-                f"{self.url} has no metrics of a known runtime (vllm:, sglang:, tgi_, llamacpp:)"
+                f"{self.url} has no metrics of a known runtime "
+                f"({', '.join(prefix for prefix, _ in METRIC_PREFIXES)})"
             )
             return
         self.runtime, self._reason = runtime, None
@@ -590,15 +379,16 @@ class MetricsSampler:
         self._record(first)
         self._task = asyncio.create_task(self._run(), name="metrics-sampler")
 
-    async def stop(self) -> MetricsReport:
-        """Stop sampling, take the final scrape, and report on the run."""
+    async def stop(self) -> ScrapedRun:
+        """Stop sampling, take the final scrape, and return what was seen
+        (``analysis.server_metrics.report_of`` turns it into the run's figures)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
         if self._first is None or self.runtime is None:
-            return MetricsReport(available=False, reason=self._reason, url=self.url)
+            return ScrapedRun(url=self.url, reason=self._reason)
         try:
             final = await self.scrape()
         except ScrapeError as exc:
@@ -608,12 +398,12 @@ class MetricsSampler:
             self._last = final
             self._record(final)
         assert self._last is not None
-        return build_report(
-            self._first,
-            self._last,
-            self._timeline,
-            self.runtime,
+        return ScrapedRun(
             url=self.url,
+            first=self._first,
+            last=self._last,
+            timeline=self._timeline,
+            runtime=self.runtime,
             interval_s=self.interval_s,
             scrapes=self._scrapes,
             scrape_errors=self._errors,

@@ -26,6 +26,8 @@ import httpx
 
 from pdscope import __version__
 from pdscope.analysis.bench import SLO, by_kind, summarize
+from pdscope.analysis.server_metrics import report_of
+from pdscope.client.adapters import APIS
 from pdscope.client.adapters import session as adapter_session
 from pdscope.client.detect import ProbeError, Runtime, detect
 from pdscope.client.load import LoadPlan, Progress, run_load, send
@@ -40,6 +42,7 @@ from pdscope.client.workloads import (
     random_workload,
     shared_prefix_workload,
 )
+from pdscope.commands.flags import at_least, float_list, int_list
 
 WORKLOADS = ("random", "shared-prefix", "long-prompt", "file:PATH")
 
@@ -77,6 +80,64 @@ class BenchSettings:
     metrics_interval_s: float = 0.5
     timeout_s: float = 300.0
     max_runs: int = 10  # bound on auto sweeps and capacity searches
+
+    @classmethod
+    def from_flags(
+        cls,
+        url: str | None,
+        request_rate: str,
+        max_concurrency: str | None,
+        percentiles: str,
+        slo: str | None,
+        find_capacity: bool,
+        sweep: str | None,
+        **fields: Any,
+    ) -> BenchSettings:
+        """The CLI's flags, checked before any request is sent (a ``ValueError`` names the
+        flag). No URL: the embedded server, under a short default load unless one is given."""
+        s = cls(url=url or "", sweep_auto=sweep == "auto", **fields)
+        if s.api != "auto" and s.api not in APIS:
+            raise ValueError(f"--api must be auto or one of {', '.join(APIS)}, got {s.api!r}")
+        if s.workload not in WORKLOADS[:3] and not s.workload.startswith("file:"):
+            raise ValueError(
+                f"--workload must be one of {', '.join(WORKLOADS)}, got {s.workload!r}"
+            )
+        if sweep not in (None, "auto"):
+            raise ValueError(f"--sweep takes 'auto', got {sweep!r}")
+        at_least(
+            1,
+            ("--num-prompts", s.num_prompts),
+            ("--groups", s.groups),
+            ("--streams", s.streams),
+            ("--prefix-len", s.prefix_len),
+        )
+        s.request_rates = float_list(request_rate, "--request-rate")
+        if max_concurrency:
+            s.concurrencies = [*int_list(max_concurrency, "--max-concurrency")]
+        if len(s.request_rates) > 1 and len(s.concurrencies) > 1:
+            raise ValueError("give a series of --request-rate or of --max-concurrency, not both")
+        try:
+            s.percentiles = tuple(float(p) for p in percentiles.split(","))
+            if any(not 0 < p < 100 for p in s.percentiles):
+                raise ValueError
+        except ValueError:
+            raise ValueError(
+                f"--percentiles takes numbers in (0, 100), got {percentiles!r}"
+            ) from None
+        if find_capacity:
+            if not slo:
+                raise ValueError("--find-capacity needs --slo, e.g. p99_ttft=2s,p99_itl=100ms")
+            aggregate = SLO.parse(slo, aggregate=True).percentiles
+            s.percentiles = tuple(sorted({*s.percentiles, *aggregate}))
+            s.capacity_slo = slo
+        else:
+            SLO.parse(slo)
+            s.goodput_slo = slo
+        asked_for_load = max_concurrency or s.request_rates != [math.inf] or s.num_prompts != 100
+        if url is None and not asked_for_load:
+            s.num_prompts, s.concurrencies = 32, [8]  # a short default load
+            s.output_len = "64" if s.output_len == "128" else s.output_len
+        return s
 
 
 @dataclass
@@ -235,7 +296,7 @@ class Bench:
                     (lambda p: self.on_progress(level, p)) if self.on_progress else None,
                 )
         finally:
-            server = await sampler.stop()
+            server = report_of(await sampler.stop())
         summary = summarize(load.traces, load.duration_s, s.percentiles, self.goodput)
         run = {
             "request_rate": None if math.isinf(rate) else rate,

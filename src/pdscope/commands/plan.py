@@ -225,3 +225,60 @@ def compare(
         }
         for d in devices
     ]
+
+
+def seed_table(
+    model: str,
+    device: str | None,
+    dtype: str,
+    kv_dtype: str | None,
+    context_tokens: int | None,
+    prompt_tokens: int,
+    all_devices: bool,
+) -> tuple[list[dict[str, Any]], str]:
+    """`plan --compare`: the article's six devices (every catalog device with ``all_devices``;
+    plus this machine with ``device`` "local"), as rows and a title."""
+    if device is not None and device.lower() != "local":
+        raise SpecError("--compare runs over the catalog; drop --device (or use --all)")
+    inputs = resolve(
+        model=model,
+        device=DEFAULT_DEVICE,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        context_tokens=max(context_tokens or 1, 1),
+        prompt_tokens=prompt_tokens,
+    )
+    if context_tokens is not None and context_tokens < 0:
+        raise SpecError(f"--context must be >= 0, got {context_tokens}")
+    devices = list(catalog()) if all_devices else None
+    if device is not None:  # --compare --device local: the article's six plus this one
+        devices = [
+            *(devices or [d for d in catalog() if d.name in SEED_DEVICES]),
+            resolve(model=model, device="local", dtype=dtype).device,
+        ]
+    context = context_tokens or 0
+    rows = compare(inputs.model, inputs.weights, inputs.kv, context, devices)
+    title = (
+        f"Decode ceiling for one stream: {inputs.model.name} at {inputs.weights.name}, "
+        f"context {context}"
+    )
+    return rows, title
+
+
+def device_rows(devices: list[Device]) -> list[dict[str, Any]]:
+    """`plan --list-devices --json`."""
+    return [d.__dict__ | {"aliases": list(d.aliases)} for d in devices]
+
+
+def model_rows(specs: list[ModelSpec]) -> list[dict[str, Any]]:
+    """`plan --list-models --json`."""
+    return [
+        {
+            "name": s.name,
+            "description": s.description,
+            "total_params": s.total_params,
+            "active_params": s.active_params,
+            "kv_values_per_token": s.kv_values_per_token,
+        }
+        for s in specs
+    ]

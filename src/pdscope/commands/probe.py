@@ -9,7 +9,6 @@ the traces into figures and findings.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import secrets
 import time
@@ -26,15 +25,16 @@ from pdscope.client.adapters import (
     API_OLLAMA,
     API_OPENAI_CHAT,
     API_OPENAI_COMPLETIONS,
-    openai_body,
-    run_ollama,
-    run_openai,
+    APIS,
+    run_request,
 )
 from pdscope.client.adapters import session as adapter_session
 from pdscope.client.counters import PrefixHitCounter
 from pdscope.client.detect import ProbeError, Runtime, detect
 from pdscope.client.prompts import PromptBuilder
 from pdscope.client.trace import Trace
+from pdscope.commands.flags import at_least, int_list
+from pdscope.specs.models import read_config
 
 
 @dataclass
@@ -56,6 +56,20 @@ class ProbeSettings:
     # Prompts are drawn fresh for every probe so no run meets an earlier one's prompts in the
     # server's prefix cache; a seed repeats a run's prompts exactly (recorded in the result).
     seed: int | None = None
+
+    @classmethod
+    def from_flags(cls, url: str | None, prompt_tokens: str, **fields: Any) -> ProbeSettings:
+        """The CLI's flags, checked (a ``ValueError`` names the flag). No URL: the embedded
+        server, whose ceiling is this machine's (``device`` defaults to local)."""
+        s = cls(url=url or "", prompt_tokens=int_list(prompt_tokens, "--prompt-tokens"), **fields)
+        if s.api != "auto" and s.api not in APIS:
+            raise ValueError(f"--api must be auto or one of {', '.join(APIS)}, got {s.api!r}")
+        at_least(1, ("--output-tokens", s.output_tokens), ("--repeats", s.repeats))
+        if s.timeout_s <= 0:
+            raise ValueError(f"--timeout must be positive, got {s.timeout_s}")
+        if url is None:
+            s.device = s.device or "local"
+        return s
 
 
 class Prober:
@@ -94,22 +108,10 @@ class Prober:
     ) -> Trace:
         out = max_tokens or self.s.output_tokens
         hits_before = await self.counter.read() if self.counter else None
-        if self.api == API_OLLAMA:
-            trace = await run_ollama(
-                self.streams,
-                self.runtime.url,
-                self.model,
-                str(prompt),
-                out,
-                label,
-                asked,
-                headers=self.headers,
-            )
-        else:
-            body = openai_body(self.api, self.model, prompt, out)
-            trace = await run_openai(
-                self.streams, self.runtime.url, self.api, body, label, asked, self.headers
-            )
+        trace = await run_request(
+            self.streams, self.runtime.url, self.api, self.model, prompt, out, label, asked,
+            self.headers,
+        )  # fmt: skip
         if trace.error is None and not self.exact_prompts and isinstance(prompt, str):
             words = len(prompt.split())
             self.builder.calibrate(words, trace.prompt_tokens)
@@ -214,7 +216,7 @@ def _dtype_of(s: ProbeSettings, root: str | None) -> str:
     if s.dtype:
         return s.dtype
     if root and (Path(root) / "config.json").is_file():
-        torch_dtype = json.loads((Path(root) / "config.json").read_text()).get("torch_dtype")
+        torch_dtype = read_config(Path(root)).get("torch_dtype")
         return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(torch_dtype, "bf16")
     return "bf16"
 

@@ -17,8 +17,9 @@ from typing import Any
 
 from pdscope import __version__
 from pdscope.analysis.bench import SLO, by_kind, summarize
+from pdscope.analysis.server_metrics import MetricsReport
 from pdscope.client.load import LoadPlan
-from pdscope.client.server_metrics import MetricsReport, TimelinePoint
+from pdscope.client.server_metrics import TimelinePoint
 from pdscope.client.trace import trace_from_timeline
 from pdscope.client.workloads import (
     Lengths,

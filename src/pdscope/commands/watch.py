@@ -30,11 +30,11 @@ from typing import Any
 import httpx
 
 from pdscope.analysis.rules import LiveFigures, live_findings
+from pdscope.analysis.server_metrics import histogram_summary
 from pdscope.client.server_metrics import (
     MetricsSampler,
     ScrapeError,
     Snapshot,
-    _histogram_summary,
     candidate_names,
     detect_runtime,
 )
@@ -165,7 +165,7 @@ def _nearest(snapshots: list[Snapshot], t_s: float) -> Snapshot:
 
 
 def _p50_ms(first: Snapshot, last: Snapshot, base: str) -> float | None:
-    summary = _histogram_summary(first, last, base)
+    summary = histogram_summary(first, last, base)
     return summary.p50_ms if summary.count > 0 else None
 
 
@@ -356,7 +356,7 @@ class Watcher:
             if not two:
                 missing[p50] = missing[p99] = why_one
                 continue
-            summary = _histogram_summary(first, last, base)
+            summary = histogram_summary(first, last, base)
             if summary.count <= 0:
                 missing[p50] = missing[p99] = (
                     f"no {prefix.upper()} observations in the last {span_s:.0f} s"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from pdscope.engine.args import EngineArgs
 from pdscope.engine.block_pool import BlockPool
 from pdscope.engine.kernels import KernelChoice, TrialShapes, choose, cpu_model, parse_kernels
 from pdscope.engine.loader import load_model, read_config, resolve_dtype
@@ -25,27 +26,6 @@ from pdscope.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdscope.specs.sizes import parse_bytes
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineArgs:
-    """Engine settings, named as vLLM names them (plus ``kv_cache_memory`` for CPU)."""
-
-    model: str = "small"
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    dtype: str = "auto"  # auto: the checkpoint's torch_dtype (float32 or bfloat16)
-    kv_cache_memory: int | str = "1GiB"  # KV pool size on CPU
-    gpu_memory_utilization: float = 0.9  # KV pool on CUDA: this fraction of memory minus use
-    device: str = "auto"  # auto: cuda when torch sees one, else cpu
-    seed: int = 0
-    # auto: each machine-dependent path timed at load (cached); or force some, e.g.
-    # "linear=plain,prefill_attention=sdpa,decode_math=native,decode_ops=c" (engine/kernels.py)
-    kernels: str = "auto"
 
 
 @dataclass
@@ -71,7 +51,7 @@ class RequestOutput:
 
 class LLMEngine:
     def __init__(self, args: EngineArgs | None = None, **kwargs: object):
-        from pdscope.engine.make_model import resolve_model_path
+        from pdscope.checkpoint.make_model import resolve_model_path
 
         args = args or EngineArgs(**kwargs)  # type: ignore[arg-type]
         self.args = args
@@ -136,8 +116,8 @@ class LLMEngine:
     def _choose_kernels(self, forced: dict[str, str]) -> KernelChoice:
         """Time each machine-dependent path on this model's shapes (or read the cached
         outcome), then point the model at the winners."""
+        from pdscope.checkpoint.make_model import default_cache_dir
         from pdscope.engine import native
-        from pdscope.engine.make_model import default_cache_dir
 
         c = self.model.config
         prefill_tokens = min(self.args.max_num_batched_tokens, self.max_model_len)

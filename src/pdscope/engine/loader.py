@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from pdscope.engine.model import CausalLM, ModelConfig, can_pack, pack_linears
+from pdscope.specs.models import read_config as specs_read_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -27,13 +28,9 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def read_config(path: Path) -> dict[str, Any]:
-    config_path = path / "config.json"
-    if not config_path.is_file():
-        raise CheckpointError(f"{path} has no config.json")
-    try:
-        return json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from exc
+    """The checkpoint's config.json, read by the specs' one reader (a ``SpecError``, which is
+    a ``ValueError``, names what is wrong)."""
+    return specs_read_config(path)
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdscope.specs import architectures as registry
+
 if TYPE_CHECKING:
     from pdscope.engine.kernels import KernelChoice
     from pdscope.engine.native import NativeOps
@@ -35,13 +37,6 @@ _PREFILL_BLOCK = 64
 MAX_DECODE_RUNS = 8
 # Returns the log-sum-exp beside the output, which merging runs needs; absent on old torch.
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
 
 
 @dataclass(frozen=True)
@@ -65,13 +60,14 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
-        archs = config.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
+        found = registry.architecture_of(config)
+        if found is None:
+            archs = config.get("architectures") or []
             raise ValueError(
                 f"unsupported architecture {archs or config.get('model_type')!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"supported: {', '.join(registry.supported_names())}"
             )
+        arch = found.name
         for key in (
             "vocab_size",
             "hidden_size",
@@ -82,19 +78,7 @@ class ModelConfig:
             if not config.get(key):
                 raise ValueError(f"config.json lacks '{key}'")
         heads = config["num_attention_heads"]
-        window = config.get("sliding_window")
-        if arch != "MistralForCausalLM":
-            # Qwen configs carry sliding_window but switch it on per layer; real Qwen2.5/3
-            # checkpoints leave it off. Refuse rather than attend over the wrong keys.
-            sliding = config.get("use_sliding_window") or any(
-                kind == "sliding_attention" for kind in config.get("layer_types") or []
-            )
-            if sliding:
-                raise ValueError(
-                    f"{arch} with sliding-window layers is not supported "
-                    "(use_sliding_window / layer_types)"
-                )
-            window = None
+        window = registry.engine_window(config)  # refuses windows on some layers only
         return cls(
             architecture=arch,
             vocab_size=config["vocab_size"],
@@ -102,15 +86,15 @@ class ModelConfig:
             intermediate_size=config["intermediate_size"],
             num_layers=config["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            num_kv_heads=registry.num_kv_heads(config),
+            head_dim=registry.head_dim(config),
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=config.get("rope_theta", 10000.0),
             rope_scaling=config.get("rope_scaling"),
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qkv_bias=registry.has_qkv_bias(config),
+            qk_norm=found.qk_norm,
             sliding_window=window,
         )
 

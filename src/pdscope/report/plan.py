@@ -9,6 +9,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from pdscope.report.units import fmt_bytes, fmt_count, fmt_rate, fmt_seconds
+from pdscope.specs import Device, ModelSpec
 
 
 def _kv_table(rows: list[tuple[str, str, str]], title: str) -> Table:
@@ -136,5 +137,40 @@ def render_compare(rows: list[dict[str, Any]], title: str, console: Console) -> 
     for row in rows:
         table.add_row(
             row["device"], f"{row['mem_bandwidth_gb_s']:,}", f"{row['decode_ceiling_tok_s']:,}"
+        )
+    console.print(table)
+
+
+def _g(x: float | None) -> str:
+    return "-" if x is None else f"{x:,g}"
+
+
+def render_device_catalog(devices: list[Device], console: Console) -> None:
+    table = Table(title="Device catalog (dense peaks)", title_justify="left")
+    for col in ("name", "device", "GB", "GB/s", "bf16 TFLOPS", "fp8 TFLOPS"):
+        table.add_column(col, justify="left" if col in ("name", "device") else "right")
+    for d in devices:
+        table.add_row(
+            d.name,
+            d.label,
+            _g(d.memory_gb),
+            _g(d.bandwidth_gb_s),
+            _g(d.tflops_bf16),
+            _g(d.tflops_fp8),
+        )
+    console.print(table)
+
+
+def render_model_presets(specs: list[ModelSpec], console: Console) -> None:
+    table = Table(title="Model presets", title_justify="left")
+    for col in ("name", "params", "active", "layers", "description"):
+        table.add_column(col, justify="right" if col in ("params", "active", "layers") else "left")
+    for s in specs:
+        table.add_row(
+            s.name,
+            f"{s.total_params / 1e9:.2f}B",
+            f"{s.active_params / 1e9:.2f}B",
+            str(s.num_layers),
+            s.description,
         )
     console.print(table)

@@ -43,11 +43,8 @@ CORS_METHODS = "GET, POST, OPTIONS"
 CORS_MAX_AGE_S = 600
 
 
-def error_body(path: str, status: int, message: str, kind: str, param: str | None) -> dict:
-    """An error in the dialect of the route: Ollama's under /api/, OpenAI's elsewhere."""
-    if path.startswith("/api/"):
-        return {"error": message}
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+# (path, status, message, kind, param) -> the JSON body of an error in the dialect of the path
+ErrorBody = Callable[[str, int, str, str, "str | None"], dict]
 
 
 def error_json(body: dict) -> bytes:
@@ -130,9 +127,10 @@ class BodyTooLarge(Exception):
 class Guard:
     """ASGI wrapper around the FastAPI app; see the module docstring."""
 
-    def __init__(self, app: ASGIApp, config: GuardConfig):
+    def __init__(self, app: ASGIApp, config: GuardConfig, error_body: ErrorBody):
         self.app = app
         self.config = config
+        self.error_body = error_body
 
     def __getattr__(self, name: str) -> Any:
         # Tests and uvicorn may look at the wrapped app's attributes (state, routes, openapi).
@@ -148,7 +146,9 @@ class Guard:
         path, method, c = scope["path"], scope["method"], self.config
 
         async def refuse(status: int, message: str, kind: str, extra: dict | None = None) -> None:
-            await _send_json(send, status, error_body(path, status, message, kind, None), extra)
+            await _send_json(
+                send, status, self.error_body(path, status, message, kind, None), extra
+            )
 
         if not c.host_allowed(headers.get("host", "")):
             await refuse(
@@ -263,7 +263,7 @@ class Guard:
             log.exception("error in %s %s", scope["method"], path)
             if not started:
                 message = f"internal error: {type(exc).__name__}: {exc}"
-                body = error_body(path, 500, message, "InternalServerError", None)
+                body = self.error_body(path, 500, message, "InternalServerError", None)
                 await _send_json(send, 500, body, cors)
 
 

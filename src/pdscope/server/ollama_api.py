@@ -11,7 +11,6 @@ Ollama's meanings:
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -23,7 +22,7 @@ from fastapi.responses import StreamingResponse
 from pdscope import __version__
 from pdscope.engine.async_engine import EngineDeadError
 from pdscope.engine.llm_engine import RequestOutput
-from pdscope.server.app import ServerState, TextDeltas, collect, state_of
+from pdscope.server.common import Dialect, ServerState, TextDeltas, collect, ndjson, state_of
 from pdscope.server.protocol import (
     ChatMessage,
     OllamaChatRequest,
@@ -85,50 +84,19 @@ async def _respond(
 
     async def lines() -> AsyncIterator[str]:
         deltas = TextDeltas(params.stop)
+        head = {"model": s.model_name}
         try:
             async for out in stream:
                 if out.error:
-                    yield json.dumps({"error": out.error}) + "\n"
+                    yield ndjson({"error": out.error})
                     return
                 text = deltas(out)
-                if text and not out.finished:
-                    yield (
-                        json.dumps(
-                            {
-                                "model": s.model_name,
-                                "created_at": _now(),
-                                **piece(text),
-                                "done": False,
-                            }
-                        )
-                        + "\n"
-                    )
-                elif out.finished:
-                    if text:
-                        yield (
-                            json.dumps(
-                                {
-                                    "model": s.model_name,
-                                    "created_at": _now(),
-                                    **piece(text),
-                                    "done": False,
-                                }
-                            )
-                            + "\n"
-                        )
-                    yield (
-                        json.dumps(
-                            {
-                                "model": s.model_name,
-                                "created_at": _now(),
-                                **piece(""),
-                                **final_counters(out),
-                            }
-                        )
-                        + "\n"
-                    )
+                if text:
+                    yield ndjson({**head, "created_at": _now(), **piece(text), "done": False})
+                if out.finished:
+                    yield ndjson({**head, "created_at": _now(), **piece(""), **final_counters(out)})
         except EngineDeadError as exc:
-            yield json.dumps({"error": str(exc)}) + "\n"
+            yield ndjson({"error": str(exc)})
         finally:
             await stream.aclose()
 
@@ -248,3 +216,23 @@ async def show(body: OllamaShowRequest, request: Request) -> dict[str, Any]:
         "capabilities": ["completion"],
         "modified_at": datetime.fromtimestamp(s.created, UTC).isoformat(),
     }
+
+
+def error_shape(status: int, message: str, kind: str, param: str | None) -> dict[str, Any]:
+    return {"error": message}
+
+
+ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {"type": "string"}},
+}
+
+DIALECT = Dialect(
+    name="ollama",
+    prefix="/api/",
+    router=router,
+    error_shape=error_shape,
+    error_schema=ERROR_SCHEMA,
+    stream_types={"/api/generate": "application/x-ndjson", "/api/chat": "application/x-ndjson"},
+)

@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes: models, completions, chat completions, and vLLM's tokenize pair."""
+"""The OpenAI dialect: models, completions, chat completions (SSE streams), and vLLM's
+tokenize pair. It owns every path no other dialect claims, /tokenize among them."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from fastapi.responses import StreamingResponse
 
 from pdscope.engine.async_engine import EngineDeadError, RequestStream
 from pdscope.engine.llm_engine import RequestOutput
-from pdscope.server.app import (
+from pdscope.server.common import (
     APIError,
+    Dialect,
     ServerState,
     TextDeltas,
     collect,
@@ -235,3 +237,37 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
             400, f"token ids outside the vocabulary (0..{vocab - 1}): {bad[:5]}", param="tokens"
         )
     return {"prompt": s.llm.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+
+def error_shape(status: int, message: str, kind: str, param: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": "integer"},
+            },
+        }
+    },
+}
+
+DIALECT = Dialect(
+    name="openai",
+    prefix="/",
+    router=router,
+    error_shape=error_shape,
+    error_schema=ERROR_SCHEMA,
+    stream_types={
+        "/v1/completions": "text/event-stream",
+        "/v1/chat/completions": "text/event-stream",
+    },
+)

@@ -8,42 +8,15 @@ length) are filled in when the schema is first asked for.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI
 
 from pdscope.engine.llm_engine import LLMEngine
+from pdscope.server.common import Dialect
 
-OPENAI_ERROR = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["message", "type", "code"],
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"type": ["string", "null"]},
-                "code": {"type": "integer"},
-            },
-        }
-    },
-}
-OLLAMA_ERROR = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {"error": {"type": "string"}},
-}
-STREAM_TYPES = {
-    "/v1/completions": "text/event-stream",
-    "/v1/chat/completions": "text/event-stream",
-    "/api/generate": "application/x-ndjson",
-    "/api/chat": "application/x-ndjson",
-}
 TEXT_ROUTES = {"/health": "text/plain", "/metrics": "text/plain"}
-GENERATING = set(STREAM_TYPES)
 WHY = {
     "400": "Invalid request: the message names the field",
     "401": "Missing or wrong API key (--api-key)",
@@ -56,30 +29,31 @@ WHY = {
 }
 
 
-def install(app: FastAPI, llm: LLMEngine) -> None:
+def install(app: FastAPI, llm: LLMEngine, dialects: Sequence[Dialect]) -> None:
     """Replace ``app.openapi`` with one that patches FastAPI's schema once."""
     generate: Callable[[], dict[str, Any]] = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = generate()
-            _patch(schema, llm)
+            _patch(schema, llm, dialects)
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _patch(schema: dict[str, Any], llm: LLMEngine) -> None:
+def _patch(schema: dict[str, Any], llm: LLMEngine, dialects: Sequence[Dialect]) -> None:
+    stream_types = {path: kind for d in dialects for path, kind in d.stream_types.items()}
     for path, operations in schema.get("paths", {}).items():
-        error = OLLAMA_ERROR if path.startswith("/api/") else OPENAI_ERROR
+        error = next(d for d in dialects if path.startswith(d.prefix)).error_schema
         for method, op in operations.items():
             responses = op.setdefault("responses", {})
             responses.pop("422", None)
             codes = ["401", "403", "500"]
             if method == "post":
                 codes += ["400", "404", "413", "415"]
-            if path in GENERATING:
+            if path in stream_types:  # generating routes: the queue may be full
                 codes.append("503")
             for code in codes:
                 responses[code] = {
@@ -91,10 +65,10 @@ def _patch(schema: dict[str, Any], llm: LLMEngine) -> None:
                     "Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}
                 }
             ok = responses.setdefault("200", {"description": "Successful Response"})
-            if path in STREAM_TYPES:
+            if path in stream_types:
                 # An SSE event's data is a JSON chunk, or the closing "[DONE]".
                 event = {"anyOf": [{"type": "object"}, {"type": "string"}]}
-                ok.setdefault("content", {})[STREAM_TYPES[path]] = {"schema": event}
+                ok.setdefault("content", {})[stream_types[path]] = {"schema": event}
             if path in TEXT_ROUTES:
                 ok["content"] = {TEXT_ROUTES[path]: {"schema": {"type": "string"}}}
     limits = {

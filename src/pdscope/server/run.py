@@ -10,7 +10,8 @@ import uvicorn
 
 from pdscope.engine.async_engine import AsyncEngine
 from pdscope.engine.llm_engine import EngineArgs, LLMEngine
-from pdscope.server.app import ServerState, build_app
+from pdscope.server.app import build_app
+from pdscope.server.common import ServerState
 from pdscope.server.guard import DEFAULT_MAX_REQUEST_BYTES, GuardConfig
 
 log = logging.getLogger("pdscope.serve")

@@ -19,6 +19,8 @@ class Device:
 
     name: str
     bandwidth_gb_s: float
+    # The advertised "GB" figure, read as GiB (see memory_bytes); named as the catalog and
+    # the JSON output name it.
     memory_gb: float | None = None
     tflops_bf16: float | None = None
     tflops_fp8: float | None = None

@@ -1,7 +1,8 @@
 """Measure this machine: streaming memory bandwidth and peak matmul throughput.
 
 The seed article's CPU row, measured instead of assumed. Both kernels run on all cores that
-torch uses, take the best of a few runs, and report plain decimal units (GB/s, TFLOP/s).
+torch uses, take the best of a few runs, and report decimal units (GB/s, TFLOP/s); the
+device's memory is physical RAM in GiB, like the catalog's.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ class LocalMeasurement:
 
     @property
     def bandwidth_gb_s(self) -> float:
-        """The figure decode cares about: decode streams weights, so take the read rate."""
+        """The higher of the read and triad rates: the best streaming rate this machine
+        showed, taken as the rate decode's weight reads can reach."""
         return max(self.read_gb_s, self.triad_gb_s)
 
 
@@ -53,6 +55,8 @@ def _stream_seconds(n: int, repeats: int) -> tuple[float, float]:
 
 
 def measure(dtype: str = "bf16", array_mib: int = 512, repeats: int = 5) -> LocalMeasurement:
+    """Stream rates over float32 arrays of ``array_mib`` MiB and a square ``dtype`` matmul,
+    each the best of ``repeats`` timed runs after a warm-up."""
     import torch
 
     if dtype not in _DTYPES:
@@ -77,17 +81,18 @@ def measure(dtype: str = "bf16", array_mib: int = 512, repeats: int = 5) -> Loca
 
 
 def local_device(dtype: str = "bf16") -> tuple[Device, LocalMeasurement]:
-    """This machine as a :class:`Device`; memory is the machine's physical RAM."""
+    """This machine as a :class:`Device`: the measured bandwidth and matmul rate, and its
+    physical RAM in GiB (``Device.memory_gb`` holds GiB, as the catalog's figures do)."""
     m = measure(dtype)
     try:
-        memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
+        memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError):
-        memory_gb = None
+        memory_gib = None
     device = Device(
         name="local",
         label="this machine",
         bandwidth_gb_s=round(m.bandwidth_gb_s, 2),
-        memory_gb=None if memory_gb is None else round(memory_gb, 1),
+        memory_gb=None if memory_gib is None else round(memory_gib, 1),
         tflops_bf16=round(m.matmul_tflops, 3),
         kind="cpu",
         source=(

@@ -15,6 +15,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from pdscope.specs.architectures import has_qkv_bias, num_kv_heads
+from pdscope.specs.architectures import head_dim as config_head_dim
 from pdscope.specs.errors import SpecError, unknown_name
 
 # model_type values whose config omits tie_word_embeddings but whose HF class ties by default.
@@ -203,8 +205,8 @@ def spec_from_config(
     num_layers = _positive_int(config, "num_hidden_layers", source, "weight and KV counts")
     vocab = _positive_int(config, "vocab_size", source, "embedding size")
     heads = _positive_int(config, "num_attention_heads", source, "attention shape")
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or hidden // heads
+    kv_heads = num_kv_heads(config)
+    head_dim = config_head_dim(config)
     if hidden % heads and not config.get("head_dim"):
         raise SpecError(
             f"{source}: hidden_size {hidden} is not divisible by {heads} heads and "
@@ -239,8 +241,7 @@ def spec_from_config(
         q_width, kv_width = heads * head_dim, kv_heads * head_dim
         attn_params = hidden * q_width + 2 * hidden * kv_width + q_width * hidden
         decode_attention = None
-        bias = config.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))
-        if bias:
+        if has_qkv_bias(config):
             attn_params += q_width + 2 * kv_width
             if model_type == "gpt_oss":
                 attn_params += hidden  # o_proj bias
@@ -351,16 +352,24 @@ def load_model(name_or_path: str) -> ModelSpec:
             description=entry.get("description", ""),
         )
     path = Path(name_or_path).expanduser()
+    if path.is_dir() or path.is_file():
+        config = read_config(path)
+        path = path / "config.json" if path.is_dir() else path
+        return spec_from_config(config, name=path.parent.name or str(path), source=str(path))
+    raise unknown_name("model", name_or_path, list(_preset_index()))
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """A Hugging Face config.json, given the file or its checkpoint directory: the one reader
+    of config.json (the engine's loader, make-model and plan all come here)."""
     if path.is_dir():
         path = path / "config.json"
         if not path.is_file():
             raise SpecError(f"checkpoint directory {path.parent} has no config.json")
-    if path.is_file():
-        try:
-            config = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise SpecError(f"cannot read {path} as JSON: {exc}") from exc
-        if not isinstance(config, dict):
-            raise SpecError(f"{path} is not a JSON object")
-        return spec_from_config(config, name=path.parent.name or str(path), source=str(path))
-    raise unknown_name("model", name_or_path, list(_preset_index()))
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SpecError(f"cannot read {path} as JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise SpecError(f"{path} is not a JSON object")
+    return config

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from pdscope.specs import architectures as registry
+
 __all__ = [
     "ARCHITECTURES",
     "BOS_TOKEN",
@@ -86,11 +88,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+# --arch -> the config.json fields naming it, from the registry the engine's loader reads.
 ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
-    "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral"},
-    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
-    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
+    model_type: {"architectures": [a.name], "model_type": model_type}
+    for model_type, a in registry.ARCHITECTURES.items()
 }
 
 #: Keyword overrides `make_model` accepts on top of a preset.
@@ -226,9 +227,13 @@ def build_config(
             "(256 byte tokens plus the special tokens)"
         )
     sliding_window = p.get("sliding_window")
+    spec = registry.ARCHITECTURES[arch]
     if sliding_window is not None:
-        if arch == "llama":
-            raise ValueError("llama has no sliding window; use arch mistral, qwen2 or qwen3")
+        if spec.window == "none":
+            *others, last = [t for t, a in registry.ARCHITECTURES.items() if a.window != "none"]
+            raise ValueError(
+                f"{arch} has no sliding window; use arch {', '.join(others)} or {last}"
+            )
         if (
             isinstance(sliding_window, bool)
             or not isinstance(sliding_window, int)
@@ -262,20 +267,16 @@ def build_config(
         "use_cache": True,
         "torch_dtype": dtype,
     }
-    if arch == "llama":
-        config |= {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
-    elif arch == "mistral":
+    if spec.window == "every_layer":
         config["sliding_window"] = sliding_window
-    else:  # qwen2, qwen3
+    elif spec.window == "per_layer":
         # Layers at index >= max_window_layers use the window, so 0 means "all of them".
         config |= {
             "use_sliding_window": sliding_window is not None,
             "sliding_window": sliding_window,
             "max_window_layers": 0 if sliding_window is not None else p["num_hidden_layers"],
         }
-        if arch == "qwen3":
-            # Qwen2's q/k/v biases are implied by its architecture; Qwen3 has none.
-            config["attention_bias"] = False
+    config |= dict(spec.config_extras)
     return config
 
 
@@ -284,10 +285,12 @@ def tensor_shapes(config: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...]]
     hidden = config["hidden_size"]
     heads = config["num_attention_heads"]
     kv_heads = config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
+    head_dim = registry.head_dim(config)
     inter = config["intermediate_size"]
     vocab = config["vocab_size"]
-    model_type = config["model_type"]
+    arch = registry.ARCHITECTURES.get(config["model_type"])
+    qkv_bias = registry.has_qkv_bias(config)
+    qk_norm = arch is not None and arch.qk_norm
 
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(config["num_hidden_layers"]):
@@ -298,13 +301,13 @@ def tensor_shapes(config: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...]]
             (pre + "self_attn.k_proj.weight", (kv_heads * head_dim, hidden)),
             (pre + "self_attn.v_proj.weight", (kv_heads * head_dim, hidden)),
         ]
-        if model_type == "qwen2":
+        if qkv_bias:
             shapes += [
                 (pre + "self_attn.q_proj.bias", (heads * head_dim,)),
                 (pre + "self_attn.k_proj.bias", (kv_heads * head_dim,)),
                 (pre + "self_attn.v_proj.bias", (kv_heads * head_dim,)),
             ]
-        if model_type == "qwen3":
+        if qk_norm:
             shapes += [
                 (pre + "self_attn.q_norm.weight", (head_dim,)),
                 (pre + "self_attn.k_norm.weight", (head_dim,)),

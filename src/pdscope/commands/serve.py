@@ -1,0 +1,86 @@
+"""`pdscope serve`: the HTTP side's settings, checked, then the server run until stopped.
+
+The engine's knobs are :class:`~pdscope.engine.args.EngineArgs`; these are the rest of the
+flags. As there, a field with a ``help`` is a flag, so the CLI lists each one once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdscope.commands.flags import names
+from pdscope.engine.args import EngineArgs, knob
+from pdscope.specs.sizes import parse_bytes
+
+MIN_REQUEST_BYTES = 1024
+
+
+@dataclass
+class ServeSettings:
+    host: str = knob("127.0.0.1", "Address to bind (loopback unless told).")
+    port: int = knob(8000, "TCP port.")
+    served_model_name: str | None = knob(None, "Model name clients send (default: --model).")
+    api_key: str | None = knob(
+        None, "Require 'Authorization: Bearer KEY' (all routes but /health, /metrics)."
+    )
+    max_queue: int | None = knob(None, "Refuse (503) new requests while this many wait.")
+    max_request_bytes: str = knob(
+        "8MiB", "Refuse (413) request bodies larger than this, e.g. 8MiB."
+    )
+    allowed_origins: str = knob(
+        "",
+        "Comma-separated browser origins allowed besides loopback ones, e.g. "
+        "'https://app.example,http://*.lan:*'; '*' allows any.",
+    )
+    allowed_hosts: str = knob(
+        "",
+        "Comma-separated Host names accepted besides loopback names and IP addresses (checked "
+        "when bound to loopback, against DNS rebinding).",
+    )
+    threads: int | None = knob(
+        None,
+        "CPU threads for the engine's math (default: all cores). Fewer leaves cores to HTTP "
+        "clients on the same machine.",
+    )
+
+    def __post_init__(self) -> None:
+        """Refuse bad flags before the model loads (a ``ValueError`` names the flag)."""
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be 0-65535, got {self.port}")
+        if self.max_queue is not None and self.max_queue < 0:
+            raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.max_request_body_bytes < MIN_REQUEST_BYTES:
+            raise ValueError(
+                f"--max-request-bytes must be at least 1KiB, got {self.max_request_bytes}"
+            )
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
+
+    @property
+    def max_request_body_bytes(self) -> int:
+        try:
+            return parse_bytes(self.max_request_bytes)
+        except ValueError as exc:
+            raise ValueError(f"--max-request-bytes: {exc}") from None
+
+
+def serve(args: EngineArgs, s: ServeSettings) -> None:
+    """Load the engine and serve until SIGINT/SIGTERM. A ``ValueError`` or
+    ``FileNotFoundError`` means the engine could not be built from ``args``."""
+    if s.threads is not None:
+        import torch
+
+        torch.set_num_threads(s.threads)
+    from pdscope.server.run import serve as run_server
+
+    run_server(
+        args,
+        host=s.host,
+        port=s.port,
+        served_model_name=s.served_model_name,
+        api_key=s.api_key,
+        max_queue=s.max_queue,
+        allowed_origins=names(s.allowed_origins),
+        allowed_hosts=names(s.allowed_hosts),
+        max_request_bytes=s.max_request_body_bytes,
+    )

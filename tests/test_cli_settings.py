@@ -1,0 +1,89 @@
+"""The commands' settings objects: `serve`'s flags come from EngineArgs' and ServeSettings'
+fields; bad flags are refused before anything starts (one line naming the flag, exit 2);
+bench's default load applies to the embedded server alone."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from pdscope.cli import app
+from pdscope.commands.bench import BenchSettings
+from pdscope.commands.embedded import EmbeddedServerError, embedded_server
+from pdscope.commands.probe import ProbeSettings
+from pdscope.commands.serve import ServeSettings
+from pdscope.engine.args import EngineArgs
+
+
+def test_every_engine_knob_with_help_is_a_serve_flag() -> None:
+    params = {p.name: p for p in typer.main.get_command(app).commands["serve"].params}
+    knobs = [f for f in dataclasses.fields(EngineArgs) if "help" in f.metadata]
+    assert {f.name for f in knobs} | {f.name for f in dataclasses.fields(ServeSettings)} == set(
+        params
+    )
+    assert "device" not in params  # no help text: not offered on the command line
+    for f in knobs:
+        assert params[f.name].default == f.default, f.name
+        assert params[f.name].help == f.metadata["help"], f.name
+    assert params["enable_chunked_prefill"].secondary_opts == ["--no-chunked-prefill"]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--port", "70000"], "--port must be 0-65535"),
+        (["--max-queue", "-1"], "--max-queue must be >= 0"),
+        (["--max-request-bytes", "100"], "--max-request-bytes must be at least 1KiB"),
+        (["--max-request-bytes", "lots"], "--max-request-bytes:"),
+        (["--threads", "0"], "--threads must be >= 1"),
+    ],
+)
+def test_bad_serve_flags_exit_2_before_loading(args: list[str], needle: str) -> None:
+    result = CliRunner().invoke(app, ["serve", "--model", "/nonexistent/checkpoint", *args])
+    assert result.exit_code == 2, result.output
+    assert needle in result.output
+
+
+def test_serve_settings_refuse_in_python_too() -> None:
+    with pytest.raises(ValueError, match="--threads"):
+        ServeSettings(threads=0)
+    assert ServeSettings(max_request_bytes="8MiB").max_request_body_bytes == 8 * 2**20
+
+
+def _bench(url: str | None, **flags: object) -> BenchSettings:
+    defaults = {"request_rate": "inf", "max_concurrency": None, "percentiles": "50,90,95,99"}
+    defaults |= {"slo": None, "find_capacity": False, "sweep": None}
+    return BenchSettings.from_flags(url, **{**defaults, **flags})  # type: ignore[arg-type]
+
+
+def test_bench_default_load_is_for_the_embedded_server_only() -> None:
+    embedded = _bench(None)
+    assert (embedded.num_prompts, embedded.concurrencies, embedded.output_len) == (32, [8], "64")
+    given = _bench("http://127.0.0.1:9")
+    assert (given.num_prompts, given.concurrencies, given.output_len) == (100, [None], "128")
+    asked = _bench(None, max_concurrency="4,2,4", request_rate="inf")
+    assert (asked.num_prompts, asked.concurrencies) == (100, [2, 4])
+    capacity = _bench(None, slo="p99_ttft=2s", find_capacity=True, percentiles="50")
+    assert capacity.capacity_slo == "p99_ttft=2s" and capacity.goodput_slo is None
+    assert 99.0 in capacity.percentiles and 50.0 in capacity.percentiles
+
+
+def test_probe_settings_check_flags_and_default_to_the_local_ceiling() -> None:
+    s = ProbeSettings.from_flags(None, "500,200,500")
+    assert s.prompt_tokens == [200, 500] and s.device == "local"
+    assert ProbeSettings.from_flags("http://x", "200").device is None
+    with pytest.raises(ValueError, match="--repeats must be >= 1"):
+        ProbeSettings.from_flags("http://x", "200", repeats=0)
+    with pytest.raises(ValueError, match="--prompt-tokens"):
+        ProbeSettings.from_flags("http://x", "a,b")
+
+
+def test_embedded_server_passes_a_url_through_and_refuses_bad_args() -> None:
+    with embedded_server("http://127.0.0.1:9", "test") as url:
+        assert url == "http://127.0.0.1:9"
+    # shlex: "No closing quotation"; refused before any process or folder is made
+    with pytest.raises(EmbeddedServerError, match="quotation"), embedded_server(None, "t", "'1"):
+        pass
