@@ -263,3 +263,27 @@ def test_a_one_token_last_chunk_is_prefill_everywhere(checkpoints) -> None:
     assert [(s.prefill_tokens, s.decode_tokens) for s in steps[:3]] == [(16, 0), (1, 0), (0, 1)]
     assert out.timeline.prefill_chunks[1][1] == 1
     assert sum(n for _, n in out.timeline.prefill_chunks) == 17
+
+
+@pytest.mark.parametrize("kernels", [FLOAT32_PATHS[1]])  # the C decode path
+def test_c_path_hands_long_contexts_to_sdpa_in_place(
+    checkpoints, reference, monkeypatch: pytest.MonkeyPatch, kernels: str
+) -> None:
+    """With the long-context threshold at one key, every single-sequence decode of the C path
+    attends through torch's SDPA over its cache in place: same tokens as the reference."""
+    from pdscope.engine import runner
+
+    monkeypatch.setattr(runner, "NATIVE_SDPA_FROM_KEYS", 1)
+    ps, expected = reference
+    llm = LLM(model=str(checkpoints["qwen3"]), kv_cache_memory="8MiB", kernels=kernels)
+    seen: list[bool] = []
+    build = runner.ModelRunner._native_decode_batch
+
+    def spy(self, *args):
+        batch = build(self, *args)
+        seen.append(batch.decode_runs is not None)
+        return batch
+
+    monkeypatch.setattr(runner.ModelRunner, "_native_decode_batch", spy)
+    assert [llm.generate(p, GREEDY)[0].token_ids for p in ps] == expected
+    assert seen and all(seen)

@@ -341,6 +341,8 @@ class Attention(nn.Module):
             None if k_norm is None else k_norm.weight,
             q_norm.eps if q_norm is not None else 0.0,
         )
+        if batch.decode_runs is not None:  # one long context: SDPA in place (runner.py)
+            return self._decode_in_place(q, kv_cache, batch.decode_runs)
         return self.native.decode_attention(
             q, kv_cache, batch.decode_tables, batch.decode_bounds, batch.block_size, self.scale
         )
