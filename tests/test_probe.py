@@ -59,6 +59,12 @@ def test_probe_openai_dialect(medium_server: Server) -> None:
     kinds = {f["finding"] for f in r["findings"]}
     assert "Prefix caching works" in kinds
     assert not r["failures"] and r["partial"] is None
+    # The batched-decode check: 8 short prompts at once, decoding together (most of the time),
+    # one step for all of them costing far less than 8 single-stream steps. (Not "more than
+    # one": on a shared 2-core host the single-stream figure, taken earlier, can be the slower.)
+    batch = r["batch_decode"]
+    assert batch["streams"] == 8 and batch["concurrency"] > 4
+    assert 0 < batch["step_over_one_stream"] < 4
     for t in r["traces"]:
         assert t["token_source"] == "server-usage"
         assert t["output_tokens"] == 24 and t["prompt_tokens"] == t["prompt_tokens_asked"]
@@ -126,6 +132,8 @@ def test_probe_cli_json_and_plot(medium_server: Server, tmp_path: Path) -> None:
     assert {"cold_ttft_ms", "warm_ttft_ms"} <= set(data["prefix_cache"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Findings" in result.output
+    assert data["settings"]["batch_streams"] == 8 and data["batch_decode"]["streams"] == 8
+    assert "batched decode: 8 streams at once" in " ".join(result.output.split())
 
 
 def test_probe_errors(medium_server: Server) -> None:

@@ -371,3 +371,21 @@ def test_random_workload_keeps_invariants(seed: int) -> None:
     free, cached_free, used = s.pool.counts()
     assert free + cached_free == s.pool.num_blocks and used == 0
     assert all(r.is_finished for r in live)
+
+
+def test_publishing_reports_the_leading_run_of_published_blocks() -> None:
+    """register_full_blocks returns how many leading blocks are published, so the scheduler can
+    start the next offer past them; a block whose twin holds its hash stops the run there."""
+    pool = BlockPool(8, 4)
+    hashes = pool.extend_hashes([], list(range(12)))
+    first = pool.allocate(3)
+    assert pool.register_full_blocks(first, hashes) == 3
+    second = pool.allocate(3)
+    # The twin copies: the hashes are taken, so none of these blocks is published.
+    assert pool.register_full_blocks(second, hashes) == 0
+    assert pool.register_full_blocks(second, hashes, 0, stop=1) == 0
+    pool.free(first)
+    pool.allocate(pool.num_free_blocks)  # evicts the first copy's hashes
+    assert pool.register_full_blocks(second, hashes, 0, stop=2) == 2
+    assert [pool.blocks[b].hash is not None for b in second] == [True, True, False]
+    pool.check_invariants()

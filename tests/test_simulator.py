@@ -307,3 +307,127 @@ def test_simulate_refuses_a_kv_pool_that_does_not_fit_beside_the_weights() -> No
         simulate(SimulateSettings(model="llama-3.1-8b", device="l4", kv_cache_memory_bytes=20e9))
     with pytest.raises(SpecError, match="max_position_embeddings"):
         simulate(SimulateSettings(model="llama-3.1-8b", max_model_len=10**6))
+
+
+def test_simulate_file_workload_counts_prompts_with_the_models_tokenizer(
+    tiny_model, tmp_path
+) -> None:
+    """A JSONL file as bench takes it: text prompts are counted by the checkpoint's tokenizer
+    (so repeated text shares its prefix in the cache, as on a server); chat messages go through
+    the chat template. Without a tokenizer, a clear error and exit 2."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from pdscope.cli import app
+    from pdscope.engine.tokenizer import Tokenizer
+
+    shared = " ".join(f"word{i}" for i in range(150))
+    lines = [
+        {"prompt": shared + " first question", "output_tokens": 5},
+        {"prompt": shared + " second question", "output_tokens": 7},
+        {"messages": [{"role": "user", "content": "hello there"}], "output_tokens": 3},
+    ]
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("\n".join(json.dumps(x) for x in lines))
+    saved = tmp_path / "sim.json"
+    runner = CliRunner()
+    args = ["simulate", "--workload", f"file:{workload}", "--num-prompts", "3"]
+    args += ["--kv-cache-memory", "64MiB"]  # not an H100's pool of a tiny model's blocks
+    result = runner.invoke(
+        app, [*args, "--model", str(tiny_model), "--max-model-len", "1024",
+              "--max-concurrency", "1", "--save-result", str(saved)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads(saved.read_text())
+    tok = Tokenizer(tiny_model)
+    chat = tok.apply_chat_template(lines[2]["messages"])  # type: ignore[arg-type]
+    expected = [len(tok.encode(lines[0]["prompt"])), len(tok.encode(lines[1]["prompt"]))]
+    expected.append(len(tok.encode(chat, add_special_tokens=False)))
+    assert data["input_lens"] == expected and data["output_lens"] == [5, 7, 3]
+    assert data["runs"][0]["server"]["deltas"]["prefix_hits"] > 0  # the shared text hit
+    assert data["metadata"]["prompt_mode"].startswith("exact (counted by the tokenizer")
+
+    missing = runner.invoke(app, [*args, "--model", "8b"])
+    assert missing.exit_code == 2
+    assert "--tokenizer" in " ".join(missing.output.split())
+
+
+def test_simulate_find_capacity_uses_bench_search_and_brackets_the_slo(tmp_path) -> None:
+    """bench's capacity search over simulated runs: the concurrency it reports meets the SLO,
+    the next one it tried does not."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from pdscope.cli import app
+
+    saved = tmp_path / "cap.json"
+    args = [
+        "simulate", "--num-prompts", "64", "--input-len", "2000", "--output-len", "50",
+        "--find-capacity", "--slo", "p99_ttft=400ms", "--save-result", str(saved),
+    ]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "capacity under" in result.output
+    data = json.loads(saved.read_text())
+    cap = data["capacity"]
+    best, broke = cap["max_concurrency_meeting_slo"], cap["first_failing_concurrency"]
+    assert best is not None and broke is not None and broke == best + 1
+    by_level = {r["max_concurrency"]: r for r in data["runs"]}
+    assert (
+        by_level[best]["summary"]["p99_ttft_ms"] <= 400 < by_level[broke]["summary"]["p99_ttft_ms"]
+    )
+    refused = CliRunner().invoke(app, ["simulate", "--find-capacity", "--num-prompts", "4"])
+    assert refused.exit_code == 2 and "--slo" in refused.output
+
+
+def test_simulate_draws_workload_and_arrivals_from_benchs_seeds() -> None:
+    """A bench run and a simulation given one --seed see the same load: bench's first run draws
+    its workload from the seed and its arrivals from seed + 1."""
+    import asyncio
+
+    from pdscope.client.load import LoadPlan
+    from pdscope.client.workloads import Lengths, random_workload
+    from pdscope.commands.simulate import SimulateSettings, _SyntheticPrompts, simulate
+
+    s = SimulateSettings(
+        input_len="50-500", output_len="10-40", num_prompts=6, request_rate=4.0, seed=7
+    )
+    result = simulate(s)
+    arrivals = LoadPlan(request_rate=4.0, seed=8).schedule(6)
+    # vllm bench serve's field: send times from the first send
+    sent = sorted(result["start_times"])
+    assert sent == pytest.approx([a - min(arrivals) for a in sorted(arrivals)])
+    specs = asyncio.run(
+        random_workload(
+            _SyntheticPrompts(7, 1000),
+            6,
+            Lengths.parse("50-500", "in"),
+            Lengths.parse("10-40", "out"),
+            7,
+        )
+    )
+    assert result["input_lens"] == [len(x.prompt) for x in specs]
+    assert result["output_lens"] == [x.output_tokens for x in specs]
+
+
+def test_admission_delay_adds_to_ttft_and_queue_time_not_to_decode() -> None:
+    """A request overhead (HTTP, hand-off to the engine) delays when the scheduler sees a
+    request: its TTFT grows by exactly that much, its token gaps not at all."""
+    cost = h100_cost(step_overhead_s=0.002)
+    timelines = []
+    for delay in (0.0, 0.05):
+        sim = Simulator(
+            SchedulerConfig(2048, 64, 8192),
+            num_blocks=4096,
+            block_size=16,
+            step_seconds=lambda out: cost.step(out.scheduled).seconds,
+            admission_delay_s=delay,
+        )
+        specs = [SimRequest(unique_prompt(i, 500), 20, arrival_s=0.3 * i) for i in range(3)]
+        timelines.append([r.timeline for r in sim.run(specs, max_concurrency=1).requests])
+    for plain, delayed in zip(*timelines, strict=True):
+        assert delayed.ttft_s == pytest.approx(plain.ttft_s + 0.05)
+        assert delayed.queue_s == pytest.approx(plain.queue_s + 0.05)
+        assert delayed.itl_s == pytest.approx(plain.itl_s)

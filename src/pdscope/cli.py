@@ -13,6 +13,7 @@ import math
 import sys
 import typing
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -180,6 +181,9 @@ ApiKey = Annotated[str | None, typer.Option(help="Bearer token for the server.")
 ProbePromptTokens = Annotated[str, typer.Option(help="Sweep of prompt lengths in tokens.")]
 OutputTokens = Annotated[int, typer.Option(help="Output tokens per request.")]
 Repeats = Annotated[int, typer.Option(help="Requests per sweep point.")]
+BatchStreams = Annotated[
+    int, typer.Option(help="Streams sent at once for the batched-decode check (0 skips it).")
+]
 Timeout = Annotated[float, typer.Option(help="Seconds allowed per request.")]
 MaxModelLen = Annotated[
     int | None,
@@ -535,6 +539,7 @@ def probe(
     prompt_tokens: ProbePromptTokens = "200,500,1000,2000",
     output_tokens: OutputTokens = 64,
     repeats: Repeats = 3,
+    batch_streams: BatchStreams = 8,
     timeout: Timeout = 120.0,
     max_model_len: MaxModelLen = None,
     device: ProbeDevice = None,
@@ -559,9 +564,9 @@ def probe(
     with exit_on(2, ValueError):
         settings = ProbeSettings.from_flags(
             url, prompt_tokens, api=api, model=model, api_key=api_key,
-            output_tokens=output_tokens, repeats=repeats, timeout_s=timeout,
-            max_model_len=max_model_len, device=device, plan_model=plan_model, dtype=dtype,
-            seed=seed,
+            output_tokens=output_tokens, repeats=repeats, batch_streams=batch_streams,
+            timeout_s=timeout, max_model_len=max_model_len, device=device,
+            plan_model=plan_model, dtype=dtype, seed=seed,
         )  # fmt: skip
     bar = Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -707,14 +712,40 @@ def _run_bench(settings: BenchSettings, url: str | None, server_args: str) -> di
         return state.result()
 
 
+def _int_tuple(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise SpecError(f"{flag} takes comma-separated integers, got {text!r}") from None
+
+
 @app.command()
 def simulate(
     model: Annotated[
-        str, typer.Option("--model", "-m", help="As plan: preset, config.json or checkpoint.")
-    ] = "8b",
+        str | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="As plan: preset, config.json or checkpoint (default: 8b; with --calibrate, "
+            "the probed server's checkpoint).",
+        ),
+    ] = None,
     device: Annotated[
-        str | None, typer.Option("--device", "-d", help="As plan: catalog device or 'local'.")
-    ] = "h100-sxm",
+        str | None,
+        typer.Option(
+            "--device",
+            "-d",
+            help="As plan: catalog device or 'local' (default: h100-sxm; with --calibrate, a "
+            "device of the fitted rates whose KV pool is --kv-cache-memory, default 1GiB).",
+        ),
+    ] = None,
+    calibrate: Annotated[
+        str | None,
+        typer.Option(
+            help="Fit bandwidth, FLOP/s and overheads to a saved `pdscope probe --json` of "
+            "the server modelled (pass its engine args too)."
+        ),
+    ] = None,
     dtype: Annotated[str, typer.Option(help="Weight precision, as plan.")] = "bf16",
     kv_dtype: Annotated[str | None, typer.Option(help="KV cache precision, as plan.")] = None,
     bandwidth: Annotated[
@@ -748,7 +779,16 @@ def simulate(
     enable_chunked_prefill: Annotated[
         bool, typer.Option("--enable-chunked-prefill/--no-chunked-prefill")
     ] = True,
-    workload: Annotated[str, typer.Option(help="random, shared-prefix or long-prompt.")] = "random",
+    workload: Annotated[
+        str, typer.Option(help="random, shared-prefix, long-prompt or file:PATH (as bench).")
+    ] = "random",
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            help="file: workloads: a directory with tokenizer.json that counts the prompts "
+            "(default: the model's checkpoint)."
+        ),
+    ] = None,
     num_prompts: Annotated[int, typer.Option(help="Requests.")] = 100,
     input_len: Annotated[str, typer.Option(help="random: N, LOW-HIGH or normal:MEAN:STD.")] = "128",
     output_len: OutputLen = "128",
@@ -770,17 +810,74 @@ def simulate(
     max_concurrency: Annotated[int | None, typer.Option(help="Cap on requests in flight.")] = None,
     seed: Annotated[int, typer.Option(help="Workload and arrival seed.")] = 0,
     slo: Annotated[
-        str | None, typer.Option(help="Goodput SLO, as bench: ttft=2s,tpot=50ms.")
+        str | None,
+        typer.Option(
+            help="Goodput SLO, as bench: ttft=2s,tpot=50ms; with --find-capacity: "
+            "p99_ttft=2s,p99_itl=100ms."
+        ),
     ] = None,
+    find_capacity: Annotated[
+        bool,
+        typer.Option(
+            "--find-capacity",
+            help="Search the highest concurrency (or, with a finite --request-rate, rate) "
+            "meeting --slo: bench's search, one fresh simulated server per run.",
+        ),
+    ] = False,
+    max_runs: Annotated[int, typer.Option(help="Most runs of the capacity search.")] = 10,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     save_result: Annotated[Path | None, typer.Option(help="Write the result JSON here.")] = None,
     report: Annotated[
         Path | None, typer.Option(help="Write bench's HTML report (with the server timeline) here.")
     ] = None,
+    # --- cluster scale (commands/cluster.py, docs/disaggregation.md) ---
+    replicas: Annotated[int | None, typer.Option(help="Replicas behind a router.")] = None,
+    router: Annotated[
+        str, typer.Option(help="round-robin, least-loaded or prefix-aware.")
+    ] = "round-robin",
+    tensor_parallel_size: Annotated[
+        int, typer.Option("--tensor-parallel-size", "-tp", help="GPUs per replica (dense).")
+    ] = 1,
+    tp_link: Annotated[
+        str | None, typer.Option(help="GPU link: nvlink3/4/5, xgmi, pcie4/5 (default: device's).")
+    ] = None,
+    tp_link_gb_s: Annotated[float | None, typer.Option(help="Link GB/s per direction.")] = None,
+    tp_link_latency_us: Annotated[
+        float | None, typer.Option(help="Fixed cost of one all-reduce.")
+    ] = None,
+    gpus: Annotated[int | None, typer.Option(help="GPUs in all (checked against the split).")] = (
+        None
+    ),
+    disaggregate: Annotated[
+        str | None, typer.Option(help="P:D prefill and decode workers.")
+    ] = None,
+    prefill_device: Annotated[str | None, typer.Option(help="Prefill pool's device.")] = None,
+    decode_device: Annotated[str | None, typer.Option(help="Decode pool's device.")] = None,
+    prefill_args: Annotated[
+        str | None, typer.Option(help="Prefill pool: tp=2,max-num-batched-tokens=8192,...")
+    ] = None,
+    decode_args: Annotated[
+        str | None, typer.Option(help="Decode pool: tp=1,max-num-seqs=512,...")
+    ] = None,
+    kv_link_gb_s: Annotated[float, typer.Option(help="KV link between the pools, GB/s.")] = 50.0,
+    kv_link_latency_ms: Annotated[float, typer.Option(help="KV link cost per transfer.")] = 0.1,
+    first_token: Annotated[
+        str, typer.Option(help="Disaggregated: first token from the prefill or decode worker.")
+    ] = "prefill",
+    plan_capacity: Annotated[
+        bool,
+        typer.Option(
+            "--plan-capacity", help="Search --gpus for the most goodput per GPU within --slo."
+        ),
+    ] = False,
+    plot: Annotated[Path | None, typer.Option(help="--plan-capacity: PNG of the frontier.")] = None,
+    plan_budgets: Annotated[str, typer.Option(help="--plan-capacity: budgets.")] = "512,2048,8192",
+    plan_tp: Annotated[str, typer.Option(help="--plan-capacity: TP sizes.")] = "1,2,4,8",
 ) -> None:
     """Bench's workloads through pdscope's own scheduler on a roofline clock: latency and
-    throughput for hardware you do not have. Not yet validated against the real engine (see
-    docs/simulation.md)."""
+    throughput for hardware you do not have, from one GPU to a disaggregated cluster. Against
+    the real engine, decode medians and throughput hold within 10% on this project's host;
+    TTFT and p99 do not yet (see docs/simulation.md, Validation)."""
     from pdscope.commands.simulate import SimulateSettings
     from pdscope.commands.simulate import simulate as run_simulation
     from pdscope.report.bench import render_bench
@@ -788,7 +885,8 @@ def simulate(
 
     try:
         settings = SimulateSettings(
-            model=model, device=device, dtype=dtype, kv_dtype=kv_dtype, bandwidth_gb_s=bandwidth,
+            model=model, device=device, calibrate=calibrate, dtype=dtype, kv_dtype=kv_dtype,
+            bandwidth_gb_s=bandwidth,
             tflops=tflops, memory_gb=memory, gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_memory_bytes=None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
             bandwidth_efficiency=bandwidth_efficiency, flops_efficiency=flops_efficiency,
@@ -801,26 +899,78 @@ def simulate(
             prefix_len=prefix_len, suffix_len=suffix_len, streams=streams,
             stream_output=stream_output, long_len=long_len, long_rate=long_rate,
             duration_s=duration, request_rate=request_rate, burstiness=burstiness,
-            max_concurrency=max_concurrency, seed=seed, slo=slo,
+            max_concurrency=max_concurrency, seed=seed, slo=slo, tokenizer=tokenizer,
+            find_capacity=find_capacity, max_runs=max_runs,
         )  # fmt: skip
-        result = run_simulation(settings)
+        from pdscope.commands import cluster as cl
+
+        cs = cl.ClusterSettings(
+            settings, replicas=replicas, router=router, tensor_parallel_size=tensor_parallel_size,
+            tp_link=tp_link, tp_link_gb_s=tp_link_gb_s, tp_link_latency_us=tp_link_latency_us,
+            disaggregate=disaggregate, kv_link_gb_s=kv_link_gb_s,
+            kv_link_latency_ms=kv_link_latency_ms, first_token=first_token, gpus=gpus,
+            prefill=cl.PoolArgs.parse(prefill_args, "--prefill-args"),
+            decode=cl.PoolArgs.parse(decode_args, "--decode-args"),
+        )  # fmt: skip
+        if (cl.is_cluster(cs) or plan_capacity) and (calibrate or find_capacity):
+            raise SpecError(
+                "--calibrate and --find-capacity simulate one replica: drop them, or drop the "
+                "cluster flags (--replicas, --disaggregate, -tp, --gpus, --plan-capacity)"
+            )
+        for pool, device_flag in (("prefill", prefill_device), ("decode", decode_device)):
+            if device_flag is not None:
+                cs = replace(cs, **{pool: replace(getattr(cs, pool), device=device_flag)})
+        if plan_capacity:
+            from pdscope.commands import capacity
+
+            if gpus is None:
+                raise SpecError("--plan-capacity needs --gpus")
+            plan = capacity.plan_capacity(
+                replace(cs, base=replace(settings, slo=None)), gpus, slo,
+                budgets=_int_tuple(plan_budgets, "--plan-budgets"),
+                tp_sizes=_int_tuple(plan_tp, "--plan-tp"),
+                progress=lambda line: print(line, file=sys.stderr, flush=True),
+            )  # fmt: skip
+        else:
+            result = cl.simulate_cluster(cs) if cl.is_cluster(cs) else run_simulation(settings)
     except (SpecError, ValueError) as exc:
         raise fail(str(exc)) from None
+    if plan_capacity:
+        if save_result is not None:
+            save_result.write_text(json.dumps(plan, indent=2))
+        if plot is not None:
+            capacity.plot_plan(plan, plot)
+        if as_json:
+            print_json(plan)
+        else:
+            for line in capacity.render_plan(plan):
+                console.print(line)
+        return
     if save_result is not None:
         save_result.write_text(json.dumps(result, indent=2))
     if report is not None:
         from pdscope.report.bench_html import render_html
 
-        report.write_text(render_html(result))
+        page = render_html(result)
+        if "cluster" in result:
+            page = page.replace("</body>", cl.cluster_html(result) + "\n</body>", 1)
+        report.write_text(page)
     if as_json:
         print_json(result)
     else:
         render_bench(result, console)
+        if result["metadata"].get("calibration"):
+            from pdscope.report.bench import render_calibration
+
+            render_calibration(result["metadata"]["calibration"], console)
+        for line in cl.render_cluster(result) if "cluster" in result else []:
+            console.print(line)
         c = result["metadata"]["cost_params"]
         console.print(
             f"simulated: {c['bandwidth_gb_s']:g} GB/s, {c['tflops']:g} TFLOP/s, step overhead "
-            f"{c['step_overhead_s'] * 1e3:g} ms, per sequence {c['seq_overhead_s'] * 1e3:g} ms "
-            f"({c['source']}); KV pool {result['metadata']['kv_pool_tokens']:,} tokens"
+            f"{c['step_overhead_s'] * 1e3:g} ms, per sequence {c['seq_overhead_s'] * 1e3:g} ms, "
+            f"per request {c['request_overhead_s'] * 1e3:g} ms ({c['source']}); KV pool "
+            f"{result['metadata']['kv_pool_tokens']:,} tokens"
         )
 
 

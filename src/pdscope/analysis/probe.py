@@ -232,6 +232,8 @@ def analyze(
                 "explained_long_over_short": a / b,
             }
 
+    result["batch_decode"] = batch_decode(_ok(by_label["batch-decode"]), result["context"])
+
     result["served_model"] = served_model
     result["ceiling"] = _ceiling(result, ceilings, served_model) if ceilings else None
     result["failures"] = [
@@ -242,6 +244,41 @@ def analyze(
     result["unmeasured"] = unmeasured(result, by_label)
     result["findings"] = findings(result, runtime)
     return result
+
+
+def streams_overlap(traces: list[Trace]) -> float | None:
+    """How many of ``traces`` were decoding at once, on average over their joint decode span:
+    the sum of their decode windows over the span (8 for 8 fully overlapping streams; less
+    when a server ran them one after another)."""
+    windows = [(t.chunks[0].t_s, t.chunks[-1].t_s) for t in traces if t.streamed]
+    if not windows:
+        return None
+    span = max(end for _, end in windows) - min(start for start, _ in windows)
+    return sum(end - start for start, end in windows) / span if span > 0 else None
+
+
+def batch_decode(traces: list[Trace], context: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The batched-decode check: several short prompts sent together. The median per-token gap
+    is one step carrying all their decodes; against one stream's (the context check's short
+    point) it shows what each extra sequence costs a step."""
+    if not traces:
+        return None
+    itl = [x for t in traces for x in t.itl_samples_s()]
+    tpot = [t.tpot_s for t in traces if t.tpot_s is not None]
+    counts = [_prompt_tokens(t) for t in traces if _prompt_tokens(t) is not None]
+    out: dict[str, Any] = {
+        "streams": len(traces),
+        "concurrency": streams_overlap(traces),
+        "prompt_tokens": int(median(counts)) if counts else traces[0].prompt_tokens_asked,
+        "output_tokens": median([t.n_output for t in traces if t.n_output]),
+        "itl_ms": _ms(median(itl)),
+        "tpot_ms": _ms(median(tpot)),
+        "step_over_one_stream": None,
+    }
+    short = context["short"] if context else None
+    if short and short.get("decode_tok_s") and out["itl_ms"]:
+        out["step_over_one_stream"] = out["itl_ms"] / (1e3 / short["decode_tok_s"])
+    return out
 
 
 def unmeasured(r: dict[str, Any], by_label: dict[str, list[Trace]]) -> list[str]:

@@ -150,6 +150,15 @@ class Trace:
             samples.extend([gap / k] * k)
         return samples
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trace:
+        """The inverse of :meth:`to_dict` (a saved probe or bench file): the derived figures
+        are dropped and recomputed, unknown keys are ignored."""
+        known = {f for f in cls.__dataclass_fields__}
+        fields = {k: v for k, v in data.items() if k in known}
+        fields["chunks"] = [Chunk(**c) for c in data.get("chunks") or []]
+        return cls(**fields)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: raw fields plus derived figures in milliseconds."""
         data = asdict(self)

@@ -15,7 +15,7 @@ import random
 import secrets
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -346,94 +346,105 @@ class Bench:
         self.state.metadata["saturation_concurrency"] = concurrency // 2
 
     async def find_capacity(self, slo: SLO) -> None:
-        """Highest load whose run meets every aggregate SLO: concurrency (closed loop) by
-        default, request rate (open loop) when --request-rate names a finite starting rate.
-
-        Double until a run fails, then bisect between the last pass and the first failure
-        (to the next integer for concurrency, within 10% for rate); at most max_runs runs. A
-        rate search judges the rate the server served, not the one offered: a run whose served
-        rate fell below 90% of the offered one did not keep up (its SLO figures describe a
-        queue still filling when the prompts ran out), and once served throughput stops
-        growing the search stops climbing. The capacity reported is the served rate of the
-        best passing run, never more. Why the search stopped is always recorded."""
+        """Highest load meeting every aggregate SLO (see :func:`search_capacity`)."""
         finite = [r for r in self.s.request_rates if not math.isinf(r)]
-        by_rate = bool(finite)
-        level: float = min(finite) if by_rate else 1
-        passed: tuple[float, dict] | None = None
-        failed_at: float | None = None
-        best_served = 0.0
-        runs = 0
-        stop: str | None = None
-        notes: list[str] = []
-        while runs < self.s.max_runs:
-            if not by_rate and level > self.s.num_prompts:
-                stop = (
-                    f"ran out of prompts: concurrency {level:g} exceeds --num-prompts "
-                    f"{self.s.num_prompts}"
+        self.state.capacity = await search_capacity(
+            self.run, slo, min(finite) if finite else None, self.s.max_runs, self.s.num_prompts
+        )
+
+
+async def search_capacity(
+    run_at: Callable[[float, int | None], Awaitable[dict[str, Any]]],
+    slo: SLO,
+    start_rate: float | None,
+    max_runs: int,
+    num_prompts: int,
+) -> dict[str, Any]:
+    """Highest load whose run meets every aggregate SLO: concurrency (closed loop) by default,
+    request rate (open loop) from ``start_rate`` when one is given. ``run_at(rate,
+    concurrency)`` makes one run and returns its record (bench measures a server, simulate
+    simulates one: one search for both).
+
+    Double until a run fails, then bisect between the last pass and the first failure
+    (to the next integer for concurrency, within 10% for rate); at most max_runs runs. A
+    rate search judges the rate the server served, not the one offered: a run whose served
+    rate fell below 90% of the offered one did not keep up (its SLO figures describe a
+    queue still filling when the prompts ran out), and once served throughput stops
+    growing the search stops climbing. The capacity reported is the served rate of the
+    best passing run, never more. Why the search stopped is always recorded."""
+    by_rate = start_rate is not None
+    level: float = start_rate if start_rate is not None else 1
+    passed: tuple[float, dict] | None = None
+    failed_at: float | None = None
+    best_served = 0.0
+    runs = 0
+    stop: str | None = None
+    notes: list[str] = []
+    while runs < max_runs:
+        if not by_rate and level > num_prompts:
+            stop = f"ran out of prompts: concurrency {level:g} exceeds --num-prompts {num_prompts}"
+            break
+        run = await (run_at(level, None) if by_rate else run_at(math.inf, int(level)))
+        runs += 1
+        summary = run["summary"]
+        served = summary.get("request_throughput") or 0.0
+        ok = slo.met_by_run(summary) and summary["failed"] == 0
+        run["meets_slo"] = ok
+        run["served_rate"] = served
+        if by_rate:
+            kept_up = served >= 0.9 * level
+            run["kept_up"] = kept_up
+            if ok and not kept_up:
+                notes.append(
+                    f"offered {level:.3g}/s, served {served:.3g}/s: the server fell behind, "
+                    "so this run counts as failing whatever its percentiles say"
                 )
-                break
-            run = await (self.run(level, None) if by_rate else self.run(math.inf, int(level)))
-            runs += 1
-            summary = run["summary"]
-            served = summary.get("request_throughput") or 0.0
-            ok = slo.met_by_run(summary) and summary["failed"] == 0
-            run["meets_slo"] = ok
-            run["served_rate"] = served
-            if by_rate:
-                kept_up = served >= 0.9 * level
-                run["kept_up"] = kept_up
-                if ok and not kept_up:
-                    notes.append(
-                        f"offered {level:.3g}/s, served {served:.3g}/s: the server fell behind, "
-                        "so this run counts as failing whatever its percentiles say"
-                    )
-                    ok = False
-                elif ok and passed and served < best_served * 1.1 and level > passed[0]:
-                    notes.append(
-                        f"offered {level:.3g}/s, served {served:.3g}/s: served throughput "
-                        "stopped growing"
-                    )
-                    ok = False
-            if ok:
-                passed = (level, run)
-                best_served = max(best_served, served)
-                if failed_at is None:
-                    level *= 2
-                    continue
-            else:
-                failed_at = level if failed_at is None else min(failed_at, level)
-            if passed is None:
-                if not by_rate:
-                    stop = "one request at a time already misses the SLO"
-                    break
-                level /= 2  # look lower for a rate that passes
+                ok = False
+            elif ok and passed and served < best_served * 1.1 and level > passed[0]:
+                notes.append(
+                    f"offered {level:.3g}/s, served {served:.3g}/s: served throughput "
+                    "stopped growing"
+                )
+                ok = False
+        if ok:
+            passed = (level, run)
+            best_served = max(best_served, served)
+            if failed_at is None:
+                level *= 2
                 continue
-            assert failed_at is not None
-            if (failed_at / passed[0] <= 1.1) if by_rate else (failed_at - passed[0] <= 1):
-                stop = "bracketed: the last passing and first failing loads are adjacent"
+        else:
+            failed_at = level if failed_at is None else min(failed_at, level)
+        if passed is None:
+            if not by_rate:
+                stop = "one request at a time already misses the SLO"
                 break
-            level = (passed[0] * failed_at) ** 0.5 if by_rate else (passed[0] + failed_at) // 2
-        if stop is None:
-            stop = (
-                f"ran out of runs (--max-runs {self.s.max_runs}) before bracketing the capacity"
-                + ("" if failed_at else ": no failing load was found, so it may be higher")
-            )
-        unit = "rate" if by_rate else "concurrency"
-        best = passed[0] if passed else None
-        if by_rate and passed:
-            best = min(passed[0], passed[1]["served_rate"])  # never above what was served
-        self.state.capacity = {
-            "by": unit,
-            "slo": {k: v for k, v in slo.limits.items()},
-            f"max_{unit}_meeting_slo": best,
-            f"first_failing_{unit}": failed_at,
-            "offered_rate": passed[0] if passed and by_rate else None,
-            "served_rate": passed[1]["served_rate"] if passed else None,
-            "run": passed[1]["summary"] if passed else None,
-            "searched_runs": runs,
-            "stopped": stop,
-            "notes": notes,
-        }
+            level /= 2  # look lower for a rate that passes
+            continue
+        assert failed_at is not None
+        if (failed_at / passed[0] <= 1.1) if by_rate else (failed_at - passed[0] <= 1):
+            stop = "bracketed: the last passing and first failing loads are adjacent"
+            break
+        level = (passed[0] * failed_at) ** 0.5 if by_rate else (passed[0] + failed_at) // 2
+    if stop is None:
+        stop = f"ran out of runs (--max-runs {max_runs}) before bracketing the capacity" + (
+            "" if failed_at else ": no failing load was found, so it may be higher"
+        )
+    unit = "rate" if by_rate else "concurrency"
+    best = passed[0] if passed else None
+    if by_rate and passed:
+        best = min(passed[0], passed[1]["served_rate"])  # never above what was served
+    return {
+        "by": unit,
+        "slo": {k: v for k, v in slo.limits.items()},
+        f"max_{unit}_meeting_slo": best,
+        f"first_failing_{unit}": failed_at,
+        "offered_rate": passed[0] if passed and by_rate else None,
+        "served_rate": passed[1]["served_rate"] if passed else None,
+        "run": passed[1]["summary"] if passed else None,
+        "searched_runs": runs,
+        "stopped": stop,
+        "notes": notes,
+    }
 
 
 def _requested(s: BenchSettings) -> str:

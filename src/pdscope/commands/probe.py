@@ -8,6 +8,7 @@ the traces into figures and findings.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import secrets
@@ -53,6 +54,9 @@ class ProbeSettings:
     device: str | None = None  # for the ceiling: catalog name or "local"
     plan_model: str | None = None  # preset or config.json for the ceiling
     dtype: str | None = None  # weight precision for the ceiling (default: checkpoint's)
+    # Streams sent at once for the batched-decode check: a step carrying several decodes is the
+    # point `simulate --calibrate` fits the per-sequence cost from (0 skips the check).
+    batch_streams: int = 8
     # Prompts are drawn fresh for every probe so no run meets an earlier one's prompts in the
     # server's prefix cache; a seed repeats a run's prompts exactly (recorded in the result).
     seed: int | None = None
@@ -65,11 +69,15 @@ class ProbeSettings:
         if s.api != "auto" and s.api not in APIS:
             raise ValueError(f"--api must be auto or one of {', '.join(APIS)}, got {s.api!r}")
         at_least(1, ("--output-tokens", s.output_tokens), ("--repeats", s.repeats))
+        at_least(0, ("--batch-streams", s.batch_streams))
         if s.timeout_s <= 0:
             raise ValueError(f"--timeout must be positive, got {s.timeout_s}")
         if url is None:
             s.device = s.device or "local"
         return s
+
+
+BATCH_PROMPT_TOKENS = 64  # the batched-decode check's prompts: short, so decode dominates
 
 
 class Prober:
@@ -104,10 +112,17 @@ class Prober:
         return await self.builder.ids(tokens) if self.exact_prompts else self.builder.text(tokens)
 
     async def send(
-        self, prompt: list[int] | str, asked: int, label: str, max_tokens: int | None = None
+        self,
+        prompt: list[int] | str,
+        asked: int,
+        label: str,
+        max_tokens: int | None = None,
+        count_hits: bool = True,
     ) -> Trace:
         out = max_tokens or self.s.output_tokens
-        hits_before = await self.counter.read() if self.counter else None
+        # The hit counter is read before and after: only meaningful for one request at a time.
+        counter = self.counter if count_hits else None
+        hits_before = await counter.read() if counter else None
         trace = await run_request(
             self.streams, self.runtime.url, self.api, self.model, prompt, out, label, asked,
             self.headers,
@@ -117,10 +132,10 @@ class Prober:
             self.builder.calibrate(words, trace.prompt_tokens)
         if trace.error is None and trace.token_source == "none":
             trace.token_source = "chunks (server sent no token counts)"
-        hits_after = await self.counter.read() if self.counter else None
-        if hits_before is not None and hits_after is not None and self.counter:
+        hits_after = await counter.read() if counter else None
+        if hits_before is not None and hits_after is not None and counter:
             delta = round(hits_after - hits_before)
-            trace.server["prefix_cache_hits_delta"] = {self.counter.label: delta}
+            trace.server["prefix_cache_hits_delta"] = {counter.label: delta}
             if trace.cached_source is None:  # the server's own per-request count wins
                 trace.cached_tokens = delta
                 trace.cached_source = "metrics-counter"
@@ -143,6 +158,16 @@ class Prober:
         for label, n in (("context-short", 64), ("context-long", self.context_tokens)):
             for _ in range(2):
                 await self.send(await self.prompt(n), n, label, max_tokens=s.output_tokens)
+        if s.batch_streams > 1:
+            # Short fresh prompts sent together: after their prefills, every step decodes all
+            # of them at once (what one stream's figures cannot show: the cost per sequence).
+            prompts = [await self.prompt(BATCH_PROMPT_TOKENS) for _ in range(s.batch_streams)]
+            await asyncio.gather(
+                *(
+                    self.send(p, BATCH_PROMPT_TOKENS, "batch-decode", count_hits=False)
+                    for p in prompts
+                )
+            )
 
     @property
     def context_tokens(self) -> int:
@@ -156,7 +181,8 @@ class Prober:
         return self.s.max_model_len or self.runtime.max_model_len
 
     def planned_requests(self) -> int:
-        return 1 + len(self.s.prompt_tokens) * self.s.repeats + 2 + 4
+        batch = self.s.batch_streams if self.s.batch_streams > 1 else 0
+        return 1 + len(self.s.prompt_tokens) * self.s.repeats + 2 + 4 + batch
 
 
 def _cap_sweep(s: ProbeSettings, max_len: int | None) -> list[str]:
@@ -390,6 +416,7 @@ async def probe(
             "repeats": s.repeats,
             "exact_prompt_tokens": prober.exact_prompts,
             "context_tokens": prober.context_tokens,
+            "batch_streams": s.batch_streams,
             "device": s.device,
             "seed": seed,
             "seed_given": s.seed is not None,

@@ -112,15 +112,33 @@ class BlockPool:
             self.prefix_cache_queries += queried_tokens
             self.prefix_cache_hits += hit_tokens
 
-    def register_full_blocks(self, block_table: list[int], hashes: list[bytes]) -> None:
-        """Publish full, computed blocks so later requests can reuse them."""
+    def register_full_blocks(
+        self,
+        block_table: list[int],
+        hashes: list[bytes],
+        start: int = 0,
+        stop: int | None = None,
+    ) -> int:
+        """Publish full, computed blocks so later requests can reuse them: indexes ``start`` to
+        ``stop`` (default: as far as both lists go; blocks before ``start`` are known to be
+        published). Returns how many leading blocks of the table are now published: the
+        caller's next ``start``."""
         if not self.enable_prefix_caching:
-            return
-        for block_id, h in zip(block_table, hashes, strict=False):
-            block = self.blocks[block_id]
-            if block.hash is None and h not in self.cached:
+            return 0
+        published = start
+        blocks, cached = self.blocks, self.cached
+        end = min(len(block_table), len(hashes))
+        if stop is not None:
+            end = min(end, stop)
+        for index in range(start, end):
+            block = blocks[block_table[index]]
+            h = hashes[index]
+            if block.hash is None and h not in cached:
                 block.hash = h
-                self.cached[h] = block_id
+                cached[h] = block.block_id
+            if block.hash == h and published == index:
+                published += 1
+        return published
 
     # --- allocation ---------------------------------------------------------------------
 

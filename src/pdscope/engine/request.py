@@ -37,6 +37,9 @@ class Request:
     # Chained hashes of the full blocks of ``token_ids`` seen so far (computed or not). Extended
     # by the block pool as tokens arrive, never recomputed: the tokens they cover never change.
     block_hashes: list[bytes] = field(default_factory=list)
+    # Leading blocks of ``block_table`` the prefix cache already holds under this request's
+    # hashes: publishing after a step starts past them (a held block is never evicted).
+    num_published_blocks: int = 0
     status: Status = Status.WAITING
     output_text: str = ""
     finish_reason: str | None = None

@@ -31,9 +31,13 @@ class SchedulerConfig:
             )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: tokens ``[start, start + num_new_tokens)`` are computed.
+
+    Treated as immutable once the scheduler returns it. Not ``frozen``: a frozen dataclass's
+    ``__init__`` costs ~4x a plain one, and one entry is built per running request per step
+    (the simulator's hot path).
 
     ``is_prefill`` is decided here, once, by :attr:`Request.is_decode_next`; the runner picks
     its attention path by it and the timeline and metrics count tokens by it. An entry that
@@ -63,6 +67,9 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # ``scheduled[:num_resumed]`` were already running; the rest were admitted from the queue
+    # in this step (only those can be scheduled for the first time).
+    num_resumed: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -110,21 +117,43 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
 
         # Running requests first: a decode costs one token, an unfinished prefill one chunk.
+        # The common case (the request's blocks already hold the new tokens, or the pool has
+        # the few it needs) is inlined: this loop runs once per running request per step.
+        pool = self.pool
+        block_size = pool.block_size
+        running = self.running
+        scheduled = out.scheduled
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            new = min(request.num_tokens - request.num_computed_tokens, budget)
+        while index < len(running) and budget > 0:
+            request = running[index]
+            num_tokens = len(request.token_ids)
+            start = request.num_computed_tokens
+            new = num_tokens - start
             assert new > 0, "a running request always has a token to compute"
-            while not self._grow(request, new):
-                victim = self.running.pop()  # most recently admitted
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is request:
-                    break
-            else:
-                out.scheduled.append(self._entry(request, new))
-                budget -= new
-                index += 1
+            if new > budget:
+                new = budget
+            extra = -(-(start + new) // block_size) - len(request.block_table)
+            if extra > 0 and extra <= pool.num_free_blocks:
+                request.block_table += pool.allocate(extra)
+            elif extra > 0:
+                preempted_self = False
+                while not self._grow(request, new):
+                    victim = running.pop()  # most recently admitted
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is request:
+                        preempted_self = True
+                        break
+                if preempted_self:
+                    continue
+            # Phase and sampling by the one rule (Request.is_decode_next), inlined.
+            is_prefill = not (num_tokens - start == 1 and request.output_token_ids)
+            scheduled.append(
+                ScheduledRequest(request, new, start, is_prefill, start + new == num_tokens)
+            )
+            budget -= new
+            index += 1
+        out.num_resumed = len(scheduled)
 
         # Then waiting requests fill what is left, unless this step had to preempt (the pool is
         # short; admitting more would only cause more preemption).
@@ -155,6 +184,7 @@ class Scheduler:
                 self.pool.record_lookup(request.num_tokens, num_cached)
             self.pool.touch(cached)
             request.block_table = cached + self.pool.allocate(needed)
+            request.num_published_blocks = len(cached)  # a hit's blocks are all published
             request.num_computed_tokens = num_cached
             if request.timeline.first_scheduled_s is None:
                 request.timeline.num_cached_tokens = num_cached
@@ -163,7 +193,7 @@ class Scheduler:
             out.scheduled.append(self._entry(request, new, counted_hit))
             budget -= new
 
-        assert out.num_tokens <= self.config.max_num_batched_tokens
+        assert budget >= 0  # the step's tokens fit max_num_batched_tokens
         assert len(self.running) <= self.config.max_num_seqs
         return out
 
@@ -191,6 +221,7 @@ class Scheduler:
         recomputes its tokens (prompt and outputs so far) when it is admitted again."""
         self.pool.free(request.block_table)
         request.block_table = []
+        request.num_published_blocks = 0
         request.num_computed_tokens = 0
         request.status = Status.WAITING
         request.timeline.preemptions += 1
@@ -199,43 +230,55 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput) -> None:
         """Advance computed counts after the model ran, and publish newly full blocks."""
+        pool = self.pool
+        block_size = pool.block_size
+        caching = pool.enable_prefix_caching
+        running = Status.RUNNING
         for entry in out.scheduled:
             request = entry.request
-            if request.status is not Status.RUNNING:
+            if request.status is not running:
                 continue  # aborted during the step
-            assert request.num_computed_tokens == entry.start
-            request.num_computed_tokens = entry.end
-            assert request.num_computed_tokens <= request.num_tokens
-            full = entry.end // self.pool.block_size
-            if full > entry.start // self.pool.block_size and self.pool.enable_prefix_caching:
-                # Blocks became full in this step. Offer every full block, not just the new
-                # ones: a block skipped earlier because a twin held its hash can be published
-                # now that the twin may have been evicted (published ones are skipped cheaply).
-                hashes = self.pool.extend_hashes(request.block_hashes, request.token_ids)
-                self.pool.register_full_blocks(request.block_table[:full], hashes[:full])
+            start = entry.start
+            assert request.num_computed_tokens == start
+            end = request.num_computed_tokens = start + entry.num_new_tokens
+            if caching and end // block_size > start // block_size:
+                # Blocks became full in this step. Offer every full block past the leading run
+                # already published, not just the new ones: a block skipped earlier because a
+                # twin held its hash can be published now that the twin may have been evicted.
+                full = end // block_size
+                hashes = pool.extend_hashes(request.block_hashes, request.token_ids)
+                request.num_published_blocks = pool.register_full_blocks(
+                    request.block_table, hashes, request.num_published_blocks, full
+                )
 
     def started(self, out: SchedulerOutput, start_s: float) -> None:
-        """Stamp the step's start on requests scheduled for the first time (queue time ends)."""
-        for entry in out.scheduled:
+        """Stamp the step's start on requests scheduled for the first time (queue time ends).
+        Only requests admitted in this step can be new (``scheduled[num_resumed:]``)."""
+        for entry in out.scheduled[out.num_resumed :]:
             if entry.request.timeline.first_scheduled_s is None:
                 entry.request.timeline.first_scheduled_s = start_s
 
     def record(self, out: SchedulerOutput, start_s: float, end_s: float) -> StepRecord:
         """After :meth:`update`: log the step's prefill chunks on their requests' timelines and
         return the step's record. The engine and the simulator both close a step with this."""
+        prefill_tokens = decode_tokens = hit_tokens = 0
         for entry in out.scheduled:
             if entry.is_prefill:
+                prefill_tokens += entry.num_new_tokens
                 entry.request.timeline.prefill_chunks.append((end_s, entry.num_new_tokens))
+            else:
+                decode_tokens += entry.num_new_tokens
+            hit_tokens += entry.num_cached_tokens
         return StepRecord(
             start_s=start_s,
             end_s=end_s,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_cache_usage=self.pool.usage,
-            prefill_tokens=out.num_prefill_tokens,
-            decode_tokens=out.num_decode_tokens,
-            num_preempted=out.num_preemptions,
-            prefix_hit_tokens=out.num_prefix_hit_tokens,
+            prefill_tokens=prefill_tokens,
+            decode_tokens=decode_tokens,
+            num_preempted=len(out.preempted),
+            prefix_hit_tokens=hit_tokens,
         )
 
     def finish(self, request: Request, reason: str) -> None:

@@ -301,3 +301,26 @@ def _compare_table(
         )
         table.add_row(key, _f(x, "{:,.2f}"), _f(y, "{:,.2f}"), ratio)
     console.print(fit_figures(table, console))
+
+
+def render_calibration(c: dict[str, Any], console: Console) -> None:
+    """`simulate --calibrate`: the fitted cost parameters and how well each probe figure fits."""
+    console.print(
+        f"calibrated ({c['source']}): {c['bandwidth_gb_s']:.3g} GB/s, {c['tflops']:.3g} "
+        f"TFLOP/s, step overhead {c['step_overhead_ms']:.3g} ms, per sequence "
+        f"{c['seq_overhead_ms']:.3g} ms, per request {c['request_overhead_ms']:.3g} ms"
+    )
+    table = Table(box=box.SIMPLE, title="calibration residuals (fitted / measured - 1)")
+    for name in ("probe figure", "kind", "measured ms", "fitted ms", "error"):
+        table.add_column(name, justify="left" if name in ("probe figure", "kind") else "right")
+    for r in c["residuals"]:
+        table.add_row(
+            r["label"],
+            r["kind"],
+            f"{r['measured_ms']:.2f}",
+            f"{r['fitted_ms']:.2f}",
+            f"{r['error']:+.1%}",
+        )
+    console.print(table)
+    for note in c.get("notes") or []:
+        console.print(f"note: {note}")

@@ -10,6 +10,8 @@ bytes / achieved bandwidth), over what the step actually does:
   context it sees (grows with the square of the chunk) and the KV it reads; a decode entry's KV
   read over its whole context (grows with context, one sequence at a time).
 * ``lm_head_s``: the output projection, only for entries that sample a token.
+* ``comm_s``: with tensor parallelism (``roofline/parallel.py``), the two all-reduces per layer
+  of the step's activations; the other terms then run on each GPU's 1/T share.
 * ``overhead_s``: what no roofline sees (kernel launches, the scheduler, sampling, Python): a
   fixed cost per step plus a cost per scheduled sequence.
 
@@ -26,6 +28,7 @@ from functools import cached_property
 from typing import Protocol
 
 from pdscope.roofline.arithmetic import attention_pairs, params_touched
+from pdscope.roofline.parallel import NO_TP, TensorParallel
 from pdscope.specs import KVPrecision, ModelSpec, SpecError, WeightPrecision
 
 
@@ -50,6 +53,10 @@ class CostParams:
     tflops: float  # achieved dense matmul rate at the weights' compute type, 1e12 FLOP/s
     step_overhead_s: float = 0.0  # fixed cost of every step
     seq_overhead_s: float = 0.0  # extra cost of every sequence scheduled in a step
+    # Time a request spends outside any step before the scheduler sees it (HTTP handling,
+    # hand-off to the engine loop): part of its TTFT, never of a step. The simulator delays
+    # admission by it.
+    request_overhead_s: float = 0.0
     source: str = ""  # where the figures came from (a probe file, a measurement, the catalog)
 
     def __post_init__(self) -> None:
@@ -57,7 +64,7 @@ class CostParams:
             raise SpecError(f"bandwidth must be > 0 GB/s, got {self.bandwidth_gb_s}")
         if not self.tflops > 0:
             raise SpecError(f"FLOP rate must be > 0 TFLOP/s, got {self.tflops}")
-        if self.step_overhead_s < 0 or self.seq_overhead_s < 0:
+        if min(self.step_overhead_s, self.seq_overhead_s, self.request_overhead_s) < 0:
             raise SpecError("overheads must be >= 0 seconds")
 
     @property
@@ -77,10 +84,11 @@ class StepCost:
     attention_s: float
     lm_head_s: float
     overhead_s: float
+    comm_s: float = 0.0  # tensor-parallel all-reduces (0 on one GPU)
 
     @property
     def seconds(self) -> float:
-        return self.linear_s + self.attention_s + self.lm_head_s + self.overhead_s
+        return self.linear_s + self.attention_s + self.lm_head_s + self.overhead_s + self.comm_s
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,21 @@ class CostModel:
     weights: WeightPrecision
     kv: KVPrecision
     params: CostParams
+    # Tensor parallelism: each GPU does 1/T of the FLOPs and reads 1/T of the weights and
+    # 1/kv_split of the KV, which is the same as T (kv_split) times the rates. T = 1: unchanged.
+    tp: TensorParallel = NO_TP
+
+    @cached_property
+    def _flops_s(self) -> float:
+        return self.params.flops_per_s * self.tp.size
+
+    @cached_property
+    def _bytes_s(self) -> float:
+        return self.params.bandwidth_bytes_s * self.tp.size
+
+    @cached_property
+    def _kv_bytes_s(self) -> float:
+        return self.params.bandwidth_bytes_s * self.tp.kv_split
 
     @cached_property
     def _groups(self) -> tuple[_LayerGroup, ...]:
@@ -122,12 +145,18 @@ class CostModel:
             for (window, prefill, decode, kv), n in counts.items()
         )
 
-    def _roofline_s(self, flops: float, bytes_moved: float) -> float:
-        return max(flops / self.params.flops_per_s, bytes_moved / self.params.bandwidth_bytes_s)
+    @cached_property
+    def _linear_cache(self) -> dict[int, float]:
+        """linear_s by the step's token count: it depends on nothing else, and summing the
+        model's layers for every step was a visible share of a simulation's time."""
+        return {}
 
-    def attention_s(self, start: int, new_tokens: int) -> float:
-        """One entry's attention: ``new_tokens`` queries over ``start`` cached tokens plus their
-        own, against reading the KV of that whole context."""
+    def _roofline_s(self, flops: float, bytes_moved: float) -> float:
+        return max(flops / self._flops_s, bytes_moved / self._bytes_s)
+
+    def attention_work(self, start: int, new_tokens: int) -> tuple[float, float]:
+        """One entry's attention as (FLOPs, bytes): ``new_tokens`` queries over ``start``
+        cached tokens plus their own, and the KV of that whole context read."""
         flops = 0.0
         kv_values = 0
         end = start + new_tokens
@@ -135,7 +164,42 @@ class CostModel:
             per_pair = g.decode_flops_per_pair if new_tokens == 1 else g.prefill_flops_per_pair
             flops += per_pair * attention_pairs(start, new_tokens, g.window)
             kv_values += g.kv_values_per_token * (end if g.window is None else min(end, g.window))
-        return self._roofline_s(flops, kv_values * self.kv.bytes_per_element)
+        return flops, kv_values * self.kv.bytes_per_element
+
+    def attention_s(self, start: int, new_tokens: int) -> float:
+        """One entry's attention time (see :meth:`attention_work`)."""
+        flops, kv_bytes = self.attention_work(start, new_tokens)
+        # Under TP the KV is split kv_split ways (fewer KV heads than GPUs are copied).
+        return max(flops / self._flops_s, kv_bytes / self._kv_bytes_s)
+
+    def linear_work(self, tokens: int) -> tuple[float, float]:
+        """The decoder layers' matmuls for a step of ``tokens`` tokens as (FLOPs, bytes): the
+        weights are read once per step. params_touched counts the LM head (decode reads it);
+        it is charged to the LM head's own term."""
+        model = self.model
+        layer_bytes = (params_touched(model, tokens) - model.lm_head_params) * (
+            self.weights.bytes_per_weight
+        )
+        return 2 * tokens * model.matmul_params_per_token, layer_bytes
+
+    def lm_head_work(self, sampled: int) -> tuple[float, float]:
+        """The output projection for ``sampled`` entries as (FLOPs, bytes): weights read once."""
+        head = self.model.lm_head_params
+        return 2 * sampled * head, head * self.weights.bytes_per_weight
+
+    def roofline_terms(self, entries: Sequence[ScheduledWork]) -> list[tuple[float, float]]:
+        """Every roofline term of a step as (FLOPs, bytes): the linear layers, each entry's
+        attention, the LM head when anything samples. ``step`` prices the same terms (faster);
+        calibration fits the achieved rates to them."""
+        if not entries:
+            return []
+        tokens = sum(e.num_new_tokens for e in entries)
+        sampled = sum(1 for e in entries if e.samples)
+        terms = [self.linear_work(tokens)]
+        terms += [self.attention_work(e.start, e.num_new_tokens) for e in entries]
+        if sampled:
+            terms.append(self.lm_head_work(sampled))
+        return terms
 
     @cached_property
     def _decode_s_per_context_token(self) -> float | None:
@@ -146,15 +210,14 @@ class CostModel:
             return None
         g = self._groups[0]
         return max(
-            g.decode_flops_per_pair / self.params.flops_per_s,
-            g.kv_values_per_token * self.kv.bytes_per_element / self.params.bandwidth_bytes_s,
+            g.decode_flops_per_pair / self._flops_s,
+            g.kv_values_per_token * self.kv.bytes_per_element / self._kv_bytes_s,
         )
 
     def step(self, entries: Sequence[ScheduledWork]) -> StepCost:
         """Seconds one step takes to compute ``entries`` (an empty step costs nothing)."""
         if not entries:
             return StepCost(0.0, 0.0, 0.0, 0.0)
-        model, bpw = self.model, self.weights.bytes_per_weight
         per_context = self._decode_s_per_context_token
         tokens = sampled = decode_context = 0
         attention_s = 0.0
@@ -169,13 +232,10 @@ class CostModel:
         if decode_context:
             attention_s += per_context * decode_context  # type: ignore[operator]
         assert tokens > 0
-        # params_touched counts the LM head (decode reads it); it is charged to lm_head_s.
-        layer_bytes = (params_touched(model, tokens) - model.lm_head_params) * bpw
-        linear_s = self._roofline_s(2 * tokens * model.matmul_params_per_token, layer_bytes)
-        lm_head_s = 0.0
-        if sampled:
-            lm_head_s = self._roofline_s(
-                2 * sampled * model.lm_head_params, model.lm_head_params * bpw
-            )
+        linear_s = self._linear_cache.get(tokens)
+        if linear_s is None:
+            linear_s = self._linear_cache[tokens] = self._roofline_s(*self.linear_work(tokens))
+        lm_head_s = self._roofline_s(*self.lm_head_work(sampled)) if sampled else 0.0
         overhead_s = self.params.step_overhead_s + self.params.seq_overhead_s * len(entries)
-        return StepCost(linear_s, attention_s, lm_head_s, overhead_s)
+        comm_s = self.tp.comm_s(self.model, tokens) if self.tp.size > 1 else 0.0
+        return StepCost(linear_s, attention_s, lm_head_s, overhead_s, comm_s)

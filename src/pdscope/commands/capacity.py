@@ -1,0 +1,381 @@
+"""`pdscope simulate --plan-capacity`: which way of using G GPUs serves the most traffic within
+the SLOs, colocated replicas (replicas x TP x token budget) or prefill/decode pools (P:D x TP
+per pool)?
+
+For each configuration the search finds the highest Poisson request rate whose run meets every
+aggregate SLO (bench's ``--find-capacity`` form: ``p99_ttft=2s,p99_itl=50ms``; an ITL limit also
+holds over each request's worst gap, see :func:`_worst_gaps_ok`): doubling, then bisecting.
+Every run that meets the SLOs is a point of tokens/s per GPU against tokens/s per user
+(1 / median TPOT); the Pareto frontier is drawn from them.
+
+Replicas that share nothing split steady traffic evenly, so R colocated replicas are simulated
+as one replica at 1/R of the rate. What this leaves out (the burstiness a router evens out over
+more replicas) is small next to the SLO margins searched for. A P:D split is simulated whole: its
+pools share one KV link, and a smaller shape with a slower link of its own would misstate both
+the transfer time and the queue. Each run's arrivals span at least ``HORIZON_S`` seconds
+(more requests than ``--num-prompts`` where the rate asks for it), so a rate past capacity has
+time to build the queue that breaks a TTFT SLO. Configurations run in parallel processes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pdscope.analysis.bench import SLO, SLOError
+from pdscope.commands.cluster import ClusterSettings, PoolArgs, simulate_cluster
+from pdscope.roofline.parallel import tensor_parallel
+from pdscope.specs import SpecError, load_model
+
+TP_SIZES = (1, 2, 4, 8)  # inside one server
+PREFILL_SHARES = (1 / 8, 1 / 4, 1 / 3, 1 / 2, 2 / 3, 3 / 4)  # of the GPUs, for P:D splits
+DOUBLINGS = 14
+BISECTIONS = 4
+HORIZON_S = 15.0  # each run's arrivals span at least this long
+
+
+@dataclass(frozen=True)
+class Candidate:
+    kind: str  # "colocated" or "disaggregated"
+    label: str
+    settings: ClusterSettings  # the reduced shape that is simulated
+    scale: int  # copies of that shape in the full configuration
+    gpus: int
+
+
+def parse_plan_slo(text: str | None) -> SLO:
+    """Aggregate SLOs as bench's --find-capacity takes them; ``ttft_p99`` is read as
+    ``p99_ttft`` too."""
+    if not text:
+        raise SpecError("--plan-capacity needs --slo, e.g. p99_ttft=2s,p99_itl=50ms")
+    parts = []
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        metric, _, pct = key.strip().partition("_")
+        if pct.startswith("p") and not metric.startswith("p"):
+            key = f"{pct}_{metric}"
+        parts.append(f"{key.strip()}{sep}{value}")
+    try:
+        slo = SLO.parse(",".join(parts), aggregate=True)
+    except SLOError as exc:
+        raise SpecError(f"--slo: {exc}") from None
+    return slo
+
+
+def candidates(
+    c: ClusterSettings,
+    gpus: int,
+    budgets: tuple[int, ...],
+    tp_sizes: tuple[int, ...] = TP_SIZES,
+) -> list[Candidate]:
+    """Every configuration of ``gpus`` GPUs worth simulating, at its smallest shape."""
+    model = load_model(c.base.model)
+    sizes = []
+    for tp in tp_sizes:
+        try:
+            tensor_parallel(model, tp, None if tp == 1 else _any_link())
+        except SpecError:
+            continue
+        if tp <= gpus:
+            sizes.append(tp)
+    out = []
+    for tp in sizes:
+        if gpus % tp:
+            continue
+        replicas = gpus // tp
+        for budget in budgets:
+            base = replace(c.base, max_num_batched_tokens=budget)
+            s = replace(c, base=base, replicas=1, gpus=None, disaggregate=None,
+                        tensor_parallel_size=tp, prefill=PoolArgs(), decode=PoolArgs())  # fmt: skip
+            label = f"{replicas} x TP{tp}, budget {budget}"
+            out.append(Candidate("colocated", label, s, replicas, gpus))
+    seen = set()
+    for tp_p in sizes:
+        for tp_d in sizes:
+            for share in PREFILL_SHARES:
+                p = max(1, round(gpus * share / tp_p))
+                rest = gpus - p * tp_p
+                if rest < tp_d or rest % tp_d:
+                    continue
+                d = rest // tp_d
+                if (p, tp_p, d, tp_d) in seen:
+                    continue
+                seen.add((p, tp_p, d, tp_d))
+                # Simulated whole: the pools share one KV link, whose queue a smaller shape
+                # with a slower link of its own would misstate.
+                s = replace(
+                    c, replicas=None, gpus=None, disaggregate=f"{p}:{d}",
+                    tensor_parallel_size=1,
+                    prefill=replace(c.prefill, tensor_parallel_size=tp_p,
+                                    max_num_batched_tokens=max(budgets)),
+                    decode=replace(c.decode, tensor_parallel_size=tp_d),
+                )  # fmt: skip
+                label = f"{p}P x TP{tp_p} : {d}D x TP{tp_d}"
+                out.append(Candidate("disaggregated", label, s, 1, gpus))
+    return out
+
+
+def _any_link():
+    from pdscope.roofline.parallel import LINKS
+
+    return LINKS["nvlink4"]
+
+
+def _run(cand: Candidate, rate: float, horizon_s: float) -> dict[str, Any]:
+    """One run of the reduced shape at ``rate`` requests/s for the full configuration."""
+    reduced = rate / cand.scale
+    # Enough requests to arrive over HORIZON_S: a rate past capacity must have time to build
+    # the queue that breaks the TTFT SLO, however few prompts were asked for.
+    n = max(cand.settings.base.num_prompts, math.ceil(reduced * horizon_s))
+    base = replace(cand.settings.base, request_rate=reduced, num_prompts=n, slo=None)
+    r = simulate_cluster(replace(cand.settings, base=base))
+    tpot = r.get("median_tpot_ms")
+    return {
+        "rate": rate,
+        "summary": {
+            k: r.get(k)
+            for k in (
+                "p99_ttft_ms",
+                "p99_itl_ms",
+                "p99_tpot_ms",
+                "p99_e2el_ms",
+                "median_tpot_ms",
+                "median_ttft_ms",
+                "completed",
+                "failed",
+                "output_throughput",
+            )
+        },
+        "tok_s_per_gpu": r["output_throughput"] * cand.scale / cand.gpus,
+        "req_s_per_gpu": r["request_throughput"] * cand.scale / cand.gpus,
+        "tok_s_per_user": None if not tpot else 1e3 / tpot,
+        "result": r,
+    }
+
+
+def _worst_gaps_ok(r: dict[str, Any], slo: SLO) -> bool:
+    """ITL limits held per request too: the NN-th percentile over requests of each request's
+    worst gap. Percentiles over all gaps hide a stall each request sees once — the wait for a
+    decode slot after a split's prefill is one gap in hundreds."""
+    worst = [max(gaps) for gaps in r.get("itls", []) if gaps]
+    for key, limit in slo.limits.items():
+        if not (key.endswith("_itl") and key.startswith("p") and worst):
+            continue
+        if float(np.percentile(worst, float(key[1:].split("_")[0]))) > limit:
+            return False
+    return True
+
+
+def search(cand: Candidate, slo: SLO, horizon_s: float = HORIZON_S) -> dict[str, Any]:
+    """The highest rate meeting ``slo`` for one configuration, and every run on the way."""
+    runs: list[dict[str, Any]] = []
+
+    def ok(rate: float) -> bool:
+        run = _run(cand, rate, horizon_s)
+        r = run["result"]
+        run["meets"] = r["failed"] == 0 and slo.met_by_run(r) and _worst_gaps_ok(r, slo)
+        del run["result"]
+        runs.append(run)
+        return run["meets"]
+
+    try:
+        good, bad = 0.0, None
+        rate = 0.5 * cand.gpus
+        for _ in range(DOUBLINGS):
+            if ok(rate):
+                good, rate = rate, rate * 2
+            else:
+                bad = rate
+                break
+        if bad is not None and good == 0.0:
+            # Even the first rate fails: look below it before giving up.
+            for _ in range(BISECTIONS):
+                rate /= 4
+                if ok(rate):
+                    good = rate
+                    break
+        if bad is not None and good:
+            lo, hi = good, bad
+            for _ in range(BISECTIONS):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+            good = lo
+    except SpecError as exc:
+        return {"kind": cand.kind, "label": cand.label, "error": str(exc), "runs": runs}
+    best = max((r for r in runs if r["meets"]), key=lambda r: r["rate"], default=None)
+    return {
+        "kind": cand.kind,
+        "label": cand.label,
+        "gpus": cand.gpus,
+        "capacity_req_s": good if best else 0.0,
+        "req_s_per_gpu": best["req_s_per_gpu"] if best else 0.0,
+        "tok_s_per_gpu": best["tok_s_per_gpu"] if best else 0.0,
+        "tok_s_per_user": best["tok_s_per_user"] if best else None,
+        "at_capacity": best["summary"] if best else None,
+        "runs": runs,
+    }
+
+
+def pareto(points: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+    """Points (tok/s per user, tok/s per GPU, label) no other point beats on both axes."""
+    front: list[tuple[float, float, str]] = []
+    for user, gpu, label in sorted(points, key=lambda p: (-p[0], -p[1])):
+        if not front or gpu > front[-1][1]:
+            front.append((user, gpu, label))
+    return front
+
+
+def plan_capacity(
+    c: ClusterSettings,
+    gpus: int,
+    slo_text: str | None,
+    budgets: tuple[int, ...] = (512, 2048, 8192),
+    tp_sizes: tuple[int, ...] = TP_SIZES,
+    processes: int | None = None,
+    horizon_s: float = HORIZON_S,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Search every configuration of ``gpus`` GPUs; the best of each kind, the winner and its
+    margin, and the Pareto frontier of all runs that met the SLOs."""
+    if gpus < 1:
+        raise SpecError(f"--gpus must be >= 1, got {gpus}")
+    slo = parse_plan_slo(slo_text)
+    c.validate()
+    if not budgets or min(budgets) < 1 or not tp_sizes or min(tp_sizes) < 1:
+        raise SpecError("--plan-budgets and --plan-tp take positive integers")
+    cands = candidates(c, gpus, budgets, tp_sizes)
+    if not cands:
+        raise SpecError(f"no configuration of {c.base.model} fits {gpus} GPUs")
+    workers = processes or os.cpu_count() or 1
+    found: list[dict[str, Any]] = []
+
+    def done(f: dict[str, Any]) -> None:
+        found.append(f)
+        if progress is not None:
+            progress(
+                f"{len(found)}/{len(cands)} {f['label']}: "
+                + (f"{f['capacity_req_s']:.3g} req/s" if "error" not in f else f["error"])
+            )
+
+    if workers > 1 and len(cands) > 1:
+        with ProcessPoolExecutor(max_workers=min(workers, len(cands))) as pool:
+            futures = [pool.submit(search, cand, slo, horizon_s) for cand in cands]
+            for future in as_completed(futures):
+                done(future.result())
+    else:
+        for cand in cands:
+            done(search(cand, slo, horizon_s))
+    order = {cand.label: i for i, cand in enumerate(cands)}
+    found.sort(key=lambda f: order[f["label"]])
+    ranked = sorted((f for f in found if "error" not in f), key=lambda f: -f["req_s_per_gpu"])
+    best = {
+        kind: [f for f in ranked if f["kind"] == kind][:5]
+        for kind in ("colocated", "disaggregated")
+    }
+    points = [
+        (run["tok_s_per_user"], run["tok_s_per_gpu"], f"{f['label']} @ {run['rate']:.3g}/s")
+        for f in ranked
+        for run in f["runs"]
+        if run["meets"] and run["tok_s_per_user"]
+    ]
+    winner = ranked[0] if ranked and ranked[0]["req_s_per_gpu"] > 0 else None
+    margin = None
+    if winner:
+        other = "disaggregated" if winner["kind"] == "colocated" else "colocated"
+        rival = best[other][0] if best[other] else None
+        if rival and rival["req_s_per_gpu"] > 0:
+            margin = winner["req_s_per_gpu"] / rival["req_s_per_gpu"]
+    return {
+        "gpus": gpus,
+        "model": c.base.model,
+        "device": c.base.device,
+        "slo": slo.limits,
+        "workload": {
+            "input_len": c.base.input_len,
+            "output_len": c.base.output_len,
+            "num_prompts": c.base.num_prompts,
+            "seed": c.base.seed,
+        },
+        "searched": len(cands),
+        "skipped": [{"label": f["label"], "error": f["error"]} for f in found if "error" in f],
+        "top": best,
+        "winner": winner,
+        "margin_over_other_kind": margin,
+        "frontier": [
+            {"tok_s_per_user": u, "tok_s_per_gpu": g, "run": lbl} for u, g, lbl in pareto(points)
+        ],
+        "configurations": found,
+    }
+
+
+def render_plan(plan: dict[str, Any]) -> list[str]:
+    slo = ", ".join(f"{k}={v * 1e3:g}ms" for k, v in plan["slo"].items())
+    lines = [
+        f"[bold]capacity plan[/]: {plan['model']} on {plan['gpus']} x {plan['device']}, SLO "
+        f"{slo}; {plan['searched']} configurations searched"
+    ]
+    for kind, rows in plan["top"].items():
+        lines.append(f"  best {kind}:")
+        for f in rows:
+            lines.append(
+                f"    {f['label']:<34} {f['capacity_req_s']:8.2f} req/s  "
+                f"{f['req_s_per_gpu']:6.3f} req/s/GPU  {f['tok_s_per_gpu']:8.1f} tok/s/GPU  "
+                f"{f['tok_s_per_user'] or 0:6.1f} tok/s/user"
+            )
+        if not rows:
+            lines.append("    (none meets the SLOs)")
+    w = plan["winner"]
+    if w:
+        margin = plan["margin_over_other_kind"]
+        lines.append(
+            f"  winner: {w['kind']} {w['label']}, {w['req_s_per_gpu']:.3f} req/s per GPU"
+            + ("" if margin is None else f", {margin:.2f}x the best of the other kind")
+        )
+    else:
+        lines.append("  no configuration meets the SLOs at any rate searched")
+    lines.append("  Pareto frontier (tok/s per user -> tok/s per GPU):")
+    front = plan["frontier"]
+    stride = max(1, math.ceil(len(front) / 12))
+    for p in front[::stride] + ([front[-1]] if front and (len(front) - 1) % stride else []):
+        lines.append(f"    {p['tok_s_per_user']:7.1f} -> {p['tok_s_per_gpu']:8.1f}  {p['run']}")
+    for s in plan["skipped"]:
+        lines.append(f"  skipped {s['label']}: {s['error']}")
+    return lines
+
+
+def plot_plan(plan: dict[str, Any], path: Path) -> None:
+    """Every run that met the SLOs, by kind, and the frontier through them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for kind, marker in (("colocated", "o"), ("disaggregated", "s")):
+        pts = [
+            (run["tok_s_per_user"], run["tok_s_per_gpu"])
+            for f in plan["configurations"]
+            if f["kind"] == kind
+            for run in f["runs"]
+            if run["meets"] and run["tok_s_per_user"]
+        ]
+        if pts:
+            ax.scatter(*zip(*pts, strict=True), marker=marker, alpha=0.5, label=kind)
+    front = plan["frontier"]
+    if front:
+        ax.plot([p["tok_s_per_user"] for p in front], [p["tok_s_per_gpu"] for p in front],
+                "k-", label="Pareto frontier")  # fmt: skip
+    ax.set_xlabel("output tokens/s per user (1 / median TPOT)")
+    ax.set_ylabel("output tokens/s per GPU")
+    ax.set_title(f"{plan['model']} on {plan['gpus']} x {plan['device']}: runs within the SLOs")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

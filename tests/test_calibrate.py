@@ -1,0 +1,213 @@
+"""`simulate --calibrate`: the cost parameters fitted to a probe file. The probe here is made by
+the simulator itself with known parameters, so the fit has a right answer to recover; the real
+engine's calibration is checked end to end by bench/validate_simulator.py."""
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pdscope.analysis.calibrate import fit, observations, prefill_steps
+from pdscope.cli import app
+from pdscope.client.trace import Trace, trace_from_timeline
+from pdscope.engine.scheduler import SchedulerConfig
+from pdscope.engine.simulator import SimRequest, Simulator
+from pdscope.roofline.step_cost import CostModel, CostParams
+from pdscope.specs import SpecError, get_kv_precision, get_weight_precision, load_model
+
+MODEL = "llama-3.2-1b"
+TRUE = CostParams(30.0, 0.5, step_overhead_s=0.003, seq_overhead_s=0.0005, request_overhead_s=0.004)
+BUDGET = 2048
+
+
+def cost(params: CostParams = TRUE) -> CostModel:
+    return CostModel(
+        load_model(MODEL), get_weight_precision("bf16"), get_kv_precision("bf16"), params
+    )
+
+
+def simulated_probe(batch_streams: int = 8) -> dict:
+    """A probe's requests (sweep, prefix, context, batched decode) run on a simulated server
+    with the TRUE parameters, saved as probe writes them."""
+    model = cost()
+    sim = Simulator(
+        SchedulerConfig(BUDGET, 64, 8192),
+        num_blocks=8192,
+        block_size=16,
+        step_seconds=lambda out: model.step(out.scheduled).seconds,
+        admission_delay_s=TRUE.request_overhead_s,
+    )
+    traces: list[Trace] = []
+    counter = iter(range(10**6))
+
+    def send(prompts: list[list[int]], label: str, output: int = 64) -> None:
+        start = sim.now_s + 0.5  # the server is idle between the probe's requests
+        specs = [SimRequest(p, output, arrival_s=start) for p in prompts]
+        result = sim.run(specs)
+        for request in result.requests:
+            trace = trace_from_timeline(
+                request.timeline, api="openai-completions", url="sim", model=MODEL, label=label
+            )
+            trace.prompt_tokens_asked = len(request.prompt_token_ids)
+            traces.append(trace)
+
+    def fresh(n: int) -> list[int]:
+        base = next(counter) * 100_000
+        return list(range(base, base + n))
+
+    send([fresh(200)], "cold")
+    for n in (200, 500, 1000, 2000):
+        for _ in range(3):
+            send([fresh(n)], "sweep")
+    shared = fresh(2000)
+    send([shared + fresh(16)], "prefix-cold")
+    send([shared + fresh(16)], "prefix-warm")
+    for label, n in (("context-short", 64), ("context-long", 3000)):
+        for _ in range(2):
+            send([fresh(n)], label)
+    if batch_streams:
+        send([fresh(64) for _ in range(batch_streams)], "batch-decode")
+    return {
+        "runtime": {"name": "pdscope", "max_model_len": 8192},
+        "served_model": {"name": MODEL},
+        "traces": [t.to_dict() for t in traces],
+    }
+
+
+def test_prefill_steps_follow_the_budget_and_never_cover_the_last_token() -> None:
+    steps = prefill_steps(5000, 0, 2048)
+    assert [(s[0].start, s[0].num_new_tokens, s[0].samples) for s in steps] == [
+        (0, 2048, False),
+        (2048, 2048, False),
+        (4096, 904, True),
+    ]
+    (only,) = prefill_steps(100, 100, 2048)  # a whole-prompt hit still computes the last token
+    assert (only[0].start, only[0].num_new_tokens) == (99, 1)
+
+
+def test_the_fit_recovers_the_parameters_a_probe_was_made_with() -> None:
+    probe = json.loads(json.dumps(simulated_probe()))  # through JSON, as a saved file is
+    obs = observations(probe, BUDGET)
+    kinds = [o.kind for o in obs]
+    assert kinds.count("batch-decode") == 1
+    assert not any(o.label.startswith("cold ") for o in obs)  # the cold request is left out
+    assert any(o.label == "prefix-warm 2016 tok (2000 cached)" for o in obs)
+    start = CostParams(100.0, 10.0)  # far from the truth
+    calibration = fit(cost(start), obs)
+    p = calibration.params
+    assert p.bandwidth_gb_s == pytest.approx(TRUE.bandwidth_gb_s, rel=0.02)
+    assert p.tflops == pytest.approx(TRUE.tflops, rel=0.02)
+    assert p.step_overhead_s == pytest.approx(TRUE.step_overhead_s, rel=0.05)
+    assert p.seq_overhead_s == pytest.approx(TRUE.seq_overhead_s, rel=0.1)
+    assert p.request_overhead_s == pytest.approx(TRUE.request_overhead_s, rel=0.1)
+    assert max(abs(r.error) for r in calibration.residuals) < 0.01
+    assert not calibration.notes
+
+
+def test_without_a_batched_decode_the_per_sequence_cost_is_held_at_zero_and_said() -> None:
+    obs = observations(simulated_probe(batch_streams=0), BUDGET)
+    calibration = fit(cost(CostParams(100.0, 10.0)), obs)
+    assert calibration.params.seq_overhead_s == 0.0
+    assert "--batch-streams" in calibration.notes[0]
+    # one stream cannot split the overheads, but it still prices a step: the sum is recovered
+    one = calibration.params.step_overhead_s
+    assert one == pytest.approx(TRUE.step_overhead_s + TRUE.seq_overhead_s, rel=0.05)
+
+
+def test_a_probe_with_no_answered_decode_cannot_be_fitted() -> None:
+    probe = simulated_probe(batch_streams=0)
+    probe["traces"] = [t for t in probe["traces"] if t["label"] == "sweep"][:1]
+    for t in probe["traces"]:
+        t["chunks"] = t["chunks"][:1]  # one chunk: a TTFT, no decode
+    with pytest.raises(SpecError, match="prefill and decode"):
+        fit(cost(), observations(probe, BUDGET))
+
+
+def test_simulate_cli_calibrates_prints_the_fit_and_records_it(tmp_path: Path) -> None:
+    probe_file = tmp_path / "probe.json"
+    probe_file.write_text(json.dumps(simulated_probe()))
+    saved = tmp_path / "sim.json"
+    result = CliRunner().invoke(
+        app,
+        [
+            "simulate", "--calibrate", str(probe_file), "--model", MODEL, "--num-prompts", "8",
+            "--kv-cache-memory", "1GiB", "--save-result", str(saved),
+        ],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "calibration residuals" in result.output and "batch-decode x8" in result.output
+    data = json.loads(saved.read_text())
+    cal = data["metadata"]["calibration"]
+    assert cal["bandwidth_gb_s"] == pytest.approx(30.0, rel=0.02)
+    assert data["metadata"]["device"] == "calibrated"
+    assert data["metadata"]["cost_params"]["source"] == f"fitted to {probe_file}"
+    assert data["completed"] == 8
+
+
+@pytest.mark.parametrize(
+    ("content", "extra", "message"),
+    [
+        ("not json", [], "cannot read"),
+        ('{"runtime": {}}', [], "not a `pdscope probe --json` file"),
+        ('{"traces": [], "served_model": {}}', [], "--model"),
+        ('{"traces": []}', ["--model", MODEL], "prefill and decode"),
+        ('{"traces": []}', ["--model", MODEL, "--step-overhead-ms", "1"], "--step-overhead-ms"),
+    ],
+)
+def test_simulate_cli_refuses_a_bad_probe_file_with_exit_2(
+    tmp_path: Path, content: str, extra: list[str], message: str
+) -> None:
+    probe_file = tmp_path / "probe.json"
+    probe_file.write_text(content)
+    result = CliRunner().invoke(
+        app, ["simulate", "--calibrate", str(probe_file), "--num-prompts", "4", *extra]
+    )
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split())  # the error line may wrap
+
+
+@pytest.mark.slow
+def test_calibrated_simulation_tracks_the_real_engine_end_to_end(tiny_model, tmp_path) -> None:
+    """One small validation case end to end (bench/validate_simulator.py runs the full set):
+    probe a real server, calibrate from its JSON, then bench and simulate the same workload.
+    On a shared 2-core host the bounds are loose (a factor of 2.5): they catch a broken fit or
+    a unit error, not a 10% drift, which the validation table records."""
+    from tests.conftest import start_server
+
+    server = start_server(tiny_model, tmp_path, "--kv-cache-memory", "32MiB")
+    probe_file, real_file, sim_file = (tmp_path / f"{n}.json" for n in ("probe", "real", "sim"))
+    runner = CliRunner()
+    load = ["--input-len", "64", "--output-len", "32", "--num-prompts", "12", "--seed", "3"]
+    try:
+        probed = runner.invoke(
+            app,
+            [
+                "probe", server.url, "--json", str(probe_file), "--prompt-tokens", "64,256,512",
+                "--repeats", "2", "--output-tokens", "16", "--batch-streams", "4",
+            ],
+        )  # fmt: skip
+        assert probe_file.is_file(), probed.output
+        benched = runner.invoke(
+            app,
+            ["bench", server.url, *load, "--max-concurrency", "4", "--save-result",
+             str(real_file)],
+        )  # fmt: skip
+        assert benched.exit_code == 0, benched.output
+    finally:
+        server.stop()
+    max_len = json.loads(probe_file.read_text())["runtime"]["max_model_len"]
+    simulated = runner.invoke(
+        app,
+        [
+            "simulate", "--calibrate", str(probe_file), *load, "--max-concurrency", "4",
+            "--kv-cache-memory", "32MiB", "--max-model-len", str(max_len),
+            "--max-num-seqs", "64", "--save-result", str(sim_file),
+        ],
+    )  # fmt: skip
+    assert simulated.exit_code == 0, simulated.output
+    real, sim = (json.loads(f.read_text()) for f in (real_file, sim_file))
+    assert sim["completed"] == real["completed"] == 12
+    assert sim["metadata"]["calibration"]["residuals"]
+    for key in ("median_tpot_ms", "median_ttft_ms", "output_throughput"):
+        assert 1 / 2.5 < sim[key] / real[key] < 2.5, (key, sim[key], real[key])
