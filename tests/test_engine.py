@@ -14,13 +14,28 @@ from pdscope.checkpoint.make_model import make_model
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-# Every path the kernel trial may choose on a CPU (engine/kernels.py). In float32 only the
-# prefill attention has two candidates; the bf16 tests below cover the linear and decode math.
-FLOAT32_PATHS = ["prefill_attention=blocked", "prefill_attention=sdpa"]
-BF16_PATHS = [
-    "linear=packed,prefill_attention=blocked,decode_math=float32",
-    "linear=plain,prefill_attention=sdpa,decode_math=native",
+# Every path the kernel trial may choose on a CPU (engine/kernels.py), each candidate in at
+# least one row. In float32 the prefill attention and the decode ops have two candidates (the
+# prefill one runs in prefill steps, the other in decode-only steps, so they do not interact);
+# the bf16 tests below cover the linear and decode math too.
+FLOAT32_PATHS = [
+    "prefill_attention=blocked,decode_ops=torch",
+    "prefill_attention=sdpa,decode_ops=c",
 ]
+BF16_PATHS = [
+    "linear=packed,prefill_attention=blocked,decode_math=float32,decode_ops=torch",
+    "linear=plain,prefill_attention=sdpa,decode_math=native,decode_ops=c",
+]
+
+
+@pytest.fixture(autouse=True)
+def _needs_a_compiler_for_c(request: pytest.FixtureRequest) -> None:
+    """The C decode kernels build with any C compiler; a machine without one runs the rest."""
+    from pdscope.engine.native import compiler
+
+    kernels = getattr(request.node, "callspec", None)
+    if kernels and "decode_ops=c" in str(kernels.params.get("kernels", "")) and not compiler():
+        pytest.skip("no C compiler: the C decode kernels cannot be built here")
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +150,7 @@ def baseline(path: Path, ps: list[list[int]]) -> list[list[int]]:
             kv_cache_memory="8MiB",
             enable_prefix_caching=False,
             max_num_batched_tokens=2048,
+            kernels="decode_ops=torch",  # the PyTorch path is the reference
         )
         results.append(llm.generate(p, GREEDY)[0].token_ids)
     return results
@@ -247,3 +263,27 @@ def test_a_one_token_last_chunk_is_prefill_everywhere(checkpoints) -> None:
     assert [(s.prefill_tokens, s.decode_tokens) for s in steps[:3]] == [(16, 0), (1, 0), (0, 1)]
     assert out.timeline.prefill_chunks[1][1] == 1
     assert sum(n for _, n in out.timeline.prefill_chunks) == 17
+
+
+@pytest.mark.parametrize("kernels", [FLOAT32_PATHS[1]])  # the C decode path
+def test_c_path_hands_long_contexts_to_sdpa_in_place(
+    checkpoints, reference, monkeypatch: pytest.MonkeyPatch, kernels: str
+) -> None:
+    """With the long-context threshold at one key, every single-sequence decode of the C path
+    attends through torch's SDPA over its cache in place: same tokens as the reference."""
+    from pdscope.engine import runner
+
+    monkeypatch.setattr(runner, "NATIVE_SDPA_FROM_KEYS", 1)
+    ps, expected = reference
+    llm = LLM(model=str(checkpoints["qwen3"]), kv_cache_memory="8MiB", kernels=kernels)
+    seen: list[bool] = []
+    build = runner.ModelRunner._native_decode_batch
+
+    def spy(self, *args):
+        batch = build(self, *args)
+        seen.append(batch.decode_runs is not None)
+        return batch
+
+    monkeypatch.setattr(runner.ModelRunner, "_native_decode_batch", spy)
+    assert [llm.generate(p, GREEDY)[0].token_ids for p in ps] == expected
+    assert seen and all(seen)

@@ -16,13 +16,16 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-from pdscope import LLM
+from pdscope import LLM, SamplingParams
 from pdscope.checkpoint.make_model import make_model
+from pdscope.engine import native
 from pdscope.engine.kernels import OPTIONS, TrialShapes, choose, cpu_flags, parse_kernels
 from pdscope.engine.model import (
     Attention,
     AttentionBatch,
     ModelConfig,
+    RMSNorm,
+    apply_rope,
     block_rows,
     can_decode_in_place,
     slot_runs,
@@ -81,7 +84,12 @@ def test_trial_picks_the_faster_candidate_and_caches_it(tmp_path: Path) -> None:
 
     first = choose(trials(), {}, SHAPES, tmp_path)
     assert first.prefill_attention == "sdpa"
-    assert first.how == {"linear": "fixed", "prefill_attention": "measured", "decode_math": "fixed"}
+    assert first.how == {
+        "linear": "fixed",
+        "prefill_attention": "measured",
+        "decode_math": "fixed",
+        "decode_ops": "fixed",
+    }
     assert set(first.trial_s) == {"prefill_attention=blocked", "prefill_attention=sdpa"}
     # Interleaved: after the warm-ups, the candidates alternate.
     assert calls[2:6] == ["blocked", "sdpa", "blocked", "sdpa"]
@@ -112,7 +120,7 @@ def test_engine_logs_applies_and_reports_its_choice(
 ) -> None:
     from pdscope.server.metrics import EngineMetrics
 
-    forced = "linear=plain,prefill_attention=sdpa,decode_math=native"
+    forced = "linear=plain,prefill_attention=sdpa,decode_math=native,decode_ops=torch"
     with caplog.at_level("INFO", logger="pdscope.engine"):
         llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels=forced)
     choice = llm.engine.kernels
@@ -130,7 +138,8 @@ def test_engine_logs_applies_and_reports_its_choice(
     text = generate_latest(EngineMetrics(llm.engine, "tiny").registry).decode()
     line = next(ln for ln in text.splitlines() if ln.startswith("pdscope:build_info{"))
     assert 'linear="plain"' in line and 'prefill_attention="sdpa"' in line
-    assert 'decode_math="native"' in line and line.endswith(" 1.0")
+    assert 'decode_math="native"' in line and 'decode_ops="torch"' in line
+    assert line.endswith(" 1.0")
 
 
 def test_auto_measures_every_path_that_has_two_candidates(
@@ -142,6 +151,8 @@ def test_auto_measures_every_path_that_has_two_candidates(
     expected = {"prefill_attention", "decode_math"}
     if torch.backends.mkldnn.is_available():
         expected.add("linear")
+    if native.compiler():
+        expected.add("decode_ops")
     assert {p for p, how in choice.how.items() if how == "measured"} == expected
     for path in OPTIONS:
         assert getattr(choice, path) in OPTIONS[path]
@@ -245,7 +256,171 @@ def test_fragmented_context_falls_back_to_the_gather() -> None:
 
 def test_a_float32_model_reports_the_paths_it_really_runs(tmp_path: Path) -> None:
     path = make_model(tmp_path / "f32", "tiny", dtype="float32")
-    choice = LLM(model=str(path), kv_cache_memory="8MiB", kernels="prefill_attention=sdpa")
+    forced = "prefill_attention=sdpa,decode_ops=torch"
+    choice = LLM(model=str(path), kv_cache_memory="8MiB", kernels=forced)
     kernels = choice.engine.kernels
-    assert kernels.how == {"linear": "fixed", "prefill_attention": "forced", "decode_math": "fixed"}
+    assert kernels.how == {
+        "linear": "fixed",
+        "prefill_attention": "forced",
+        "decode_math": "fixed",
+        "decode_ops": "forced",
+    }
     assert (kernels.linear, kernels.decode_math) == ("plain", "float32")  # nothing to pack
+
+
+needs_cc = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
+
+
+@pytest.fixture(scope="module")
+def c_ops(tmp_path_factory: pytest.TempPathFactory) -> native.NativeOps:
+    ops = native.load(tmp_path_factory.mktemp("native"))
+    assert ops is not None, "a C compiler is here but the kernels did not build (see the log)"
+    return ops
+
+
+def _tolerance(dtype: torch.dtype) -> dict[str, float]:
+    if dtype == torch.float32:
+        return {"atol": 2e-6, "rtol": 2e-5}
+    return {"atol": 2e-2, "rtol": 2e-2}  # one bf16 rounding of results of magnitude ~1
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 64])  # 64 takes the compiled-in size, 16 the generic
+def test_c_paged_decode_attention_matches_a_float64_reference(
+    c_ops: native.NativeOps, dtype: torch.dtype, head_dim: int
+) -> None:
+    """Four sequences over scattered and adjacent blocks: a context ending mid-block, one of a
+    single key, one with a window (keys from position 5), one long enough to be cut into parts
+    attended in parallel and merged."""
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, block, blocks = 8, 2, 4, 400
+    cache = torch.randn(2, kv_heads, blocks * block, head_dim, generator=gen).to(dtype)
+    order = torch.randperm(blocks, generator=gen).tolist()
+    tables = [order[:5], [order[5]], order[6:10], list(range(10, 310))]  # the last: adjacent
+    bounds = [(0, 18), (0, 1), (5, 15), (0, 1197)]
+    width = max(len(t) for t in tables)
+    table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(4, heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+    out = c_ops.decode_attention(q, cache, table_t, torch.tensor(bounds), block, scale)
+    for i, (lo, hi) in enumerate(bounds):
+        slots = torch.tensor([tables[i][p // block] * block + p % block for p in range(lo, hi)])
+        k, v = cache[0][:, slots].double(), cache[1][:, slots].double()
+        qi = q[i].double().view(kv_heads, heads // kv_heads, head_dim)
+        ref = ((qi @ k.transpose(-1, -2)) * scale).softmax(-1) @ v
+        torch.testing.assert_close(
+            out[i].double(), ref.reshape(heads, head_dim), **_tolerance(dtype)
+        )
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_c_rope_and_kv_write_match_the_pytorch_ops(
+    c_ops: native.NativeOps, dtype: torch.dtype, qk_norm: bool
+) -> None:
+    """Three tokens at scattered positions and slots: q returned rotated, K rotated and V as is
+    written into their slots, nothing else in the cache touched; Qwen3's per-head q/k norms."""
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, slots = 4, 2, 16, 40
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    positions, slot_mapping = torch.tensor([0, 17, 5]), torch.tensor([9, 30, 2])
+    angles = torch.outer(torch.arange(32.0), torch.rand(dim // 2, generator=gen))
+    cos = torch.cat((angles.cos(), angles.cos()), -1)
+    sin = torch.cat((-angles.sin(), angles.sin()), -1)
+    norms = [RMSNorm(dim, 1e-6).to(dtype) for _ in range(2)] if qk_norm else [None, None]
+    for norm in norms:
+        if norm is not None:
+            norm.weight.data = (1 + torch.randn(dim, generator=gen)).to(dtype)
+    cache = torch.randn(2, kv_heads, slots, dim, generator=gen).to(dtype)
+    before = cache.clone()
+    with torch.no_grad():
+        q = c_ops.qkv_rope_store(
+            qkv,
+            cache,
+            positions,
+            slot_mapping,
+            cos,
+            sin,
+            heads,
+            None if norms[0] is None else norms[0].weight,
+            None if norms[1] is None else norms[1].weight,
+            1e-6,
+        )
+        x = qkv.double().view(3, heads + 2 * kv_heads, dim)
+        qk = x[:, : heads + kv_heads]
+        if qk_norm:
+            weights = torch.cat(
+                [norms[0].weight.double()[None].expand(heads, dim)]
+                + [norms[1].weight.double()[None].expand(kv_heads, dim)]
+            )
+            qk = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + 1e-6) * weights
+        qk = apply_rope(qk, cos[positions].double()[:, None], sin[positions].double()[:, None])
+    tol = _tolerance(dtype)
+    torch.testing.assert_close(q.double(), qk[:, :heads], **tol)
+    torch.testing.assert_close(
+        cache[0][:, slot_mapping].transpose(0, 1).double(), qk[:, heads:], **tol
+    )
+    assert torch.equal(cache[1][:, slot_mapping].transpose(0, 1), qkv.view(3, -1, dim)[:, -2:])
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[slot_mapping] = False
+    assert torch.equal(cache[:, :, untouched], before[:, :, untouched])
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_rms_norm_fuses_the_residual_add(c_ops: native.NativeOps, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(4)
+    x, residual = (torch.randn(5, 96, generator=gen).to(dtype) for _ in range(2))
+    weight = (1 + torch.randn(96, generator=gen)).to(dtype)
+    plain = c_ops.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(plain, torch.nn.functional.rms_norm(x, (96,), weight, 1e-5))
+    summed = residual + x  # rounded to the dtype, as the model's residual stream is
+    fused = c_ops.rms_norm(x, weight, 1e-5, residual=residual)
+    assert torch.equal(residual, summed)
+    ref = torch.nn.functional.rms_norm(summed.double(), (96,), weight.double(), 1e-5)
+    torch.testing.assert_close(fused.double(), ref, **_tolerance(dtype))
+    with pytest.raises(ValueError, match="contiguous"):
+        c_ops.rms_norm(x.t(), weight, 1e-5)
+
+
+@needs_cc
+def test_the_c_build_is_cached_and_shared(tmp_path: Path) -> None:
+    first = native.build(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert native.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+    assert native.load(tmp_path) is native.load(tmp_path)  # loaded once per process
+
+
+def test_without_a_compiler_the_engine_keeps_the_pytorch_path(
+    tiny_bf16: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No compiler on PATH: a warning, decode_ops fixed at torch, generation still works, and
+    forcing the C kernels is a clear error. A compiler that fails is the same."""
+    failing = tmp_path / "bin" / "cc"
+    failing.parent.mkdir()
+    failing.write_text("#!/bin/sh\necho 'cc: error: no such thing' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    others = "linear=plain,prefill_attention=sdpa,decode_math=native"  # only decode_ops open
+    for path_env, cc in ((str(tmp_path / "empty"), ""), (str(failing.parent), str(failing))):
+        cache = tmp_path / f"cache{len(cc)}"
+        monkeypatch.setenv("PDSCOPE_CACHE", str(cache))
+        monkeypatch.setenv("PATH", path_env)
+        monkeypatch.setenv("CC", cc)
+        with caplog.at_level("WARNING", logger="pdscope.engine"):
+            llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels=others)
+        assert any("C decode kernels unavailable" in r.getMessage() for r in caplog.records)
+        assert (llm.engine.kernels.decode_ops, llm.engine.kernels.how["decode_ops"]) == (
+            "torch",
+            "fixed",
+        )
+        assert llm.engine.runner.model.native is None
+        assert len(llm.generate([5, 6, 7], SamplingParams(max_tokens=4))[0].token_ids) == 4
+        with pytest.raises(ValueError, match="decode_ops=c needs the C kernels"):
+            LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels="decode_ops=c")
+        caplog.clear()

@@ -15,6 +15,10 @@ Paths (every candidate computes the same function; tests pin each against transf
   can see) or ``sdpa`` (torch's fused kernel). CPU only; CUDA always takes SDPA.
 * ``decode_math``: ``float32`` (small decode batches convert their context to float32 first)
   or ``native`` (the model dtype throughout). Only bf16 on CPU differs.
+* ``decode_ops``: ``torch`` (the PyTorch ops: the reference) or ``c`` (engine/native.py's C
+  kernels: rope and the K/V write in one call, paged attention over the block tables in place,
+  each residual add fused into the next norm) for steps of decodes only. CPU only, and only
+  where a C compiler built the kernels.
 """
 
 from __future__ import annotations
@@ -38,11 +42,12 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "linear": ("packed", "plain"),
     "prefill_attention": ("blocked", "sdpa"),
     "decode_math": ("float32", "native"),
+    "decode_ops": ("torch", "c"),
 }
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
-_TRIAL_VERSION = 1
+_TRIAL_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,7 @@ class KernelChoice:
     linear: str = "packed"
     prefill_attention: str = "blocked"
     decode_math: str = "float32"
+    decode_ops: str = "torch"
     # per path: "measured", "cached", "forced", or "fixed" (only one candidate applies here)
     how: dict[str, str] = field(default_factory=dict, compare=False)
     # per candidate: median seconds of the trial, for the log and the cache file

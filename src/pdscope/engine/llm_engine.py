@@ -117,10 +117,19 @@ class LLMEngine:
         """Time each machine-dependent path on this model's shapes (or read the cached
         outcome), then point the model at the winners."""
         from pdscope.checkpoint.make_model import default_cache_dir
+        from pdscope.engine import native
 
         c = self.model.config
         prefill_tokens = min(self.args.max_num_batched_tokens, self.max_model_len)
-        trials = kernel_trials(self.model, prefill_tokens)
+        ops = None
+        if native.supports(self.dtype, self.device) and forced.get("decode_ops") != "torch":
+            ops = native.load(default_cache_dir() / "native")
+            if ops is None and forced.get("decode_ops") == "c":
+                raise ValueError(
+                    "kernels: decode_ops=c needs the C kernels, which could not be built "
+                    "(see the warning above; a C compiler on PATH or in $CC)"
+                )
+        trials = kernel_trials(self.model, prefill_tokens, ops)
         shapes = TrialShapes(
             dtype=str(self.dtype).removeprefix("torch."),
             hidden=c.hidden_size,
@@ -137,9 +146,12 @@ class LLMEngine:
             "linear": "packed" if can_pack(self.dtype, self.device) else "plain",
             "prefill_attention": "blocked" if cpu else "sdpa",
             "decode_math": "float32" if cpu or self.dtype == torch.float32 else "native",
+            "decode_ops": "torch",  # no C kernels here (a GPU, or no compiler)
         }
+        if forced.get("decode_ops") == "c" and ops is None:
+            raise ValueError(f"kernels: decode_ops=c runs on CPU only (device {self.device})")
         choice = choose(trials, forced, shapes, default_cache_dir() / "kernels", fixed=fixed)
-        apply_kernels(self.model, choice)
+        apply_kernels(self.model, choice, ops)
         return choice
 
     def _kv_budget_bytes(self) -> int:

@@ -23,6 +23,7 @@ from pdscope.specs import architectures as registry
 
 if TYPE_CHECKING:
     from pdscope.engine.kernels import KernelChoice
+    from pdscope.engine.native import NativeOps
 
 # Decode batches of 2 up to this many sequences may do attention math in float32 on CPU (see
 # _decode; the kernel choice's decode_math says whether they do).
@@ -139,7 +140,8 @@ class AttentionBatch:
     before the chunk, cache rows of the whole context's blocks, or None when nothing was cached).
     ``decode_runs``, for a single decoding sequence, lists its attended keys as runs of
     consecutive cache slots (first slot, length), in position order; ``decode_rows`` may then
-    be None.
+    be None. With ``decode_tables`` set the step is decodes only and takes the C kernels;
+    the PyTorch path's decode fields are then unused.
     """
 
     slot_mapping: torch.Tensor
@@ -150,6 +152,12 @@ class AttentionBatch:
     decode_mask: torch.Tensor | None
     prefills: list[tuple[int, int, int, torch.Tensor | None]]
     decode_runs: list[tuple[int, int]] | None = None
+    # A step of decodes only, run through the C kernels (engine/native.py): each sequence's
+    # block table [D, width] and attended key positions [D, 2] (lo, hi), read in place; the
+    # token positions index the model's float32 rope tables there.
+    decode_tables: torch.Tensor | None = None
+    decode_bounds: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
 
 
 def slot_runs(table: list[int], lo: int, hi: int, block_size: int) -> list[tuple[int, int]]:
@@ -289,6 +297,7 @@ class Attention(nn.Module):
         # Set by apply_kernels from the machine's kernel choice (see kernels.py).
         self.prefill_sdpa = False
         self.decode_float32 = True
+        self.native: NativeOps | None = None
 
     def forward(
         self,
@@ -300,6 +309,54 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
+        if batch.decode_tables is not None:
+            out = self._native_decode(qkv, cos, sin, kv_cache, batch)
+        else:
+            out = self._attention(qkv, cos, sin, kv_cache, batch)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+    def _native_decode(
+        self,
+        qkv: torch.Tensor,
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
+        kv_cache: torch.Tensor,
+        batch: AttentionBatch,
+    ) -> torch.Tensor:
+        """A decodes-only step through the C kernels: q/k norms, rope and the K/V write in one
+        call, then paged attention over each block table in place. ``cos_table``/``sin_table``
+        are the model's whole float32 tables, indexed by ``batch.positions`` inside the call."""
+        assert self.native is not None
+        assert batch.positions is not None and batch.decode_bounds is not None
+        q_norm, k_norm = self.q_norm, self.k_norm
+        q = self.native.qkv_rope_store(
+            qkv,
+            kv_cache,
+            batch.positions,
+            batch.slot_mapping,
+            cos_table,
+            sin_table,
+            self.num_heads,
+            None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight,
+            q_norm.eps if q_norm is not None else 0.0,
+        )
+        if batch.decode_runs is not None:  # one long context: SDPA in place (runner.py)
+            return self._decode_in_place(q, kv_cache, batch.decode_runs)
+        return self.native.decode_attention(
+            q, kv_cache, batch.decode_tables, batch.decode_bounds, batch.block_size, self.scale
+        )
+
+    def _attention(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        batch: AttentionBatch,
+    ) -> torch.Tensor:
+        """The PyTorch path (the reference): [tokens, heads, dim] attention outputs."""
+        tokens = qkv.shape[0]
         qk_width = self.q_size + self.kv_size
         v = qkv[:, qk_width:].view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
@@ -329,8 +386,7 @@ class Attention(nn.Module):
                     q[start:end], k[start:end], v[start:end], cached, rows, kv_cache, batch
                 )
             )
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _decode(
         self, q: torch.Tensor, kv_cache: torch.Tensor, batch: AttentionBatch
@@ -516,6 +572,7 @@ class CausalLM(nn.Module):
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.init_rope(max_positions, torch.get_default_device())
+        self.native: NativeOps | None = None  # the C decode kernels, when the choice says so
 
     def init_rope(self, max_positions: int, device: torch.device) -> None:
         """Rotary cos/sin tables for positions 0..max_positions-1, float32 like Hugging Face."""
@@ -534,6 +591,8 @@ class CausalLM(nn.Module):
         batch: AttentionBatch,
     ) -> torch.Tensor:
         """Hidden states [tokens, hidden] after the final norm (logits are the caller's choice)."""
+        if batch.decode_tables is not None:
+            return self._native_decode(input_ids, kv_caches, batch)
         x = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
@@ -541,12 +600,35 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, kv_cache, batch)
         return self.norm(x)
 
+    def _native_decode(
+        self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], batch: AttentionBatch
+    ) -> torch.Tensor:
+        """The same layers with the C kernels' glue: each residual add is fused into the norm
+        that follows it (``residual += h; h = norm(residual)``), as one call."""
+        native = self.native
+        assert native is not None
+        residual = self.embed_tokens(input_ids)  # a fresh tensor: updated in place below
+        first = self.layers[0].input_layernorm
+        h = native.rms_norm(residual, first.weight, first.eps)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, kv_cache, next_norm in zip(self.layers, kv_caches, norms, strict=True):
+            h = layer.self_attn(h, self.rope_cos, self.rope_sin, kv_cache, batch)
+            post = layer.post_attention_layernorm
+            h = native.rms_norm(h, post.weight, post.eps, residual=residual)
+            h = layer.mlp(h)
+            h = native.rms_norm(h, next_norm.weight, next_norm.eps, residual=residual)
+        return h
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
 
-def apply_kernels(model: CausalLM, choice: KernelChoice) -> None:
-    """Point every module at the paths ``choice`` names (packing or unpacking linears)."""
+def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | None = None) -> None:
+    """Point every module at the paths ``choice`` names (packing or unpacking linears);
+    ``native`` is the loaded C kernels, used when ``choice.decode_ops`` is ``c``."""
+    if choice.decode_ops == "c" and native is None:
+        raise ValueError("decode_ops=c needs the C kernels, which did not load")
+    model.native = native if choice.decode_ops == "c" else None
     for module in model.modules():
         if isinstance(module, Linear):
             if choice.linear == "packed" and module.weight.dtype == torch.bfloat16:
@@ -557,10 +639,11 @@ def apply_kernels(model: CausalLM, choice: KernelChoice) -> None:
         elif isinstance(module, Attention):
             module.prefill_sdpa = choice.prefill_attention == "sdpa"
             module.decode_float32 = choice.decode_math == "float32"
+            module.native = model.native
 
 
 def kernel_trials(
-    model: CausalLM, prefill_tokens: int
+    model: CausalLM, prefill_tokens: int, native: NativeOps | None = None
 ) -> dict[str, Callable[[], dict[str, Callable[[], object]]]]:
     """For each machine-dependent path of ``model`` on this device, a factory of timed
     stand-ins for its candidates, built from the model's own weights and shapes (only when a
@@ -571,7 +654,11 @@ def kernel_trials(
       trial streams from memory as a real step does;
     * prefill attention: layer 0's attention over a fresh chunk of ``prefill_tokens``;
     * decode math: every layer's attention for a batch of the largest size that may take the
-      float32 path, each with 256 tokens of context.
+      float32 path, each with 256 tokens of context;
+    * decode ops (when ``native``, the C kernels, loaded): one decode step's glue at batch 1
+      with 256 tokens of context, every layer: norms, residual adds, rope, the K/V write and
+      attention, through PyTorch or through the C kernels (the linears, the same in both, are
+      left out so that their time does not drown the difference).
     """
     weight = model.embed_tokens.weight
     dtype, device = weight.dtype, weight.device
@@ -584,6 +671,9 @@ def kernel_trials(
         trials["linear"] = lambda: _linear_trial(model)
     if dtype != torch.float32:
         trials["decode_math"] = lambda: _decode_math_trial(model)
+    if native is not None:
+        ops = native
+        trials["decode_ops"] = lambda: _decode_ops_trial(model, ops)
     return trials
 
 
@@ -656,3 +746,59 @@ def _decode_math_trial(model: CausalLM) -> dict[str, Callable[[], object]]:
         return run
 
     return {"float32": decode_with(True), "native": decode_with(False)}
+
+
+def _decode_ops_trial(model: CausalLM, native: NativeOps) -> dict[str, Callable[[], object]]:
+    c, weight = model.config, model.embed_tokens.weight
+    context, block = 256, 16
+    caches = [_random((2, c.num_kv_heads, context, c.head_dim), weight) for _ in model.layers]
+    slot = torch.tensor([context - 1], device=weight.device)
+    position = torch.tensor([context - 1], device=weight.device)
+    torch_batch = AttentionBatch(slot, block, 1, None, (0, context), None, [], [(0, context)])
+    native_batch = AttentionBatch(
+        slot,
+        block,
+        1,
+        None,
+        (0, 0),
+        None,
+        [],
+        decode_tables=torch.arange(context // block, device=weight.device).view(1, -1),
+        decode_bounds=torch.tensor([[0, context]], device=weight.device),
+        positions=position,
+    )
+    width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    qkv = _random((1, width), weight)
+    hidden = _random((1, c.hidden_size), weight)  # stands in for o_proj's and the MLP's outputs
+    residual = hidden.clone()
+
+    def run_torch() -> None:
+        cos = model.rope_cos[position].to(weight.dtype).unsqueeze(1)
+        sin = model.rope_sin[position].to(weight.dtype).unsqueeze(1)
+        for layer, cache in zip(model.layers, caches, strict=True):
+            layer.input_layernorm(hidden)
+            layer.self_attn._attention(qkv, cos, sin, cache, torch_batch)
+            layer.post_attention_layernorm(hidden + hidden)
+
+    def run_native() -> None:
+        for layer, cache in zip(model.layers, caches, strict=True):
+            norm = layer.input_layernorm
+            native.rms_norm(hidden, norm.weight, norm.eps, residual=residual)
+            layer.self_attn._native_decode(qkv, model.rope_cos, model.rope_sin, cache, native_batch)
+            norm = layer.post_attention_layernorm
+            native.rms_norm(hidden, norm.weight, norm.eps, residual=residual)
+
+    def with_native(run: Callable[[], None]) -> Callable[[], None]:
+        def wrapped() -> None:  # _native_decode needs the layers pointed at the kernels
+            before = [layer.self_attn.native for layer in model.layers]
+            for layer in model.layers:
+                layer.self_attn.native = native
+            try:
+                run()
+            finally:
+                for layer, ops in zip(model.layers, before, strict=True):
+                    layer.self_attn.native = ops
+
+        return wrapped
+
+    return {"torch": run_torch, "c": with_native(run_native)}

@@ -16,7 +16,13 @@ from pdscope.engine.model import (
     slot_runs,
 )
 from pdscope.engine.request import Request
-from pdscope.engine.scheduler import SchedulerOutput
+from pdscope.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+# A single sequence attending to at least this many keys takes torch's SDPA over its cache in
+# place inside the C path (rope, K/V write and norms stay C): measured on the AMX Xeon at 2
+# threads, the C attention matched SDPA at one thread but fell behind it at 4,000 keys, where
+# SDPA's bf16 matmuls use AMX; under ~1K keys the C call's lower overhead wins.
+NATIVE_SDPA_FROM_KEYS = 1024
 
 
 class ModelRunner:
@@ -75,7 +81,72 @@ class ModelRunner:
         dev = self.device
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
 
-        bs = self.block_size
+        window = self.model.config.sliding_window
+        if decodes and not prefills and self.model.native is not None:
+            batch = self._native_decode_batch(decodes, slot_mapping, window)
+        else:
+            batch = self._batch(decodes, prefills, slot_mapping, window)
+        hidden = self.model(
+            torch.tensor(ids, device=dev),
+            torch.tensor(positions, device=dev) if batch.positions is None else batch.positions,
+            self.kv_caches,
+            batch,
+        )
+        # Logits only where a token is due: the last position of each caught-up request.
+        due: list[Request] = []
+        rows: list[int] = []
+        offset = 0
+        for e in decodes + prefills:
+            offset += e.num_new_tokens
+            if e.samples:
+                due.append(e.request)
+                rows.append(offset - 1)
+        if not due:
+            return {}
+        logits = self.model.logits(hidden[torch.tensor(rows, device=dev)])
+        if self.capture_logits:
+            self.captured.append(logits.clone())
+        return dict(zip(due, self.sample(logits, due), strict=True))
+
+    def _native_decode_batch(
+        self, decodes: list[ScheduledRequest], slot_mapping: torch.Tensor, window: int | None
+    ) -> AttentionBatch:
+        """A decodes-only step for the C kernels: block tables and key bounds, nothing
+        gathered, no mask (each sequence's keys are cut to its own context and window)."""
+        dev, bs = self.device, self.block_size
+        lengths = [e.end for e in decodes]
+        width = max(-(-length // bs) for length in lengths)
+        tables = [e.request.block_table[:width] for e in decodes]
+        tables = [t + [0] * (width - len(t)) for t in tables]
+        bounds = [(max(0, n - window) if window else 0, n) for n in lengths]
+        runs = None
+        if len(decodes) == 1 and lengths[0] - bounds[0][0] >= NATIVE_SDPA_FROM_KEYS:
+            runs = slot_runs(decodes[0].request.block_table, *bounds[0], bs)
+            runs = runs if can_decode_in_place(runs, dev) else None
+        return AttentionBatch(
+            slot_mapping,
+            bs,
+            len(decodes),
+            None,
+            bounds[0] if runs else (0, 0),
+            None,
+            [],
+            runs,
+            decode_tables=torch.tensor(tables, dtype=torch.long, device=dev),
+            decode_bounds=torch.tensor(bounds, dtype=torch.long, device=dev),
+            positions=torch.tensor([n - 1 for n in lengths], dtype=torch.long, device=dev),
+        )
+
+    def _batch(
+        self,
+        decodes: list[ScheduledRequest],
+        prefills: list[ScheduledRequest],
+        slot_mapping: torch.Tensor,
+        window: int | None,
+    ) -> AttentionBatch:
+        """The PyTorch path's batch: gathered rows or in-place runs for decodes, a mask where
+        padded, and each prefill chunk's cached-prefix rows."""
+        dev, bs = self.device, self.block_size
         decode_rows = decode_mask = decode_runs = None
         decode_keys = (0, 0)
         if decodes:
@@ -83,7 +154,6 @@ class ModelRunner:
             lengths = [e.end for e in decodes]
             num_blocks = [-(-length // bs) for length in lengths]
             widest = max(num_blocks)
-            window = self.model.config.sliding_window
             if len(decodes) == 1:
                 # One sequence: cut the keys to exactly its context, so nothing needs masking,
                 # and read them in place when they lie in few runs of the pool.
@@ -116,7 +186,7 @@ class ModelRunner:
                 blocks = self._rows(torch.tensor(table, dtype=torch.long, device=dev))
             prefill_meta.append((offset, n, cached, blocks))
             offset += n
-        batch = AttentionBatch(
+        return AttentionBatch(
             slot_mapping,
             bs,
             len(decodes),
@@ -126,29 +196,6 @@ class ModelRunner:
             prefill_meta,
             decode_runs,
         )
-
-        hidden = self.model(
-            torch.tensor(ids, device=dev),
-            torch.tensor(positions, device=dev),
-            self.kv_caches,
-            batch,
-        )
-
-        # Logits only where a token is due: the last position of each caught-up request.
-        due: list[Request] = []
-        rows: list[int] = []
-        offset = 0
-        for e in decodes + prefills:
-            offset += e.num_new_tokens
-            if e.samples:
-                due.append(e.request)
-                rows.append(offset - 1)
-        if not due:
-            return {}
-        logits = self.model.logits(hidden[torch.tensor(rows, device=dev)])
-        if self.capture_logits:
-            self.captured.append(logits.clone())
-        return dict(zip(due, self.sample(logits, due), strict=True))
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """Greedy rows take the argmax; others temperature, top-k, top-p, then an exponential

@@ -151,7 +151,15 @@ class EngineMetrics:
         Gauge(
             "pdscope:build_info",
             "Constant 1; the labels say what this engine runs on and which kernels it chose.",
-            ["model_name", "version", "cpu", "linear", "prefill_attention", "decode_math"],
+            [
+                "model_name",
+                "version",
+                "cpu",
+                "linear",
+                "prefill_attention",
+                "decode_math",
+                "decode_ops",
+            ],
             registry=r,
         ).labels(
             model_name,
@@ -160,6 +168,7 @@ class EngineMetrics:
             kernels.linear,
             kernels.prefill_attention,
             kernels.decode_math,
+            kernels.decode_ops,
         ).set(1)
         self._pool = engine.pool
         self._seen = (0, 0, 0)  # prefix queries, hits, preemptions already counted

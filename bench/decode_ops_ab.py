@@ -1,0 +1,132 @@
+"""The engine's decode step through PyTorch ops vs the C kernels, interleaved in one process.
+
+Two engines on the same checkpoint, identical but for ``decode_ops`` (torch / c; every other
+kernel path forced alike), take turns: round after round each runs every figure once, in an
+order alternated per round, and the figures are medians with within-round ratios (c / torch).
+Each figure is the median duration of the engine's decode-only steps (its own step records,
+``LLMEngine.steps``) while one generate call runs: scheduling, the model and sampling, with
+prefill steps left out; a median over ~30 steps shrugs off a descheduled step on a busy host.
+
+    .venv/bin/python bench/decode_ops_ab.py                     # small model, 5 rounds
+    .venv/bin/python bench/decode_ops_ab.py --rounds 3 --threads 1
+
+Figures: batch-1 decode at 64 and 4,000 tokens of context (their ratio against plan's bytes
+arithmetic, issue 12 item 3) and batch-32 decode after 128-token prompts, in tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+
+import torch
+
+from engine_bench import bytes_per_decode_token, machine_line
+from pdscope import LLM, SamplingParams
+from pdscope.checkpoint.make_model import resolve_model_path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--others",
+        default="linear=packed,prefill_attention=sdpa,decode_math=native",
+        help="the other kernel paths, forced the same for both engines",
+    )
+    parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = resolve_model_path(args.model)
+    engines = {
+        ops: LLM(
+            model=str(model_dir),
+            dtype="bfloat16",
+            kv_cache_memory="1GiB",
+            max_model_len=4096,
+            max_num_batched_tokens=2048,
+            max_num_seqs=64,
+            kernels=f"{args.others},decode_ops={ops}",
+        )
+        for ops in ("torch", "c")
+    }
+    rng = random.Random(0)
+
+    def fresh(n: int) -> list[int]:
+        return [rng.randrange(100, 16000) for _ in range(n)]
+
+    def rate(llm: LLM, context: int, batch: int, tokens: int = 32) -> float:
+        """Tokens/s of the median decode-only step; prompts end ``tokens / 2`` before
+        ``context`` so the mean context is ``context``."""
+        prompt_len = max(1, context - tokens // 2)
+        params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+        llm.engine.steps.clear()
+        llm.generate([fresh(prompt_len) for _ in range(batch)], params)
+        steps = [
+            s.end_s - s.start_s
+            for s in llm.engine.steps
+            if s.prefill_tokens == 0 and s.decode_tokens == batch
+        ]
+        return batch / statistics.median(steps)
+
+    def timed(llm: LLM, prompts: list[list[int]], tokens: int) -> None:
+        llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+
+    figures = {
+        "decode_b1_ctx64_tok_s": lambda llm: rate(llm, 64, 1),
+        "decode_b1_ctx4000_tok_s": lambda llm: rate(llm, 4000, 1),
+        "decode_b32_tok_s": lambda llm: rate(llm, 128 + 16, 32),
+    }
+    for llm in engines.values():  # warm-up
+        timed(llm, [fresh(64)], 8)
+    values: dict[str, dict[str, list[float]]] = {ops: {} for ops in engines}
+    print(machine_line(), flush=True)
+    for r in range(args.rounds):
+        order = list(engines) if r % 2 == 0 else list(reversed(engines))
+        for name, figure in figures.items():
+            for ops in order:
+                values[ops].setdefault(name, []).append(figure(engines[ops]))
+        print(
+            f"round {r + 1}: "
+            + "; ".join(
+                f"{name} " + " / ".join(f"{values[ops][name][-1]:.1f}" for ops in engines)
+                for name in figures
+            ),
+            flush=True,
+        )
+    print()
+    print(machine_line())
+    print(f"{args.model}, bf16, {args.others}; {args.rounds} rounds; median (min-max)")
+    print("tokens/s of the median decode-only step")
+    print(f"{'':26}{'torch':>22}{'c':>22}{'c / torch':>22}")
+    for name in figures:
+        cells = []
+        for ops in engines:
+            v = values[ops][name]
+            cells.append(f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})")
+        ratios = [c / t for c, t in zip(values["c"][name], values["torch"][name], strict=True)]
+        cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
+        print(f"{name:26}" + "".join(f"{c:>22}" for c in cells))
+    predicted = bytes_per_decode_token(model_dir, 64) / bytes_per_decode_token(model_dir, 4000)
+    print(f"\ndecode at 4,000 / at 64 tokens of context; plan's bytes predict {predicted:.3f}")
+    for ops in engines:
+        ratios = [
+            long / short
+            for long, short in zip(
+                values[ops]["decode_b1_ctx4000_tok_s"],
+                values[ops]["decode_b1_ctx64_tok_s"],
+                strict=True,
+            )
+        ]
+        med = statistics.median(ratios)
+        print(
+            f"{ops:26}{med:.3f} ({min(ratios):.3f}-{max(ratios):.3f})   "
+            f"{(med - predicted) * 100:+.1f} points vs the bytes"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,301 @@
+/* Decode-step kernels for pdscope's engine on CPU, in plain C (no torch headers: it builds in
+ * about a second with the gcc a fresh machine has). engine/native.py compiles it on first use,
+ * loads it with ctypes and keeps the pure-PyTorch path as the reference and the fallback.
+ *
+ * Every tensor is passed as a data pointer to contiguous memory in the layout the engine uses:
+ *   kv cache   [2, kv_heads, slots, dim]   (K plane, V plane; slot = block * block_size + i)
+ *   qkv        [tokens, (heads + 2 * kv_heads) * dim]   (the fused projection's output)
+ *   rope cos/sin tables   float32 [positions, dim], laid out as engine/model.py's apply_rope
+ *                         takes them: cos = [c, c], sin = [-s, s]
+ * `bf` says the model dtype: 1 = bfloat16, 0 = float32. Math is float32 throughout; a bf16
+ * result is rounded to nearest even once, where PyTorch's op-by-op path rounds after each op.
+ * `threads` is torch's intra-op thread count: the library links the same libgomp as torch, so
+ * both share one OpenMP thread pool.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef uint16_t bf16;
+
+static inline float bf16_to_f32(bf16 h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline bf16 f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+static inline void load_f32(const void *base, int64_t offset, int64_t n, float *dst, int bf) {
+    if (bf) {
+        const bf16 *src = (const bf16 *)base + offset;
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+    } else {
+        memcpy(dst, (const float *)base + offset, (size_t)n * sizeof(float));
+    }
+}
+
+static inline void store_f32(void *base, int64_t offset, int64_t n, const float *src, int bf) {
+    if (bf) {
+        bf16 *dst = (bf16 *)base + offset;
+        for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy((float *)base + offset, src, (size_t)n * sizeof(float));
+    }
+}
+
+/* exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(r), |r| <= ln2 / 2, a
+ * degree-6 polynomial (relative error ~2e-7), written so that gcc vectorizes it; libm's expf
+ * stays scalar without -ffast-math. Inputs below -87 flush to ~1e-38, i.e. nothing. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float t = x * 1.44269504088896341f;
+    int32_t n = (int32_t)(t - 0.5f); /* round to nearest for t <= 0 */
+    float r = x - (float)n * 0.693145751953125f - (float)n * 1.428606765330187e-06f;
+    float p = 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    uint32_t bits = (uint32_t)(n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* Keys scored per tile: consecutive slots (one cache block, or several adjacent ones). */
+#define TILE 64
+
+/* Partial attention of one query group over key positions [lo, hi) of one sequence:
+ * running max m[g], sum l[g] and unnormalized output acc[g][dim] (flash-decoding style). */
+static inline __attribute__((always_inline)) void attend_range_impl(
+                         const float *qf, int64_t group, const int64_t dim, const void *kv,
+                         int64_t kv_heads, int64_t slots, int64_t head, const int64_t *table,
+                         int64_t block_size, int64_t lo, int64_t hi, int bf, float *m, float *l,
+                         float *acc) {
+    float row[dim], s[group * TILE];
+    for (int64_t g = 0; g < group; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        for (int64_t i = 0; i < dim; i++) acc[g * dim + i] = 0.0f;
+    }
+    const int64_t k_plane = head * slots, v_plane = (kv_heads + head) * slots;
+    for (int64_t pos = lo; pos < hi;) {
+        /* The tile: from pos through adjacent blocks, up to TILE keys. */
+        const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+        int64_t n = block_size - pos % block_size;
+        while (n < TILE && pos + n < hi &&
+               table[(pos + n) / block_size] * block_size == slot + n)
+            n += block_size;
+        if (n > TILE) n = TILE;
+        if (n > hi - pos) n = hi - pos;
+        for (int64_t t = 0; t < n; t++) {
+            load_f32(kv, (k_plane + slot + t) * dim, dim, row, bf);
+            for (int64_t g = 0; g < group; g++) {
+                const float *qg = qf + g * dim;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t i = 0; i < dim; i++) dot += qg[i] * row[i];
+                s[g * TILE + t] = dot;
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float *sg = s + g * TILE, *ag = acc + g * dim;
+            float mx = m[g];
+            for (int64_t t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
+            float alpha = exp_nonpositive(m[g] - mx), sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < n; t++) {
+                sg[t] = exp_nonpositive(sg[t] - mx);
+                sum += sg[t];
+            }
+            l[g] = l[g] * alpha + sum;
+            m[g] = mx;
+            for (int64_t i = 0; i < dim; i++) ag[i] *= alpha;
+        }
+        for (int64_t t = 0; t < n; t++) {
+            load_f32(kv, (v_plane + slot + t) * dim, dim, row, bf);
+            for (int64_t g = 0; g < group; g++) {
+                const float p = s[g * TILE + t];
+                float *ag = acc + g * dim;
+#pragma omp simd
+                for (int64_t i = 0; i < dim; i++) ag[i] += p * row[i];
+            }
+        }
+        pos += n;
+    }
+}
+
+/* Common head sizes get their own copy with the size known at compile time, so the per-key
+ * loops unroll into a few vector instructions. */
+static void attend_range(const float *qf, int64_t group, int64_t dim, const void *kv,
+                         int64_t kv_heads, int64_t slots, int64_t head, const int64_t *table,
+                         int64_t block_size, int64_t lo, int64_t hi, int bf, float *m, float *l,
+                         float *acc) {
+#define ATTEND(D) attend_range_impl(qf, group, D, kv, kv_heads, slots, head, table, block_size, \
+                                    lo, hi, bf, m, l, acc)
+    if (dim == 64 && bf) ATTEND(64);
+    else if (dim == 128 && bf) ATTEND(128);
+    else ATTEND(dim);
+#undef ATTEND
+}
+
+/* Decode attention for `seqs` sequences, one query token each, read straight from the paged
+ * cache through each sequence's block table: no gather copy, no padding, no mask.
+ *   q [seqs, heads, dim], out [seqs, heads, dim] (model dtype)
+ *   tables [seqs, table_width] int64 block ids; bounds [seqs, 2] int64: keys [lo, hi) attended
+ * Work is split over (sequence, kv head, context part): a long context with few sequences is
+ * cut into parts attended in parallel and merged by their max and sum (flash decoding).
+ * Returns 0, or -1 when its scratch memory could not be allocated. */
+int paged_decode_attention(const void *q, const void *kv, void *out, const int64_t *tables,
+                           const int64_t *bounds, int64_t seqs, int64_t heads, int64_t kv_heads,
+                           int64_t dim, int64_t slots, int64_t block_size, int64_t table_width,
+                           float scale, int bf, int threads) {
+    const int64_t group = heads / kv_heads;
+    int64_t longest = 1, total = 0;
+    for (int64_t d = 0; d < seqs; d++) {
+        int64_t len = bounds[2 * d + 1] - bounds[2 * d];
+        longest = len > longest ? len : longest;
+        total += len;
+    }
+    /* Parts: enough work items for every thread, none shorter than 256 keys. */
+    int64_t parts = 1, items = seqs * kv_heads;
+    if (threads > 1 && items < 2 * threads) {
+        parts = (2 * threads + items - 1) / items;
+        int64_t most = longest / 256;
+        parts = parts < most ? parts : most;
+        parts = parts < 1 ? 1 : parts;
+    }
+    const int64_t width = (longest + parts - 1) / parts;
+    float *scratch = malloc((size_t)(items * parts * group * (dim + 2)) * sizeof(float));
+    if (!scratch) return -1;
+    /* Below ~8K key rows the whole job takes microseconds: a parallel region costs more. */
+    const int parallel = threads > 1 && total * kv_heads >= 8192;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (parallel)
+    for (int64_t w = 0; w < items * parts; w++) {
+        const int64_t d = w / (kv_heads * parts), h = (w / parts) % kv_heads, part = w % parts;
+        const int64_t lo0 = bounds[2 * d], hi0 = bounds[2 * d + 1];
+        int64_t lo = lo0 + part * width, hi = lo + width;
+        hi = hi < hi0 ? hi : hi0;
+        float *m = scratch + w * group * (dim + 2), *l = m + group, *acc = l + group;
+        float qf[group * dim];
+        load_f32(q, (d * heads + h * group) * dim, group * dim, qf, bf);
+        for (int64_t i = 0; i < group * dim; i++) qf[i] *= scale;
+        if (lo < hi) {
+            attend_range(qf, group, dim, kv, kv_heads, slots, h, tables + d * table_width,
+                         block_size, lo, hi, bf, m, l, acc);
+        } else {
+            for (int64_t g = 0; g < group; g++) m[g] = -INFINITY, l[g] = 0.0f;
+        }
+    }
+    /* Merge each (sequence, kv head)'s parts and write the output rows. */
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t d = it / kv_heads, h = it % kv_heads;
+        for (int64_t g = 0; g < group; g++) {
+            float mx = -INFINITY;
+            for (int64_t p = 0; p < parts; p++) {
+                float mp = scratch[(it * parts + p) * group * (dim + 2) + g];
+                mx = mp > mx ? mp : mx;
+            }
+            float row[dim], total_l = 0.0f;
+            for (int64_t i = 0; i < dim; i++) row[i] = 0.0f;
+            for (int64_t p = 0; p < parts; p++) {
+                const float *base = scratch + (it * parts + p) * group * (dim + 2);
+                if (base[g] == -INFINITY) continue; /* an empty part */
+                float wgt = exp_nonpositive(base[g] - mx);
+                total_l += base[group + g] * wgt;
+                const float *acc = base + 2 * group + g * dim;
+                for (int64_t i = 0; i < dim; i++) row[i] += acc[i] * wgt;
+            }
+            const float inv = total_l > 0.0f ? 1.0f / total_l : 0.0f;
+            for (int64_t i = 0; i < dim; i++) row[i] *= inv;
+            store_f32(out, (d * heads + h * group + g) * dim, dim, row, bf);
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
+/* RMS norm of one row in float: x / sqrt(mean(x^2) + eps) * w. */
+static inline void rms_row(float *x, int64_t n, const void *w, float eps, int bf) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    if (bf) {
+        const bf16 *wb = (const bf16 *)w;
+        for (int64_t i = 0; i < n; i++) x[i] = x[i] * inv * bf16_to_f32(wb[i]);
+    } else {
+        const float *wf = (const float *)w;
+        for (int64_t i = 0; i < n; i++) x[i] = x[i] * inv * wf[i];
+    }
+}
+
+/* After the fused q/k/v projection of `tokens` tokens: optional per-head RMS norm of q and k
+ * (Qwen3; weights NULL otherwise), rotary embedding of q and k at each token's position, K and
+ * V written into their cache slots, rotated q written to q_out [tokens, heads, dim].
+ * One call replaces the slices, norms, rope ops and two index_copy_ of the PyTorch path. */
+void qkv_rope_store(const void *qkv, void *q_out, void *kv, const int64_t *positions,
+                    const int64_t *slot_mapping, const float *cos_table,
+                    const float *sin_table, const void *q_norm, const void *k_norm, float eps,
+                    int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim, int64_t slots,
+                    int bf, int threads) {
+    const int64_t width = (heads + 2 * kv_heads) * dim, half = dim / 2;
+    const size_t elem = bf ? sizeof(bf16) : sizeof(float);
+    const int parallel = threads > 1 && tokens * width >= 65536;
+#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos_table + positions[t] * dim, *s = sin_table + positions[t] * dim;
+        const int64_t slot = slot_mapping[t];
+        float x[dim], y[dim];
+        for (int64_t hd = 0; hd < heads + kv_heads; hd++) {
+            load_f32(qkv, t * width + hd * dim, dim, x, bf);
+            const void *norm = hd < heads ? q_norm : k_norm;
+            if (norm) rms_row(x, dim, norm, eps, bf);
+            for (int64_t i = 0; i < half; i++) y[i] = x[i] * c[i] + x[i + half] * s[i];
+            for (int64_t i = half; i < dim; i++) y[i] = x[i] * c[i] + x[i - half] * s[i];
+            if (hd < heads) {
+                store_f32(q_out, (t * heads + hd) * dim, dim, y, bf);
+            } else {
+                store_f32(kv, ((hd - heads) * slots + slot) * dim, dim, y, bf);
+            }
+        }
+        for (int64_t hv = 0; hv < kv_heads; hv++) { /* V goes in as computed: no rounding */
+            memcpy((char *)kv + (((kv_heads + hv) * slots + slot) * dim) * elem,
+                   (const char *)qkv + (t * width + (heads + kv_heads + hv) * dim) * elem,
+                   (size_t)dim * elem);
+        }
+    }
+}
+
+/* out = rms_norm(x) * w over rows of n; with `residual` non-NULL, first residual += x (rounded
+ * to the model dtype, as PyTorch's `x + h` is) and the sum is normalized: the residual add and
+ * the next norm of a decoder layer in one pass. */
+void rms_norm(const void *x, void *residual, const void *w, void *out, int64_t rows, int64_t n,
+              float eps, int bf, int threads) {
+    const int parallel = threads > 1 && rows * n >= 65536;
+#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
+    for (int64_t r = 0; r < rows; r++) {
+        float row[n];
+        load_f32(x, r * n, n, row, bf);
+        if (residual) {
+            float res[n];
+            load_f32(residual, r * n, n, res, bf);
+            for (int64_t i = 0; i < n; i++) row[i] += res[i];
+            store_f32(residual, r * n, n, row, bf);
+            if (bf) load_f32(residual, r * n, n, row, bf); /* normalize the rounded sum */
+        }
+        rms_row(row, n, w, eps, bf);
+        store_f32(out, r * n, n, row, bf);
+    }
+}

@@ -1,0 +1,262 @@
+"""The engine's C decode-step kernels (``csrc/decode_ops.c``): built on first use, via ctypes.
+
+Plain C with no torch headers, so it compiles in about a second with the C compiler a fresh
+machine has (``$CC``, else ``cc`` or ``gcc``) and needs no ninja or build step at install. The
+shared library is cached under the pdscope cache, keyed by the source, the compiler, the CPU's
+flags (it is built with ``-march=native``) and the torch version; a start that finds it loads it
+in milliseconds. It links libgomp by soname, which torch has already loaded, so its OpenMP
+regions run on torch's thread pool rather than a second one fighting it for the cores.
+
+When no compiler works, :func:`load` returns None and the engine keeps the pure-PyTorch path,
+which stays the tested reference for every kernel here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("pdscope.engine")
+
+SOURCE = Path(__file__).with_name("csrc") / "decode_ops.c"
+# Tried in order: OpenMP on torch's pool, then single-threaded if -fopenmp is unavailable.
+_FLAG_SETS = (
+    ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"],
+    ["-O3", "-march=native", "-fPIC", "-shared"],
+)
+_SUPPORTED = (torch.float32, torch.bfloat16)
+
+_loaded: dict[Path, NativeOps | None] = {}
+
+
+def compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_flags_line() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build(cache_dir: Path) -> Path:
+    """Compile the library into ``cache_dir`` unless a build for this source, compiler, CPU and
+    torch is there already; returns its path. Raises RuntimeError naming what failed."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found ($CC, cc or gcc)")
+    source = SOURCE.read_bytes()
+    try:
+        version = subprocess.run(
+            [cc, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout.split("\n", 1)[0]
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"{cc} --version failed: {exc}") from exc
+    key = hashlib.blake2b(
+        b"\0".join(
+            [source, version.encode(), _cpu_flags_line().encode(), torch.__version__.encode()]
+        ),
+        digest_size=10,
+    ).hexdigest()
+    target = cache_dir / f"decode_ops-{key}.so"
+    if target.is_file():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".tmp{os.getpid()}.so")
+    errors = []
+    for flags in _FLAG_SETS:
+        start = time.perf_counter()
+        proc = subprocess.run(
+            [cc, *flags, "-o", str(tmp), str(SOURCE), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if proc.returncode == 0:
+            tmp.replace(target)  # atomic: concurrent starts each build, one file survives
+            log.info(
+                "built %s with %s %s in %.1f s",
+                target.name,
+                cc,
+                " ".join(flags),
+                time.perf_counter() - start,
+            )
+            return target
+        errors.append(proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"])
+    tmp.unlink(missing_ok=True)
+    raise RuntimeError(f"{cc} could not build {SOURCE.name}: {errors[0][0]}")
+
+
+def load(cache_dir: Path) -> NativeOps | None:
+    """The kernels, built and loaded once per process; None (logged) when they cannot be."""
+    if cache_dir in _loaded:
+        return _loaded[cache_dir]
+    ops: NativeOps | None = None
+    try:
+        ops = NativeOps(ctypes.CDLL(str(build(cache_dir))))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("C decode kernels unavailable, using the PyTorch path: %s", exc)
+    _loaded[cache_dir] = ops
+    return ops
+
+
+def supports(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the C kernels apply to a model of this dtype on this device."""
+    return device.type == "cpu" and dtype in _SUPPORTED
+
+
+_P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+@dataclass
+class NativeOps:
+    """Typed wrappers over the library's three functions; each takes and returns tensors in
+    the engine's layouts (see decode_ops.c) and checks what the C side cannot."""
+
+    lib: ctypes.CDLL
+
+    def __post_init__(self) -> None:
+        self.lib.paged_decode_attention.argtypes = [_P, _P, _P, _P, _P] + [_I] * 7 + [_F, _C, _C]
+        self.lib.qkv_rope_store.argtypes = [_P] * 9 + [_F] + [_I] * 5 + [_C, _C]
+        self.lib.rms_norm.argtypes = [_P] * 4 + [_I, _I, _F, _C, _C]
+        self.lib.paged_decode_attention.restype = ctypes.c_int
+        for fn in (self.lib.qkv_rope_store, self.lib.rms_norm):
+            fn.restype = None
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        tables: torch.Tensor,
+        bounds: torch.Tensor,
+        block_size: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [seqs, heads, dim]; kv_cache [2, kv_heads, slots, dim]; tables [seqs, width] int64
+        block ids; bounds [seqs, 2] int64 key positions [lo, hi). Returns [seqs, heads, dim]."""
+        _check(q, kv_cache, tables, bounds)
+        seqs, heads, dim = q.shape
+        _, kv_heads, slots, _ = kv_cache.shape
+        out = torch.empty_like(q)
+        status = self.lib.paged_decode_attention(
+            q.data_ptr(),
+            kv_cache.data_ptr(),
+            out.data_ptr(),
+            tables.data_ptr(),
+            bounds.data_ptr(),
+            seqs,
+            heads,
+            kv_heads,
+            dim,
+            slots,
+            block_size,
+            tables.shape[1],
+            scale,
+            q.dtype == torch.bfloat16,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError("paged_decode_attention: no memory for its scratch space")
+        return out
+
+    def qkv_rope_store(
+        self,
+        qkv: torch.Tensor,
+        kv_cache: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        heads: int,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+    ) -> torch.Tensor:
+        """qkv [tokens, (heads + 2 kv_heads) dim] → rotated q [tokens, heads, dim]; rotated K
+        and V written into ``kv_cache`` at ``slot_mapping``. cos/sin: float32 tables indexed by
+        ``positions``."""
+        _check(qkv, kv_cache, positions, slot_mapping, cos, sin, q_norm, k_norm)
+        _, kv_heads, slots, dim = kv_cache.shape
+        tokens = qkv.shape[0]
+        if qkv.shape[1] != (heads + 2 * kv_heads) * dim or cos.dtype != torch.float32:
+            raise ValueError(f"qkv_rope_store: qkv {tuple(qkv.shape)} or cos {cos.dtype} is off")
+        q = torch.empty(tokens, heads, dim, dtype=qkv.dtype)
+        self.lib.qkv_rope_store(
+            qkv.data_ptr(),
+            q.data_ptr(),
+            kv_cache.data_ptr(),
+            positions.data_ptr(),
+            slot_mapping.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            _ptr(q_norm),
+            _ptr(k_norm),
+            eps,
+            tokens,
+            heads,
+            kv_heads,
+            dim,
+            slots,
+            qkv.dtype == torch.bfloat16,
+            torch.get_num_threads(),
+        )
+        return q
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """rms_norm(x) * weight; with ``residual``, first ``residual += x`` in place and the
+        sum is normalized (a decoder layer's residual add and next norm in one call)."""
+        _check(x, weight, residual)
+        if weight.dtype != x.dtype or (residual is not None and residual.shape != x.shape):
+            raise ValueError("rms_norm: weight dtype or residual shape differs from x")
+        n = x.shape[-1]
+        out = torch.empty_like(x)
+        self.lib.rms_norm(
+            x.data_ptr(),
+            _ptr(residual),
+            weight.data_ptr(),
+            out.data_ptr(),
+            x.numel() // n,
+            n,
+            eps,
+            x.dtype == torch.bfloat16,
+            torch.get_num_threads(),
+        )
+        return out
+
+
+def _check(*tensors: torch.Tensor | None) -> None:
+    """The C side reads raw memory: every tensor must be contiguous on CPU; the model-dtype
+    ones share one dtype, index tensors are int64."""
+    for t in tensors:
+        if t is None:
+            continue
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"C kernels need contiguous CPU tensors, got {t.device} {t.stride()}")
+        if t.dtype not in (*_SUPPORTED, torch.int64):
+            raise ValueError(f"C kernels take float32, bfloat16 or int64, got {t.dtype}")
