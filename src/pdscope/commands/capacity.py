@@ -232,6 +232,33 @@ def pareto(points: list[tuple[float, float, str]]) -> list[tuple[float, float, s
     return front
 
 
+def _int_tuple(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise SpecError(f"{flag} takes comma-separated integers, got {text!r}") from None
+
+
+def plan_from_flags(
+    c: ClusterSettings,
+    plan_budgets: str,
+    plan_tp: str,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """`simulate --plan-capacity`: ``--gpus`` GPUs searched against ``--slo``, which is the
+    planner's (aggregate) SLO, so the base runs carry none of bench's per-request kind."""
+    if c.gpus is None:
+        raise SpecError("--plan-capacity needs --gpus")
+    return plan_capacity(
+        replace(c, base=replace(c.base, slo=None)),
+        c.gpus,
+        c.base.slo,
+        budgets=_int_tuple(plan_budgets, "--plan-budgets"),
+        tp_sizes=_int_tuple(plan_tp, "--plan-tp"),
+        progress=progress,
+    )
+
+
 def plan_capacity(
     c: ClusterSettings,
     gpus: int,
