@@ -31,6 +31,7 @@ import numpy as np
 
 from pdscope.analysis.bench import SLO, SLOError
 from pdscope.commands.cluster import ClusterSettings, PoolArgs, simulate_cluster
+from pdscope.commands.simulate import DEFAULT_MODEL
 from pdscope.roofline.parallel import tensor_parallel
 from pdscope.specs import SpecError, load_model
 
@@ -275,6 +276,8 @@ def plan_capacity(
         raise SpecError(f"--gpus must be >= 1, got {gpus}")
     slo = parse_plan_slo(slo_text)
     c.validate()
+    # No --model means simulate's default, as one run resolves it (the candidates need a spec).
+    c = replace(c, base=replace(c.base, model=c.base.model or DEFAULT_MODEL))
     if not budgets or min(budgets) < 1 or not tp_sizes or min(tp_sizes) < 1:
         raise SpecError("--plan-budgets and --plan-tp take positive integers")
     cands = candidates(c, gpus, budgets, tp_sizes)
