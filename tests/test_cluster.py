@@ -403,6 +403,17 @@ def test_plan_capacity_needs_gpus_and_an_slo() -> None:
     assert result.exit_code == 2 and "--plan-capacity needs --gpus" in result.output
     result = CliRunner().invoke(app, ["simulate", "--plan-capacity", "--gpus", "2"])
     assert result.exit_code == 2 and "needs --slo" in result.output
+    args = ["simulate", "--plan-capacity", "--gpus", "2", "--slo", "p99_ttft=1s"]
+    result = CliRunner().invoke(app, [*args, "--plan-tp", "1,x"])
+    assert result.exit_code == 2 and "--plan-tp takes comma-separated integers" in result.output
+
+
+def test_plan_capacity_without_a_model_plans_simulates_default() -> None:
+    from pdscope.commands.capacity import plan_capacity
+
+    # TP 2 on one GPU leaves no configuration: the refusal names the model planned for.
+    with pytest.raises(SpecError, match="no configuration of 8b fits 1 GPUs"):
+        plan_capacity(ClusterSettings(SimulateSettings()), 1, "p99_ttft=1s", tp_sizes=(2,))
 
 
 def test_pools_may_run_on_different_devices() -> None:

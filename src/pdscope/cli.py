@@ -13,7 +13,6 @@ import math
 import sys
 import typing
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -319,6 +318,128 @@ WatchReport = Annotated[
 WatchServerArgs = Annotated[
     str, typer.Option(help="Flags for the embedded server, e.g. '--kv-cache-memory 64MiB'.")
 ]
+
+
+# `pdscope simulate`: plan's device and model flags, serve's engine knobs, bench's load flags
+# (the shared ones above), the cluster's shape.
+SimModel = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        "-m",
+        help="As plan: preset, config.json or checkpoint (default: 8b; with --calibrate, "
+        "the probed server's checkpoint).",
+    ),
+]
+SimDevice = Annotated[
+    str | None,
+    typer.Option(
+        "--device",
+        "-d",
+        help="As plan: catalog device or 'local' (default: h100-sxm; with --calibrate, a "
+        "device of the fitted rates whose KV pool is --kv-cache-memory, default 1GiB).",
+    ),
+]
+SimCalibrate = Annotated[
+    str | None,
+    typer.Option(
+        help="Fit bandwidth, FLOP/s and overheads to a saved `pdscope probe --json` of "
+        "the server modelled (pass its engine args too)."
+    ),
+]
+SimDtype = Annotated[str, typer.Option(help="Weight precision, as plan.")]
+SimKvDtype = Annotated[str | None, typer.Option(help="KV cache precision, as plan.")]
+SimBandwidth = Annotated[float | None, typer.Option(help="Peak GB/s (overrides the device's).")]
+SimTflops = Annotated[float | None, typer.Option(help="Peak dense TFLOP/s (overrides).")]
+SimMemory = Annotated[float | None, typer.Option(help="Device memory in GB (read as GiB).")]
+SimGpuMemoryUtilization = Annotated[float, typer.Option(help="Memory fraction for weights + KV.")]
+SimKvCacheMemory = Annotated[str | None, typer.Option(help="KV pool size instead, e.g. 50MiB.")]
+SimBandwidthEfficiency = Annotated[float | None, typer.Option(help="Achieved / peak bandwidth.")]
+SimFlopsEfficiency = Annotated[float | None, typer.Option(help="Achieved / peak FLOP/s.")]
+SimStepOverheadMs = Annotated[float | None, typer.Option(help="Fixed cost of every step.")]
+SimSeqOverheadMs = Annotated[float | None, typer.Option(help="Cost per sequence per step.")]
+SimMaxNumBatchedTokens = Annotated[int, typer.Option(help="Token budget of one step.")]
+SimMaxNumSeqs = Annotated[int, typer.Option(help="Most requests running at once.")]
+SimMaxModelLen = Annotated[int, typer.Option(help="Prompt + output tokens per request.")]
+SimBlockSize = Annotated[int, typer.Option(help="Tokens per KV block.")]
+SimEnablePrefixCaching = Annotated[
+    bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching")
+]
+SimEnableChunkedPrefill = Annotated[
+    bool, typer.Option("--enable-chunked-prefill/--no-chunked-prefill")
+]
+SimWorkload = Annotated[
+    str, typer.Option(help="random, shared-prefix, long-prompt or file:PATH (as bench).")
+]
+SimTokenizer = Annotated[
+    str | None,
+    typer.Option(
+        help="file: workloads: a directory with tokenizer.json that counts the prompts "
+        "(default: the model's checkpoint)."
+    ),
+]
+SimNumPrompts = Annotated[int, typer.Option(help="Requests.")]
+SimInputLen = Annotated[str, typer.Option(help="random: N, LOW-HIGH or normal:MEAN:STD.")]
+SimDuration = Annotated[
+    float | None,
+    typer.Option(help="Stop sending after this many seconds (long-prompt: default 30)."),
+]
+SimRequestRate = Annotated[float, typer.Option(help="Requests/s (inf = all at once).")]
+SimMaxConcurrency = Annotated[int | None, typer.Option(help="Cap on requests in flight.")]
+SimSeed = Annotated[int, typer.Option(help="Workload and arrival seed.")]
+SimSlo = Annotated[
+    str | None,
+    typer.Option(
+        help="Goodput SLO, as bench: ttft=2s,tpot=50ms; with --find-capacity: "
+        "p99_ttft=2s,p99_itl=100ms."
+    ),
+]
+SimFindCapacity = Annotated[
+    bool,
+    typer.Option(
+        "--find-capacity",
+        help="Search the highest concurrency (or, with a finite --request-rate, rate) "
+        "meeting --slo: bench's search, one fresh simulated server per run.",
+    ),
+]
+SimMaxRuns = Annotated[int, typer.Option(help="Most runs of the capacity search.")]
+SimAsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
+SimSaveResult = Annotated[Path | None, typer.Option(help="Write the result JSON here.")]
+SimReport = Annotated[
+    Path | None, typer.Option(help="Write bench's HTML report (with the server timeline) here.")
+]
+SimReplicas = Annotated[int | None, typer.Option(help="Replicas behind a router.")]
+SimRouter = Annotated[str, typer.Option(help="round-robin, least-loaded or prefix-aware.")]
+SimTensorParallelSize = Annotated[
+    int, typer.Option("--tensor-parallel-size", "-tp", help="GPUs per replica (dense).")
+]
+SimTpLink = Annotated[
+    str | None, typer.Option(help="GPU link: nvlink3/4/5, xgmi, pcie4/5 (default: device's).")
+]
+SimTpLinkGbS = Annotated[float | None, typer.Option(help="Link GB/s per direction.")]
+SimTpLinkLatencyUs = Annotated[float | None, typer.Option(help="Fixed cost of one all-reduce.")]
+SimGpus = Annotated[int | None, typer.Option(help="GPUs in all (checked against the split).")]
+SimDisaggregate = Annotated[str | None, typer.Option(help="P:D prefill and decode workers.")]
+SimPrefillDevice = Annotated[str | None, typer.Option(help="Prefill pool's device.")]
+SimDecodeDevice = Annotated[str | None, typer.Option(help="Decode pool's device.")]
+SimPrefillArgs = Annotated[
+    str | None, typer.Option(help="Prefill pool: tp=2,max-num-batched-tokens=8192,...")
+]
+SimDecodeArgs = Annotated[str | None, typer.Option(help="Decode pool: tp=1,max-num-seqs=512,...")]
+SimKvLinkGbS = Annotated[float, typer.Option(help="KV link between the pools, GB/s.")]
+SimKvLinkLatencyMs = Annotated[float, typer.Option(help="KV link cost per transfer.")]
+SimFirstToken = Annotated[
+    str, typer.Option(help="Disaggregated: first token from the prefill or decode worker.")
+]
+SimPlanCapacity = Annotated[
+    bool,
+    typer.Option(
+        "--plan-capacity", help="Search --gpus for the most goodput per GPU within --slo."
+    ),
+]
+SimPlot = Annotated[Path | None, typer.Option(help="--plan-capacity: PNG of the frontier.")]
+SimPlanBudgets = Annotated[str, typer.Option(help="--plan-capacity: budgets.")]
+SimPlanTp = Annotated[str, typer.Option(help="--plan-capacity: TP sizes.")]
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -712,85 +833,32 @@ def _run_bench(settings: BenchSettings, url: str | None, server_args: str) -> di
         return state.result()
 
 
-def _int_tuple(text: str, flag: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise SpecError(f"{flag} takes comma-separated integers, got {text!r}") from None
-
-
 @app.command()
 def simulate(
-    model: Annotated[
-        str | None,
-        typer.Option(
-            "--model",
-            "-m",
-            help="As plan: preset, config.json or checkpoint (default: 8b; with --calibrate, "
-            "the probed server's checkpoint).",
-        ),
-    ] = None,
-    device: Annotated[
-        str | None,
-        typer.Option(
-            "--device",
-            "-d",
-            help="As plan: catalog device or 'local' (default: h100-sxm; with --calibrate, a "
-            "device of the fitted rates whose KV pool is --kv-cache-memory, default 1GiB).",
-        ),
-    ] = None,
-    calibrate: Annotated[
-        str | None,
-        typer.Option(
-            help="Fit bandwidth, FLOP/s and overheads to a saved `pdscope probe --json` of "
-            "the server modelled (pass its engine args too)."
-        ),
-    ] = None,
-    dtype: Annotated[str, typer.Option(help="Weight precision, as plan.")] = "bf16",
-    kv_dtype: Annotated[str | None, typer.Option(help="KV cache precision, as plan.")] = None,
-    bandwidth: Annotated[
-        float | None, typer.Option(help="Peak GB/s (overrides the device's).")
-    ] = None,
-    tflops: Annotated[float | None, typer.Option(help="Peak dense TFLOP/s (overrides).")] = None,
-    memory: Annotated[float | None, typer.Option(help="Device memory in GB (read as GiB).")] = None,
-    gpu_memory_utilization: Annotated[
-        float, typer.Option(help="Memory fraction for weights + KV.")
-    ] = 0.9,
-    kv_cache_memory: Annotated[
-        str | None, typer.Option(help="KV pool size instead, e.g. 50MiB.")
-    ] = None,
-    bandwidth_efficiency: Annotated[
-        float | None, typer.Option(help="Achieved / peak bandwidth.")
-    ] = None,
-    flops_efficiency: Annotated[float | None, typer.Option(help="Achieved / peak FLOP/s.")] = None,
-    step_overhead_ms: Annotated[
-        float | None, typer.Option(help="Fixed cost of every step.")
-    ] = None,
-    seq_overhead_ms: Annotated[
-        float | None, typer.Option(help="Cost per sequence per step.")
-    ] = None,
-    max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of one step.")] = 2048,
-    max_num_seqs: Annotated[int, typer.Option(help="Most requests running at once.")] = 256,
-    max_model_len: Annotated[int, typer.Option(help="Prompt + output tokens per request.")] = 8192,
-    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
-    enable_prefix_caching: Annotated[
-        bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching")
-    ] = True,
-    enable_chunked_prefill: Annotated[
-        bool, typer.Option("--enable-chunked-prefill/--no-chunked-prefill")
-    ] = True,
-    workload: Annotated[
-        str, typer.Option(help="random, shared-prefix, long-prompt or file:PATH (as bench).")
-    ] = "random",
-    tokenizer: Annotated[
-        str | None,
-        typer.Option(
-            help="file: workloads: a directory with tokenizer.json that counts the prompts "
-            "(default: the model's checkpoint)."
-        ),
-    ] = None,
-    num_prompts: Annotated[int, typer.Option(help="Requests.")] = 100,
-    input_len: Annotated[str, typer.Option(help="random: N, LOW-HIGH or normal:MEAN:STD.")] = "128",
+    model: SimModel = None,
+    device: SimDevice = None,
+    calibrate: SimCalibrate = None,
+    dtype: SimDtype = "bf16",
+    kv_dtype: SimKvDtype = None,
+    bandwidth: SimBandwidth = None,
+    tflops: SimTflops = None,
+    memory: SimMemory = None,
+    gpu_memory_utilization: SimGpuMemoryUtilization = 0.9,
+    kv_cache_memory: SimKvCacheMemory = None,
+    bandwidth_efficiency: SimBandwidthEfficiency = None,
+    flops_efficiency: SimFlopsEfficiency = None,
+    step_overhead_ms: SimStepOverheadMs = None,
+    seq_overhead_ms: SimSeqOverheadMs = None,
+    max_num_batched_tokens: SimMaxNumBatchedTokens = 2048,
+    max_num_seqs: SimMaxNumSeqs = 256,
+    max_model_len: SimMaxModelLen = 8192,
+    block_size: SimBlockSize = 16,
+    enable_prefix_caching: SimEnablePrefixCaching = True,
+    enable_chunked_prefill: SimEnableChunkedPrefill = True,
+    workload: SimWorkload = "random",
+    tokenizer: SimTokenizer = None,
+    num_prompts: SimNumPrompts = 100,
+    input_len: SimInputLen = "128",
     output_len: OutputLen = "128",
     groups: Groups = 4,
     prefix_len: PrefixLen = 1024,
@@ -799,96 +867,52 @@ def simulate(
     stream_output: StreamOutput = 256,
     long_len: LongLen = 2000,
     long_rate: LongRate = 0.5,
-    duration: Annotated[
-        float | None,
-        typer.Option(help="Stop sending after this many seconds (long-prompt: default 30)."),
-    ] = None,
-    request_rate: Annotated[float, typer.Option(help="Requests/s (inf = all at once).")] = math.inf,
-    burstiness: Annotated[
-        float, typer.Option(help="Gamma shape of arrival gaps (1 = Poisson).")
-    ] = 1.0,
-    max_concurrency: Annotated[int | None, typer.Option(help="Cap on requests in flight.")] = None,
-    seed: Annotated[int, typer.Option(help="Workload and arrival seed.")] = 0,
-    slo: Annotated[
-        str | None,
-        typer.Option(
-            help="Goodput SLO, as bench: ttft=2s,tpot=50ms; with --find-capacity: "
-            "p99_ttft=2s,p99_itl=100ms."
-        ),
-    ] = None,
-    find_capacity: Annotated[
-        bool,
-        typer.Option(
-            "--find-capacity",
-            help="Search the highest concurrency (or, with a finite --request-rate, rate) "
-            "meeting --slo: bench's search, one fresh simulated server per run.",
-        ),
-    ] = False,
-    max_runs: Annotated[int, typer.Option(help="Most runs of the capacity search.")] = 10,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
-    save_result: Annotated[Path | None, typer.Option(help="Write the result JSON here.")] = None,
-    report: Annotated[
-        Path | None, typer.Option(help="Write bench's HTML report (with the server timeline) here.")
-    ] = None,
-    # --- cluster scale (commands/cluster.py, docs/disaggregation.md) ---
-    replicas: Annotated[int | None, typer.Option(help="Replicas behind a router.")] = None,
-    router: Annotated[
-        str, typer.Option(help="round-robin, least-loaded or prefix-aware.")
-    ] = "round-robin",
-    tensor_parallel_size: Annotated[
-        int, typer.Option("--tensor-parallel-size", "-tp", help="GPUs per replica (dense).")
-    ] = 1,
-    tp_link: Annotated[
-        str | None, typer.Option(help="GPU link: nvlink3/4/5, xgmi, pcie4/5 (default: device's).")
-    ] = None,
-    tp_link_gb_s: Annotated[float | None, typer.Option(help="Link GB/s per direction.")] = None,
-    tp_link_latency_us: Annotated[
-        float | None, typer.Option(help="Fixed cost of one all-reduce.")
-    ] = None,
-    gpus: Annotated[int | None, typer.Option(help="GPUs in all (checked against the split).")] = (
-        None
-    ),
-    disaggregate: Annotated[
-        str | None, typer.Option(help="P:D prefill and decode workers.")
-    ] = None,
-    prefill_device: Annotated[str | None, typer.Option(help="Prefill pool's device.")] = None,
-    decode_device: Annotated[str | None, typer.Option(help="Decode pool's device.")] = None,
-    prefill_args: Annotated[
-        str | None, typer.Option(help="Prefill pool: tp=2,max-num-batched-tokens=8192,...")
-    ] = None,
-    decode_args: Annotated[
-        str | None, typer.Option(help="Decode pool: tp=1,max-num-seqs=512,...")
-    ] = None,
-    kv_link_gb_s: Annotated[float, typer.Option(help="KV link between the pools, GB/s.")] = 50.0,
-    kv_link_latency_ms: Annotated[float, typer.Option(help="KV link cost per transfer.")] = 0.1,
-    first_token: Annotated[
-        str, typer.Option(help="Disaggregated: first token from the prefill or decode worker.")
-    ] = "prefill",
-    plan_capacity: Annotated[
-        bool,
-        typer.Option(
-            "--plan-capacity", help="Search --gpus for the most goodput per GPU within --slo."
-        ),
-    ] = False,
-    plot: Annotated[Path | None, typer.Option(help="--plan-capacity: PNG of the frontier.")] = None,
-    plan_budgets: Annotated[str, typer.Option(help="--plan-capacity: budgets.")] = "512,2048,8192",
-    plan_tp: Annotated[str, typer.Option(help="--plan-capacity: TP sizes.")] = "1,2,4,8",
+    duration: SimDuration = None,
+    request_rate: SimRequestRate = math.inf,
+    burstiness: Burstiness = 1.0,
+    max_concurrency: SimMaxConcurrency = None,
+    seed: SimSeed = 0,
+    slo: SimSlo = None,
+    find_capacity: SimFindCapacity = False,
+    max_runs: SimMaxRuns = 10,
+    as_json: SimAsJson = False,
+    save_result: SimSaveResult = None,
+    report: SimReport = None,
+    replicas: SimReplicas = None,
+    router: SimRouter = "round-robin",
+    tensor_parallel_size: SimTensorParallelSize = 1,
+    tp_link: SimTpLink = None,
+    tp_link_gb_s: SimTpLinkGbS = None,
+    tp_link_latency_us: SimTpLinkLatencyUs = None,
+    gpus: SimGpus = None,
+    disaggregate: SimDisaggregate = None,
+    prefill_device: SimPrefillDevice = None,
+    decode_device: SimDecodeDevice = None,
+    prefill_args: SimPrefillArgs = None,
+    decode_args: SimDecodeArgs = None,
+    kv_link_gb_s: SimKvLinkGbS = 50.0,
+    kv_link_latency_ms: SimKvLinkLatencyMs = 0.1,
+    first_token: SimFirstToken = "prefill",
+    plan_capacity: SimPlanCapacity = False,
+    plot: SimPlot = None,
+    plan_budgets: SimPlanBudgets = "512,2048,8192",
+    plan_tp: SimPlanTp = "1,2,4,8",
 ) -> None:
     """Bench's workloads through pdscope's own scheduler on a roofline clock: latency and
     throughput for hardware you do not have, from one GPU to a disaggregated cluster. Against
     the real engine, decode medians and throughput hold within 10% on this project's host;
     TTFT and p99 do not yet (see docs/simulation.md, Validation)."""
-    from pdscope.commands.simulate import SimulateSettings
-    from pdscope.commands.simulate import simulate as run_simulation
-    from pdscope.report.bench import render_bench
-    from pdscope.specs.sizes import parse_bytes
 
-    try:
-        settings = SimulateSettings(
-            model=model, device=device, calibrate=calibrate, dtype=dtype, kv_dtype=kv_dtype,
-            bandwidth_gb_s=bandwidth,
-            tflops=tflops, memory_gb=memory, gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_memory_bytes=None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
+    from pdscope.commands import capacity
+    from pdscope.commands.cluster import ClusterSettings, simulate_any
+    from pdscope.commands.simulate import SimulateSettings
+    from pdscope.report.simulate import render_simulation, simulation_html
+
+    with exit_on(2, SpecError, ValueError):
+        settings = SimulateSettings.from_flags(
+            kv_cache_memory, model=model, device=device, calibrate=calibrate, dtype=dtype,
+            kv_dtype=kv_dtype, bandwidth_gb_s=bandwidth, tflops=tflops, memory_gb=memory,
+            gpu_memory_utilization=gpu_memory_utilization,
             bandwidth_efficiency=bandwidth_efficiency, flops_efficiency=flops_efficiency,
             step_overhead_ms=step_overhead_ms, seq_overhead_ms=seq_overhead_ms,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
@@ -902,76 +926,32 @@ def simulate(
             max_concurrency=max_concurrency, seed=seed, slo=slo, tokenizer=tokenizer,
             find_capacity=find_capacity, max_runs=max_runs,
         )  # fmt: skip
-        from pdscope.commands import cluster as cl
-
-        cs = cl.ClusterSettings(
-            settings, replicas=replicas, router=router, tensor_parallel_size=tensor_parallel_size,
+        cs = ClusterSettings.from_flags(
+            settings, prefill_args, decode_args, prefill_device, decode_device, plan_capacity,
+            replicas=replicas, router=router, tensor_parallel_size=tensor_parallel_size,
             tp_link=tp_link, tp_link_gb_s=tp_link_gb_s, tp_link_latency_us=tp_link_latency_us,
             disaggregate=disaggregate, kv_link_gb_s=kv_link_gb_s,
             kv_link_latency_ms=kv_link_latency_ms, first_token=first_token, gpus=gpus,
-            prefill=cl.PoolArgs.parse(prefill_args, "--prefill-args"),
-            decode=cl.PoolArgs.parse(decode_args, "--decode-args"),
         )  # fmt: skip
-        if (cl.is_cluster(cs) or plan_capacity) and (calibrate or find_capacity):
-            raise SpecError(
-                "--calibrate and --find-capacity simulate one replica: drop them, or drop the "
-                "cluster flags (--replicas, --disaggregate, -tp, --gpus, --plan-capacity)"
-            )
-        for pool, device_flag in (("prefill", prefill_device), ("decode", decode_device)):
-            if device_flag is not None:
-                cs = replace(cs, **{pool: replace(getattr(cs, pool), device=device_flag)})
         if plan_capacity:
-            from pdscope.commands import capacity
-
-            if gpus is None:
-                raise SpecError("--plan-capacity needs --gpus")
-            plan = capacity.plan_capacity(
-                replace(cs, base=replace(settings, slo=None)), gpus, slo,
-                budgets=_int_tuple(plan_budgets, "--plan-budgets"),
-                tp_sizes=_int_tuple(plan_tp, "--plan-tp"),
-                progress=lambda line: print(line, file=sys.stderr, flush=True),
-            )  # fmt: skip
+            out = capacity.plan_from_flags(
+                cs, plan_budgets, plan_tp, lambda line: print(line, file=sys.stderr, flush=True)
+            )
         else:
-            result = cl.simulate_cluster(cs) if cl.is_cluster(cs) else run_simulation(settings)
-    except (SpecError, ValueError) as exc:
-        raise fail(str(exc)) from None
-    if plan_capacity:
-        if save_result is not None:
-            save_result.write_text(json.dumps(plan, indent=2))
-        if plot is not None:
-            capacity.plot_plan(plan, plot)
-        if as_json:
-            print_json(plan)
-        else:
-            for line in capacity.render_plan(plan):
-                console.print(line)
-        return
+            out = simulate_any(cs)
     if save_result is not None:
-        save_result.write_text(json.dumps(result, indent=2))
-    if report is not None:
-        from pdscope.report.bench_html import render_html
-
-        page = render_html(result)
-        if "cluster" in result:
-            page = page.replace("</body>", cl.cluster_html(result) + "\n</body>", 1)
-        report.write_text(page)
+        save_result.write_text(json.dumps(out, indent=2))
+    if plan_capacity and plot is not None:
+        capacity.plot_plan(out, plot)
+    if not plan_capacity and report is not None:
+        report.write_text(simulation_html(out))
     if as_json:
-        print_json(result)
-    else:
-        render_bench(result, console)
-        if result["metadata"].get("calibration"):
-            from pdscope.report.bench import render_calibration
-
-            render_calibration(result["metadata"]["calibration"], console)
-        for line in cl.render_cluster(result) if "cluster" in result else []:
+        print_json(out)
+    elif plan_capacity:
+        for line in capacity.render_plan(out):
             console.print(line)
-        c = result["metadata"]["cost_params"]
-        console.print(
-            f"simulated: {c['bandwidth_gb_s']:g} GB/s, {c['tflops']:g} TFLOP/s, step overhead "
-            f"{c['step_overhead_s'] * 1e3:g} ms, per sequence {c['seq_overhead_s'] * 1e3:g} ms, "
-            f"per request {c['request_overhead_s'] * 1e3:g} ms ({c['source']}); KV pool "
-            f"{result['metadata']['kv_pool_tokens']:,} tokens"
-        )
+    else:
+        render_simulation(out, console)
 
 
 @app.command()

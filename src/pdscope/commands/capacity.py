@@ -31,6 +31,7 @@ import numpy as np
 
 from pdscope.analysis.bench import SLO, SLOError
 from pdscope.commands.cluster import ClusterSettings, PoolArgs, simulate_cluster
+from pdscope.commands.simulate import DEFAULT_MODEL
 from pdscope.roofline.parallel import tensor_parallel
 from pdscope.specs import SpecError, load_model
 
@@ -232,6 +233,33 @@ def pareto(points: list[tuple[float, float, str]]) -> list[tuple[float, float, s
     return front
 
 
+def _int_tuple(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise SpecError(f"{flag} takes comma-separated integers, got {text!r}") from None
+
+
+def plan_from_flags(
+    c: ClusterSettings,
+    plan_budgets: str,
+    plan_tp: str,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """`simulate --plan-capacity`: ``--gpus`` GPUs searched against ``--slo``, which is the
+    planner's (aggregate) SLO, so the base runs carry none of bench's per-request kind."""
+    if c.gpus is None:
+        raise SpecError("--plan-capacity needs --gpus")
+    return plan_capacity(
+        replace(c, base=replace(c.base, slo=None)),
+        c.gpus,
+        c.base.slo,
+        budgets=_int_tuple(plan_budgets, "--plan-budgets"),
+        tp_sizes=_int_tuple(plan_tp, "--plan-tp"),
+        progress=progress,
+    )
+
+
 def plan_capacity(
     c: ClusterSettings,
     gpus: int,
@@ -248,6 +276,8 @@ def plan_capacity(
         raise SpecError(f"--gpus must be >= 1, got {gpus}")
     slo = parse_plan_slo(slo_text)
     c.validate()
+    # No --model means simulate's default, as one run resolves it (the candidates need a spec).
+    c = replace(c, base=replace(c.base, model=c.base.model or DEFAULT_MODEL))
     if not budgets or min(budgets) < 1 or not tp_sizes or min(tp_sizes) < 1:
         raise SpecError("--plan-budgets and --plan-tp take positive integers")
     cands = candidates(c, gpus, budgets, tp_sizes)

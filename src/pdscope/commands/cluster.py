@@ -6,7 +6,6 @@ pieces (plan's resolution, the cost model, the KV pool, bench's workloads and re
 
 from __future__ import annotations
 
-import html
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -23,6 +22,7 @@ from pdscope.commands.simulate import (
     kv_pool_blocks,
     resolve_inputs,
     server_report,
+    simulate,
 )
 from pdscope.engine.cluster import (
     FIRST_TOKEN_SOURCES,
@@ -114,6 +114,36 @@ class ClusterSettings:
     kv_link_latency_ms: float = DEFAULT_KV_LINK_LATENCY_MS
     first_token: str = "prefill"
     gpus: int | None = None
+
+    @classmethod
+    def from_flags(
+        cls,
+        base: SimulateSettings,
+        prefill_args: str | None,
+        decode_args: str | None,
+        prefill_device: str | None,
+        decode_device: str | None,
+        plan_capacity: bool,
+        **fields: Any,
+    ) -> ClusterSettings:
+        """The CLI's cluster flags around ``base``; ``--prefill-device``/``--decode-device``
+        override the pools' ``device=``. --calibrate and --find-capacity fit or search one
+        replica, so they are refused beside any cluster flag."""
+        c = cls(
+            base,
+            prefill=PoolArgs.parse(prefill_args, "--prefill-args"),
+            decode=PoolArgs.parse(decode_args, "--decode-args"),
+            **fields,
+        )
+        if (is_cluster(c) or plan_capacity) and (base.calibrate or base.find_capacity):
+            raise SpecError(
+                "--calibrate and --find-capacity simulate one replica: drop them, or drop the "
+                "cluster flags (--replicas, --disaggregate, -tp, --gpus, --plan-capacity)"
+            )
+        for pool, device in (("prefill", prefill_device), ("decode", decode_device)):
+            if device is not None:
+                c = replace(c, **{pool: replace(getattr(c, pool), device=device)})
+        return c
 
     def split(self) -> tuple[int, int] | None:
         if self.disaggregate is None:
@@ -439,89 +469,6 @@ def simulate_cluster(c: ClusterSettings) -> dict[str, Any]:
     return r
 
 
-def render_cluster(r: dict[str, Any]) -> list[str]:
-    """Terminal lines for the cluster part of a result (rich markup)."""
-    cl = r["cluster"]
-    lines = [f"[bold]cluster[/]: {cl['mode']}, {cl['gpus']} GPUs, router {cl['router']}"]
-    good = cl["request_goodput_per_gpu"]
-    lines.append(
-        f"  per GPU: {cl['output_tok_s_per_gpu']:,.1f} output tok/s"
-        + ("" if good is None else f", goodput {good:.3f} req/s")
-    )
-    for name, pool in cl["pools"].items():
-        lines.append(
-            f"  {name}: {pool['workers']} x {pool['device']} TP {pool['tensor_parallel_size']}, "
-            f"budget {pool['max_num_batched_tokens']}, {pool['max_num_seqs']} seqs, KV "
-            f"{pool['kv_pool_tokens']:,} tokens each; utilization {pool['utilization']:.0%}, "
-            f"completed {pool['completed']}"
-        )
-    shown = cl["workers"][:16]
-    for w in shown:
-        lines.append(
-            f"    #{w['index']} {w['pool']}: {w['completed']} done, {w['steps']} steps, busy "
-            f"{w['utilization']:.0%}, preempted {w['preemptions']}, most waiting "
-            f"{w['max_waiting']}"
-        )
-    if len(cl["workers"]) > len(shown):
-        lines.append(f"    ... {len(cl['workers']) - len(shown)} more in the JSON")
-    link = cl.get("link")
-    if link:
-        t, q = link["transfer_ms"], link["queue_ms"]
-        lines.append(
-            f"  KV link {link['gb_s']:g} GB/s + {link['latency_ms']:g} ms: {link['transfers']} "
-            f"transfers, {link['bytes'] / 1e9:,.2f} GB, busy {link['utilization']:.0%}, most "
-            f"queued {link['max_queue']}; first token from the {cl['first_token']} worker"
-        )
-        if t and q:
-            lines.append(
-                f"    transfer ms p50 {t['p50']:.2f} p99 {t['p99']:.2f} max {t['max']:.2f}; "
-                f"queue ms p50 {q['p50']:.2f} p99 {q['p99']:.2f} max {q['max']:.2f}"
-            )
-    return lines
-
-
-def cluster_html(r: dict[str, Any]) -> str:
-    """The cluster section for bench's HTML report: pools, workers and the link as tables."""
-    cl = r["cluster"]
-    rows = "".join(
-        f"<tr><td>{html.escape(name)}</td><td>{p['workers']}</td><td>{p['device']}</td>"
-        f"<td>{p['tensor_parallel_size']}</td><td>{p['kv_pool_tokens']:,}</td>"
-        f"<td>{p['utilization']:.1%}</td><td>{p['completed']}</td></tr>"
-        for name, p in cl["pools"].items()
-    )
-    workers = "".join(
-        f"<tr><td>{w['index']}</td><td>{w['pool']}</td><td>{w['completed']}</td>"
-        f"<td>{w['steps']}</td><td>{w['utilization']:.1%}</td><td>{w['preemptions']}</td>"
-        f"<td>{w['max_waiting']}</td></tr>"
-        for w in cl["workers"]
-    )
-    parts = [
-        f"<h2>Cluster: {cl['mode']}, {cl['gpus']} GPUs, router {html.escape(cl['router'])}</h2>",
-        "<table><tr><th>pool</th><th>workers</th><th>device</th><th>TP</th><th>KV tokens</th>"
-        f"<th>utilization</th><th>completed</th></tr>{rows}</table>",
-        "<table><tr><th>worker</th><th>pool</th><th>done</th><th>steps</th><th>busy</th>"
-        f"<th>preempted</th><th>most waiting</th></tr>{workers}</table>",
-    ]
-    link = cl.get("link")
-    if link:
-        cells = "".join(
-            f"<tr><td>{label}</td>"
-            + "".join(f"<td>{d[k]:.3f}</td>" for k in ("mean", "p50", "p90", "p99", "max"))
-            + "</tr>"
-            for label, d in (("transfer ms", link["transfer_ms"]), ("queue ms", link["queue_ms"]))
-            if d
-        )
-        parts.append(
-            f"<h2>KV link: {link['gb_s']:g} GB/s, {link['latency_ms']:g} ms; "
-            f"{link['transfers']} transfers, {link['bytes'] / 1e9:,.2f} GB, busy "
-            f"{link['utilization']:.1%}, most queued {link['max_queue']}; first token from the "
-            f"{html.escape(cl['first_token'])} worker</h2>"
-            "<table><tr><th></th><th>mean</th><th>p50</th><th>p90</th><th>p99</th><th>max</th>"
-            f"</tr>{cells}</table>"
-        )
-    return "\n".join(parts)
-
-
 def is_cluster(c: ClusterSettings) -> bool:
     """Whether the settings ask for anything beyond one single-GPU replica."""
     return (
@@ -533,3 +480,9 @@ def is_cluster(c: ClusterSettings) -> bool:
         or c.prefill != PoolArgs()
         or c.decode != PoolArgs()
     )
+
+
+def simulate_any(c: ClusterSettings) -> dict[str, Any]:
+    """`pdscope simulate`'s run: the cluster when any cluster flag is given, else one replica
+    (whose result carries no cluster section)."""
+    return simulate_cluster(c) if is_cluster(c) else simulate(c.base)

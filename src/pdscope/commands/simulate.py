@@ -43,6 +43,7 @@ from pdscope.engine.timeline import StepRecord
 from pdscope.roofline import arithmetic as rf
 from pdscope.roofline.step_cost import CostModel, CostParams
 from pdscope.specs import SpecError
+from pdscope.specs.sizes import parse_bytes
 
 if TYPE_CHECKING:
     from pdscope.engine.tokenizer import Tokenizer
@@ -112,6 +113,13 @@ class SimulateSettings:
     tokenizer: str | None = None  # counts a file workload's text prompts (default: the model's)
     find_capacity: bool = False  # search the highest load meeting --slo, as bench does
     max_runs: int = 10  # bound on the capacity search
+
+    @classmethod
+    def from_flags(cls, kv_cache_memory: str | None, **fields: Any) -> SimulateSettings:
+        """The CLI's flags as settings; ``kv_cache_memory`` is a size such as ``50MiB``.
+        Checked by :meth:`validate` when the run starts."""
+        kv_bytes = None if kv_cache_memory is None else parse_bytes(kv_cache_memory)
+        return cls(kv_cache_memory_bytes=kv_bytes, **fields)
 
     def validate(self) -> None:
         """Refuse nonsense before anything runs; the message names the flag."""
