@@ -14,14 +14,7 @@ from pdscope.engine.scheduler import SchedulerConfig
 from pdscope.engine.simulator import SimRequest, Simulator
 from pdscope.roofline.step_cost import CostModel, CostParams
 from pdscope.specs import get_kv_precision, get_weight_precision, load_model, resolve_device
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
+from pdscope.specs.local import cpu_model
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pdscope.server.launch import start_server
+from pdscope.specs.local import cpu_model
 
 PDSCOPE = [sys.executable, "-m", "pdscope.cli"]
 KV_DEFAULT = "1GiB"  # serve's CPU default pool
@@ -278,14 +279,6 @@ def print_table(rows: list[dict[str, Any]], test: str = "sim", base: str = "real
             mark = "!" if abs(e) > floor else " "
             cells.append(f"{e:+.0%}{mark} ({real:.4g})".rjust(19))
         print(row["case"].ljust(18) + "".join(cells))
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":

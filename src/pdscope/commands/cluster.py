@@ -33,7 +33,6 @@ from pdscope.engine.cluster import (
     Worker,
     WorkerSpec,
 )
-from pdscope.engine.scheduler import SchedulerConfig
 from pdscope.engine.timeline import StepRecord
 from pdscope.roofline import arithmetic as rf
 from pdscope.roofline.parallel import (
@@ -276,9 +275,7 @@ def _pool(c: ClusterSettings, name: str, workers: int, args: PoolArgs, tp_size: 
         blocks = kv_pool_blocks(s, p) if tp.size == 1 else _tp_pool_blocks(s, p, tp)
     except SpecError as exc:
         raise SpecError(f"{name} pool: {exc}" if name != "replica" else str(exc)) from None
-    config = SchedulerConfig(
-        s.max_num_batched_tokens, s.max_num_seqs, s.max_model_len, s.enable_chunked_prefill
-    )
+    config = s.scheduler_config()
     spec = WorkerSpec(
         config,
         blocks,

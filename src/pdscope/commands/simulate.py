@@ -121,6 +121,14 @@ class SimulateSettings:
         kv_bytes = None if kv_cache_memory is None else parse_bytes(kv_cache_memory)
         return cls(kv_cache_memory_bytes=kv_bytes, **fields)
 
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            self.max_num_batched_tokens,
+            self.max_num_seqs,
+            self.max_model_len,
+            self.enable_chunked_prefill,
+        )
+
     def validate(self) -> None:
         """Refuse nonsense before anything runs; the message names the flag."""
         if self.workload not in WORKLOADS and not self.workload.startswith("file:"):
@@ -436,9 +444,7 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
         k = len(state.runs) + 1
         specs = first_specs if k == 1 else make_specs(s, p, model_ref, s.seed + k - 1)
         requests = sim_requests(s, specs, request_rate, s.seed + k)
-        config = SchedulerConfig(
-            s.max_num_batched_tokens, s.max_num_seqs, s.max_model_len, s.enable_chunked_prefill
-        )
+        config = s.scheduler_config()
         sim = Simulator(
             config,
             blocks,

@@ -27,7 +27,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -35,6 +34,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
+
+from pdscope.specs.local import cpu_model
 
 log = logging.getLogger("pdscope.engine")
 
@@ -92,17 +93,6 @@ def parse_kernels(spec: str) -> dict[str, str]:
         if option != "auto":
             forced[path] = option
     return forced
-
-
-def cpu_model() -> str:
-    """The CPU's marketing name (``lscpu``'s Model name), or the platform's best guess."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def cpu_flags() -> list[str]:

@@ -14,7 +14,7 @@ import torch
 
 from pdscope.engine.args import EngineArgs
 from pdscope.engine.block_pool import BlockPool
-from pdscope.engine.kernels import KernelChoice, TrialShapes, choose, cpu_model, parse_kernels
+from pdscope.engine.kernels import KernelChoice, TrialShapes, choose, parse_kernels
 from pdscope.engine.loader import load_model, read_config, resolve_dtype
 from pdscope.engine.model import apply_kernels, can_pack, kernel_trials
 from pdscope.engine.request import Request
@@ -23,6 +23,7 @@ from pdscope.engine.sampling_params import SamplingParams
 from pdscope.engine.scheduler import Scheduler, SchedulerConfig
 from pdscope.engine.timeline import RequestTimeline, StepRecord
 from pdscope.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdscope.specs.local import cpu_model
 from pdscope.specs.sizes import parse_bytes
 
 log = logging.getLogger(__name__)

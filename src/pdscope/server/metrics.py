@@ -10,10 +10,10 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdscope import __version__
-from pdscope.engine.kernels import cpu_model
 from pdscope.engine.llm_engine import LLMEngine
 from pdscope.engine.request import Request
 from pdscope.engine.timeline import StepRecord
+from pdscope.specs.local import cpu_model
 
 TTFT_BUCKETS = (
     0.001,

@@ -8,8 +8,10 @@ device's memory is physical RAM in GiB, like the catalog's.
 from __future__ import annotations
 
 import os
+import platform
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from pdscope.specs.devices import Device
 
@@ -102,3 +104,14 @@ def local_device(dtype: str = "bf16") -> tuple[Device, LocalMeasurement]:
         ),
     )
     return device, m
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name (``lscpu``'s Model name), or the platform's best guess."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
