@@ -246,12 +246,9 @@ def calibrated_inputs(s: SimulateSettings) -> tuple[PlanInputs, Calibration, str
                 source=f"fitted to {s.calibrate}",
             ),
         )
+        check_model_len(s, p)
     else:
-        p = resolve(
-            model=model, device=s.device, dtype=s.dtype, kv_dtype=s.kv_dtype,
-            gpu_memory_utilization=s.gpu_memory_utilization, bandwidth_gb_s=s.bandwidth_gb_s,
-            tflops=s.tflops, memory_gb=s.memory_gb,
-        )  # fmt: skip
+        p = resolve_inputs(replace(s, model=model))  # the named device, as without --calibrate
     return p, calibration, model
 
 
@@ -418,7 +415,6 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
     calibration = None
     if s.calibrate is not None:
         p, calibration, model_ref = calibrated_inputs(s)
-        check_model_len(s, p)
         if s.device is None and s.kv_cache_memory_bytes is None and s.memory_gb is None:
             s = replace(s, kv_cache_memory_bytes=CPU_SERVE_KV_CACHE_BYTES)
     else:
