@@ -7,6 +7,12 @@ engine args, and prints one error table (simulated / measured - 1).
 
     python bench/validate_simulator.py [--scale 0.25] [--cases random-c1,...] [--probe P]
         [--server-threads 1]
+    python bench/validate_simulator.py --rescore /tmp/pdscope-validate-XXXX [--scale ...]
+
+``--rescore DIR`` reruns only the simulations against the probe and the measured benches an
+earlier run left in DIR (same scale, seed and cases): a change to the cost model or its fit is
+scored against the same measurements in seconds, without a quiet machine. A change is kept only
+once a fresh run (new probe, new benches) agrees.
 
 Floors (the issue's): median TTFT, TPOT and ITL within 10%; p99 within 20%; output throughput
 within 10%; preemptions and the most requests waiting within 25%. A case's request count is
@@ -150,6 +156,12 @@ def main() -> None:
         "engine's error against itself: what this host lets the floors be checked to",
     )
     parser.add_argument(
+        "--rescore",
+        type=Path,
+        metavar="DIR",
+        help="re-simulate against DIR's saved probe and benches (an earlier run's work folder)",
+    )
+    parser.add_argument(
         "--server-threads",
         type=int,
         help="serve --threads for every server (1 keeps a shared host's contention from "
@@ -157,7 +169,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     chosen = [c for c in cases() if not args.cases or c.name in args.cases.split(",")]
-    work = Path(tempfile.mkdtemp(prefix="pdscope-validate-"))
+    work = args.rescore or Path(tempfile.mkdtemp(prefix="pdscope-validate-"))
+    if args.rescore is not None:
+        if args.noise:
+            raise SystemExit("--rescore re-simulates only: drop --noise")
+        if not (args.rescore / "probe.json").is_file():
+            raise SystemExit(f"--rescore: {args.rescore} has no probe.json")
     t0 = time.time()
     threads = ["--threads", str(args.server_threads)] if args.server_threads else []
     servers: dict[tuple[str, ...], Any] = {}
@@ -174,7 +191,7 @@ def main() -> None:
         return servers[key]
 
     rows: list[dict[str, Any]] = []
-    probe = args.probe
+    probe = args.probe or (work / "probe.json" if args.rescore else None)
     try:
         if probe is None:
             probe = work / "probe.json"
@@ -219,7 +236,7 @@ def run_cases(
 ) -> None:
     saturation_rps: float | None = None
     for index, case in enumerate(chosen):
-        server = server_for(case.server, case.kv)
+        server = server_for(case.server, case.kv) if args.rescore is None else None
         prompts = max(8, round(case.prompts * args.scale))
         # A seed per case: bench draws prompts from it, and a server that saw a case's prompts
         # would serve the next case's from its prefix cache (a fresh simulation would not).
@@ -231,7 +248,10 @@ def run_cases(
             load += ["--request-rate", f"{case.rate_of_saturation * saturation_rps:.3f}"]
         real_file, sim_file = work / f"{case.name}-bench.json", work / f"{case.name}-sim.json"
         started = time.time()
-        run([*PDSCOPE, "bench", server.url, *load, "--save-result", str(real_file)])
+        if args.rescore is None:
+            run([*PDSCOPE, "bench", server.url, *load, "--save-result", str(real_file)])
+        elif not real_file.is_file():
+            raise SystemExit(f"--rescore: {real_file} is missing (run with the same --cases)")
         bench_s = time.time() - started
         engine = [*case.server, "--kv-cache-memory", case.kv, "--max-model-len", str(max_len)]
         simulate = [*PDSCOPE, "simulate", "--calibrate", str(probe), *engine, *load]

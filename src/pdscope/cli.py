@@ -347,6 +347,14 @@ SimCalibrate = Annotated[
         "the server modelled (pass its engine args too)."
     ),
 ]
+SimCalibrateBudget = Annotated[
+    int,
+    typer.Option(
+        min=1,
+        help="With --calibrate: the probed server's --max-num-batched-tokens (pdscope serve's "
+        "default 2048), which may differ from the one simulated.",
+    ),
+]
 SimDtype = Annotated[str, typer.Option(help="Weight precision, as plan.")]
 SimKvDtype = Annotated[str | None, typer.Option(help="KV cache precision, as plan.")]
 SimBandwidth = Annotated[float | None, typer.Option(help="Peak GB/s (overrides the device's).")]
@@ -838,6 +846,7 @@ def simulate(
     model: SimModel = None,
     device: SimDevice = None,
     calibrate: SimCalibrate = None,
+    calibrate_budget: SimCalibrateBudget = 2048,
     dtype: SimDtype = "bf16",
     kv_dtype: SimKvDtype = None,
     bandwidth: SimBandwidth = None,
@@ -910,7 +919,8 @@ def simulate(
 
     with exit_on(2, SpecError, ValueError):
         settings = SimulateSettings.from_flags(
-            kv_cache_memory, model=model, device=device, calibrate=calibrate, dtype=dtype,
+            kv_cache_memory, model=model, device=device, calibrate=calibrate,
+            calibrate_budget=calibrate_budget, dtype=dtype,
             kv_dtype=kv_dtype, bandwidth_gb_s=bandwidth, tflops=tflops, memory_gb=memory,
             gpu_memory_utilization=gpu_memory_utilization,
             bandwidth_efficiency=bandwidth_efficiency, flops_efficiency=flops_efficiency,

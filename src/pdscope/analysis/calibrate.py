@@ -6,11 +6,10 @@ decode (several streams at once: the median per-token gap is one step carrying a
 Each becomes an :class:`Observation`: the steps the engine's scheduler would run for it, and the
 seconds they took. The cost model prices a step as a sum of roofline terms ``max(FLOPs / F,
 bytes / B)`` plus ``step_overhead + seq_overhead x entries``, and a TTFT also pays
-``request_overhead`` once (HTTP, hand-off to the engine: time outside any step); once each
-term's binding side is chosen the time is linear in ``(1/F, 1/B, step_overhead,
-seq_overhead, request_overhead)``, so the fit alternates
-choosing sides at the current parameters and solving a non-negative least-squares problem in
-relative error, until the sides stop changing.
+``request_overhead`` once (HTTP, hand-off to the engine: time outside any step). At fixed rates
+F and B the time is linear in the three overheads; which side of each term binds depends on
+the rates, so :func:`fit` searches the rates on a grid and solves the overheads at each point
+(see its docstring for the loss and for how it chooses among fits the probe cannot tell apart).
 
 The parameters mean what the cost model says they mean: F and B are the achieved rates over
 everything the roofline counts; the overheads are what it does not see (Python, launches,
@@ -180,43 +179,83 @@ def observations(probe: dict[str, Any], budget: int) -> list[Observation]:
     return out
 
 
-def _row(cost: CostModel, obs: Observation, x: np.ndarray) -> np.ndarray:
-    """The observation's time as coefficients of (1/F, 1/B, step, seq, request), each roofline
-    term on the side that binds at ``x`` (1/F, 1/B in s/FLOP and s/byte)."""
-    row = np.zeros(5)
-    for step in obs.steps:
-        for flops, nbytes in cost.roofline_terms(step):
-            if flops * x[0] >= nbytes * x[1]:
-                row[0] += flops
-            else:
-                row[1] += nbytes
-        row[2] += 1
-        row[3] += len(step)
-    row[4] = obs.requests
-    return row
+def _terms(cost: CostModel, obs: Observation) -> tuple[np.ndarray, np.ndarray]:
+    """Every roofline term of the observation's steps as FLOPs and bytes arrays."""
+    terms = [t for step in obs.steps for t in cost.roofline_terms(step)]
+    return np.array([f for f, _ in terms]), np.array([b for _, b in terms])
 
 
-def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
-    """Least squares with x >= 0 and both rates free (x[0], x[1] > 0), by trying every set of
-    overheads held at zero (five unknowns: eight solves)."""
-    best, best_norm = None, np.inf
-    for keep in itertools.product((True, False), repeat=3):
-        cols = [0, 1] + [2 + i for i, k in enumerate(keep) if k]
-        sol, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
-        if (sol[:2] <= 0).any() or (sol < 0).any():
-            continue
-        x = np.zeros(5)
-        x[cols] = sol
-        norm = float(np.linalg.norm(a @ x - b))
-        if norm < best_norm - 1e-15:
-            best, best_norm = x, norm
+# Each subset of the overheads (step, sequence, request) that may be nonzero.
+_SUBSETS = [np.array(k) for k in itertools.product((1.0, 0.0), repeat=3) if any(k)]
+# The loss a fit may give up to explain the probe with less overhead: 1% of the best loss
+# (plus a floor for a noiseless probe, whose best loss is ~0).
+NEAR_BEST = 0.01
+NEAR_BEST_FLOOR = 1e-4
+GRID = 40  # points per rate on each pass of the grid
+IRLS_ROUNDS = 4  # reweightings toward least absolute relative error
+
+
+def _overheads(a: np.ndarray, b: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """For every grid point g: the overheads x >= 0 minimizing sum_i (w[g,i] (a[i] x - b[g,i]))^2,
+    by trying each subset of them held at zero. a: (n, 3); b, w: (G, n); returns (G, 3)."""
+    g = b.shape[0]
+    best = np.zeros((g, 3))
+    best_norm = np.sqrt(((w * b) ** 2).sum(axis=1))
+    for keep in _SUBSETS:
+        if (keep.astype(bool) & ~a.any(axis=0)).any():
+            continue  # an overhead that applies to no observation cannot be fitted
+        ak = a * keep  # dropped columns are zero; a ridge of 1 on them keeps the solve regular
+        aw = w[:, :, None] * ak[None]  # (G, n, 3)
+        lhs = np.einsum("gni,gnj->gij", aw, aw) + np.diag(1.0 - keep + 1e-12)[None]
+        rhs = np.einsum("gni,gn->gi", aw, w * b)
+        x = np.linalg.solve(lhs, rhs[..., None])[..., 0] * keep
+        norm = np.sqrt(((w * (x @ a.T - b)) ** 2).sum(axis=1))
+        better = (x >= 0).all(axis=1) & (norm < best_norm - 1e-15)
+        best[better], best_norm[better] = x[better], norm[better]
     return best
 
 
+def _grid_fit(
+    terms: Sequence[tuple[np.ndarray, np.ndarray]],
+    seconds: np.ndarray,
+    counts: np.ndarray,
+    log_f: np.ndarray,
+    log_b: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """At every (FLOP/s, bytes/s) pair of the grid: the overheads minimizing the sum of
+    |relative error| (least squares reweighted toward it, so one disturbed point among many
+    moves the fit little), the mean |relative error| and the overheads' share of the fitted
+    time. Returns (rates (G, 2) as log10, overheads (G, 3), loss (G,), share (G,))."""
+    lf, lb = (m.ravel() for m in np.meshgrid(log_f, log_b, indexing="ij"))
+    inv_f, inv_b = 10.0**-lf, 10.0**-lb
+    roof = np.stack(
+        [np.maximum(np.outer(inv_f, f), np.outer(inv_b, b)).sum(axis=1) for f, b in terms],
+        axis=1,
+    )  # (G, n) seconds of roofline time
+    a = counts / seconds[:, None]
+    b = 1.0 - roof / seconds
+    w = np.ones_like(b)
+    for _ in range(IRLS_ROUNDS):
+        x = _overheads(a, b, w)
+        w = 1.0 / np.sqrt(np.maximum(np.abs(x @ a.T - b), 0.02))
+    loss = np.abs(x @ a.T - b).mean(axis=1)
+    over_s = x @ counts.T
+    share = over_s.sum(axis=1) / (roof + over_s).sum(axis=1)
+    return np.stack([lf, lb], axis=1), x, loss, share
+
+
 def fit(cost: CostModel, obs: Sequence[Observation], source: str = "") -> Calibration:
-    """Achieved FLOP/s and bandwidth and the two overheads that best explain ``obs`` (least
-    squares in relative error). ``cost`` gives the model and precisions; its params are only a
-    starting point."""
+    """Achieved FLOP/s and bandwidth and the three overheads that best explain ``obs``.
+
+    Which side of each roofline term binds depends on the rates, so the loss has several local
+    minima: the rates are searched on a log grid (refined twice around the best point) and the
+    overheads solved exactly at each. The loss is the mean |relative error| (a disturbed point
+    of a noisy host counts once, not squared). A decode's time is weights / bandwidth plus the
+    per-step overhead, so a probe can often be explained as well by a fast memory and a large
+    overhead as by a slower memory and none: among rates within ``NEAR_BEST`` (1%) of the best loss
+    the fit takes those whose overheads explain the least time, letting the roofline (which
+    knows how time grows with batch, context and prompt) carry what the probe cannot tell apart.
+    """
     kinds = {o.kind for o in obs}
     if "prefill" not in kinds or not kinds & {"decode", "batch-decode"}:
         raise SpecError(
@@ -224,29 +263,33 @@ def fit(cost: CostModel, obs: Sequence[Observation], source: str = "") -> Calibr
             f"(found: {', '.join(sorted(kinds)) or 'none'})"
         )
     notes = []
+    terms = [_terms(cost, o) for o in obs]
+    seconds = np.array([o.seconds for o in obs])
+    counts = np.array(
+        [[len(o.steps), sum(len(s) for s in o.steps), o.requests] for o in obs], dtype=float
+    )
     if "batch-decode" not in kinds:
         notes.append(
             "no batched-decode point (probe with --batch-streams 8): the per-sequence "
             "overhead cannot be told apart from the per-step one and is held at 0"
         )
-    x = np.array([1 / cost.params.flops_per_s, 1 / cost.params.bandwidth_bytes_s, 0, 0, 0.0])
-    weights = np.array([1 / o.seconds for o in obs])
-    sides: list[np.ndarray] = []
-    for _ in range(30):
-        rows = np.array([_row(cost, o, x) for o in obs])
-        if sides and all(np.array_equal(r, s) for r, s in zip(rows, sides, strict=True)):
-            break
-        sides = list(rows)
-        a = rows * weights[:, None]
-        if "batch-decode" not in kinds:
-            a[:, 3] = 0.0
-        found = _nnls(a, np.ones(len(obs)))
-        if found is None:
-            raise SpecError(
-                "no positive FLOP/s and bandwidth explain this probe: its prefill and decode "
-                "figures contradict each other (a shared, noisy machine?)"
-            )
-        x = found
+        counts[:, 1] = 0.0
+    # The rates that would explain each observation alone bound the search.
+    alone = np.array([[f.sum() / t, b.sum() / t] for (f, b), t in zip(terms, seconds, strict=True)])
+    lo = np.log10(alone.min(axis=0) / 10)
+    hi = np.log10(alone.max(axis=0) * 100)
+    found = []
+    for _ in range(3):
+        rates, over, loss, share = _grid_fit(
+            terms, seconds, counts, np.linspace(lo[0], hi[0], GRID), np.linspace(lo[1], hi[1], GRID)
+        )
+        found.append((rates, over, loss, share))
+        cell = (hi - lo) / (GRID - 1)
+        lo, hi = rates[loss.argmin()] - 2 * cell, rates[loss.argmin()] + 2 * cell
+    rates, over, loss, share = (np.concatenate(parts) for parts in zip(*found, strict=True))
+    near = np.flatnonzero(loss <= loss.min() * (1 + NEAR_BEST) + NEAR_BEST_FLOOR)
+    pick = near[np.lexsort((loss[near], share[near]))[0]]
+    x = np.array([10.0 ** -rates[pick, 0], 10.0 ** -rates[pick, 1], *over[pick]])
     params = CostParams(
         bandwidth_gb_s=1 / x[1] / 1e9,
         tflops=1 / x[0] / 1e12,

@@ -74,6 +74,8 @@ class SimulateSettings:
     model: str | None = None
     device: str | None = None
     calibrate: str | None = None  # a saved `pdscope probe --json` of the server modelled
+    # the probed server's max_num_batched_tokens: its prompts over it prefilled in several steps
+    calibrate_budget: int = 2048
     dtype: str = "bf16"
     kv_dtype: str | None = None
     bandwidth_gb_s: float | None = None
@@ -161,6 +163,8 @@ class SimulateSettings:
             raise SpecError(f"--duration must be > 0 seconds, got {self.duration_s}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise SpecError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        if self.calibrate_budget < 1:
+            raise SpecError(f"--calibrate-budget must be >= 1, got {self.calibrate_budget}")
         if self.calibrate is not None:
             given = [
                 flag
@@ -228,7 +232,7 @@ def calibrated_inputs(s: SimulateSettings) -> tuple[PlanInputs, Calibration, str
     first = resolve(model=model, device=None, dtype=s.dtype, kv_dtype=s.kv_dtype,
                     bandwidth_gb_s=100.0, tflops=10.0)  # fmt: skip
     start = CostParams(100.0, 10.0)
-    obs = observations(probe, s.max_num_batched_tokens)
+    obs = observations(probe, s.calibrate_budget)
     calibration = fit(
         CostModel(first.model, first.weights, first.kv, start), obs, f"fitted to {s.calibrate}"
     )
