@@ -129,3 +129,43 @@ def test_plan_exhaustive_flag_reaches_the_search() -> None:
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)
     assert plan["exhaustive"] is True and plan["simulated_runs"] > 0 and not plan["pruned"]
+
+
+def test_percentile_exceeds_agrees_with_numpy_whatever_the_unknown_values() -> None:
+    import random
+
+    import numpy as np
+
+    from pdscope.commands.capacity import _percentile_exceeds
+
+    rng = random.Random(0)
+    for _ in range(300):
+        n, pct, limit = rng.randint(1, 60), rng.choice((50.0, 90.0, 99.0)), 1.0
+        above = rng.randint(0, n)
+        if not _percentile_exceeds(above, n, pct):
+            continue
+        # Certain: with the other values as high as they may be without crossing the limit,
+        # and the ones above it barely above, numpy still puts the percentile above the limit.
+        values = [limit] * (n - above) + [limit + 1e-9] * above
+        assert float(np.percentile(values, pct)) > limit
+    # And not claimed early: with one fewer value above the limit, the rest can sit low
+    # enough to keep the percentile within it.
+    for n in (1, 2, 10, 100, 101, 1000):
+        need = next(k for k in range(n + 1) if _percentile_exceeds(k, n, 99))
+        assert need >= 1
+        values = [0.0] * (n - need + 1) + [1.0 + 1e-9] * (need - 1)
+        assert float(np.percentile(values, 99)) <= 1.0
+
+
+def test_runs_stopped_early_reach_the_verdicts_full_runs_reach() -> None:
+    slo = parse_plan_slo(SLO_TEXT)
+    cand = colocated(1)
+    full = search(cand, slo, HORIZON_S, exhaustive=True)
+    quick = search(cand, slo, HORIZON_S)
+    assert [(r["rate"], r["meets"]) for r in quick["runs"]] == [
+        (r["rate"], r["meets"]) for r in full["runs"]
+    ]
+    assert quick["capacity_req_s"] == full["capacity_req_s"]
+    stopped = [r for r in quick["runs"] if r.get("stopped")]
+    assert stopped and all(not r["meets"] for r in stopped)
+    assert not any(r.get("stopped") for r in full["runs"])

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -41,6 +41,8 @@ from pdscope.analysis.bench import SLO, SLOError
 from pdscope.client.workloads import Lengths
 from pdscope.commands.cluster import ClusterSettings, PoolArgs, simulate_cluster
 from pdscope.commands.simulate import DEFAULT_MODEL, resolve_inputs
+from pdscope.engine.cluster import RunStopped
+from pdscope.engine.request import Request
 from pdscope.roofline import arithmetic as rf
 from pdscope.roofline.parallel import tensor_parallel
 from pdscope.specs import SpecError, load_model
@@ -139,14 +141,93 @@ def _any_link():
     return LINKS["nvlink4"]
 
 
-def _run(cand: Candidate, rate: float, horizon_s: float) -> dict[str, Any]:
-    """One run of the reduced shape at ``rate`` requests/s for the full configuration."""
+def _percentile_exceeds(count_above: int, n: int, pct: float) -> bool:
+    """Whether ``count_above`` of ``n`` values above a limit already put the ``pct``-th
+    percentile above it, whatever the other values are. numpy's (linear) percentile lies at or
+    above the value at index floor(pct/100 (n - 1)) of the sorted values, which is above the
+    limit once n minus that index values are."""
+    return n > 0 and count_above >= n - math.floor(pct / 100 * (n - 1))
+
+
+class CertainMiss:
+    """A run's stop check: true once the run can no longer meet a percentile TTFT limit or a
+    percentile worst-gap ITL limit (:func:`_worst_gaps_ok`), whatever the rest of it does.
+
+    Known values only grow: a request's TTFT is at least the time it has waited for its first
+    token, and its worst gap at least the worst gap it has shown. Other limits (bench's ITL over
+    all gaps, TPOT, E2EL) are left to the full run. A run past capacity builds its queue, and
+    its TTFT breaks, within the first seconds of a 15-second horizon."""
+
+    def __init__(self, slo: SLO):
+        self.ttft = _percentile_limits(slo, "_ttft")
+        self.gap = _percentile_limits(slo, "_itl")
+        self.seen: list[int] = []  # tokens already scanned for gaps, per request
+        self.worst: list[float] = []
+        self.reason = ""
+
+    def __bool__(self) -> bool:
+        return bool(self.ttft or self.gap)
+
+    def __call__(self, now_s: float, requests: Sequence[Request]) -> bool:
+        n = len(requests)
+        if len(self.seen) != n:
+            self.seen, self.worst = [0] * n, [0.0] * n
+        ttfts = []
+        for i, request in enumerate(requests):
+            timeline = request.timeline
+            if timeline.arrival_s > now_s:
+                continue
+            tokens = timeline.token_s
+            ttfts.append((tokens[0] if tokens else now_s) - timeline.arrival_s)
+            # The decode side of a split may restart the list (its own first token).
+            start = min(self.seen[i], len(tokens))
+            for j in range(max(1, start), len(tokens)):
+                self.worst[i] = max(self.worst[i], tokens[j] - tokens[j - 1])
+            self.seen[i] = len(tokens)
+        for limits, values, what in (
+            (self.ttft, ttfts, "TTFT"),
+            (self.gap, self.worst, "worst gap"),
+        ):
+            for pct, limit_s in limits:
+                above = sum(1 for v in values if v > limit_s)
+                if _percentile_exceeds(above, n, pct):
+                    self.reason = (
+                        f"stopped at {now_s:.2f} s: {above} of {n} requests' {what} already "
+                        f"above p{pct:g}'s {limit_s * 1e3:g} ms"
+                    )
+                    return True
+        return False
+
+
+def _percentile_limits(slo: SLO, suffix: str) -> list[tuple[float, float]]:
+    """(percentile, limit in seconds) of the SLO's ``pNN<suffix>`` limits."""
+    out = []
+    for key, limit_s in slo.limits.items():
+        head, _, tail = key.partition("_")
+        if f"_{tail}" == suffix and head.startswith("p"):
+            try:
+                out.append((float(head[1:]), limit_s))
+            except ValueError:
+                continue
+    return out
+
+
+def _run(cand: Candidate, rate: float, horizon_s: float, slo: SLO | None = None) -> dict[str, Any]:
+    """One run of the reduced shape at ``rate`` requests/s for the full configuration; with
+    ``slo``, stopped as soon as it certainly misses it (:class:`CertainMiss`)."""
     reduced = rate / cand.scale
     # Enough requests to arrive over HORIZON_S: a rate past capacity must have time to build
     # the queue that breaks the TTFT SLO, however few prompts were asked for.
     n = max(cand.settings.base.num_prompts, math.ceil(reduced * horizon_s))
     base = replace(cand.settings.base, request_rate=reduced, num_prompts=n, slo=None)
-    r = simulate_cluster(replace(cand.settings, base=base))
+    watch = CertainMiss(slo) if slo is not None else None
+    try:
+        r = simulate_cluster(replace(cand.settings, base=base), watch or None)
+    except RunStopped:
+        assert watch is not None
+        return {"rate": rate, "summary": None, "stopped": watch.reason, "requests": 0,
+                "tok_s_per_gpu": None, "req_s_per_gpu": None, "tok_s_per_user": None,
+                "result": None}  # fmt: skip
     tpot = r.get("median_tpot_ms")
     return {
         "rate": rate,
@@ -185,7 +266,11 @@ def _worst_gaps_ok(r: dict[str, Any], slo: SLO) -> bool:
 
 
 def search(
-    cand: Candidate, slo: SLO, horizon_s: float = HORIZON_S, floor_rate: float | None = None
+    cand: Candidate,
+    slo: SLO,
+    horizon_s: float = HORIZON_S,
+    floor_rate: float | None = None,
+    exhaustive: bool = False,
 ) -> dict[str, Any]:
     """The highest rate meeting ``slo`` for one configuration, and every run on the way.
 
@@ -197,11 +282,13 @@ def search(
     runs: list[dict[str, Any]] = []
 
     def ok(rate: float) -> bool:
-        run = _run(cand, rate, horizon_s)
-        r = run["result"]
-        run["meets"] = r["failed"] == 0 and slo.met_by_run(r) and _worst_gaps_ok(r, slo)
-        run["requests"] = r["completed"] + r["failed"]  # simulated: the run's work
-        del run["result"]
+        run = _run(cand, rate, horizon_s, None if exhaustive else slo)
+        r = run.pop("result")
+        if r is None:  # stopped early: it misses the SLO
+            run["meets"] = False
+        else:
+            run["meets"] = r["failed"] == 0 and slo.met_by_run(r) and _worst_gaps_ok(r, slo)
+            run["requests"] = r["completed"] + r["failed"]  # simulated: the run's work
         runs.append(run)
         return run["meets"]
 
@@ -319,12 +406,13 @@ def _search_all(
     workers: int,
     floor_of: Callable[[Candidate], float | None],
     done: Callable[[dict[str, Any]], None],
+    exhaustive: bool = False,
 ) -> None:
     """Search ``cands`` in order, up to ``workers`` at once; each starts with the floor its
     predecessors have set by then (``floor_of`` reads it when the search is submitted)."""
     if workers <= 1 or len(cands) <= 1:
         for cand in cands:
-            done(search(cand, slo, horizon_s, floor_of(cand)))
+            done(search(cand, slo, horizon_s, floor_of(cand), exhaustive))
         return
     queue = list(cands)
     with ProcessPoolExecutor(max_workers=min(workers, len(cands))) as pool:
@@ -332,7 +420,7 @@ def _search_all(
         while queue or running:
             while queue and len(running) < workers:
                 cand = queue.pop(0)
-                running.add(pool.submit(search, cand, slo, horizon_s, floor_of(cand)))
+                running.add(pool.submit(search, cand, slo, horizon_s, floor_of(cand), exhaustive))
             finished, running = wait(running, return_when=FIRST_COMPLETED)
             for future in finished:
                 done(future.result())
@@ -397,7 +485,7 @@ def plan_capacity(
     # them is what a split's link bound is held against. Splits nearest half and half first:
     # they are usually the best, and a high floor early spares the rest their bisections.
     split.sort(key=lambda x: abs(x.settings.split()[0] * _tp(x, "prefill") / gpus - 0.5))  # type: ignore[index]
-    _search_all(colocated, slo, horizon_s, workers, floor_of, done)
+    _search_all(colocated, slo, horizon_s, workers, floor_of, done, exhaustive)
     pruned: list[dict[str, Any]] = []
     bound = None if exhaustive or not split else link_bound_req_s(c)
     best_colocated = max(
@@ -412,7 +500,7 @@ def plan_capacity(
         )
         pruned = [{"label": x.label, "kind": x.kind, "reason": reason} for x in split]
         split = []
-    _search_all(split, slo, horizon_s, workers, floor_of, done)
+    _search_all(split, slo, horizon_s, workers, floor_of, done, exhaustive)
     order = {cand.label: i for i, cand in enumerate(cands)}
     found.sort(key=lambda f: order[f["label"]])
     ranked = sorted((f for f in found if "error" not in f), key=lambda f: -f["req_s_per_gpu"])
@@ -448,6 +536,7 @@ def plan_capacity(
         "exhaustive": exhaustive,
         "simulated_runs": sum(len(f["runs"]) for f in found),
         "simulated_requests": sum(r.get("requests", 0) for f in found for r in f["runs"]),
+        "stopped_runs": sum(1 for f in found for r in f["runs"] if r.get("stopped")),
         "wall_s": time.perf_counter() - wall_start,
         "pruned": pruned,
         "not_bisected": [
@@ -478,8 +567,9 @@ def render_plan(plan: dict[str, Any]) -> list[str]:
         + (
             ""
             if "simulated_runs" not in plan
-            else f" ({plan['simulated_runs']} runs, {plan['simulated_requests']:,} simulated "
-            f"requests, {plan['wall_s']:.0f} s)"
+            else f" ({plan['simulated_runs']} runs, {plan.get('stopped_runs', 0)} of them "
+            f"stopped early, {plan['simulated_requests']:,} requests in the others; "
+            f"{plan['wall_s']:.0f} s)"
         )
     ]
     for kind, rows in plan["top"].items():
