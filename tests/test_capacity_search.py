@@ -157,9 +157,17 @@ def test_percentile_exceeds_agrees_with_numpy_whatever_the_unknown_values() -> N
         assert float(np.percentile(values, 99)) <= 1.0
 
 
-def test_runs_stopped_early_reach_the_verdicts_full_runs_reach() -> None:
+@pytest.mark.parametrize(
+    "kind", ["colocated", "split, first token from prefill", "split, from decode"]
+)
+def test_runs_stopped_early_reach_the_verdicts_full_runs_reach(kind: str) -> None:
     slo = parse_plan_slo(SLO_TEXT)
-    cand = colocated(1)
+    if kind == "colocated":
+        cand = colocated(1)
+    else:
+        first = "prefill" if "prefill" in kind else "decode"
+        c = ClusterSettings(TINY, first_token=first)
+        (cand,) = [x for x in candidates(c, 2, (2048,), (1,)) if x.kind == "disaggregated"]
     full = search(cand, slo, HORIZON_S, exhaustive=True)
     quick = search(cand, slo, HORIZON_S)
     assert [(r["rate"], r["meets"]) for r in quick["runs"]] == [

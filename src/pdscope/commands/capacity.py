@@ -154,7 +154,8 @@ class CertainMiss:
     percentile worst-gap ITL limit (:func:`_worst_gaps_ok`), whatever the rest of it does.
 
     Known values only grow: a request's TTFT is at least the time it has waited for its first
-    token, and its worst gap at least the worst gap it has shown. Other limits (bench's ITL over
+    token, and its worst gap at least the worst gap it has shown or is in (since its last
+    token, while it has more to come). Other limits (bench's ITL over
     all gaps, TPOT, E2EL) are left to the full run. A run past capacity builds its queue, and
     its TTFT breaks, within the first seconds of a 15-second horizon."""
 
@@ -172,7 +173,7 @@ class CertainMiss:
         n = len(requests)
         if len(self.seen) != n:
             self.seen, self.worst = [0] * n, [0.0] * n
-        ttfts = []
+        ttfts, gaps = [], []
         for i, request in enumerate(requests):
             timeline = request.timeline
             if timeline.arrival_s > now_s:
@@ -184,10 +185,13 @@ class CertainMiss:
             for j in range(max(1, start), len(tokens)):
                 self.worst[i] = max(self.worst[i], tokens[j] - tokens[j - 1])
             self.seen[i] = len(tokens)
-        for limits, values, what in (
-            (self.ttft, ttfts, "TTFT"),
-            (self.gap, self.worst, "worst gap"),
-        ):
+            # An open gap: any token still to come is stamped after now (steps that began by
+            # now have stamped theirs already).
+            if tokens and timeline.finished_s is None:
+                gaps.append(max(self.worst[i], now_s - tokens[-1]))
+            else:
+                gaps.append(self.worst[i])
+        for limits, values, what in ((self.ttft, ttfts, "TTFT"), (self.gap, gaps, "worst gap")):
             for pct, limit_s in limits:
                 above = sum(1 for v in values if v > limit_s)
                 if _percentile_exceeds(above, n, pct):
