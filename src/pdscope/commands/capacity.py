@@ -16,12 +16,13 @@ the transfer time and the queue. Each run's arrivals span at least ``HORIZON_S``
 (more requests than ``--num-prompts`` where the rate asks for it), so a rate past capacity has
 time to build the queue that breaks a TTFT SLO. Configurations run in parallel processes.
 
-Two more shortcuts, both named in the plan's output and off with ``--plan-exhaustive``:
+Three more shortcuts, named in the plan's output and off with ``--plan-exhaustive``:
 colocated configurations are searched first, and when the splits' one KV link cannot carry the
 best colocated goodput (:func:`link_bound_req_s`, a bound, not an estimate) no split is
-simulated; and a configuration that fails at or below the best capacity its kind has reached
-so far is not bisected (:func:`search`'s ``floor_rate``): it cannot win, and only its own
-capacity, shown as the last rate it met, is left unrefined.
+simulated; a configuration that fails at or below the best capacity its kind has reached so
+far is not bisected (:func:`search`'s ``floor_rate``): it cannot win, and only its own
+capacity, shown as the last rate it met, is left unrefined; and a run stops as soon as it
+certainly misses a percentile TTFT or worst-gap limit (:class:`CertainMiss`).
 """
 
 from __future__ import annotations
@@ -444,10 +445,11 @@ def plan_capacity(
     """Search every configuration of ``gpus`` GPUs; the best of each kind, the winner and its
     margin, and the Pareto frontier of all runs that met the SLOs.
 
-    Unless ``exhaustive``, two shortcuts (both reported in the result): splits are skipped
+    Unless ``exhaustive``, three shortcuts (each reported in the result): splits are skipped
     when their KV link's bound (:func:`link_bound_req_s`) is below the best colocated
-    configuration's goodput; and a configuration that fails at the best capacity of its kind
-    found so far is not bisected (:func:`search`'s ``floor_rate``)."""
+    configuration's goodput; a configuration that fails at the best capacity of its kind
+    found so far is not bisected (:func:`search`'s ``floor_rate``); and runs stop once they
+    certainly miss the SLO (:class:`CertainMiss`)."""
     if gpus < 1:
         raise SpecError(f"--gpus must be >= 1, got {gpus}")
     slo = parse_plan_slo(slo_text)
