@@ -448,6 +448,13 @@ SimPlanCapacity = Annotated[
 SimPlot = Annotated[Path | None, typer.Option(help="--plan-capacity: PNG of the frontier.")]
 SimPlanBudgets = Annotated[str, typer.Option(help="--plan-capacity: budgets.")]
 SimPlanTp = Annotated[str, typer.Option(help="--plan-capacity: TP sizes.")]
+SimPlanExhaustive = Annotated[
+    bool,
+    typer.Option(
+        "--plan-exhaustive",
+        help="--plan-capacity: bisect every configuration, no link bound or early stop.",
+    ),
+]
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -906,6 +913,7 @@ def simulate(
     plot: SimPlot = None,
     plan_budgets: SimPlanBudgets = "512,2048,8192",
     plan_tp: SimPlanTp = "1,2,4,8",
+    plan_exhaustive: SimPlanExhaustive = False,
 ) -> None:
     """Bench's workloads through pdscope's own scheduler on a roofline clock: latency and
     throughput for hardware you do not have, from one GPU to a disaggregated cluster. Against
@@ -945,7 +953,11 @@ def simulate(
         )  # fmt: skip
         if plan_capacity:
             out = capacity.plan_from_flags(
-                cs, plan_budgets, plan_tp, lambda line: print(line, file=sys.stderr, flush=True)
+                cs,
+                plan_budgets,
+                plan_tp,
+                lambda line: print(line, file=sys.stderr, flush=True),
+                exhaustive=plan_exhaustive,
             )
         else:
             out = simulate_any(cs)

@@ -15,14 +15,23 @@ pools share one KV link, and a smaller shape with a slower link of its own would
 the transfer time and the queue. Each run's arrivals span at least ``HORIZON_S`` seconds
 (more requests than ``--num-prompts`` where the rate asks for it), so a rate past capacity has
 time to build the queue that breaks a TTFT SLO. Configurations run in parallel processes.
+
+Three more shortcuts, named in the plan's output and off with ``--plan-exhaustive``:
+colocated configurations are searched first, and when the splits' one KV link cannot carry the
+best colocated goodput (:func:`link_bound_req_s`, a bound, not an estimate) no split is
+simulated; a configuration that fails at or below the best capacity its kind has reached so
+far is not bisected (:func:`search`'s ``floor_rate``): it cannot win, and only its own
+capacity, shown as the last rate it met, is left unrefined; and a run stops as soon as it
+certainly misses a percentile TTFT or worst-gap limit (:class:`CertainMiss`).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, as_completed
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -30,8 +39,12 @@ from typing import Any
 import numpy as np
 
 from pdscope.analysis.bench import SLO, SLOError
+from pdscope.client.workloads import Lengths
 from pdscope.commands.cluster import ClusterSettings, PoolArgs, simulate_cluster
-from pdscope.commands.simulate import DEFAULT_MODEL
+from pdscope.commands.simulate import DEFAULT_MODEL, resolve_inputs
+from pdscope.engine.cluster import RunStopped
+from pdscope.engine.request import Request
+from pdscope.roofline import arithmetic as rf
 from pdscope.roofline.parallel import tensor_parallel
 from pdscope.specs import SpecError, load_model
 
@@ -129,14 +142,97 @@ def _any_link():
     return LINKS["nvlink4"]
 
 
-def _run(cand: Candidate, rate: float, horizon_s: float) -> dict[str, Any]:
-    """One run of the reduced shape at ``rate`` requests/s for the full configuration."""
+def _percentile_exceeds(count_above: int, n: int, pct: float) -> bool:
+    """Whether ``count_above`` of ``n`` values above a limit already put the ``pct``-th
+    percentile above it, whatever the other values are. numpy's (linear) percentile lies at or
+    above the value at index floor(pct/100 (n - 1)) of the sorted values, which is above the
+    limit once n minus that index values are."""
+    return n > 0 and count_above >= n - math.floor(pct / 100 * (n - 1))
+
+
+class CertainMiss:
+    """A run's stop check: true once the run can no longer meet a percentile TTFT limit or a
+    percentile worst-gap ITL limit (:func:`_worst_gaps_ok`), whatever the rest of it does.
+
+    Known values only grow: a request's TTFT is at least the time it has waited for its first
+    token, and its worst gap at least the worst gap it has shown or is in (since its last
+    token, while it has more to come). Other limits (bench's ITL over
+    all gaps, TPOT, E2EL) are left to the full run. A run past capacity builds its queue, and
+    its TTFT breaks, within the first seconds of a 15-second horizon."""
+
+    def __init__(self, slo: SLO):
+        self.ttft = _percentile_limits(slo, "_ttft")
+        self.gap = _percentile_limits(slo, "_itl")
+        self.seen: list[int] = []  # tokens already scanned for gaps, per request
+        self.worst: list[float] = []
+        self.reason = ""
+
+    def __bool__(self) -> bool:
+        return bool(self.ttft or self.gap)
+
+    def __call__(self, now_s: float, requests: Sequence[Request]) -> bool:
+        n = len(requests)
+        if len(self.seen) != n:
+            self.seen, self.worst = [0] * n, [0.0] * n
+        ttfts, gaps = [], []
+        for i, request in enumerate(requests):
+            timeline = request.timeline
+            if timeline.arrival_s > now_s:
+                continue
+            tokens = timeline.token_s
+            ttfts.append((tokens[0] if tokens else now_s) - timeline.arrival_s)
+            # The decode side of a split may restart the list (its own first token).
+            start = min(self.seen[i], len(tokens))
+            for j in range(max(1, start), len(tokens)):
+                self.worst[i] = max(self.worst[i], tokens[j] - tokens[j - 1])
+            self.seen[i] = len(tokens)
+            # An open gap: any token still to come is stamped after now (steps that began by
+            # now have stamped theirs already).
+            if tokens and timeline.finished_s is None:
+                gaps.append(max(self.worst[i], now_s - tokens[-1]))
+            else:
+                gaps.append(self.worst[i])
+        for limits, values, what in ((self.ttft, ttfts, "TTFT"), (self.gap, gaps, "worst gap")):
+            for pct, limit_s in limits:
+                above = sum(1 for v in values if v > limit_s)
+                if _percentile_exceeds(above, n, pct):
+                    self.reason = (
+                        f"stopped at {now_s:.2f} s: {above} of {n} requests' {what} already "
+                        f"above p{pct:g}'s {limit_s * 1e3:g} ms"
+                    )
+                    return True
+        return False
+
+
+def _percentile_limits(slo: SLO, suffix: str) -> list[tuple[float, float]]:
+    """(percentile, limit in seconds) of the SLO's ``pNN<suffix>`` limits."""
+    out = []
+    for key, limit_s in slo.limits.items():
+        head, _, tail = key.partition("_")
+        if f"_{tail}" == suffix and head.startswith("p"):
+            try:
+                out.append((float(head[1:]), limit_s))
+            except ValueError:
+                continue
+    return out
+
+
+def _run(cand: Candidate, rate: float, horizon_s: float, slo: SLO | None = None) -> dict[str, Any]:
+    """One run of the reduced shape at ``rate`` requests/s for the full configuration; with
+    ``slo``, stopped as soon as it certainly misses it (:class:`CertainMiss`)."""
     reduced = rate / cand.scale
     # Enough requests to arrive over HORIZON_S: a rate past capacity must have time to build
     # the queue that breaks the TTFT SLO, however few prompts were asked for.
     n = max(cand.settings.base.num_prompts, math.ceil(reduced * horizon_s))
     base = replace(cand.settings.base, request_rate=reduced, num_prompts=n, slo=None)
-    r = simulate_cluster(replace(cand.settings, base=base))
+    watch = CertainMiss(slo) if slo is not None else None
+    try:
+        r = simulate_cluster(replace(cand.settings, base=base), watch or None)
+    except RunStopped:
+        assert watch is not None
+        return {"rate": rate, "summary": None, "stopped": watch.reason, "requests": 0,
+                "tok_s_per_gpu": None, "req_s_per_gpu": None, "tok_s_per_user": None,
+                "result": None}  # fmt: skip
     tpot = r.get("median_tpot_ms")
     return {
         "rate": rate,
@@ -174,35 +270,60 @@ def _worst_gaps_ok(r: dict[str, Any], slo: SLO) -> bool:
     return True
 
 
-def search(cand: Candidate, slo: SLO, horizon_s: float = HORIZON_S) -> dict[str, Any]:
-    """The highest rate meeting ``slo`` for one configuration, and every run on the way."""
+def search(
+    cand: Candidate,
+    slo: SLO,
+    horizon_s: float = HORIZON_S,
+    floor_rate: float | None = None,
+    exhaustive: bool = False,
+) -> dict[str, Any]:
+    """The highest rate meeting ``slo`` for one configuration, and every run on the way.
+
+    ``floor_rate``: the capacity this configuration must beat to matter (the best of its kind
+    found so far). The doubling tests that rate itself on its way up; a configuration that
+    fails there, or on the way to it, is not bisected (the search assumes, as bisection does,
+    that a rate above a failing one fails too): it reports the last rate it met and, in
+    ``below_floor``, the rate it failed at."""
     runs: list[dict[str, Any]] = []
 
     def ok(rate: float) -> bool:
-        run = _run(cand, rate, horizon_s)
-        r = run["result"]
-        run["meets"] = r["failed"] == 0 and slo.met_by_run(r) and _worst_gaps_ok(r, slo)
-        del run["result"]
+        run = _run(cand, rate, horizon_s, None if exhaustive else slo)
+        r = run.pop("result")
+        if r is None:  # stopped early: it misses the SLO
+            run["meets"] = False
+        else:
+            run["meets"] = r["failed"] == 0 and slo.met_by_run(r) and _worst_gaps_ok(r, slo)
+            run["requests"] = r["completed"] + r["failed"]  # simulated: the run's work
         runs.append(run)
         return run["meets"]
 
+    below_floor = None
     try:
         good, bad = 0.0, None
         rate = 0.5 * cand.gpus
+        floor = floor_rate
         for _ in range(DOUBLINGS):
+            if floor is not None and rate >= floor:
+                rate = floor  # test the floor itself on the way up
             if ok(rate):
                 good, rate = rate, rate * 2
+                if floor is not None and good >= floor:
+                    floor = None  # it can beat the best so far: search it in full
             else:
                 bad = rate
+                if floor is not None:  # failed at or below the floor
+                    below_floor = rate
                 break
-        if bad is not None and good == 0.0:
+        if below_floor is not None:
+            pass  # cannot beat the best of its kind: no bisection
+        elif bad is not None and good == 0.0:
             # Even the first rate fails: look below it before giving up.
             for _ in range(BISECTIONS):
                 rate /= 4
                 if ok(rate):
                     good = rate
                     break
-        if bad is not None and good:
+        if bad is not None and good and below_floor is None:
             lo, hi = good, bad
             for _ in range(BISECTIONS):
                 mid = (lo + hi) / 2
@@ -220,6 +341,7 @@ def search(cand: Candidate, slo: SLO, horizon_s: float = HORIZON_S) -> dict[str,
         "tok_s_per_gpu": best["tok_s_per_gpu"] if best else 0.0,
         "tok_s_per_user": best["tok_s_per_user"] if best else None,
         "at_capacity": best["summary"] if best else None,
+        "below_floor": below_floor,
         "runs": runs,
     }
 
@@ -245,6 +367,7 @@ def plan_from_flags(
     plan_budgets: str,
     plan_tp: str,
     progress: Callable[[str], None] | None = None,
+    exhaustive: bool = False,
 ) -> dict[str, Any]:
     """`simulate --plan-capacity`: ``--gpus`` GPUs searched against ``--slo``, which is the
     planner's (aggregate) SLO, so the base runs carry none of bench's per-request kind."""
@@ -257,7 +380,55 @@ def plan_from_flags(
         budgets=_int_tuple(plan_budgets, "--plan-budgets"),
         tp_sizes=_int_tuple(plan_tp, "--plan-tp"),
         progress=progress,
+        exhaustive=exhaustive,
     )
+
+
+def link_bound_req_s(c: ClusterSettings) -> tuple[float, int] | None:
+    """The most requests per second any run of a split can complete: its one KV link carries
+    every request's prompt KV (all but one-token requests cross it), at least the shortest
+    prompt's, and a run lasts at least as long as the link is busy. Returns the bound and that
+    shortest prompt (tokens); None where the workload's
+    lengths have no floor above that (file and other workloads, outputs of one token).
+
+    A bound on what the search ranks, not an estimate: a run's request throughput is completed
+    requests over its duration, and the duration covers the link's busy time."""
+    if c.base.workload != "random":
+        return None
+    inputs = Lengths.parse(c.base.input_len, "--input-len")
+    output = Lengths.parse(c.base.output_len, "--output-len")
+    if inputs.kind == "normal" or output.kind == "normal" or output.a < 2:
+        return None
+    p = resolve_inputs(c.base)
+    shortest = max(1, int(inputs.a))
+    return c.kv_link_gb_s * 1e9 / rf.kv_bytes_at_context(p.model, p.kv, shortest), shortest
+
+
+def _search_all(
+    cands: list[Candidate],
+    slo: SLO,
+    horizon_s: float,
+    workers: int,
+    floor_of: Callable[[Candidate], float | None],
+    done: Callable[[dict[str, Any]], None],
+    exhaustive: bool = False,
+) -> None:
+    """Search ``cands`` in order, up to ``workers`` at once; each starts with the floor its
+    predecessors have set by then (``floor_of`` reads it when the search is submitted)."""
+    if workers <= 1 or len(cands) <= 1:
+        for cand in cands:
+            done(search(cand, slo, horizon_s, floor_of(cand), exhaustive))
+        return
+    queue = list(cands)
+    with ProcessPoolExecutor(max_workers=min(workers, len(cands))) as pool:
+        running = set()
+        while queue or running:
+            while queue and len(running) < workers:
+                cand = queue.pop(0)
+                running.add(pool.submit(search, cand, slo, horizon_s, floor_of(cand), exhaustive))
+            finished, running = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                done(future.result())
 
 
 def plan_capacity(
@@ -269,9 +440,16 @@ def plan_capacity(
     processes: int | None = None,
     horizon_s: float = HORIZON_S,
     progress: Callable[[str], None] | None = None,
+    exhaustive: bool = False,
 ) -> dict[str, Any]:
     """Search every configuration of ``gpus`` GPUs; the best of each kind, the winner and its
-    margin, and the Pareto frontier of all runs that met the SLOs."""
+    margin, and the Pareto frontier of all runs that met the SLOs.
+
+    Unless ``exhaustive``, three shortcuts (each reported in the result): splits are skipped
+    when their KV link's bound (:func:`link_bound_req_s`) is below the best colocated
+    configuration's goodput; a configuration that fails at the best capacity of its kind
+    found so far is not bisected (:func:`search`'s ``floor_rate``); and runs stop once they
+    certainly miss the SLO (:class:`CertainMiss`)."""
     if gpus < 1:
         raise SpecError(f"--gpus must be >= 1, got {gpus}")
     slo = parse_plan_slo(slo_text)
@@ -283,25 +461,52 @@ def plan_capacity(
     cands = candidates(c, gpus, budgets, tp_sizes)
     if not cands:
         raise SpecError(f"no configuration of {c.base.model} fits {gpus} GPUs")
+    wall_start = time.perf_counter()
     workers = processes or os.cpu_count() or 1
     found: list[dict[str, Any]] = []
+    best_of_kind: dict[str, float] = {}  # capacity (req/s), every candidate has ``gpus``
 
     def done(f: dict[str, Any]) -> None:
         found.append(f)
+        if "error" not in f and f["below_floor"] is None and f["capacity_req_s"] > 0:
+            best_of_kind[f["kind"]] = max(best_of_kind.get(f["kind"], 0.0), f["capacity_req_s"])
         if progress is not None:
-            progress(
-                f"{len(found)}/{len(cands)} {f['label']}: "
-                + (f"{f['capacity_req_s']:.3g} req/s" if "error" not in f else f["error"])
-            )
+            if "error" in f:
+                what = f["error"]
+            elif f["below_floor"] is not None:
+                what = (
+                    f"met {f['capacity_req_s']:.3g} req/s, failed at {f['below_floor']:.3g}: "
+                    "cannot beat the best of its kind, not bisected"
+                )
+            else:
+                what = f"{f['capacity_req_s']:.3g} req/s"
+            progress(f"{len(found)}/{len(cands)} {f['label']}: {what}")
 
-    if workers > 1 and len(cands) > 1:
-        with ProcessPoolExecutor(max_workers=min(workers, len(cands))) as pool:
-            futures = [pool.submit(search, cand, slo, horizon_s) for cand in cands]
-            for future in as_completed(futures):
-                done(future.result())
-    else:
-        for cand in cands:
-            done(search(cand, slo, horizon_s))
+    def floor_of(cand: Candidate) -> float | None:
+        return None if exhaustive else best_of_kind.get(cand.kind)
+
+    colocated = [x for x in cands if x.kind == "colocated"]
+    split = [x for x in cands if x.kind == "disaggregated"]
+    # Colocated first: each is one replica at 1/R of the rate, cheap at any G, and the best of
+    # them is what a split's link bound is held against. Splits nearest half and half first:
+    # they are usually the best, and a high floor early spares the rest their bisections.
+    split.sort(key=lambda x: abs(x.settings.split()[0] * _tp(x, "prefill") / gpus - 0.5))  # type: ignore[index]
+    _search_all(colocated, slo, horizon_s, workers, floor_of, done, exhaustive)
+    pruned: list[dict[str, Any]] = []
+    bound = None if exhaustive or not split else link_bound_req_s(c)
+    best_colocated = max(
+        (f["req_s_per_gpu"] for f in found if f["kind"] == "colocated" and "error" not in f),
+        default=0.0,
+    )
+    if bound is not None and bound[0] / gpus < best_colocated:
+        reason = (
+            f"the {c.kv_link_gb_s:g} GB/s KV link carries at most {bound[0]:.0f} req/s "
+            f"({bound[0] / gpus:.2f} per GPU; prompts of >= {bound[1]} tokens), below the best "
+            f"colocated {best_colocated:.2f} req/s per GPU"
+        )
+        pruned = [{"label": x.label, "kind": x.kind, "reason": reason} for x in split]
+        split = []
+    _search_all(split, slo, horizon_s, workers, floor_of, done, exhaustive)
     order = {cand.label: i for i, cand in enumerate(cands)}
     found.sort(key=lambda f: order[f["label"]])
     ranked = sorted((f for f in found if "error" not in f), key=lambda f: -f["req_s_per_gpu"])
@@ -333,7 +538,18 @@ def plan_capacity(
             "num_prompts": c.base.num_prompts,
             "seed": c.base.seed,
         },
-        "searched": len(cands),
+        "searched": len(cands) - len(pruned),
+        "exhaustive": exhaustive,
+        "simulated_runs": sum(len(f["runs"]) for f in found),
+        "simulated_requests": sum(r.get("requests", 0) for f in found for r in f["runs"]),
+        "stopped_runs": sum(1 for f in found for r in f["runs"] if r.get("stopped")),
+        "wall_s": time.perf_counter() - wall_start,
+        "pruned": pruned,
+        "not_bisected": [
+            {"label": f["label"], "fails_at_req_s": f["below_floor"]}
+            for f in found
+            if f.get("below_floor") is not None
+        ],
         "skipped": [{"label": f["label"], "error": f["error"]} for f in found if "error" in f],
         "top": best,
         "winner": winner,
@@ -345,11 +561,22 @@ def plan_capacity(
     }
 
 
+def _tp(cand: Candidate, pool: str) -> int:
+    return getattr(cand.settings, pool).tensor_parallel_size or cand.settings.tensor_parallel_size
+
+
 def render_plan(plan: dict[str, Any]) -> list[str]:
     slo = ", ".join(f"{k}={v * 1e3:g}ms" for k, v in plan["slo"].items())
     lines = [
         f"[bold]capacity plan[/]: {plan['model']} on {plan['gpus']} x {plan['device']}, SLO "
         f"{slo}; {plan['searched']} configurations searched"
+        + (
+            ""
+            if "simulated_runs" not in plan
+            else f" ({plan['simulated_runs']} runs, {plan.get('stopped_runs', 0)} of them "
+            f"stopped early, {plan['simulated_requests']:,} requests in the others; "
+            f"{plan['wall_s']:.0f} s)"
+        )
     ]
     for kind, rows in plan["top"].items():
         lines.append(f"  best {kind}:")
@@ -358,8 +585,15 @@ def render_plan(plan: dict[str, Any]) -> list[str]:
                 f"    {f['label']:<34} {f['capacity_req_s']:8.2f} req/s  "
                 f"{f['req_s_per_gpu']:6.3f} req/s/GPU  {f['tok_s_per_gpu']:8.1f} tok/s/GPU  "
                 f"{f['tok_s_per_user'] or 0:6.1f} tok/s/user"
+                + (
+                    ""
+                    if f.get("below_floor") is None
+                    else f"  (met; fails at {f['below_floor']:.3g}, not bisected)"
+                )
             )
-        if not rows:
+        if not rows and kind == "disaggregated" and plan.get("pruned"):
+            lines.append("    (none simulated: the KV link rules every split out, see below)")
+        elif not rows:
             lines.append("    (none meets the SLOs)")
     w = plan["winner"]
     if w:
@@ -377,6 +611,17 @@ def render_plan(plan: dict[str, Any]) -> list[str]:
         lines.append(f"    {p['tok_s_per_user']:7.1f} -> {p['tok_s_per_gpu']:8.1f}  {p['run']}")
     for s in plan["skipped"]:
         lines.append(f"  skipped {s['label']}: {s['error']}")
+    if plan.get("pruned"):
+        lines.append(
+            f"  not simulated: {len(plan['pruned'])} disaggregated configurations, "
+            f"{plan['pruned'][0]['reason']}"
+        )
+    if plan.get("not_bisected"):
+        lines.append(
+            f"  not bisected: {len(plan['not_bisected'])} configurations failed at the best "
+            "capacity of their kind found before them, so cannot beat it (capacities shown for "
+            "them are the last rate they met); --plan-exhaustive bisects every one"
+        )
     return lines
 
 

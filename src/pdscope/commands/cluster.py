@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -33,6 +34,7 @@ from pdscope.engine.cluster import (
     Worker,
     WorkerSpec,
 )
+from pdscope.engine.request import Request
 from pdscope.engine.timeline import StepRecord
 from pdscope.roofline import arithmetic as rf
 from pdscope.roofline.parallel import (
@@ -430,8 +432,11 @@ def _cluster_figures(
     return out
 
 
-def simulate_cluster(c: ClusterSettings) -> dict[str, Any]:
-    """One cluster run as bench's result, plus ``cluster``: pools, workers, the KV link."""
+def simulate_cluster(
+    c: ClusterSettings, stop: Callable[[float, Sequence[Request]], bool] | None = None
+) -> dict[str, Any]:
+    """One cluster run as bench's result, plus ``cluster``: pools, workers, the KV link.
+    ``stop``: see :meth:`Cluster.run` (raises :class:`RunStopped`)."""
     pools = build_pools(c)
     s, p = pools[0].settings, pools[0].inputs
     requests, slo = build_requests(c.base, p)
@@ -449,7 +454,7 @@ def simulate_cluster(c: ClusterSettings) -> dict[str, Any]:
     else:
         cluster = Cluster(front, c.router)
     wall = time.perf_counter()
-    result = cluster.run(requests, c.base.max_concurrency)
+    result = cluster.run(requests, c.base.max_concurrency, stop)
     wall = time.perf_counter() - wall
     url = f"simulated://{p.device.name}"
     hits = sum(w.sim.pool.prefix_cache_hits for w in result.workers)

@@ -51,6 +51,10 @@ class ConservationError(AssertionError):
     """A run broke a conservation law (a lost request, a leaked block, unaccounted bytes)."""
 
 
+class RunStopped(Exception):
+    """A run's ``stop`` check ended it early (its caller knows the outcome already)."""
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """One worker (a replica: one scheduler and KV pool, on TP GPUs)."""
@@ -254,9 +258,17 @@ class Cluster:
 
     # --- the run ---------------------------------------------------------------------------
 
-    def run(self, specs: Sequence[SimRequest], max_concurrency: int | None = None) -> ClusterResult:
+    def run(
+        self,
+        specs: Sequence[SimRequest],
+        max_concurrency: int | None = None,
+        stop: Callable[[float, Sequence[Request]], bool] | None = None,
+        stop_every_s: float = 0.25,
+    ) -> ClusterResult:
         """Simulate ``specs`` to the end, on every worker; checks conservation before returning.
-        ``max_concurrency`` caps requests in flight across the cluster, as a client would."""
+        ``max_concurrency`` caps requests in flight across the cluster, as a client would.
+        ``stop(now_s, requests)``, asked every ``stop_every_s`` simulated seconds with each
+        request's latest incarnation, ends the run by raising :class:`RunStopped` when true."""
         assert max_concurrency is None or max_concurrency >= 1
         events: list[tuple[float, int, int, object]] = []
         seq = 0
@@ -291,8 +303,13 @@ class Cluster:
         link_free_s = 0.0
         outputs = [spec.output_tokens for spec in specs]
 
+        next_check_s = stop_every_s
         while events:
             now, kind, _, payload = heapq.heappop(events)
+            if stop is not None and now >= next_check_s:
+                if stop(now, final):
+                    raise RunStopped(f"stopped at {now:.3f} s")
+                next_check_s = now + stop_every_s
             if kind == _ARRIVE:
                 if payload is None:  # a request finished: the client's slot frees now
                     free_slots += 1
