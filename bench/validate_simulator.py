@@ -23,8 +23,11 @@ cores, so say which scale a recorded table used.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,6 +35,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from pdscope.server.launch import start_server
 from pdscope.specs.local import cpu_model
@@ -134,6 +139,32 @@ def figures(result: dict[str, Any]) -> dict[str, float | None]:
     return out
 
 
+_gap_seed = iter(range(10**6))
+
+
+def decode_gap_ms(url: str) -> float:
+    """The host's speed now, as the engine sees it: the median gap of one lone 24-token decode
+    (a fresh 64-token prompt, so no prefix hit). Measured after the probe and around each
+    case's bench, it says how far the host moved from the speed the fit was made at."""
+    rng = random.Random(next(_gap_seed))
+    body = {
+        "model": "small",
+        "prompt": [rng.randrange(100, 16000) for _ in range(64)],
+        "max_tokens": 24,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    times = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                times.append(time.perf_counter())
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    if not gaps:
+        raise SystemExit(f"the host-speed check got no tokens from {url}")
+    return statistics.median(gaps) * 1e3
+
+
 def error(sim: float | None, real: float | None) -> float | None:
     if sim is None or real is None:
         return None
@@ -205,6 +236,8 @@ def main() -> None:
             if not probe.is_file():
                 raise SystemExit("probe wrote no JSON")
             print(f"probe: {time.time() - t0:.0f} s", flush=True)
+        if args.rescore is None:
+            args.reference_gap_ms = decode_gap_ms(server_for([], KV_DEFAULT).url)
         max_len = json.loads(probe.read_text())["runtime"]["max_model_len"] or 4096
         run_cases(args, chosen, probe, max_len, server_for, work, rows)
     finally:
@@ -212,6 +245,15 @@ def main() -> None:
             server.stop()
 
     print_table(rows)
+    if any(row.get("host") for row in rows):
+        print(
+            "\nthe host's speed around each bench: a lone decode's median gap against the one "
+            f"right after the probe ({args.reference_gap_ms:.1f} ms); beyond ±10% the fit "
+            "describes another machine"
+        )
+        for row in rows:
+            h = row["host"]
+            print(f"{row['case'].ljust(18)} before {h['before']:+.0%}  after {h['after']:+.0%}")
     if args.noise:
         print("\nthe real engine against itself: a second bench of each case on a fresh server")
         print_table(rows, "real2", "real")
@@ -248,8 +290,11 @@ def run_cases(
             load += ["--request-rate", f"{case.rate_of_saturation * saturation_rps:.3f}"]
         real_file, sim_file = work / f"{case.name}-bench.json", work / f"{case.name}-sim.json"
         started = time.time()
+        host: dict[str, float] = {}
         if args.rescore is None:
+            host["before"] = decode_gap_ms(server.url) / args.reference_gap_ms - 1
             run([*PDSCOPE, "bench", server.url, *load, "--save-result", str(real_file)])
+            host["after"] = decode_gap_ms(server.url) / args.reference_gap_ms - 1
         elif not real_file.is_file():
             raise SystemExit(f"--rescore: {real_file} is missing (run with the same --cases)")
         bench_s = time.time() - started
@@ -260,7 +305,7 @@ def run_cases(
         sim = figures(json.loads(sim_file.read_text()))
         if case.name == "random-c16":
             saturation_rps = real["request_throughput"]
-        row = {"case": case.name, "prompts": prompts, "real": real, "sim": sim}
+        row = {"case": case.name, "prompts": prompts, "real": real, "sim": sim, "host": host}
         if args.noise:
             again = work / f"{case.name}-bench2.json"
             server = server_for(case.server, case.kv, fresh=True)
