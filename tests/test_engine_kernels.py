@@ -149,7 +149,7 @@ def test_auto_measures_every_path_that_has_two_candidates(
     llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", max_model_len=256)
     choice = llm.engine.kernels
     expected = {"prefill_attention", "decode_math"}
-    if torch.backends.mkldnn.is_available():
+    if torch.backends.mkldnn.is_available() or native.compiler():
         expected.add("linear")
     if native.compiler():
         expected.add("decode_ops")
@@ -260,12 +260,15 @@ def test_a_float32_model_reports_the_paths_it_really_runs(tmp_path: Path) -> Non
     choice = LLM(model=str(path), kv_cache_memory="8MiB", kernels=forced)
     kernels = choice.engine.kernels
     assert kernels.how == {
-        "linear": "fixed",
+        # float32 has no packed form: plain or, with a compiler, the C kernel (measured)
+        "linear": "measured" if native.compiler() else "fixed",
         "prefill_attention": "forced",
         "decode_math": "fixed",
         "decode_ops": "forced",
     }
-    assert (kernels.linear, kernels.decode_math) == ("plain", "float32")  # nothing to pack
+    assert kernels.linear in ("plain", "c") and kernels.decode_math == "float32"
+    model = choice.engine.runner.model
+    assert all(m.packed is None for m in model.modules() if hasattr(m, "packed"))
 
 
 needs_cc = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
@@ -386,6 +389,37 @@ def test_c_rms_norm_fuses_the_residual_add(c_ops: native.NativeOps, dtype: torch
 
 
 @needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 6])  # 6: a full block of four x rows and a partial one
+def test_c_linear_matches_a_float64_reference(
+    c_ops: native.NativeOps, dtype: torch.dtype, rows: int
+) -> None:
+    """Shapes off every block size: 70 inputs (two full 32-wide steps and a masked tail), 37
+    outputs (nine blocks of four and a partial one), with and without a bias; bf16 results
+    within one rounding of the float64 product, and no further from it than F.linear."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, 70, generator=gen).to(dtype)
+    weight = (torch.randn(37, 70, generator=gen) / 8).to(dtype)
+    bias = torch.randn(37, generator=gen).to(dtype)
+    for b in (None, bias):
+        out = c_ops.linear(x, weight, b)
+        ref = x.double() @ weight.double().T + (0 if b is None else b.double())
+        assert out.shape == (rows, 37) and out.dtype == dtype
+        torch.testing.assert_close(out.double(), ref, **_tolerance(dtype))
+        ours = (out.double() - ref).abs().max()
+        theirs = (torch.nn.functional.linear(x, weight, b).double() - ref).abs().max()
+        assert ours <= max(theirs * 1.01, 1e-5)  # float32 accumulation, one rounding
+    big = torch.randn(1, 1024, generator=gen).to(dtype)  # the threaded path
+    wide = (torch.randn(300, 1024, generator=gen) / 32).to(dtype)
+    ref = big.double() @ wide.double().T
+    torch.testing.assert_close(c_ops.linear(big, wide).double(), ref, **_tolerance(dtype))
+    with pytest.raises(ValueError, match="does not fit"):
+        c_ops.linear(x, weight[:, :69].contiguous())
+    with pytest.raises(ValueError, match="contiguous"):
+        c_ops.linear(x, weight.t())
+
+
+@needs_cc
 def test_the_c_build_is_cached_and_shared(tmp_path: Path) -> None:
     first = native.build(tmp_path)
     stamp = first.stat().st_mtime_ns
@@ -423,4 +457,6 @@ def test_without_a_compiler_the_engine_keeps_the_pytorch_path(
         assert len(llm.generate([5, 6, 7], SamplingParams(max_tokens=4))[0].token_ids) == 4
         with pytest.raises(ValueError, match="decode_ops=c needs the C kernels"):
             LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels="decode_ops=c")
+        with pytest.raises(ValueError, match="linear=c needs the C kernels"):
+            LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels="linear=c")
         caplog.clear()

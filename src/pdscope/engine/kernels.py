@@ -9,8 +9,10 @@ torch version, thread count and shapes under the pdscope cache, so later starts 
 
 Paths (every candidate computes the same function; tests pin each against transformers):
 
-* ``linear``: ``packed`` (weights pre-packed once in oneDNN's blocked layout) or ``plain``
-  (``F.linear``). Only bf16 on CPU has a packed form.
+* ``linear``: ``packed`` (weights pre-packed once in oneDNN's blocked layout), ``plain``
+  (``F.linear``) or ``c`` (engine/native.py's kernel for single-row matmuls, reading the
+  weights as stored with AVX-512 BF16 dot products where the CPU has them; larger matmuls then
+  take the packed weights). Only bf16 on CPU has a packed form; ``c`` needs a C compiler.
 * ``prefill_attention``: ``blocked`` (blocks of queries, each scored only against the keys it
   can see) or ``sdpa`` (torch's fused kernel). CPU only; CUDA always takes SDPA.
 * ``decode_math``: ``float32`` (small decode batches convert their context to float32 first)
@@ -40,7 +42,7 @@ from pdscope.specs.local import cpu_model
 log = logging.getLogger("pdscope.engine")
 
 OPTIONS: dict[str, tuple[str, ...]] = {
-    "linear": ("packed", "plain"),
+    "linear": ("packed", "plain", "c"),
     "prefill_attention": ("blocked", "sdpa"),
     "decode_math": ("float32", "native"),
     "decode_ops": ("torch", "c"),
@@ -48,7 +50,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
-_TRIAL_VERSION = 2
+_TRIAL_VERSION = 3
 
 
 @dataclass(frozen=True)

@@ -123,13 +123,16 @@ class LLMEngine:
         c = self.model.config
         prefill_tokens = min(self.args.max_num_batched_tokens, self.max_model_len)
         ops = None
-        if native.supports(self.dtype, self.device) and forced.get("decode_ops") != "torch":
+        # The C kernels serve two paths (decode_ops, linear): built unless both are forced off.
+        wanted = forced.get("decode_ops") != "torch" or forced.get("linear") in (None, "c")
+        if native.supports(self.dtype, self.device) and wanted:
             ops = native.load(default_cache_dir() / "native")
-            if ops is None and forced.get("decode_ops") == "c":
-                raise ValueError(
-                    "kernels: decode_ops=c needs the C kernels, which could not be built "
-                    "(see the warning above; a C compiler on PATH or in $CC)"
-                )
+            for path in ("decode_ops", "linear"):
+                if ops is None and forced.get(path) == "c":
+                    raise ValueError(
+                        f"kernels: {path}=c needs the C kernels, which could not be built "
+                        "(see the warning above; a C compiler on PATH or in $CC)"
+                    )
         trials = kernel_trials(self.model, prefill_tokens, ops)
         shapes = TrialShapes(
             dtype=str(self.dtype).removeprefix("torch."),
@@ -149,8 +152,9 @@ class LLMEngine:
             "decode_math": "float32" if cpu or self.dtype == torch.float32 else "native",
             "decode_ops": "torch",  # no C kernels here (a GPU, or no compiler)
         }
-        if forced.get("decode_ops") == "c" and ops is None:
-            raise ValueError(f"kernels: decode_ops=c runs on CPU only (device {self.device})")
+        for path in ("decode_ops", "linear"):
+            if forced.get(path) == "c" and ops is None:
+                raise ValueError(f"kernels: {path}=c runs on CPU only (device {self.device})")
         choice = choose(trials, forced, shapes, default_cache_dir() / "kernels", fixed=fixed)
         apply_kernels(self.model, choice, ops)
         return choice

@@ -35,6 +35,11 @@ _PREFILL_BLOCK = 64
 # A single decoding sequence whose context lies in at most this many runs of consecutive cache
 # slots attends to them in place (see _decode_in_place); more fragmented ones are gathered.
 MAX_DECODE_RUNS = 8
+# Matmuls of at most this many rows take the C kernel when the choice is linear=c; larger ones
+# the packed (or plain) oneDNN path. Measured on the AMX Xeon (the small model's weights,
+# interleaved): C 1.19x packed at one row, par at two, 0.9x at four, where oneDNN's AMX
+# tiles start to pay and the C kernel's vdpbf16ps turns compute-bound.
+NATIVE_LINEAR_MAX_ROWS = 1
 # Returns the log-sum-exp beside the output, which merging runs needs; absent on old torch.
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -210,18 +215,26 @@ _packed_linear = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can hold its weight pre-packed in oneDNN's blocked layout on CPU.
+    """nn.Linear that can hold its weight pre-packed in oneDNN's blocked layout on CPU, and
+    hand single-row inputs to the C kernel (``linear=c``).
 
     Plain ``F.linear`` on a bf16 CPU tensor re-lays the weight out on every call, which halves
     the bandwidth a decode step gets (profiled: 25 GB/s plain vs 33 GB/s packed on 2 cores).
+    A batch-1 decode step is 49 single-row matmuls, each one stream over its weight; torch's
+    oneDNN op pays ~10 us of set-up per call and streams below the machine's read rate, where
+    the C kernel reads the weight as stored (AMX Xeon, the small model's 49 weights at one row,
+    interleaved: C 13.9 ms, packed 16.2, plain 21.9, a plain read of the same bytes 11.7).
     """
 
     packed: torch.Tensor | None = None
+    native: NativeOps | None = None  # set by apply_kernels when the choice is linear=c
 
     def pack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and x.dim() == 2 and x.shape[0] <= NATIVE_LINEAR_MAX_ROWS:
+            return self.native.linear(x.contiguous(), self.weight, self.bias)
         if self.packed is not None:
             return _packed_linear(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -628,10 +641,14 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
     ``native`` is the loaded C kernels, used when ``choice.decode_ops`` is ``c``."""
     if choice.decode_ops == "c" and native is None:
         raise ValueError("decode_ops=c needs the C kernels, which did not load")
+    if choice.linear == "c" and native is None:
+        raise ValueError("linear=c needs the C kernels, which did not load")
     model.native = native if choice.decode_ops == "c" else None
     for module in model.modules():
         if isinstance(module, Linear):
-            if choice.linear == "packed" and module.weight.dtype == torch.bfloat16:
+            # linear=c: single rows through C, larger matmuls through the packed weights.
+            module.native = native if choice.linear == "c" else None
+            if choice.linear in ("packed", "c") and module.weight.dtype == torch.bfloat16:
                 if module.packed is None and can_pack(module.weight.dtype, module.weight.device):
                     module.pack()
             else:
@@ -651,7 +668,8 @@ def kernel_trials(
     are left out.
 
     * linear: one decode step's worth of matmuls (every weight read once, at one row), so the
-      trial streams from memory as a real step does;
+      trial streams from memory as a real step does: oneDNN packed (bf16 only), plain
+      ``F.linear``, and the C kernel (when ``native`` loaded);
     * prefill attention: layer 0's attention over a fresh chunk of ``prefill_tokens``;
     * decode math: every layer's attention for a batch of the largest size that may take the
       float32 path, each with 256 tokens of context;
@@ -667,8 +685,8 @@ def kernel_trials(
     trials: dict[str, Callable[[], dict[str, Callable[[], object]]]] = {
         "prefill_attention": lambda: _prefill_trial(model, max(1, prefill_tokens))
     }
-    if can_pack(dtype, device):
-        trials["linear"] = lambda: _linear_trial(model)
+    if can_pack(dtype, device) or native is not None:
+        trials["linear"] = lambda: _linear_trial(model, native)
     if dtype != torch.float32:
         trials["decode_math"] = lambda: _decode_math_trial(model)
     if native is not None:
@@ -682,26 +700,39 @@ def _random(shape: tuple[int, ...], like: torch.Tensor, scale: float = 1.0) -> t
     return (torch.randn(shape, generator=gen, device=like.device) * scale).to(like.dtype)
 
 
-def _linear_trial(model: CausalLM) -> dict[str, Callable[[], object]]:
+def _linear_trial(model: CausalLM, native: NativeOps | None) -> dict[str, Callable[[], object]]:
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     weight = model.embed_tokens.weight
     inputs = {m.in_features: _random((1, m.in_features), weight) for m in linears}
-    packed = {
-        m: m.packed
-        if m.packed is not None
-        else torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 1)
-        for m in linears
-    }
+    candidates: dict[str, Callable[[], object]] = {}
+    if can_pack(weight.dtype, weight.device):
+        packed = {
+            m: m.packed
+            if m.packed is not None
+            else torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 1)
+            for m in linears
+        }
 
-    def run_packed() -> None:
-        for m in linears:
-            _packed_linear(inputs[m.in_features], packed[m], m.bias, "none", [], "")
+        def run_packed() -> None:
+            for m in linears:
+                _packed_linear(inputs[m.in_features], packed[m], m.bias, "none", [], "")
+
+        candidates["packed"] = run_packed
 
     def run_plain() -> None:
         for m in linears:
             F.linear(inputs[m.in_features], m.weight, m.bias)
 
-    return {"packed": run_packed, "plain": run_plain}
+    candidates["plain"] = run_plain
+    if native is not None:
+        ops = native
+
+        def run_c() -> None:
+            for m in linears:
+                ops.linear(inputs[m.in_features], m.weight, m.bias)
+
+        candidates["c"] = run_c
+    return candidates
 
 
 def _prefill_trial(model: CausalLM, n: int) -> dict[str, Callable[[], object]]:

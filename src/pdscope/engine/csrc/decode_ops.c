@@ -299,3 +299,104 @@ void rms_norm(const void *x, void *residual, const void *w, void *out, int64_t r
         store_f32(out, r * n, n, row, bf);
     }
 }
+
+/* ---- Small-batch linear: y = x W^T + bias for a few rows of x, reading the weights as stored.
+ * A decode step's matmuls have 1-32 rows: every weight byte is read once per step, so the step
+ * is bound by streaming W [out, in] from memory. Each thread takes its own contiguous band of
+ * output rows (static schedule), four at a time, and runs them against up to four rows of x
+ * while those four weight rows sit in L1; with AVX-512 BF16 the dot products are `vdpbf16ps`
+ * (pairs of bf16 products summed into float32), elsewhere a float32 loop gcc vectorizes.
+ * Accumulation is float32, the result rounded to the model dtype once, as oneDNN's is. */
+
+#define GEMV_ROWS 4 /* output rows per block */
+#define GEMV_COLS 4 /* rows of x per pass over a block */
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define HAVE_DPBF16 1
+
+/* res[b][r] = dot(x row b, w row r) for nr <= 4 weight rows and nb <= 4 x rows. */
+static inline __attribute__((always_inline)) void dot_block_bf16(
+    const bf16 *x, int64_t nb, const bf16 *w, int64_t nr, int64_t in, float *res) {
+    __m512 acc[GEMV_COLS][GEMV_ROWS];
+    for (int b = 0; b < GEMV_COLS; b++)
+        for (int r = 0; r < GEMV_ROWS; r++) acc[b][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < in; k += 32) {
+        const int64_t left = in - k;
+        const __mmask32 m = left >= 32 ? (__mmask32)0xffffffffu : (((__mmask32)1 << left) - 1);
+        __m512bh wv[GEMV_ROWS], xv[GEMV_COLS];
+        for (int r = 0; r < GEMV_ROWS; r++)
+            if (r < nr) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(m, w + r * in + k);
+        for (int b = 0; b < GEMV_COLS; b++)
+            if (b < nb) xv[b] = (__m512bh)_mm512_maskz_loadu_epi16(m, x + b * in + k);
+        for (int b = 0; b < GEMV_COLS; b++)
+            for (int r = 0; r < GEMV_ROWS; r++)
+                if (b < nb && r < nr) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], wv[r], xv[b]);
+    }
+    for (int b = 0; b < nb; b++)
+        for (int r = 0; r < nr; r++) res[b * GEMV_ROWS + r] = _mm512_reduce_add_ps(acc[b][r]);
+}
+#endif
+
+/* The portable form: float32 math over either dtype. */
+static void dot_block_any(const void *x, int64_t nb, const void *w, int64_t nr, int64_t in,
+                          int bf, float *res) {
+    float wf[in], xf[in];
+    for (int64_t r = 0; r < nr; r++) {
+        load_f32(w, r * in, in, wf, bf);
+        for (int64_t b = 0; b < nb; b++) {
+            load_f32(x, b * in, in, xf, bf);
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t i = 0; i < in; i++) dot += wf[i] * xf[i];
+            res[b * GEMV_ROWS + r] = dot;
+        }
+    }
+}
+
+/* Whether linear_rows takes the AVX-512 BF16 instructions for bf16 (1) or the portable loop. */
+int linear_rows_isa(void) {
+#ifdef HAVE_DPBF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* y [rows, out] = x [rows, in] @ w [out, in]^T (+ bias [out]), all in the model dtype. */
+void linear_rows(const void *x, const void *w, const void *bias, void *y, int64_t rows,
+                 int64_t in, int64_t out, int bf, int threads) {
+    const size_t elem = bf ? sizeof(bf16) : sizeof(float);
+    const int64_t blocks = (out + GEMV_ROWS - 1) / GEMV_ROWS;
+    const int parallel = threads > 1 && out * in >= 65536;
+#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const int64_t r0 = blk * GEMV_ROWS;
+        const int64_t nr = out - r0 < GEMV_ROWS ? out - r0 : GEMV_ROWS;
+        const char *wb = (const char *)w + (size_t)(r0 * in) * elem;
+        float bias_f[GEMV_ROWS] = {0};
+        if (bias) load_f32(bias, r0, nr, bias_f, bf);
+        for (int64_t b0 = 0; b0 < rows; b0 += GEMV_COLS) {
+            const int64_t nb = rows - b0 < GEMV_COLS ? rows - b0 : GEMV_COLS;
+            const char *xb = (const char *)x + (size_t)(b0 * in) * elem;
+            float res[GEMV_COLS * GEMV_ROWS];
+#ifdef HAVE_DPBF16
+            if (bf) {
+                /* Full blocks get their own copy with every bound known, so nothing branches. */
+                const bf16 *xh = (const bf16 *)xb, *wh = (const bf16 *)wb;
+                if (nr < GEMV_ROWS) dot_block_bf16(xh, nb, wh, nr, in, res);
+                else if (nb == 1) dot_block_bf16(xh, 1, wh, GEMV_ROWS, in, res);
+                else if (nb == 2) dot_block_bf16(xh, 2, wh, GEMV_ROWS, in, res);
+                else if (nb == 3) dot_block_bf16(xh, 3, wh, GEMV_ROWS, in, res);
+                else dot_block_bf16(xh, GEMV_COLS, wh, GEMV_ROWS, in, res);
+            } else
+#endif
+                dot_block_any(xb, nb, wb, nr, in, bf, res);
+            for (int64_t b = 0; b < nb; b++) {
+                float row[GEMV_ROWS];
+                for (int64_t r = 0; r < nr; r++) row[r] = res[b * GEMV_ROWS + r] + bias_f[r];
+                store_f32(y, (b0 + b) * out + r0, nr, row, bf);
+            }
+        }
+    }
+}
