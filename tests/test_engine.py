@@ -19,26 +19,31 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 # attention and the decode ops have two candidates each (the prefill one runs in prefill steps,
 # the decode ops in decode-only steps, the C linear wherever a matmul has one row: batch-1
 # decode steps and a prefill's sampled row); the bf16 tests below cover packed linears and the
-# decode math too.
+# decode math too. threads=bound changes where the threads run, not what they compute; it is
+# in one row of each so that pinning is exercised under every scheduling mode.
 FLOAT32_PATHS = [
     "linear=plain,prefill_attention=blocked,decode_ops=torch",
-    "linear=c,prefill_attention=sdpa,decode_ops=c",
+    "linear=c,prefill_attention=sdpa,decode_ops=c,threads=bound",
 ]
 BF16_PATHS = [
     "linear=packed,prefill_attention=blocked,decode_math=float32,decode_ops=torch",
     "linear=plain,prefill_attention=sdpa,decode_math=native,decode_ops=c",
-    "linear=c,prefill_attention=sdpa,decode_math=float32,decode_ops=c",
+    "linear=c,prefill_attention=sdpa,decode_math=float32,decode_ops=c,threads=bound",
 ]
 
 
 @pytest.fixture(autouse=True)
 def _needs_a_compiler_for_c(request: pytest.FixtureRequest) -> None:
     """The C kernels build with any C compiler; a machine without one runs the rest."""
+    from pdscope.engine.model import thread_cpus
     from pdscope.engine.native import compiler
 
-    kernels = getattr(request.node, "callspec", None)
-    if kernels and "=c" in str(kernels.params.get("kernels", "")) and not compiler():
-        pytest.skip("no C compiler: the C decode kernels cannot be built here")
+    callspec = getattr(request.node, "callspec", None)
+    kernels = str(callspec.params.get("kernels", "")) if callspec else ""
+    if "=c" in kernels and not compiler():
+        pytest.skip("no C compiler: the C kernels cannot be built here")
+    if "threads=bound" in kernels and not thread_cpus():
+        pytest.skip("one thread or one CPU: nothing to pin")
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,10 @@ Paths (every candidate computes the same function; tests pin each against transf
   kernels: rope and the K/V write in one call, paged attention over the block tables in place,
   each residual add fused into the next norm) for steps of decodes only. CPU only, and only
   where a C compiler built the kernels.
+* ``threads``: ``free`` (the OS places torch's OpenMP threads) or ``bound`` (each thread of
+  the team that runs the engine's steps pinned to its own core, as vLLM pins its CPU
+  workers; engine/native.py's place_threads). CPU only, with the C kernels and more than one
+  thread; the trial times one decode step's matmuls both ways.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "prefill_attention": ("blocked", "sdpa"),
     "decode_math": ("float32", "native"),
     "decode_ops": ("torch", "c"),
+    "threads": ("free", "bound"),
 }
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
@@ -61,6 +66,7 @@ class KernelChoice:
     prefill_attention: str = "blocked"
     decode_math: str = "float32"
     decode_ops: str = "torch"
+    threads: str = "free"
     # per path: "measured", "cached", "forced", or "fixed" (only one candidate applies here)
     how: dict[str, str] = field(default_factory=dict, compare=False)
     # per candidate: median seconds of the trial, for the log and the cache file

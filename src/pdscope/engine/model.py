@@ -11,8 +11,9 @@ then reads keys and values from the cache through each sequence's block table.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -324,6 +325,8 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if batch.decode_tables is not None:
             out = self._native_decode(qkv, cos, sin, kv_cache, batch)
+        elif self.native is not None:
+            out = self._native_rope_attention(qkv, cos, sin, kv_cache, batch)
         else:
             out = self._attention(qkv, cos, sin, kv_cache, batch)
         return self.o_proj(out.reshape(tokens, self.q_size))
@@ -359,6 +362,42 @@ class Attention(nn.Module):
         return self.native.decode_attention(
             q, kv_cache, batch.decode_tables, batch.decode_bounds, batch.block_size, self.scale
         )
+
+    def _native_rope_attention(
+        self,
+        qkv: torch.Tensor,
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
+        kv_cache: torch.Tensor,
+        batch: AttentionBatch,
+    ) -> torch.Tensor:
+        """A step with prefill chunks under the C kernels: q/k norms, rope and the K/V write of
+        every token in one threaded call (where the PyTorch path runs ~10 ops over the whole
+        chunk), then the PyTorch attention. Each chunk reads its keys back from the cache
+        (the runner gives every chunk its block rows here), so the rotated K never needs a
+        tensor of its own."""
+        assert self.native is not None and batch.positions is not None
+        q_norm, k_norm = self.q_norm, self.k_norm
+        q = self.native.qkv_rope_store(
+            qkv,
+            kv_cache,
+            batch.positions,
+            batch.slot_mapping,
+            cos_table,
+            sin_table,
+            self.num_heads,
+            None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight,
+            q_norm.eps if q_norm is not None else 0.0,
+        )
+        parts = []
+        if batch.num_decode:
+            parts.append(self._decode(q[: batch.num_decode], kv_cache, batch))
+        for start, length, cached, rows in batch.prefills:
+            assert rows is not None, "the runner gives every chunk its rows on the C path"
+            end = start + length
+            parts.append(self._prefill(q[start:end], None, None, cached, rows, kv_cache, batch))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _attention(
         self,
@@ -469,8 +508,8 @@ class Attention(nn.Module):
     def _prefill(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         cached: int,
         rows: torch.Tensor | None,
         kv_cache: torch.Tensor,
@@ -483,6 +522,7 @@ class Attention(nn.Module):
         bottom-right aligned mask, which a plain ``is_causal`` (top-left) would get wrong.
         """
         if rows is None:
+            assert k is not None and v is not None
             keys, values = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
         else:
             kv = _gather_blocks(kv_cache, rows, batch.block_size)[:, :, : cached + q.shape[0]]
@@ -604,7 +644,9 @@ class CausalLM(nn.Module):
         batch: AttentionBatch,
     ) -> torch.Tensor:
         """Hidden states [tokens, hidden] after the final norm (logits are the caller's choice)."""
-        if batch.decode_tables is not None:
+        if self.native is not None:
+            if batch.positions is None:
+                batch = replace(batch, positions=positions)
             return self._native_decode(input_ids, kv_caches, batch)
         x = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)
@@ -617,7 +659,8 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], batch: AttentionBatch
     ) -> torch.Tensor:
         """The same layers with the C kernels' glue: each residual add is fused into the norm
-        that follows it (``residual += h; h = norm(residual)``), as one call."""
+        that follows it (``residual += h; h = norm(residual)``), as one call. Every step under
+        ``decode_ops=c`` runs here; steps with prefill chunks keep PyTorch's attention."""
         native = self.native
         assert native is not None
         residual = self.embed_tokens(input_ids)  # a fresh tensor: updated in place below
@@ -639,10 +682,14 @@ class CausalLM(nn.Module):
 def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | None = None) -> None:
     """Point every module at the paths ``choice`` names (packing or unpacking linears);
     ``native`` is the loaded C kernels, used when ``choice.decode_ops`` is ``c``."""
-    if choice.decode_ops == "c" and native is None:
-        raise ValueError("decode_ops=c needs the C kernels, which did not load")
-    if choice.linear == "c" and native is None:
-        raise ValueError("linear=c needs the C kernels, which did not load")
+    for path in ("linear", "decode_ops"):
+        if getattr(choice, path) == "c" and native is None:
+            raise ValueError(f"{path}=c needs the C kernels, which did not load")
+    if native is not None and choice.how.get("threads") == "measured":
+        # The threads trial left the loading thread's team pinned; threads started from it
+        # later (a server's engine loop) would inherit that. The runner pins the team of
+        # whichever thread runs the steps (ModelRunner.execute) when the choice is bound.
+        native.place_threads(thread_cpus(bound=False), bind=False)
     model.native = native if choice.decode_ops == "c" else None
     for module in model.modules():
         if isinstance(module, Linear):
@@ -692,7 +739,42 @@ def kernel_trials(
     if native is not None:
         ops = native
         trials["decode_ops"] = lambda: _decode_ops_trial(model, ops)
+        if len(thread_cpus()) > 1:
+            trials["threads"] = lambda: _threads_trial(model, ops)
     return trials
+
+
+# The CPUs this process may run on, read once: a pinned thread's own mask is narrower.
+_ALLOWED_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def thread_cpus(bound: bool = True) -> list[int]:
+    """The CPUs ``threads=bound`` pins torch's threads to: the first of this process's
+    allowed CPUs, one per thread (empty when there are fewer CPUs than threads, or one);
+    with ``bound`` False, every allowed CPU (what a freed thread may run on)."""
+    threads = torch.get_num_threads()
+    if threads < 2 or len(_ALLOWED_CPUS) < threads:
+        return []
+    return _ALLOWED_CPUS[:threads] if bound else list(_ALLOWED_CPUS)
+
+
+def _threads_trial(model: CausalLM, native: NativeOps) -> dict[str, Callable[[], object]]:
+    """One decode step's matmuls at one row (the C kernel's parallel regions), with the
+    calling thread's team free and pinned; the team is freed again by apply_kernels."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    weight = model.embed_tokens.weight
+    inputs = {m.in_features: _random((1, m.in_features), weight) for m in linears}
+    cpus = thread_cpus()
+
+    def placed(bind: bool) -> Callable[[], object]:
+        def run() -> None:
+            native.place_threads(cpus if bind else thread_cpus(bound=False), bind)
+            for m in linears:
+                native.linear(inputs[m.in_features], m.weight, m.bias)
+
+        return run
+
+    return {"free": placed(False), "bound": placed(True)}
 
 
 def _random(shape: tuple[int, ...], like: torch.Tensor, scale: float = 1.0) -> torch.Tensor:

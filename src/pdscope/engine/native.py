@@ -141,10 +141,24 @@ class NativeOps:
         self.lib.rms_norm.argtypes = [_P] * 4 + [_I, _I, _F, _C, _C]
         self.lib.linear_rows.argtypes = [_P] * 4 + [_I] * 3 + [_C, _C]
         self.lib.linear_rows_isa.argtypes = []
+        self.lib.place_threads.argtypes = [_P, _C, _C, _C]
+        self.lib.place_threads.restype = ctypes.c_int
         self.lib.paged_decode_attention.restype = ctypes.c_int
         self.lib.linear_rows_isa.restype = ctypes.c_int
         for fn in (self.lib.qkv_rope_store, self.lib.rms_norm, self.lib.linear_rows):
             fn.restype = None
+
+    def place_threads(self, cpus: list[int], bind: bool) -> int:
+        """Pin (``bind``) or free the calling thread's OpenMP team of torch's thread count:
+        thread i to ``cpus[i % len(cpus)]``, or each to any of ``cpus``. The team is the one
+        torch's and these kernels' parallel regions run on when called from this thread, and
+        threads this thread starts later inherit its own placement. Returns threads placed."""
+        if not cpus:
+            raise ValueError("place_threads: no CPUs given")
+        ids = (ctypes.c_int32 * len(cpus))(*cpus)
+        return self.lib.place_threads(
+            ctypes.cast(ids, ctypes.c_void_p), len(cpus), torch.get_num_threads(), int(bind)
+        )
 
     @property
     def linear_isa(self) -> str:

@@ -12,7 +12,9 @@
  * `threads` is torch's intra-op thread count: the library links the same libgomp as torch, so
  * both share one OpenMP thread pool.
  */
+#define _GNU_SOURCE /* sched_setaffinity */
 #include <math.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -399,4 +401,35 @@ void linear_rows(const void *x, const void *w, const void *bias, void *y, int64_
             }
         }
     }
+}
+
+/* ---- Thread placement. libgomp keeps one team of worker threads per thread that opens a
+ * parallel region, and torch's intra-op regions reuse the engine thread's team, so pinning
+ * that team pins every OpenMP region of the engine's steps (vLLM pins its CPU workers the
+ * same way). With `bind` 1, thread i of a team of `threads` runs only on cpus[i % n]; with 0,
+ * every thread may run on any of cpus[0..n). Returns how many threads were placed. */
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+int place_threads(const int32_t *cpus, int n, int threads, int bind) {
+    int placed = 0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) reduction(+ : placed)
+#endif
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num();
+#else
+        const int t = 0;
+#endif
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        if (bind) {
+            CPU_SET(cpus[t % n], &set);
+        } else {
+            for (int i = 0; i < n; i++) CPU_SET(cpus[i], &set);
+        }
+        placed += sched_setaffinity(0, sizeof set, &set) == 0;
+    }
+    return placed;
 }
