@@ -401,6 +401,24 @@ def test_c_rms_norm_fuses_the_residual_add(c_ops: native.NativeOps, dtype: torch
 
 @needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_silu_mul_matches_a_float64_reference(
+    c_ops: native.NativeOps, dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(6)
+    for rows, n in ((1, 40), (70, 1000)):  # the second takes the threaded path
+        gate_up = (torch.randn(rows, 2 * n, generator=gen) * 4).to(dtype)
+        gate_up[0, :4] = torch.tensor([-100.0, -0.0, 30.0, 0.0])  # tails and zeros
+        out = c_ops.silu_mul(gate_up)
+        g, u = gate_up.double().split(n, dim=-1)
+        torch.testing.assert_close(
+            out.double(), torch.nn.functional.silu(g) * u, **_tolerance(dtype)
+        )
+    with pytest.raises(ValueError, match="halves"):
+        c_ops.silu_mul(torch.zeros(2, 5, dtype=dtype))
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 6])  # 6: a full block of four x rows and a partial one
 def test_c_linear_matches_a_float64_reference(
     c_ops: native.NativeOps, dtype: torch.dtype, rows: int

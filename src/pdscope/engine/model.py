@@ -595,8 +595,11 @@ class MLP(nn.Module):
         self.intermediate = c.intermediate_size
         self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.native: NativeOps | None = None  # decode_ops=c: silu and the product in one call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.down_proj(self.native.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
@@ -700,6 +703,8 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
                     module.pack()
             else:
                 module.packed = None  # frees the packed copy too
+        elif isinstance(module, MLP):
+            module.native = model.native
         elif isinstance(module, Attention):
             module.prefill_sdpa = choice.prefill_attention == "sdpa"
             module.decode_float32 = choice.decode_math == "float32"

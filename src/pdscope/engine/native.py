@@ -141,12 +141,31 @@ class NativeOps:
         self.lib.rms_norm.argtypes = [_P] * 4 + [_I, _I, _F, _C, _C]
         self.lib.linear_rows.argtypes = [_P] * 4 + [_I] * 3 + [_C, _C]
         self.lib.linear_rows_isa.argtypes = []
+        self.lib.silu_mul.argtypes = [_P, _P, _I, _I, _C, _C]
+        self.lib.silu_mul.restype = None
         self.lib.place_threads.argtypes = [_P, _C, _C, _C]
         self.lib.place_threads.restype = ctypes.c_int
         self.lib.paged_decode_attention.restype = ctypes.c_int
         self.lib.linear_rows_isa.restype = ctypes.c_int
         for fn in (self.lib.qkv_rope_store, self.lib.rms_norm, self.lib.linear_rows):
             fn.restype = None
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up from the fused projection's output [rows, 2 n] → [rows, n]."""
+        _check(gate_up)
+        rows, width = gate_up.shape
+        if width % 2:
+            raise ValueError(f"silu_mul: width {width} is not gate and up halves")
+        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        self.lib.silu_mul(
+            gate_up.data_ptr(),
+            out.data_ptr(),
+            rows,
+            width // 2,
+            gate_up.dtype == torch.bfloat16,
+            torch.get_num_threads(),
+        )
+        return out
 
     def place_threads(self, cpus: list[int], bind: bool) -> int:
         """Pin (``bind``) or free the calling thread's OpenMP team of torch's thread count:

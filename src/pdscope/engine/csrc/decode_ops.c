@@ -302,6 +302,27 @@ void rms_norm(const void *x, void *residual, const void *w, void *out, int64_t r
     }
 }
 
+/* out [rows, n] = silu(gate) * up, from gate_up [rows, 2n] (the fused projection's output:
+ * gate in the first half of each row, up in the second). silu(x) = x * sigmoid(x), with the
+ * exponential taken of -|x| only, so exp_nonpositive covers it; one rounding at the end where
+ * PyTorch's silu then mul_ round twice. */
+void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int bf, int threads) {
+    const int parallel = threads > 1 && rows * n >= 65536;
+#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
+    for (int64_t r = 0; r < rows; r++) {
+        float g[n], u[n];
+        load_f32(gate_up, r * 2 * n, n, g, bf);
+        load_f32(gate_up, r * 2 * n + n, n, u, bf);
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) {
+            const float x = g[i], e = exp_nonpositive(x < 0.0f ? x : -x);
+            const float sig = (x < 0.0f ? e : 1.0f) / (1.0f + e);
+            g[i] = x * sig * u[i];
+        }
+        store_f32(out, r * n, n, g, bf);
+    }
+}
+
 /* ---- Small-batch linear: y = x W^T + bias for a few rows of x, reading the weights as stored.
  * A decode step's matmuls have 1-32 rows: every weight byte is read once per step, so the step
  * is bound by streaming W [out, in] from memory. Each thread takes its own contiguous band of
