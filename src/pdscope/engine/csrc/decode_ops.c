@@ -54,11 +54,9 @@ static inline void store_f32(void *base, int64_t offset, int64_t n, const float 
     }
 }
 
-/* exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(r), |r| <= ln2 / 2, a
- * degree-6 polynomial (relative error ~2e-7), written so that gcc vectorizes it; libm's expf
- * stays scalar without -ffast-math. Inputs below -87 flush to ~1e-38, i.e. nothing. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
+/* exp(x) for -87 <= x <= 0: 2^n * p(r), |r| <= ln2 / 2, a degree-6 polynomial (relative
+ * error ~2e-7); libm's expf stays scalar without -ffast-math. */
+static inline float exp_poly(float x) {
     float t = x * 1.44269504088896341f;
     int32_t n = (int32_t)(t - 0.5f); /* round to nearest for t <= 0 */
     float r = x - (float)n * 0.693145751953125f - (float)n * 1.428606765330187e-06f;
@@ -73,6 +71,22 @@ static inline float exp_nonpositive(float x) {
     float scale;
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
+}
+
+/* exp(x) for x <= 0 (softmax after subtracting the max). Inputs below -87 flush to ~1e-38,
+ * i.e. nothing. */
+static inline float exp_nonpositive(float x) { return exp_poly(x < -87.0f ? -87.0f : x); }
+
+/* exp(-|x|), the clamp at 87 taken on the bits: non-negative floats order as their bit
+ * patterns do, so an integer min is exact, and gcc vectorizes a loop around it (it treats the
+ * float select above as control flow, and fmaxf is a libm call without -ffast-math). */
+static inline float exp_neg_abs(float x) {
+    float a = fabsf(x);
+    uint32_t bits;
+    memcpy(&bits, &a, sizeof bits);
+    bits = bits < 0x42AE0000u ? bits : 0x42AE0000u; /* 87.0f */
+    memcpy(&a, &bits, sizeof a);
+    return exp_poly(-a);
 }
 
 /* Keys scored per tile: consecutive slots (one cache block, or several adjacent ones). */
@@ -310,16 +324,29 @@ void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int bf, i
     const int parallel = threads > 1 && rows * n >= 65536;
 #pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
     for (int64_t r = 0; r < rows; r++) {
-        float g[n], u[n];
-        load_f32(gate_up, r * 2 * n, n, g, bf);
-        load_f32(gate_up, r * 2 * n + n, n, u, bf);
+        for (int64_t i0 = 0; i0 < n; i0 += 256) { /* fixed-size pieces: gcc vectorizes these */
+            const int64_t m = n - i0 < 256 ? n - i0 : 256;
+            float g[256], u[256];
+            load_f32(gate_up, r * 2 * n + i0, m, g, bf);
+            load_f32(gate_up, r * 2 * n + n + i0, m, u, bf);
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) {
-            const float x = g[i], e = exp_nonpositive(x < 0.0f ? x : -x);
-            const float sig = (x < 0.0f ? e : 1.0f) / (1.0f + e);
-            g[i] = x * sig * u[i];
+            for (int64_t i = 0; i < m; i++) {
+                /* sigmoid(x) = 1 / (1 + e) for x >= 0 and e / (1 + e) below, e = exp(-|x|)
+                 * (never a difference of nearly equal terms). The numerator is picked by the
+                 * sign bit with integer masks: no branch to stop gcc vectorizing the loop. */
+                const float x = g[i], e = exp_neg_abs(x), one = 1.0f;
+                int32_t xb, eb, ob;
+                memcpy(&xb, &x, sizeof xb);
+                memcpy(&eb, &e, sizeof eb);
+                memcpy(&ob, &one, sizeof ob);
+                const int32_t negative = xb >> 31; /* all ones below zero (and for -0) */
+                const int32_t nb = (eb & negative) | (ob & ~negative);
+                float num;
+                memcpy(&num, &nb, sizeof num);
+                g[i] = x * (num / (1.0f + e)) * u[i];
+            }
+            store_f32(out, r * n + i0, m, g, bf);
         }
-        store_f32(out, r * n, n, g, bf);
     }
 }
 
