@@ -73,10 +73,6 @@ static inline float exp_poly(float x) {
     return p * scale;
 }
 
-/* exp(x) for x <= 0 (softmax after subtracting the max). Inputs below -87 flush to ~1e-38,
- * i.e. nothing. */
-static inline float exp_nonpositive(float x) { return exp_poly(x < -87.0f ? -87.0f : x); }
-
 /* exp(-|x|), the clamp at 87 taken on the bits: non-negative floats order as their bit
  * patterns do, so an integer min is exact, and gcc vectorizes a loop around it (it treats the
  * float select above as control flow, and fmaxf is a libm call without -ffast-math). */
@@ -88,6 +84,10 @@ static inline float exp_neg_abs(float x) {
     memcpy(&a, &bits, sizeof a);
     return exp_poly(-a);
 }
+
+/* exp(x) for x <= 0 (softmax after subtracting the max), which is exp(-|x|): inputs below
+ * -87 (and -inf) flush to ~1e-38, i.e. nothing. */
+static inline float exp_nonpositive(float x) { return exp_neg_abs(x); }
 
 /* Keys scored per tile: consecutive slots (one cache block, or several adjacent ones). */
 #define TILE 64
