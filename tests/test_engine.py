@@ -137,6 +137,8 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
         )
     linears = [m for m in model.modules() if hasattr(m, "packed")]
     assert all((m.native is not None) == ("linear=c" in kernels) for m in linears)
+    rows = 2048 if "linear=c" in kernels else 1  # packed for many rows where C takes one
+    assert all(m.packed_rows == rows for m in linears if m.packed is not None)
     llm.engine.runner.capture_logits = True
     rng = random.Random(0)
     prompt = [rng.randrange(10, 1000) for _ in range(1100)]

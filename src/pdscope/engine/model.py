@@ -41,6 +41,11 @@ MAX_DECODE_RUNS = 8
 # interleaved): C 1.19x packed at one row, par at two, 0.9x at four, where oneDNN's AMX
 # tiles start to pay and the C kernel's vdpbf16ps turns compute-bound.
 NATIVE_LINEAR_MAX_ROWS = 1
+# With linear=c the packed weights serve only matmuls of several rows (batched decode,
+# prefill), so they are laid out for many rows: on the AMX Xeon, one thread, interleaved over
+# the small model's 49 weights, packing for 2,048 rows instead of 1 took 2,000-row matmuls
+# 1.18x and 32-row ones 1.21x faster (medians of 6 and 9 rounds).
+PACKED_ROWS_WITH_C = 2048
 # Returns the log-sum-exp beside the output, which merging runs needs; absent on old torch.
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -228,10 +233,13 @@ class Linear(nn.Linear):
     """
 
     packed: torch.Tensor | None = None
+    packed_rows: int = 0  # the row count oneDNN laid the packed weight out for
     native: NativeOps | None = None  # set by apply_kernels when the choice is linear=c
 
-    def pack(self) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+    def pack(self, rows: int = 1) -> None:
+        """Pre-pack the weight for matmuls of about ``rows`` rows (oneDNN's batch hint)."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), rows)
+        self.packed_rows = rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None and x.dim() == 2 and x.shape[0] <= NATIVE_LINEAR_MAX_ROWS:
@@ -699,10 +707,13 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             # linear=c: single rows through C, larger matmuls through the packed weights.
             module.native = native if choice.linear == "c" else None
             if choice.linear in ("packed", "c") and module.weight.dtype == torch.bfloat16:
-                if module.packed is None and can_pack(module.weight.dtype, module.weight.device):
-                    module.pack()
+                rows = PACKED_ROWS_WITH_C if choice.linear == "c" else 1
+                if module.packed_rows != rows and can_pack(
+                    module.weight.dtype, module.weight.device
+                ):
+                    module.pack(rows)
             else:
-                module.packed = None  # frees the packed copy too
+                module.packed, module.packed_rows = None, 0  # frees the packed copy too
         elif isinstance(module, MLP):
             module.native = model.native
         elif isinstance(module, Attention):
