@@ -24,10 +24,12 @@ if TYPE_CHECKING:
     from pdscope.engine.native import NativeOps
 
 # A single sequence attending to at least this many keys takes torch's SDPA over its cache in
-# place inside the C path (rope, K/V write and norms stay C): measured on the AMX Xeon at 2
-# threads, the C attention matched SDPA at one thread but fell behind it at 4,000 keys, where
-# SDPA's bf16 matmuls use AMX; under ~1K keys the C call's lower overhead wins.
-NATIVE_SDPA_FROM_KEYS = 1024
+# place inside the C path (rope, K/V write and norms stay C). On the AMX Xeon, 12 layers at
+# 4,000 keys: with the C kernel's scores as vdpbf16ps over the bf16 rows it takes 12.5 ms at
+# one thread vs SDPA's 15.7 (before that, 18.4 vs 15.5, when the hand-off sat at 1,024 keys);
+# at two threads the kernel before that change was at par (7.85 vs 8.18 ms). Contexts past
+# what was measured keep SDPA, whose bf16 matmuls run on AMX.
+NATIVE_SDPA_FROM_KEYS = 16384
 
 
 class ModelRunner:

@@ -21,6 +21,11 @@
 
 typedef uint16_t bf16;
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define HAVE_DPBF16 1 /* vdpbf16ps: pairs of bf16 products summed into float32 */
+#endif
+
 static inline float bf16_to_f32(bf16 h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -98,8 +103,20 @@ static inline __attribute__((always_inline)) void attend_range_impl(
                          const float *qf, int64_t group, const int64_t dim, const void *kv,
                          int64_t kv_heads, int64_t slots, int64_t head, const int64_t *table,
                          int64_t block_size, int64_t lo, int64_t hi, int bf, float *m, float *l,
-                         float *acc) {
+                         float *acc, const bf16 *qb, float scale) {
     float row[dim], s[group * TILE];
+#ifdef HAVE_DPBF16
+    /* qb (bf16, dim 64, group <= 8): the scores straight from the cache's bf16 rows with
+     * vdpbf16ps, no conversion of K to float32; the products are exact in float32. */
+    __m512bh qv[8][2];
+    if (qb)
+        for (int64_t g = 0; g < group; g++)
+            for (int c = 0; c < 2; c++)
+                qv[g][c] = (__m512bh)_mm512_loadu_si512((const void *)(qb + g * 64 + c * 32));
+#else
+    (void)qb;
+    (void)scale;
+#endif
     for (int64_t g = 0; g < group; g++) {
         m[g] = -INFINITY;
         l[g] = 0.0f;
@@ -115,6 +132,20 @@ static inline __attribute__((always_inline)) void attend_range_impl(
             n += block_size;
         if (n > TILE) n = TILE;
         if (n > hi - pos) n = hi - pos;
+#ifdef HAVE_DPBF16
+        if (qb) {
+            for (int64_t t = 0; t < n; t++) {
+                const bf16 *kr = (const bf16 *)kv + (k_plane + slot + t) * 64;
+                const __m512bh k0 = (__m512bh)_mm512_loadu_si512((const void *)kr);
+                const __m512bh k1 = (__m512bh)_mm512_loadu_si512((const void *)(kr + 32));
+                for (int64_t g = 0; g < group; g++) {
+                    __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], k0);
+                    a = _mm512_dpbf16_ps(a, qv[g][1], k1);
+                    s[g * TILE + t] = _mm512_reduce_add_ps(a) * scale;
+                }
+            }
+        } else
+#endif
         for (int64_t t = 0; t < n; t++) {
             load_f32(kv, (k_plane + slot + t) * dim, dim, row, bf);
             for (int64_t g = 0; g < group; g++) {
@@ -157,12 +188,16 @@ static inline __attribute__((always_inline)) void attend_range_impl(
 static void attend_range(const float *qf, int64_t group, int64_t dim, const void *kv,
                          int64_t kv_heads, int64_t slots, int64_t head, const int64_t *table,
                          int64_t block_size, int64_t lo, int64_t hi, int bf, float *m, float *l,
-                         float *acc) {
-#define ATTEND(D) attend_range_impl(qf, group, D, kv, kv_heads, slots, head, table, block_size, \
-                                    lo, hi, bf, m, l, acc)
-    if (dim == 64 && bf) ATTEND(64);
-    else if (dim == 128 && bf) ATTEND(128);
-    else ATTEND(dim);
+                         float *acc, const bf16 *qb, float scale) {
+#define ATTEND(D, QB) attend_range_impl(qf, group, D, kv, kv_heads, slots, head, table, \
+                                        block_size, lo, hi, bf, m, l, acc, QB, scale)
+#ifdef HAVE_DPBF16
+    if (dim == 64 && bf && group <= 8) ATTEND(64, qb);
+    else
+#endif
+    if (dim == 64 && bf) ATTEND(64, NULL);
+    else if (dim == 128 && bf) ATTEND(128, NULL);
+    else ATTEND(dim, NULL);
 #undef ATTEND
 }
 
@@ -209,7 +244,8 @@ int paged_decode_attention(const void *q, const void *kv, void *out, const int64
         for (int64_t i = 0; i < group * dim; i++) qf[i] *= scale;
         if (lo < hi) {
             attend_range(qf, group, dim, kv, kv_heads, slots, h, tables + d * table_width,
-                         block_size, lo, hi, bf, m, l, acc);
+                         block_size, lo, hi, bf, m, l, acc,
+                         bf ? (const bf16 *)q + (d * heads + h * group) * dim : NULL, scale);
         } else {
             for (int64_t g = 0; g < group; g++) m[g] = -INFINITY, l[g] = 0.0f;
         }
@@ -361,9 +397,7 @@ void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int bf, i
 #define GEMV_ROWS 4 /* output rows per block */
 #define GEMV_COLS 4 /* rows of x per pass over a block */
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define HAVE_DPBF16 1
+#if defined(HAVE_DPBF16)
 
 /* res[b][r] = dot(x row b, w row r) for nr <= 4 weight rows and nb <= 4 x rows. */
 static inline __attribute__((always_inline)) void dot_block_bf16(
