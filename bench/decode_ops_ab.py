@@ -1,14 +1,17 @@
-"""The engine's decode step through PyTorch ops vs the C kernels, interleaved in one process.
+"""The engine's decode step with two candidates of one kernel path, interleaved in one process.
 
-Two engines on the same checkpoint, identical but for ``decode_ops`` (torch / c; every other
-kernel path forced alike), take turns: round after round each runs every figure once, in an
-order alternated per round, and the figures are medians with within-round ratios (c / torch).
+Two engines on the same checkpoint, identical but for one kernel path (by default
+``decode_ops``: torch / c; every other path forced alike), take turns: round after round each
+runs every figure once, in an order alternated per round, and the figures are medians with
+within-round ratios (second / first).
 Each figure is the median duration of the engine's decode-only steps (its own step records,
 ``LLMEngine.steps``) while one generate call runs: scheduling, the model and sampling, with
 prefill steps left out; a median over ~30 steps shrugs off a descheduled step on a busy host.
 
     .venv/bin/python bench/decode_ops_ab.py                     # small model, 5 rounds
     .venv/bin/python bench/decode_ops_ab.py --rounds 3 --threads 1
+    .venv/bin/python bench/decode_ops_ab.py --path linear --candidates packed c \
+        --others prefill_attention=sdpa,decode_math=native,decode_ops=c
 
 Figures: batch-1 decode at 64 and 4,000 tokens of context (their ratio against plan's bytes
 arithmetic, issue 12 item 3) and batch-32 decode after 128-token prompts, in tokens/s.
@@ -36,23 +39,26 @@ def main() -> None:
         default="linear=packed,prefill_attention=sdpa,decode_math=native",
         help="the other kernel paths, forced the same for both engines",
     )
+    parser.add_argument("--path", default="decode_ops", help="the kernel path compared")
+    parser.add_argument("--candidates", nargs=2, default=["torch", "c"], metavar=("A", "B"))
     parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model_path(args.model)
     engines = {
-        ops: LLM(
+        cand: LLM(
             model=str(model_dir),
             dtype="bfloat16",
             kv_cache_memory="1GiB",
             max_model_len=4096,
             max_num_batched_tokens=2048,
             max_num_seqs=64,
-            kernels=f"{args.others},decode_ops={ops}",
+            kernels=f"{args.others},{args.path}={cand}",
         )
-        for ops in ("torch", "c")
+        for cand in args.candidates
     }
+    first, second = args.candidates
     rng = random.Random(0)
 
     def fresh(n: int) -> list[int]:
@@ -99,15 +105,18 @@ def main() -> None:
         )
     print()
     print(machine_line())
-    print(f"{args.model}, bf16, {args.others}; {args.rounds} rounds; median (min-max)")
+    print(
+        f"{args.model}, bf16, {args.others}, {args.path} = {first} | {second}; "
+        f"{args.rounds} rounds; median (min-max)"
+    )
     print("tokens/s of the median decode-only step")
-    print(f"{'':26}{'torch':>22}{'c':>22}{'c / torch':>22}")
+    print(f"{'':26}{first:>22}{second:>22}{second + ' / ' + first:>22}")
     for name in figures:
         cells = []
         for ops in engines:
             v = values[ops][name]
             cells.append(f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})")
-        ratios = [c / t for c, t in zip(values["c"][name], values["torch"][name], strict=True)]
+        ratios = [b / a for a, b in zip(values[first][name], values[second][name], strict=True)]
         cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
         print(f"{name:26}" + "".join(f"{c:>22}" for c in cells))
     predicted = bytes_per_decode_token(model_dir, 64) / bytes_per_decode_token(model_dir, 4000)

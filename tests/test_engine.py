@@ -15,27 +15,35 @@ from pdscope.checkpoint.make_model import make_model
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 # Every path the kernel trial may choose on a CPU (engine/kernels.py), each candidate in at
-# least one row. In float32 the prefill attention and the decode ops have two candidates (the
-# prefill one runs in prefill steps, the other in decode-only steps, so they do not interact);
-# the bf16 tests below cover the linear and decode math too.
+# least one row. In float32 the linear (plain or the C kernel for single rows), the prefill
+# attention and the decode ops have two candidates each (the prefill one runs in prefill steps,
+# the decode ops in decode-only steps, the C linear wherever a matmul has one row: batch-1
+# decode steps and a prefill's sampled row); the bf16 tests below cover packed linears and the
+# decode math too. threads=bound changes where the threads run, not what they compute; it is
+# in one row of each so that pinning is exercised under every scheduling mode.
 FLOAT32_PATHS = [
-    "prefill_attention=blocked,decode_ops=torch",
-    "prefill_attention=sdpa,decode_ops=c",
+    "linear=plain,prefill_attention=blocked,decode_ops=torch",
+    "linear=c,prefill_attention=sdpa,decode_ops=c,threads=bound",
 ]
 BF16_PATHS = [
     "linear=packed,prefill_attention=blocked,decode_math=float32,decode_ops=torch",
     "linear=plain,prefill_attention=sdpa,decode_math=native,decode_ops=c",
+    "linear=c,prefill_attention=sdpa,decode_math=float32,decode_ops=c,threads=bound",
 ]
 
 
 @pytest.fixture(autouse=True)
 def _needs_a_compiler_for_c(request: pytest.FixtureRequest) -> None:
-    """The C decode kernels build with any C compiler; a machine without one runs the rest."""
+    """The C kernels build with any C compiler; a machine without one runs the rest."""
+    from pdscope.engine.model import thread_cpus
     from pdscope.engine.native import compiler
 
-    kernels = getattr(request.node, "callspec", None)
-    if kernels and "decode_ops=c" in str(kernels.params.get("kernels", "")) and not compiler():
-        pytest.skip("no C compiler: the C decode kernels cannot be built here")
+    callspec = getattr(request.node, "callspec", None)
+    kernels = str(callspec.params.get("kernels", "")) if callspec else ""
+    if "=c" in kernels and not compiler():
+        pytest.skip("no C compiler: the C kernels cannot be built here")
+    if "threads=bound" in kernels and not thread_cpus():
+        pytest.skip("one thread or one CPU: nothing to pin")
 
 
 @pytest.fixture(scope="module")
@@ -123,10 +131,14 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
     )
     model = llm.engine.runner.model
     if can_pack(torch.bfloat16, torch.device("cpu")):
-        packed = "linear=packed" in kernels
+        packed = "linear=plain" not in kernels  # linear=c packs for matmuls over one row
         assert all(
             (m.packed is not None) == packed for m in model.modules() if hasattr(m, "packed")
         )
+    linears = [m for m in model.modules() if hasattr(m, "packed")]
+    assert all((m.native is not None) == ("linear=c" in kernels) for m in linears)
+    rows = 2048 if "linear=c" in kernels else 1  # packed for many rows where C takes one
+    assert all(m.packed_rows == rows for m in linears if m.packed is not None)
     llm.engine.runner.capture_logits = True
     rng = random.Random(0)
     prompt = [rng.randrange(10, 1000) for _ in range(1100)]

@@ -7,8 +7,10 @@ check the machinery that picks one."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from pdscope.engine.model import (
     block_rows,
     can_decode_in_place,
     slot_runs,
+    thread_cpus,
 )
 
 SHAPES = TrialShapes("bfloat16", 64, 128, 256, 2, 4, 2, 16, 32)
@@ -89,6 +92,7 @@ def test_trial_picks_the_faster_candidate_and_caches_it(tmp_path: Path) -> None:
         "prefill_attention": "measured",
         "decode_math": "fixed",
         "decode_ops": "fixed",
+        "threads": "fixed",
     }
     assert set(first.trial_s) == {"prefill_attention=blocked", "prefill_attention=sdpa"}
     # Interleaved: after the warm-ups, the candidates alternate.
@@ -120,7 +124,7 @@ def test_engine_logs_applies_and_reports_its_choice(
 ) -> None:
     from pdscope.server.metrics import EngineMetrics
 
-    forced = "linear=plain,prefill_attention=sdpa,decode_math=native,decode_ops=torch"
+    forced = "linear=plain,prefill_attention=sdpa,decode_math=native,decode_ops=torch,threads=free"
     with caplog.at_level("INFO", logger="pdscope.engine"):
         llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels=forced)
     choice = llm.engine.kernels
@@ -139,6 +143,7 @@ def test_engine_logs_applies_and_reports_its_choice(
     line = next(ln for ln in text.splitlines() if ln.startswith("pdscope:build_info{"))
     assert 'linear="plain"' in line and 'prefill_attention="sdpa"' in line
     assert 'decode_math="native"' in line and 'decode_ops="torch"' in line
+    assert 'threads="free"' in line
     assert line.endswith(" 1.0")
 
 
@@ -149,10 +154,12 @@ def test_auto_measures_every_path_that_has_two_candidates(
     llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", max_model_len=256)
     choice = llm.engine.kernels
     expected = {"prefill_attention", "decode_math"}
-    if torch.backends.mkldnn.is_available():
+    if torch.backends.mkldnn.is_available() or native.compiler():
         expected.add("linear")
     if native.compiler():
         expected.add("decode_ops")
+        if thread_cpus():
+            expected.add("threads")
     assert {p for p, how in choice.how.items() if how == "measured"} == expected
     for path in OPTIONS:
         assert getattr(choice, path) in OPTIONS[path]
@@ -259,13 +266,20 @@ def test_a_float32_model_reports_the_paths_it_really_runs(tmp_path: Path) -> Non
     forced = "prefill_attention=sdpa,decode_ops=torch"
     choice = LLM(model=str(path), kv_cache_memory="8MiB", kernels=forced)
     kernels = choice.engine.kernels
-    assert kernels.how == {
-        "linear": "fixed",
-        "prefill_attention": "forced",
-        "decode_math": "fixed",
-        "decode_ops": "forced",
+    # float32 has no packed form: plain or, with a compiler, the C kernel (timed, or read
+    # from the machine's kernel cache)
+    timed = {"measured", "cached"}
+    assert {p: how in timed for p, how in kernels.how.items()} == {
+        "linear": bool(native.compiler()),
+        "prefill_attention": False,
+        "decode_math": False,
+        "decode_ops": False,
+        "threads": bool(native.compiler() and thread_cpus()),
     }
-    assert (kernels.linear, kernels.decode_math) == ("plain", "float32")  # nothing to pack
+    assert kernels.how["prefill_attention"] == kernels.how["decode_ops"] == "forced"
+    assert kernels.linear in ("plain", "c") and kernels.decode_math == "float32"
+    model = choice.engine.runner.model
+    assert all(m.packed is None for m in model.modules() if hasattr(m, "packed"))
 
 
 needs_cc = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
@@ -386,6 +400,109 @@ def test_c_rms_norm_fuses_the_residual_add(c_ops: native.NativeOps, dtype: torch
 
 
 @needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_silu_mul_matches_a_float64_reference(
+    c_ops: native.NativeOps, dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(6)
+    for rows, n in ((1, 40), (70, 1000)):  # the second takes the threaded path
+        gate_up = (torch.randn(rows, 2 * n, generator=gen) * 4).to(dtype)
+        gate_up[0, :4] = torch.tensor([-100.0, -0.0, 30.0, 0.0])  # tails and zeros
+        out = c_ops.silu_mul(gate_up)
+        g, u = gate_up.double().split(n, dim=-1)
+        torch.testing.assert_close(
+            out.double(), torch.nn.functional.silu(g) * u, **_tolerance(dtype)
+        )
+    with pytest.raises(ValueError, match="halves"):
+        c_ops.silu_mul(torch.zeros(2, 5, dtype=dtype))
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 6])  # 6: a full block of four x rows and a partial one
+def test_c_linear_matches_a_float64_reference(
+    c_ops: native.NativeOps, dtype: torch.dtype, rows: int
+) -> None:
+    """Shapes off every block size: 70 inputs (two full 32-wide steps and a masked tail), 37
+    outputs (nine blocks of four and a partial one), with and without a bias; bf16 results
+    within one rounding of the float64 product, and no further from it than F.linear."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, 70, generator=gen).to(dtype)
+    weight = (torch.randn(37, 70, generator=gen) / 8).to(dtype)
+    bias = torch.randn(37, generator=gen).to(dtype)
+    for b in (None, bias):
+        out = c_ops.linear(x, weight, b)
+        ref = x.double() @ weight.double().T + (0 if b is None else b.double())
+        assert out.shape == (rows, 37) and out.dtype == dtype
+        torch.testing.assert_close(out.double(), ref, **_tolerance(dtype))
+        ours = (out.double() - ref).abs().max()
+        theirs = (torch.nn.functional.linear(x, weight, b).double() - ref).abs().max()
+        assert ours <= max(theirs * 1.01, 1e-5)  # float32 accumulation, one rounding
+    big = torch.randn(1, 1024, generator=gen).to(dtype)  # the threaded path
+    wide = (torch.randn(300, 1024, generator=gen) / 32).to(dtype)
+    ref = big.double() @ wide.double().T
+    torch.testing.assert_close(c_ops.linear(big, wide).double(), ref, **_tolerance(dtype))
+    with pytest.raises(ValueError, match="does not fit"):
+        c_ops.linear(x, weight[:, :69].contiguous())
+    with pytest.raises(ValueError, match="contiguous"):
+        c_ops.linear(x, weight.t())
+
+
+needs_two_cpus = pytest.mark.skipif(not thread_cpus(), reason="one thread or one CPU here")
+
+
+def _in_a_thread(fn):
+    """Run ``fn`` in a fresh thread (its own OpenMP team and placement, so nothing is left
+    pinned on the test runner's thread) and return its result."""
+    result: list[object] = []
+    worker = threading.Thread(target=lambda: result.append(fn()))
+    worker.start()
+    worker.join()
+    assert result, "the thread raised (see the output above)"
+    return result[0]
+
+
+@needs_cc
+@needs_two_cpus
+def test_place_threads_pins_and_frees_the_calling_team(c_ops: native.NativeOps) -> None:
+    cpus, allowed = thread_cpus(), thread_cpus(bound=False)
+
+    def pin_then_free() -> tuple[int, set[int], int, set[int]]:
+        placed = c_ops.place_threads(cpus, bind=True)
+        pinned = os.sched_getaffinity(0)  # the calling thread is thread 0 of its team
+        freed = c_ops.place_threads(allowed, bind=False)
+        return placed, pinned, freed, os.sched_getaffinity(0)
+
+    placed, pinned, freed, after = _in_a_thread(pin_then_free)
+    assert placed == freed == torch.get_num_threads()
+    assert pinned == {cpus[0]} and after == set(allowed)
+    with pytest.raises(ValueError, match="no CPUs"):
+        c_ops.place_threads([], bind=True)
+
+
+@needs_cc
+@needs_two_cpus
+def test_threads_bound_pins_each_step_and_only_the_step(tiny_bf16: Path) -> None:
+    """Forced threads=bound: the model runs with the stepping thread on the first CPU, and
+    between steps (and after generate) that thread may run anywhere again."""
+    llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels="threads=bound")
+    assert llm.engine.kernels.threads == "bound"
+    seen: list[set[int]] = []
+    llm.engine.runner.model.register_forward_pre_hook(
+        lambda *_: seen.append(os.sched_getaffinity(0))
+    )
+
+    def run() -> tuple[int, set[int]]:
+        out = llm.generate([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+        return len(out[0].token_ids), os.sched_getaffinity(0)
+
+    tokens, after = _in_a_thread(run)
+    assert tokens == 4 and len(seen) == 4
+    assert all(s == {thread_cpus()[0]} for s in seen)
+    assert after == set(thread_cpus(bound=False))
+
+
+@needs_cc
 def test_the_c_build_is_cached_and_shared(tmp_path: Path) -> None:
     first = native.build(tmp_path)
     stamp = first.stat().st_mtime_ns
@@ -423,4 +540,8 @@ def test_without_a_compiler_the_engine_keeps_the_pytorch_path(
         assert len(llm.generate([5, 6, 7], SamplingParams(max_tokens=4))[0].token_ids) == 4
         with pytest.raises(ValueError, match="decode_ops=c needs the C kernels"):
             LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels="decode_ops=c")
+        with pytest.raises(ValueError, match="linear=c needs the C kernels"):
+            LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels="linear=c")
+        with pytest.raises(ValueError, match="threads=bound needs the C kernels"):
+            LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels=f"{others},threads=bound")
         caplog.clear()

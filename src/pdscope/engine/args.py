@@ -51,9 +51,10 @@ class EngineArgs:
     device: str = "auto"  # auto: cuda when torch sees one, else cpu
     seed: int = knob(0, "Engine seed.")
     # auto: each machine-dependent path timed at load (cached); or force some, e.g.
-    # "linear=plain,prefill_attention=sdpa,decode_math=native,decode_ops=c" (engine/kernels.py)
+    # "linear=c,prefill_attention=sdpa,decode_math=native,decode_ops=c,threads=bound"
+    # (engine/kernels.py)
     kernels: str = knob(
         "auto",
         "auto (timed at start-up, cached per CPU), or force paths, e.g. "
-        "linear=plain,prefill_attention=sdpa,decode_math=native,decode_ops=c.",
+        "linear=c,prefill_attention=sdpa,decode_math=native,decode_ops=c,threads=bound.",
     )

@@ -9,8 +9,10 @@ torch version, thread count and shapes under the pdscope cache, so later starts 
 
 Paths (every candidate computes the same function; tests pin each against transformers):
 
-* ``linear``: ``packed`` (weights pre-packed once in oneDNN's blocked layout) or ``plain``
-  (``F.linear``). Only bf16 on CPU has a packed form.
+* ``linear``: ``packed`` (weights pre-packed once in oneDNN's blocked layout), ``plain``
+  (``F.linear``) or ``c`` (engine/native.py's kernel for single-row matmuls, reading the
+  weights as stored with AVX-512 BF16 dot products where the CPU has them; larger matmuls then
+  take the packed weights). Only bf16 on CPU has a packed form; ``c`` needs a C compiler.
 * ``prefill_attention``: ``blocked`` (blocks of queries, each scored only against the keys it
   can see) or ``sdpa`` (torch's fused kernel). CPU only; CUDA always takes SDPA.
 * ``decode_math``: ``float32`` (small decode batches convert their context to float32 first)
@@ -19,6 +21,10 @@ Paths (every candidate computes the same function; tests pin each against transf
   kernels: rope and the K/V write in one call, paged attention over the block tables in place,
   each residual add fused into the next norm) for steps of decodes only. CPU only, and only
   where a C compiler built the kernels.
+* ``threads``: ``free`` (the OS places torch's OpenMP threads) or ``bound`` (each thread of
+  the team that runs the engine's steps pinned to its own core, as vLLM pins its CPU
+  workers; engine/native.py's place_threads). CPU only, with the C kernels and more than one
+  thread; the trial times one decode step's matmuls both ways.
 """
 
 from __future__ import annotations
@@ -40,15 +46,16 @@ from pdscope.specs.local import cpu_model
 log = logging.getLogger("pdscope.engine")
 
 OPTIONS: dict[str, tuple[str, ...]] = {
-    "linear": ("packed", "plain"),
+    "linear": ("packed", "plain", "c"),
     "prefill_attention": ("blocked", "sdpa"),
     "decode_math": ("float32", "native"),
     "decode_ops": ("torch", "c"),
+    "threads": ("free", "bound"),
 }
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
-_TRIAL_VERSION = 2
+_TRIAL_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,7 @@ class KernelChoice:
     prefill_attention: str = "blocked"
     decode_math: str = "float32"
     decode_ops: str = "torch"
+    threads: str = "free"
     # per path: "measured", "cached", "forced", or "fixed" (only one candidate applies here)
     how: dict[str, str] = field(default_factory=dict, compare=False)
     # per candidate: median seconds of the trial, for the log and the cache file

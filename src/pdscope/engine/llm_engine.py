@@ -16,7 +16,7 @@ from pdscope.engine.args import EngineArgs
 from pdscope.engine.block_pool import BlockPool
 from pdscope.engine.kernels import KernelChoice, TrialShapes, choose, parse_kernels
 from pdscope.engine.loader import load_model, read_config, resolve_dtype
-from pdscope.engine.model import apply_kernels, can_pack, kernel_trials
+from pdscope.engine.model import apply_kernels, can_pack, kernel_trials, thread_cpus
 from pdscope.engine.request import Request
 from pdscope.engine.runner import ModelRunner
 from pdscope.engine.sampling_params import SamplingParams
@@ -107,6 +107,8 @@ class LLMEngine:
             self.pool,
         )
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, self.device)
+        if self.kernels.threads == "bound" and self._native is not None:
+            self.runner.pin = (self._native, thread_cpus(), thread_cpus(bound=False))
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.steps: deque[StepRecord] = deque(maxlen=100_000)
@@ -123,13 +125,20 @@ class LLMEngine:
         c = self.model.config
         prefill_tokens = min(self.args.max_num_batched_tokens, self.max_model_len)
         ops = None
-        if native.supports(self.dtype, self.device) and forced.get("decode_ops") != "torch":
+        # The C kernels serve three paths: built unless all are forced off them.
+        wanted = (
+            forced.get("decode_ops") != "torch"
+            or forced.get("linear") in (None, "c")
+            or forced.get("threads") != "free"
+        )
+        if native.supports(self.dtype, self.device) and wanted:
             ops = native.load(default_cache_dir() / "native")
-            if ops is None and forced.get("decode_ops") == "c":
-                raise ValueError(
-                    "kernels: decode_ops=c needs the C kernels, which could not be built "
-                    "(see the warning above; a C compiler on PATH or in $CC)"
-                )
+            for path in ("decode_ops", "linear"):
+                if ops is None and forced.get(path) == "c":
+                    raise ValueError(
+                        f"kernels: {path}=c needs the C kernels, which could not be built "
+                        "(see the warning above; a C compiler on PATH or in $CC)"
+                    )
         trials = kernel_trials(self.model, prefill_tokens, ops)
         shapes = TrialShapes(
             dtype=str(self.dtype).removeprefix("torch."),
@@ -148,11 +157,19 @@ class LLMEngine:
             "prefill_attention": "blocked" if cpu else "sdpa",
             "decode_math": "float32" if cpu or self.dtype == torch.float32 else "native",
             "decode_ops": "torch",  # no C kernels here (a GPU, or no compiler)
+            "threads": "free",  # no C kernels, or one thread: nothing to place
         }
-        if forced.get("decode_ops") == "c" and ops is None:
-            raise ValueError(f"kernels: decode_ops=c runs on CPU only (device {self.device})")
+        for path in ("decode_ops", "linear"):
+            if forced.get(path) == "c" and ops is None:
+                raise ValueError(f"kernels: {path}=c runs on CPU only (device {self.device})")
+        if forced.get("threads") == "bound" and (ops is None or not thread_cpus()):
+            raise ValueError(
+                "kernels: threads=bound needs the C kernels on CPU and at least two threads "
+                f"with a CPU each (here {torch.get_num_threads()} threads)"
+            )
         choice = choose(trials, forced, shapes, default_cache_dir() / "kernels", fixed=fixed)
         apply_kernels(self.model, choice, ops)
+        self._native = ops
         return choice
 
     def _kv_budget_bytes(self) -> int:

@@ -11,8 +11,9 @@ then reads keys and values from the cache through each sequence's block table.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +36,16 @@ _PREFILL_BLOCK = 64
 # A single decoding sequence whose context lies in at most this many runs of consecutive cache
 # slots attends to them in place (see _decode_in_place); more fragmented ones are gathered.
 MAX_DECODE_RUNS = 8
+# Matmuls of at most this many rows take the C kernel when the choice is linear=c; larger ones
+# the packed (or plain) oneDNN path. Measured on the AMX Xeon (the small model's weights,
+# interleaved): C 1.19x packed at one row, par at two, 0.9x at four, where oneDNN's AMX
+# tiles start to pay and the C kernel's vdpbf16ps turns compute-bound.
+NATIVE_LINEAR_MAX_ROWS = 1
+# With linear=c the packed weights serve only matmuls of several rows (batched decode,
+# prefill), so they are laid out for many rows: on the AMX Xeon, one thread, interleaved over
+# the small model's 49 weights, packing for 2,048 rows instead of 1 took 2,000-row matmuls
+# 1.18x and 32-row ones 1.21x faster (medians of 6 and 9 rounds).
+PACKED_ROWS_WITH_C = 2048
 # Returns the log-sum-exp beside the output, which merging runs needs; absent on old torch.
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -210,18 +221,29 @@ _packed_linear = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can hold its weight pre-packed in oneDNN's blocked layout on CPU.
+    """nn.Linear that can hold its weight pre-packed in oneDNN's blocked layout on CPU, and
+    hand single-row inputs to the C kernel (``linear=c``).
 
     Plain ``F.linear`` on a bf16 CPU tensor re-lays the weight out on every call, which halves
     the bandwidth a decode step gets (profiled: 25 GB/s plain vs 33 GB/s packed on 2 cores).
+    A batch-1 decode step is 49 single-row matmuls, each one stream over its weight; torch's
+    oneDNN op pays ~10 us of set-up per call and streams below the machine's read rate, where
+    the C kernel reads the weight as stored (AMX Xeon, the small model's 49 weights at one row,
+    interleaved: C 13.9 ms, packed 16.2, plain 21.9, a plain read of the same bytes 11.7).
     """
 
     packed: torch.Tensor | None = None
+    packed_rows: int = 0  # the row count oneDNN laid the packed weight out for
+    native: NativeOps | None = None  # set by apply_kernels when the choice is linear=c
 
-    def pack(self) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+    def pack(self, rows: int = 1) -> None:
+        """Pre-pack the weight for matmuls of about ``rows`` rows (oneDNN's batch hint)."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), rows)
+        self.packed_rows = rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and x.dim() == 2 and x.shape[0] <= NATIVE_LINEAR_MAX_ROWS:
+            return self.native.linear(x.contiguous(), self.weight, self.bias)
         if self.packed is not None:
             return _packed_linear(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -311,6 +333,8 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if batch.decode_tables is not None:
             out = self._native_decode(qkv, cos, sin, kv_cache, batch)
+        elif self.native is not None:
+            out = self._native_rope_attention(qkv, cos, sin, kv_cache, batch)
         else:
             out = self._attention(qkv, cos, sin, kv_cache, batch)
         return self.o_proj(out.reshape(tokens, self.q_size))
@@ -346,6 +370,42 @@ class Attention(nn.Module):
         return self.native.decode_attention(
             q, kv_cache, batch.decode_tables, batch.decode_bounds, batch.block_size, self.scale
         )
+
+    def _native_rope_attention(
+        self,
+        qkv: torch.Tensor,
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
+        kv_cache: torch.Tensor,
+        batch: AttentionBatch,
+    ) -> torch.Tensor:
+        """A step with prefill chunks under the C kernels: q/k norms, rope and the K/V write of
+        every token in one threaded call (where the PyTorch path runs ~10 ops over the whole
+        chunk), then the PyTorch attention. Each chunk reads its keys back from the cache
+        (the runner gives every chunk its block rows here), so the rotated K never needs a
+        tensor of its own."""
+        assert self.native is not None and batch.positions is not None
+        q_norm, k_norm = self.q_norm, self.k_norm
+        q = self.native.qkv_rope_store(
+            qkv,
+            kv_cache,
+            batch.positions,
+            batch.slot_mapping,
+            cos_table,
+            sin_table,
+            self.num_heads,
+            None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight,
+            q_norm.eps if q_norm is not None else 0.0,
+        )
+        parts = []
+        if batch.num_decode:
+            parts.append(self._decode(q[: batch.num_decode], kv_cache, batch))
+        for start, length, cached, rows in batch.prefills:
+            assert rows is not None, "the runner gives every chunk its rows on the C path"
+            end = start + length
+            parts.append(self._prefill(q[start:end], None, None, cached, rows, kv_cache, batch))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _attention(
         self,
@@ -456,8 +516,8 @@ class Attention(nn.Module):
     def _prefill(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         cached: int,
         rows: torch.Tensor | None,
         kv_cache: torch.Tensor,
@@ -470,6 +530,7 @@ class Attention(nn.Module):
         bottom-right aligned mask, which a plain ``is_causal`` (top-left) would get wrong.
         """
         if rows is None:
+            assert k is not None and v is not None
             keys, values = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
         else:
             kv = _gather_blocks(kv_cache, rows, batch.block_size)[:, :, : cached + q.shape[0]]
@@ -542,8 +603,11 @@ class MLP(nn.Module):
         self.intermediate = c.intermediate_size
         self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.native: NativeOps | None = None  # decode_ops=c: silu and the product in one call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.down_proj(self.native.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
@@ -591,7 +655,9 @@ class CausalLM(nn.Module):
         batch: AttentionBatch,
     ) -> torch.Tensor:
         """Hidden states [tokens, hidden] after the final norm (logits are the caller's choice)."""
-        if batch.decode_tables is not None:
+        if self.native is not None:
+            if batch.positions is None:
+                batch = replace(batch, positions=positions)
             return self._native_decode(input_ids, kv_caches, batch)
         x = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)
@@ -604,7 +670,8 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], batch: AttentionBatch
     ) -> torch.Tensor:
         """The same layers with the C kernels' glue: each residual add is fused into the norm
-        that follows it (``residual += h; h = norm(residual)``), as one call."""
+        that follows it (``residual += h; h = norm(residual)``), as one call. Every step under
+        ``decode_ops=c`` runs here; steps with prefill chunks keep PyTorch's attention."""
         native = self.native
         assert native is not None
         residual = self.embed_tokens(input_ids)  # a fresh tensor: updated in place below
@@ -626,16 +693,29 @@ class CausalLM(nn.Module):
 def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | None = None) -> None:
     """Point every module at the paths ``choice`` names (packing or unpacking linears);
     ``native`` is the loaded C kernels, used when ``choice.decode_ops`` is ``c``."""
-    if choice.decode_ops == "c" and native is None:
-        raise ValueError("decode_ops=c needs the C kernels, which did not load")
+    for path in ("linear", "decode_ops"):
+        if getattr(choice, path) == "c" and native is None:
+            raise ValueError(f"{path}=c needs the C kernels, which did not load")
+    if native is not None and choice.how.get("threads") == "measured":
+        # The threads trial left the loading thread's team pinned; threads started from it
+        # later (a server's engine loop) would inherit that. The runner pins the team of
+        # whichever thread runs the steps (ModelRunner.execute) when the choice is bound.
+        native.place_threads(thread_cpus(bound=False), bind=False)
     model.native = native if choice.decode_ops == "c" else None
     for module in model.modules():
         if isinstance(module, Linear):
-            if choice.linear == "packed" and module.weight.dtype == torch.bfloat16:
-                if module.packed is None and can_pack(module.weight.dtype, module.weight.device):
-                    module.pack()
+            # linear=c: single rows through C, larger matmuls through the packed weights.
+            module.native = native if choice.linear == "c" else None
+            if choice.linear in ("packed", "c") and module.weight.dtype == torch.bfloat16:
+                rows = PACKED_ROWS_WITH_C if choice.linear == "c" else 1
+                if module.packed_rows != rows and can_pack(
+                    module.weight.dtype, module.weight.device
+                ):
+                    module.pack(rows)
             else:
-                module.packed = None  # frees the packed copy too
+                module.packed, module.packed_rows = None, 0  # frees the packed copy too
+        elif isinstance(module, MLP):
+            module.native = model.native
         elif isinstance(module, Attention):
             module.prefill_sdpa = choice.prefill_attention == "sdpa"
             module.decode_float32 = choice.decode_math == "float32"
@@ -651,7 +731,8 @@ def kernel_trials(
     are left out.
 
     * linear: one decode step's worth of matmuls (every weight read once, at one row), so the
-      trial streams from memory as a real step does;
+      trial streams from memory as a real step does: oneDNN packed (bf16 only), plain
+      ``F.linear``, and the C kernel (when ``native`` loaded);
     * prefill attention: layer 0's attention over a fresh chunk of ``prefill_tokens``;
     * decode math: every layer's attention for a batch of the largest size that may take the
       float32 path, each with 256 tokens of context;
@@ -667,14 +748,49 @@ def kernel_trials(
     trials: dict[str, Callable[[], dict[str, Callable[[], object]]]] = {
         "prefill_attention": lambda: _prefill_trial(model, max(1, prefill_tokens))
     }
-    if can_pack(dtype, device):
-        trials["linear"] = lambda: _linear_trial(model)
+    if can_pack(dtype, device) or native is not None:
+        trials["linear"] = lambda: _linear_trial(model, native)
     if dtype != torch.float32:
         trials["decode_math"] = lambda: _decode_math_trial(model)
     if native is not None:
         ops = native
         trials["decode_ops"] = lambda: _decode_ops_trial(model, ops)
+        if len(thread_cpus()) > 1:
+            trials["threads"] = lambda: _threads_trial(model, ops)
     return trials
+
+
+# The CPUs this process may run on, read once: a pinned thread's own mask is narrower.
+_ALLOWED_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def thread_cpus(bound: bool = True) -> list[int]:
+    """The CPUs ``threads=bound`` pins torch's threads to: the first of this process's
+    allowed CPUs, one per thread (empty when there are fewer CPUs than threads, or one);
+    with ``bound`` False, every allowed CPU (what a freed thread may run on)."""
+    threads = torch.get_num_threads()
+    if threads < 2 or len(_ALLOWED_CPUS) < threads:
+        return []
+    return _ALLOWED_CPUS[:threads] if bound else list(_ALLOWED_CPUS)
+
+
+def _threads_trial(model: CausalLM, native: NativeOps) -> dict[str, Callable[[], object]]:
+    """One decode step's matmuls at one row (the C kernel's parallel regions), with the
+    calling thread's team free and pinned; the team is freed again by apply_kernels."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    weight = model.embed_tokens.weight
+    inputs = {m.in_features: _random((1, m.in_features), weight) for m in linears}
+    cpus = thread_cpus()
+
+    def placed(bind: bool) -> Callable[[], object]:
+        def run() -> None:
+            native.place_threads(cpus if bind else thread_cpus(bound=False), bind)
+            for m in linears:
+                native.linear(inputs[m.in_features], m.weight, m.bias)
+
+        return run
+
+    return {"free": placed(False), "bound": placed(True)}
 
 
 def _random(shape: tuple[int, ...], like: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -682,26 +798,39 @@ def _random(shape: tuple[int, ...], like: torch.Tensor, scale: float = 1.0) -> t
     return (torch.randn(shape, generator=gen, device=like.device) * scale).to(like.dtype)
 
 
-def _linear_trial(model: CausalLM) -> dict[str, Callable[[], object]]:
+def _linear_trial(model: CausalLM, native: NativeOps | None) -> dict[str, Callable[[], object]]:
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     weight = model.embed_tokens.weight
     inputs = {m.in_features: _random((1, m.in_features), weight) for m in linears}
-    packed = {
-        m: m.packed
-        if m.packed is not None
-        else torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 1)
-        for m in linears
-    }
+    candidates: dict[str, Callable[[], object]] = {}
+    if can_pack(weight.dtype, weight.device):
+        packed = {
+            m: m.packed
+            if m.packed is not None
+            else torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 1)
+            for m in linears
+        }
 
-    def run_packed() -> None:
-        for m in linears:
-            _packed_linear(inputs[m.in_features], packed[m], m.bias, "none", [], "")
+        def run_packed() -> None:
+            for m in linears:
+                _packed_linear(inputs[m.in_features], packed[m], m.bias, "none", [], "")
+
+        candidates["packed"] = run_packed
 
     def run_plain() -> None:
         for m in linears:
             F.linear(inputs[m.in_features], m.weight, m.bias)
 
-    return {"packed": run_packed, "plain": run_plain}
+    candidates["plain"] = run_plain
+    if native is not None:
+        ops = native
+
+        def run_c() -> None:
+            for m in linears:
+                ops.linear(inputs[m.in_features], m.weight, m.bias)
+
+        candidates["c"] = run_c
+    return candidates
 
 
 def _prefill_trial(model: CausalLM, n: int) -> dict[str, Callable[[], object]]:

@@ -130,7 +130,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 @dataclass
 class NativeOps:
-    """Typed wrappers over the library's three functions; each takes and returns tensors in
+    """Typed wrappers over the library's functions; each takes and returns tensors in
     the engine's layouts (see decode_ops.c) and checks what the C side cannot."""
 
     lib: ctypes.CDLL
@@ -139,9 +139,81 @@ class NativeOps:
         self.lib.paged_decode_attention.argtypes = [_P, _P, _P, _P, _P] + [_I] * 7 + [_F, _C, _C]
         self.lib.qkv_rope_store.argtypes = [_P] * 9 + [_F] + [_I] * 5 + [_C, _C]
         self.lib.rms_norm.argtypes = [_P] * 4 + [_I, _I, _F, _C, _C]
+        self.lib.linear_rows.argtypes = [_P] * 4 + [_I] * 3 + [_C, _C]
+        self.lib.linear_rows_isa.argtypes = []
+        self.lib.silu_mul.argtypes = [_P, _P, _I, _I, _C, _C]
+        self.lib.silu_mul.restype = None
+        self.lib.place_threads.argtypes = [_P, _C, _C, _C]
+        self.lib.place_threads.restype = ctypes.c_int
         self.lib.paged_decode_attention.restype = ctypes.c_int
-        for fn in (self.lib.qkv_rope_store, self.lib.rms_norm):
+        self.lib.linear_rows_isa.restype = ctypes.c_int
+        for fn in (self.lib.qkv_rope_store, self.lib.rms_norm, self.lib.linear_rows):
             fn.restype = None
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up from the fused projection's output [rows, 2 n] → [rows, n]."""
+        _check(gate_up)
+        rows, width = gate_up.shape
+        if width % 2:
+            raise ValueError(f"silu_mul: width {width} is not gate and up halves")
+        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        self.lib.silu_mul(
+            gate_up.data_ptr(),
+            out.data_ptr(),
+            rows,
+            width // 2,
+            gate_up.dtype == torch.bfloat16,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def place_threads(self, cpus: list[int], bind: bool) -> int:
+        """Pin (``bind``) or free the calling thread's OpenMP team of torch's thread count:
+        thread i to ``cpus[i % len(cpus)]``, or each to any of ``cpus``. The team is the one
+        torch's and these kernels' parallel regions run on when called from this thread, and
+        threads this thread starts later inherit its own placement. Returns threads placed."""
+        if not cpus:
+            raise ValueError("place_threads: no CPUs given")
+        ids = (ctypes.c_int32 * len(cpus))(*cpus)
+        return self.lib.place_threads(
+            ctypes.cast(ids, ctypes.c_void_p), len(cpus), torch.get_num_threads(), int(bind)
+        )
+
+    @property
+    def linear_isa(self) -> str:
+        """How :meth:`linear` computes bf16 dot products on this build: ``avx512_bf16``
+        (``vdpbf16ps``) or ``portable`` (a float32 loop)."""
+        return "avx512_bf16" if self.lib.linear_rows_isa() else "portable"
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [rows, in] @ weight [out, in]^T (+ bias [out]) in the model dtype, reading the
+        weight as stored: for the few rows of a decode step, where a matmul is one stream over
+        its weight. float32 accumulation, one rounding at the end."""
+        _check(x, weight, bias)
+        rows, in_features = x.shape
+        out_features = weight.shape[0]
+        if weight.shape[1] != in_features or weight.dtype != x.dtype:
+            raise ValueError(
+                f"linear: x {tuple(x.shape)} {x.dtype} does not fit weight "
+                f"{tuple(weight.shape)} {weight.dtype}"
+            )
+        if bias is not None and (bias.shape != (out_features,) or bias.dtype != x.dtype):
+            raise ValueError(f"linear: bias {tuple(bias.shape)} does not fit {out_features} rows")
+        y = torch.empty(rows, out_features, dtype=x.dtype)
+        self.lib.linear_rows(
+            x.data_ptr(),
+            weight.data_ptr(),
+            _ptr(bias),
+            y.data_ptr(),
+            rows,
+            in_features,
+            out_features,
+            x.dtype == torch.bfloat16,
+            torch.get_num_threads(),
+        )
+        return y
 
     def decode_attention(
         self,

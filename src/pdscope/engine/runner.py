@@ -6,6 +6,8 @@ It owns the model, the paged KV cache tensors and the per-request random generat
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from pdscope.engine.model import (
@@ -18,11 +20,16 @@ from pdscope.engine.model import (
 from pdscope.engine.request import Request
 from pdscope.engine.scheduler import ScheduledRequest, SchedulerOutput
 
+if TYPE_CHECKING:
+    from pdscope.engine.native import NativeOps
+
 # A single sequence attending to at least this many keys takes torch's SDPA over its cache in
-# place inside the C path (rope, K/V write and norms stay C): measured on the AMX Xeon at 2
-# threads, the C attention matched SDPA at one thread but fell behind it at 4,000 keys, where
-# SDPA's bf16 matmuls use AMX; under ~1K keys the C call's lower overhead wins.
-NATIVE_SDPA_FROM_KEYS = 1024
+# place inside the C path (rope, K/V write and norms stay C). On the AMX Xeon, 12 layers at
+# 4,000 keys: with the C kernel's scores as vdpbf16ps over the bf16 rows it takes 12.5 ms at
+# one thread vs SDPA's 15.7 (before that, 18.4 vs 15.5, when the hand-off sat at 1,024 keys);
+# at two threads the kernel before that change was at par (7.85 vs 8.18 ms). Contexts past
+# what was measured keep SDPA, whose bf16 matmuls run on AMX.
+NATIVE_SDPA_FROM_KEYS = 16384
 
 
 class ModelRunner:
@@ -46,6 +53,11 @@ class ModelRunner:
             for _ in range(c.num_layers)
         ]
         self.generators: dict[str, torch.Generator] = {}
+        # threads=bound (engine/kernels.py): the C kernels, the CPUs that pin the OpenMP team
+        # of the thread running a step for the step's duration, and the CPUs it is freed to
+        # after it (so nothing outside the steps, e.g. a process started between them,
+        # inherits a pin).
+        self.pin: tuple[NativeOps, list[int], list[int]] | None = None
         # Tests compare logits with a reference implementation; off in normal runs.
         self.capture_logits = False
         self.captured: list[torch.Tensor] = []
@@ -63,10 +75,20 @@ class ModelRunner:
         bs, table = self.block_size, request.block_table
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[Request, int]:
         """Run one step; returns the sampled token for every request whose computed tokens
         caught up with its tokens in this step."""
+        if self.pin is None:
+            return self._execute(out)
+        ops, cpus, allowed = self.pin
+        ops.place_threads(cpus, bind=True)  # a few microseconds; a step is milliseconds
+        try:
+            return self._execute(out)
+        finally:
+            ops.place_threads(allowed, bind=False)
+
+    @torch.inference_mode()
+    def _execute(self, out: SchedulerOutput) -> dict[Request, int]:
         # Decodes first (one token each), then prefill chunks, matching AttentionBatch's layout.
         # The phase is the scheduler's call (ScheduledRequest.is_prefill), never decided here.
         decodes = [e for e in out.scheduled if not e.is_prefill]
@@ -178,10 +200,13 @@ class ModelRunner:
                     decode_mask = None  # equal lengths, no window: every key counts
         prefill_meta = []
         offset = len(decodes)
+        # Under the C kernels every chunk reads its keys back from the cache (the rotated K
+        # exists nowhere else), so every chunk gets its block rows.
+        every_chunk_rows = self.model.native is not None
         for e in prefills:
             cached, n = e.start, e.num_new_tokens
             blocks = None
-            if cached:
+            if cached or every_chunk_rows:
                 table = e.request.block_table[: -(-e.end // bs)]
                 blocks = self._rows(torch.tensor(table, dtype=torch.long, device=dev))
             prefill_meta.append((offset, n, cached, blocks))

@@ -159,6 +159,7 @@ class EngineMetrics:
                 "prefill_attention",
                 "decode_math",
                 "decode_ops",
+                "threads",
             ],
             registry=r,
         ).labels(
@@ -169,6 +170,7 @@ class EngineMetrics:
             kernels.prefill_attention,
             kernels.decode_math,
             kernels.decode_ops,
+            kernels.threads,
         ).set(1)
         self._pool = engine.pool
         self._seen = (0, 0, 0)  # prefix queries, hits, preemptions already counted

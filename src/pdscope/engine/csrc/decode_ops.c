@@ -12,12 +12,19 @@
  * `threads` is torch's intra-op thread count: the library links the same libgomp as torch, so
  * both share one OpenMP thread pool.
  */
+#define _GNU_SOURCE /* sched_setaffinity */
 #include <math.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 typedef uint16_t bf16;
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define HAVE_DPBF16 1 /* vdpbf16ps: pairs of bf16 products summed into float32 */
+#endif
 
 static inline float bf16_to_f32(bf16 h) {
     uint32_t u = (uint32_t)h << 16;
@@ -52,11 +59,9 @@ static inline void store_f32(void *base, int64_t offset, int64_t n, const float 
     }
 }
 
-/* exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(r), |r| <= ln2 / 2, a
- * degree-6 polynomial (relative error ~2e-7), written so that gcc vectorizes it; libm's expf
- * stays scalar without -ffast-math. Inputs below -87 flush to ~1e-38, i.e. nothing. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
+/* exp(x) for -87 <= x <= 0: 2^n * p(r), |r| <= ln2 / 2, a degree-6 polynomial (relative
+ * error ~2e-7); libm's expf stays scalar without -ffast-math. */
+static inline float exp_poly(float x) {
     float t = x * 1.44269504088896341f;
     int32_t n = (int32_t)(t - 0.5f); /* round to nearest for t <= 0 */
     float r = x - (float)n * 0.693145751953125f - (float)n * 1.428606765330187e-06f;
@@ -73,6 +78,22 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+/* exp(-|x|), the clamp at 87 taken on the bits: non-negative floats order as their bit
+ * patterns do, so an integer min is exact, and gcc vectorizes a loop around it (it treats the
+ * float select above as control flow, and fmaxf is a libm call without -ffast-math). */
+static inline float exp_neg_abs(float x) {
+    float a = fabsf(x);
+    uint32_t bits;
+    memcpy(&bits, &a, sizeof bits);
+    bits = bits < 0x42AE0000u ? bits : 0x42AE0000u; /* 87.0f */
+    memcpy(&a, &bits, sizeof a);
+    return exp_poly(-a);
+}
+
+/* exp(x) for x <= 0 (softmax after subtracting the max), which is exp(-|x|): inputs below
+ * -87 (and -inf) flush to ~1e-38, i.e. nothing. */
+static inline float exp_nonpositive(float x) { return exp_neg_abs(x); }
+
 /* Keys scored per tile: consecutive slots (one cache block, or several adjacent ones). */
 #define TILE 64
 
@@ -82,8 +103,20 @@ static inline __attribute__((always_inline)) void attend_range_impl(
                          const float *qf, int64_t group, const int64_t dim, const void *kv,
                          int64_t kv_heads, int64_t slots, int64_t head, const int64_t *table,
                          int64_t block_size, int64_t lo, int64_t hi, int bf, float *m, float *l,
-                         float *acc) {
+                         float *acc, const bf16 *qb, float scale) {
     float row[dim], s[group * TILE];
+#ifdef HAVE_DPBF16
+    /* qb (bf16, dim 64, group <= 8): the scores straight from the cache's bf16 rows with
+     * vdpbf16ps, no conversion of K to float32; the products are exact in float32. */
+    __m512bh qv[8][2];
+    if (qb)
+        for (int64_t g = 0; g < group; g++)
+            for (int c = 0; c < 2; c++)
+                qv[g][c] = (__m512bh)_mm512_loadu_si512((const void *)(qb + g * 64 + c * 32));
+#else
+    (void)qb;
+    (void)scale;
+#endif
     for (int64_t g = 0; g < group; g++) {
         m[g] = -INFINITY;
         l[g] = 0.0f;
@@ -99,6 +132,20 @@ static inline __attribute__((always_inline)) void attend_range_impl(
             n += block_size;
         if (n > TILE) n = TILE;
         if (n > hi - pos) n = hi - pos;
+#ifdef HAVE_DPBF16
+        if (qb) {
+            for (int64_t t = 0; t < n; t++) {
+                const bf16 *kr = (const bf16 *)kv + (k_plane + slot + t) * 64;
+                const __m512bh k0 = (__m512bh)_mm512_loadu_si512((const void *)kr);
+                const __m512bh k1 = (__m512bh)_mm512_loadu_si512((const void *)(kr + 32));
+                for (int64_t g = 0; g < group; g++) {
+                    __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], k0);
+                    a = _mm512_dpbf16_ps(a, qv[g][1], k1);
+                    s[g * TILE + t] = _mm512_reduce_add_ps(a) * scale;
+                }
+            }
+        } else
+#endif
         for (int64_t t = 0; t < n; t++) {
             load_f32(kv, (k_plane + slot + t) * dim, dim, row, bf);
             for (int64_t g = 0; g < group; g++) {
@@ -141,12 +188,16 @@ static inline __attribute__((always_inline)) void attend_range_impl(
 static void attend_range(const float *qf, int64_t group, int64_t dim, const void *kv,
                          int64_t kv_heads, int64_t slots, int64_t head, const int64_t *table,
                          int64_t block_size, int64_t lo, int64_t hi, int bf, float *m, float *l,
-                         float *acc) {
-#define ATTEND(D) attend_range_impl(qf, group, D, kv, kv_heads, slots, head, table, block_size, \
-                                    lo, hi, bf, m, l, acc)
-    if (dim == 64 && bf) ATTEND(64);
-    else if (dim == 128 && bf) ATTEND(128);
-    else ATTEND(dim);
+                         float *acc, const bf16 *qb, float scale) {
+#define ATTEND(D, QB) attend_range_impl(qf, group, D, kv, kv_heads, slots, head, table, \
+                                        block_size, lo, hi, bf, m, l, acc, QB, scale)
+#ifdef HAVE_DPBF16
+    if (dim == 64 && bf && group <= 8) ATTEND(64, qb);
+    else
+#endif
+    if (dim == 64 && bf) ATTEND(64, NULL);
+    else if (dim == 128 && bf) ATTEND(128, NULL);
+    else ATTEND(dim, NULL);
 #undef ATTEND
 }
 
@@ -193,7 +244,8 @@ int paged_decode_attention(const void *q, const void *kv, void *out, const int64
         for (int64_t i = 0; i < group * dim; i++) qf[i] *= scale;
         if (lo < hi) {
             attend_range(qf, group, dim, kv, kv_heads, slots, h, tables + d * table_width,
-                         block_size, lo, hi, bf, m, l, acc);
+                         block_size, lo, hi, bf, m, l, acc,
+                         bf ? (const bf16 *)q + (d * heads + h * group) * dim : NULL, scale);
         } else {
             for (int64_t g = 0; g < group; g++) m[g] = -INFINITY, l[g] = 0.0f;
         }
@@ -298,4 +350,168 @@ void rms_norm(const void *x, void *residual, const void *w, void *out, int64_t r
         rms_row(row, n, w, eps, bf);
         store_f32(out, r * n, n, row, bf);
     }
+}
+
+/* out [rows, n] = silu(gate) * up, from gate_up [rows, 2n] (the fused projection's output:
+ * gate in the first half of each row, up in the second). silu(x) = x * sigmoid(x), with the
+ * exponential taken of -|x| only, so exp_nonpositive covers it; one rounding at the end where
+ * PyTorch's silu then mul_ round twice. */
+void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int bf, int threads) {
+    const int parallel = threads > 1 && rows * n >= 65536;
+#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i0 = 0; i0 < n; i0 += 256) { /* fixed-size pieces: gcc vectorizes these */
+            const int64_t m = n - i0 < 256 ? n - i0 : 256;
+            float g[256], u[256];
+            load_f32(gate_up, r * 2 * n + i0, m, g, bf);
+            load_f32(gate_up, r * 2 * n + n + i0, m, u, bf);
+#pragma omp simd
+            for (int64_t i = 0; i < m; i++) {
+                /* sigmoid(x) = 1 / (1 + e) for x >= 0 and e / (1 + e) below, e = exp(-|x|)
+                 * (never a difference of nearly equal terms). The numerator is picked by the
+                 * sign bit with integer masks: no branch to stop gcc vectorizing the loop. */
+                const float x = g[i], e = exp_neg_abs(x), one = 1.0f;
+                int32_t xb, eb, ob;
+                memcpy(&xb, &x, sizeof xb);
+                memcpy(&eb, &e, sizeof eb);
+                memcpy(&ob, &one, sizeof ob);
+                const int32_t negative = xb >> 31; /* all ones below zero (and for -0) */
+                const int32_t nb = (eb & negative) | (ob & ~negative);
+                float num;
+                memcpy(&num, &nb, sizeof num);
+                g[i] = x * (num / (1.0f + e)) * u[i];
+            }
+            store_f32(out, r * n + i0, m, g, bf);
+        }
+    }
+}
+
+/* ---- Small-batch linear: y = x W^T + bias for a few rows of x, reading the weights as stored.
+ * A decode step's matmuls have 1-32 rows: every weight byte is read once per step, so the step
+ * is bound by streaming W [out, in] from memory. Each thread takes its own contiguous band of
+ * output rows (static schedule), four at a time, and runs them against up to four rows of x
+ * while those four weight rows sit in L1; with AVX-512 BF16 the dot products are `vdpbf16ps`
+ * (pairs of bf16 products summed into float32), elsewhere a float32 loop gcc vectorizes.
+ * Accumulation is float32, the result rounded to the model dtype once, as oneDNN's is. */
+
+#define GEMV_ROWS 4 /* output rows per block */
+#define GEMV_COLS 4 /* rows of x per pass over a block */
+
+#if defined(HAVE_DPBF16)
+
+/* res[b][r] = dot(x row b, w row r) for nr <= 4 weight rows and nb <= 4 x rows. */
+static inline __attribute__((always_inline)) void dot_block_bf16(
+    const bf16 *x, int64_t nb, const bf16 *w, int64_t nr, int64_t in, float *res) {
+    __m512 acc[GEMV_COLS][GEMV_ROWS];
+    for (int b = 0; b < GEMV_COLS; b++)
+        for (int r = 0; r < GEMV_ROWS; r++) acc[b][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < in; k += 32) {
+        const int64_t left = in - k;
+        const __mmask32 m = left >= 32 ? (__mmask32)0xffffffffu : (((__mmask32)1 << left) - 1);
+        __m512bh wv[GEMV_ROWS], xv[GEMV_COLS];
+        for (int r = 0; r < GEMV_ROWS; r++)
+            if (r < nr) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(m, w + r * in + k);
+        for (int b = 0; b < GEMV_COLS; b++)
+            if (b < nb) xv[b] = (__m512bh)_mm512_maskz_loadu_epi16(m, x + b * in + k);
+        for (int b = 0; b < GEMV_COLS; b++)
+            for (int r = 0; r < GEMV_ROWS; r++)
+                if (b < nb && r < nr) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], wv[r], xv[b]);
+    }
+    for (int b = 0; b < nb; b++)
+        for (int r = 0; r < nr; r++) res[b * GEMV_ROWS + r] = _mm512_reduce_add_ps(acc[b][r]);
+}
+#endif
+
+/* The portable form: float32 math over either dtype. */
+static void dot_block_any(const void *x, int64_t nb, const void *w, int64_t nr, int64_t in,
+                          int bf, float *res) {
+    float wf[in], xf[in];
+    for (int64_t r = 0; r < nr; r++) {
+        load_f32(w, r * in, in, wf, bf);
+        for (int64_t b = 0; b < nb; b++) {
+            load_f32(x, b * in, in, xf, bf);
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t i = 0; i < in; i++) dot += wf[i] * xf[i];
+            res[b * GEMV_ROWS + r] = dot;
+        }
+    }
+}
+
+/* Whether linear_rows takes the AVX-512 BF16 instructions for bf16 (1) or the portable loop. */
+int linear_rows_isa(void) {
+#ifdef HAVE_DPBF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* y [rows, out] = x [rows, in] @ w [out, in]^T (+ bias [out]), all in the model dtype. */
+void linear_rows(const void *x, const void *w, const void *bias, void *y, int64_t rows,
+                 int64_t in, int64_t out, int bf, int threads) {
+    const size_t elem = bf ? sizeof(bf16) : sizeof(float);
+    const int64_t blocks = (out + GEMV_ROWS - 1) / GEMV_ROWS;
+    const int parallel = threads > 1 && out * in >= 65536;
+#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const int64_t r0 = blk * GEMV_ROWS;
+        const int64_t nr = out - r0 < GEMV_ROWS ? out - r0 : GEMV_ROWS;
+        const char *wb = (const char *)w + (size_t)(r0 * in) * elem;
+        float bias_f[GEMV_ROWS] = {0};
+        if (bias) load_f32(bias, r0, nr, bias_f, bf);
+        for (int64_t b0 = 0; b0 < rows; b0 += GEMV_COLS) {
+            const int64_t nb = rows - b0 < GEMV_COLS ? rows - b0 : GEMV_COLS;
+            const char *xb = (const char *)x + (size_t)(b0 * in) * elem;
+            float res[GEMV_COLS * GEMV_ROWS];
+#ifdef HAVE_DPBF16
+            if (bf) {
+                /* Full blocks get their own copy with every bound known, so nothing branches. */
+                const bf16 *xh = (const bf16 *)xb, *wh = (const bf16 *)wb;
+                if (nr < GEMV_ROWS) dot_block_bf16(xh, nb, wh, nr, in, res);
+                else if (nb == 1) dot_block_bf16(xh, 1, wh, GEMV_ROWS, in, res);
+                else if (nb == 2) dot_block_bf16(xh, 2, wh, GEMV_ROWS, in, res);
+                else if (nb == 3) dot_block_bf16(xh, 3, wh, GEMV_ROWS, in, res);
+                else dot_block_bf16(xh, GEMV_COLS, wh, GEMV_ROWS, in, res);
+            } else
+#endif
+                dot_block_any(xb, nb, wb, nr, in, bf, res);
+            for (int64_t b = 0; b < nb; b++) {
+                float row[GEMV_ROWS];
+                for (int64_t r = 0; r < nr; r++) row[r] = res[b * GEMV_ROWS + r] + bias_f[r];
+                store_f32(y, (b0 + b) * out + r0, nr, row, bf);
+            }
+        }
+    }
+}
+
+/* ---- Thread placement. libgomp keeps one team of worker threads per thread that opens a
+ * parallel region, and torch's intra-op regions reuse the engine thread's team, so pinning
+ * that team pins every OpenMP region of the engine's steps (vLLM pins its CPU workers the
+ * same way). With `bind` 1, thread i of a team of `threads` runs only on cpus[i % n]; with 0,
+ * every thread may run on any of cpus[0..n). Returns how many threads were placed. */
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+int place_threads(const int32_t *cpus, int n, int threads, int bind) {
+    int placed = 0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) reduction(+ : placed)
+#endif
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num();
+#else
+        const int t = 0;
+#endif
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        if (bind) {
+            CPU_SET(cpus[t % n], &set);
+        } else {
+            for (int i = 0; i < n; i++) CPU_SET(cpus[i], &set);
+        }
+        placed += sched_setaffinity(0, sizeof set, &set) == 0;
+    }
+    return placed;
 }

@@ -1,0 +1,71 @@
+"""A decode step's matmuls through every linear path, interleaved in one process.
+
+Every weight of the ``small`` model's shapes (49 matmuls: qkv, o, gate_up and down of 12
+layers, and the lm head) at a few rows, through torch's plain ``F.linear``, the oneDNN-packed
+weights (``linear=packed``) and the C kernel (``linear=c``, engine/native.py), beside a plain
+float32 sum over the same number of bytes (what streaming them costs on this machine).
+
+    .venv/bin/python bench/linear_ab.py --rows 1 2 4 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from engine_bench import machine_line
+from pdscope.checkpoint.make_model import default_cache_dir
+from pdscope.engine import native
+
+SHAPES = [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816)] * 12 + [(16384, 1024)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1])
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    ops = native.load(default_cache_dir() / "native")
+    if ops is None:
+        raise SystemExit("the C kernels did not build (a C compiler on PATH or in $CC)")
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(o, i, generator=gen).to(torch.bfloat16) for o, i in SHAPES]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+    pointwise = torch.ops.mkldnn._linear_pointwise.default
+    nbytes = sum(w.numel() * 2 for w in weights)
+    same_bytes = torch.ones(nbytes // 4)
+    print(machine_line())
+    print(f"C kernel: {ops.linear_isa}; {nbytes / 1e6:.0f} MB of bf16 weights; ms per pass")
+    for rows in args.rows:
+        x = {i: torch.randn(rows, i, generator=gen).to(torch.bfloat16) for _, i in SHAPES}
+        paths = {
+            "plain": lambda x=x: [F.linear(x[w.shape[1]], w) for w in weights],
+            "packed": lambda x=x: [
+                pointwise(x[w.shape[1]], p, None, "none", [], "")
+                for w, p in zip(weights, packed, strict=True)
+            ],
+            "c": lambda x=x: [ops.linear(x[w.shape[1]], w) for w in weights],
+            "read": lambda: same_bytes.sum(),
+        }
+        times: dict[str, list[float]] = {k: [] for k in paths}
+        for fn in paths.values():
+            fn()
+        for _ in range(args.rounds):
+            for name, fn in paths.items():
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+        cells = []
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            cells.append(f"{name} {med * 1e3:6.2f} ({nbytes / med / 1e9:4.1f} GB/s)")
+        ratio = statistics.median(p / c for p, c in zip(times["packed"], times["c"], strict=True))
+        print(f"rows {rows:3}: " + "  ".join(cells) + f"  packed / c {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()
