@@ -339,6 +339,31 @@ class Attention(nn.Module):
             out = self._attention(qkv, cos, sin, kv_cache, batch)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
+    def _native_rope_store(
+        self,
+        qkv: torch.Tensor,
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
+        kv_cache: torch.Tensor,
+        batch: AttentionBatch,
+    ) -> torch.Tensor:
+        """The C call both native paths start with: q/k norms, rope by position and the K/V
+        write into the cache slots; returns the rotated queries."""
+        assert self.native is not None and batch.positions is not None
+        q_norm, k_norm = self.q_norm, self.k_norm
+        return self.native.qkv_rope_store(
+            qkv,
+            kv_cache,
+            batch.positions,
+            batch.slot_mapping,
+            cos_table,
+            sin_table,
+            self.num_heads,
+            None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight,
+            q_norm.eps if q_norm is not None else 0.0,
+        )
+
     def _native_decode(
         self,
         qkv: torch.Tensor,
@@ -352,19 +377,7 @@ class Attention(nn.Module):
         are the model's whole float32 tables, indexed by ``batch.positions`` inside the call."""
         assert self.native is not None
         assert batch.positions is not None and batch.decode_bounds is not None
-        q_norm, k_norm = self.q_norm, self.k_norm
-        q = self.native.qkv_rope_store(
-            qkv,
-            kv_cache,
-            batch.positions,
-            batch.slot_mapping,
-            cos_table,
-            sin_table,
-            self.num_heads,
-            None if q_norm is None else q_norm.weight,
-            None if k_norm is None else k_norm.weight,
-            q_norm.eps if q_norm is not None else 0.0,
-        )
+        q = self._native_rope_store(qkv, cos_table, sin_table, kv_cache, batch)
         if batch.decode_runs is not None:  # one long context: SDPA in place (runner.py)
             return self._decode_in_place(q, kv_cache, batch.decode_runs)
         return self.native.decode_attention(
@@ -385,19 +398,7 @@ class Attention(nn.Module):
         (the runner gives every chunk its block rows here), so the rotated K never needs a
         tensor of its own."""
         assert self.native is not None and batch.positions is not None
-        q_norm, k_norm = self.q_norm, self.k_norm
-        q = self.native.qkv_rope_store(
-            qkv,
-            kv_cache,
-            batch.positions,
-            batch.slot_mapping,
-            cos_table,
-            sin_table,
-            self.num_heads,
-            None if q_norm is None else q_norm.weight,
-            None if k_norm is None else k_norm.weight,
-            q_norm.eps if q_norm is not None else 0.0,
-        )
+        q = self._native_rope_store(qkv, cos_table, sin_table, kv_cache, batch)
         parts = []
         if batch.num_decode:
             parts.append(self._decode(q[: batch.num_decode], kv_cache, batch))
