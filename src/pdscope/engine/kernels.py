@@ -24,7 +24,8 @@ Paths (every candidate computes the same function; tests pin each against transf
 * ``threads``: ``free`` (the OS places torch's OpenMP threads) or ``bound`` (each thread of
   the team that runs the engine's steps pinned to its own core, as vLLM pins its CPU
   workers; engine/native.py's place_threads). CPU only, with the C kernels and more than one
-  thread; the trial times one decode step's matmuls both ways.
+  thread; only when forced (``--kernels threads=bound``): chosen by its trial, it stalled a live
+  server's streams (engine/llm_engine.py says how).
 """
 
 from __future__ import annotations
