@@ -25,7 +25,7 @@ Paths (every candidate computes the same function; tests pin each against transf
   the team that runs the engine's steps pinned to its own core, as vLLM pins its CPU
   workers; engine/native.py's place_threads). CPU only, with the C kernels and more than one
   thread; only when forced (``--kernels threads=bound``): chosen by its trial, it stalled a live
-  server's streams (engine/llm_engine.py says how).
+  server's streams (engine/model.py's kernel_trials says how).
 """
 
 from __future__ import annotations

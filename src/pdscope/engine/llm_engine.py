@@ -140,10 +140,6 @@ class LLMEngine:
                         "(see the warning above; a C compiler on PATH or in $CC)"
                     )
         trials = kernel_trials(self.model, prefill_tokens, ops)
-        # threads=bound only when forced: chosen by its trial, it stalled a live server's
-        # stream 170-220 ms while the event loop parsed a 4 MB request (tests/
-        # test_server_hardening.py, AMX Xeon, 2 cores), and its gain in the trial is small.
-        trials.pop("threads", None)
         shapes = TrialShapes(
             dtype=str(self.dtype).removeprefix("torch."),
             hidden=c.hidden_size,

@@ -697,11 +697,6 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
     for path in ("linear", "decode_ops"):
         if getattr(choice, path) == "c" and native is None:
             raise ValueError(f"{path}=c needs the C kernels, which did not load")
-    if native is not None and choice.how.get("threads") == "measured":
-        # The threads trial left the loading thread's team pinned; threads started from it
-        # later (a server's engine loop) would inherit that. The runner pins the team of
-        # whichever thread runs the steps (ModelRunner.execute) when the choice is bound.
-        native.place_threads(thread_cpus(bound=False), bind=False)
     model.native = native if choice.decode_ops == "c" else None
     for module in model.modules():
         if isinstance(module, Linear):
@@ -741,6 +736,10 @@ def kernel_trials(
       with 256 tokens of context, every layer: norms, residual adds, rope, the K/V write and
       attention, through PyTorch or through the C kernels (the linears, the same in both, are
       left out so that their time does not drown the difference).
+
+    ``threads`` has no trial: ``bound`` runs only when forced. Chosen by a trial, it stalled a
+    live server's stream 170-218 ms while the event loop parsed a 4 MB request
+    (tests/test_server_hardening.py, AMX Xeon, 2 cores), and its gain in the trial was small.
     """
     weight = model.embed_tokens.weight
     dtype, device = weight.dtype, weight.device
@@ -756,8 +755,6 @@ def kernel_trials(
     if native is not None:
         ops = native
         trials["decode_ops"] = lambda: _decode_ops_trial(model, ops)
-        if len(thread_cpus()) > 1:
-            trials["threads"] = lambda: _threads_trial(model, ops)
     return trials
 
 
@@ -773,25 +770,6 @@ def thread_cpus(bound: bool = True) -> list[int]:
     if threads < 2 or len(_ALLOWED_CPUS) < threads:
         return []
     return _ALLOWED_CPUS[:threads] if bound else list(_ALLOWED_CPUS)
-
-
-def _threads_trial(model: CausalLM, native: NativeOps) -> dict[str, Callable[[], object]]:
-    """One decode step's matmuls at one row (the C kernel's parallel regions), with the
-    calling thread's team free and pinned; the team is freed again by apply_kernels."""
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    weight = model.embed_tokens.weight
-    inputs = {m.in_features: _random((1, m.in_features), weight) for m in linears}
-    cpus = thread_cpus()
-
-    def placed(bind: bool) -> Callable[[], object]:
-        def run() -> None:
-            native.place_threads(cpus if bind else thread_cpus(bound=False), bind)
-            for m in linears:
-                native.linear(inputs[m.in_features], m.weight, m.bias)
-
-        return run
-
-    return {"free": placed(False), "bound": placed(True)}
 
 
 def _random(shape: tuple[int, ...], like: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
