@@ -332,11 +332,13 @@ def test_c_paged_decode_attention_matches_a_float64_reference(
 @needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("heads_major", [False, True])
 def test_c_rope_and_kv_write_match_the_pytorch_ops(
-    c_ops: native.NativeOps, dtype: torch.dtype, qk_norm: bool
+    c_ops: native.NativeOps, dtype: torch.dtype, qk_norm: bool, heads_major: bool
 ) -> None:
     """Three tokens at scattered positions and slots: q returned rotated, K rotated and V as is
-    written into their slots, nothing else in the cache touched; Qwen3's per-head q/k norms."""
+    written into their slots, nothing else in the cache touched; Qwen3's per-head q/k norms.
+    ``heads_major``: the same q laid out [heads, tokens, dim] in memory (a one-chunk step)."""
     gen = torch.Generator().manual_seed(3)
     heads, kv_heads, dim, slots = 4, 2, 16, 40
     qkv = torch.randn(3, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
@@ -362,7 +364,10 @@ def test_c_rope_and_kv_write_match_the_pytorch_ops(
             None if norms[0] is None else norms[0].weight,
             None if norms[1] is None else norms[1].weight,
             1e-6,
+            heads_major,
         )
+        assert q.shape == (3, heads, dim)
+        assert q.transpose(0, 1).is_contiguous() == heads_major
         x = qkv.double().view(3, heads + 2 * kv_heads, dim)
         qk = x[:, : heads + kv_heads]
         if qk_norm:

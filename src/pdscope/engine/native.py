@@ -141,6 +141,8 @@ class NativeOps:
     def __post_init__(self) -> None:
         self.lib.paged_decode_attention.argtypes = [_P, _P, _P, _P, _P] + [_I] * 7 + [_F, _C, _C]
         self.lib.qkv_rope_store.argtypes = [_P] * 9 + [_F] + [_I] * 5 + [_C, _C]
+        self.lib.qkv_rope_store_heads.argtypes = self.lib.qkv_rope_store.argtypes
+        self.lib.qkv_rope_store_heads.restype = None
         self.lib.rms_norm.argtypes = [_P] * 4 + [_I, _I, _F, _C, _C]
         self.lib.linear_rows.argtypes = [_P] * 4 + [_I] * 3 + [_C, _C]
         self.lib.linear_rows_isa.argtypes = []
@@ -277,17 +279,23 @@ class NativeOps:
         q_norm: torch.Tensor | None,
         k_norm: torch.Tensor | None,
         eps: float,
+        heads_major: bool = False,
     ) -> torch.Tensor:
         """qkv [tokens, (heads + 2 kv_heads) dim] → rotated q [tokens, heads, dim]; rotated K
         and V written into ``kv_cache`` at ``slot_mapping``. cos/sin: float32 tables indexed by
-        ``positions``."""
+        ``positions``. With ``heads_major``, q is laid out [heads, tokens, dim] in memory (what
+        SDPA reads fastest) and returned as its [tokens, heads, dim] view."""
         _check(qkv, kv_cache, positions, slot_mapping, cos, sin, q_norm, k_norm)
         _, kv_heads, slots, dim = kv_cache.shape
         tokens = qkv.shape[0]
         if qkv.shape[1] != (heads + 2 * kv_heads) * dim or cos.dtype != torch.float32:
             raise ValueError(f"qkv_rope_store: qkv {tuple(qkv.shape)} or cos {cos.dtype} is off")
-        q = torch.empty(tokens, heads, dim, dtype=qkv.dtype)
-        self.lib.qkv_rope_store(
+        if heads_major:
+            q = torch.empty(heads, tokens, dim, dtype=qkv.dtype).transpose(0, 1)
+        else:
+            q = torch.empty(tokens, heads, dim, dtype=qkv.dtype)
+        store = self.lib.qkv_rope_store_heads if heads_major else self.lib.qkv_rope_store
+        store(
             qkv.data_ptr(),
             q.data_ptr(),
             kv_cache.data_ptr(),
