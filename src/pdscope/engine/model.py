@@ -821,7 +821,8 @@ def _linear_trial(model: CausalLM, native: NativeOps | None) -> dict[str, Callab
 def _prefill_trial(model: CausalLM, n: int) -> dict[str, Callable[[], object]]:
     c, weight = model.config, model.embed_tokens.weight
     attn = model.layers[0].self_attn
-    q = _random((n, c.num_heads, c.head_dim), weight, 0.1)
+    # Laid out head-major, as the C path hands a one-chunk step's queries to attention.
+    q = _random((c.num_heads, n, c.head_dim), weight, 0.1).transpose(0, 1)
     keys = _random((c.num_kv_heads, n, c.head_dim), weight, 0.1)
     values = _random((c.num_kv_heads, n, c.head_dim), weight)
     return {
