@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -331,11 +332,13 @@ def test_c_paged_decode_attention_matches_a_float64_reference(
 @needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("heads_major", [False, True])
 def test_c_rope_and_kv_write_match_the_pytorch_ops(
-    c_ops: native.NativeOps, dtype: torch.dtype, qk_norm: bool
+    c_ops: native.NativeOps, dtype: torch.dtype, qk_norm: bool, heads_major: bool
 ) -> None:
     """Three tokens at scattered positions and slots: q returned rotated, K rotated and V as is
-    written into their slots, nothing else in the cache touched; Qwen3's per-head q/k norms."""
+    written into their slots, nothing else in the cache touched; Qwen3's per-head q/k norms.
+    ``heads_major``: the same q laid out [heads, tokens, dim] in memory (a one-chunk step)."""
     gen = torch.Generator().manual_seed(3)
     heads, kv_heads, dim, slots = 4, 2, 16, 40
     qkv = torch.randn(3, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
@@ -361,7 +364,10 @@ def test_c_rope_and_kv_write_match_the_pytorch_ops(
             None if norms[0] is None else norms[0].weight,
             None if norms[1] is None else norms[1].weight,
             1e-6,
+            heads_major,
         )
+        assert q.shape == (3, heads, dim)
+        assert q.transpose(0, 1).is_contiguous() == heads_major
         x = qkv.double().view(3, heads + 2 * kv_heads, dim)
         qk = x[:, : heads + kv_heads]
         if qk_norm:
@@ -382,18 +388,36 @@ def test_c_rope_and_kv_write_match_the_pytorch_ops(
     assert torch.equal(cache[:, :, untouched], before[:, :, untouched])
 
 
+@pytest.fixture(params=["wide", "portable"])
+def glue_ops(request: pytest.FixtureRequest, c_ops: native.NativeOps) -> Iterator[native.NativeOps]:
+    """The C kernels with the bf16 norms and silu_mul in each form this build has: the AVX-512
+    BF16 one (rms_norm_bf16, silu_mul_bf16), where the CPU has it, and the portable one."""
+    wide = request.param == "wide"
+    if wide and not c_ops.lib.prefill_glue_isa():
+        pytest.skip("this CPU has no AVX-512 BF16")
+    before, c_ops.wide_glue = c_ops.wide_glue, wide
+    try:
+        yield c_ops
+    finally:
+        c_ops.wide_glue = before
+
+
 @needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_c_rms_norm_fuses_the_residual_add(c_ops: native.NativeOps, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("shape", [(5, 96), (70, 1000)])  # 1000: a masked tail; 70 x 1000: threaded
+def test_c_rms_norm_fuses_the_residual_add(
+    glue_ops: native.NativeOps, dtype: torch.dtype, shape: tuple[int, int]
+) -> None:
+    c_ops, (rows, n) = glue_ops, shape
     gen = torch.Generator().manual_seed(4)
-    x, residual = (torch.randn(5, 96, generator=gen).to(dtype) for _ in range(2))
-    weight = (1 + torch.randn(96, generator=gen)).to(dtype)
+    x, residual = (torch.randn(rows, n, generator=gen).to(dtype) for _ in range(2))
+    weight = (1 + torch.randn(n, generator=gen)).to(dtype)
     plain = c_ops.rms_norm(x, weight, 1e-5)
-    torch.testing.assert_close(plain, torch.nn.functional.rms_norm(x, (96,), weight, 1e-5))
+    torch.testing.assert_close(plain, torch.nn.functional.rms_norm(x, (n,), weight, 1e-5))
     summed = residual + x  # rounded to the dtype, as the model's residual stream is
     fused = c_ops.rms_norm(x, weight, 1e-5, residual=residual)
     assert torch.equal(residual, summed)
-    ref = torch.nn.functional.rms_norm(summed.double(), (96,), weight.double(), 1e-5)
+    ref = torch.nn.functional.rms_norm(summed.double(), (n,), weight.double(), 1e-5)
     torch.testing.assert_close(fused.double(), ref, **_tolerance(dtype))
     with pytest.raises(ValueError, match="contiguous"):
         c_ops.rms_norm(x.t(), weight, 1e-5)
@@ -402,8 +426,9 @@ def test_c_rms_norm_fuses_the_residual_add(c_ops: native.NativeOps, dtype: torch
 @needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_c_silu_mul_matches_a_float64_reference(
-    c_ops: native.NativeOps, dtype: torch.dtype
+    glue_ops: native.NativeOps, dtype: torch.dtype
 ) -> None:
+    c_ops = glue_ops
     gen = torch.Generator().manual_seed(6)
     for rows, n in ((1, 40), (70, 1000)):  # the second takes the threaded path
         gate_up = (torch.randn(rows, 2 * n, generator=gen) * 4).to(dtype)

@@ -346,9 +346,11 @@ class Attention(nn.Module):
         sin_table: torch.Tensor,
         kv_cache: torch.Tensor,
         batch: AttentionBatch,
+        heads_major: bool = False,
     ) -> torch.Tensor:
         """The C call both native paths start with: q/k norms, rope by position and the K/V
-        write into the cache slots; returns the rotated queries."""
+        write into the cache slots; returns the rotated queries [tokens, heads, dim], laid out
+        head-major in memory with ``heads_major`` (see NativeOps.qkv_rope_store)."""
         assert self.native is not None and batch.positions is not None
         q_norm, k_norm = self.q_norm, self.k_norm
         return self.native.qkv_rope_store(
@@ -362,6 +364,7 @@ class Attention(nn.Module):
             None if q_norm is None else q_norm.weight,
             None if k_norm is None else k_norm.weight,
             q_norm.eps if q_norm is not None else 0.0,
+            heads_major,
         )
 
     def _native_decode(
@@ -398,7 +401,10 @@ class Attention(nn.Module):
         (the runner gives every chunk its block rows here), so the rotated K never needs a
         tensor of its own."""
         assert self.native is not None and batch.positions is not None
-        q = self._native_rope_store(qkv, cos_table, sin_table, kv_cache, batch)
+        # A step of one chunk (a long prompt's usual step) gets its queries head-major, the
+        # layout SDPA reads fastest; steps with decodes or several chunks slice q by token.
+        one_chunk = not batch.num_decode and len(batch.prefills) == 1
+        q = self._native_rope_store(qkv, cos_table, sin_table, kv_cache, batch, one_chunk)
         parts = []
         if batch.num_decode:
             parts.append(self._decode(q[: batch.num_decode], kv_cache, batch))
@@ -815,7 +821,8 @@ def _linear_trial(model: CausalLM, native: NativeOps | None) -> dict[str, Callab
 def _prefill_trial(model: CausalLM, n: int) -> dict[str, Callable[[], object]]:
     c, weight = model.config, model.embed_tokens.weight
     attn = model.layers[0].self_attn
-    q = _random((n, c.num_heads, c.head_dim), weight, 0.1)
+    # Laid out head-major, as the C path hands a one-chunk step's queries to attention.
+    q = _random((c.num_heads, n, c.head_dim), weight, 0.1).transpose(0, 1)
     keys = _random((c.num_kv_heads, n, c.head_dim), weight, 0.1)
     values = _random((c.num_kv_heads, n, c.head_dim), weight)
     return {

@@ -134,15 +134,27 @@ class NativeOps:
     the engine's layouts (see decode_ops.c) and checks what the C side cannot."""
 
     lib: ctypes.CDLL
+    # bf16 norms and silu_mul take the AVX-512 BF16 forms (rms_norm_bf16, silu_mul_bf16) when
+    # the build has them; tests turn it off to pin the portable forms too.
+    wide_glue: bool = False
 
     def __post_init__(self) -> None:
         self.lib.paged_decode_attention.argtypes = [_P, _P, _P, _P, _P] + [_I] * 7 + [_F, _C, _C]
         self.lib.qkv_rope_store.argtypes = [_P] * 9 + [_F] + [_I] * 5 + [_C, _C]
+        self.lib.qkv_rope_store_heads.argtypes = self.lib.qkv_rope_store.argtypes
+        self.lib.qkv_rope_store_heads.restype = None
         self.lib.rms_norm.argtypes = [_P] * 4 + [_I, _I, _F, _C, _C]
         self.lib.linear_rows.argtypes = [_P] * 4 + [_I] * 3 + [_C, _C]
         self.lib.linear_rows_isa.argtypes = []
         self.lib.silu_mul.argtypes = [_P, _P, _I, _I, _C, _C]
         self.lib.silu_mul.restype = None
+        self.lib.rms_norm_bf16.argtypes = [_P] * 4 + [_I, _I, _F, _C]
+        self.lib.rms_norm_bf16.restype = None
+        self.lib.silu_mul_bf16.argtypes = [_P, _P, _I, _I, _C]
+        self.lib.silu_mul_bf16.restype = None
+        self.lib.prefill_glue_isa.argtypes = []
+        self.lib.prefill_glue_isa.restype = ctypes.c_int
+        self.wide_glue = bool(self.lib.prefill_glue_isa())
         self.lib.place_threads.argtypes = [_P, _C, _C, _C]
         self.lib.place_threads.restype = ctypes.c_int
         self.lib.paged_decode_attention.restype = ctypes.c_int
@@ -157,6 +169,10 @@ class NativeOps:
         if width % 2:
             raise ValueError(f"silu_mul: width {width} is not gate and up halves")
         out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        if self.wide_glue and gate_up.dtype == torch.bfloat16:
+            threads = torch.get_num_threads()
+            self.lib.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, threads)
+            return out
         self.lib.silu_mul(
             gate_up.data_ptr(),
             out.data_ptr(),
@@ -263,17 +279,23 @@ class NativeOps:
         q_norm: torch.Tensor | None,
         k_norm: torch.Tensor | None,
         eps: float,
+        heads_major: bool = False,
     ) -> torch.Tensor:
         """qkv [tokens, (heads + 2 kv_heads) dim] → rotated q [tokens, heads, dim]; rotated K
         and V written into ``kv_cache`` at ``slot_mapping``. cos/sin: float32 tables indexed by
-        ``positions``."""
+        ``positions``. With ``heads_major``, q is laid out [heads, tokens, dim] in memory (what
+        SDPA reads fastest) and returned as its [tokens, heads, dim] view."""
         _check(qkv, kv_cache, positions, slot_mapping, cos, sin, q_norm, k_norm)
         _, kv_heads, slots, dim = kv_cache.shape
         tokens = qkv.shape[0]
         if qkv.shape[1] != (heads + 2 * kv_heads) * dim or cos.dtype != torch.float32:
             raise ValueError(f"qkv_rope_store: qkv {tuple(qkv.shape)} or cos {cos.dtype} is off")
-        q = torch.empty(tokens, heads, dim, dtype=qkv.dtype)
-        self.lib.qkv_rope_store(
+        if heads_major:
+            q = torch.empty(heads, tokens, dim, dtype=qkv.dtype).transpose(0, 1)
+        else:
+            q = torch.empty(tokens, heads, dim, dtype=qkv.dtype)
+        store = self.lib.qkv_rope_store_heads if heads_major else self.lib.qkv_rope_store
+        store(
             qkv.data_ptr(),
             q.data_ptr(),
             kv_cache.data_ptr(),
@@ -308,6 +330,18 @@ class NativeOps:
             raise ValueError("rms_norm: weight dtype or residual shape differs from x")
         n = x.shape[-1]
         out = torch.empty_like(x)
+        if self.wide_glue and x.dtype == torch.bfloat16:
+            self.lib.rms_norm_bf16(
+                x.data_ptr(),
+                _ptr(residual),
+                weight.data_ptr(),
+                out.data_ptr(),
+                x.numel() // n,
+                n,
+                eps,
+                torch.get_num_threads(),
+            )
+            return out
         self.lib.rms_norm(
             x.data_ptr(),
             _ptr(residual),

@@ -1,0 +1,186 @@
+"""A fresh 2,000-token prefill, pdscope beside transformers, interleaved in one process.
+
+The engine_bench protocol's prefill figure (a fresh prompt, one output token, prefix caching
+on, one step of 2,048 tokens) for: pdscope with the kernels its trial chose; pdscope with its
+bf16 norms and silu_mul in their portable C form (``--portable-glue``, the form before the
+AVX-512 BF16 ones); and transformers' LlamaForCausalLM (torch's SDPA) on the same checkpoint.
+Besides the wall time it reports CPU time (``time.process_time``, every thread of the process),
+which a shared host inflates far less than wall time: with one thread (``--threads 1``) it is
+the work a prefill costs, whatever the neighbours do. With ``--parts``, the CPU time of each
+part of one pdscope prefill (matmuls, attention, the C glue) beside transformers' matmuls and
+SDPA, at one thread (timed with ``time.thread_time`` on the calling thread; what is not
+listed is the rest: glue in torch ops, Python).
+
+    .venv/bin/python bench/prefill_ab.py --rounds 5
+    .venv/bin/python bench/prefill_ab.py --rounds 5 --threads 1 --parts
+    .venv/bin/python bench/prefill_ab.py --rounds 5 --one-thread   # 2 threads vs 1, wall
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine_bench import machine_line
+
+TOKENS = 2000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as is)")
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--portable-glue", action="store_true")
+    parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument(
+        "--one-thread", action="store_true", help="also pdscope at one thread, same process"
+    )
+    parser.add_argument("--parts", action="store_true")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.parts and torch.get_num_threads() != 1:
+        raise SystemExit("--parts times the calling thread only: use it with --threads 1")
+
+    from pdscope import LLM, SamplingParams
+    from pdscope.checkpoint.make_model import resolve_model_path
+
+    model_dir = str(resolve_model_path(args.model))
+    llm = LLM(
+        model=model_dir,
+        dtype="bfloat16",
+        kv_cache_memory="2GiB",
+        max_model_len=4096,
+        max_num_batched_tokens=2048,
+        max_num_seqs=64,
+    )
+    rng = random.Random(0)
+
+    def fresh() -> list[int]:
+        return [rng.randrange(100, 16000) for _ in range(TOKENS)]
+
+    def pdscope() -> None:
+        llm.generate([fresh()], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+
+    candidates: dict[str, Callable[[], None]] = {"pdscope": pdscope}
+    ops = llm.engine.model.native
+    if args.portable_glue and ops is not None and ops.wide_glue:
+
+        def portable() -> None:
+            ops.wide_glue = False
+            try:
+                pdscope()
+            finally:
+                ops.wide_glue = True
+
+        candidates["pdscope-portable-glue"] = portable
+    if args.one_thread and torch.get_num_threads() > 1:
+        threads = torch.get_num_threads()
+
+        def one_thread() -> None:
+            torch.set_num_threads(1)  # the C kernels take torch's count too
+            try:
+                pdscope()
+            finally:
+                torch.set_num_threads(threads)
+
+        candidates["pdscope-1-thread"] = one_thread
+    if not args.no_transformers:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+
+        @torch.inference_mode()
+        def transformers() -> None:
+            ids = torch.tensor([fresh()])
+            hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=1,
+                min_new_tokens=1,
+                do_sample=False,
+                pad_token_id=0,
+            )
+
+        candidates["transformers"] = transformers
+
+    parts: dict[str, dict[str, list[float]]] = {name: {} for name in candidates}
+    current: dict[str, float] = collections.defaultdict(float)
+    if args.parts:
+        _time_parts(current)
+    for fn in candidates.values():
+        fn()  # warm-up
+    wall: dict[str, list[float]] = {name: [] for name in candidates}
+    cpu: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(args.rounds):
+        for name, fn in candidates.items():
+            current.clear()
+            c0, w0 = time.process_time(), time.perf_counter()
+            fn()
+            wall[name].append(time.perf_counter() - w0)
+            cpu[name].append(time.process_time() - c0)
+            for part, seconds in current.items():
+                parts[name].setdefault(part, []).append(seconds)
+
+    print(machine_line())
+    print(f"kernels: {llm.engine.kernels.summary()}")
+    print(f"fresh {TOKENS}-token prefill, {args.rounds} interleaved rounds; median (min-max):")
+    for name in candidates:
+        w, c = wall[name], cpu[name]
+        print(
+            f"  {name:22} {TOKENS / statistics.median(w):6.0f} tok/s wall "
+            f"({TOKENS / max(w):.0f}-{TOKENS / min(w):.0f}), "
+            f"CPU {statistics.median(c) * 1e3:6.0f} ms "
+            f"({min(c) * 1e3:.0f}-{max(c) * 1e3:.0f})"
+        )
+        for part, seconds in sorted(parts[name].items(), key=lambda kv: -statistics.median(kv[1])):
+            print(f"      {part:20} CPU {statistics.median(seconds) * 1e3:6.0f} ms")
+    for name in candidates:
+        if name == "pdscope":
+            continue
+        by_wall = [o / p for p, o in zip(wall["pdscope"], wall[name], strict=True)]
+        by_cpu = [o / p for p, o in zip(cpu["pdscope"], cpu[name], strict=True)]
+        print(
+            f"  pdscope over {name} within rounds: wall {statistics.median(by_wall):.3f}x "
+            f"({min(by_wall):.3f}-{max(by_wall):.3f}), CPU {statistics.median(by_cpu):.3f}x "
+            f"({min(by_cpu):.3f}-{max(by_cpu):.3f})"
+        )
+
+
+def _time_parts(acc: dict[str, float]) -> None:
+    """Wrap the parts of both models' prefill so each adds its CPU time to ``acc``."""
+    import pdscope.engine.model as model
+    from pdscope.engine.native import NativeOps
+
+    def wrap(owner: object, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*a: object, **k: object) -> object:
+            t0 = time.thread_time()
+            try:
+                return inner(*a, **k)
+            finally:
+                acc[label] += time.thread_time() - t0
+
+        setattr(owner, name, timed)
+
+    wrap(model.Linear, "forward", "matmuls (Linear)")
+    wrap(model.Attention, "_prefill_cpu", "attention (blocked)")
+    wrap(model, "_gather_blocks", "key gather")
+    for fn in ("rms_norm", "qkv_rope_store", "silu_mul"):
+        wrap(NativeOps, fn, f"C {fn}")
+    # Both models' SDPA, and transformers' matmuls, are looked up on F at call time.
+    wrap(F, "linear", "matmuls (F.linear)")
+    wrap(F, "scaled_dot_product_attention", "attention (sdpa)")
+
+
+if __name__ == "__main__":
+    main()
