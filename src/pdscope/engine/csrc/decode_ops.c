@@ -515,3 +515,158 @@ int place_threads(const int32_t *cpus, int n, int threads, int bind) {
     }
     return placed;
 }
+
+/* ---- Many-row linear on AMX tiles: y [rows, out] = x [rows, in] @ w [out, in]^T (+ bias) in
+ * bf16 for the 2-64 rows of a batched decode step. The step is still one stream over the
+ * weights, so the weights are read as stored: a tile multiply C[16 x 16] += A[16 x 32] B[32 x
+ * 16] takes A = 16 weight rows (32 columns of each, loaded straight from w at its row stride)
+ * and B = the same 32 columns of 16 rows of x, which is x transposed into AMX's pair-interleaved
+ * layout (B[k / 2][2 n + k % 2] = x[n][k]): x is repacked once per call (it is small), w never.
+ * C then holds y^T for 16 output rows and 16 x rows. Each thread takes a band of 32-row weight
+ * blocks and runs all of x past a block while it is in L1/L2, so a weight byte comes from
+ * memory once whatever the row count, where linear_rows re-reads a block per four x rows.
+ * Linux grants a process the tile registers only on request (arch_prctl); when it refuses,
+ * or the CPU or compiler lacks AMX, linear_many_rows runs linear_rows instead. */
+
+#if defined(HAVE_DPBF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* 0: not asked yet, 1: granted, -1: refused. The permission is per process. */
+static int amx_state = 0;
+
+static int amx_usable(void) {
+    int state = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+    if (state == 0) {
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+        __atomic_store_n(&amx_state, state, __ATOMIC_RELEASE);
+    }
+    return state > 0;
+}
+
+/* Palette 1: tiles 0-3 accumulate C (16 rows of 64 bytes), 4-5 hold A (weight rows), 6-7
+ * hold B (x, pair-interleaved). */
+struct amx_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64)));
+
+static void amx_configure(void) {
+    struct amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* One block of `na` (1 or 2) times 16 weight rows from r0, against x groups [j0, j0 + nj)
+ * of 16 rows (nj 1 or 2); results transposed into y with the bias added and rounded once. */
+static inline __attribute__((always_inline)) void amx_block(
+    const bf16 *w, const bf16 *xp, const void *bias, bf16 *y, int64_t rows, int64_t in,
+    int64_t out, int64_t r0, int na, int64_t j0, int nj) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int64_t wstride = in * (int64_t)sizeof(bf16), pairs = in / 2;
+    const bf16 *b0 = xp + j0 * pairs * 32, *b1 = b0 + pairs * 32;
+    for (int64_t k = 0; k < in; k += 32) {
+        _tile_loadd(4, w + r0 * in + k, wstride);
+        _tile_loadd(6, b0 + k * 16, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (nj > 1) {
+            _tile_loadd(7, b1 + k * 16, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (na > 1) {
+            _tile_loadd(5, w + (r0 + 16) * in + k, wstride);
+            _tile_dpbf16ps(2, 5, 6);
+            if (nj > 1) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    float c[16 * 16];
+    for (int a = 0; a < na; a++) {
+        for (int j = 0; j < nj; j++) {
+            const int64_t n0 = (j0 + j) * 16;
+            if (n0 >= rows) continue;
+            /* tile numbers must be constants */
+            if (a == 0 && j == 0) _tile_stored(0, c, 64);
+            else if (a == 0) _tile_stored(1, c, 64);
+            else if (j == 0) _tile_stored(2, c, 64);
+            else _tile_stored(3, c, 64);
+            const int64_t rb = r0 + 16 * a, nn = rows - n0 < 16 ? rows - n0 : 16;
+            float bias_f[16] = {0};
+            if (bias) load_f32(bias, rb, 16, bias_f, 1);
+            for (int64_t n = 0; n < nn; n++) {
+                float row[16];
+                for (int m = 0; m < 16; m++) row[m] = c[m * 16 + n] + bias_f[m];
+                store_f32(y, (n0 + n) * out + rb, 16, row, 1);
+            }
+        }
+    }
+}
+#endif
+
+/* Whether linear_many_rows can use AMX tiles here (asking Linux for them on the first call). */
+int linear_many_rows_amx(void) {
+#ifdef HAVE_AMX
+    return amx_usable();
+#else
+    return 0;
+#endif
+}
+
+/* y [rows, out] = x [rows, in] @ w [out, in]^T (+ bias [out]) for a few dozen rows: AMX tiles
+ * for bf16 where the CPU, compiler and kernel allow and the shapes fit (in a multiple of 32,
+ * out of 16), linear_rows otherwise. Returns 1 when it took the tiles, 0 when not, -1 when
+ * its scratch memory could not be allocated. */
+int linear_many_rows(const void *x, const void *w, const void *bias, void *y, int64_t rows,
+                     int64_t in, int64_t out, int bf, int threads) {
+#ifdef HAVE_AMX
+    if (bf && rows > 0 && in % 32 == 0 && out % 16 == 0 && amx_usable()) {
+        const int64_t groups = (rows + 15) / 16, pairs = in / 2;
+        uint32_t *xp = aligned_alloc(64, (size_t)(groups * pairs * 16) * sizeof(uint32_t));
+        if (!xp) return -1;
+        const uint32_t *x32 = (const uint32_t *)x;
+        for (int64_t j = 0; j < groups; j++)
+            for (int64_t n = 0; n < 16; n++) {
+                const int64_t row = j * 16 + n;
+                uint32_t *dst = xp + j * pairs * 16 + n;
+                if (row < rows) {
+                    const uint32_t *src = x32 + row * pairs;
+                    for (int64_t kk = 0; kk < pairs; kk++) dst[kk * 16] = src[kk];
+                } else {
+                    for (int64_t kk = 0; kk < pairs; kk++) dst[kk * 16] = 0;
+                }
+            }
+        const int64_t blocks = (out + 31) / 32;
+        const int parallel = threads > 1 && out * in >= 65536;
+#pragma omp parallel num_threads(threads) if (parallel)
+        {
+            amx_configure();
+#pragma omp for schedule(static)
+            for (int64_t blk = 0; blk < blocks; blk++) {
+                const int64_t r0 = blk * 32;
+                const int na = out - r0 >= 32 ? 2 : 1;
+                for (int64_t j0 = 0; j0 < groups; j0 += 2) {
+                    const int nj = groups - j0 >= 2 ? 2 : 1;
+                    amx_block((const bf16 *)w, (const bf16 *)xp, bias, (bf16 *)y, rows, in, out,
+                              r0, na, j0, nj);
+                }
+            }
+            _tile_release();
+        }
+        free(xp);
+        return 1;
+    }
+#endif
+    linear_rows(x, w, bias, y, rows, in, out, bf, threads);
+    return 0;
+}
