@@ -76,13 +76,13 @@ def main() -> None:
             med = statistics.median(ts)
             cells.append(f"{name} {med * 1e3:6.2f} ({nbytes / med / 1e9:4.1f} GB/s)")
         ratios = [
-            statistics.median(p / c for p, c in zip(times["packed"], times[k], strict=True))
-            for k in ("c", "c_many")
+            statistics.median(p / c for p, c in zip(times[a], times[b], strict=True))
+            for a, b in (("packed", "c"), ("packed2048", "c_many"))
         ]
         print(
             f"rows {rows:3}: "
             + "  ".join(cells)
-            + "  packed / c {:.2f}, / c_many {:.2f}".format(*ratios)
+            + "  packed / c {:.2f}, packed2048 / c_many {:.2f}".format(*ratios)
         )
 
 

@@ -42,9 +42,11 @@ MAX_DECODE_RUNS = 8
 # tiles start to pay and the C kernel's vdpbf16ps turns compute-bound.
 NATIVE_LINEAR_MAX_ROWS = 1
 # Matmuls of 2 to this many rows take the many-row C kernel when the choice is batch_linear=c
-# (AMX tiles: a weight block is read once for up to 32 rows of x, from L2 again for the next
-# 32); above it, prefill's matmuls are compute-bound and oneDNN's blocking wins.
-NATIVE_MANY_MAX_ROWS = 64
+# (AMX tiles: a weight block is read once for up to 32 rows of x). Measured on the AMX Xeon,
+# one thread, the small model's 49 weights interleaved with oneDNN packed for many rows: 1.4x
+# at 16 rows, 1.15x at 32, 0.9x at 48 and 0.85x at 64 (the block is swept again per 32 rows,
+# and a tile multiply takes ~24 ns here, so the tiles turn compute-bound).
+NATIVE_MANY_MAX_ROWS = 32
 # With linear=c the packed weights serve only matmuls of several rows (batched decode,
 # prefill), so they are laid out for many rows: on the AMX Xeon, one thread, interleaved over
 # the small model's 49 weights, packing for 2,048 rows instead of 1 took 2,000-row matmuls

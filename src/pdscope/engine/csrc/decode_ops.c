@@ -567,17 +567,23 @@ static void amx_configure(void) {
 }
 
 /* One block of `na` (1 or 2) times 16 weight rows from r0, against x groups [j0, j0 + nj)
- * of 16 rows (nj 1 or 2); results transposed into y with the bias added and rounded once. */
+ * of 16 rows (nj 1 or 2); results transposed into y with the bias added and rounded once.
+ * A tile load of weights touches 16 rows at once, more streams than the hardware prefetcher
+ * follows, so the next block's bytes (`next`, `next_bytes`, contiguous) are prefetched into L2
+ * in one linear sweep spread over this block's steps. */
 static inline __attribute__((always_inline)) void amx_block(
     const bf16 *w, const bf16 *xp, const void *bias, bf16 *y, int64_t rows, int64_t in,
-    int64_t out, int64_t r0, int na, int64_t j0, int nj) {
+    int64_t out, int64_t r0, int na, int64_t j0, int nj, const char *next, int64_t next_bytes) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     const int64_t wstride = in * (int64_t)sizeof(bf16), pairs = in / 2;
     const bf16 *b0 = xp + j0 * pairs * 32, *b1 = b0 + pairs * 32;
+    const int64_t per_step = next ? ((next_bytes / (in / 32) + 63) / 64) * 64 : 0;
     for (int64_t k = 0; k < in; k += 32) {
+        for (int64_t off = (k / 32) * per_step; off < (k / 32 + 1) * per_step; off += 64)
+            if (off < next_bytes) _mm_prefetch(next + off, _MM_HINT_T1);
         _tile_loadd(4, w + r0 * in + k, wstride);
         _tile_loadd(6, b0 + k * 16, 64);
         _tile_dpbf16ps(0, 4, 6);
@@ -604,10 +610,16 @@ static inline __attribute__((always_inline)) void amx_block(
             const int64_t rb = r0 + 16 * a, nn = rows - n0 < 16 ? rows - n0 : 16;
             float bias_f[16] = {0};
             if (bias) load_f32(bias, rb, 16, bias_f, 1);
+            /* Column n of C is row n0 + n of y: gathered from L1 (a strided scalar copy cost
+             * as much as the tile work at 32 rows), rounded to bf16 in one instruction. */
+            const __m512i column = _mm512_mullo_epi32(
+                _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                _mm512_set1_epi32(16));
+            const __m512 vb = _mm512_loadu_ps(bias_f);
             for (int64_t n = 0; n < nn; n++) {
-                float row[16];
-                for (int m = 0; m < 16; m++) row[m] = c[m * 16 + n] + bias_f[m];
-                store_f32(y, (n0 + n) * out + rb, 16, row, 1);
+                const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, c + n, 4), vb);
+                _mm256_storeu_si256((__m256i *)(y + (n0 + n) * out + rb),
+                                    (__m256i)_mm512_cvtneps_pbh(v));
             }
         }
     }
@@ -655,10 +667,13 @@ int linear_many_rows(const void *x, const void *w, const void *bias, void *y, in
             for (int64_t blk = 0; blk < blocks; blk++) {
                 const int64_t r0 = blk * 32;
                 const int na = out - r0 >= 32 ? 2 : 1;
+                /* the next block: this thread's next under the static schedule */
+                const int64_t next_rows = out - r0 - 32 < 32 ? out - r0 - 32 : 32;
+                const char *next = next_rows > 0 ? (const char *)w + (r0 + 32) * in * 2 : NULL;
                 for (int64_t j0 = 0; j0 < groups; j0 += 2) {
                     const int nj = groups - j0 >= 2 ? 2 : 1;
                     amx_block((const bf16 *)w, (const bf16 *)xp, bias, (bf16 *)y, rows, in, out,
-                              r0, na, j0, nj);
+                              r0, na, j0, nj, j0 == 0 ? next : NULL, next_rows * in * 2);
                 }
             }
             _tile_release();
