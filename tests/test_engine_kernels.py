@@ -310,14 +310,17 @@ def _tolerance(dtype: torch.dtype) -> dict[str, float]:
 @needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [16, 64])  # 64 takes the compiled-in size, 16 the generic
+# query heads over 2 KV heads: groups of 4 and 1 take the bf16 head-64 kernel of 16 keys at a
+# time, 6 the per-key vdpbf16ps loop, 10 the generic loop
+@pytest.mark.parametrize("heads", [8, 2, 12, 20])
 def test_c_paged_decode_attention_matches_a_float64_reference(
-    c_ops: native.NativeOps, dtype: torch.dtype, head_dim: int
+    c_ops: native.NativeOps, dtype: torch.dtype, head_dim: int, heads: int
 ) -> None:
     """Four sequences over scattered and adjacent blocks: a context ending mid-block, one of a
     single key, one with a window (keys from position 5), one long enough to be cut into parts
     attended in parallel and merged."""
     gen = torch.Generator().manual_seed(2)
-    heads, kv_heads, block, blocks = 8, 2, 4, 400
+    kv_heads, block, blocks = 2, 4, 400
     cache = torch.randn(2, kv_heads, blocks * block, head_dim, generator=gen).to(dtype)
     order = torch.randperm(blocks, generator=gen).tolist()
     tables = [order[:5], [order[5]], order[6:10], list(range(10, 310))]  # the last: adjacent
