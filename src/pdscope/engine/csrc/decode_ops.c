@@ -240,14 +240,14 @@ static inline __attribute__((always_inline)) void attend_bf16_d64_impl(
     const int64_t *table, int64_t block_size, int64_t lo, int64_t hi, float *m, float *l,
     float *acc, float scale) {
     __m512bh qv[4][2];
-    __m512 o[4][4];
-    float mx[4], sum[4];
+    __m512 o[4][4], sum[4]; /* sum: the softmax denominator, per lane until the end */
+    float mx[4];
     for (int g = 0; g < G; g++) {
         qv[g][0] = (__m512bh)_mm512_loadu_si512((const void *)(qb + g * 64));
         qv[g][1] = (__m512bh)_mm512_loadu_si512((const void *)(qb + g * 64 + 32));
         for (int c = 0; c < 4; c++) o[g][c] = _mm512_setzero_ps();
         mx[g] = -INFINITY;
-        sum[g] = 0.0f;
+        sum[g] = _mm512_setzero_ps();
     }
     const bf16 *kp = (const bf16 *)kv + head * slots * 64;
     const bf16 *vp = (const bf16 *)kv + (kv_heads + head) * slots * 64;
@@ -287,14 +287,18 @@ static inline __attribute__((always_inline)) void attend_bf16_d64_impl(
             }
             const __m512 s = _mm512_mul_ps(sum16(part), vscale);
             const float smax = _mm512_mask_reduce_max_ps(valid, s);
-            const float mnew = smax > mx[g] ? smax : mx[g];
-            const float alpha = mx[g] == -INFINITY ? 0.0f : exp_nonpositive(mx[g] - mnew);
-            const __m512 e =
-                _mm512_maskz_mov_ps(valid, exp16_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(mnew))));
-            sum[g] = sum[g] * alpha + _mm512_reduce_add_ps(e);
-            mx[g] = mnew;
-            const __m512 va = _mm512_set1_ps(alpha);
-            for (int c = 0; c < 4; c++) o[g][c] = _mm512_mul_ps(o[g][c], va);
+            if (smax > mx[g]) {
+                /* a new running max: rescale what was summed so far. After the first keys
+                 * this is rare, so most tiles skip the scalar exp and its latency. */
+                const float alpha = mx[g] == -INFINITY ? 0.0f : exp_nonpositive(mx[g] - smax);
+                const __m512 va = _mm512_set1_ps(alpha);
+                for (int c = 0; c < 4; c++) o[g][c] = _mm512_mul_ps(o[g][c], va);
+                sum[g] = _mm512_mul_ps(sum[g], va);
+                mx[g] = smax;
+            }
+            const __m512 e = _mm512_maskz_mov_ps(
+                valid, exp16_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(mx[g]))));
+            sum[g] = _mm512_add_ps(sum[g], e);
             _mm512_storeu_ps(p[g], e);
         }
         for (int64_t t = 0; t < n; t++) {
@@ -313,7 +317,7 @@ static inline __attribute__((always_inline)) void attend_bf16_d64_impl(
     }
     for (int g = 0; g < G; g++) {
         m[g] = mx[g];
-        l[g] = sum[g];
+        l[g] = _mm512_reduce_add_ps(sum[g]);
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * 64 + c * 16, o[g][c]);
     }
 }
