@@ -12,6 +12,11 @@ prefill steps left out; a median over ~30 steps shrugs off a descheduled step on
     .venv/bin/python bench/decode_ops_ab.py --rounds 3 --threads 1
     .venv/bin/python bench/decode_ops_ab.py --path linear --candidates packed c \
         --others prefill_attention=sdpa,decode_math=native,decode_ops=c
+    .venv/bin/python bench/decode_ops_ab.py --generic-attention --rounds 3 \
+        --others linear=c,batch_linear=c,prefill_attention=sdpa,decode_math=native,decode_ops=c
+
+``--generic-attention`` compares the C decode attention's generic loop (the library built with
+``-DNEW_DECODE_ATTENTION=0``) with the build the engine uses, every path forced alike.
 
 Figures: batch-1 decode at 64 and 4,000 tokens of context (their ratio against plan's bytes
 arithmetic, issue 12 item 3) and batch-32 decode after 128-token prompts, in tokens/s.
@@ -20,14 +25,32 @@ arithmetic, issue 12 item 3) and batch-32 decode after 128-token prompts, in tok
 from __future__ import annotations
 
 import argparse
+import ctypes
 import random
 import statistics
+import subprocess
+import tempfile
+from pathlib import Path
 
 import torch
 
 from engine_bench import bytes_per_decode_token, machine_line
 from pdscope import LLM, SamplingParams
 from pdscope.checkpoint.make_model import resolve_model_path
+from pdscope.engine import native
+from pdscope.engine.model import apply_kernels
+
+
+def generic_attention_ops(directory: Path) -> native.NativeOps:
+    """The C kernels built with only the generic decode attention loop."""
+    cc = native.compiler()
+    if cc is None:
+        raise SystemExit("--generic-attention needs a C compiler")
+    target = directory / "decode_ops_generic.so"
+    flags = native._FLAG_SETS[0]
+    cmd = [cc, "-DNEW_DECODE_ATTENTION=0", *flags, "-o", str(target), str(native.SOURCE), "-lm"]
+    subprocess.run(cmd, check=True)
+    return native.NativeOps(ctypes.CDLL(str(target)))
 
 
 def main() -> None:
@@ -42,7 +65,14 @@ def main() -> None:
     parser.add_argument("--path", default="decode_ops", help="the kernel path compared")
     parser.add_argument("--candidates", nargs=2, default=["torch", "c"], metavar=("A", "B"))
     parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    parser.add_argument(
+        "--generic-attention",
+        action="store_true",
+        help="compare the decode attention's generic loop (generic) with the engine's (c)",
+    )
     args = parser.parse_args()
+    if args.generic_attention:
+        args.path, args.candidates = "decode_ops", ["generic", "c"]
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model_path(args.model)
@@ -54,10 +84,15 @@ def main() -> None:
             max_model_len=4096,
             max_num_batched_tokens=2048,
             max_num_seqs=64,
-            kernels=f"{args.others},{args.path}={cand}",
+            kernels=f"{args.others},{args.path}={'c' if cand == 'generic' else cand}",
         )
         for cand in args.candidates
     }
+    if args.generic_attention:
+        llm = engines["generic"]
+        ops = generic_attention_ops(Path(tempfile.mkdtemp(prefix="pdscope-ab-")))
+        apply_kernels(llm.engine.runner.model, llm.engine.kernels, ops)
+        llm.engine._native = ops
     first, second = args.candidates
     rng = random.Random(0)
 

@@ -4,8 +4,10 @@ Every weight of the ``small`` model's shapes (49 matmuls: qkv, o, gate_up and do
 layers, and the lm head) at a few rows, through torch's plain ``F.linear``, the oneDNN-packed
 weights (``linear=packed``) and the C kernel (``linear=c``, engine/native.py), beside a plain
 float32 sum over the same number of bytes (what streaming them costs on this machine).
+``packed2048`` is the packed layout for many rows (the engine's under ``linear=c``), ``c_many``
+the many-row C kernel (``batch_linear=c``: AMX tiles where the CPU and Linux allow them).
 
-    .venv/bin/python bench/linear_ab.py --rows 1 2 4 32
+    .venv/bin/python bench/linear_ab.py --rows 1 2 4 32 64
 """
 
 from __future__ import annotations
@@ -28,18 +30,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     ops = native.load(default_cache_dir() / "native")
     if ops is None:
         raise SystemExit("the C kernels did not build (a C compiler on PATH or in $CC)")
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=gen).to(torch.bfloat16) for o, i in SHAPES]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+    # laid out for many rows, as the engine packs them under linear=c (PACKED_ROWS_WITH_C)
+    packed_many = [torch.ops.mkldnn._reorder_linear_weight(w, 2048) for w in weights]
     pointwise = torch.ops.mkldnn._linear_pointwise.default
     nbytes = sum(w.numel() * 2 for w in weights)
     same_bytes = torch.ones(nbytes // 4)
     print(machine_line())
-    print(f"C kernel: {ops.linear_isa}; {nbytes / 1e6:.0f} MB of bf16 weights; ms per pass")
+    print(
+        f"C kernel: {ops.linear_isa}, many rows: {ops.linear_many_isa}; "
+        f"{nbytes / 1e6:.0f} MB of bf16 weights; ms per pass"
+    )
     for rows in args.rows:
         x = {i: torch.randn(rows, i, generator=gen).to(torch.bfloat16) for _, i in SHAPES}
         paths = {
@@ -48,7 +58,12 @@ def main() -> None:
                 pointwise(x[w.shape[1]], p, None, "none", [], "")
                 for w, p in zip(weights, packed, strict=True)
             ],
+            "packed2048": lambda x=x: [
+                pointwise(x[w.shape[1]], p, None, "none", [], "")
+                for w, p in zip(weights, packed_many, strict=True)
+            ],
             "c": lambda x=x: [ops.linear(x[w.shape[1]], w) for w in weights],
+            "c_many": lambda x=x: [ops.linear_many(x[w.shape[1]], w) for w in weights],
             "read": lambda: same_bytes.sum(),
         }
         times: dict[str, list[float]] = {k: [] for k in paths}
@@ -63,8 +78,15 @@ def main() -> None:
         for name, ts in times.items():
             med = statistics.median(ts)
             cells.append(f"{name} {med * 1e3:6.2f} ({nbytes / med / 1e9:4.1f} GB/s)")
-        ratio = statistics.median(p / c for p, c in zip(times["packed"], times["c"], strict=True))
-        print(f"rows {rows:3}: " + "  ".join(cells) + f"  packed / c {ratio:.2f}")
+        ratios = [
+            statistics.median(p / c for p, c in zip(times[a], times[b], strict=True))
+            for a, b in (("packed", "c"), ("packed2048", "c_many"))
+        ]
+        print(
+            f"rows {rows:3}: "
+            + "  ".join(cells)
+            + "  packed / c {:.2f}, packed2048 / c_many {:.2f}".format(*ratios)
+        )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import torch
 
 from pdscope import LLM, SamplingParams
 from pdscope.checkpoint.make_model import make_model
+from pdscope.engine.kernels import parse_kernels
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -20,15 +21,18 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 # the decode ops in decode-only steps, the C linear wherever a matmul has one row: batch-1
 # decode steps and a prefill's sampled row); the bf16 tests below cover packed linears and the
 # decode math too. threads=bound changes where the threads run, not what they compute; it is
-# in one row of each so that pinning is exercised under every scheduling mode.
+# in one row of each so that pinning is exercised under every scheduling mode. batch_linear=c
+# (bf16 matmuls of 2-64 rows through the many-row C kernel) runs its prefill in chunks of 48
+# tokens, so that the logits pass through it.
 FLOAT32_PATHS = [
     "linear=plain,prefill_attention=blocked,decode_ops=torch",
     "linear=c,prefill_attention=sdpa,decode_ops=c,threads=bound",
 ]
 BF16_PATHS = [
-    "linear=packed,prefill_attention=blocked,decode_math=float32,decode_ops=torch",
-    "linear=plain,prefill_attention=sdpa,decode_math=native,decode_ops=c",
-    "linear=c,prefill_attention=sdpa,decode_math=float32,decode_ops=c,threads=bound",
+    "linear=packed,batch_linear=packed,prefill_attention=blocked,decode_math=float32,"
+    "decode_ops=torch",
+    "linear=plain,batch_linear=c,prefill_attention=sdpa,decode_math=native,decode_ops=c",
+    "linear=c,batch_linear=c,prefill_attention=sdpa,decode_math=float32,decode_ops=c,threads=bound",
 ]
 
 
@@ -126,8 +130,15 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
         if "norm" in name:
             tensors[name] = (1 + 0.5 * torch.randn(t.shape, generator=gen)).to(t.dtype)
     save_file(tensors, weights_file, metadata={"format": "pt"})
+    paths = parse_kernels(kernels)
+    many, c_linear = paths["batch_linear"] == "c", paths["linear"] == "c"
     llm = LLM(
-        model=str(path), dtype="bfloat16", kv_cache_memory="8MiB", block_size=4, kernels=kernels
+        model=str(path),
+        dtype="bfloat16",
+        kv_cache_memory="8MiB",
+        block_size=4,
+        kernels=kernels,
+        max_num_batched_tokens=48 if many else 2048,
     )
     model = llm.engine.runner.model
     if can_pack(torch.bfloat16, torch.device("cpu")):
@@ -136,8 +147,9 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
             (m.packed is not None) == packed for m in model.modules() if hasattr(m, "packed")
         )
     linears = [m for m in model.modules() if hasattr(m, "packed")]
-    assert all((m.native is not None) == ("linear=c" in kernels) for m in linears)
-    rows = 2048 if "linear=c" in kernels else 1  # packed for many rows where C takes one
+    assert all((m.native is not None) == c_linear for m in linears)
+    assert all((m.native_many is not None) == many for m in linears)
+    rows = 2048 if c_linear else 1  # packed for many rows where C takes one
     assert all(m.packed_rows == rows for m in linears if m.packed is not None)
     llm.engine.runner.capture_logits = True
     rng = random.Random(0)

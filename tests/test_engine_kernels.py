@@ -31,6 +31,7 @@ from pdscope.engine.model import (
     apply_rope,
     block_rows,
     can_decode_in_place,
+    can_pack,
     slot_runs,
     thread_cpus,
 )
@@ -90,6 +91,7 @@ def test_trial_picks_the_faster_candidate_and_caches_it(tmp_path: Path) -> None:
     assert first.prefill_attention == "sdpa"
     assert first.how == {
         "linear": "fixed",
+        "batch_linear": "fixed",
         "prefill_attention": "measured",
         "decode_math": "fixed",
         "decode_ops": "fixed",
@@ -125,7 +127,10 @@ def test_engine_logs_applies_and_reports_its_choice(
 ) -> None:
     from pdscope.server.metrics import EngineMetrics
 
-    forced = "linear=plain,prefill_attention=sdpa,decode_math=native,decode_ops=torch,threads=free"
+    forced = (
+        "linear=plain,batch_linear=packed,prefill_attention=sdpa,decode_math=native,"
+        "decode_ops=torch,threads=free"
+    )
     with caplog.at_level("INFO", logger="pdscope.engine"):
         llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels=forced)
     choice = llm.engine.kernels
@@ -144,7 +149,8 @@ def test_engine_logs_applies_and_reports_its_choice(
     line = next(ln for ln in text.splitlines() if ln.startswith("pdscope:build_info{"))
     assert 'linear="plain"' in line and 'prefill_attention="sdpa"' in line
     assert 'decode_math="native"' in line and 'decode_ops="torch"' in line
-    assert 'threads="free"' in line
+    assert 'threads="free"' in line and 'batch_linear="packed"' in line
+    assert all(m.native_many is None for m in model.modules() if hasattr(m, "native_many"))
     assert line.endswith(" 1.0")
 
 
@@ -159,6 +165,8 @@ def test_auto_measures_every_path_that_has_two_candidates(
         expected.add("linear")
     if native.compiler():
         expected.add("decode_ops")
+        if can_pack(torch.bfloat16, torch.device("cpu")):
+            expected.add("batch_linear")
     # threads=bound is never chosen by a trial (it stalled a live server's streams): only forced
     assert choice.threads == "free" and choice.how["threads"] == "fixed"
     assert {p for p, how in choice.how.items() if how == "measured"} == expected
@@ -272,6 +280,7 @@ def test_a_float32_model_reports_the_paths_it_really_runs(tmp_path: Path) -> Non
     timed = {"measured", "cached"}
     assert {p: how in timed for p, how in kernels.how.items()} == {
         "linear": bool(native.compiler()),
+        "batch_linear": False,  # bf16 only
         "prefill_attention": False,
         "decode_math": False,
         "decode_ops": False,
@@ -302,14 +311,17 @@ def _tolerance(dtype: torch.dtype) -> dict[str, float]:
 @needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [16, 64])  # 64 takes the compiled-in size, 16 the generic
+# query heads over 2 KV heads: groups of 4 and 1 take the bf16 head-64 kernel of 16 keys at a
+# time, 6 the per-key vdpbf16ps loop, 10 the generic loop
+@pytest.mark.parametrize("heads", [8, 2, 12, 20])
 def test_c_paged_decode_attention_matches_a_float64_reference(
-    c_ops: native.NativeOps, dtype: torch.dtype, head_dim: int
+    c_ops: native.NativeOps, dtype: torch.dtype, head_dim: int, heads: int
 ) -> None:
     """Four sequences over scattered and adjacent blocks: a context ending mid-block, one of a
     single key, one with a window (keys from position 5), one long enough to be cut into parts
     attended in parallel and merged."""
     gen = torch.Generator().manual_seed(2)
-    heads, kv_heads, block, blocks = 8, 2, 4, 400
+    kv_heads, block, blocks = 2, 4, 400
     cache = torch.randn(2, kv_heads, blocks * block, head_dim, generator=gen).to(dtype)
     order = torch.randperm(blocks, generator=gen).tolist()
     tables = [order[:5], [order[5]], order[6:10], list(range(10, 310))]  # the last: adjacent
@@ -444,33 +456,40 @@ def test_c_silu_mul_matches_a_float64_reference(
 
 @needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 6])  # 6: a full block of four x rows and a partial one
+# 6: a full block of four x rows and a partial one; 33: two full 16-row tile groups and one row
+@pytest.mark.parametrize("rows", [1, 3, 6, 33])
+@pytest.mark.parametrize("kernel", ["linear", "linear_many"])  # batch_linear=c takes the second
 def test_c_linear_matches_a_float64_reference(
-    c_ops: native.NativeOps, dtype: torch.dtype, rows: int
+    c_ops: native.NativeOps, dtype: torch.dtype, rows: int, kernel: str
 ) -> None:
     """Shapes off every block size: 70 inputs (two full 32-wide steps and a masked tail), 37
-    outputs (nine blocks of four and a partial one), with and without a bias; bf16 results
-    within one rounding of the float64 product, and no further from it than F.linear."""
+    outputs (nine blocks of four and a partial one), and for the AMX tiles of linear_many
+    (bf16, inputs a multiple of 32, outputs of 16; the rest fall back to linear's kernel) 96
+    inputs and 48 outputs (a 32-row weight block and a 16-row one), with and without a bias;
+    bf16 results within one rounding of the float64 product, and no further from it than
+    F.linear."""
+    linear = getattr(c_ops, kernel)
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(rows, 70, generator=gen).to(dtype)
-    weight = (torch.randn(37, 70, generator=gen) / 8).to(dtype)
-    bias = torch.randn(37, generator=gen).to(dtype)
-    for b in (None, bias):
-        out = c_ops.linear(x, weight, b)
-        ref = x.double() @ weight.double().T + (0 if b is None else b.double())
-        assert out.shape == (rows, 37) and out.dtype == dtype
-        torch.testing.assert_close(out.double(), ref, **_tolerance(dtype))
-        ours = (out.double() - ref).abs().max()
-        theirs = (torch.nn.functional.linear(x, weight, b).double() - ref).abs().max()
-        assert ours <= max(theirs * 1.01, 1e-5)  # float32 accumulation, one rounding
-    big = torch.randn(1, 1024, generator=gen).to(dtype)  # the threaded path
-    wide = (torch.randn(300, 1024, generator=gen) / 32).to(dtype)
+    for inputs, outputs in ((70, 37), (96, 48)):
+        x = torch.randn(rows, inputs, generator=gen).to(dtype)
+        weight = (torch.randn(outputs, inputs, generator=gen) / 8).to(dtype)
+        bias = torch.randn(outputs, generator=gen).to(dtype)
+        for b in (None, bias):
+            out = linear(x, weight, b)
+            ref = x.double() @ weight.double().T + (0 if b is None else b.double())
+            assert out.shape == (rows, outputs) and out.dtype == dtype
+            torch.testing.assert_close(out.double(), ref, **_tolerance(dtype))
+            ours = (out.double() - ref).abs().max()
+            theirs = (torch.nn.functional.linear(x, weight, b).double() - ref).abs().max()
+            assert ours <= max(theirs * 1.01, 1e-5)  # float32 accumulation, one rounding
+    big = torch.randn(rows, 1024, generator=gen).to(dtype)  # the threaded path
+    wide = (torch.randn(304, 1024, generator=gen) / 32).to(dtype)
     ref = big.double() @ wide.double().T
-    torch.testing.assert_close(c_ops.linear(big, wide).double(), ref, **_tolerance(dtype))
+    torch.testing.assert_close(linear(big, wide).double(), ref, **_tolerance(dtype))
     with pytest.raises(ValueError, match="does not fit"):
-        c_ops.linear(x, weight[:, :69].contiguous())
+        linear(x, weight[:, :69].contiguous())
     with pytest.raises(ValueError, match="contiguous"):
-        c_ops.linear(x, weight.t())
+        linear(x, weight.t())
 
 
 needs_two_cpus = pytest.mark.skipif(not thread_cpus(), reason="one thread or one CPU here")

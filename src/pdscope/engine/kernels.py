@@ -13,6 +13,11 @@ Paths (every candidate computes the same function; tests pin each against transf
   (``F.linear``) or ``c`` (engine/native.py's kernel for single-row matmuls, reading the
   weights as stored with AVX-512 BF16 dot products where the CPU has them; larger matmuls then
   take the packed weights). Only bf16 on CPU has a packed form; ``c`` needs a C compiler.
+* ``batch_linear``: for matmuls of 2 to ``NATIVE_MANY_MAX_ROWS`` rows (a batched decode
+  step): ``packed`` (whatever ``linear`` gives matmuls of several rows: the packed weights, or
+  ``F.linear`` under ``linear=plain``) or ``c`` (engine/native.py's many-row kernel: AMX tile
+  multiplies reading each weight block once for all rows, where the CPU and Linux allow them).
+  bf16 on CPU with the C kernels only.
 * ``prefill_attention``: ``blocked`` (blocks of queries, each scored only against the keys it
   can see) or ``sdpa`` (torch's fused kernel). CPU only; CUDA always takes SDPA.
 * ``decode_math``: ``float32`` (small decode batches convert their context to float32 first)
@@ -48,6 +53,7 @@ log = logging.getLogger("pdscope.engine")
 
 OPTIONS: dict[str, tuple[str, ...]] = {
     "linear": ("packed", "plain", "c"),
+    "batch_linear": ("packed", "c"),
     "prefill_attention": ("blocked", "sdpa"),
     "decode_math": ("float32", "native"),
     "decode_ops": ("torch", "c"),
@@ -56,7 +62,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
-_TRIAL_VERSION = 4
+_TRIAL_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,7 @@ class KernelChoice:
     """The path each machine-dependent part of the model takes, and how it was decided."""
 
     linear: str = "packed"
+    batch_linear: str = "packed"
     prefill_attention: str = "blocked"
     decode_math: str = "float32"
     decode_ops: str = "torch"

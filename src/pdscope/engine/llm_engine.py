@@ -129,11 +129,12 @@ class LLMEngine:
         wanted = (
             forced.get("decode_ops") != "torch"
             or forced.get("linear") in (None, "c")
+            or forced.get("batch_linear") in (None, "c")
             or forced.get("threads") != "free"
         )
         if native.supports(self.dtype, self.device) and wanted:
             ops = native.load(default_cache_dir() / "native")
-            for path in ("decode_ops", "linear"):
+            for path in ("decode_ops", "linear", "batch_linear"):
                 if ops is None and forced.get(path) == "c":
                     raise ValueError(
                         f"kernels: {path}=c needs the C kernels, which could not be built "
@@ -154,12 +155,13 @@ class LLMEngine:
         cpu = self.device.type == "cpu"
         fixed = {  # what runs where a path has one candidate (CUDA, or float32 weights)
             "linear": "packed" if can_pack(self.dtype, self.device) else "plain",
+            "batch_linear": "packed",  # as linear (float32, a GPU, or no C kernels)
             "prefill_attention": "blocked" if cpu else "sdpa",
             "decode_math": "float32" if cpu or self.dtype == torch.float32 else "native",
             "decode_ops": "torch",  # no C kernels here (a GPU, or no compiler)
             "threads": "free",  # no C kernels, or one thread: nothing to place
         }
-        for path in ("decode_ops", "linear"):
+        for path in ("decode_ops", "linear", "batch_linear"):
             if forced.get(path) == "c" and ops is None:
                 raise ValueError(f"kernels: {path}=c runs on CPU only (device {self.device})")
         if forced.get("threads") == "bound" and (ops is None or not thread_cpus()):

@@ -41,6 +41,12 @@ MAX_DECODE_RUNS = 8
 # interleaved): C 1.19x packed at one row, par at two, 0.9x at four, where oneDNN's AMX
 # tiles start to pay and the C kernel's vdpbf16ps turns compute-bound.
 NATIVE_LINEAR_MAX_ROWS = 1
+# Matmuls of 2 to this many rows take the many-row C kernel when the choice is batch_linear=c
+# (AMX tiles: a weight block is read once for up to 32 rows of x). Measured on the AMX Xeon,
+# one thread, the small model's 49 weights interleaved with oneDNN packed for many rows: 1.4x
+# at 16 rows, 1.15x at 32, 0.9x at 48 and 0.85x at 64 (the block is swept again per 32 rows,
+# and a tile multiply takes ~24 ns here, so the tiles turn compute-bound).
+NATIVE_MANY_MAX_ROWS = 32
 # With linear=c the packed weights serve only matmuls of several rows (batched decode,
 # prefill), so they are laid out for many rows: on the AMX Xeon, one thread, interleaved over
 # the small model's 49 weights, packing for 2,048 rows instead of 1 took 2,000-row matmuls
@@ -235,6 +241,7 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     packed_rows: int = 0  # the row count oneDNN laid the packed weight out for
     native: NativeOps | None = None  # set by apply_kernels when the choice is linear=c
+    native_many: NativeOps | None = None  # set by apply_kernels when batch_linear=c
 
     def pack(self, rows: int = 1) -> None:
         """Pre-pack the weight for matmuls of about ``rows`` rows (oneDNN's batch hint)."""
@@ -244,6 +251,12 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None and x.dim() == 2 and x.shape[0] <= NATIVE_LINEAR_MAX_ROWS:
             return self.native.linear(x.contiguous(), self.weight, self.bias)
+        if (
+            self.native_many is not None
+            and x.dim() == 2
+            and NATIVE_LINEAR_MAX_ROWS < x.shape[0] <= NATIVE_MANY_MAX_ROWS
+        ):
+            return self.native_many.linear_many(x.contiguous(), self.weight, self.bias)
         if self.packed is not None:
             return _packed_linear(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -700,7 +713,7 @@ class CausalLM(nn.Module):
 def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | None = None) -> None:
     """Point every module at the paths ``choice`` names (packing or unpacking linears);
     ``native`` is the loaded C kernels, used when ``choice.decode_ops`` is ``c``."""
-    for path in ("linear", "decode_ops"):
+    for path in ("linear", "batch_linear", "decode_ops"):
         if getattr(choice, path) == "c" and native is None:
             raise ValueError(f"{path}=c needs the C kernels, which did not load")
     model.native = native if choice.decode_ops == "c" else None
@@ -708,6 +721,7 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
         if isinstance(module, Linear):
             # linear=c: single rows through C, larger matmuls through the packed weights.
             module.native = native if choice.linear == "c" else None
+            module.native_many = native if choice.batch_linear == "c" else None
             if choice.linear in ("packed", "c") and module.weight.dtype == torch.bfloat16:
                 rows = PACKED_ROWS_WITH_C if choice.linear == "c" else 1
                 if module.packed_rows != rows and can_pack(
@@ -735,6 +749,9 @@ def kernel_trials(
     * linear: one decode step's worth of matmuls (every weight read once, at one row), so the
       trial streams from memory as a real step does: oneDNN packed (bf16 only), plain
       ``F.linear``, and the C kernel (when ``native`` loaded);
+    * batch linear (bf16 with the C kernels): one step's matmuls at ``_BATCH_TRIAL_ROWS`` rows
+      (a batched decode), through the weights as ``linear`` would run them (packed) or the
+      many-row C kernel; ``linear`` is decided first, so this trial packs as it chose;
     * prefill attention: layer 0's attention over a fresh chunk of ``prefill_tokens``;
     * decode math: every layer's attention for a batch of the largest size that may take the
       float32 path, each with 256 tokens of context;
@@ -758,6 +775,9 @@ def kernel_trials(
         trials["linear"] = lambda: _linear_trial(model, native)
     if dtype != torch.float32:
         trials["decode_math"] = lambda: _decode_math_trial(model)
+    if native is not None and can_pack(dtype, device):
+        many = native
+        trials["batch_linear"] = lambda: _batch_linear_trial(model, many)
     if native is not None:
         ops = native
         trials["decode_ops"] = lambda: _decode_ops_trial(model, ops)
@@ -816,6 +836,33 @@ def _linear_trial(model: CausalLM, native: NativeOps | None) -> dict[str, Callab
 
         candidates["c"] = run_c
     return candidates
+
+
+# Rows of x in the batch_linear trial: the batch the engine's batched-decode figures use.
+_BATCH_TRIAL_ROWS = 32
+
+
+def _batch_linear_trial(model: CausalLM, native: NativeOps) -> dict[str, Callable[[], object]]:
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    weight = model.embed_tokens.weight
+    inputs = {m.in_features: _random((_BATCH_TRIAL_ROWS, m.in_features), weight) for m in linears}
+    # The packed candidate as the engine would lay it out for several rows.
+    packed = {
+        m: m.packed
+        if m.packed is not None and m.packed_rows > 1
+        else torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACKED_ROWS_WITH_C)
+        for m in linears
+    }
+
+    def run_packed() -> None:
+        for m in linears:
+            _packed_linear(inputs[m.in_features], packed[m], m.bias, "none", [], "")
+
+    def run_c() -> None:
+        for m in linears:
+            native.linear_many(inputs[m.in_features], m.weight, m.bias)
+
+    return {"packed": run_packed, "c": run_c}
 
 
 def _prefill_trial(model: CausalLM, n: int) -> dict[str, Callable[[], object]]:

@@ -146,6 +146,10 @@ class NativeOps:
         self.lib.rms_norm.argtypes = [_P] * 4 + [_I, _I, _F, _C, _C]
         self.lib.linear_rows.argtypes = [_P] * 4 + [_I] * 3 + [_C, _C]
         self.lib.linear_rows_isa.argtypes = []
+        self.lib.linear_many_rows.argtypes = [_P] * 4 + [_I] * 3 + [_C, _C]
+        self.lib.linear_many_rows.restype = ctypes.c_int
+        self.lib.linear_many_rows_amx.argtypes = []
+        self.lib.linear_many_rows_amx.restype = ctypes.c_int
         self.lib.silu_mul.argtypes = [_P, _P, _I, _I, _C, _C]
         self.lib.silu_mul.restype = None
         self.lib.rms_norm_bf16.argtypes = [_P] * 4 + [_I, _I, _F, _C]
@@ -230,6 +234,51 @@ class NativeOps:
             torch.get_num_threads(),
         )
         return y
+
+    @property
+    def linear_many_isa(self) -> str:
+        """How :meth:`linear_many` computes bf16 matmuls here: ``amx`` (tile multiplies; the
+        CPU, compiler and kernel all allow them) or what :meth:`linear` uses."""
+        return "amx" if self.lib.linear_many_rows_amx() else self.linear_isa
+
+    def linear_many(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """:meth:`linear` for the dozens of rows of a batched decode step: on AMX, each block
+        of weights is read from memory once and all rows of x run past it in tiles (bf16,
+        ``in`` a multiple of 32, ``out`` of 16); elsewhere the same kernel as :meth:`linear`.
+        float32 accumulation, one rounding at the end."""
+        y, bias = self._linear_args(x, weight, bias)
+        status = self.lib.linear_many_rows(
+            x.data_ptr(),
+            weight.data_ptr(),
+            _ptr(bias),
+            y.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            weight.shape[0],
+            x.dtype == torch.bfloat16,
+            torch.get_num_threads(),
+        )
+        if status < 0:
+            raise MemoryError("linear_many_rows: no memory for its copy of x")
+        return y
+
+    def _linear_args(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Checks x [rows, in], weight [out, in] and bias [out]; returns the empty output."""
+        _check(x, weight, bias)
+        rows, in_features = x.shape
+        out_features = weight.shape[0]
+        if weight.shape[1] != in_features or weight.dtype != x.dtype:
+            raise ValueError(
+                f"linear: x {tuple(x.shape)} {x.dtype} does not fit weight "
+                f"{tuple(weight.shape)} {weight.dtype}"
+            )
+        if bias is not None and (bias.shape != (out_features,) or bias.dtype != x.dtype):
+            raise ValueError(f"linear: bias {tuple(bias.shape)} does not fit {out_features} rows")
+        return torch.empty(rows, out_features, dtype=x.dtype), bias
 
     def decode_attention(
         self,

@@ -95,6 +95,9 @@ static inline float exp_neg_abs(float x) {
 static inline float exp_nonpositive(float x) { return exp_neg_abs(x); }
 
 /* Keys scored per tile: consecutive slots (one cache block, or several adjacent ones). */
+#ifndef NEW_DECODE_ATTENTION
+#define NEW_DECODE_ATTENTION 1 /* 0 builds the generic loop only (bench/decode_ops_ab.py) */
+#endif
 #define TILE 64
 
 /* Partial attention of one query group over key positions [lo, hi) of one sequence:
@@ -183,6 +186,159 @@ static inline __attribute__((always_inline)) void attend_range_impl(
     }
 }
 
+#ifdef HAVE_DPBF16
+/* ---- Decode attention for bf16 caches with head size 64 and up to 4 query heads per KV head,
+ * written with AVX-512 intrinsics: at long context the generic loop above runs at ~2.5 GB/s of
+ * KV on one core (its accumulators live in memory, and each score ends in a horizontal sum).
+ * Here 16 keys go at a time: their scores are `vdpbf16ps` partial sums reduced 16 at once by a
+ * transpose-and-add tree, the softmax's exp is vectorized (scalef applies the 2^n), and the
+ * unnormalized output of every query head stays in registers, V converted to float32 once per
+ * key for all query heads. Same contract as attend_range: m, l, acc for keys [lo, hi). */
+
+/* out[t] = sum of the 16 lanes of v[t], t < 16. */
+static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16]) {
+    __m512 w[8], x[4];
+    for (int t = 0; t < 8; t++)
+        w[t] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * t], v[2 * t + 1]),
+                             _mm512_unpackhi_ps(v[2 * t], v[2 * t + 1]));
+    for (int j = 0; j < 4; j++)
+        x[j] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * j], w[2 * j + 1], 0x44),
+                             _mm512_shuffle_ps(w[2 * j], w[2 * j + 1], 0xEE));
+    const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88),
+                                     _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+    const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88),
+                                     _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88),
+                         _mm512_shuffle_f32x4(z01, z23, 0xDD));
+}
+
+/* exp(x) for x <= 0, 16 lanes; below -87 it is ~1e-38 (callers zero the lanes they mask). */
+static inline __m512 exp16_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* 16 bf16 values (32 bytes) to float32. */
+static inline __m512 bf16x16_to_f32(const bf16 *src) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)src);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __attribute__((always_inline)) void attend_bf16_d64_impl(
+    const int G, const bf16 *qb, const void *kv, int64_t kv_heads, int64_t slots, int64_t head,
+    const int64_t *table, int64_t block_size, int64_t lo, int64_t hi, float *m, float *l,
+    float *acc, float scale) {
+    __m512bh qv[4][2];
+    __m512 o[4][4], sum[4]; /* sum: the softmax denominator, per lane until the end */
+    float mx[4];
+    for (int g = 0; g < G; g++) {
+        qv[g][0] = (__m512bh)_mm512_loadu_si512((const void *)(qb + g * 64));
+        qv[g][1] = (__m512bh)_mm512_loadu_si512((const void *)(qb + g * 64 + 32));
+        for (int c = 0; c < 4; c++) o[g][c] = _mm512_setzero_ps();
+        mx[g] = -INFINITY;
+        sum[g] = _mm512_setzero_ps();
+    }
+    const bf16 *kp = (const bf16 *)kv + head * slots * 64;
+    const bf16 *vp = (const bf16 *)kv + (kv_heads + head) * slots * 64;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t pos = lo; pos < hi;) {
+        /* up to 16 keys in consecutive slots (within one block, or adjacent blocks) */
+        const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+        int64_t n = block_size - pos % block_size;
+        while (n < 16 && pos + n < hi && table[(pos + n) / block_size] * block_size == slot + n)
+            n += block_size;
+        if (n > 16) n = 16;
+        if (n > hi - pos) n = hi - pos;
+        const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+        /* the next 16 keys' K and V rows into L1 while these are worked on: a block's rows
+         * are contiguous, but blocks need not be, which the hardware prefetcher cannot see */
+        if (pos + n + 16 < hi) {
+            const int64_t ahead = pos + n + 16;
+            const int64_t next = table[ahead / block_size] * block_size + ahead % block_size;
+            for (int i = 0; i < 16 * 64; i += 32) {
+                _mm_prefetch((const char *)(kp + next * 64 + i), _MM_HINT_T0);
+                _mm_prefetch((const char *)(vp + next * 64 + i), _MM_HINT_T0);
+            }
+        }
+        float p[4][16];
+        for (int g = 0; g < G; g++) {
+            __m512 part[16];
+            for (int t = 0; t < 16; t++) {
+                if (t < n) {
+                    const bf16 *kr = kp + (slot + t) * 64;
+                    const __m512bh k0 = (__m512bh)_mm512_loadu_si512((const void *)kr);
+                    const __m512bh k1 = (__m512bh)_mm512_loadu_si512((const void *)(kr + 32));
+                    part[t] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], k0),
+                                               qv[g][1], k1);
+                } else {
+                    part[t] = _mm512_setzero_ps();
+                }
+            }
+            const __m512 s = _mm512_mul_ps(sum16(part), vscale);
+            const float smax = _mm512_mask_reduce_max_ps(valid, s);
+            if (smax > mx[g]) {
+                /* a new running max: rescale what was summed so far. After the first keys
+                 * this is rare, so most tiles skip the scalar exp and its latency. */
+                const float alpha = mx[g] == -INFINITY ? 0.0f : exp_nonpositive(mx[g] - smax);
+                const __m512 va = _mm512_set1_ps(alpha);
+                for (int c = 0; c < 4; c++) o[g][c] = _mm512_mul_ps(o[g][c], va);
+                sum[g] = _mm512_mul_ps(sum[g], va);
+                mx[g] = smax;
+            }
+            const __m512 e = _mm512_maskz_mov_ps(
+                valid, exp16_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(mx[g]))));
+            sum[g] = _mm512_add_ps(sum[g], e);
+            _mm512_storeu_ps(p[g], e);
+        }
+        for (int64_t t = 0; t < n; t++) {
+            const bf16 *vr = vp + (slot + t) * 64;
+            const __m512 v0 = bf16x16_to_f32(vr), v1 = bf16x16_to_f32(vr + 16);
+            const __m512 v2 = bf16x16_to_f32(vr + 32), v3 = bf16x16_to_f32(vr + 48);
+            for (int g = 0; g < G; g++) {
+                const __m512 pg = _mm512_set1_ps(p[g][t]);
+                o[g][0] = _mm512_fmadd_ps(pg, v0, o[g][0]);
+                o[g][1] = _mm512_fmadd_ps(pg, v1, o[g][1]);
+                o[g][2] = _mm512_fmadd_ps(pg, v2, o[g][2]);
+                o[g][3] = _mm512_fmadd_ps(pg, v3, o[g][3]);
+            }
+        }
+        pos += n;
+    }
+    for (int g = 0; g < G; g++) {
+        m[g] = mx[g];
+        l[g] = _mm512_reduce_add_ps(sum[g]);
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * 64 + c * 16, o[g][c]);
+    }
+}
+
+/* Returns 1 when it attended (group 1-4), 0 when the caller must take the generic loop. */
+static int attend_bf16_d64(int64_t group, const bf16 *qb, const void *kv, int64_t kv_heads,
+                           int64_t slots, int64_t head, const int64_t *table, int64_t block_size,
+                           int64_t lo, int64_t hi, float *m, float *l, float *acc, float scale) {
+#define ATTEND_G(G) attend_bf16_d64_impl(G, qb, kv, kv_heads, slots, head, table, block_size, \
+                                         lo, hi, m, l, acc, scale)
+    switch (group) {
+    case 1: ATTEND_G(1); return 1;
+    case 2: ATTEND_G(2); return 1;
+    case 3: ATTEND_G(3); return 1;
+    case 4: ATTEND_G(4); return 1;
+    default: return 0;
+    }
+#undef ATTEND_G
+}
+#endif
+
 /* Common head sizes get their own copy with the size known at compile time, so the per-key
  * loops unroll into a few vector instructions. */
 static void attend_range(const float *qf, int64_t group, int64_t dim, const void *kv,
@@ -192,6 +348,10 @@ static void attend_range(const float *qf, int64_t group, int64_t dim, const void
 #define ATTEND(D, QB) attend_range_impl(qf, group, D, kv, kv_heads, slots, head, table, \
                                         block_size, lo, hi, bf, m, l, acc, QB, scale)
 #ifdef HAVE_DPBF16
+    if (dim == 64 && bf && qb && NEW_DECODE_ATTENTION &&
+        attend_bf16_d64(group, qb, kv, kv_heads, slots, head, table, block_size, lo, hi, m, l,
+                        acc, scale))
+        return;
     if (dim == 64 && bf && group <= 8) ATTEND(64, qb);
     else
 #endif
@@ -658,4 +818,174 @@ int place_threads(const int32_t *cpus, int n, int threads, int bind) {
         placed += sched_setaffinity(0, sizeof set, &set) == 0;
     }
     return placed;
+}
+
+/* ---- Many-row linear on AMX tiles: y [rows, out] = x [rows, in] @ w [out, in]^T (+ bias) in
+ * bf16 for the 2-64 rows of a batched decode step. The step is still one stream over the
+ * weights, so the weights are read as stored: a tile multiply C[16 x 16] += A[16 x 32] B[32 x
+ * 16] takes A = 16 weight rows (32 columns of each, loaded straight from w at its row stride)
+ * and B = the same 32 columns of 16 rows of x, which is x transposed into AMX's pair-interleaved
+ * layout (B[k / 2][2 n + k % 2] = x[n][k]): x is repacked once per call (it is small), w never.
+ * C then holds y^T for 16 output rows and 16 x rows. Each thread takes a band of 32-row weight
+ * blocks and runs all of x past a block while it is in L1/L2, so a weight byte comes from
+ * memory once whatever the row count, where linear_rows re-reads a block per four x rows.
+ * Linux grants a process the tile registers only on request (arch_prctl); when it refuses,
+ * or the CPU or compiler lacks AMX, linear_many_rows runs linear_rows instead. */
+
+#if defined(HAVE_DPBF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* 0: not asked yet, 1: granted, -1: refused. The permission is per process. */
+static int amx_state = 0;
+
+static int amx_usable(void) {
+    int state = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+    if (state == 0) {
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+        __atomic_store_n(&amx_state, state, __ATOMIC_RELEASE);
+    }
+    return state > 0;
+}
+
+/* Palette 1: tiles 0-3 accumulate C (16 rows of 64 bytes), 4-5 hold A (weight rows), 6-7
+ * hold B (x, pair-interleaved). */
+struct amx_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64)));
+
+static void amx_configure(void) {
+    struct amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* One block of `na` (1 or 2) times 16 weight rows from r0, against x groups [j0, j0 + nj)
+ * of 16 rows (nj 1 or 2); results transposed into y with the bias added and rounded once.
+ * A tile load of weights touches 16 rows at once, more streams than the hardware prefetcher
+ * follows, so the next block's bytes (`next`, `next_bytes`, contiguous) are prefetched into L2
+ * in one linear sweep spread over this block's steps. */
+static inline __attribute__((always_inline)) void amx_block(
+    const bf16 *w, const bf16 *xp, const void *bias, bf16 *y, int64_t rows, int64_t in,
+    int64_t out, int64_t r0, int na, int64_t j0, int nj, const char *next, int64_t next_bytes) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int64_t wstride = in * (int64_t)sizeof(bf16), pairs = in / 2;
+    const bf16 *b0 = xp + j0 * pairs * 32, *b1 = b0 + pairs * 32;
+    const int64_t per_step = next ? ((next_bytes / (in / 32) + 63) / 64) * 64 : 0;
+    for (int64_t k = 0; k < in; k += 32) {
+        for (int64_t off = (k / 32) * per_step; off < (k / 32 + 1) * per_step; off += 64)
+            if (off < next_bytes) _mm_prefetch(next + off, _MM_HINT_T1);
+        _tile_loadd(4, w + r0 * in + k, wstride);
+        _tile_loadd(6, b0 + k * 16, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (nj > 1) {
+            _tile_loadd(7, b1 + k * 16, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (na > 1) {
+            _tile_loadd(5, w + (r0 + 16) * in + k, wstride);
+            _tile_dpbf16ps(2, 5, 6);
+            if (nj > 1) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    float c[16 * 16];
+    for (int a = 0; a < na; a++) {
+        for (int j = 0; j < nj; j++) {
+            const int64_t n0 = (j0 + j) * 16;
+            if (n0 >= rows) continue;
+            /* tile numbers must be constants */
+            if (a == 0 && j == 0) _tile_stored(0, c, 64);
+            else if (a == 0) _tile_stored(1, c, 64);
+            else if (j == 0) _tile_stored(2, c, 64);
+            else _tile_stored(3, c, 64);
+            const int64_t rb = r0 + 16 * a, nn = rows - n0 < 16 ? rows - n0 : 16;
+            float bias_f[16] = {0};
+            if (bias) load_f32(bias, rb, 16, bias_f, 1);
+            /* Column n of C is row n0 + n of y: gathered from L1 (a strided scalar copy cost
+             * as much as the tile work at 32 rows), rounded to bf16 in one instruction. */
+            const __m512i column = _mm512_mullo_epi32(
+                _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                _mm512_set1_epi32(16));
+            const __m512 vb = _mm512_loadu_ps(bias_f);
+            for (int64_t n = 0; n < nn; n++) {
+                const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, c + n, 4), vb);
+                _mm256_storeu_si256((__m256i *)(y + (n0 + n) * out + rb),
+                                    (__m256i)_mm512_cvtneps_pbh(v));
+            }
+        }
+    }
+}
+#endif
+
+/* Whether linear_many_rows can use AMX tiles here (asking Linux for them on the first call). */
+int linear_many_rows_amx(void) {
+#ifdef HAVE_AMX
+    return amx_usable();
+#else
+    return 0;
+#endif
+}
+
+/* y [rows, out] = x [rows, in] @ w [out, in]^T (+ bias [out]) for a few dozen rows: AMX tiles
+ * for bf16 where the CPU, compiler and kernel allow and the shapes fit (in a multiple of 32,
+ * out of 16), linear_rows otherwise. Returns 1 when it took the tiles, 0 when not, -1 when
+ * its scratch memory could not be allocated. */
+int linear_many_rows(const void *x, const void *w, const void *bias, void *y, int64_t rows,
+                     int64_t in, int64_t out, int bf, int threads) {
+#ifdef HAVE_AMX
+    if (bf && rows > 0 && in % 32 == 0 && out % 16 == 0 && amx_usable()) {
+        const int64_t groups = (rows + 15) / 16, pairs = in / 2;
+        uint32_t *xp = aligned_alloc(64, (size_t)(groups * pairs * 16) * sizeof(uint32_t));
+        if (!xp) return -1;
+        const uint32_t *x32 = (const uint32_t *)x;
+        for (int64_t j = 0; j < groups; j++)
+            for (int64_t n = 0; n < 16; n++) {
+                const int64_t row = j * 16 + n;
+                uint32_t *dst = xp + j * pairs * 16 + n;
+                if (row < rows) {
+                    const uint32_t *src = x32 + row * pairs;
+                    for (int64_t kk = 0; kk < pairs; kk++) dst[kk * 16] = src[kk];
+                } else {
+                    for (int64_t kk = 0; kk < pairs; kk++) dst[kk * 16] = 0;
+                }
+            }
+        const int64_t blocks = (out + 31) / 32;
+        const int parallel = threads > 1 && out * in >= 65536;
+#pragma omp parallel num_threads(threads) if (parallel)
+        {
+            amx_configure();
+#pragma omp for schedule(static)
+            for (int64_t blk = 0; blk < blocks; blk++) {
+                const int64_t r0 = blk * 32;
+                const int na = out - r0 >= 32 ? 2 : 1;
+                /* the next block: this thread's next under the static schedule */
+                const int64_t next_rows = out - r0 - 32 < 32 ? out - r0 - 32 : 32;
+                const char *next = next_rows > 0 ? (const char *)w + (r0 + 32) * in * 2 : NULL;
+                for (int64_t j0 = 0; j0 < groups; j0 += 2) {
+                    const int nj = groups - j0 >= 2 ? 2 : 1;
+                    amx_block((const bf16 *)w, (const bf16 *)xp, bias, (bf16 *)y, rows, in, out,
+                              r0, na, j0, nj, j0 == 0 ? next : NULL, next_rows * in * 2);
+                }
+            }
+            _tile_release();
+        }
+        free(xp);
+        return 1;
+    }
+#endif
+    linear_rows(x, w, bias, y, rows, in, out, bf, threads);
+    return 0;
 }

@@ -1,0 +1,84 @@
+"""The C decode attention alone: its generic loop against the engine's build, interleaved.
+
+One decode step's attention for the ``small`` model's shapes (12 layers, 16 query heads over 4
+KV heads of 64, bf16, blocks of 16) at batch 1 and the given contexts, through the library
+built with ``-DNEW_DECODE_ATTENTION=0`` (the generic per-key loop) and the engine's build (16
+keys at a time for head size 64), beside a float32 sum over the same bytes of K and V. Wall
+time and this process's CPU time (robust to a busy host at ``--threads 1``), medians.
+
+    .venv/bin/python bench/decode_attention_ab.py --contexts 64 1000 4000 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from decode_ops_ab import generic_attention_ops
+from engine_bench import machine_line
+from pdscope.checkpoint.make_model import default_cache_dir
+from pdscope.engine import native
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4000])
+    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine_ops = native.load(default_cache_dir() / "native")
+    if engine_ops is None:
+        raise SystemExit("the C kernels did not build (a C compiler on PATH or in $CC)")
+    ops = {
+        "generic": generic_attention_ops(Path(tempfile.mkdtemp(prefix="pdscope-ab-"))),
+        "c": engine_ops,
+    }
+    block, kv_heads, heads, dim, layers = 16, 4, 16, 64, 12
+    gen = torch.Generator().manual_seed(0)
+    print(machine_line())
+    print("ms per step's attention (12 layers), wall / CPU; GB/s of K and V by wall time")
+    for context in args.contexts:
+        blocks = (context + block - 1) // block
+        caches = [
+            torch.randn(2, kv_heads, blocks * block, dim, generator=gen).to(torch.bfloat16)
+            for _ in range(layers)
+        ]
+        tables = torch.arange(blocks)[None].contiguous()
+        bounds = torch.tensor([[0, context]])
+        q = torch.randn(1, heads, dim, generator=gen).to(torch.bfloat16)
+        nbytes = layers * 2 * kv_heads * context * dim * 2
+        same_bytes = torch.ones(nbytes // 4)
+
+        def step(o: native.NativeOps, caches=caches, q=q, tables=tables, bounds=bounds) -> None:
+            for c in caches:
+                o.decode_attention(q, c, tables, bounds, block, 0.125)
+
+        paths = {name: (lambda o=o: step(o)) for name, o in ops.items()}
+        paths["read"] = lambda same_bytes=same_bytes: same_bytes.sum()
+        wall: dict[str, list[float]] = {k: [] for k in paths}
+        cpu: dict[str, list[float]] = {k: [] for k in paths}
+        for fn in paths.values():
+            fn()
+        for _ in range(args.rounds):
+            for name, fn in paths.items():
+                w0, c0 = time.perf_counter(), time.process_time()
+                fn()
+                wall[name].append(time.perf_counter() - w0)
+                cpu[name].append(time.process_time() - c0)
+        cells = []
+        for name in paths:
+            w, c = statistics.median(wall[name]), statistics.median(cpu[name])
+            cells.append(f"{name} {w * 1e3:6.2f} / {c * 1e3:6.2f} ({nbytes / w / 1e9:4.1f} GB/s)")
+        ratio = statistics.median(g / c for g, c in zip(wall["generic"], wall["c"], strict=True))
+        print(f"context {context:5}: " + "  ".join(cells) + f"  generic / c {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()
