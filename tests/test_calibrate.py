@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pdscope.analysis.calibrate import WorkEntry, fit, observations, prefill_steps
+from pdscope.analysis.calibrate import WorkEntry, fit, observations, prefill_steps, step_jitter
 from pdscope.cli import app
 from pdscope.client.trace import Trace, trace_from_timeline
 from pdscope.engine.scheduler import SchedulerConfig
@@ -69,6 +69,8 @@ def simulated_probe(batch_streams: int = 8) -> dict:
             send([fresh(n)], label)
     if batch_streams:
         send([fresh(64) for _ in range(batch_streams)], "batch-decode")
+        # Long prompts sent together: the first ones decode while the rest still prefill.
+        send([fresh(1024) for _ in range(batch_streams)], "batch-decode-long")
     return {
         "runtime": {"name": "pdscope", "max_model_len": 8192},
         "served_model": {"name": MODEL},
@@ -91,7 +93,10 @@ def test_the_fit_recovers_the_parameters_a_probe_was_made_with() -> None:
     probe = json.loads(json.dumps(simulated_probe()))  # through JSON, as a saved file is
     obs = observations(probe, BUDGET)
     kinds = [o.kind for o in obs]
-    assert kinds.count("batch-decode") == 1
+    assert kinds.count("batch-decode") == 2
+    # The long batch's steps with all 8 decoding, not its early steps beside others' prefills.
+    (long,) = (o for o in obs if o.label.startswith("batch-decode-long"))
+    assert long.label == "batch-decode-long x8 at 1056 tok"
     assert not any(o.label.startswith("cold ") for o in obs)  # the cold request is left out
     assert any(o.label == "prefix-warm 2016 tok (2000 cached)" for o in obs)
     start = CostParams(100.0, 10.0)  # far from the truth
@@ -176,6 +181,50 @@ def test_a_recorded_probe_of_the_real_engine_is_fitted_without_a_per_sequence_co
     errors = {r.label: r.error for r in calibration.residuals}
     assert abs(errors["batch-decode x8 at 80 tok"]) < 0.15
     assert sum(abs(e) for e in errors.values()) / len(errors) < 0.15
+
+
+def test_the_step_scatter_keeps_the_mean_and_the_probed_tail() -> None:
+    """The recorded engine's decode gaps scatter (p99 1.33 of the mean); a steady server's
+    (the simulated probe) do not, so calibrating from it changes nothing."""
+    jitter = step_jitter(json.loads((DATA / "probe-small-xeon-1thread.json").read_text()))
+    assert jitter is not None and jitter.samples > 400
+    draws = [jitter.draw(i / 10_000) for i in range(10_000)]
+    assert sum(draws) / len(draws) == pytest.approx(1.0, abs=0.005)
+    assert jitter.quantiles[99] > 1.2 and jitter.draw(0.99) == pytest.approx(jitter.quantiles[99])
+    steady = step_jitter(simulated_probe())
+    # (a steady step still grows with its context: 0.08% over one decode)
+    assert steady is not None and max(steady.quantiles) / min(steady.quantiles) < 1.002
+
+
+def test_simulate_scatters_steps_as_the_probed_server_did(tmp_path: Path) -> None:
+    """With the recorded probe, a one-stream run's gaps spread as the probe's did (ITL p99 over
+    p50 near the probe's p99 over p50), TPOT (a mean) stays the steady run's, a seed repeats a
+    run exactly, and --no-step-jitter gives the steady steps."""
+    probe = DATA / "probe-small-xeon-1thread.json"
+    jitter = step_jitter(json.loads(probe.read_text()))
+    assert jitter is not None
+
+    def run(name: str, *extra: str) -> dict:
+        out = tmp_path / f"{name}.json"
+        result = CliRunner().invoke(
+            app,
+            [
+                "simulate", "--calibrate", str(probe), "--model", str(DATA / "small-config.json"),
+                "--input-len", "64", "--output-len", "200", "--num-prompts", "8",
+                "--max-concurrency", "1", "--seed", "5", "--max-model-len", "4096",
+                "--save-result", str(out), *extra,
+            ],
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        return json.loads(out.read_text())
+
+    steady, scattered, again = run("steady", "--no-step-jitter"), run("a"), run("b")
+    assert steady["metadata"]["calibration"]["step_jitter"] is None
+    assert steady["p99_itl_ms"] / steady["p50_itl_ms"] < 1.01
+    spread = scattered["p99_itl_ms"] / scattered["p50_itl_ms"]
+    assert spread == pytest.approx(jitter.quantiles[99] / jitter.quantiles[50], rel=0.1)
+    assert scattered["mean_tpot_ms"] == pytest.approx(steady["mean_tpot_ms"], rel=0.03)
+    assert scattered["itls"] == again["itls"]
 
 
 def test_a_probe_with_no_answered_decode_cannot_be_fitted() -> None:

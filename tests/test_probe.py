@@ -37,6 +37,7 @@ def settings(url: str, **kw) -> ProbeSettings:
         "output_tokens": 24,
         "repeats": 2,
         "context_tokens": 1500,
+        "batch_context_tokens": 256,
     }
     return ProbeSettings(url=url, **{**base, **kw})
 
@@ -65,6 +66,11 @@ def test_probe_openai_dialect(medium_server: Server) -> None:
     batch = r["batch_decode"]
     assert batch["streams"] == 8 and batch["concurrency"] > 4
     assert 0 < batch["step_over_one_stream"] < 4
+    # The same 8 at long context: the steps where most of them decode together (their prefills
+    # are staggered by the server's token budget), at the prompt plus the decode's middle.
+    long = r["batch_decode_long"]
+    assert 4 <= long["decoding_together"] <= 8 and long["prompt_tokens"] == 256
+    assert 256 < long["context_tokens"] < 256 + 24 and long["itl_ms"] > 0
     for t in r["traces"]:
         assert t["token_source"] == "server-usage"
         assert t["output_tokens"] == 24 and t["prompt_tokens"] == t["prompt_tokens_asked"]
@@ -114,6 +120,8 @@ def test_probe_cli_json_and_plot(medium_server: Server, tmp_path: Path) -> None:
             "1",
             "--output-tokens",
             "8",
+            "--batch-context",
+            "128",
             "--json",
             str(out),
             "--plot",
@@ -133,7 +141,10 @@ def test_probe_cli_json_and_plot(medium_server: Server, tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Findings" in result.output
     assert data["settings"]["batch_streams"] == 8 and data["batch_decode"]["streams"] == 8
-    assert "batched decode: 8 streams at once" in " ".join(result.output.split())
+    assert data["settings"]["batch_context_tokens"] == 128
+    text = " ".join(result.output.split())
+    assert "batched decode: 8 streams of 64 prompt tokens" in text
+    assert "batched decode: 8 streams of 128 prompt tokens" in text
 
 
 def test_probe_errors(medium_server: Server) -> None:

@@ -183,6 +183,13 @@ Repeats = Annotated[int, typer.Option(help="Requests per sweep point.")]
 BatchStreams = Annotated[
     int, typer.Option(help="Streams sent at once for the batched-decode check (0 skips it).")
 ]
+BatchContext = Annotated[
+    int,
+    typer.Option(
+        help="Prompt tokens of the second batched-decode check, the same streams at long "
+        "context (0 skips it)."
+    ),
+]
 Timeout = Annotated[float, typer.Option(help="Seconds allowed per request.")]
 MaxModelLen = Annotated[
     int | None,
@@ -353,6 +360,13 @@ SimCalibrateBudget = Annotated[
         min=1,
         help="With --calibrate: the probed server's --max-num-batched-tokens (pdscope serve's "
         "default 2048), which may differ from the one simulated.",
+    ),
+]
+SimStepJitter = Annotated[
+    bool,
+    typer.Option(
+        help="With --calibrate: scatter each step's time as the probed server's decode gaps "
+        "scattered (mean kept; seeded).",
     ),
 ]
 SimDtype = Annotated[str, typer.Option(help="Weight precision, as plan.")]
@@ -676,6 +690,7 @@ def probe(
     output_tokens: OutputTokens = 64,
     repeats: Repeats = 3,
     batch_streams: BatchStreams = 8,
+    batch_context: BatchContext = 1024,
     timeout: Timeout = 120.0,
     max_model_len: MaxModelLen = None,
     device: ProbeDevice = None,
@@ -701,8 +716,9 @@ def probe(
         settings = ProbeSettings.from_flags(
             url, prompt_tokens, api=api, model=model, api_key=api_key,
             output_tokens=output_tokens, repeats=repeats, batch_streams=batch_streams,
-            timeout_s=timeout, max_model_len=max_model_len, device=device,
-            plan_model=plan_model, dtype=dtype, seed=seed,
+            batch_context_tokens=batch_context, timeout_s=timeout,
+            max_model_len=max_model_len, device=device, plan_model=plan_model, dtype=dtype,
+            seed=seed,
         )  # fmt: skip
     bar = Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -854,6 +870,7 @@ def simulate(
     device: SimDevice = None,
     calibrate: SimCalibrate = None,
     calibrate_budget: SimCalibrateBudget = 2048,
+    step_jitter: SimStepJitter = True,
     dtype: SimDtype = "bf16",
     kv_dtype: SimKvDtype = None,
     bandwidth: SimBandwidth = None,
@@ -928,7 +945,7 @@ def simulate(
     with exit_on(2, SpecError, ValueError):
         settings = SimulateSettings.from_flags(
             kv_cache_memory, model=model, device=device, calibrate=calibrate,
-            calibrate_budget=calibrate_budget, dtype=dtype,
+            calibrate_budget=calibrate_budget, step_jitter=step_jitter, dtype=dtype,
             kv_dtype=kv_dtype, bandwidth_gb_s=bandwidth, tflops=tflops, memory_gb=memory,
             gpu_memory_utilization=gpu_memory_utilization,
             bandwidth_efficiency=bandwidth_efficiency, flops_efficiency=flops_efficiency,

@@ -1,8 +1,9 @@
 """Fit the simulator's cost parameters to a saved `pdscope probe --json` of the server modelled.
 
 A probe measures one server's steps in three shapes: prefills of several lengths (TTFT, one
-request at a time), single-stream decodes at short and long context (TPOT), and one batched
-decode (several streams at once: the median per-token gap is one step carrying all of them).
+request at a time), single-stream decodes at short and long context (TPOT), and batched
+decodes at short and long context (several streams at once: the median per-token gap while
+they all decode is one step carrying all of them).
 Each becomes an :class:`Observation`: the steps the engine's scheduler would run for it, and the
 seconds they took. The cost model prices a step as a sum of roofline terms ``max(FLOPs / F,
 bytes / B)`` plus ``step_overhead + seq_overhead x entries``, and a TTFT also pays
@@ -26,11 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from pdscope.analysis.probe import streams_overlap
+from pdscope.analysis.probe import joint_decode
 from pdscope.analysis.stats import median
 from pdscope.client.trace import Trace
 from pdscope.roofline.step_cost import CostModel, CostParams
 from pdscope.specs import SpecError
+
+# Probe's batched-decode checks: short prompts, and (newer probes) long ones.
+BATCH_LABELS = ("batch-decode", "batch-decode-long")
 
 
 @dataclass(frozen=True)
@@ -71,11 +75,55 @@ class Residual:
         return self.fitted_s / self.measured_s - 1
 
 
+@dataclass(frozen=True)
+class StepJitter:
+    """How much a server's step times scatter about their cost: every single-stream decode gap
+    of the probe over its own request's median gap, scaled so the ratios average 1 (the fit
+    prices a step's mean; this spreads it). Kept as 101 quantiles; a simulated step's seconds
+    are multiplied by a draw. A perfectly steady server gives all ones, i.e. no jitter."""
+
+    quantiles: tuple[float, ...]
+    samples: int
+
+    def draw(self, u: float) -> float:
+        """The ratio at cumulative probability ``u`` in [0, 1), interpolated."""
+        x = u * (len(self.quantiles) - 1)
+        i = min(int(x), len(self.quantiles) - 2)
+        lo, hi = self.quantiles[i], self.quantiles[i + 1]
+        return lo + (hi - lo) * (x - i)
+
+    def to_dict(self) -> dict[str, Any]:
+        q = self.quantiles
+        return {"samples": self.samples, "p1": q[1], "p50": q[50], "p90": q[90], "p99": q[99]}
+
+
+# Single-stream decodes of a probe: every gap is one step carrying one decode.
+_SINGLE_LABELS = ("sweep", "prefix-cold", "prefix-warm", "context-short", "context-long")
+
+
+def step_jitter(probe: dict[str, Any]) -> StepJitter | None:
+    """The probe's step-time scatter (see :class:`StepJitter`); None without a decode of at
+    least 8 gaps. The cold request is left out: its first steps pay one-off work."""
+    ratios: list[float] = []
+    for t in (Trace.from_dict(d) for d in probe.get("traces") or []):
+        if not t.ok or t.label not in _SINGLE_LABELS:
+            continue
+        gaps = t.itl_samples_s()
+        mid = median(gaps) if len(gaps) >= 8 else None
+        if mid:
+            ratios += [g / mid for g in gaps]
+    if not ratios:
+        return None
+    r = np.array(ratios) / np.mean(ratios)
+    return StepJitter(tuple(float(x) for x in np.percentile(r, range(101))), len(r))
+
+
 @dataclass
 class Calibration:
     params: CostParams
     residuals: list[Residual]
     notes: list[str] = field(default_factory=list)
+    jitter: StepJitter | None = None
 
     def to_dict(self) -> dict[str, Any]:
         p = self.params
@@ -97,6 +145,7 @@ class Calibration:
                 for r in self.residuals
             ],
             "notes": self.notes,
+            "step_jitter": self.jitter.to_dict() if self.jitter else None,
         }
 
 
@@ -120,12 +169,12 @@ def observations(probe: dict[str, Any], budget: int) -> list[Observation]:
     traces = [Trace.from_dict(t) for t in probe.get("traces") or []]
     prefill: dict[tuple[str, int, int], list[float]] = defaultdict(list)
     decode: dict[tuple[str, int], list[float]] = defaultdict(list)
-    batch: list[Trace] = []
+    batch: dict[str, list[Trace]] = defaultdict(list)
     for t in traces:
         if not t.ok or t.label == "cold":
             continue
-        if t.label == "batch-decode":
-            batch.append(t)
+        if t.label in BATCH_LABELS:
+            batch[t.label].append(t)
             continue
         prompt = t.prompt_tokens or t.prompt_tokens_asked
         if not prompt:
@@ -160,20 +209,18 @@ def observations(probe: dict[str, Any], budget: int) -> list[Observation]:
         )
         for (label, context), times in sorted(decode.items(), key=lambda kv: kv[0][1])
     ]
-    concurrency = streams_overlap(batch)
-    gaps = [x for t in batch for x in t.itl_samples_s()]
-    if concurrency is not None and round(concurrency) >= 2 and gaps:
-        prompt = int(median([t.prompt_tokens or t.prompt_tokens_asked or 0 for t in batch]) or 0)
-        n = int(median([t.n_output or 0 for t in batch]) or 0)
-        k = round(concurrency)
-        entries = tuple(WorkEntry(prompt + n // 2 - 1, 1) for _ in range(k))
+    for label, group in sorted(batch.items()):
+        joint = joint_decode(group)
+        if joint is None or joint.streams < 2:
+            continue
+        entries = tuple(WorkEntry(joint.context - 1, 1) for _ in range(joint.streams))
         out.append(
             Observation(
-                f"batch-decode x{k} at {prompt + n // 2} tok",
+                f"{label} x{joint.streams} at {joint.context} tok",
                 "batch-decode",
                 (entries,),
-                median(gaps),  # type: ignore[arg-type]
-                len(gaps),
+                median(joint.gaps_s),  # type: ignore[arg-type]
+                len(joint.gaps_s),
             )
         )
     return out

@@ -232,7 +232,13 @@ def analyze(
                 "explained_long_over_short": a / b,
             }
 
-    result["batch_decode"] = batch_decode(_ok(by_label["batch-decode"]), result["context"])
+    ctx = result["context"]
+    result["batch_decode"] = batch_decode(
+        _ok(by_label["batch-decode"]), ctx["short"] if ctx else None
+    )
+    # At long context the KV read joins the weights in every step: the point that shows
+    # whether a batch's attention costs what its bytes say.
+    result["batch_decode_long"] = batch_decode(_ok(by_label["batch-decode-long"]))
 
     result["served_model"] = served_model
     result["ceiling"] = _ceiling(result, ceilings, served_model) if ceilings else None
@@ -257,27 +263,70 @@ def streams_overlap(traces: list[Trace]) -> float | None:
     return sum(end - start for start, end in windows) / span if span > 0 else None
 
 
-def batch_decode(traces: list[Trace], context: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The batched-decode check: several short prompts sent together. The median per-token gap
-    is one step carrying all their decodes; against one stream's (the context check's short
-    point) it shows what each extra sequence costs a step."""
+@dataclass(frozen=True)
+class JointDecode:
+    """The per-token gaps of streams sent together, taken while the most of them were decoding
+    at once: each gap is one server step that carried ``streams`` decodes."""
+
+    streams: int
+    gaps_s: list[float]
+    contexts: list[int]  # each gap's token's context (prompt + tokens before it)
+
+    @property
+    def context(self) -> int:
+        """The mean context of the gaps' tokens (a decode's cost is linear in its context)."""
+        return round(sum(self.contexts) / len(self.contexts))
+
+
+def joint_decode(traces: list[Trace]) -> JointDecode | None:
+    """Group every per-token gap of ``traces`` by how many of them were between their first
+    and last token at the gap's midpoint, and keep the largest group (ties: more streams).
+    That drops the gaps of steps that also ran another stream's prefill (a stream still in
+    prefill has no first token yet) and those after the first stream ended, so the group is
+    steps of one batch size, whatever the server's order; a server that ran fewer at once
+    (Ollama's parallel slots) gives its own batch size."""
+    streams = [t for t in traces if t.streamed]
+    windows = [(t.chunks[0].t_s, t.chunks[-1].t_s) for t in streams]
+    groups: dict[int, tuple[list[float], list[int]]] = defaultdict(lambda: ([], []))
+    for t in streams:
+        prompt = _prompt_tokens(t) or 0
+        end = t.chunks[0].t_s
+        for i, gap in enumerate(t.itl_samples_s()):
+            mid, end = end + gap / 2, end + gap
+            k = sum(start <= mid <= stop for start, stop in windows)
+            groups[k][0].append(gap)
+            groups[k][1].append(prompt + 1 + i)  # the first token was the prefill's
+    if not groups:
+        return None
+    k = max(groups, key=lambda n: (len(groups[n][0]), n))
+    return JointDecode(k, *groups[k])
+
+
+def batch_decode(
+    traces: list[Trace], one_stream: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """A batched-decode check: several prompts sent together. The median per-token gap while
+    most of them decoded at once (:func:`joint_decode`) is one step carrying all of them;
+    against one stream's at a similar context (``one_stream``, a context check point) it shows
+    what each extra sequence costs a step."""
     if not traces:
         return None
-    itl = [x for t in traces for x in t.itl_samples_s()]
+    joint = joint_decode(traces)
     tpot = [t.tpot_s for t in traces if t.tpot_s is not None]
     counts = [_prompt_tokens(t) for t in traces if _prompt_tokens(t) is not None]
     out: dict[str, Any] = {
         "streams": len(traces),
         "concurrency": streams_overlap(traces),
+        "decoding_together": joint.streams if joint else None,
+        "context_tokens": joint.context if joint else None,
         "prompt_tokens": int(median(counts)) if counts else traces[0].prompt_tokens_asked,
         "output_tokens": median([t.n_output for t in traces if t.n_output]),
-        "itl_ms": _ms(median(itl)),
+        "itl_ms": _ms(median(joint.gaps_s)) if joint else None,
         "tpot_ms": _ms(median(tpot)),
         "step_over_one_stream": None,
     }
-    short = context["short"] if context else None
-    if short and short.get("decode_tok_s") and out["itl_ms"]:
-        out["step_over_one_stream"] = out["itl_ms"] / (1e3 / short["decode_tok_s"])
+    if one_stream and one_stream.get("decode_tok_s") and out["itl_ms"]:
+        out["step_over_one_stream"] = out["itl_ms"] / (1e3 / one_stream["decode_tok_s"])
     return out
 
 

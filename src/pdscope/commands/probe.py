@@ -57,6 +57,9 @@ class ProbeSettings:
     # Streams sent at once for the batched-decode check: a step carrying several decodes is the
     # point `simulate --calibrate` fits the per-sequence cost from (0 skips the check).
     batch_streams: int = 8
+    # Prompt length of the second batched-decode check, the same streams at long context: its
+    # steps read the batch's KV beside the weights (0 skips it).
+    batch_context_tokens: int = 1024
     # Prompts are drawn fresh for every probe so no run meets an earlier one's prompts in the
     # server's prefix cache; a seed repeats a run's prompts exactly (recorded in the result).
     seed: int | None = None
@@ -69,7 +72,9 @@ class ProbeSettings:
         if s.api != "auto" and s.api not in APIS:
             raise ValueError(f"--api must be auto or one of {', '.join(APIS)}, got {s.api!r}")
         at_least(1, ("--output-tokens", s.output_tokens), ("--repeats", s.repeats))
-        at_least(0, ("--batch-streams", s.batch_streams))
+        at_least(
+            0, ("--batch-streams", s.batch_streams), ("--batch-context", s.batch_context_tokens)
+        )
         if s.timeout_s <= 0:
             raise ValueError(f"--timeout must be positive, got {s.timeout_s}")
         if url is None:
@@ -161,13 +166,16 @@ class Prober:
         if s.batch_streams > 1:
             # Short fresh prompts sent together: after their prefills, every step decodes all
             # of them at once (what one stream's figures cannot show: the cost per sequence).
-            prompts = [await self.prompt(BATCH_PROMPT_TOKENS) for _ in range(s.batch_streams)]
-            await asyncio.gather(
-                *(
-                    self.send(p, BATCH_PROMPT_TOKENS, "batch-decode", count_hits=False)
-                    for p in prompts
-                )
-            )
+            await self.batch(BATCH_PROMPT_TOKENS, "batch-decode")
+            if s.batch_context_tokens:
+                await self.batch(s.batch_context_tokens, "batch-decode-long")
+
+    async def batch(self, prompt_tokens: int, label: str) -> None:
+        """Fresh prompts of one length sent together, so their decodes share steps."""
+        prompts = [await self.prompt(prompt_tokens) for _ in range(self.s.batch_streams)]
+        await asyncio.gather(
+            *(self.send(p, prompt_tokens, label, count_hits=False) for p in prompts)
+        )
 
     @property
     def context_tokens(self) -> int:
@@ -182,6 +190,7 @@ class Prober:
 
     def planned_requests(self) -> int:
         batch = self.s.batch_streams if self.s.batch_streams > 1 else 0
+        batch *= 2 if self.s.batch_context_tokens else 1
         return 1 + len(self.s.prompt_tokens) * self.s.repeats + 2 + 4 + batch
 
 
@@ -210,6 +219,8 @@ def _cap_sweep(s: ProbeSettings, max_len: int | None) -> list[str]:
                 f"context check capped at {room} tokens by the server's max length {max_len}"
             )
             s.context_tokens = room
+        if s.batch_context_tokens > room:
+            s.batch_context_tokens = room
     return notes
 
 
@@ -417,6 +428,7 @@ async def probe(
             "exact_prompt_tokens": prober.exact_prompts,
             "context_tokens": prober.context_tokens,
             "batch_streams": s.batch_streams,
+            "batch_context_tokens": s.batch_context_tokens,
             "device": s.device,
             "seed": seed,
             "seed_given": s.seed is not None,

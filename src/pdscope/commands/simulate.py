@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pdscope import __version__
 from pdscope.analysis.bench import SLO, by_kind, summarize
-from pdscope.analysis.calibrate import Calibration, fit, observations
+from pdscope.analysis.calibrate import Calibration, fit, observations, step_jitter
 from pdscope.analysis.server_metrics import MetricsReport
 from pdscope.client.load import LoadPlan
 from pdscope.client.server_metrics import TimelinePoint
@@ -76,6 +76,7 @@ class SimulateSettings:
     calibrate: str | None = None  # a saved `pdscope probe --json` of the server modelled
     # the probed server's max_num_batched_tokens: its prompts over it prefilled in several steps
     calibrate_budget: int = 2048
+    step_jitter: bool = True  # with --calibrate: the probe's step-time scatter
     dtype: str = "bf16"
     kv_dtype: str | None = None
     bandwidth_gb_s: float | None = None
@@ -236,6 +237,7 @@ def calibrated_inputs(s: SimulateSettings) -> tuple[PlanInputs, Calibration, str
     calibration = fit(
         CostModel(first.model, first.weights, first.kv, start), obs, f"fitted to {s.calibrate}"
     )
+    calibration.jitter = step_jitter(probe) if s.step_jitter else None
     fitted = calibration.params
     if s.device is None:
         p = replace(
@@ -445,11 +447,17 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
         specs = first_specs if k == 1 else make_specs(s, p, model_ref, s.seed + k - 1)
         requests = sim_requests(s, specs, request_rate, s.seed + k)
         config = s.scheduler_config()
+        jitter = calibration.jitter if calibration else None
+        # The probed server's step-time scatter, drawn per step from the run's own seed, so a
+        # simulation repeats exactly.
+        draw = random.Random(s.seed + k).random
         sim = Simulator(
             config,
             blocks,
             s.block_size,
-            lambda out: cost.step(out.scheduled).seconds,
+            (lambda out: cost.step(out.scheduled).seconds * jitter.draw(draw()))
+            if jitter
+            else (lambda out: cost.step(out.scheduled).seconds),
             s.enable_prefix_caching,
             admission_delay_s=params.request_overhead_s,
         )

@@ -322,5 +322,12 @@ def render_calibration(c: dict[str, Any], console: Console) -> None:
             f"{r['error']:+.1%}",
         )
     console.print(table)
+    jitter = c.get("step_jitter")
+    if jitter:
+        console.print(
+            f"step-time scatter from the probe's {jitter['samples']:,} decode gaps (each step's "
+            f"cost times a draw, mean 1): p50 {jitter['p50']:.2f}, p90 {jitter['p90']:.2f}, "
+            f"p99 {jitter['p99']:.2f}"
+        )
     for note in c.get("notes") or []:
         console.print(f"note: {note}")

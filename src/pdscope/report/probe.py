@@ -111,14 +111,16 @@ def render_probe(r: dict[str, Any], console: Console) -> None:
             f"{_f(ctx['long']['decode_tok_s'], '{:,.1f}')} at "
             f"{ctx['long']['prompt_tokens']:,} ({ctx['long_over_short']:.0%})"
         )
-    batch = r.get("batch_decode")
-    if batch and batch.get("itl_ms"):
-        ratio = batch.get("step_over_one_stream")
-        console.print(
-            f"batched decode: {batch['streams']} streams at once "
-            f"({_f(batch['concurrency'], '{:.1f}')} decoding together on average), one step "
-            f"{_f(batch['itl_ms'])} ms" + (f", {ratio:.2f}x one stream's" if ratio else "")
-        )
+    for key in ("batch_decode", "batch_decode_long"):
+        batch = r.get(key)
+        if batch and batch.get("itl_ms"):
+            ratio = batch.get("step_over_one_stream")
+            console.print(
+                f"batched decode: {batch['streams']} streams of {batch['prompt_tokens']:,} "
+                f"prompt tokens, one step with {batch['decoding_together']} decoding at "
+                f"{batch['context_tokens']:,} tokens of context {_f(batch['itl_ms'])} ms"
+                + (f", {ratio:.2f}x one stream's" if ratio else "")
+            )
     if r.get("ceiling"):
         c = r["ceiling"]
         margin = c.get("decode_pct_range")
