@@ -14,7 +14,11 @@ Paths (every candidate computes the same function; tests pin each against transf
   weights as stored with AVX-512 BF16 dot products where the CPU has them; larger matmuls then
   take the packed weights). Only bf16 on CPU has a packed form; ``c`` needs a C compiler.
 * ``prefill_attention``: ``blocked`` (blocks of queries, each scored only against the keys it
-  can see) or ``sdpa`` (torch's fused kernel). CPU only; CUDA always takes SDPA.
+  can see), ``sdpa`` (torch's fused kernel) or ``amx`` (engine/native.py's causal attention on
+  AMX tiles: bf16 scores and values on tiles, the softmax in AVX-512; chunks it does not take,
+  float32 or a sliding window or a head size not a multiple of 32, go to SDPA). ``amx`` only
+  where the C kernels built with AMX and Linux grants the tiles, and a bf16 model. CPU only;
+  CUDA always takes SDPA.
 * ``decode_math``: ``float32`` (small decode batches convert their context to float32 first)
   or ``native`` (the model dtype throughout). Only bf16 on CPU differs.
 * ``decode_ops``: ``torch`` (the PyTorch ops: the reference) or ``c`` (engine/native.py's C
@@ -48,7 +52,7 @@ log = logging.getLogger("pdscope.engine")
 
 OPTIONS: dict[str, tuple[str, ...]] = {
     "linear": ("packed", "plain", "c"),
-    "prefill_attention": ("blocked", "sdpa"),
+    "prefill_attention": ("blocked", "sdpa", "amx"),
     "decode_math": ("float32", "native"),
     "decode_ops": ("torch", "c"),
     "threads": ("free", "bound"),
@@ -56,7 +60,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
-_TRIAL_VERSION = 4
+_TRIAL_VERSION = 5
 
 
 @dataclass(frozen=True)
