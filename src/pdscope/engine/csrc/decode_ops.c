@@ -677,9 +677,9 @@ int place_threads(const int32_t *cpus, int n, int threads, int bind) {
  * group through one chunk of up to 512 keys before the next, so the packed K/V of the chunk
  * stays in L2 while the group's 2-4 heads use it. Per head and chunk: scores into f32, the
  * causal mask on the chunk's last keys, an online softmax (running max m and sum l per row, the
- * row's earlier output rescaled by exp(m_old - m_new)), P rounded to bf16 for P . V. l sums the
- * rounded P, so the weights P . V actually uses are normalized exactly. Threads take items
- * largest first (a later query block sees more keys).
+ * row's earlier output rescaled by exp(m_old - m_new)), P rounded to bf16 for P . V, l summed
+ * in float32 before that rounding (as torch's flash kernel does). Threads take items largest
+ * first (a later query block sees more keys).
  * Linux grants a process the tile registers only on request (arch_prctl); when it refuses, or
  * the CPU or compiler lacks AMX, the entry point returns 0 and the caller keeps SDPA.
  * The permission request and tile config repeat issue 12k's linear_many_rows helpers under
@@ -804,16 +804,14 @@ static inline void prefill_values(const bf16 *p, const bf16 *vp, int64_t vb0, in
     }
 }
 
-/* exp(x) on 16 lanes for the softmax's x <= 0 (finite): 2^n * 2^f with n = round(x log2 e),
- * |f| <= 1/2, 2^f by its degree-5 Taylor polynomial (relative error < 3e-6, far below the
- * bf16 rounding P gets) and the 2^n by vscalefps, which underflows to 0 for very negative x.
- * Half the instructions of exp_neg_abs16, whose 2e-7 the bf16 P cannot use. */
-static inline __m512 prefill_exp16(__m512 x) {
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+/* 2^t on 16 lanes for the softmax's t <= 0 (finite): 2^n * 2^f with n = round(t), |f| <= 1/2,
+ * 2^f by its degree-4 Taylor polynomial (relative error < 6e-5, far below the bf16 rounding P
+ * gets, and the same for every key of a row, so it cancels in P / l) and 2^n by vscalefps,
+ * which underflows to 0 for very negative t. Half the instructions of exp_neg_abs16. */
+static inline __m512 prefill_exp2_16(__m512 t) {
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.3333558146428443e-3f); /* ln2^5 / 5! */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
+    __m512 p = _mm512_set1_ps(9.618129107628477e-3f); /* ln2^4 / 4! */
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
@@ -822,32 +820,33 @@ static inline __m512 prefill_exp16(__m512 x) {
 }
 
 /* One row's softmax step over its chunk scores s[0, kc): the first `vis` are visible (the rest
- * masked or padding). Updates the running max m and sum l, writes P (bf16, zeros past vis) and
- * returns the factor the row's earlier output is rescaled by. */
-static inline float prefill_softmax_row(const float *s, int64_t kc, int64_t vis, float scale,
+ * masked or padding). m is the row's running max in units of log2 (scores times
+ * c = scale * log2 e), so each weight is one fmsub and one 2^t; updates m and the running sum
+ * l, writes P (bf16, zeros past vis) and returns the factor the row's earlier output is
+ * rescaled by. */
+static inline float prefill_softmax_row(const float *s, int64_t kc, int64_t vis, float c,
                                         float *m, float *l, bf16 *p) {
     if (vis <= 0) {
         memset(p, 0, (size_t)kc * sizeof(bf16));
         return 1.0f;
     }
-    const __m512 sc = _mm512_set1_ps(scale);
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < vis; j += 16) {
         const __mmask16 k = tail16(vis - j);
         mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, s + j));
     }
-    const float m_new = fmaxf(*m, _mm512_reduce_max_ps(mx) * scale);
-    const __m512 mv = _mm512_set1_ps(m_new);
+    const float m_new = fmaxf(*m, _mm512_reduce_max_ps(mx) * c);
+    const __m512 cv = _mm512_set1_ps(c), mv = _mm512_set1_ps(m_new);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < kc; j += 16) {
         const __mmask16 k = j < vis ? tail16(vis - j) : 0;
-        __m512 e = prefill_exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, s + j), sc, mv));
+        __m512 e = prefill_exp2_16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, s + j), cv, mv));
         e = _mm512_maskz_mov_ps(k, e);
-        const __m256bh h = _mm512_cvtneps_pbh(e);
-        _mm256_storeu_si256((__m256i *)(p + j), (__m256i)h);
-        sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(h));
+        _mm256_storeu_si256((__m256i *)(p + j), (__m256i)_mm512_cvtneps_pbh(e));
+        sum = _mm512_add_ps(sum, e);
     }
-    const float alpha = *m == -INFINITY ? 0.0f : exp_neg_abs(*m - m_new);
+    /* exp2(d) = exp(d ln 2) for d <= 0 */
+    const float alpha = *m == -INFINITY ? 0.0f : exp_neg_abs((*m - m_new) * 0.6931471805599453f);
     *l = *l * alpha + _mm512_reduce_add_ps(sum);
     *m = m_new;
     return alpha;
@@ -899,6 +898,7 @@ int prefill_attention_amx(const bf16 *q, const bf16 *keys, const bf16 *values, b
         heads / kv_heads > PREFILL_MAX_GROUP || !prefill_amx_usable())
         return 0;
     const int64_t group = heads / kv_heads, padded = (total + 31) / 32 * 32;
+    const float c2 = scale * 1.44269504088896341f; /* scores to log2 units */
     const int64_t kblocks = padded / 16, qblocks = (n + 15) / 16;
     const int64_t head_pack = padded * dim; /* elements of bf16 (or half as many uint32) */
     if (threads < 1) threads = 1;
@@ -972,7 +972,7 @@ int prefill_attention_amx(const bf16 *q, const bf16 *keys, const bf16 *values, b
                         const int64_t last = r < rows ? cached + q0 + r : kend - 1;
                         int64_t vis = last + 1 - k0;
                         if (vis > kc) vis = kc;
-                        alpha[r] = prefill_softmax_row(s + r * PREFILL_KEYS, kc, vis, scale,
+                        alpha[r] = prefill_softmax_row(s + r * PREFILL_KEYS, kc, vis, c2,
                                                        m + g * 16 + r, l + g * 16 + r,
                                                        p + r * PREFILL_KEYS);
                     }
