@@ -830,15 +830,24 @@ static inline float prefill_softmax_row(const float *s, int64_t kc, int64_t vis,
         memset(p, 0, (size_t)kc * sizeof(bf16));
         return 1.0f;
     }
+    /* full vectors unmasked, then one masked tail: a mask per vector would take the same
+     * ports as the vector math */
+    const int64_t full = vis & ~(int64_t)15;
     __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < vis; j += 16) {
-        const __mmask16 k = tail16(vis - j);
-        mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, s + j));
+    for (int64_t j = 0; j < full; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
+    if (full < vis) {
+        const __mmask16 k = tail16(vis - full);
+        mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, s + full));
     }
     const float m_new = fmaxf(*m, _mm512_reduce_max_ps(mx) * c);
     const __m512 cv = _mm512_set1_ps(c), mv = _mm512_set1_ps(m_new);
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < kc; j += 16) {
+    for (int64_t j = 0; j < full; j += 16) {
+        const __m512 e = prefill_exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), cv, mv));
+        _mm256_storeu_si256((__m256i *)(p + j), (__m256i)_mm512_cvtneps_pbh(e));
+        sum = _mm512_add_ps(sum, e);
+    }
+    for (int64_t j = full; j < kc; j += 16) {
         const __mmask16 k = j < vis ? tail16(vis - j) : 0;
         __m512 e = prefill_exp2_16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, s + j), cv, mv));
         e = _mm512_maskz_mov_ps(k, e);
