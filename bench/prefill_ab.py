@@ -14,6 +14,11 @@ listed is the rest: glue in torch ops, Python).
     .venv/bin/python bench/prefill_ab.py --rounds 5
     .venv/bin/python bench/prefill_ab.py --rounds 5 --threads 1 --parts
     .venv/bin/python bench/prefill_ab.py --rounds 5 --one-thread   # 2 threads vs 1, wall
+    .venv/bin/python bench/prefill_ab.py --rounds 5 --kernels prefill_attention=amx --sdpa-ab
+
+``--sdpa-ab`` adds pdscope with its prefill attention switched to torch's SDPA in the same
+process (the same engine, only each layer's attention call changes): the AMX tile kernel's
+before/after when the trial (or ``--kernels``) chose ``prefill_attention=amx``.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ def main() -> None:
         "--one-thread", action="store_true", help="also pdscope at one thread, same process"
     )
     parser.add_argument("--parts", action="store_true")
+    parser.add_argument("--kernels", default="auto", help="as the engine's --kernels")
+    parser.add_argument("--sdpa-ab", action="store_true", help="also pdscope with SDPA prefill")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -61,6 +68,7 @@ def main() -> None:
         max_model_len=4096,
         max_num_batched_tokens=2048,
         max_num_seqs=64,
+        kernels=args.kernels,
     )
     rng = random.Random(0)
 
@@ -93,6 +101,24 @@ def main() -> None:
                 torch.set_num_threads(threads)
 
         candidates["pdscope-1-thread"] = one_thread
+    if args.sdpa_ab:
+        from pdscope.engine.model import Attention
+
+        attns = [m for m in llm.engine.runner.model.modules() if isinstance(m, Attention)]
+        if not any(m.prefill_native is not None for m in attns):
+            raise SystemExit("--sdpa-ab: the engine does not run prefill_attention=amx here")
+
+        def sdpa_attention() -> None:
+            saved = [(m.prefill_native, m.prefill_sdpa) for m in attns]
+            for m in attns:
+                m.prefill_native, m.prefill_sdpa = None, True
+            try:
+                pdscope()
+            finally:
+                for m, (native, sdpa) in zip(attns, saved, strict=True):
+                    m.prefill_native, m.prefill_sdpa = native, sdpa
+
+        candidates["pdscope-sdpa-attention"] = sdpa_attention
     if not args.no_transformers:
         from transformers import AutoModelForCausalLM
 
@@ -174,6 +200,7 @@ def _time_parts(acc: dict[str, float]) -> None:
 
     wrap(model.Linear, "forward", "matmuls (Linear)")
     wrap(model.Attention, "_prefill_cpu", "attention (blocked)")
+    wrap(NativeOps, "prefill_attention", "attention (C, AMX)")
     wrap(model, "_gather_blocks", "key gather")
     for fn in ("rms_norm", "qkv_rope_store", "silu_mul"):
         wrap(NativeOps, fn, f"C {fn}")

@@ -33,7 +33,23 @@ BF16_PATHS = [
     "decode_ops=torch",
     "linear=plain,batch_linear=c,prefill_attention=sdpa,decode_math=native,decode_ops=c",
     "linear=c,batch_linear=c,prefill_attention=sdpa,decode_math=float32,decode_ops=c,threads=bound",
+    # AMX tile attention: needs a head size that is a multiple of 32 (the model below gets one)
+    "linear=c,batch_linear=c,prefill_attention=amx,decode_math=native,decode_ops=c",
 ]
+
+
+def _amx_or_skip(kernels: str) -> dict[str, int]:
+    """For the prefill_attention=amx row: skip where the tiles are not granted; the checkpoint
+    overrides that give the kernel a head size it takes (tiny's is 16)."""
+    if "prefill_attention=amx" not in kernels:
+        return {}
+    from pdscope.checkpoint.make_model import default_cache_dir
+    from pdscope.engine import native
+
+    ops = native.load(default_cache_dir() / "native")
+    if ops is None or not ops.prefill_amx:
+        pytest.skip("no AMX tiles on this CPU, compiler or kernel")
+    return {"head_dim": 32}
 
 
 @pytest.fixture(autouse=True)
@@ -121,7 +137,8 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file, save_file
 
-    path = make_model(tmp_path / arch, "tiny", arch=arch, dtype="bfloat16")
+    overrides = _amx_or_skip(kernels)
+    path = make_model(tmp_path / arch, "tiny", arch=arch, dtype="bfloat16", **overrides)
     # Generated norm weights are all ones; random ones make a dropped or misplaced weight show.
     weights_file = path / "model.safetensors"
     tensors = load_file(weights_file)
@@ -151,6 +168,9 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
     assert all((m.native_many is not None) == many for m in linears)
     rows = 2048 if c_linear else 1  # packed for many rows where C takes one
     assert all(m.packed_rows == rows for m in linears if m.packed is not None)
+    amx = "prefill_attention=amx" in kernels  # then every layer's prefill takes the tiles
+    attns = [m for m in model.modules() if hasattr(m, "prefill_native")]
+    assert attns and all((m.prefill_native is not None) == amx for m in attns)
     llm.engine.runner.capture_logits = True
     rng = random.Random(0)
     prompt = [rng.randrange(10, 1000) for _ in range(1100)]

@@ -492,6 +492,89 @@ def test_c_linear_matches_a_float64_reference(
         linear(x, weight.t())
 
 
+def _causal_reference(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int, scale: float
+) -> torch.Tensor:
+    """float64 causal attention with GQA: q [n, heads, dim] at positions cached.., keys and
+    values [kv_heads, cached + n, dim] → [n, heads, dim]."""
+    n, heads, _ = q.shape
+    group = heads // keys.shape[0]
+    k = keys.double().repeat_interleave(group, 0)
+    v = values.double().repeat_interleave(group, 0)
+    scores = q.double().transpose(0, 1) @ k.transpose(1, 2) * scale
+    seen = torch.arange(cached + n)[None] <= torch.arange(cached, cached + n)[:, None]
+    return (scores.masked_fill(~seen, float("-inf")).softmax(-1) @ v).transpose(0, 1)
+
+
+@needs_cc
+@pytest.mark.parametrize(
+    ("n", "cached", "heads", "kv_heads", "head_dim"),
+    [
+        (1, 0, 4, 4, 64),  # one query, one key
+        (37, 0, 16, 4, 64),  # the small model's heads; tails of 16-query and 32-key tiles
+        (100, 523, 16, 4, 64),  # a chunk after a cached prefix, context past one 512-key chunk
+        (600, 0, 8, 2, 128),  # two 512-key chunks for the later rows, head 128
+        (33, 70, 6, 3, 32),  # group 2, head 32
+        (20, 9, 4, 1, 64),  # all heads on one KV head
+    ],
+)
+@pytest.mark.parametrize("heads_major", [False, True])
+def test_c_prefill_attention_amx_matches_a_float64_reference(
+    c_ops: native.NativeOps,
+    n: int,
+    cached: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    heads_major: bool,
+) -> None:
+    """The AMX tile kernel (prefill_attention=amx): causal, from a cached offset, GQA, every
+    tail; within a bf16 rounding of float64 and no further from it than torch's SDPA. Keys
+    and values are slices of a wider gather, as the engine hands them over."""
+    if not c_ops.prefill_amx:
+        pytest.skip("no AMX tiles on this CPU, compiler or kernel")
+    gen = torch.Generator().manual_seed(7)
+    total = cached + n
+    if heads_major:
+        q = torch.randn(heads, n, head_dim, generator=gen).to(torch.bfloat16).transpose(0, 1)
+    else:
+        q = torch.randn(n, heads, head_dim, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(2, kv_heads, total + 5, head_dim, generator=gen).to(torch.bfloat16)
+    keys, values = kv[0, :, :total], kv[1, :, :total]
+    scale = head_dim**-0.5
+    out = c_ops.prefill_attention(q, keys, values, cached, scale)
+    assert out is not None and out.shape == (n, heads, head_dim) and out.is_contiguous()
+    ref = _causal_reference(q, keys, values, cached, scale)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    seen = torch.arange(total)[None] <= torch.arange(cached, total)[:, None]
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        keys[None],
+        values[None],
+        attn_mask=seen,
+        scale=scale,
+        enable_gqa=True,
+    )[0].transpose(0, 1)
+    ours, theirs = (out.double() - ref).abs(), (sdpa.double() - ref).abs()
+    assert ours.mean() <= theirs.mean() * 1.05 + 1e-6
+    assert ours.max() <= theirs.max() * 1.25 + 1e-4
+
+
+@needs_cc
+def test_c_prefill_attention_amx_refuses_what_it_cannot_take(c_ops: native.NativeOps) -> None:
+    """A head size off its tiles returns None (the model then takes SDPA); bad inputs raise."""
+    q = torch.zeros(3, 4, 48, dtype=torch.bfloat16)
+    kv = torch.zeros(2, 2, 3, 48, dtype=torch.bfloat16)
+    assert c_ops.prefill_attention(q, kv[0], kv[1], 0, 0.1) is None
+    with pytest.raises(ValueError, match="bf16 only"):
+        c_ops.prefill_attention(q.float(), kv[0].float(), kv[1].float(), 0, 0.1)
+    with pytest.raises(ValueError, match="does not fit"):
+        c_ops.prefill_attention(q, kv[0], kv[1], 1, 0.1)
+    strided = torch.zeros(2, 2, 3, 96, dtype=torch.bfloat16)[..., ::2]  # rows not contiguous
+    with pytest.raises(ValueError, match="contiguous"):
+        c_ops.prefill_attention(q, strided[0], strided[1], 0, 0.1)
+
+
 needs_two_cpus = pytest.mark.skipif(not thread_cpus(), reason="one thread or one CPU here")
 
 

@@ -19,7 +19,11 @@ Paths (every candidate computes the same function; tests pin each against transf
   multiplies reading each weight block once for all rows, where the CPU and Linux allow them).
   bf16 on CPU with the C kernels only.
 * ``prefill_attention``: ``blocked`` (blocks of queries, each scored only against the keys it
-  can see) or ``sdpa`` (torch's fused kernel). CPU only; CUDA always takes SDPA.
+  can see), ``sdpa`` (torch's fused kernel) or ``amx`` (engine/native.py's causal attention on
+  AMX tiles: bf16 scores and values on tiles, the softmax in AVX-512; chunks it does not take,
+  float32 or a sliding window or a head size not a multiple of 32, go to SDPA). ``amx`` only
+  where the C kernels built with AMX and Linux grants the tiles, and a bf16 model. CPU only;
+  CUDA always takes SDPA.
 * ``decode_math``: ``float32`` (small decode batches convert their context to float32 first)
   or ``native`` (the model dtype throughout). Only bf16 on CPU differs.
 * ``decode_ops``: ``torch`` (the PyTorch ops: the reference) or ``c`` (engine/native.py's C
@@ -54,7 +58,7 @@ log = logging.getLogger("pdscope.engine")
 OPTIONS: dict[str, tuple[str, ...]] = {
     "linear": ("packed", "plain", "c"),
     "batch_linear": ("packed", "c"),
-    "prefill_attention": ("blocked", "sdpa"),
+    "prefill_attention": ("blocked", "sdpa", "amx"),
     "decode_math": ("float32", "native"),
     "decode_ops": ("torch", "c"),
     "threads": ("free", "bound"),
@@ -62,7 +66,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
-_TRIAL_VERSION = 5
+_TRIAL_VERSION = 6
 
 
 @dataclass(frozen=True)

@@ -333,6 +333,8 @@ class Attention(nn.Module):
         self.prefill_sdpa = False
         self.decode_float32 = True
         self.native: NativeOps | None = None
+        # prefill_attention=amx: the C kernels whose AMX tile attention takes bf16 chunks.
+        self.prefill_native: NativeOps | None = None
 
     def forward(
         self,
@@ -555,8 +557,23 @@ class Attention(nn.Module):
         else:
             kv = _gather_blocks(kv_cache, rows, batch.block_size)[:, :, : cached + q.shape[0]]
             keys, values = kv[0], kv[1]
+        if self.prefill_native is not None:
+            return self._prefill_amx(q, keys, values, cached)
         if q.device.type == "cpu" and not self.prefill_sdpa:
             return self._prefill_cpu(q, keys, values, cached)
+        return self._prefill_sdpa(q, keys, values, cached)
+
+    def _prefill_amx(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int
+    ) -> torch.Tensor:
+        """The C kernel's causal attention on AMX tiles (csrc/decode_ops.c) for a bf16 chunk
+        without a sliding window; SDPA for anything it does not take (a float32 model, a
+        window, a head size that is not a multiple of 32)."""
+        native = self.prefill_native
+        if native is not None and self.window is None and q.dtype == torch.bfloat16:
+            out = native.prefill_attention(q, keys, values, cached, self.scale)
+            if out is not None:
+                return out
         return self._prefill_sdpa(q, keys, values, cached)
 
     def _prefill_sdpa(
@@ -716,6 +733,11 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
     for path in ("linear", "batch_linear", "decode_ops"):
         if getattr(choice, path) == "c" and native is None:
             raise ValueError(f"{path}=c needs the C kernels, which did not load")
+    if choice.prefill_attention == "amx" and (native is None or not native.prefill_amx):
+        raise ValueError(
+            "prefill_attention=amx needs the C kernels and AMX tiles, which this CPU, compiler "
+            "or kernel does not give"
+        )
     model.native = native if choice.decode_ops == "c" else None
     for module in model.modules():
         if isinstance(module, Linear):
@@ -734,6 +756,7 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             module.native = model.native
         elif isinstance(module, Attention):
             module.prefill_sdpa = choice.prefill_attention == "sdpa"
+            module.prefill_native = native if choice.prefill_attention == "amx" else None
             module.decode_float32 = choice.decode_math == "float32"
             module.native = model.native
 
@@ -769,7 +792,7 @@ def kernel_trials(
     if device.type != "cpu":
         return {}
     trials: dict[str, Callable[[], dict[str, Callable[[], object]]]] = {
-        "prefill_attention": lambda: _prefill_trial(model, max(1, prefill_tokens))
+        "prefill_attention": lambda: _prefill_trial(model, max(1, prefill_tokens), native)
     }
     if can_pack(dtype, device) or native is not None:
         trials["linear"] = lambda: _linear_trial(model, native)
@@ -865,17 +888,38 @@ def _batch_linear_trial(model: CausalLM, native: NativeOps) -> dict[str, Callabl
     return {"packed": run_packed, "c": run_c}
 
 
-def _prefill_trial(model: CausalLM, n: int) -> dict[str, Callable[[], object]]:
+def _prefill_trial(
+    model: CausalLM, n: int, native: NativeOps | None = None
+) -> dict[str, Callable[[], object]]:
     c, weight = model.config, model.embed_tokens.weight
     attn = model.layers[0].self_attn
     # Laid out head-major, as the C path hands a one-chunk step's queries to attention.
     q = _random((c.num_heads, n, c.head_dim), weight, 0.1).transpose(0, 1)
     keys = _random((c.num_kv_heads, n, c.head_dim), weight, 0.1)
     values = _random((c.num_kv_heads, n, c.head_dim), weight)
-    return {
+    candidates: dict[str, Callable[[], object]] = {
         "blocked": lambda: attn._prefill_cpu(q, keys, values, 0),
         "sdpa": lambda: attn._prefill_sdpa(q, keys, values, 0),
     }
+    # The AMX kernel only where it would run in the model: bf16 chunks, no window, a head size
+    # it takes, tiles granted. Elsewhere it would time SDPA under another name.
+    if (
+        native is not None
+        and weight.dtype == torch.bfloat16
+        and attn.window is None
+        and c.head_dim % 32 == 0
+        and c.head_dim <= 256
+        and c.num_heads // c.num_kv_heads <= 16
+        and native.prefill_amx
+    ):
+        ops = native
+
+        def run_amx() -> None:
+            if ops.prefill_attention(q, keys, values, 0, attn.scale) is None:
+                raise RuntimeError("prefill_attention_amx refused a shape the trial offered")
+
+        candidates["amx"] = run_amx
+    return candidates
 
 
 def _decode_math_trial(model: CausalLM) -> dict[str, Callable[[], object]]:

@@ -159,6 +159,10 @@ class NativeOps:
         self.lib.prefill_glue_isa.argtypes = []
         self.lib.prefill_glue_isa.restype = ctypes.c_int
         self.wide_glue = bool(self.lib.prefill_glue_isa())
+        self.lib.prefill_attention_amx.argtypes = [_P] * 4 + [_I] * 8 + [_F, _C]
+        self.lib.prefill_attention_amx.restype = ctypes.c_int
+        self.lib.prefill_attention_amx_usable.argtypes = []
+        self.lib.prefill_attention_amx_usable.restype = ctypes.c_int
         self.lib.place_threads.argtypes = [_P, _C, _C, _C]
         self.lib.place_threads.restype = ctypes.c_int
         self.lib.paged_decode_attention.restype = ctypes.c_int
@@ -403,6 +407,60 @@ class NativeOps:
             torch.get_num_threads(),
         )
         return out
+
+    @property
+    def prefill_amx(self) -> bool:
+        """Whether :meth:`prefill_attention` runs here: the CPU and compiler have AMX tiles and
+        Linux granted this process their registers (asked on the first call)."""
+        return bool(self.lib.prefill_attention_amx_usable())
+
+    def prefill_attention(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int, scale: float
+    ) -> torch.Tensor | None:
+        """Causal attention of one chunk on AMX tiles (bf16): q [n, heads, dim] at positions
+        ``cached``..``cached + n - 1`` (any token/head strides, each row contiguous) over keys
+        and values [kv_heads, cached + n, dim] (any head stride); returns [n, heads, dim],
+        contiguous. None when the kernel cannot run here (no AMX tiles, refused by the kernel,
+        or a head size that is not a multiple of 32 up to 256): the caller takes SDPA."""
+        n, heads, dim = q.shape
+        kv_heads, total, _ = keys.shape
+        if q.dtype != torch.bfloat16 or keys.dtype != q.dtype or values.dtype != q.dtype:
+            raise ValueError(f"prefill_attention: bf16 only, got {q.dtype} {keys.dtype}")
+        if keys.shape != values.shape or total != cached + n or keys.shape[2] != dim:
+            raise ValueError(
+                f"prefill_attention: q {tuple(q.shape)} at {cached} does not fit keys "
+                f"{tuple(keys.shape)} / values {tuple(values.shape)}"
+            )
+        if (
+            q.stride(2) != 1
+            or keys.stride()[1:] != (dim, 1)
+            or values.stride() != keys.stride()
+            or q.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"prefill_attention: rows must be contiguous, got q {q.stride()} "
+                f"keys {keys.stride()} values {values.stride()}"
+            )
+        out = torch.empty(n, heads, dim, dtype=q.dtype)
+        status = self.lib.prefill_attention_amx(
+            q.data_ptr(),
+            keys.data_ptr(),
+            values.data_ptr(),
+            out.data_ptr(),
+            n,
+            cached,
+            heads,
+            kv_heads,
+            dim,
+            q.stride(0),
+            q.stride(1),
+            keys.stride(0),
+            scale,
+            torch.get_num_threads(),
+        )
+        if status < 0:
+            raise MemoryError("prefill_attention_amx: no memory for its packed K/V")
+        return out if status else None
 
 
 def _check(*tensors: torch.Tensor | None) -> None:

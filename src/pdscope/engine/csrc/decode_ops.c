@@ -989,3 +989,331 @@ int linear_many_rows(const void *x, const void *w, const void *bias, void *y, in
     linear_rows(x, w, bias, y, rows, in, out, bf, threads);
     return 0;
 }
+
+/* ---- Prefill attention on AMX tiles: causal attention of one chunk's queries, at positions
+ * cached..cached+n-1, over its context's keys 0..cached+n-1, bf16 in and out.
+ * torch's flash kernel runs these scores and values at ~0.18 TFLOP/s of one core (AMX Xeon,
+ * 2,000 tokens) where oneDNN's matmuls reach ~0.85; here both products are tile multiplies
+ * (C[16 x 16] f32 += A[16 x 32] bf16 . B[32 x 16] bf16) and the softmax is AVX-512 between them.
+ *
+ * Layout: q [n, heads, dim] at any token and head strides (the C path's head-major q or a
+ * token-major slice); keys and values [kv_heads, total, dim] at any head stride (the chunk's
+ * gathered cache rows); out [n, heads, dim] contiguous, as o_proj reads it. dim a multiple of
+ * 32, up to 256.
+ * Each call first repacks K and V per KV head into the tiles' B layout (pairs of bf16 along the
+ * reduced dimension interleaved): K per 16 keys [dim / 2][16] (so S = Q K^T needs no transpose)
+ * and V per 32 keys and 16 columns [16 key pairs][32]. Padding keys are zero.
+ * Work is (KV head, block of 16 query rows); each item runs all the query heads of its GQA
+ * group through one chunk of up to 512 keys before the next, so the packed K/V of the chunk
+ * stays in L2 while the group's 2-4 heads use it. Per head and chunk: scores into f32, the
+ * causal mask on the chunk's last keys, an online softmax (running max m and sum l per row, the
+ * row's earlier output rescaled by exp(m_old - m_new)), P rounded to bf16 for P . V, l summed
+ * in float32 before that rounding (as torch's flash kernel does). Threads take items largest
+ * first (a later query block sees more keys).
+ * Linux grants a process the tile registers only on request (arch_prctl); when it refuses, or
+ * the CPU or compiler lacks AMX, the entry point returns 0 and the caller keeps SDPA.
+ */
+
+#ifdef HAVE_AMX /* the permission request and tile config are linear_many_rows' (above) */
+#define PREFILL_KEYS 512 /* keys per online-softmax chunk */
+#define PREFILL_MAX_DIM 256
+#define PREFILL_MAX_GROUP 16
+
+/* Tile numbers must be compile-time constants: store accumulator t (0-3). */
+static inline __attribute__((always_inline)) void prefill_store_acc(int t, float *dst,
+                                                                    int64_t stride_bytes) {
+    if (t == 0) _tile_stored(0, dst, stride_bytes);
+    else if (t == 1) _tile_stored(1, dst, stride_bytes);
+    else if (t == 2) _tile_stored(2, dst, stride_bytes);
+    else _tile_stored(3, dst, stride_bytes);
+}
+
+/* S [16, kc] (row stride PREFILL_KEYS) = Qb [16, dim] . K^T for the kc keys (a multiple of 32)
+ * of packed blocks from kb0 (16 keys each, [dim / 2][16] pairs). */
+static inline void prefill_scores(const bf16 *qb, const uint32_t *kp, int64_t kb0, int64_t kc,
+                                  int64_t dim, float *s) {
+    const int64_t pairs = dim / 2, qstride = dim * (int64_t)sizeof(bf16);
+    for (int64_t kk = 0; kk < kc; kk += 64) {
+        const int four = kc - kk >= 64;
+        const uint32_t *b = kp + (kb0 + kk / 16) * pairs * 16;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < dim / 32; c++) {
+            _tile_loadd(4, qb + c * 32, qstride);
+            _tile_loadd(5, b + c * 256, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(6, b + pairs * 16 + c * 256, 64);
+            _tile_dpbf16ps(1, 4, 6);
+            if (four) {
+                _tile_loadd(5, b + 2 * pairs * 16 + c * 256, 64);
+                _tile_dpbf16ps(2, 4, 5);
+                _tile_loadd(6, b + 3 * pairs * 16 + c * 256, 64);
+                _tile_dpbf16ps(3, 4, 6);
+            }
+        }
+        const int64_t sstride = PREFILL_KEYS * (int64_t)sizeof(float);
+        _tile_stored(0, s + kk, sstride);
+        _tile_stored(1, s + kk + 16, sstride);
+        if (four) {
+            _tile_stored(2, s + kk + 32, sstride);
+            _tile_stored(3, s + kk + 48, sstride);
+        }
+    }
+}
+
+/* pv [16, dim] = P [16, kc] (bf16, row stride PREFILL_KEYS) . V for the kc keys (a multiple of
+ * 32) of packed 32-key blocks from vb0 ([dim / 16][16 key pairs][32] each). */
+static inline void prefill_values(const bf16 *p, const bf16 *vp, int64_t vb0, int64_t kc,
+                                  int64_t dim, float *pv) {
+    const int64_t cols = dim / 16, block = cols * 16 * 32;
+    const int64_t pstride = PREFILL_KEYS * (int64_t)sizeof(bf16);
+    const int64_t ostride = dim * (int64_t)sizeof(float);
+    for (int64_t d0 = 0; d0 < cols; d0 += 4) {
+        const int nd = cols - d0 >= 4 ? 4 : (int)(cols - d0);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k32 = 0; k32 < kc / 32; k32++) {
+            const bf16 *b = vp + (vb0 + k32) * block + d0 * 512;
+            _tile_loadd(4, p + k32 * 32, pstride);
+            _tile_loadd(5, b, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            if (nd > 1) {
+                _tile_loadd(6, b + 512, 64);
+                _tile_dpbf16ps(1, 4, 6);
+            }
+            if (nd > 2) {
+                _tile_loadd(5, b + 1024, 64);
+                _tile_dpbf16ps(2, 4, 5);
+            }
+            if (nd > 3) {
+                _tile_loadd(6, b + 1536, 64);
+                _tile_dpbf16ps(3, 4, 6);
+            }
+        }
+        for (int t = 0; t < nd; t++) prefill_store_acc(t, pv + (d0 + t) * 16, ostride);
+    }
+}
+
+/* 2^t on 16 lanes for the softmax's t <= 0 (finite): 2^n * 2^f with n = round(t), |f| <= 1/2,
+ * 2^f by its degree-4 Taylor polynomial (relative error < 6e-5, far below the bf16 rounding P
+ * gets, and the same for every key of a row, so it cancels in P / l) and 2^n by vscalefps,
+ * which underflows to 0 for very negative t. Half the instructions of exp_neg_abs16. */
+static inline __m512 prefill_exp2_16(__m512 t) {
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(9.618129107628477e-3f); /* ln2^4 / 4! */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* One row's softmax step over its chunk scores s[0, kc): the first `vis` are visible (the rest
+ * masked or padding). m is the row's running max in units of log2 (scores times
+ * c = scale * log2 e), so each weight is one fmsub and one 2^t; updates m and the running sum
+ * l, writes P (bf16, zeros past vis) and returns the factor the row's earlier output is
+ * rescaled by. */
+static inline float prefill_softmax_row(const float *s, int64_t kc, int64_t vis, float c,
+                                        float *m, float *l, bf16 *p) {
+    if (vis <= 0) {
+        memset(p, 0, (size_t)kc * sizeof(bf16));
+        return 1.0f;
+    }
+    /* full vectors unmasked, then one masked tail: a mask per vector would take the same
+     * ports as the vector math */
+    const int64_t full = vis & ~(int64_t)15;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < full; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
+    if (full < vis) {
+        const __mmask16 k = tail16(vis - full);
+        mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, s + full));
+    }
+    const float m_new = fmaxf(*m, _mm512_reduce_max_ps(mx) * c);
+    const __m512 cv = _mm512_set1_ps(c), mv = _mm512_set1_ps(m_new);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < full; j += 16) {
+        const __m512 e = prefill_exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), cv, mv));
+        _mm256_storeu_si256((__m256i *)(p + j), (__m256i)_mm512_cvtneps_pbh(e));
+        sum = _mm512_add_ps(sum, e);
+    }
+    for (int64_t j = full; j < kc; j += 16) {
+        const __mmask16 k = j < vis ? tail16(vis - j) : 0;
+        __m512 e = prefill_exp2_16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, s + j), cv, mv));
+        e = _mm512_maskz_mov_ps(k, e);
+        _mm256_storeu_si256((__m256i *)(p + j), (__m256i)_mm512_cvtneps_pbh(e));
+        sum = _mm512_add_ps(sum, e);
+    }
+    /* exp2(d) = exp(d ln 2) for d <= 0 */
+    const float alpha = *m == -INFINITY ? 0.0f : exp_neg_abs((*m - m_new) * 0.6931471805599453f);
+    *l = *l * alpha + _mm512_reduce_add_ps(sum);
+    *m = m_new;
+    return alpha;
+}
+
+/* K and V of one KV head into the tiles' layouts (see above); keys past `total` are zero. */
+static void prefill_pack_kv(const bf16 *k, const bf16 *v, int64_t total, int64_t dim,
+                            uint32_t *kp, bf16 *vp, int64_t kb) {
+    const int64_t pairs = dim / 2, cols = dim / 16;
+    /* K: the 16 keys of block kb */
+    uint32_t *kdst = kp + kb * pairs * 16;
+    for (int64_t n = 0; n < 16; n++) {
+        const int64_t key = kb * 16 + n;
+        const uint32_t *src = (const uint32_t *)(k + key * dim);
+        for (int64_t pp = 0; pp < pairs; pp++) kdst[pp * 16 + n] = key < total ? src[pp] : 0;
+    }
+    /* V: one 32-key block per two K blocks */
+    if (kb % 2) return;
+    const int64_t vb = kb / 2;
+    bf16 *vdst = vp + vb * cols * 512;
+    for (int64_t kk = 0; kk < 32; kk++) {
+        const int64_t key = vb * 32 + kk;
+        const bf16 *src = v + key * dim;
+        for (int64_t d = 0; d < dim; d++)
+            vdst[(d / 16) * 512 + (kk / 2) * 32 + (d % 16) * 2 + kk % 2] = key < total ? src[d] : 0;
+    }
+}
+#endif
+
+/* Whether prefill_attention_amx can run here (asking Linux for the tiles on the first call). */
+int prefill_attention_amx_usable(void) {
+#ifdef HAVE_AMX
+    return amx_usable();
+#else
+    return 0;
+#endif
+}
+
+/* The attention described above. Strides in elements. Returns 1 when done, 0 when it cannot
+ * run here (no AMX, or shapes outside its limits; nothing written), -1 when its scratch memory
+ * could not be allocated. */
+int prefill_attention_amx(const bf16 *q, const bf16 *keys, const bf16 *values, bf16 *out,
+                          int64_t n, int64_t cached, int64_t heads, int64_t kv_heads, int64_t dim,
+                          int64_t q_tok_stride, int64_t q_head_stride, int64_t kv_head_stride,
+                          float scale, int threads) {
+#ifdef HAVE_AMX
+    const int64_t total = cached + n;
+    if (n <= 0 || kv_heads <= 0 || heads % kv_heads || dim % 32 || dim > PREFILL_MAX_DIM ||
+        heads / kv_heads > PREFILL_MAX_GROUP || !amx_usable())
+        return 0;
+    const int64_t group = heads / kv_heads, padded = (total + 31) / 32 * 32;
+    const float c2 = scale * 1.44269504088896341f; /* scores to log2 units */
+    const int64_t kblocks = padded / 16, qblocks = (n + 15) / 16;
+    const int64_t head_pack = padded * dim; /* elements of bf16 (or half as many uint32) */
+    if (threads < 1) threads = 1;
+    /* per thread: S f32 [16][KEYS], P bf16 [16][KEYS], pv f32 [16][dim], O f32 [group][16][dim],
+     * Qb bf16 [group][16][dim], m and l f32 [group][16] */
+    const size_t per_thread = (size_t)(16 * PREFILL_KEYS * 4 + 16 * PREFILL_KEYS * 2 +
+                                       16 * dim * 4 + group * 16 * dim * 4 +
+                                       group * 16 * dim * 2 + group * 16 * 8 + 63) /
+                              64 * 64;
+    uint32_t *kp = aligned_alloc(64, (size_t)(kv_heads * head_pack) * sizeof(bf16));
+    bf16 *vp = aligned_alloc(64, (size_t)(kv_heads * head_pack) * sizeof(bf16));
+    char *scratch = aligned_alloc(64, per_thread * (size_t)threads);
+    if (!kp || !vp || !scratch) {
+        free(kp);
+        free(vp);
+        free(scratch);
+        return -1;
+    }
+    const int parallel = threads > 1 && n * heads * dim >= 65536;
+#pragma omp parallel num_threads(threads) if (parallel)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < kv_heads * kblocks; i++) {
+            const int64_t h = i / kblocks, kb = i % kblocks;
+            prefill_pack_kv(keys + h * kv_head_stride, values + h * kv_head_stride, total, dim,
+                            kp + h * (head_pack / 2), vp + h * head_pack, kb);
+        }
+        int me = 0;
+#ifdef _OPENMP
+        me = omp_get_thread_num();
+#endif
+        char *mine = scratch + per_thread * (size_t)me;
+        float *s = (float *)mine;
+        bf16 *p = (bf16 *)(s + 16 * PREFILL_KEYS);
+        float *pv = (float *)(p + 16 * PREFILL_KEYS);
+        float *o = pv + 16 * dim;
+        float *m = o + group * 16 * dim, *l = m + group * 16;
+        bf16 *qb = (bf16 *)(l + group * 16);
+        amx_configure();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < kv_heads * qblocks; item++) {
+            const int64_t qblk = qblocks - 1 - item / kv_heads, h = item % kv_heads;
+            const int64_t q0 = qblk * 16, rows = n - q0 < 16 ? n - q0 : 16;
+            /* keys any row of the block sees: through the last row's own position */
+            const int64_t kend = cached + q0 + rows;
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t hq = h * group + g;
+                bf16 *qg = qb + g * 16 * dim;
+                for (int64_t r = 0; r < 16; r++) {
+                    if (r < rows)
+                        memcpy(qg + r * dim, q + (q0 + r) * q_tok_stride + hq * q_head_stride,
+                               (size_t)dim * sizeof(bf16));
+                    else
+                        memset(qg + r * dim, 0, (size_t)dim * sizeof(bf16));
+                    m[g * 16 + r] = -INFINITY;
+                    l[g * 16 + r] = 0.0f;
+                }
+                memset(o + g * 16 * dim, 0, (size_t)(16 * dim) * sizeof(float));
+            }
+            for (int64_t k0 = 0; k0 < kend; k0 += PREFILL_KEYS) {
+                const int64_t left = kend - k0;
+                const int64_t span = left < PREFILL_KEYS ? left : PREFILL_KEYS;
+                const int64_t kc = (span + 31) & ~(int64_t)31;
+                for (int64_t g = 0; g < group; g++) {
+                    prefill_scores(qb + g * 16 * dim, kp + h * (head_pack / 2), k0 / 16, kc, dim,
+                                   s);
+                    float alpha[16];
+                    for (int64_t r = 0; r < 16; r++) {
+                        /* row r sees keys through its own position; padding rows see the
+                         * block's keys (finite, never written out) */
+                        const int64_t last = r < rows ? cached + q0 + r : kend - 1;
+                        int64_t vis = last + 1 - k0;
+                        if (vis > kc) vis = kc;
+                        alpha[r] = prefill_softmax_row(s + r * PREFILL_KEYS, kc, vis, c2,
+                                                       m + g * 16 + r, l + g * 16 + r,
+                                                       p + r * PREFILL_KEYS);
+                    }
+                    prefill_values(p, vp + h * head_pack, k0 / 32, kc, dim, pv);
+                    float *og = o + g * 16 * dim;
+                    for (int64_t r = 0; r < 16; r++) {
+                        const __m512 a = _mm512_set1_ps(alpha[r]);
+                        for (int64_t d = 0; d < dim; d += 16) {
+                            const __m512 acc = _mm512_loadu_ps(og + r * dim + d);
+                            _mm512_storeu_ps(og + r * dim + d,
+                                             _mm512_fmadd_ps(acc, a,
+                                                             _mm512_loadu_ps(pv + r * dim + d)));
+                        }
+                    }
+                }
+            }
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t hq = h * group + g;
+                for (int64_t r = 0; r < rows; r++) {
+                    const __m512 inv = _mm512_set1_ps(1.0f / l[g * 16 + r]);
+                    const float *src = o + (g * 16 + r) * dim;
+                    bf16 *dst = out + ((q0 + r) * heads + hq) * dim;
+                    for (int64_t d = 0; d < dim; d += 16)
+                        store16_bf16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(src + d), inv),
+                                     0xffff);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(kp);
+    free(vp);
+    free(scratch);
+    return 1;
+#else
+    (void)q, (void)keys, (void)values, (void)out, (void)n, (void)cached, (void)heads;
+    (void)kv_heads, (void)dim, (void)q_tok_stride, (void)q_head_stride, (void)kv_head_stride;
+    (void)scale, (void)threads;
+    return 0;
+#endif
+}
