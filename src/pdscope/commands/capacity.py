@@ -10,9 +10,15 @@ Every run that meets the SLOs is a point of tokens/s per GPU against tokens/s pe
 
 Replicas that share nothing split steady traffic evenly, so R colocated replicas are simulated
 as one replica at 1/R of the rate. What this leaves out (the burstiness a router evens out over
-more replicas) is small next to the SLO margins searched for. A P:D split is simulated whole: its
-pools share one KV link, and a smaller shape with a slower link of its own would misstate both
-the transfer time and the queue. Each run's arrivals span at least ``HORIZON_S`` seconds
+more replicas) is small next to the SLO margins searched for, and errs low. A P:D split with
+k = gcd(P, D) > 1 is likewise k copies of a P/k : D/k unit, each fed 1/k of the arrivals, that
+share one thing: the KV link. One unit is simulated at 1/k of the rate with the full link, on
+which the other k - 1 copies' transfers queue with its own
+(:func:`pdscope.commands.cluster.link_cross_traffic`): each transfer takes the full link's
+time, and the link is as busy as the whole split's. (A unit with a 1/k share of the link as a
+link of its own would take k times as long per transfer; without the others' traffic, it would
+see a link k times too idle.) A split whose P and D have no common divisor runs whole. Each
+run's arrivals span at least ``HORIZON_S`` seconds
 (more requests than ``--num-prompts`` where the rate asks for it), so a rate past capacity has
 time to build the queue that breaks a TTFT SLO. Configurations run in parallel processes.
 
@@ -122,17 +128,20 @@ def candidates(
                 if (p, tp_p, d, tp_d) in seen:
                     continue
                 seen.add((p, tp_p, d, tp_d))
-                # Simulated whole: the pools share one KV link, whose queue a smaller shape
-                # with a slower link of its own would misstate.
+                # k copies of a P/k : D/k unit, each fed 1/k of the traffic, sharing only the
+                # KV link: one unit is simulated with the full link, the other copies'
+                # transfers queued on it (see the module's docstring). No common divisor (or a
+                # closed loop, whose copies would not see 1/k of the rate each): whole.
+                k = math.gcd(p, d) if c.base.max_concurrency is None else 1
                 s = replace(
-                    c, replicas=None, gpus=None, disaggregate=f"{p}:{d}",
+                    c, replicas=None, gpus=None, disaggregate=f"{p // k}:{d // k}",
                     tensor_parallel_size=1,
                     prefill=replace(c.prefill, tensor_parallel_size=tp_p,
                                     max_num_batched_tokens=max(budgets)),
                     decode=replace(c.decode, tensor_parallel_size=tp_d),
                 )  # fmt: skip
                 label = f"{p}P x TP{tp_p} : {d}D x TP{tp_d}"
-                out.append(Candidate("disaggregated", label, s, 1, gpus))
+                out.append(Candidate("disaggregated", label, s, k, gpus))
     return out
 
 
@@ -227,7 +236,8 @@ def _run(cand: Candidate, rate: float, horizon_s: float, slo: SLO | None = None)
     base = replace(cand.settings.base, request_rate=reduced, num_prompts=n, slo=None)
     watch = CertainMiss(slo) if slo is not None else None
     try:
-        r = simulate_cluster(replace(cand.settings, base=base), watch or None)
+        copies = cand.scale if cand.kind == "disaggregated" else 1
+        r = simulate_cluster(replace(cand.settings, base=base), watch or None, copies)
     except RunStopped:
         assert watch is not None
         return {"rate": rate, "summary": None, "stopped": watch.reason, "requests": 0,
@@ -490,7 +500,9 @@ def plan_capacity(
     # Colocated first: each is one replica at 1/R of the rate, cheap at any G, and the best of
     # them is what a split's link bound is held against. Splits nearest half and half first:
     # they are usually the best, and a high floor early spares the rest their bisections.
-    split.sort(key=lambda x: abs(x.settings.split()[0] * _tp(x, "prefill") / gpus - 0.5))  # type: ignore[index]
+    split.sort(
+        key=lambda x: abs(x.settings.split()[0] * x.scale * _tp(x, "prefill") / gpus - 0.5)  # type: ignore[index]
+    )
     _search_all(colocated, slo, horizon_s, workers, floor_of, done, exhaustive)
     pruned: list[dict[str, Any]] = []
     bound = None if exhaustive or not split else link_bound_req_s(c)
@@ -551,6 +563,13 @@ def plan_capacity(
             if f.get("below_floor") is not None
         ],
         "skipped": [{"label": f["label"], "error": f["error"]} for f in found if "error" in f],
+        "split_units": [
+            {"label": x.label, "copies": x.scale, "unit": x.settings.disaggregate}
+            for x in cands
+            if x.kind == "disaggregated"
+            and x.scale > 1
+            and x.label not in {p["label"] for p in pruned}
+        ],
         "top": best,
         "winner": winner,
         "margin_over_other_kind": margin,
@@ -615,6 +634,14 @@ def render_plan(plan: dict[str, Any]) -> list[str]:
         lines.append(
             f"  not simulated: {len(plan['pruned'])} disaggregated configurations, "
             f"{plan['pruned'][0]['reason']}"
+        )
+    units = plan.get("split_units") or []
+    if units:
+        lines.append(
+            f"  {len(units)} splits simulated as k copies of a P/k:D/k unit at 1/k of the rate "
+            "(assumed: the router splits arrivals evenly), one unit run with the full KV link "
+            "and the other copies' transfers queued on it; splits with no common divisor of "
+            "P and D run whole"
         )
     if plan.get("not_bisected"):
         lines.append(
