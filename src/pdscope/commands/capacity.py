@@ -25,9 +25,10 @@ time to build the queue that breaks a TTFT SLO. Configurations run in parallel p
 Three more shortcuts, named in the plan's output and off with ``--plan-exhaustive``:
 colocated configurations are searched first, and when the splits' one KV link cannot carry the
 best colocated goodput (:func:`link_bound_req_s`, a bound, not an estimate) no split is
-simulated; a configuration that fails at or below the best capacity its kind has reached so
-far is not bisected (:func:`search`'s ``floor_rate``): it cannot win, and only its own
-capacity, shown as the last rate it met, is left unrefined; and a run stops as soon as it
+simulated; a configuration is run first at the best capacity its kind has reached so far
+(:func:`search`'s ``floor_rate``), and one that fails there is not searched further: it cannot
+win, and only its own capacity is left unknown (it is also run at one low rate, for the
+frontier); and a run stops as soon as it
 certainly misses a percentile TTFT or worst-gap limit (:class:`CertainMiss`).
 """
 
@@ -290,10 +291,11 @@ def search(
     """The highest rate meeting ``slo`` for one configuration, and every run on the way.
 
     ``floor_rate``: the capacity this configuration must beat to matter (the best of its kind
-    found so far). The doubling tests that rate itself on its way up; a configuration that
-    fails there, or on the way to it, is not bisected (the search assumes, as bisection does,
-    that a rate above a failing one fails too): it reports the last rate it met and, in
-    ``below_floor``, the rate it failed at."""
+    found so far). That rate is tested first; a configuration that fails there is not searched
+    further (the search assumes, as bisection does, that a rate above a failing one fails
+    too): it reports, in ``below_floor``, the rate it failed at and, as its capacity, the
+    starting rate (0.5 request/s per GPU) if one run there meets the SLOs, else 0. One that
+    meets it doubles on from there and is bisected as usual."""
     runs: list[dict[str, Any]] = []
 
     def ok(rate: float) -> bool:
@@ -312,7 +314,18 @@ def search(
         good, bad = 0.0, None
         rate = 0.5 * cand.gpus
         floor = floor_rate
-        for _ in range(DOUBLINGS):
+        if floor is not None and floor > rate:
+            # The floor first: most configurations fail there (a past-capacity run usually
+            # stops early), and then the runs below it, which run in full, are spared; one
+            # run at the starting rate keeps a low-load point for the frontier.
+            if ok(floor):
+                good, rate, floor = floor, floor * 2, None
+            else:
+                below_floor = floor
+                if ok(rate):
+                    good = rate
+                floor = None
+        for _ in range(DOUBLINGS if below_floor is None else 0):
             if floor is not None and rate >= floor:
                 rate = floor  # test the floor itself on the way up
             if ok(rate):
@@ -646,8 +659,9 @@ def render_plan(plan: dict[str, Any]) -> list[str]:
     if plan.get("not_bisected"):
         lines.append(
             f"  not bisected: {len(plan['not_bisected'])} configurations failed at the best "
-            "capacity of their kind found before them, so cannot beat it (capacities shown for "
-            "them are the last rate they met); --plan-exhaustive bisects every one"
+            "capacity of their kind found before them, so cannot beat it (tested there first; "
+            "the capacity shown for them is the one low rate, 0.5 req/s per GPU, they were "
+            "also run at, 0 if that failed too); --plan-exhaustive bisects every one"
         )
     return lines
 

@@ -467,7 +467,8 @@ def link_cross_traffic(
         plan = LoadPlan(request_rate=rate, burstiness=c.base.burstiness, seed=seed)
         rng = random.Random(seed)
         horizon_s = max(r.arrival_s for r in requests)
-        for at_s in plan.schedule(len(requests)):
+        # Twice the requests: a copy's draws may run slower than this one's; cut at its end.
+        for at_s in plan.schedule(2 * len(requests) + 10):
             if at_s > horizon_s:
                 break
             if rng.random() < share:
