@@ -95,8 +95,10 @@ def candidates(
     gpus: int,
     budgets: tuple[int, ...],
     tp_sizes: tuple[int, ...] = TP_SIZES,
+    whole_splits: bool = False,
 ) -> list[Candidate]:
-    """Every configuration of ``gpus`` GPUs worth simulating, at its smallest shape."""
+    """Every configuration of ``gpus`` GPUs worth simulating, at its smallest shape (a split
+    whole with ``whole_splits``)."""
     model = load_model(c.base.model)
     sizes = []
     for tp in tp_sizes:
@@ -133,7 +135,7 @@ def candidates(
                 # KV link: one unit is simulated with the full link, the other copies'
                 # transfers queued on it (see the module's docstring). No common divisor (or a
                 # closed loop, whose copies would not see 1/k of the rate each): whole.
-                k = math.gcd(p, d) if c.base.max_concurrency is None else 1
+                k = math.gcd(p, d) if c.base.max_concurrency is None and not whole_splits else 1
                 s = replace(
                     c, replicas=None, gpus=None, disaggregate=f"{p // k}:{d // k}",
                     tensor_parallel_size=1,
@@ -481,7 +483,7 @@ def plan_capacity(
     c = replace(c, base=replace(c.base, model=c.base.model or DEFAULT_MODEL))
     if not budgets or min(budgets) < 1 or not tp_sizes or min(tp_sizes) < 1:
         raise SpecError("--plan-budgets and --plan-tp take positive integers")
-    cands = candidates(c, gpus, budgets, tp_sizes)
+    cands = candidates(c, gpus, budgets, tp_sizes, whole_splits=exhaustive)
     if not cands:
         raise SpecError(f"no configuration of {c.base.model} fits {gpus} GPUs")
     wall_start = time.perf_counter()
