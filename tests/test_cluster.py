@@ -371,9 +371,12 @@ def test_candidates_cover_colocated_and_split_shapes_at_their_smallest() -> None
     ]
     split = {x.label: x for x in cands if x.kind == "disaggregated"}
     four_four = split["4P x TP1 : 4D x TP1"]
-    # Simulated whole: its pools share one link, which a smaller shape would misstate.
-    assert four_four.settings.disaggregate == "4:4" and four_four.scale == 1
+    # Four copies of a 1:1 unit, each run with the whole link (the others' KV queued on it).
+    assert four_four.settings.disaggregate == "1:1" and four_four.scale == 4
     assert four_four.settings.kv_link_gb_s == c.kv_link_gb_s
+    whole = {x.label: x for x in candidates(c, 8, (2048,), (1, 2), whole_splits=True)}
+    assert whole["4P x TP1 : 4D x TP1"].settings.disaggregate == "4:4"
+    assert whole["4P x TP1 : 4D x TP1"].scale == 1
     assert all(x.gpus == 8 for x in cands)
 
 

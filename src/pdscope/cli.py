@@ -466,7 +466,10 @@ SimPlanExhaustive = Annotated[
     bool,
     typer.Option(
         "--plan-exhaustive",
-        help="--plan-capacity: bisect every configuration, no link bound or early stop.",
+        help=(
+            "--plan-capacity: bisect every configuration, no link bound or early stop; "
+            "splits run whole."
+        ),
     ),
 ]
 

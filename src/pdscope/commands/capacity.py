@@ -10,18 +10,25 @@ Every run that meets the SLOs is a point of tokens/s per GPU against tokens/s pe
 
 Replicas that share nothing split steady traffic evenly, so R colocated replicas are simulated
 as one replica at 1/R of the rate. What this leaves out (the burstiness a router evens out over
-more replicas) is small next to the SLO margins searched for. A P:D split is simulated whole: its
-pools share one KV link, and a smaller shape with a slower link of its own would misstate both
-the transfer time and the queue. Each run's arrivals span at least ``HORIZON_S`` seconds
+more replicas) is small next to the SLO margins searched for, and errs low. A P:D split with
+k = gcd(P, D) > 1 is likewise k copies of a P/k : D/k unit, each fed 1/k of the arrivals, that
+share one thing: the KV link. One unit is simulated at 1/k of the rate with the full link, on
+which the other k - 1 copies' transfers queue with its own
+(:func:`pdscope.commands.cluster.link_cross_traffic`): each transfer takes the full link's
+time, and the link is as busy as the whole split's. (A unit with a 1/k share of the link as a
+link of its own would take k times as long per transfer; without the others' traffic, it would
+see a link k times too idle.) A split whose P and D have no common divisor runs whole. Each
+run's arrivals span at least ``HORIZON_S`` seconds
 (more requests than ``--num-prompts`` where the rate asks for it), so a rate past capacity has
 time to build the queue that breaks a TTFT SLO. Configurations run in parallel processes.
 
 Three more shortcuts, named in the plan's output and off with ``--plan-exhaustive``:
 colocated configurations are searched first, and when the splits' one KV link cannot carry the
 best colocated goodput (:func:`link_bound_req_s`, a bound, not an estimate) no split is
-simulated; a configuration that fails at or below the best capacity its kind has reached so
-far is not bisected (:func:`search`'s ``floor_rate``): it cannot win, and only its own
-capacity, shown as the last rate it met, is left unrefined; and a run stops as soon as it
+simulated; a configuration is run first at the best capacity its kind has reached so far
+(:func:`search`'s ``floor_rate``), and one that fails there is not searched further: it cannot
+win, and only its own capacity is left unknown (it is also run at one low rate, for the
+frontier); and a run stops as soon as it
 certainly misses a percentile TTFT or worst-gap limit (:class:`CertainMiss`).
 """
 
@@ -88,8 +95,10 @@ def candidates(
     gpus: int,
     budgets: tuple[int, ...],
     tp_sizes: tuple[int, ...] = TP_SIZES,
+    whole_splits: bool = False,
 ) -> list[Candidate]:
-    """Every configuration of ``gpus`` GPUs worth simulating, at its smallest shape."""
+    """Every configuration of ``gpus`` GPUs worth simulating, at its smallest shape (a split
+    whole with ``whole_splits``)."""
     model = load_model(c.base.model)
     sizes = []
     for tp in tp_sizes:
@@ -122,17 +131,20 @@ def candidates(
                 if (p, tp_p, d, tp_d) in seen:
                     continue
                 seen.add((p, tp_p, d, tp_d))
-                # Simulated whole: the pools share one KV link, whose queue a smaller shape
-                # with a slower link of its own would misstate.
+                # k copies of a P/k : D/k unit, each fed 1/k of the traffic, sharing only the
+                # KV link: one unit is simulated with the full link, the other copies'
+                # transfers queued on it (see the module's docstring). No common divisor (or a
+                # closed loop, whose copies would not see 1/k of the rate each): whole.
+                k = math.gcd(p, d) if c.base.max_concurrency is None and not whole_splits else 1
                 s = replace(
-                    c, replicas=None, gpus=None, disaggregate=f"{p}:{d}",
+                    c, replicas=None, gpus=None, disaggregate=f"{p // k}:{d // k}",
                     tensor_parallel_size=1,
                     prefill=replace(c.prefill, tensor_parallel_size=tp_p,
                                     max_num_batched_tokens=max(budgets)),
                     decode=replace(c.decode, tensor_parallel_size=tp_d),
                 )  # fmt: skip
                 label = f"{p}P x TP{tp_p} : {d}D x TP{tp_d}"
-                out.append(Candidate("disaggregated", label, s, 1, gpus))
+                out.append(Candidate("disaggregated", label, s, k, gpus))
     return out
 
 
@@ -227,7 +239,8 @@ def _run(cand: Candidate, rate: float, horizon_s: float, slo: SLO | None = None)
     base = replace(cand.settings.base, request_rate=reduced, num_prompts=n, slo=None)
     watch = CertainMiss(slo) if slo is not None else None
     try:
-        r = simulate_cluster(replace(cand.settings, base=base), watch or None)
+        copies = cand.scale if cand.kind == "disaggregated" else 1
+        r = simulate_cluster(replace(cand.settings, base=base), watch or None, copies)
     except RunStopped:
         assert watch is not None
         return {"rate": rate, "summary": None, "stopped": watch.reason, "requests": 0,
@@ -280,10 +293,11 @@ def search(
     """The highest rate meeting ``slo`` for one configuration, and every run on the way.
 
     ``floor_rate``: the capacity this configuration must beat to matter (the best of its kind
-    found so far). The doubling tests that rate itself on its way up; a configuration that
-    fails there, or on the way to it, is not bisected (the search assumes, as bisection does,
-    that a rate above a failing one fails too): it reports the last rate it met and, in
-    ``below_floor``, the rate it failed at."""
+    found so far). That rate is tested first; a configuration that fails there is not searched
+    further (the search assumes, as bisection does, that a rate above a failing one fails
+    too): it reports, in ``below_floor``, the rate it failed at and, as its capacity, the
+    starting rate (0.5 request/s per GPU) if one run there meets the SLOs, else 0. One that
+    meets it doubles on from there and is bisected as usual."""
     runs: list[dict[str, Any]] = []
 
     def ok(rate: float) -> bool:
@@ -302,7 +316,18 @@ def search(
         good, bad = 0.0, None
         rate = 0.5 * cand.gpus
         floor = floor_rate
-        for _ in range(DOUBLINGS):
+        if floor is not None and floor > rate:
+            # The floor first: most configurations fail there (a past-capacity run usually
+            # stops early), and then the runs below it, which run in full, are spared; one
+            # run at the starting rate keeps a low-load point for the frontier.
+            if ok(floor):
+                good, rate, floor = floor, floor * 2, None
+            else:
+                below_floor = floor
+                if ok(rate):
+                    good = rate
+                floor = None
+        for _ in range(DOUBLINGS if below_floor is None else 0):
             if floor is not None and rate >= floor:
                 rate = floor  # test the floor itself on the way up
             if ok(rate):
@@ -458,7 +483,7 @@ def plan_capacity(
     c = replace(c, base=replace(c.base, model=c.base.model or DEFAULT_MODEL))
     if not budgets or min(budgets) < 1 or not tp_sizes or min(tp_sizes) < 1:
         raise SpecError("--plan-budgets and --plan-tp take positive integers")
-    cands = candidates(c, gpus, budgets, tp_sizes)
+    cands = candidates(c, gpus, budgets, tp_sizes, whole_splits=exhaustive)
     if not cands:
         raise SpecError(f"no configuration of {c.base.model} fits {gpus} GPUs")
     wall_start = time.perf_counter()
@@ -490,7 +515,9 @@ def plan_capacity(
     # Colocated first: each is one replica at 1/R of the rate, cheap at any G, and the best of
     # them is what a split's link bound is held against. Splits nearest half and half first:
     # they are usually the best, and a high floor early spares the rest their bisections.
-    split.sort(key=lambda x: abs(x.settings.split()[0] * _tp(x, "prefill") / gpus - 0.5))  # type: ignore[index]
+    split.sort(
+        key=lambda x: abs(x.settings.split()[0] * x.scale * _tp(x, "prefill") / gpus - 0.5)  # type: ignore[index]
+    )
     _search_all(colocated, slo, horizon_s, workers, floor_of, done, exhaustive)
     pruned: list[dict[str, Any]] = []
     bound = None if exhaustive or not split else link_bound_req_s(c)
@@ -551,6 +578,13 @@ def plan_capacity(
             if f.get("below_floor") is not None
         ],
         "skipped": [{"label": f["label"], "error": f["error"]} for f in found if "error" in f],
+        "split_units": [
+            {"label": x.label, "copies": x.scale, "unit": x.settings.disaggregate}
+            for x in cands
+            if x.kind == "disaggregated"
+            and x.scale > 1
+            and x.label not in {p["label"] for p in pruned}
+        ],
         "top": best,
         "winner": winner,
         "margin_over_other_kind": margin,
@@ -616,11 +650,20 @@ def render_plan(plan: dict[str, Any]) -> list[str]:
             f"  not simulated: {len(plan['pruned'])} disaggregated configurations, "
             f"{plan['pruned'][0]['reason']}"
         )
+    units = plan.get("split_units") or []
+    if units:
+        lines.append(
+            f"  {len(units)} splits simulated as k copies of a P/k:D/k unit at 1/k of the rate "
+            "(assumed: the router splits arrivals evenly), one unit run with the full KV link "
+            "and the other copies' transfers queued on it; splits with no common divisor of "
+            "P and D run whole"
+        )
     if plan.get("not_bisected"):
         lines.append(
             f"  not bisected: {len(plan['not_bisected'])} configurations failed at the best "
-            "capacity of their kind found before them, so cannot beat it (capacities shown for "
-            "them are the last rate they met); --plan-exhaustive bisects every one"
+            "capacity of their kind found before them, so cannot beat it (tested there first; "
+            "the capacity shown for them is the one low rate, 0.5 req/s per GPU, they were "
+            "also run at, 0 if that failed too); --plan-exhaustive bisects every one"
         )
     return lines
 

@@ -6,6 +6,8 @@ pieces (plan's resolution, the cost model, the KV pool, bench's workloads and re
 
 from __future__ import annotations
 
+import math
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -14,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from pdscope.client.load import LoadPlan
 from pdscope.commands.plan import PlanInputs
 from pdscope.commands.simulate import (
     SimulateSettings,
@@ -35,6 +38,7 @@ from pdscope.engine.cluster import (
     WorkerSpec,
 )
 from pdscope.engine.request import Request
+from pdscope.engine.simulator import SimRequest
 from pdscope.engine.timeline import StepRecord
 from pdscope.roofline import arithmetic as rf
 from pdscope.roofline.parallel import (
@@ -432,29 +436,82 @@ def _cluster_figures(
     return out
 
 
+def link_cross_traffic(
+    c: ClusterSettings,
+    requests: Sequence[SimRequest],
+    copies: int,
+    kv_bytes: Callable[[int], float],
+) -> list[tuple[float, float]]:
+    """The KV that ``copies - 1`` other copies of a split send over the link it shares with
+    them, as (ready time in s, bytes), for a run of one copy on ``requests``.
+
+    Each other copy is fed what this one is: the same arrival process (rate, burstiness), new
+    seeds, prompts drawn from this copy's own (those with more than one output token cross the
+    link). A transfer is ready at its request's arrival rather than after its prefill: delaying
+    every point of a Poisson process by independent amounts leaves it a Poisson process of the
+    same rate, so in steady state the link sees the full cluster's offered bytes with the right
+    statistics; what is lost is the prefill pools' smoothing of that stream, and the first
+    prefill's worth of time (tens of ms of a 15 s run)."""
+    if copies <= 1:
+        return []
+    rate = c.base.request_rate
+    if math.isinf(rate) or c.base.max_concurrency is not None:
+        raise SpecError("a split's copies need an open-loop rate (no --max-concurrency)")
+    sizes = [len(r.prompt_token_ids) for r in requests if r.output_tokens > 1]
+    if not sizes:
+        return []
+    share = len(sizes) / len(requests)
+    out = []
+    for j in range(1, copies):
+        seed = c.base.seed + 7919 * j
+        plan = LoadPlan(request_rate=rate, burstiness=c.base.burstiness, seed=seed)
+        rng = random.Random(seed)
+        horizon_s = max(r.arrival_s for r in requests)
+        # Twice the requests: a copy's draws may run slower than this one's; cut at its end.
+        for at_s in plan.schedule(2 * len(requests) + 10):
+            if at_s > horizon_s:
+                break
+            if rng.random() < share:
+                out.append((at_s, float(kv_bytes(rng.choice(sizes)))))
+    out.sort()
+    return out
+
+
 def simulate_cluster(
-    c: ClusterSettings, stop: Callable[[float, Sequence[Request]], bool] | None = None
+    c: ClusterSettings,
+    stop: Callable[[float, Sequence[Request]], bool] | None = None,
+    link_copies: int = 1,
 ) -> dict[str, Any]:
     """One cluster run as bench's result, plus ``cluster``: pools, workers, the KV link.
-    ``stop``: see :meth:`Cluster.run` (raises :class:`RunStopped`)."""
+    ``stop``: see :meth:`Cluster.run` (raises :class:`RunStopped`). ``link_copies``: a split
+    that is one of this many identical copies sharing its KV link; the others' transfers
+    (:func:`link_cross_traffic`) queue on the link with this copy's own."""
     pools = build_pools(c)
     s, p = pools[0].settings, pools[0].inputs
     requests, slo = build_requests(c.base, p)
     front = [pools[0].spec] * pools[0].workers
+    background: list[tuple[float, float]] = []
     if len(pools) == 2:
         kv, model = pools[0].inputs.kv, pools[0].inputs.model
+
+        def kv_bytes(tokens: int) -> float:
+            return rf.kv_bytes_at_context(model, kv, tokens)
+
         cluster = Cluster(
             front,
             c.router,
             [pools[1].spec] * pools[1].workers,
             KVLink(c.kv_link_gb_s, c.kv_link_latency_ms / 1e3),
-            lambda tokens: rf.kv_bytes_at_context(model, kv, tokens),
+            kv_bytes,
             c.first_token,
         )
+        background = link_cross_traffic(c, requests, link_copies, kv_bytes)
     else:
+        if link_copies != 1:
+            raise SpecError("link_copies applies to a disaggregated split only")
         cluster = Cluster(front, c.router)
     wall = time.perf_counter()
-    result = cluster.run(requests, c.base.max_concurrency, stop)
+    result = cluster.run(requests, c.base.max_concurrency, stop, link_background=background)
     wall = time.perf_counter() - wall
     url = f"simulated://{p.device.name}"
     hits = sum(w.sim.pool.prefix_cache_hits for w in result.workers)
@@ -468,6 +525,14 @@ def simulate_cluster(
         metadata, slo,
     )  # fmt: skip
     r["cluster"] = _cluster_figures(c, pools, result, r)
+    if link_copies > 1:
+        r["cluster"]["link"]["shared_with_copies"] = link_copies - 1
+        r["cluster"]["link"]["cross_traffic_bytes"] = result.background_bytes
+        r["cluster"]["link"]["cross_traffic_transfers"] = result.background_transfers
+        r["cluster"]["link"]["utilization"] = (
+            (result.link_bytes + result.background_bytes) / (c.kv_link_gb_s * 1e9)
+            / (result.end_s or 1.0)
+        )  # fmt: skip
     return r
 
 

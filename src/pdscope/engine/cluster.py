@@ -175,6 +175,10 @@ class ClusterResult:
     transfers: list[Transfer] = field(default_factory=list)
     link_bytes: float = 0.0  # what the link carried, counted as it carried it
     end_s: float = 0.0
+    # Other clusters' KV sharing the link (``Cluster.run``'s ``link_background``): it occupies
+    # the link and lands nowhere here, so it is counted apart from ``link_bytes``.
+    background_bytes: float = 0.0
+    background_transfers: int = 0
 
     def pool(self, name: str) -> list[Worker]:
         return [w for w in self.workers if w.pool == name]
@@ -264,12 +268,17 @@ class Cluster:
         max_concurrency: int | None = None,
         stop: Callable[[float, Sequence[Request]], bool] | None = None,
         stop_every_s: float = 0.25,
+        link_background: Sequence[tuple[float, float]] = (),
     ) -> ClusterResult:
         """Simulate ``specs`` to the end, on every worker; checks conservation before returning.
         ``max_concurrency`` caps requests in flight across the cluster, as a client would.
         ``stop(now_s, requests)``, asked every ``stop_every_s`` simulated seconds with each
-        request's latest incarnation, ends the run by raising :class:`RunStopped` when true."""
+        request's latest incarnation, ends the run by raising :class:`RunStopped` when true.
+        ``link_background``: (ready time in s, bytes) of transfers from outside this cluster
+        (other copies of it behind the same link); they queue on the link with this cluster's
+        own, first come first served, and land nowhere."""
         assert max_concurrency is None or max_concurrency >= 1
+        assert not link_background or self.disaggregated
         events: list[tuple[float, int, int, object]] = []
         seq = 0
 
@@ -298,6 +307,8 @@ class Cluster:
                 Simulator._fail(request, spec.arrival_s, reason)
             else:
                 push(spec.arrival_s, _ARRIVE, request)
+        for ready_s, nbytes in link_background:
+            push(ready_s, _KV_READY, float(nbytes))
         free_slots = max_concurrency if max_concurrency is not None else math.inf
         held: deque[Request] = deque()
         link_free_s = 0.0
@@ -329,6 +340,11 @@ class Cluster:
                 worker.assign(request, request.num_tokens + request.params.max_tokens)
                 worker.sim.scheduler.add(request)
                 wake(worker, now)
+            elif kind == _KV_READY and isinstance(payload, float):  # another cluster's KV
+                assert self.link is not None
+                link_free_s = max(now, link_free_s) + self.link.busy_s(payload)
+                result.background_bytes += payload
+                result.background_transfers += 1
             elif kind == _KV_READY:
                 request = payload  # type: ignore[assignment]
                 assert isinstance(request, Request) and self.link and self.kv_bytes
