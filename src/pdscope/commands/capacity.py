@@ -17,7 +17,9 @@ which the other k - 1 copies' transfers queue with its own
 (:func:`pdscope.commands.cluster.link_cross_traffic`): each transfer takes the full link's
 time, and the link is as busy as the whole split's. (A unit with a 1/k share of the link as a
 link of its own would take k times as long per transfer; without the others' traffic, it would
-see a link k times too idle.) A split whose P and D have no common divisor runs whole. Each
+see a link k times too idle.) The unit errs low where the link is busy, so the best split
+run this way (and one more within 25% of the best goodput) is then searched whole and its
+figure used (:func:`_confirm_whole`). A split whose P and D have no common divisor runs whole. Each
 run's arrivals span at least ``HORIZON_S`` seconds
 (more requests than ``--num-prompts`` where the rate asks for it), so a rate past capacity has
 time to build the queue that breaks a TTFT SLO. Configurations run in parallel processes.
