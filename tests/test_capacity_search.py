@@ -15,6 +15,7 @@ from pdscope.commands.capacity import (
     link_bound_req_s,
     parse_plan_slo,
     plan_capacity,
+    render_plan,
     search,
 )
 from pdscope.commands.cluster import ClusterSettings, simulate_cluster
@@ -68,7 +69,7 @@ def test_the_shortcuts_keep_the_winner_of_an_exhaustive_search() -> None:
     fast = plan_capacity(c, 4, SLO_TEXT, **kwargs)  # type: ignore[arg-type]
     full = plan_capacity(c, 4, SLO_TEXT, exhaustive=True, **kwargs)  # type: ignore[arg-type]
     assert full["searched"] == fast["searched"] == 5  # 2 colocated; 1:3, 2:2 and 3:1
-    assert not full["not_bisected"] and not full["pruned"]
+    assert not full["not_bisected"] and not full["pruned"] and not full["confirmed_whole"]
     assert fast["simulated_requests"] < full["simulated_requests"]
     assert fast["winner"]["label"] == full["winner"]["label"]
     assert fast["winner"]["capacity_req_s"] == pytest.approx(
@@ -253,3 +254,47 @@ def test_a_splits_unit_finds_the_capacity_of_the_whole_split() -> None:
     )  # fmt: skip
     # At three times the whole split's capacity, the unit alone still meets the SLO.
     assert slo.met_by_run(alone)
+
+
+def test_the_best_split_run_as_units_is_confirmed_whole() -> None:
+    """At 6 GPUs the best split, 4P:2D, runs as two copies of a 2:1 unit; the plan then
+    searches it whole from the unit's capacity up, and what it reports (capacity, winner,
+    margin) is that whole search's figure, the same as a search that never stops a run early
+    gives from the same start; the unit's estimate is kept beside it. 3P:3D (three 1:1
+    units) is within 25% of the best per-GPU goodput, so it is confirmed too."""
+    kwargs = dict(budgets=(2048,), tp_sizes=(1,), processes=1, horizon_s=HORIZON_S)
+    c = ClusterSettings(TINY)
+    plan = plan_capacity(c, 6, SLO_TEXT, **kwargs)  # type: ignore[arg-type]
+    confirmed = {w["label"]: w for w in plan["confirmed_whole"]}
+    assert set(confirmed) == {"4P x TP1 : 2D x TP1", "3P x TP1 : 3D x TP1"}
+    assert confirmed["4P x TP1 : 2D x TP1"]["copies"] == 2
+    wholes = {x.label: x for x in candidates(c, 6, (2048,), (1,), whole_splits=True)}
+    slo = parse_plan_slo(SLO_TEXT)
+    by_label = {f["label"]: f for f in plan["configurations"]}
+    for label, w in confirmed.items():
+        whole = wholes[label]
+        p, d = (side.split("P")[0].split("D")[0] for side in label.split(" x TP1 : "))
+        assert whole.scale == 1 and whole.settings.disaggregate == f"{p}:{d}"
+        f = by_label[label]
+        assert f["confirmed_whole"] and f["capacity_req_s"] == w["capacity_req_s"] > 0
+        assert f["unit_capacity_req_s"] == w["unit_capacity_req_s"] > 0
+        # The whole search starts at the unit's capacity: the unit errs low, so it meets it.
+        assert f["runs"][0]["rate"] == w["unit_capacity_req_s"] and f["runs"][0]["meets"]
+        assert f["unit_runs"] and all(r["rate"] != 0 for r in f["unit_runs"])
+    # The same whole split searched from the same start without early stops (as
+    # --plan-exhaustive runs it): the same runs, so the same capacity.
+    best_split = plan["top"]["disaggregated"][0]
+    w = confirmed[best_split["label"]]
+    whole = wholes[best_split["label"]]
+    ref = search(whole, slo, HORIZON_S, floor_rate=w["unit_capacity_req_s"], exhaustive=True)
+    assert best_split["capacity_req_s"] == ref["capacity_req_s"] > w["unit_capacity_req_s"]
+    assert best_split["req_s_per_gpu"] == pytest.approx(ref["req_s_per_gpu"])
+    # The verdict reads the confirmed figures.
+    assert best_split["label"] == "4P x TP1 : 2D x TP1" and best_split.get("confirmed_whole")
+    rival = plan["top"]["colocated"][0]
+    assert plan["winner"]["label"] == best_split["label"]
+    assert plan["margin_over_other_kind"] == pytest.approx(
+        best_split["req_s_per_gpu"] / rival["req_s_per_gpu"]
+    )
+    assert any(p["run"].startswith(best_split["label"]) for p in plan["frontier"])
+    assert "confirmed whole: 4P x TP1 : 2D x TP1" in "\n".join(render_plan(plan))

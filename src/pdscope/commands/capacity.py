@@ -17,7 +17,9 @@ which the other k - 1 copies' transfers queue with its own
 (:func:`pdscope.commands.cluster.link_cross_traffic`): each transfer takes the full link's
 time, and the link is as busy as the whole split's. (A unit with a 1/k share of the link as a
 link of its own would take k times as long per transfer; without the others' traffic, it would
-see a link k times too idle.) A split whose P and D have no common divisor runs whole. Each
+see a link k times too idle.) The unit errs low where the link is busy, so the best split
+run this way (and one more within 25% of the best goodput) is then searched whole and its
+figure used (:func:`_confirm_whole`). A split whose P and D have no common divisor runs whole. Each
 run's arrivals span at least ``HORIZON_S`` seconds
 (more requests than ``--num-prompts`` where the rate asks for it), so a rate past capacity has
 time to build the queue that breaks a TTFT SLO. Configurations run in parallel processes.
@@ -534,6 +536,11 @@ def plan_capacity(
         pruned = [{"label": x.label, "kind": x.kind, "reason": reason} for x in split]
         split = []
     _search_all(split, slo, horizon_s, workers, floor_of, done, exhaustive)
+    confirmed: list[dict[str, Any]] = []
+    if not exhaustive:  # the best splits that ran as units, searched whole (see _confirm_whole)
+        confirmed = _confirm_whole(
+            c, gpus, budgets, tp_sizes, cands, found, slo, horizon_s, workers, progress
+        )
     order = {cand.label: i for i, cand in enumerate(cands)}
     found.sort(key=lambda f: order[f["label"]])
     ranked = sorted((f for f in found if "error" not in f), key=lambda f: -f["req_s_per_gpu"])
@@ -554,6 +561,7 @@ def plan_capacity(
         rival = best[other][0] if best[other] else None
         if rival and rival["req_s_per_gpu"] > 0:
             margin = winner["req_s_per_gpu"] / rival["req_s_per_gpu"]
+    all_runs = [f["runs"] for f in found] + [f.get("unit_runs", []) for f in found]
     return {
         "gpus": gpus,
         "model": c.base.model,
@@ -567,9 +575,10 @@ def plan_capacity(
         },
         "searched": len(cands) - len(pruned),
         "exhaustive": exhaustive,
-        "simulated_runs": sum(len(f["runs"]) for f in found),
-        "simulated_requests": sum(r.get("requests", 0) for f in found for r in f["runs"]),
-        "stopped_runs": sum(1 for f in found for r in f["runs"] if r.get("stopped")),
+        # A split confirmed whole counts its unit's runs as well as the whole's.
+        "simulated_runs": sum(len(r) for r in all_runs),
+        "simulated_requests": sum(r.get("requests", 0) for rs in all_runs for r in rs),
+        "stopped_runs": sum(1 for rs in all_runs for r in rs if r.get("stopped")),
         "wall_s": time.perf_counter() - wall_start,
         "pruned": pruned,
         "not_bisected": [
@@ -585,6 +594,7 @@ def plan_capacity(
             and x.scale > 1
             and x.label not in {p["label"] for p in pruned}
         ],
+        "confirmed_whole": confirmed,
         "top": best,
         "winner": winner,
         "margin_over_other_kind": margin,
@@ -593,6 +603,87 @@ def plan_capacity(
         ],
         "configurations": found,
     }
+
+
+CONFIRM_WITHIN = 0.25  # of the best per-GPU goodput of either kind
+CONFIRM_AT_MOST = 2
+
+
+def _confirm_whole(
+    c: ClusterSettings,
+    gpus: int,
+    budgets: tuple[int, ...],
+    tp_sizes: tuple[int, ...],
+    cands: list[Candidate],
+    found: list[dict[str, Any]],
+    slo: SLO,
+    horizon_s: float,
+    workers: int,
+    progress: Callable[[str], None] | None,
+) -> list[dict[str, Any]]:
+    """Search whole the best split and any other within ``CONFIRM_WITHIN`` of the best
+    per-GPU goodput of either kind (at most ``CONFIRM_AT_MOST``) that ran as copies of a
+    unit, and put the whole figure in place of the unit's in ``found``.
+
+    The unit errs low where the shared link is busy (its cross traffic is random, the whole
+    split's transfers are not), by ~11% at 16 GPUs: enough to turn a close verdict. Each
+    whole search starts at the unit's capacity as its floor, which it normally meets, and
+    doubles and bisects upward from there; one that fails there is searched again from the
+    bottom, so the figure kept is always the whole split's own."""
+    scale = {x.label: x.scale for x in cands}
+    ok = [f for f in found if "error" not in f and f["below_floor"] is None
+          and f["capacity_req_s"] > 0]  # fmt: skip
+    splits = sorted((f for f in ok if f["kind"] == "disaggregated"),
+                    key=lambda f: -f["req_s_per_gpu"])  # fmt: skip
+    if not splits or scale[splits[0]["label"]] <= 1:
+        picked = []  # the best split already ran whole: nothing to confirm
+    else:
+        top = max(f["req_s_per_gpu"] for f in ok)
+        picked = [splits[0]] + [
+            f for f in splits[1:]
+            if scale[f["label"]] > 1 and f["req_s_per_gpu"] >= (1 - CONFIRM_WITHIN) * top
+        ]  # fmt: skip
+        picked = picked[:CONFIRM_AT_MOST]
+    if not picked:
+        return []
+    unit_of = {f["label"]: f for f in picked}
+    # The same construction as --plan-exhaustive's, so the whole split is the one it runs.
+    wholes = [x for x in candidates(c, gpus, budgets, tp_sizes, whole_splits=True)
+              if x.kind == "disaggregated" and x.label in unit_of]  # fmt: skip
+    results: dict[str, dict[str, Any]] = {}
+
+    def done(f: dict[str, Any]) -> None:
+        results[f["label"]] = f
+
+    _search_all(wholes, slo, horizon_s, workers,
+                lambda x: unit_of[x.label]["capacity_req_s"], done)  # fmt: skip
+    retry = [x for x in wholes if "error" not in results[x.label]
+             and results[x.label]["below_floor"] is not None]  # fmt: skip
+    first_runs = {x.label: results[x.label]["runs"] for x in retry}
+    _search_all(retry, slo, horizon_s, workers, lambda x: None, done)
+    out = []
+    for x in wholes:
+        unit, whole = unit_of[x.label], results[x.label]
+        if "error" in whole:  # keep the unit's estimate; say why it is not confirmed
+            out.append({"label": x.label, "error": whole["error"]})
+            continue
+        whole["runs"] = first_runs.get(x.label, []) + whole["runs"]
+        whole["unit_capacity_req_s"] = unit["capacity_req_s"]
+        whole["unit_req_s_per_gpu"] = unit["req_s_per_gpu"]
+        whole["unit_copies"] = scale[x.label]
+        whole["unit_runs"] = unit["runs"]
+        whole["confirmed_whole"] = True
+        found[found.index(unit)] = whole
+        out.append({
+            "label": x.label,
+            "copies": scale[x.label],
+            "unit_capacity_req_s": unit["capacity_req_s"],
+            "capacity_req_s": whole["capacity_req_s"],
+        })  # fmt: skip
+        if progress is not None:
+            progress(f"confirmed whole {x.label}: {whole['capacity_req_s']:.3g} req/s "
+                     f"(unit estimate {unit['capacity_req_s']:.3g})")  # fmt: skip
+    return out
 
 
 def _tp(cand: Candidate, pool: str) -> int:
@@ -658,6 +749,15 @@ def render_plan(plan: dict[str, Any]) -> list[str]:
             "and the other copies' transfers queued on it; splits with no common divisor of "
             "P and D run whole"
         )
+    for w in plan.get("confirmed_whole") or []:
+        if "error" in w:
+            lines.append(f"  not confirmed whole: {w['label']}: {w['error']}")
+        else:
+            lines.append(
+                f"  confirmed whole: {w['label']} {w['capacity_req_s']:.3g} req/s (as "
+                f"{w['copies']} copies of its unit {w['unit_capacity_req_s']:.3g}); the figure "
+                "above and the verdict are the whole split's"
+            )
     if plan.get("not_bisected"):
         lines.append(
             f"  not bisected: {len(plan['not_bisected'])} configurations failed at the best "
