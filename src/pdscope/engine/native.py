@@ -215,25 +215,15 @@ class NativeOps:
         """x [rows, in] @ weight [out, in]^T (+ bias [out]) in the model dtype, reading the
         weight as stored: for the few rows of a decode step, where a matmul is one stream over
         its weight. float32 accumulation, one rounding at the end."""
-        _check(x, weight, bias)
-        rows, in_features = x.shape
-        out_features = weight.shape[0]
-        if weight.shape[1] != in_features or weight.dtype != x.dtype:
-            raise ValueError(
-                f"linear: x {tuple(x.shape)} {x.dtype} does not fit weight "
-                f"{tuple(weight.shape)} {weight.dtype}"
-            )
-        if bias is not None and (bias.shape != (out_features,) or bias.dtype != x.dtype):
-            raise ValueError(f"linear: bias {tuple(bias.shape)} does not fit {out_features} rows")
-        y = torch.empty(rows, out_features, dtype=x.dtype)
+        y, bias = self._linear_args(x, weight, bias)
         self.lib.linear_rows(
             x.data_ptr(),
             weight.data_ptr(),
             _ptr(bias),
             y.data_ptr(),
-            rows,
-            in_features,
-            out_features,
+            x.shape[0],
+            x.shape[1],
+            weight.shape[0],
             x.dtype == torch.bfloat16,
             torch.get_num_threads(),
         )
