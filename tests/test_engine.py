@@ -4,6 +4,7 @@ Tiny random checkpoints in float32 so that batching changes nothing but rounding
 gaps between the top logits.
 """
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,8 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 # decode steps and a prefill's sampled row); the bf16 tests below cover packed linears and the
 # decode math too. threads=bound changes where the threads run, not what they compute; it is
 # in one row of each so that pinning is exercised under every scheduling mode. batch_linear=c
-# (bf16 matmuls of 2-64 rows through the many-row C kernel) runs its prefill in chunks of 48
-# tokens, so that the logits pass through it.
+# (bf16 matmuls of 2-32 rows through the many-row C kernel) runs its prefill in chunks of 24
+# tokens, so that the logits pass through it (counted below).
 FLOAT32_PATHS = [
     "linear=plain,prefill_attention=blocked,decode_ops=torch",
     "linear=c,prefill_attention=sdpa,decode_ops=c,threads=bound",
@@ -155,7 +156,7 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
         kv_cache_memory="8MiB",
         block_size=4,
         kernels=kernels,
-        max_num_batched_tokens=48 if many else 2048,
+        max_num_batched_tokens=24 if many else 2048,
     )
     model = llm.engine.runner.model
     if can_pack(torch.bfloat16, torch.device("cpu")):
@@ -171,10 +172,24 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
     amx = "prefill_attention=amx" in kernels  # then every layer's prefill takes the tiles
     attns = [m for m in model.modules() if hasattr(m, "prefill_native")]
     assert attns and all((m.prefill_native is not None) == amx for m in attns)
+    many_calls = 0
+    if many:
+        ops = linears[0].native_many
+        run_many = ops.linear_many
+
+        def counted(*args: object, **kwargs: object) -> torch.Tensor:
+            nonlocal many_calls
+            many_calls += 1
+            return run_many(*args, **kwargs)
+
+        for m in linears:
+            m.native_many = copy.copy(ops)
+            m.native_many.linear_many = counted
     llm.engine.runner.capture_logits = True
     rng = random.Random(0)
     prompt = [rng.randrange(10, 1000) for _ in range(1100)]
     out = llm.generate(prompt, GREEDY)[0]
+    assert (many_calls > 0) == many  # the chunks' matmuls went through the many-row kernel
     ours = torch.cat(llm.engine.runner.captured)
     ref_model = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.bfloat16, attn_implementation="eager"

@@ -3,7 +3,7 @@
 A probe measures one server's steps in three shapes: prefills of several lengths (TTFT, one
 request at a time), single-stream decodes at short and long context (TPOT), and batched
 decodes at short and long context (several streams at once: the median per-token gap while
-they all decode is one step carrying all of them).
+most of them decode together is one step carrying that many).
 Each becomes an :class:`Observation`: the steps the engine's scheduler would run for it, and the
 seconds they took. The cost model prices a step as a sum of roofline terms ``max(FLOPs / F,
 bytes / B)`` plus ``step_overhead + seq_overhead x entries``, and a TTFT also pays

@@ -510,7 +510,12 @@ def plan_capacity(
             progress(f"{len(found)}/{len(cands)} {f['label']}: {what}")
 
     def floor_of(cand: Candidate) -> float | None:
-        return None if exhaustive else best_of_kind.get(cand.kind)
+        floor = None if exhaustive else best_of_kind.get(cand.kind)
+        if floor is not None and cand.kind == "disaggregated" and cand.scale > 1:
+            # A unit errs low (see _confirm_whole): held to the floor itself it could be
+            # dropped before the whole split it stands for, which would beat it, is confirmed.
+            floor *= 1 - CONFIRM_WITHIN
+        return floor
 
     colocated = [x for x in cands if x.kind == "colocated"]
     split = [x for x in cands if x.kind == "disaggregated"]
@@ -635,15 +640,14 @@ def _confirm_whole(
           and f["capacity_req_s"] > 0]  # fmt: skip
     splits = sorted((f for f in ok if f["kind"] == "disaggregated"),
                     key=lambda f: -f["req_s_per_gpu"])  # fmt: skip
-    if not splits or scale[splits[0]["label"]] <= 1:
-        picked = []  # the best split already ran whole: nothing to confirm
-    else:
-        top = max(f["req_s_per_gpu"] for f in ok)
-        picked = [splits[0]] + [
-            f for f in splits[1:]
-            if scale[f["label"]] > 1 and f["req_s_per_gpu"] >= (1 - CONFIRM_WITHIN) * top
-        ]  # fmt: skip
-        picked = picked[:CONFIRM_AT_MOST]
+    # The best split if it ran as units, and any unit split within CONFIRM_WITHIN of the best
+    # of either kind (a whole split ahead of it may be beaten once it runs whole too).
+    top = max((f["req_s_per_gpu"] for f in ok), default=0.0)
+    picked = [
+        f for f in splits
+        if scale[f["label"]] > 1
+        and (f is splits[0] or f["req_s_per_gpu"] >= (1 - CONFIRM_WITHIN) * top)
+    ][:CONFIRM_AT_MOST]  # fmt: skip
     if not picked:
         return []
     unit_of = {f["label"]: f for f in picked}

@@ -462,11 +462,11 @@ def link_cross_traffic(
         return []
     share = len(sizes) / len(requests)
     out = []
+    horizon_s = max(r.arrival_s for r in requests)
     for j in range(1, copies):
         seed = c.base.seed + 7919 * j
         plan = LoadPlan(request_rate=rate, burstiness=c.base.burstiness, seed=seed)
-        rng = random.Random(seed)
-        horizon_s = max(r.arrival_s for r in requests)
+        rng = random.Random(f"copy-sizes-{seed}")  # not the arrival gaps' stream
         # Twice the requests: a copy's draws may run slower than this one's; cut at its end.
         for at_s in plan.schedule(2 * len(requests) + 10):
             if at_s > horizon_s:

@@ -450,7 +450,7 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
         jitter = calibration.jitter if calibration else None
         # The probed server's step-time scatter, drawn per step from the run's own seed, so a
         # simulation repeats exactly.
-        draw = random.Random(s.seed + k).random
+        draw = random.Random(f"step-jitter-{s.seed + k}").random  # not the arrivals' stream
         sim = Simulator(
             config,
             blocks,

@@ -774,7 +774,9 @@ def kernel_trials(
       ``F.linear``, and the C kernel (when ``native`` loaded);
     * batch linear (bf16 with the C kernels): one step's matmuls at ``_BATCH_TRIAL_ROWS`` rows
       (a batched decode), through the weights as ``linear`` would run them (packed) or the
-      many-row C kernel; ``linear`` is decided first, so this trial packs as it chose;
+      many-row C kernel. The packed candidate is always laid out for many rows (as under
+      ``linear=c``), the fastest packed form at these rows, whatever ``linear`` chooses: C
+      must beat the best oneDNN can do to be chosen;
     * prefill attention: layer 0's attention over a fresh chunk of ``prefill_tokens``;
     * decode math: every layer's attention for a batch of the largest size that may take the
       float32 path, each with 256 tokens of context;

@@ -808,7 +808,7 @@ int place_threads(const int32_t *cpus, int n, int threads, int bind) {
 }
 
 /* ---- Many-row linear on AMX tiles: y [rows, out] = x [rows, in] @ w [out, in]^T (+ bias) in
- * bf16 for the 2-64 rows of a batched decode step. The step is still one stream over the
+ * bf16 for the 2-32 rows of a batched decode step. The step is still one stream over the
  * weights, so the weights are read as stored: a tile multiply C[16 x 16] += A[16 x 32] B[32 x
  * 16] takes A = 16 weight rows (32 columns of each, loaded straight from w at its row stride)
  * and B = the same 32 columns of 16 rows of x, which is x transposed into AMX's pair-interleaved
