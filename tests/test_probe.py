@@ -75,12 +75,13 @@ def test_probe_openai_dialect(medium_server: Server) -> None:
         assert t["token_source"] == "server-usage"
         assert t["output_tokens"] == 24 and t["prompt_tokens"] == t["prompt_tokens_asked"]
         assert all(c["text"] for c in t["chunks"])
-    fit = r["ttft_fit"]  # the fitted curve rises over the sweep (its terms may trade off)
-
-    def fitted(n: int) -> float:
-        return fit["intercept_ms"] + fit["ms_per_token"] * n + fit["ms_per_token2"] * n * n
-
-    assert fitted(1000) > fitted(100)
+    # The TTFT fit never bends down (a negative curvature falls back to a line). Whether it
+    # rises over this sweep is not asserted: it is fitted to medians of two repeats, and with
+    # the AMX prefill the 100-to-1,000-token difference (tens of ms) is within one disturbed
+    # repeat on a shared host (CI: fitted 38 ms at 100 tokens, 36 at 1,000, while the fastest
+    # repeats above still grew more than 2x); the fastest-repeat check above is that claim.
+    fit = r["ttft_fit"]
+    assert fit is not None and fit["ms_per_token2"] >= 0
 
 
 def test_probe_chat_ignores_the_role_chunk(medium_server: Server) -> None:
