@@ -22,6 +22,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -216,17 +217,7 @@ class NativeOps:
         weight as stored: for the few rows of a decode step, where a matmul is one stream over
         its weight. float32 accumulation, one rounding at the end."""
         y, bias = self._linear_args(x, weight, bias)
-        self.lib.linear_rows(
-            x.data_ptr(),
-            weight.data_ptr(),
-            _ptr(bias),
-            y.data_ptr(),
-            x.shape[0],
-            x.shape[1],
-            weight.shape[0],
-            x.dtype == torch.bfloat16,
-            torch.get_num_threads(),
-        )
+        self._run_linear(self.lib.linear_rows, x, weight, bias, y)
         return y
 
     @property
@@ -243,7 +234,17 @@ class NativeOps:
         ``in`` a multiple of 32, ``out`` of 16); elsewhere the same kernel as :meth:`linear`.
         float32 accumulation, one rounding at the end."""
         y, bias = self._linear_args(x, weight, bias)
-        status = self.lib.linear_many_rows(
+        status = self._run_linear(self.lib.linear_many_rows, x, weight, bias, y)
+        if status < 0:
+            raise MemoryError("linear_many_rows: no memory for its copy of x")
+        return y
+
+    @staticmethod
+    def _run_linear(
+        fn: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor
+    ) -> int:
+        """Call a C matmul (linear_rows or linear_many_rows: one signature) on checked tensors."""
+        return fn(
             x.data_ptr(),
             weight.data_ptr(),
             _ptr(bias),
@@ -254,9 +255,6 @@ class NativeOps:
             x.dtype == torch.bfloat16,
             torch.get_num_threads(),
         )
-        if status < 0:
-            raise MemoryError("linear_many_rows: no memory for its copy of x")
-        return y
 
     def _linear_args(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
