@@ -13,6 +13,18 @@ from pdscope.server.launch import start_server as _start
 Server = ServerProcess
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The CPU under the results (shown with -q too): timing-sensitive tests fail differently
+    on different CPUs, and the kernel trial picks different paths on them."""
+    import os
+
+    from pdscope.engine.kernels import cpu_flags
+    from pdscope.specs.local import cpu_model
+
+    flags = ", ".join(cpu_flags()) or "none of the listed ISA flags"
+    terminalreporter.write_line(f"cpu: {cpu_model()} ({flags}), {os.cpu_count()} cores")
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from pdscope.checkpoint.make_model import make_model

@@ -65,6 +65,10 @@ def _ms(s: float | None) -> float | None:
     return None if s is None else s * 1e3
 
 
+def _ttfts(traces: list[Trace]) -> list[float]:
+    return [t.ttft_s for t in traces if t.ttft_s is not None]
+
+
 def _prompt_tokens(trace: Trace) -> int | None:
     return trace.prompt_tokens if trace.prompt_tokens is not None else trace.prompt_tokens_asked
 
@@ -197,15 +201,21 @@ def analyze(
     warm = _ok(by_label["prefix-warm"])
     first = _ok(by_label["prefix-cold"])
     result["prefix_cache"] = None
-    if warm and first:
+    cold_ttft, warm_ttft = _ttfts(first), _ttfts(warm)
+    if warm_ttft and cold_ttft:
+        warm_counts = [t.cached_tokens for t in warm]
+        cold_counts = [t.cached_tokens for t in first if t.cached_tokens is not None]
         result["prefix_cache"] = {
             "prompt_tokens": _prompt_tokens(first[0]),
-            "cold_ttft_ms": _ms(first[0].ttft_s),
-            "warm_ttft_ms": _ms(warm[0].ttft_s),
-            "warm_over_cold": warm[0].ttft_s / first[0].ttft_s,  # type: ignore[operator]
-            "cached_tokens": warm[0].cached_tokens,
+            "pairs": min(len(first), len(warm)),
+            # Medians over the fresh prefixes, each sent cold then warm.
+            "cold_ttft_ms": _ms(median(cold_ttft)),
+            "warm_ttft_ms": _ms(median(warm_ttft)),
+            "warm_over_cold": median(warm_ttft) / median(cold_ttft),
+            # The fewest cached tokens any warm send reported: every one must have hit.
+            "cached_tokens": None if None in warm_counts else min(warm_counts),  # type: ignore[type-var]
             "cached_source": warm[0].cached_source,
-            "cold_cached_tokens": first[0].cached_tokens,
+            "cold_cached_tokens": max(cold_counts) if cold_counts else None,
         }
 
     result["context"] = None

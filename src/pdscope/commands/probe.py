@@ -1,9 +1,9 @@
 """`pdscope probe`: one server's prefill and decode, measured apart, compared, explained.
 
 The procedure: recognise the server, one cold request (reported apart), a prompt-length sweep at
-a fixed output length with repeats, a prefix-cache check (one long prefix sent twice), a context
-check (decode at short vs long context). Every request becomes a Trace; analysis/probe.py turns
-the traces into figures and findings.
+a fixed output length with repeats, a prefix-cache check (three long prefixes, each sent twice),
+a context check (decode at short vs long context). Every request becomes a Trace;
+analysis/probe.py turns the traces into figures and findings.
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ class ProbeSettings:
 
 
 BATCH_PROMPT_TOKENS = 64  # the batched-decode check's prompts: short, so decode dominates
+PREFIX_PAIRS = 3  # prefix-cache check: fresh prefixes, each sent cold then warm
 
 
 class Prober:
@@ -155,11 +156,14 @@ class Prober:
             for _ in range(s.repeats):
                 await self.send(await self.prompt(n), n, "sweep")
         p = s.prefix_tokens or s.prompt_tokens[-1]
-        shared = await self.prompt(p)
-        for label in ("prefix-cold", "prefix-warm"):
-            tail = await self.prompt(16)
-            prompt = shared + tail if isinstance(shared, list) else f"{shared} {tail}"
-            await self.send(prompt, p + 16, label)
+        # Several fresh prefixes, each sent cold then warm: the check compares medians, so one
+        # request disturbed by the host cannot turn a working cache into a "not reused".
+        for _ in range(PREFIX_PAIRS):
+            shared = await self.prompt(p)
+            for label in ("prefix-cold", "prefix-warm"):
+                tail = await self.prompt(16)
+                prompt = shared + tail if isinstance(shared, list) else f"{shared} {tail}"
+                await self.send(prompt, p + 16, label)
         for label, n in (("context-short", 64), ("context-long", self.context_tokens)):
             for _ in range(2):
                 await self.send(await self.prompt(n), n, label, max_tokens=s.output_tokens)
@@ -191,7 +195,7 @@ class Prober:
     def planned_requests(self) -> int:
         batch = self.s.batch_streams if self.s.batch_streams > 1 else 0
         batch *= 2 if self.s.batch_context_tokens else 1
-        return 1 + len(self.s.prompt_tokens) * self.s.repeats + 2 + 4 + batch
+        return 1 + len(self.s.prompt_tokens) * self.s.repeats + 2 * PREFIX_PAIRS + 4 + batch
 
 
 def _cap_sweep(s: ProbeSettings, max_len: int | None) -> list[str]:
