@@ -9,6 +9,12 @@ engine args, and prints one error table (simulated / measured - 1).
         [--server-threads 1]
     python bench/validate_simulator.py --rescore /tmp/pdscope-validate-XXXX [--scale ...]
 
+``--track-host`` also simulates each case from the probe dilated to the host's speed around
+that case's bench (a lone decode's median gap before and after it, against the one right after
+the probe), and prints that table too: on a host whose speed drifts between the probe and a
+bench, it separates the cost model's error from the drift. The plain table stays the
+acceptance; this one says which misses are the host's.
+
 ``--rescore DIR`` reruns only the simulations against the probe and the measured benches an
 earlier run left in DIR (same scale, seed and cases): a change to the cost model or its fit is
 scored against the same measurements in seconds, without a quiet machine. A change is kept only
@@ -165,6 +171,31 @@ def decode_gap_ms(url: str) -> float:
     return statistics.median(gaps) * 1e3
 
 
+_TIME_FIELDS = ("scheduled_s", "start_s", "connected_s", "sent_s", "headers_s", "end_s")
+
+
+def dilated_probe(probe: Path, factor: float, out: Path) -> Path:
+    """``probe`` as the host would have read it ``factor`` times slower: every timestamp moved
+    away from the probe's first one by that factor, so every duration (and the overlap of the
+    batched streams) scales alike. The derived figures are dropped; they are recomputed."""
+    data = json.loads(probe.read_text())
+    traces = data["traces"]
+    origin = min(t["start_s"] for t in traces if t.get("start_s") is not None)
+
+    def move(x: float | None) -> float | None:
+        return None if x is None else origin + (x - origin) * factor
+
+    for t in traces:
+        for key in _TIME_FIELDS:
+            if key in t:
+                t[key] = move(t[key])
+        for chunk in t.get("chunks") or []:
+            chunk["t_s"] = move(chunk["t_s"])
+        t.pop("derived", None)
+    out.write_text(json.dumps(data))
+    return out
+
+
 def error(sim: float | None, real: float | None) -> float | None:
     if sim is None or real is None:
         return None
@@ -185,6 +216,13 @@ def main() -> None:
         action="store_true",
         help="bench every case twice (the second on a fresh server) and print the real "
         "engine's error against itself: what this host lets the floors be checked to",
+    )
+    parser.add_argument(
+        "--track-host",
+        action="store_true",
+        help="also simulate each case from the probe dilated to the host's speed around its "
+        "bench, and print that table (needs the host-speed checks: a fresh run, or a --rescore "
+        "of a run that saved them)",
     )
     parser.add_argument(
         "--rescore",
@@ -236,8 +274,14 @@ def main() -> None:
             if not probe.is_file():
                 raise SystemExit("probe wrote no JSON")
             print(f"probe: {time.time() - t0:.0f} s", flush=True)
+        reference = work / "host-reference.json"
         if args.rescore is None:
             args.reference_gap_ms = decode_gap_ms(server_for([], KV_DEFAULT).url)
+            reference.write_text(json.dumps({"gap_ms": args.reference_gap_ms}))
+        elif reference.is_file():
+            args.reference_gap_ms = json.loads(reference.read_text())["gap_ms"]
+        elif args.track_host:
+            raise SystemExit(f"--track-host: {work} has no host-speed checks (an older run)")
         max_len = json.loads(probe.read_text())["runtime"]["max_model_len"] or 4096
         run_cases(args, chosen, probe, max_len, server_for, work, rows)
     finally:
@@ -254,6 +298,9 @@ def main() -> None:
         for row in rows:
             h = row["host"]
             print(f"{row['case'].ljust(18)} before {h['before']:+.0%}  after {h['after']:+.0%}")
+    if args.track_host:
+        print("\nthe simulation from the probe dilated to the host's speed around each bench")
+        print_table(rows, "sim_host", "real")
     if args.noise:
         print("\nthe real engine against itself: a second bench of each case on a fresh server")
         print_table(rows, "real2", "real")
@@ -291,21 +338,34 @@ def run_cases(
         real_file, sim_file = work / f"{case.name}-bench.json", work / f"{case.name}-sim.json"
         started = time.time()
         host: dict[str, float] = {}
+        host_file = work / f"{case.name}-host.json"
         if args.rescore is None:
             host["before"] = decode_gap_ms(server.url) / args.reference_gap_ms - 1
             run([*PDSCOPE, "bench", server.url, *load, "--save-result", str(real_file)])
             host["after"] = decode_gap_ms(server.url) / args.reference_gap_ms - 1
+            host_file.write_text(json.dumps(host))
         elif not real_file.is_file():
             raise SystemExit(f"--rescore: {real_file} is missing (run with the same --cases)")
+        elif host_file.is_file():
+            host = json.loads(host_file.read_text())
         bench_s = time.time() - started
         engine = [*case.server, "--kv-cache-memory", case.kv, "--max-model-len", str(max_len)]
-        simulate = [*PDSCOPE, "simulate", "--calibrate", str(probe), *engine, *load]
-        run([*simulate, "--max-num-seqs", "64", "--save-result", str(sim_file)])
+        simulate = [*engine, *load, "--max-num-seqs", "64", "--save-result"]
+        run([*PDSCOPE, "simulate", "--calibrate", str(probe), *simulate, str(sim_file)])
         real = figures(json.loads(real_file.read_text()))
         sim = figures(json.loads(sim_file.read_text()))
         if case.name == "random-c16":
             saturation_rps = real["request_throughput"]
         row = {"case": case.name, "prompts": prompts, "real": real, "sim": sim, "host": host}
+        if args.track_host:
+            if not host:
+                raise SystemExit(f"--track-host: no host-speed check for {case.name}")
+            factor = 1 + (host["before"] + host["after"]) / 2
+            moved = dilated_probe(probe, factor, work / f"{case.name}-probe-at-host.json")
+            tracked = work / f"{case.name}-sim-host.json"
+            run([*PDSCOPE, "simulate", "--calibrate", str(moved), *simulate, str(tracked)])
+            row["sim_host"] = figures(json.loads(tracked.read_text()))
+            row["host"]["factor"] = factor
         if args.noise:
             again = work / f"{case.name}-bench2.json"
             server = server_for(case.server, case.kv, fresh=True)
