@@ -122,6 +122,31 @@ def test_trial_picks_the_faster_candidate_and_caches_it(tmp_path: Path) -> None:
     assert json.loads(cache_file.read_text())["prefill_attention"] == "sdpa"
 
 
+def test_a_choice_made_on_a_busy_host_is_measured_again_when_quieter(tmp_path: Path) -> None:
+    """Under load the slower candidate can win the trial; a quieter start measures again and
+    replaces it, a start as busy or busier keeps the cache."""
+    slow = {"blocked": 0.0, "sdpa": 0.02}  # the busy host's view: blocked wins
+
+    def trials():
+        return {
+            "prefill_attention": lambda: {
+                name: (lambda name=name: time.sleep(slow[name])) for name in slow
+            }
+        }
+
+    busy = choose(trials(), {}, SHAPES, tmp_path, load=2.5)
+    assert busy.prefill_attention == "blocked"
+    (cache_file,) = tmp_path.glob("*.json")
+    assert json.loads(cache_file.read_text())["load_per_core"] == 2.5
+    slow.update(blocked=0.02, sdpa=0.0)  # the truth, seen when quiet
+    assert choose(trials(), {}, SHAPES, tmp_path, load=2.2).how["prefill_attention"] == "cached"
+    quiet = choose(trials(), {}, SHAPES, tmp_path, load=0.4)
+    assert quiet.prefill_attention == "sdpa" and quiet.how["prefill_attention"] == "measured"
+    record = json.loads(cache_file.read_text())
+    assert record["prefill_attention"] == "sdpa" and record["load_per_core"] == 0.4
+    assert choose(trials(), {}, SHAPES, tmp_path, load=0.3).how["prefill_attention"] == "cached"
+
+
 def test_engine_logs_applies_and_reports_its_choice(
     tiny_bf16: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

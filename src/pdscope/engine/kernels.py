@@ -175,6 +175,16 @@ def median_times_s(
 
 Candidates = dict[str, Callable[[], object]]
 
+# A cached choice is measured again when the host is this much quieter (1-minute load average
+# per core) than when it was made: a trial on a busy host can invert a large gap (one on this
+# project's 2-core Xeon under load 5 picked `linear=packed`, slower when quiet), and caching it
+# would keep that choice for every later start.
+QUIETER_BY = 0.5
+
+
+def load_per_core() -> float:
+    return os.getloadavg()[0] / (os.cpu_count() or 1)
+
 
 def choose(
     applicable: dict[str, Callable[[], Candidates]],
@@ -183,14 +193,17 @@ def choose(
     cache_dir: Path | None,
     budget_s: float = 1.0,
     fixed: dict[str, str] | None = None,
+    load: float | None = None,
 ) -> KernelChoice:
     """Pick every path: forced ones as given, the rest from the cache or a trial.
 
     ``applicable`` maps each path that has more than one candidate on this device to a
     factory of its candidates' trial functions (called only when that path is timed); paths
     missing from it take their entry in ``fixed`` (what this device and dtype always run), else
-    the default.
+    the default. ``load``: the host's load per core now (default: read it); a cache entry
+    made at a load higher by :data:`QUIETER_BY` or more is measured again.
     """
+    load = load_per_core() if load is None else load
     cache_file = cache_dir / f"{shapes.cache_key()}.json" if cache_dir else None
     cached: dict[str, object] = {}
     if cache_file is not None and cache_file.is_file():
@@ -198,6 +211,15 @@ def choose(
             cached = json.loads(cache_file.read_text())
         except (OSError, json.JSONDecodeError):
             cached = {}  # a damaged cache file is measured again and rewritten
+        cached_load = cached.get("load_per_core")
+        if isinstance(cached_load, int | float) and load <= cached_load - QUIETER_BY:
+            log.info(
+                "kernel choice measured again: the host is quieter (load %.2f per core) than "
+                "when it was cached (%.2f)",
+                load,
+                cached_load,
+            )
+            cached = {}
     picks: dict[str, str] = {}
     how: dict[str, str] = {}
     trial_s: dict[str, float] = {}
@@ -226,6 +248,7 @@ def choose(
             "flags": cpu_flags(),
             "shapes": asdict(shapes),
             "trial_s": trial_s,
+            "load_per_core": round(load, 2),
         }
         try:
             cache_file.parent.mkdir(parents=True, exist_ok=True)
