@@ -990,13 +990,15 @@ int linear_many_rows(const void *x, const void *w, const void *bias, void *y, in
  * Each call first repacks K and V per KV head into the tiles' B layout (pairs of bf16 along the
  * reduced dimension interleaved): K per 16 keys [dim / 2][16] (so S = Q K^T needs no transpose)
  * and V per 32 keys and 16 columns [16 key pairs][32]. Padding keys are zero.
- * Work is (KV head, block of 16 query rows); each item runs all the query heads of its GQA
- * group through one chunk of up to 512 keys before the next, so the packed K/V of the chunk
- * stays in L2 while the group's 2-4 heads use it. Per head and chunk: scores into f32, the
- * causal mask on the chunk's last keys, an online softmax (running max m and sum l per row, the
- * row's earlier output rescaled by exp(m_old - m_new)), P rounded to bf16 for P . V, l summed
- * in float32 before that rounding (as torch's flash kernel does). Threads take items largest
- * first (a later query block sees more keys).
+ * Work is (KV head, block of 16 query rows), head-major: a thread takes one KV head's query
+ * blocks in turn, so that head's packed K/V (512 KB at 2,000 keys and head size 64) stays in
+ * L2 across them, where cycling through the heads swept all of them (2 MB, the whole L2) per
+ * few items; within a head, largest block first (a later query block sees more keys). Each
+ * item runs the query heads of its GQA group, two at a time so that every K and V tile loaded
+ * serves both, through one chunk of up to 512 keys before the next. Per head and chunk: scores
+ * into f32, the causal mask on the chunk's last keys, an online softmax (running max m and sum
+ * l per row, the row's earlier output rescaled by exp(m_old - m_new)), P rounded to bf16 for
+ * P . V, l summed in float32 before that rounding (as torch's flash kernel does).
  * Linux grants a process the tile registers only on request (arch_prctl); when it refuses, or
  * the CPU or compiler lacks AMX, the entry point returns 0 and the caller keeps SDPA.
  */
