@@ -19,6 +19,13 @@ listed is the rest: glue in torch ops, Python).
 ``--sdpa-ab`` adds pdscope with its prefill attention switched to torch's SDPA in the same
 process (the same engine, only each layer's attention call changes): the AMX tile kernel's
 before/after when the trial (or ``--kernels``) chose ``prefill_attention=amx``.
+``--ab-source FILE`` adds pdscope with its AMX prefill attention taken from another build of
+the C kernels, compiled from FILE (e.g. an earlier commit's ``decode_ops.c``, written out with
+``git show REV:src/pdscope/engine/csrc/decode_ops.c``): a kernel change's before/after in one
+process, beside transformers.
+
+    git show HEAD~1:src/pdscope/engine/csrc/decode_ops.c > /tmp/before.c
+    .venv/bin/python bench/prefill_ab.py --rounds 8 --threads 1 --ab-source /tmp/before.c
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +59,9 @@ def main() -> None:
     parser.add_argument("--parts", action="store_true")
     parser.add_argument("--kernels", default="auto", help="as the engine's --kernels")
     parser.add_argument("--sdpa-ab", action="store_true", help="also pdscope with SDPA prefill")
+    parser.add_argument(
+        "--ab-source", help="also pdscope with its AMX prefill attention built from this C file"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -119,6 +130,8 @@ def main() -> None:
                     m.prefill_native, m.prefill_sdpa = native, sdpa
 
         candidates["pdscope-sdpa-attention"] = sdpa_attention
+    if args.ab_source:
+        candidates["pdscope-ab-source"] = _ab_source_candidate(llm, pdscope, args.ab_source)
     if not args.no_transformers:
         from transformers import AutoModelForCausalLM
 
@@ -179,6 +192,42 @@ def main() -> None:
             f"({min(by_wall):.3f}-{max(by_wall):.3f}), CPU {statistics.median(by_cpu):.3f}x "
             f"({min(by_cpu):.3f}-{max(by_cpu):.3f})"
         )
+
+
+def _ab_source_candidate(
+    llm: object, pdscope: Callable[[], None], source: str
+) -> Callable[[], None]:
+    """pdscope with every layer's AMX prefill attention run by the C kernels built from
+    ``source`` (everything else, matmuls and glue included, unchanged)."""
+    import ctypes
+    import subprocess
+    import tempfile
+
+    from pdscope.engine.model import Attention
+    from pdscope.engine.native import NativeOps, compiler
+
+    cc = compiler()
+    if cc is None:
+        raise SystemExit("--ab-source: no C compiler")
+    lib = Path(tempfile.mkdtemp()) / "ab_source.so"
+    flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+    subprocess.run([cc, *flags, "-o", str(lib), source, "-lm"], check=True)
+    other = NativeOps(ctypes.CDLL(str(lib)))
+    attns = [m for m in llm.engine.runner.model.modules() if isinstance(m, Attention)]  # type: ignore[attr-defined]
+    if not other.prefill_amx or not any(m.prefill_native is not None for m in attns):
+        raise SystemExit("--ab-source: the engine does not run prefill_attention=amx here")
+
+    def run() -> None:
+        saved = [m.prefill_native for m in attns]
+        for m in attns:
+            m.prefill_native = other
+        try:
+            pdscope()
+        finally:
+            for m, ops in zip(attns, saved, strict=True):
+                m.prefill_native = ops
+
+    return run
 
 
 def _time_parts(acc: dict[str, float]) -> None:

@@ -9,6 +9,10 @@ followed by the [tokens, heads * dim] layout o_proj reads. Reports the median CP
 less than wall time) and wall time, and amx over SDPA within rounds.
 
     .venv/bin/python bench/prefill_attention_ab.py --threads 1 --rounds 10
+
+``--ab-source FILE`` adds the same kernel built from another ``decode_ops.c`` (e.g. an earlier
+commit's, from ``git show REV:src/pdscope/engine/csrc/decode_ops.c``), interleaved with the
+rest, and reports the current kernel over it within rounds: a kernel change's before/after.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as is)")
+    parser.add_argument("--ab-source", help="also the kernel built from this C file")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -70,6 +75,15 @@ def main() -> None:
         out.view(n, -1)
 
     candidates: dict[str, Callable[[], None]] = {"sdpa": sdpa, "amx": amx}
+    if args.ab_source:
+        other = _build(args.ab_source)
+
+        def amx_ab() -> None:
+            out = other.prefill_attention(q, keys, values, cached, scale)
+            assert out is not None
+            out.view(n, -1)
+
+        candidates["amx-ab-source"] = amx_ab
     for fn in candidates.values():
         fn()
     cpu: dict[str, list[float]] = {name: [] for name in candidates}
@@ -99,6 +113,29 @@ def main() -> None:
         f"  amx over sdpa within rounds: CPU {statistics.median(by_cpu):.3f}x "
         f"({min(by_cpu):.3f}-{max(by_cpu):.3f}), wall {statistics.median(by_wall):.3f}x"
     )
+    if args.ab_source:
+        by_cpu = [a / b for a, b in zip(cpu["amx"], cpu["amx-ab-source"], strict=True)]
+        print(
+            f"  amx over amx-ab-source within rounds: CPU {statistics.median(by_cpu):.3f}x "
+            f"({min(by_cpu):.3f}-{max(by_cpu):.3f})"
+        )
+
+
+def _build(source: str) -> native.NativeOps:
+    """The C kernels compiled from ``source`` into a temporary library."""
+    import ctypes
+    import subprocess
+
+    cc = native.compiler()
+    if cc is None:
+        raise SystemExit("--ab-source: no C compiler")
+    lib = Path(tempfile.mkdtemp()) / "ab_source.so"
+    flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+    subprocess.run([cc, *flags, "-o", str(lib), source, "-lm"], check=True)
+    ops = native.NativeOps(ctypes.CDLL(str(lib)))
+    if not ops.prefill_amx:
+        raise SystemExit("--ab-source: that build has no AMX prefill attention here")
+    return ops
 
 
 if __name__ == "__main__":

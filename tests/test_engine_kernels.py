@@ -541,6 +541,7 @@ def _causal_reference(
         (600, 0, 8, 2, 128),  # two 512-key chunks for the later rows, head 128
         (33, 70, 6, 3, 32),  # group 2, head 32
         (20, 9, 4, 1, 64),  # all heads on one KV head
+        (50, 17, 6, 2, 64),  # group 3: one pair of heads, then one alone
     ],
 )
 @pytest.mark.parametrize("heads_major", [False, True])

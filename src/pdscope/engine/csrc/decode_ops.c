@@ -990,13 +990,15 @@ int linear_many_rows(const void *x, const void *w, const void *bias, void *y, in
  * Each call first repacks K and V per KV head into the tiles' B layout (pairs of bf16 along the
  * reduced dimension interleaved): K per 16 keys [dim / 2][16] (so S = Q K^T needs no transpose)
  * and V per 32 keys and 16 columns [16 key pairs][32]. Padding keys are zero.
- * Work is (KV head, block of 16 query rows); each item runs all the query heads of its GQA
- * group through one chunk of up to 512 keys before the next, so the packed K/V of the chunk
- * stays in L2 while the group's 2-4 heads use it. Per head and chunk: scores into f32, the
- * causal mask on the chunk's last keys, an online softmax (running max m and sum l per row, the
- * row's earlier output rescaled by exp(m_old - m_new)), P rounded to bf16 for P . V, l summed
- * in float32 before that rounding (as torch's flash kernel does). Threads take items largest
- * first (a later query block sees more keys).
+ * Work is (KV head, block of 16 query rows), head-major: a thread takes one KV head's query
+ * blocks in turn, so that head's packed K/V (512 KB at 2,000 keys and head size 64) stays in
+ * L2 across them, where cycling through the heads swept all of them (2 MB, the whole L2) per
+ * few items; within a head, largest block first (a later query block sees more keys). Each
+ * item runs the query heads of its GQA group, two at a time so that every K and V tile loaded
+ * serves both, through one chunk of up to 512 keys before the next. Per head and chunk: scores
+ * into f32, the causal mask on the chunk's last keys, an online softmax (running max m and sum
+ * l per row, the row's earlier output rescaled by exp(m_old - m_new)), P rounded to bf16 for
+ * P . V, l summed in float32 before that rounding (as torch's flash kernel does).
  * Linux grants a process the tile registers only on request (arch_prctl); when it refuses, or
  * the CPU or compiler lacks AMX, the entry point returns 0 and the caller keeps SDPA.
  */
@@ -1085,6 +1087,66 @@ static inline void prefill_values(const bf16 *p, const bf16 *vp, int64_t vb0, in
     }
 }
 
+/* Two query heads of one GQA group at once: Sa, Sb [16, kc] (row stride PREFILL_KEYS) from
+ * Qa, Qb [16, dim] against the same keys, so each K tile loaded (from L2: a chunk's packed K is
+ * 64 KB at head size 64) serves two heads' products instead of one. */
+static inline void prefill_scores2(const bf16 *qa, const bf16 *qb, const uint32_t *kp,
+                                   int64_t kb0, int64_t kc, int64_t dim, float *sa, float *sb) {
+    const int64_t pairs = dim / 2, qstride = dim * (int64_t)sizeof(bf16);
+    const int64_t sstride = PREFILL_KEYS * (int64_t)sizeof(float);
+    for (int64_t kk = 0; kk < kc; kk += 32) {
+        const uint32_t *b = kp + (kb0 + kk / 16) * pairs * 16;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < dim / 32; c++) {
+            _tile_loadd(5, b + c * 256, 64);
+            _tile_loadd(6, b + pairs * 16 + c * 256, 64);
+            _tile_loadd(4, qa + c * 32, qstride);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(7, qb + c * 32, qstride);
+            _tile_dpbf16ps(2, 7, 5);
+            _tile_dpbf16ps(3, 7, 6);
+        }
+        _tile_stored(0, sa + kk, sstride);
+        _tile_stored(1, sa + kk + 16, sstride);
+        _tile_stored(2, sb + kk, sstride);
+        _tile_stored(3, sb + kk + 16, sstride);
+    }
+}
+
+/* pva, pvb [16, dim] = Pa, Pb [16, kc] . V: two heads of a GQA group against the same values,
+ * each V tile loaded once for both (see prefill_scores2). dim is a multiple of 32. */
+static inline void prefill_values2(const bf16 *pa, const bf16 *pb, const bf16 *vp, int64_t vb0,
+                                   int64_t kc, int64_t dim, float *pva, float *pvb) {
+    const int64_t cols = dim / 16, block = cols * 16 * 32;
+    const int64_t pstride = PREFILL_KEYS * (int64_t)sizeof(bf16);
+    const int64_t ostride = dim * (int64_t)sizeof(float);
+    for (int64_t d0 = 0; d0 < cols; d0 += 2) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k32 = 0; k32 < kc / 32; k32++) {
+            const bf16 *b = vp + (vb0 + k32) * block + d0 * 512;
+            _tile_loadd(5, b, 64);
+            _tile_loadd(6, b + 512, 64);
+            _tile_loadd(4, pa + k32 * 32, pstride);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(7, pb + k32 * 32, pstride);
+            _tile_dpbf16ps(2, 7, 5);
+            _tile_dpbf16ps(3, 7, 6);
+        }
+        _tile_stored(0, pva + d0 * 16, ostride);
+        _tile_stored(1, pva + (d0 + 1) * 16, ostride);
+        _tile_stored(2, pvb + d0 * 16, ostride);
+        _tile_stored(3, pvb + (d0 + 1) * 16, ostride);
+    }
+}
+
 /* 2^t on 16 lanes for the softmax's t <= 0 (finite): 2^n * 2^f with n = round(t), |f| <= 1/2,
  * 2^f by its degree-4 Taylor polynomial (relative error < 6e-5, far below the bf16 rounding P
  * gets, and the same for every key of a row, so it cancels in P / l) and 2^n by vscalefps,
@@ -1112,34 +1174,81 @@ static inline float prefill_softmax_row(const float *s, int64_t kc, int64_t vis,
         return 1.0f;
     }
     /* full vectors unmasked, then one masked tail: a mask per vector would take the same
-     * ports as the vector math */
-    const int64_t full = vis & ~(int64_t)15;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < full; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
+     * ports as the vector math. Four maxima and four sums, so that the loops are not one chain
+     * of dependent max or add latencies (4 cycles each) per vector. */
+    const int64_t full = vis & ~(int64_t)15, full4 = vis & ~(int64_t)63;
+    __m512 mx0 = _mm512_set1_ps(-INFINITY), mx1 = mx0, mx2 = mx0, mx3 = mx0;
+    int64_t j = 0;
+    for (; j < full4; j += 64) {
+        mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(s + j));
+        mx1 = _mm512_max_ps(mx1, _mm512_loadu_ps(s + j + 16));
+        mx2 = _mm512_max_ps(mx2, _mm512_loadu_ps(s + j + 32));
+        mx3 = _mm512_max_ps(mx3, _mm512_loadu_ps(s + j + 48));
+    }
+    for (; j < full; j += 16) mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(s + j));
     if (full < vis) {
         const __mmask16 k = tail16(vis - full);
-        mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, s + full));
+        mx1 = _mm512_mask_max_ps(mx1, k, mx1, _mm512_maskz_loadu_ps(k, s + full));
     }
+    const __m512 mx = _mm512_max_ps(_mm512_max_ps(mx0, mx1), _mm512_max_ps(mx2, mx3));
     const float m_new = fmaxf(*m, _mm512_reduce_max_ps(mx) * c);
     const __m512 cv = _mm512_set1_ps(c), mv = _mm512_set1_ps(m_new);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < full; j += 16) {
-        const __m512 e = prefill_exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), cv, mv));
-        _mm256_storeu_si256((__m256i *)(p + j), (__m256i)_mm512_cvtneps_pbh(e));
-        sum = _mm512_add_ps(sum, e);
+    __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0, sum2 = sum0, sum3 = sum0;
+#define PREFILL_EXP_AT(o, acc)                                                                     \
+    do {                                                                                           \
+        const __m512 e = prefill_exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j + (o)), cv, mv));   \
+        _mm256_storeu_si256((__m256i *)(p + j + (o)), (__m256i)_mm512_cvtneps_pbh(e));             \
+        acc = _mm512_add_ps(acc, e);                                                               \
+    } while (0)
+    for (j = 0; j < full4; j += 64) {
+        PREFILL_EXP_AT(0, sum0);
+        PREFILL_EXP_AT(16, sum1);
+        PREFILL_EXP_AT(32, sum2);
+        PREFILL_EXP_AT(48, sum3);
     }
-    for (int64_t j = full; j < kc; j += 16) {
+    for (; j < full; j += 16) PREFILL_EXP_AT(0, sum0);
+#undef PREFILL_EXP_AT
+    for (j = full; j < kc; j += 16) {
         const __mmask16 k = j < vis ? tail16(vis - j) : 0;
         __m512 e = prefill_exp2_16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, s + j), cv, mv));
         e = _mm512_maskz_mov_ps(k, e);
         _mm256_storeu_si256((__m256i *)(p + j), (__m256i)_mm512_cvtneps_pbh(e));
-        sum = _mm512_add_ps(sum, e);
+        sum1 = _mm512_add_ps(sum1, e);
     }
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(sum0, sum1), _mm512_add_ps(sum2, sum3));
     /* exp2(d) = exp(d ln 2) for d <= 0 */
     const float alpha = *m == -INFINITY ? 0.0f : exp_neg_abs((*m - m_new) * 0.6931471805599453f);
     *l = *l * alpha + _mm512_reduce_add_ps(sum);
     *m = m_new;
     return alpha;
+}
+
+/* The softmax step of one head's 16 query rows (from q0, `rows` real) over the chunk of kc
+ * keys from k0 (scores s, P into p); alpha gets each row's rescale factor. */
+static inline void prefill_softmax_block(const float *s, bf16 *p, int64_t rows, int64_t first,
+                                         int64_t kend, int64_t k0, int64_t kc, float c2,
+                                         float *m, float *l, float *alpha) {
+    for (int64_t r = 0; r < 16; r++) {
+        /* row r sees keys through its own position (first + r); padding rows see the
+         * block's keys (finite, never written out) */
+        const int64_t last = r < rows ? first + r : kend - 1;
+        int64_t vis = last + 1 - k0;
+        if (vis > kc) vis = kc;
+        alpha[r] = prefill_softmax_row(s + r * PREFILL_KEYS, kc, vis, c2, m + r, l + r,
+                                       p + r * PREFILL_KEYS);
+    }
+}
+
+/* o = o * alpha (per row) + pv for one head's 16 rows of f32 output. */
+static inline void prefill_rescale(float *o, const float *pv, const float *alpha, int64_t dim) {
+    for (int64_t r = 0; r < 16; r++) {
+        const __m512 a = _mm512_set1_ps(alpha[r]);
+        for (int64_t d = 0; d < dim; d += 16) {
+            const __m512 acc = _mm512_loadu_ps(o + r * dim + d);
+            _mm512_storeu_ps(o + r * dim + d,
+                             _mm512_fmadd_ps(acc, a, _mm512_loadu_ps(pv + r * dim + d)));
+        }
+    }
 }
 
 /* K and V of one KV head into the tiles' layouts (see above); keys past `total` are zero. */
@@ -1192,10 +1301,10 @@ int prefill_attention_amx(const bf16 *q, const bf16 *keys, const bf16 *values, b
     const int64_t kblocks = padded / 16, qblocks = (n + 15) / 16;
     const int64_t head_pack = padded * dim; /* elements of bf16 (or half as many uint32) */
     if (threads < 1) threads = 1;
-    /* per thread: S f32 [16][KEYS], P bf16 [16][KEYS], pv f32 [16][dim], O f32 [group][16][dim],
-     * Qb bf16 [group][16][dim], m and l f32 [group][16] */
-    const size_t per_thread = (size_t)(16 * PREFILL_KEYS * 4 + 16 * PREFILL_KEYS * 2 +
-                                       16 * dim * 4 + group * 16 * dim * 4 +
+    /* per thread: S f32 [2][16][KEYS], P bf16 [2][16][KEYS], pv f32 [2][16][dim] (two heads at
+     * a time), O f32 [group][16][dim], Qb bf16 [group][16][dim], m and l f32 [group][16] */
+    const size_t per_thread = (size_t)(2 * 16 * PREFILL_KEYS * 4 + 2 * 16 * PREFILL_KEYS * 2 +
+                                       2 * 16 * dim * 4 + group * 16 * dim * 4 +
                                        group * 16 * dim * 2 + group * 16 * 8 + 63) /
                               64 * 64;
     uint32_t *kp = aligned_alloc(64, (size_t)(kv_heads * head_pack) * sizeof(bf16));
@@ -1222,15 +1331,15 @@ int prefill_attention_amx(const bf16 *q, const bf16 *keys, const bf16 *values, b
 #endif
         char *mine = scratch + per_thread * (size_t)me;
         float *s = (float *)mine;
-        bf16 *p = (bf16 *)(s + 16 * PREFILL_KEYS);
-        float *pv = (float *)(p + 16 * PREFILL_KEYS);
-        float *o = pv + 16 * dim;
+        bf16 *p = (bf16 *)(s + 2 * 16 * PREFILL_KEYS);
+        float *pv = (float *)(p + 2 * 16 * PREFILL_KEYS);
+        float *o = pv + 2 * 16 * dim;
         float *m = o + group * 16 * dim, *l = m + group * 16;
         bf16 *qb = (bf16 *)(l + group * 16);
         amx_configure();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < kv_heads * qblocks; item++) {
-            const int64_t qblk = qblocks - 1 - item / kv_heads, h = item % kv_heads;
+            const int64_t qblk = qblocks - 1 - item % qblocks, h = item / qblocks;
             const int64_t q0 = qblk * 16, rows = n - q0 < 16 ? n - q0 : 16;
             /* keys any row of the block sees: through the last row's own position */
             const int64_t kend = cached + q0 + rows;
@@ -1252,31 +1361,30 @@ int prefill_attention_amx(const bf16 *q, const bf16 *keys, const bf16 *values, b
                 const int64_t left = kend - k0;
                 const int64_t span = left < PREFILL_KEYS ? left : PREFILL_KEYS;
                 const int64_t kc = (span + 31) & ~(int64_t)31;
-                for (int64_t g = 0; g < group; g++) {
-                    prefill_scores(qb + g * 16 * dim, kp + h * (head_pack / 2), k0 / 16, kc, dim,
-                                   s);
-                    float alpha[16];
-                    for (int64_t r = 0; r < 16; r++) {
-                        /* row r sees keys through its own position; padding rows see the
-                         * block's keys (finite, never written out) */
-                        const int64_t last = r < rows ? cached + q0 + r : kend - 1;
-                        int64_t vis = last + 1 - k0;
-                        if (vis > kc) vis = kc;
-                        alpha[r] = prefill_softmax_row(s + r * PREFILL_KEYS, kc, vis, c2,
-                                                       m + g * 16 + r, l + g * 16 + r,
-                                                       p + r * PREFILL_KEYS);
-                    }
-                    prefill_values(p, vp + h * head_pack, k0 / 32, kc, dim, pv);
-                    float *og = o + g * 16 * dim;
-                    for (int64_t r = 0; r < 16; r++) {
-                        const __m512 a = _mm512_set1_ps(alpha[r]);
-                        for (int64_t d = 0; d < dim; d += 16) {
-                            const __m512 acc = _mm512_loadu_ps(og + r * dim + d);
-                            _mm512_storeu_ps(og + r * dim + d,
-                                             _mm512_fmadd_ps(acc, a,
-                                                             _mm512_loadu_ps(pv + r * dim + d)));
-                        }
-                    }
+                const uint32_t *kh = kp + h * (head_pack / 2);
+                const bf16 *vh = vp + h * head_pack;
+                const int64_t first = cached + q0;
+                float alpha[2][16];
+                int64_t g = 0;
+                for (; g + 1 < group; g += 2) { /* heads in pairs: one K/V tile load for two */
+                    float *sb = s + 16 * PREFILL_KEYS, *pvb = pv + 16 * dim;
+                    bf16 *pb = p + 16 * PREFILL_KEYS;
+                    prefill_scores2(qb + g * 16 * dim, qb + (g + 1) * 16 * dim, kh, k0 / 16, kc,
+                                    dim, s, sb);
+                    prefill_softmax_block(s, p, rows, first, kend, k0, kc, c2, m + g * 16,
+                                          l + g * 16, alpha[0]);
+                    prefill_softmax_block(sb, pb, rows, first, kend, k0, kc, c2,
+                                          m + (g + 1) * 16, l + (g + 1) * 16, alpha[1]);
+                    prefill_values2(p, pb, vh, k0 / 32, kc, dim, pv, pvb);
+                    prefill_rescale(o + g * 16 * dim, pv, alpha[0], dim);
+                    prefill_rescale(o + (g + 1) * 16 * dim, pvb, alpha[1], dim);
+                }
+                if (g < group) { /* an odd group's last head alone */
+                    prefill_scores(qb + g * 16 * dim, kh, k0 / 16, kc, dim, s);
+                    prefill_softmax_block(s, p, rows, first, kend, k0, kc, c2, m + g * 16,
+                                          l + g * 16, alpha[0]);
+                    prefill_values(p, vh, k0 / 32, kc, dim, pv);
+                    prefill_rescale(o + g * 16 * dim, pv, alpha[0], dim);
                 }
             }
             for (int64_t g = 0; g < group; g++) {
