@@ -16,7 +16,8 @@ prefill steps left out; a median over ~30 steps shrugs off a descheduled step on
         --others linear=c,batch_linear=c,prefill_attention=sdpa,decode_math=native,decode_ops=c
 
 ``--generic-attention`` compares the C decode attention's generic loop (the library built with
-``-DNEW_DECODE_ATTENTION=0``) with the build the engine uses, every path forced alike.
+``-DNEW_DECODE_ATTENTION=0``) with the build the engine uses, every path forced alike;
+``--avx512-attention`` the head-64 kernel in AVX-512 only (``=1``, no AMX tiles for the scores).
 
 Figures: batch-1 decode at 64 and 4,000 tokens of context (their ratio against plan's bytes
 arithmetic, issue 12 item 3) and batch-32 decode after 128-token prompts, in tokens/s.
@@ -41,14 +42,16 @@ from pdscope.engine import native
 from pdscope.engine.model import apply_kernels
 
 
-def generic_attention_ops(directory: Path) -> native.NativeOps:
-    """The C kernels built with only the generic decode attention loop."""
+def generic_attention_ops(directory: Path, level: int = 0) -> native.NativeOps:
+    """The C kernels built with only the generic decode attention loop (``level`` 0), or with
+    the head-64 kernel in AVX-512 only, its scores off the AMX tiles (1)."""
     cc = native.compiler()
     if cc is None:
         raise SystemExit("--generic-attention needs a C compiler")
-    target = directory / "decode_ops_generic.so"
+    target = directory / f"decode_ops_attention{level}.so"
     flags = native._FLAG_SETS[0]
-    cmd = [cc, "-DNEW_DECODE_ATTENTION=0", *flags, "-o", str(target), str(native.SOURCE), "-lm"]
+    cmd = [cc, f"-DNEW_DECODE_ATTENTION={level}", *flags, "-o", str(target)]
+    cmd += [str(native.SOURCE), "-lm"]
     subprocess.run(cmd, check=True)
     return native.NativeOps(ctypes.CDLL(str(target)))
 
@@ -70,9 +73,15 @@ def main() -> None:
         action="store_true",
         help="compare the decode attention's generic loop (generic) with the engine's (c)",
     )
+    parser.add_argument(
+        "--avx512-attention",
+        action="store_true",
+        help="compare the decode attention in AVX-512 only (avx512) with the engine's (c)",
+    )
     args = parser.parse_args()
-    if args.generic_attention:
-        args.path, args.candidates = "decode_ops", ["generic", "c"]
+    level = 0 if args.generic_attention else 1 if args.avx512_attention else None
+    if level is not None:
+        args.path, args.candidates = "decode_ops", ["generic" if level == 0 else "avx512", "c"]
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model_path(args.model)
@@ -84,13 +93,13 @@ def main() -> None:
             max_model_len=4096,
             max_num_batched_tokens=2048,
             max_num_seqs=64,
-            kernels=f"{args.others},{args.path}={'c' if cand == 'generic' else cand}",
+            kernels=f"{args.others},{args.path}={'c' if level is not None else cand}",
         )
         for cand in args.candidates
     }
-    if args.generic_attention:
-        llm = engines["generic"]
-        ops = generic_attention_ops(Path(tempfile.mkdtemp(prefix="pdscope-ab-")))
+    if level is not None:
+        llm = engines[args.candidates[0]]
+        ops = generic_attention_ops(Path(tempfile.mkdtemp(prefix="pdscope-ab-")), level)
         apply_kernels(llm.engine.runner.model, llm.engine.kernels, ops)
         llm.engine._native = ops
     first, second = args.candidates
