@@ -2,9 +2,11 @@
 
 One decode step's attention for the ``small`` model's shapes (12 layers, 16 query heads over 4
 KV heads of 64, bf16, blocks of 16) at batch 1 and the given contexts, through the library
-built with ``-DNEW_DECODE_ATTENTION=0`` (the generic per-key loop) and the engine's build (16
-keys at a time for head size 64), beside a float32 sum over the same bytes of K and V. Wall
-time and this process's CPU time (robust to a busy host at ``--threads 1``), medians.
+built with ``-DNEW_DECODE_ATTENTION=0`` (the generic per-key loop, ``generic``), with ``=1``
+(16 keys at a time for head size 64 in AVX-512, ``avx512``) and the engine's build (``c``: the
+same with the scores on AMX tiles where the CPU and Linux grant them), beside a float32 sum
+over the same bytes of K and V. Wall time and this process's CPU time (robust to a busy host
+at ``--threads 1``), medians.
 
     .venv/bin/python bench/decode_attention_ab.py --contexts 64 1000 4000 --threads 1
 """
@@ -36,8 +38,10 @@ def main() -> None:
     engine_ops = native.load(default_cache_dir() / "native")
     if engine_ops is None:
         raise SystemExit("the C kernels did not build (a C compiler on PATH or in $CC)")
+    scratch = Path(tempfile.mkdtemp(prefix="pdscope-ab-"))
     ops = {
-        "generic": generic_attention_ops(Path(tempfile.mkdtemp(prefix="pdscope-ab-"))),
+        "generic": generic_attention_ops(scratch),
+        "avx512": generic_attention_ops(scratch, 1),
         "c": engine_ops,
     }
     block, kv_heads, heads, dim, layers = 16, 4, 16, 64, 12
@@ -76,8 +80,15 @@ def main() -> None:
         for name in paths:
             w, c = statistics.median(wall[name]), statistics.median(cpu[name])
             cells.append(f"{name} {w * 1e3:6.2f} / {c * 1e3:6.2f} ({nbytes / w / 1e9:4.1f} GB/s)")
-        ratio = statistics.median(g / c for g, c in zip(wall["generic"], wall["c"], strict=True))
-        print(f"context {context:5}: " + "  ".join(cells) + f"  generic / c {ratio:.2f}")
+        ratios = [
+            statistics.median(a / c for a, c in zip(wall[name], wall["c"], strict=True))
+            for name in ("generic", "avx512")
+        ]
+        print(
+            f"context {context:5}: "
+            + "  ".join(cells)
+            + f"  generic / c {ratios[0]:.2f}  avx512 / c {ratios[1]:.2f}"
+        )
 
 
 if __name__ == "__main__":

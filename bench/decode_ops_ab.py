@@ -16,7 +16,11 @@ prefill steps left out; a median over ~30 steps shrugs off a descheduled step on
         --others linear=c,batch_linear=c,prefill_attention=sdpa,decode_math=native,decode_ops=c
 
 ``--generic-attention`` compares the C decode attention's generic loop (the library built with
-``-DNEW_DECODE_ATTENTION=0``) with the build the engine uses, every path forced alike.
+``-DNEW_DECODE_ATTENTION=0``) with the build the engine uses, every path forced alike;
+``--avx512-attention`` the head-64 kernel in AVX-512 only (``=1``, no AMX tiles for the scores).
+``--cpu-time`` times the steps by the process's CPU time instead of wall time: at
+``--threads 1`` that is the step's own work, which other processes on a busy host inflate far
+less than its wall time.
 
 Figures: batch-1 decode at 64 and 4,000 tokens of context (their ratio against plan's bytes
 arithmetic, issue 12 item 3) and batch-32 decode after 128-token prompts, in tokens/s.
@@ -30,6 +34,7 @@ import random
 import statistics
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -41,14 +46,16 @@ from pdscope.engine import native
 from pdscope.engine.model import apply_kernels
 
 
-def generic_attention_ops(directory: Path) -> native.NativeOps:
-    """The C kernels built with only the generic decode attention loop."""
+def generic_attention_ops(directory: Path, level: int = 0) -> native.NativeOps:
+    """The C kernels built with only the generic decode attention loop (``level`` 0), or with
+    the head-64 kernel in AVX-512 only, its scores off the AMX tiles (1)."""
     cc = native.compiler()
     if cc is None:
         raise SystemExit("--generic-attention needs a C compiler")
-    target = directory / "decode_ops_generic.so"
+    target = directory / f"decode_ops_attention{level}.so"
     flags = native._FLAG_SETS[0]
-    cmd = [cc, "-DNEW_DECODE_ATTENTION=0", *flags, "-o", str(target), str(native.SOURCE), "-lm"]
+    cmd = [cc, f"-DNEW_DECODE_ATTENTION={level}", *flags, "-o", str(target)]
+    cmd += [str(native.SOURCE), "-lm"]
     subprocess.run(cmd, check=True)
     return native.NativeOps(ctypes.CDLL(str(target)))
 
@@ -70,9 +77,21 @@ def main() -> None:
         action="store_true",
         help="compare the decode attention's generic loop (generic) with the engine's (c)",
     )
+    parser.add_argument(
+        "--avx512-attention",
+        action="store_true",
+        help="compare the decode attention in AVX-512 only (avx512) with the engine's (c)",
+    )
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time each step by this process's CPU time (with --threads 1: the step's own work, "
+        "which a busy host's other processes inflate far less than wall time)",
+    )
     args = parser.parse_args()
-    if args.generic_attention:
-        args.path, args.candidates = "decode_ops", ["generic", "c"]
+    level = 0 if args.generic_attention else 1 if args.avx512_attention else None
+    if level is not None:
+        args.path, args.candidates = "decode_ops", ["generic" if level == 0 else "avx512", "c"]
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model_path(args.model)
@@ -84,15 +103,28 @@ def main() -> None:
             max_model_len=4096,
             max_num_batched_tokens=2048,
             max_num_seqs=64,
-            kernels=f"{args.others},{args.path}={'c' if cand == 'generic' else cand}",
+            kernels=f"{args.others},{args.path}={'c' if level is not None else cand}",
         )
         for cand in args.candidates
     }
-    if args.generic_attention:
-        llm = engines["generic"]
-        ops = generic_attention_ops(Path(tempfile.mkdtemp(prefix="pdscope-ab-")))
+    if level is not None:
+        llm = engines[args.candidates[0]]
+        ops = generic_attention_ops(Path(tempfile.mkdtemp(prefix="pdscope-ab-")), level)
         apply_kernels(llm.engine.runner.model, llm.engine.kernels, ops)
         llm.engine._native = ops
+    cpu_s: dict[int, float] = {}  # id of a step record -> its CPU seconds
+    if args.cpu_time:
+        for llm in engines.values():
+            engine, plain_step = llm.engine, llm.engine.step
+
+            def timed_step(engine=engine, plain_step=plain_step) -> list:
+                before, start = len(engine.steps), time.process_time()
+                outputs = plain_step()
+                if len(engine.steps) > before:
+                    cpu_s[id(engine.steps[-1])] = time.process_time() - start
+                return outputs
+
+            engine.step = timed_step  # type: ignore[method-assign]
     first, second = args.candidates
     rng = random.Random(0)
 
@@ -105,9 +137,10 @@ def main() -> None:
         prompt_len = max(1, context - tokens // 2)
         params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
         llm.engine.steps.clear()
+        cpu_s.clear()
         llm.generate([fresh(prompt_len) for _ in range(batch)], params)
         steps = [
-            s.end_s - s.start_s
+            cpu_s.pop(id(s)) if args.cpu_time else s.end_s - s.start_s
             for s in llm.engine.steps
             if s.prefill_tokens == 0 and s.decode_tokens == batch
         ]
@@ -144,7 +177,7 @@ def main() -> None:
         f"{args.model}, bf16, {args.others}, {args.path} = {first} | {second}; "
         f"{args.rounds} rounds; median (min-max)"
     )
-    print("tokens/s of the median decode-only step")
+    print(f"tokens/s of the median decode-only step ({'CPU' if args.cpu_time else 'wall'} time)")
     print(f"{'':26}{first:>22}{second:>22}{second + ' / ' + first:>22}")
     for name in figures:
         cells = []

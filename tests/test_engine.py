@@ -34,14 +34,15 @@ BF16_PATHS = [
     "decode_ops=torch",
     "linear=plain,batch_linear=c,prefill_attention=sdpa,decode_math=native,decode_ops=c",
     "linear=c,batch_linear=c,prefill_attention=sdpa,decode_math=float32,decode_ops=c,threads=bound",
-    # AMX tile attention: needs a head size that is a multiple of 32 (the model below gets one)
+    # AMX tile attention: needs a head size that is a multiple of 32 (the model below gets 64)
     "linear=c,batch_linear=c,prefill_attention=amx,decode_math=native,decode_ops=c",
 ]
 
 
 def _amx_or_skip(kernels: str) -> dict[str, int]:
     """For the prefill_attention=amx row: skip where the tiles are not granted; the checkpoint
-    overrides that give the kernel a head size it takes (tiny's is 16)."""
+    overrides that give the kernel a head size it takes (tiny's is 16). Head size 64 also sends
+    the decode steps through the bf16 head-64 decode attention, its scores on the tiles."""
     if "prefill_attention=amx" not in kernels:
         return {}
     from pdscope.checkpoint.make_model import default_cache_dir
@@ -50,7 +51,7 @@ def _amx_or_skip(kernels: str) -> dict[str, int]:
     ops = native.load(default_cache_dir() / "native")
     if ops is None or not ops.prefill_amx:
         pytest.skip("no AMX tiles on this CPU, compiler or kernel")
-    return {"head_dim": 32}
+    return {"head_dim": 64}
 
 
 @pytest.fixture(autouse=True)

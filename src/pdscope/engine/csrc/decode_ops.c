@@ -96,7 +96,9 @@ static inline float exp_nonpositive(float x) { return exp_neg_abs(x); }
 
 /* Keys scored per tile: consecutive slots (one cache block, or several adjacent ones). */
 #ifndef NEW_DECODE_ATTENTION
-#define NEW_DECODE_ATTENTION 1 /* 0 builds the generic loop only (bench/decode_ops_ab.py) */
+/* 2: the scores on AMX tiles where granted; 1: AVX-512 only (the A/B of
+ * bench/decode_attention_ab.py); 0: the generic loop only (bench/decode_ops_ab.py) */
+#define NEW_DECODE_ATTENTION 2
 #endif
 #define TILE 64
 
@@ -322,12 +324,26 @@ static inline __attribute__((always_inline)) void attend_bf16_d64_impl(
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* The scores on AMX tiles where Linux grants them (below, after the tiles' set-up); 0 when it
+ * did not attend. */
+static int attend_amx_d64(int64_t group, const bf16 *qb, const void *kv, int64_t kv_heads,
+                          int64_t slots, int64_t head, const int64_t *table, int64_t block_size,
+                          int64_t lo, int64_t hi, float *m, float *l, float *acc, float scale);
+#endif
+
 /* Returns 1 when it attended (group 1-4), 0 when the caller must take the generic loop. */
 static int attend_bf16_d64(int64_t group, const bf16 *qb, const void *kv, int64_t kv_heads,
                            int64_t slots, int64_t head, const int64_t *table, int64_t block_size,
                            int64_t lo, int64_t hi, float *m, float *l, float *acc, float scale) {
 #define ATTEND_G(G) attend_bf16_d64_impl(G, qb, kv, kv_heads, slots, head, table, block_size, \
                                          lo, hi, m, l, acc, scale)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (NEW_DECODE_ATTENTION >= 2 &&
+        attend_amx_d64(group, qb, kv, kv_heads, slots, head, table, block_size, lo, hi, m, l,
+                       acc, scale))
+        return 1;
+#endif
     switch (group) {
     case 1: ATTEND_G(1); return 1;
     case 2: ATTEND_G(2); return 1;
@@ -914,6 +930,154 @@ static inline __attribute__((always_inline)) void amx_block(
             }
         }
     }
+}
+#endif
+
+#ifdef HAVE_AMX
+/* ---- Decode attention with the scores on AMX tiles (bf16, head size 64, 1-4 query heads per
+ * KV head). In the AVX-512 kernel above, Q·K is half the time once the cache sits in L2: each
+ * key and query head takes two `vdpbf16ps` and a share of the 16-to-1 reduction tree. Here the
+ * scores of 16 keys for all query heads of the group are two tile multiplies, S^T = K Q^T: A
+ * is 16 K rows tile-loaded straight from the cache at their row stride (no repacking), B the
+ * group's queries transposed into AMX's pair layout once per call; S^T comes back as 16 rows
+ * of 4 floats, turned into one 16-key vector per head by a 4x4 transpose. The softmax and
+ * P·V are the AVX-512 kernel's (float32 P, V converted once per key for all heads), so the
+ * result differs from it only in the scores' summation order. */
+
+/* Tile 0: S^T (16 keys x 4 heads, float32); 4-5: A, 16 K rows, dims 0-31 and 32-63; 6-7: B,
+ * the queries' dims 0-31 and 32-63 as 16 pair-rows x 4 heads. */
+static void decode_amx_configure(void) {
+    struct amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    cfg.colsb[0] = 16;
+    cfg.rows[0] = 16;
+    for (int t = 4; t < 8; t++) {
+        cfg.colsb[t] = t < 6 ? 64 : 16;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+static inline __attribute__((always_inline)) void attend_amx_d64_impl(
+    const int G, const bf16 *qb, const void *kv, int64_t kv_heads, int64_t slots, int64_t head,
+    const int64_t *table, int64_t block_size, int64_t lo, int64_t hi, float *m, float *l,
+    float *acc, float scale) {
+    uint32_t qt[2][16][4] __attribute__((aligned(64)));
+    bf16 kpad[16 * 64] __attribute__((aligned(64)));
+    float st[16 * 4] __attribute__((aligned(64)));
+    memset(qt, 0, sizeof qt);
+    for (int g = 0; g < G; g++)
+        for (int p = 0; p < 32; p++) qt[p / 16][p % 16][g] = ((const uint32_t *)(qb + g * 64))[p];
+    decode_amx_configure();
+    _tile_loadd(6, qt[0], 16);
+    _tile_loadd(7, qt[1], 16);
+    __m512 o[4][4], sum[4];
+    float mx[4];
+    for (int g = 0; g < G; g++) {
+        for (int c = 0; c < 4; c++) o[g][c] = _mm512_setzero_ps();
+        mx[g] = -INFINITY;
+        sum[g] = _mm512_setzero_ps();
+    }
+    const bf16 *kp = (const bf16 *)kv + head * slots * 64;
+    const bf16 *vp = (const bf16 *)kv + (kv_heads + head) * slots * 64;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    /* lane 4h + k of the result holds lane 4k + h of the source: a 4x4 transpose */
+    const __m512i by_head = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    for (int64_t pos = lo; pos < hi;) {
+        const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+        int64_t n = block_size - pos % block_size;
+        while (n < 16 && pos + n < hi && table[(pos + n) / block_size] * block_size == slot + n)
+            n += block_size;
+        if (n > 16) n = 16;
+        if (n > hi - pos) n = hi - pos;
+        const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+        if (pos + n + 16 < hi) {
+            const int64_t ahead = pos + n + 16;
+            const int64_t next = table[ahead / block_size] * block_size + ahead % block_size;
+            for (int i = 0; i < 16 * 64; i += 32) {
+                _mm_prefetch((const char *)(kp + next * 64 + i), _MM_HINT_T0);
+                _mm_prefetch((const char *)(vp + next * 64 + i), _MM_HINT_T0);
+            }
+        }
+        const bf16 *krows = kp + slot * 64;
+        if (n < 16) { /* a short tile: its rows padded with zeros, never read past the cache */
+            memcpy(kpad, krows, (size_t)n * 64 * sizeof(bf16));
+            memset(kpad + n * 64, 0, (size_t)(16 - n) * 64 * sizeof(bf16));
+            krows = kpad;
+        }
+        _tile_zero(0);
+        _tile_loadd(4, krows, 128);
+        _tile_loadd(5, krows + 32, 128);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(0, 5, 7);
+        _tile_stored(0, st, 16);
+        __m512 y[4], s[4];
+        for (int j = 0; j < 4; j++) y[j] = _mm512_permutexvar_ps(by_head, _mm512_load_ps(st + 16 * j));
+        {
+            const __m512 t0 = _mm512_shuffle_f32x4(y[0], y[1], 0x44);
+            const __m512 t1 = _mm512_shuffle_f32x4(y[0], y[1], 0xEE);
+            const __m512 t2 = _mm512_shuffle_f32x4(y[2], y[3], 0x44);
+            const __m512 t3 = _mm512_shuffle_f32x4(y[2], y[3], 0xEE);
+            s[0] = _mm512_shuffle_f32x4(t0, t2, 0x88);
+            s[1] = _mm512_shuffle_f32x4(t0, t2, 0xDD);
+            s[2] = _mm512_shuffle_f32x4(t1, t3, 0x88);
+            s[3] = _mm512_shuffle_f32x4(t1, t3, 0xDD);
+        }
+        float p[4][16];
+        for (int g = 0; g < G; g++) {
+            const __m512 sg = _mm512_mul_ps(s[g], vscale);
+            /* one compare finds the usual tile, where no score passes the running max; only a
+             * new max pays for the horizontal reduction and the rescale */
+            if (_mm512_mask_cmp_ps_mask(valid, sg, _mm512_set1_ps(mx[g]), _CMP_GT_OQ)) {
+                const float smax = _mm512_mask_reduce_max_ps(valid, sg);
+                const float alpha = mx[g] == -INFINITY ? 0.0f : exp_nonpositive(mx[g] - smax);
+                const __m512 va = _mm512_set1_ps(alpha);
+                for (int c = 0; c < 4; c++) o[g][c] = _mm512_mul_ps(o[g][c], va);
+                sum[g] = _mm512_mul_ps(sum[g], va);
+                mx[g] = smax;
+            }
+            const __m512 e = _mm512_maskz_mov_ps(
+                valid, exp16_nonpositive(_mm512_sub_ps(sg, _mm512_set1_ps(mx[g]))));
+            sum[g] = _mm512_add_ps(sum[g], e);
+            _mm512_storeu_ps(p[g], e);
+        }
+        for (int64_t t = 0; t < n; t++) {
+            const bf16 *vr = vp + (slot + t) * 64;
+            const __m512 v0 = bf16x16_to_f32(vr), v1 = bf16x16_to_f32(vr + 16);
+            const __m512 v2 = bf16x16_to_f32(vr + 32), v3 = bf16x16_to_f32(vr + 48);
+            for (int g = 0; g < G; g++) {
+                const __m512 pg = _mm512_set1_ps(p[g][t]);
+                o[g][0] = _mm512_fmadd_ps(pg, v0, o[g][0]);
+                o[g][1] = _mm512_fmadd_ps(pg, v1, o[g][1]);
+                o[g][2] = _mm512_fmadd_ps(pg, v2, o[g][2]);
+                o[g][3] = _mm512_fmadd_ps(pg, v3, o[g][3]);
+            }
+        }
+        pos += n;
+    }
+    _tile_release();
+    for (int g = 0; g < G; g++) {
+        m[g] = mx[g];
+        l[g] = _mm512_reduce_add_ps(sum[g]);
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * 64 + c * 16, o[g][c]);
+    }
+}
+
+static int attend_amx_d64(int64_t group, const bf16 *qb, const void *kv, int64_t kv_heads,
+                          int64_t slots, int64_t head, const int64_t *table, int64_t block_size,
+                          int64_t lo, int64_t hi, float *m, float *l, float *acc, float scale) {
+    if (!amx_usable()) return 0;
+#define ATTEND_G(G) attend_amx_d64_impl(G, qb, kv, kv_heads, slots, head, table, block_size, \
+                                        lo, hi, m, l, acc, scale)
+    switch (group) {
+    case 1: ATTEND_G(1); return 1;
+    case 2: ATTEND_G(2); return 1;
+    case 3: ATTEND_G(3); return 1;
+    case 4: ATTEND_G(4); return 1;
+    default: return 0;
+    }
+#undef ATTEND_G
 }
 #endif
 
