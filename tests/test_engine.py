@@ -34,8 +34,9 @@ BF16_PATHS = [
     "decode_ops=torch",
     "linear=plain,batch_linear=c,prefill_attention=sdpa,decode_math=native,decode_ops=c",
     "linear=c,batch_linear=c,prefill_attention=sdpa,decode_math=float32,decode_ops=c,threads=bound",
-    # AMX tile attention: needs a head size that is a multiple of 32 (the model below gets 64)
-    "linear=c,batch_linear=c,prefill_attention=amx,decode_math=native,decode_ops=c",
+    # AMX tiles: the prefill attention (a head size that is a multiple of 32: the model below
+    # gets 64) and single-row matmuls (linear=amx)
+    "linear=amx,batch_linear=c,prefill_attention=amx,decode_math=native,decode_ops=c",
 ]
 
 
@@ -150,7 +151,7 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
             tensors[name] = (1 + 0.5 * torch.randn(t.shape, generator=gen)).to(t.dtype)
     save_file(tensors, weights_file, metadata={"format": "pt"})
     paths = parse_kernels(kernels)
-    many, c_linear = paths["batch_linear"] == "c", paths["linear"] == "c"
+    many, c_linear = paths["batch_linear"] == "c", paths["linear"] in ("c", "amx")
     llm = LLM(
         model=str(path),
         dtype="bfloat16",
@@ -167,6 +168,7 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
         )
     linears = [m for m in model.modules() if hasattr(m, "packed")]
     assert all((m.native is not None) == c_linear for m in linears)
+    assert all(m.one_row_amx == (paths["linear"] == "amx") for m in linears)
     assert all((m.native_many is not None) == many for m in linears)
     rows = 2048 if c_linear else 1  # packed for many rows where C takes one
     assert all(m.packed_rows == rows for m in linears if m.packed is not None)
@@ -186,11 +188,25 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
         for m in linears:
             m.native_many = copy.copy(ops)
             m.native_many.linear_many = counted
+    one_row_calls = 0
+    if paths["linear"] == "amx":
+        one_row_ops = linears[0].native
+        run_one = one_row_ops.linear_many
+
+        def counted_one(*args: object, **kwargs: object) -> torch.Tensor:
+            nonlocal one_row_calls
+            one_row_calls += 1
+            return run_one(*args, **kwargs)
+
+        for m in linears:
+            m.native = copy.copy(one_row_ops)
+            m.native.linear_many = counted_one
     llm.engine.runner.capture_logits = True
     rng = random.Random(0)
     prompt = [rng.randrange(10, 1000) for _ in range(1100)]
     out = llm.generate(prompt, GREEDY)[0]
     assert (many_calls > 0) == many  # the chunks' matmuls went through the many-row kernel
+    assert (one_row_calls > 0) == (paths["linear"] == "amx")  # decode rows on the tiles
     ours = torch.cat(llm.engine.runner.captured)
     ref_model = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.bfloat16, attn_implementation="eager"

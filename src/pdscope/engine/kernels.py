@@ -56,7 +56,7 @@ from pdscope.specs.local import cpu_model
 log = logging.getLogger("pdscope.engine")
 
 OPTIONS: dict[str, tuple[str, ...]] = {
-    "linear": ("packed", "plain", "c"),
+    "linear": ("packed", "plain", "c", "amx"),
     "batch_linear": ("packed", "c"),
     "prefill_attention": ("blocked", "sdpa", "amx"),
     "decode_math": ("float32", "native"),
@@ -66,7 +66,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
-_TRIAL_VERSION = 7
+_TRIAL_VERSION = 8
 
 
 @dataclass(frozen=True)

@@ -240,7 +240,8 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     packed_rows: int = 0  # the row count oneDNN laid the packed weight out for
-    native: NativeOps | None = None  # set by apply_kernels when the choice is linear=c
+    native: NativeOps | None = None  # set by apply_kernels when the choice is linear=c or amx
+    one_row_amx: bool = False  # linear=amx: single rows through the tile kernel
     native_many: NativeOps | None = None  # set by apply_kernels when batch_linear=c
 
     def pack(self, rows: int = 1) -> None:
@@ -250,7 +251,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None and x.dim() == 2 and x.shape[0] <= NATIVE_LINEAR_MAX_ROWS:
-            return self.native.linear(x.contiguous(), self.weight, self.bias)
+            run = self.native.linear_many if self.one_row_amx else self.native.linear
+            return run(x.contiguous(), self.weight, self.bias)
         if (
             self.native_many is not None
             and x.dim() == 2
@@ -733,6 +735,11 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
     for path in ("linear", "batch_linear", "decode_ops"):
         if getattr(choice, path) == "c" and native is None:
             raise ValueError(f"{path}=c needs the C kernels, which did not load")
+    if choice.linear == "amx" and (native is None or native.linear_many_isa != "amx"):
+        raise ValueError(
+            "linear=amx needs the C kernels and AMX tiles, which this CPU, compiler or kernel "
+            "does not give"
+        )
     if choice.prefill_attention == "amx" and (native is None or not native.prefill_amx):
         raise ValueError(
             "prefill_attention=amx needs the C kernels and AMX tiles, which this CPU, compiler "
@@ -741,11 +748,13 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
     model.native = native if choice.decode_ops == "c" else None
     for module in model.modules():
         if isinstance(module, Linear):
-            # linear=c: single rows through C, larger matmuls through the packed weights.
-            module.native = native if choice.linear == "c" else None
+            # linear=c or amx: single rows through C, larger matmuls through packed weights.
+            one_row_c = choice.linear in ("c", "amx")
+            module.native = native if one_row_c else None
+            module.one_row_amx = choice.linear == "amx" and module.weight.dtype == torch.bfloat16
             module.native_many = native if choice.batch_linear == "c" else None
-            if choice.linear in ("packed", "c") and module.weight.dtype == torch.bfloat16:
-                rows = PACKED_ROWS_WITH_C if choice.linear == "c" else 1
+            if choice.linear != "plain" and module.weight.dtype == torch.bfloat16:
+                rows = PACKED_ROWS_WITH_C if one_row_c else 1
                 if module.packed_rows != rows and can_pack(
                     module.weight.dtype, module.weight.device
                 ):
@@ -771,7 +780,8 @@ def kernel_trials(
 
     * linear: one decode step's worth of matmuls (every weight read once, at one row), so the
       trial streams from memory as a real step does: oneDNN packed (bf16 only), plain
-      ``F.linear``, and the C kernel (when ``native`` loaded);
+      ``F.linear``, the C kernel (when ``native`` loaded), and the many-row kernel's AMX tiles
+      at one row (bf16, where Linux grants the tiles; 1.08x the C kernel on the AMX Xeon);
     * batch linear (bf16 with the C kernels): one step's matmuls at ``_BATCH_TRIAL_ROWS`` rows
       (a batched decode), through the weights as ``linear`` would run them (packed) or the
       many-row C kernel. The packed candidate is always laid out for many rows (as under
@@ -860,6 +870,13 @@ def _linear_trial(model: CausalLM, native: NativeOps | None) -> dict[str, Callab
                 ops.linear(inputs[m.in_features], m.weight, m.bias)
 
         candidates["c"] = run_c
+        if weight.dtype == torch.bfloat16 and ops.linear_many_isa == "amx":
+
+            def run_amx() -> None:
+                for m in linears:
+                    ops.linear_many(inputs[m.in_features], m.weight, m.bias)
+
+            candidates["amx"] = run_amx
     return candidates
 
 
