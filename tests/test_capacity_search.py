@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from pdscope.cli import app
 from pdscope.commands.capacity import (
+    POOL_BOUND_SLACK,
     Candidate,
     candidates,
     link_bound_req_s,
@@ -17,6 +18,7 @@ from pdscope.commands.capacity import (
     plan_capacity,
     render_plan,
     search,
+    split_bound_req_s,
 )
 from pdscope.commands.cluster import ClusterSettings, simulate_cluster
 from pdscope.commands.simulate import SimulateSettings
@@ -298,3 +300,57 @@ def test_the_best_split_run_as_units_is_confirmed_whole() -> None:
     )
     assert any(p["run"].startswith(best_split["label"]) for p in plan["frontier"])
     assert "confirmed whole: 4P x TP1 : 2D x TP1" in "\n".join(render_plan(plan))
+
+
+@pytest.mark.parametrize(
+    ("input_len", "output_len", "prompts", "limit"),
+    [("1500-2500", "2-4", 80, "prefill"), ("50-100", "200-300", 500, "decode")],
+)
+def test_the_pools_bound_holds_for_a_saturated_split(
+    input_len: str, output_len: str, prompts: int, limit: str
+) -> None:
+    """Offered three times the bound, a real 1P:1D run completes no more requests per second
+    than the pools' bound and most of it: a prefill-heavy workload is held by its prefill
+    worker, a decode-heavy one by its decode worker (enough requests to fill its 256 slots
+    for most of the run)."""
+    base = replace(TINY, input_len=input_len, output_len=output_len, num_prompts=prompts)
+    c = ClusterSettings(base, disaggregate="1:1", kv_link_gb_s=1e4)
+    cand = Candidate("disaggregated", "1P x TP1 : 1D x TP1", c, 1, 2)
+    bound = split_bound_req_s(c, cand, {})
+    assert bound is not None and bound[1] == f"1 {limit} workers"
+    r = simulate_cluster(replace(c, base=replace(base, request_rate=3 * bound[0])))
+    assert 0.6 * bound[0] < r["request_throughput"] <= bound[0] / POOL_BOUND_SLACK * 1.05
+    # Lengths drawn from a normal distribution take no bound.
+    normal = replace(c, base=replace(base, output_len="normal:100:10"))
+    assert split_bound_req_s(normal, replace(cand, settings=normal), {}) is None
+
+
+@pytest.mark.slow  # two plans of 4 configurations: ~45 s on 2 shared cores
+def test_the_pools_bound_never_drops_the_winner_of_an_exhaustive_search() -> None:
+    """On a small grid where the bound leaves splits out, the plan with it finds the same
+    winner, the same best split at the same capacity, so the same margin, as the exhaustive
+    search; every split left out meets, searched, less than its bound and less than the best
+    split."""
+    base = replace(TINY, input_len="1000-2000", output_len="2-8")
+    kwargs = dict(budgets=(2048,), tp_sizes=(1,), processes=1, horizon_s=HORIZON_S)
+    c = ClusterSettings(base)
+    slo = "p99_ttft=400ms,p99_itl=30ms"
+    fast = plan_capacity(c, 4, slo, **kwargs)  # type: ignore[arg-type]
+    full = plan_capacity(c, 4, slo, exhaustive=True, **kwargs)  # type: ignore[arg-type]
+    left_out = [p for p in fast["pruned"] if p["by"] == "pools"]
+    assert left_out, "the grid must exercise the bound"
+    assert full["searched"] == 4 and not full["pruned"]
+    assert fast["winner"]["label"] == full["winner"]["label"]
+    for kind in ("colocated", "disaggregated"):
+        assert fast["top"][kind][0]["label"] == full["top"][kind][0]["label"]
+    assert fast["margin_over_other_kind"] == pytest.approx(
+        full["margin_over_other_kind"], rel=RESOLUTION
+    )
+    searched = {f["label"]: f for f in full["configurations"]}
+    best_split = full["top"]["disaggregated"][0]["req_s_per_gpu"]
+    for p in left_out:
+        f = searched[p["label"]]
+        assert f["req_s_per_gpu"] <= p["bound_req_s_per_gpu"] < p["best_req_s_per_gpu"]
+        assert f["req_s_per_gpu"] < best_split
+    text = "\n".join(render_plan(fast))
+    assert f"not simulated: {len(left_out)} splits whose pools" in text

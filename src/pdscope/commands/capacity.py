@@ -27,7 +27,9 @@ time to build the queue that breaks a TTFT SLO. Configurations run in parallel p
 Three more shortcuts, named in the plan's output and off with ``--plan-exhaustive``:
 colocated configurations are searched first, and when the splits' one KV link cannot carry the
 best colocated goodput (:func:`link_bound_req_s`, a bound, not an estimate) no split is
-simulated; a configuration is run first at the best capacity its kind has reached so far
+simulated, and a split whose pools (or link) cannot complete as many requests per second
+as the best split found so far (:func:`split_bound_req_s`, a bound from the cost model) is not
+simulated either; a configuration is run first at the best capacity its kind has reached so far
 (:func:`search`'s ``floor_rate``), and one that fails there is not searched further: it cannot
 win, and only its own capacity is left unknown (it is also run at one low rate, for the
 frontier); and a run stops as soon as it
@@ -587,11 +589,12 @@ def plan_capacity(
     """Search every configuration of ``gpus`` GPUs; the best of each kind, the winner and its
     margin, and the Pareto frontier of all runs that met the SLOs.
 
-    Unless ``exhaustive``, three shortcuts (each reported in the result): splits are skipped
+    Unless ``exhaustive``, four shortcuts (each reported in the result): splits are skipped
     when their KV link's bound (:func:`link_bound_req_s`) is below the best colocated
-    configuration's goodput; a configuration that fails at the best capacity of its kind
-    found so far is not bisected (:func:`search`'s ``floor_rate``); and runs stop once they
-    certainly miss the SLO (:class:`CertainMiss`)."""
+    configuration's goodput; a split is skipped when its pools' and link's bound
+    (:func:`split_bound_req_s`) is below the best split's found so far; a configuration that
+    fails at the best capacity of its kind found so far is not bisected (:func:`search`'s
+    ``floor_rate``); and runs stop once they certainly miss the SLO (:class:`CertainMiss`)."""
     if gpus < 1:
         raise SpecError(f"--gpus must be >= 1, got {gpus}")
     slo = parse_plan_slo(slo_text)
