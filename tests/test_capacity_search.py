@@ -354,3 +354,20 @@ def test_the_pools_bound_never_drops_the_winner_of_an_exhaustive_search() -> Non
         assert f["req_s_per_gpu"] < best_split
     text = "\n".join(render_plan(fast))
     assert f"not simulated: {len(left_out)} splits whose pools" in text
+
+
+def test_a_search_below_a_known_failure_ends_where_the_search_from_the_bottom_does() -> None:
+    """Told a rate it fails at (a whole split that missed its unit's capacity), the search
+    starts at the grid rate below it instead of the bottom: the same bracket, so the same
+    capacity, from a subset of its runs."""
+    slo = parse_plan_slo(SLO_TEXT)
+    cand = colocated(2)
+    full = search(cand, slo, HORIZON_S)
+    failing = [r["rate"] for r in full["runs"] if not r["meets"]]
+    assert failing and full["capacity_req_s"] > 0
+    for fails_at in (min(failing), max(failing)):
+        short = search(cand, slo, HORIZON_S, fails_at=fails_at)
+        assert short["capacity_req_s"] == full["capacity_req_s"]
+        assert short["req_s_per_gpu"] == pytest.approx(full["req_s_per_gpu"])
+        # The same path's tail: every rate it runs, the search from the bottom ran too.
+        assert {r["rate"] for r in short["runs"]} < {r["rate"] for r in full["runs"]}

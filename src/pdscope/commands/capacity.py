@@ -294,8 +294,17 @@ def search(
     horizon_s: float = HORIZON_S,
     floor_rate: float | None = None,
     exhaustive: bool = False,
+    fails_at: float | None = None,
 ) -> dict[str, Any]:
     """The highest rate meeting ``slo`` for one configuration, and every run on the way.
+
+    ``fails_at``: a rate this configuration is known to miss the SLO at. The search from the
+    bottom would double up to the first grid rate (0.5 request/s per GPU times a power of 2)
+    that fails and bisect below it; a rate above a failing one fails too (as bisection
+    assumes), so that rate is at most the first grid rate at or above ``fails_at``. The search
+    starts at the grid rate just below it and steps down the grid while a run fails: the same
+    bracket, so the same capacity, without the passing runs below it (nor their points of the
+    frontier).
 
     ``floor_rate``: the capacity this configuration must beat to matter (the best of its kind
     found so far). That rate is tested first; a configuration that fails there is not searched
@@ -321,6 +330,16 @@ def search(
         good, bad = 0.0, None
         rate = 0.5 * cand.gpus
         floor = floor_rate
+        if fails_at is not None and floor is None:
+            top = rate
+            while top * 2 < fails_at:
+                top *= 2
+            bad = top * 2  # at or above fails_at: not run
+            while top >= rate and not ok(top):
+                bad, top = top, top / 2
+            if top >= rate:
+                good = top
+            rate = bad
         if floor is not None and floor > rate:
             # The floor first: most configurations fail there (a past-capacity run usually
             # stops early), and then the runs below it, which run in full, are spared; one
@@ -332,7 +351,7 @@ def search(
                 if ok(rate):
                     good = rate
                 floor = None
-        for _ in range(DOUBLINGS if below_floor is None else 0):
+        for _ in range(DOUBLINGS if below_floor is None and fails_at is None else 0):
             if floor is not None and rate >= floor:
                 rate = floor  # test the floor itself on the way up
             if ok(rate):
@@ -550,14 +569,18 @@ def _search_all(
     done: Callable[[dict[str, Any]], None],
     exhaustive: bool = False,
     skip: Callable[[Candidate], bool] | None = None,
+    fails_at: dict[str, float] | None = None,
 ) -> None:
     """Search ``cands`` in order, up to ``workers`` at once; each starts with the floor its
     predecessors have set by then (``floor_of`` reads it when the search is submitted).
-    ``skip``, read at the same moment, leaves a candidate out (it records why)."""
+    ``skip``, read at the same moment, leaves a candidate out (it records why). ``fails_at``:
+    a rate each label is known to fail at (:func:`search`)."""
+    known = fails_at or {}
     if workers <= 1 or len(cands) <= 1:
         for cand in cands:
             if skip is None or not skip(cand):
-                done(search(cand, slo, horizon_s, floor_of(cand), exhaustive))
+                f = search(cand, slo, horizon_s, floor_of(cand), exhaustive, known.get(cand.label))
+                done(f)
         return
     queue = list(cands)
     with ProcessPoolExecutor(max_workers=min(workers, len(cands))) as pool:
@@ -567,7 +590,17 @@ def _search_all(
                 cand = queue.pop(0)
                 if skip is not None and skip(cand):
                     continue
-                running.add(pool.submit(search, cand, slo, horizon_s, floor_of(cand), exhaustive))
+                running.add(
+                    pool.submit(
+                        search,
+                        cand,
+                        slo,
+                        horizon_s,
+                        floor_of(cand),
+                        exhaustive,
+                        known.get(cand.label),
+                    )
+                )
             if not running:
                 break
             finished, running = wait(running, return_when=FIRST_COMPLETED)
@@ -778,8 +811,10 @@ def _confirm_whole(
     The unit errs low where the shared link is busy (its cross traffic is random, the whole
     split's transfers are not), by ~11% at 16 GPUs: enough to turn a close verdict. Each
     whole search starts at the unit's capacity as its floor, which it normally meets, and
-    doubles and bisects upward from there; one that fails there is searched again from the
-    bottom, so the figure kept is always the whole split's own."""
+    doubles and bisects upward from there; one that fails there is searched below it as the
+    search from the bottom would end (:func:`search`'s ``fails_at``: the grid rate below the
+    unit's capacity, stepping down while it fails, then bisected), so the figure kept is
+    always the whole split's own."""
     scale = {x.label: x.scale for x in cands}
     ok = [f for f in found if "error" not in f and f["below_floor"] is None
           and f["capacity_req_s"] > 0]  # fmt: skip
@@ -809,7 +844,9 @@ def _confirm_whole(
     retry = [x for x in wholes if "error" not in results[x.label]
              and results[x.label]["below_floor"] is not None]  # fmt: skip
     first_runs = {x.label: results[x.label]["runs"] for x in retry}
-    _search_all(retry, slo, horizon_s, workers, lambda x: None, done)
+    # Below the unit's capacity: the search from the bottom, started where it would end.
+    failed = {x.label: unit_of[x.label]["capacity_req_s"] for x in retry}
+    _search_all(retry, slo, horizon_s, workers, lambda x: None, done, fails_at=failed)
     out = []
     for x in wholes:
         unit, whole = unit_of[x.label], results[x.label]
