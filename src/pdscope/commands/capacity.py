@@ -724,6 +724,16 @@ def plan_capacity(
         confirmed = _confirm_whole(
             c, gpus, budgets, tp_sizes, cands, found, slo, horizon_s, workers, progress
         )
+        # A split left out against a unit's estimate that its whole search then lowered may
+        # now beat the best split: search those after all (the bound stays a bound).
+        splits = [f for f in found if f["kind"] == "disaggregated" and "error" not in f]
+        final = max((f["req_s_per_gpu"] for f in splits), default=0.0)
+        back = {p["label"] for p in pruned
+                if p["by"] == "pools" and p["bound_req_s_per_gpu"] >= final}  # fmt: skip
+        if back:
+            pruned = [p for p in pruned if p["label"] not in back]
+            revisit = [x for x in cands if x.label in back]
+            _search_all(revisit, slo, horizon_s, workers, floor_of, done)
     order = {cand.label: i for i, cand in enumerate(cands)}
     found.sort(key=lambda f: order[f["label"]])
     ranked = sorted((f for f in found if "error" not in f), key=lambda f: -f["req_s_per_gpu"])
