@@ -24,7 +24,7 @@ run's arrivals span at least ``HORIZON_S`` seconds
 (more requests than ``--num-prompts`` where the rate asks for it), so a rate past capacity has
 time to build the queue that breaks a TTFT SLO. Configurations run in parallel processes.
 
-Three more shortcuts, named in the plan's output and off with ``--plan-exhaustive``:
+Four more shortcuts, named in the plan's output and off with ``--plan-exhaustive``:
 colocated configurations are searched first, and when the splits' one KV link cannot carry the
 best colocated goodput (:func:`link_bound_req_s`, a bound, not an estimate) no split is
 simulated, and a split whose pools (or link) cannot complete as many requests per second
