@@ -70,8 +70,13 @@ def test_the_shortcuts_keep_the_winner_of_an_exhaustive_search() -> None:
     c = ClusterSettings(TINY)
     fast = plan_capacity(c, 4, SLO_TEXT, **kwargs)  # type: ignore[arg-type]
     full = plan_capacity(c, 4, SLO_TEXT, exhaustive=True, **kwargs)  # type: ignore[arg-type]
-    assert full["searched"] == fast["searched"] == 5  # 2 colocated; 1:3, 2:2 and 3:1
+    # 2 colocated; 1:3, 2:2 and 3:1, less what the pools' bound leaves out of the fast plan.
+    left_out = [p for p in fast["pruned"] if p["by"] == "pools"]
+    assert full["searched"] == 5 and fast["searched"] == 5 - len(left_out)
     assert not full["not_bisected"] and not full["pruned"] and not full["confirmed_whole"]
+    searched = {f["label"]: f for f in full["configurations"]}
+    for p in left_out:
+        assert searched[p["label"]]["req_s_per_gpu"] <= p["bound_req_s_per_gpu"]
     assert fast["simulated_requests"] < full["simulated_requests"]
     assert fast["winner"]["label"] == full["winner"]["label"]
     assert fast["winner"]["capacity_req_s"] == pytest.approx(
