@@ -23,7 +23,7 @@ from pdscope.commands.capacity import (
 from pdscope.commands.cluster import ClusterSettings, simulate_cluster
 from pdscope.commands.simulate import SimulateSettings
 from pdscope.roofline import arithmetic as rf
-from pdscope.specs import get_kv_precision, load_model
+from pdscope.specs import SpecError, get_kv_precision, load_model
 
 # Short prompts and outputs, a short horizon: each run simulates tens to a few hundred requests.
 TINY = SimulateSettings(
@@ -376,3 +376,12 @@ def test_a_search_below_a_known_failure_ends_where_the_search_from_the_bottom_do
         assert short["req_s_per_gpu"] == pytest.approx(full["req_s_per_gpu"])
         # The same path's tail: every rate it runs, the search from the bottom ran too.
         assert {r["rate"] for r in short["runs"]} < {r["rate"] for r in full["runs"]}
+
+
+def test_a_split_whose_pool_does_not_fit_takes_no_bound() -> None:
+    """The bound is skipped, not raised: the split's own search reports why it cannot run."""
+    base = replace(TINY, model="llama-3.1-70b")
+    c = ClusterSettings(base, disaggregate="1:1")
+    assert split_bound_req_s(c, Candidate("disaggregated", "1:1", c, 1, 2), {}) is None
+    with pytest.raises(SpecError, match="does not fit"):
+        simulate_cluster(c)

@@ -546,7 +546,10 @@ def split_bound_req_s(
         s.decode.device or s.base.device, _tp(cand, "decode"), s.decode.max_num_seqs,
     )  # fmt: skip
     if key not in per_worker:
-        per_worker[key] = worker_seconds_per_request(s)
+        try:
+            per_worker[key] = worker_seconds_per_request(s)
+        except SpecError:  # e.g. a pool that does not fit: its search reports why
+            per_worker[key] = None
     seconds = per_worker[key]
     if seconds is None:
         return None
