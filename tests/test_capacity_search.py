@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from pdscope.cli import app
 from pdscope.commands.capacity import (
+    POOL_BOUND_SLACK,
     Candidate,
     candidates,
     link_bound_req_s,
@@ -17,11 +18,12 @@ from pdscope.commands.capacity import (
     plan_capacity,
     render_plan,
     search,
+    split_bound_req_s,
 )
 from pdscope.commands.cluster import ClusterSettings, simulate_cluster
 from pdscope.commands.simulate import SimulateSettings
 from pdscope.roofline import arithmetic as rf
-from pdscope.specs import get_kv_precision, load_model
+from pdscope.specs import SpecError, get_kv_precision, load_model
 
 # Short prompts and outputs, a short horizon: each run simulates tens to a few hundred requests.
 TINY = SimulateSettings(
@@ -68,8 +70,13 @@ def test_the_shortcuts_keep_the_winner_of_an_exhaustive_search() -> None:
     c = ClusterSettings(TINY)
     fast = plan_capacity(c, 4, SLO_TEXT, **kwargs)  # type: ignore[arg-type]
     full = plan_capacity(c, 4, SLO_TEXT, exhaustive=True, **kwargs)  # type: ignore[arg-type]
-    assert full["searched"] == fast["searched"] == 5  # 2 colocated; 1:3, 2:2 and 3:1
+    # 2 colocated; 1:3, 2:2 and 3:1, less what the pools' bound leaves out of the fast plan.
+    left_out = [p for p in fast["pruned"] if p["by"] == "pools"]
+    assert full["searched"] == 5 and fast["searched"] == 5 - len(left_out)
     assert not full["not_bisected"] and not full["pruned"] and not full["confirmed_whole"]
+    searched = {f["label"]: f for f in full["configurations"]}
+    for p in left_out:
+        assert searched[p["label"]]["req_s_per_gpu"] <= p["bound_req_s_per_gpu"]
     assert fast["simulated_requests"] < full["simulated_requests"]
     assert fast["winner"]["label"] == full["winner"]["label"]
     assert fast["winner"]["capacity_req_s"] == pytest.approx(
@@ -298,3 +305,83 @@ def test_the_best_split_run_as_units_is_confirmed_whole() -> None:
     )
     assert any(p["run"].startswith(best_split["label"]) for p in plan["frontier"])
     assert "confirmed whole: 4P x TP1 : 2D x TP1" in "\n".join(render_plan(plan))
+
+
+@pytest.mark.parametrize(
+    ("input_len", "output_len", "prompts", "limit"),
+    [("1500-2500", "2-4", 80, "prefill"), ("50-100", "200-300", 500, "decode")],
+)
+def test_the_pools_bound_holds_for_a_saturated_split(
+    input_len: str, output_len: str, prompts: int, limit: str
+) -> None:
+    """Offered three times the bound, a real 1P:1D run completes no more requests per second
+    than the pools' bound and most of it: a prefill-heavy workload is held by its prefill
+    worker, a decode-heavy one by its decode worker (enough requests to fill its 256 slots
+    for most of the run)."""
+    base = replace(TINY, input_len=input_len, output_len=output_len, num_prompts=prompts)
+    c = ClusterSettings(base, disaggregate="1:1", kv_link_gb_s=1e4)
+    cand = Candidate("disaggregated", "1P x TP1 : 1D x TP1", c, 1, 2)
+    bound = split_bound_req_s(c, cand, {})
+    assert bound is not None and bound[1] == f"1 {limit} workers"
+    r = simulate_cluster(replace(c, base=replace(base, request_rate=3 * bound[0])))
+    assert 0.6 * bound[0] < r["request_throughput"] <= bound[0] / POOL_BOUND_SLACK * 1.05
+    # Lengths drawn from a normal distribution take no bound.
+    normal = replace(c, base=replace(base, output_len="normal:100:10"))
+    assert split_bound_req_s(normal, replace(cand, settings=normal), {}) is None
+
+
+@pytest.mark.slow  # two plans of 4 configurations: ~45 s on 2 shared cores
+def test_the_pools_bound_never_drops_the_winner_of_an_exhaustive_search() -> None:
+    """On a small grid where the bound leaves splits out, the plan with it finds the same
+    winner, the same best split at the same capacity, so the same margin, as the exhaustive
+    search; every split left out meets, searched, less than its bound and less than the best
+    split."""
+    base = replace(TINY, input_len="1000-2000", output_len="2-8")
+    kwargs = dict(budgets=(2048,), tp_sizes=(1,), processes=1, horizon_s=HORIZON_S)
+    c = ClusterSettings(base)
+    slo = "p99_ttft=400ms,p99_itl=30ms"
+    fast = plan_capacity(c, 4, slo, **kwargs)  # type: ignore[arg-type]
+    full = plan_capacity(c, 4, slo, exhaustive=True, **kwargs)  # type: ignore[arg-type]
+    left_out = [p for p in fast["pruned"] if p["by"] == "pools"]
+    assert left_out, "the grid must exercise the bound"
+    assert full["searched"] == 4 and not full["pruned"]
+    assert fast["winner"]["label"] == full["winner"]["label"]
+    for kind in ("colocated", "disaggregated"):
+        assert fast["top"][kind][0]["label"] == full["top"][kind][0]["label"]
+    assert fast["margin_over_other_kind"] == pytest.approx(
+        full["margin_over_other_kind"], rel=RESOLUTION
+    )
+    searched = {f["label"]: f for f in full["configurations"]}
+    best_split = full["top"]["disaggregated"][0]["req_s_per_gpu"]
+    for p in left_out:
+        f = searched[p["label"]]
+        assert f["req_s_per_gpu"] <= p["bound_req_s_per_gpu"] < p["best_req_s_per_gpu"]
+        assert f["req_s_per_gpu"] < best_split
+    text = "\n".join(render_plan(fast))
+    assert f"not simulated: {len(left_out)} splits whose pools" in text
+
+
+def test_a_search_below_a_known_failure_ends_where_the_search_from_the_bottom_does() -> None:
+    """Told a rate it fails at (a whole split that missed its unit's capacity), the search
+    starts at the grid rate below it instead of the bottom: the same bracket, so the same
+    capacity, from a subset of its runs."""
+    slo = parse_plan_slo(SLO_TEXT)
+    cand = colocated(2)
+    full = search(cand, slo, HORIZON_S)
+    failing = [r["rate"] for r in full["runs"] if not r["meets"]]
+    assert failing and full["capacity_req_s"] > 0
+    for fails_at in (min(failing), max(failing)):
+        short = search(cand, slo, HORIZON_S, fails_at=fails_at)
+        assert short["capacity_req_s"] == full["capacity_req_s"]
+        assert short["req_s_per_gpu"] == pytest.approx(full["req_s_per_gpu"])
+        # The same path's tail: every rate it runs, the search from the bottom ran too.
+        assert {r["rate"] for r in short["runs"]} < {r["rate"] for r in full["runs"]}
+
+
+def test_a_split_whose_pool_does_not_fit_takes_no_bound() -> None:
+    """The bound is skipped, not raised: the split's own search reports why it cannot run."""
+    base = replace(TINY, model="llama-3.1-70b")
+    c = ClusterSettings(base, disaggregate="1:1")
+    assert split_bound_req_s(c, Candidate("disaggregated", "1:1", c, 1, 2), {}) is None
+    with pytest.raises(SpecError, match="does not fit"):
+        simulate_cluster(c)

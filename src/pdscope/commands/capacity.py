@@ -24,10 +24,12 @@ run's arrivals span at least ``HORIZON_S`` seconds
 (more requests than ``--num-prompts`` where the rate asks for it), so a rate past capacity has
 time to build the queue that breaks a TTFT SLO. Configurations run in parallel processes.
 
-Three more shortcuts, named in the plan's output and off with ``--plan-exhaustive``:
+Four more shortcuts, named in the plan's output and off with ``--plan-exhaustive``:
 colocated configurations are searched first, and when the splits' one KV link cannot carry the
 best colocated goodput (:func:`link_bound_req_s`, a bound, not an estimate) no split is
-simulated; a configuration is run first at the best capacity its kind has reached so far
+simulated, and a split whose pools (or link) cannot complete as many requests per second
+as the best split found so far (:func:`split_bound_req_s`, a bound from the cost model) is not
+simulated either; a configuration is run first at the best capacity its kind has reached so far
 (:func:`search`'s ``floor_rate``), and one that fails there is not searched further: it cannot
 win, and only its own capacity is left unknown (it is also run at one low rate, for the
 frontier); and a run stops as soon as it
@@ -49,12 +51,13 @@ import numpy as np
 
 from pdscope.analysis.bench import SLO, SLOError
 from pdscope.client.workloads import Lengths
-from pdscope.commands.cluster import ClusterSettings, PoolArgs, simulate_cluster
+from pdscope.commands.cluster import ClusterSettings, Pool, PoolArgs, build_pools, simulate_cluster
 from pdscope.commands.simulate import DEFAULT_MODEL, resolve_inputs
 from pdscope.engine.cluster import RunStopped
 from pdscope.engine.request import Request
 from pdscope.roofline import arithmetic as rf
 from pdscope.roofline.parallel import tensor_parallel
+from pdscope.roofline.step_cost import CostModel
 from pdscope.specs import SpecError, load_model
 
 TP_SIZES = (1, 2, 4, 8)  # inside one server
@@ -291,8 +294,17 @@ def search(
     horizon_s: float = HORIZON_S,
     floor_rate: float | None = None,
     exhaustive: bool = False,
+    fails_at: float | None = None,
 ) -> dict[str, Any]:
     """The highest rate meeting ``slo`` for one configuration, and every run on the way.
+
+    ``fails_at``: a rate this configuration is known to miss the SLO at. The search from the
+    bottom would double up to the first grid rate (0.5 request/s per GPU times a power of 2)
+    that fails and bisect below it; a rate above a failing one fails too (as bisection
+    assumes), so that rate is at most the first grid rate at or above ``fails_at``. The search
+    starts at the grid rate just below it and steps down the grid while a run fails: the same
+    bracket, so the same capacity, without the passing runs below it (nor their points of the
+    frontier).
 
     ``floor_rate``: the capacity this configuration must beat to matter (the best of its kind
     found so far). That rate is tested first; a configuration that fails there is not searched
@@ -318,6 +330,16 @@ def search(
         good, bad = 0.0, None
         rate = 0.5 * cand.gpus
         floor = floor_rate
+        if fails_at is not None and floor is None:
+            top = rate
+            while top * 2 < fails_at:
+                top *= 2
+            bad = top * 2  # at or above fails_at: not run
+            while top >= rate and not ok(top):
+                bad, top = top, top / 2
+            if top >= rate:
+                good = top
+            rate = bad
         if floor is not None and floor > rate:
             # The floor first: most configurations fail there (a past-capacity run usually
             # stops early), and then the runs below it, which run in full, are spared; one
@@ -329,7 +351,7 @@ def search(
                 if ok(rate):
                     good = rate
                 floor = None
-        for _ in range(DOUBLINGS if below_floor is None else 0):
+        for _ in range(DOUBLINGS if below_floor is None and fails_at is None else 0):
             if floor is not None and rate >= floor:
                 rate = floor  # test the floor itself on the way up
             if ok(rate):
@@ -431,6 +453,116 @@ def link_bound_req_s(c: ClusterSettings) -> tuple[float, int] | None:
     return c.kv_link_gb_s * 1e9 / rf.kv_bytes_at_context(p.model, p.kv, shortest), shortest
 
 
+# Headroom on the pools' bound (:func:`split_bound_req_s`): it is exact for the expected prompt
+# and output lengths, and a run's own draws (200 or more) have a mean within a few percent.
+POOL_BOUND_SLACK = 1.1
+
+
+def _lengths_grid(text: str, what: str) -> np.ndarray | None:
+    """Every length a ``--input-len``/``--output-len`` draws, equally likely; None for a
+    normal distribution (no bound is taken for it)."""
+    lengths = Lengths.parse(text, what)
+    if lengths.kind == "fixed":
+        return np.array([max(1, int(lengths.a))], dtype=float)
+    if lengths.kind == "uniform":
+        return np.arange(max(1, int(lengths.a)), max(1, int(lengths.b)) + 1, dtype=float)
+    return None
+
+
+def _pool_cost(pool: Pool) -> CostModel:
+    p = pool.inputs
+    return CostModel(p.model, p.weights, p.kv, pool.params, pool.tp)
+
+
+def worker_seconds_per_request(c: ClusterSettings) -> tuple[float, float] | None:
+    """Least busy time one prefill worker and one decode worker of the split ``c`` spend on a
+    request, on average over the workload's lengths: (prefill s, decode s). None where no
+    bound is taken (a file or long-prompt workload, normal lengths, a windowed model's decode).
+
+    A lower bound on every step's cost the worker can run, from the cost model itself: a
+    prefill step carries at most its token budget B, and the linear layers', the all-reduces'
+    and the step overhead's cost per token only fall as a step grows, so a prompt of L tokens
+    costs at least L/B of a full step's, plus its attention's FLOPs (causal pairs do not
+    depend on how the prompt is chunked) and one sequence overhead. A decode step runs at
+    most b sequences (``max_num_seqs``, and no more than the KV pool holds at the shortest
+    prompt), so each of a request's O - 1 decode tokens costs at least 1/b of a full step's
+    weights, plus its own attention over its context and one sequence overhead."""
+    if c.base.workload != "random":
+        return None
+    inputs = _lengths_grid(c.base.input_len, "--input-len")
+    outputs = _lengths_grid(c.base.output_len, "--output-len")
+    if inputs is None or outputs is None:
+        return None
+    prefill, decode = build_pools(replace(c, disaggregate="1:1", gpus=None))
+    pc, dc = _pool_cost(prefill), _pool_cost(decode)
+    model = prefill.inputs.model
+    # A step may exceed its budget only by a prompt it cannot chunk: the larger is the cap.
+    budget = max(prefill.settings.max_num_batched_tokens, int(inputs[-1]))
+    full_s = pc.linear_s(budget) + pc.tp.comm_s(model, budget) + pc.params.step_overhead_s
+    head_s = pc.lm_head_work(1)[0] / pc.flops_per_s
+    prefill_s = np.array(
+        [
+            length * full_s / budget + pc.attention_work(0, int(length))[0] / pc.flops_per_s
+            for length in inputs
+        ]
+    ) + (head_s + pc.params.seq_overhead_s)
+    if dc.windowed:
+        return None
+    kv_tokens = decode.blocks * decode.settings.block_size
+    seqs = max(1, min(decode.settings.max_num_seqs, kv_tokens // (int(inputs[0]) + 1)))
+    per_token_s = (
+        dc.linear_s(seqs)
+        + dc.tp.comm_s(model, seqs)
+        + dc.lm_head_s(seqs)
+        + dc.params.step_overhead_s
+    ) / seqs + dc.params.seq_overhead_s
+    # Attention over the context is proportional to it with no window: decode token j
+    # (j = 1 .. O - 1, the first came from the prefill worker) reads L + j tokens.
+    per_context_s = dc.attention_s(0, 1)
+    steps = outputs - 1
+    mean_steps = float(steps.mean())
+    mean_context = float((inputs + 1).mean()) * mean_steps + float((steps * (steps - 1) / 2).mean())
+    decode_s = mean_steps * per_token_s + per_context_s * mean_context
+    return float(prefill_s.mean()), decode_s
+
+
+def split_bound_req_s(
+    c: ClusterSettings,
+    cand: Candidate,
+    per_worker: dict[tuple[Any, ...], tuple[float, float] | None],
+) -> tuple[float, str] | None:
+    """The most requests per second the whole split ``cand`` stands for can complete in any
+    run: min(P / one prefill worker's least time per request, D / one decode worker's, the KV
+    link's :func:`link_bound_req_s`), the first two with ``POOL_BOUND_SLACK`` of headroom for
+    a run's own draws. A run lasts at least as long as its busiest worker and its link are
+    busy. Returns the bound and which term sets it; None where no bound is taken.
+    ``per_worker`` caches the pools' figures by (device, TP, budget) of each pool."""
+    split = cand.settings.split()
+    assert split is not None
+    p_workers, d_workers = (n * cand.scale for n in split)
+    s = cand.settings
+    key = (
+        s.prefill.device or s.base.device, _tp(cand, "prefill"), s.prefill.max_num_batched_tokens,
+        s.decode.device or s.base.device, _tp(cand, "decode"), s.decode.max_num_seqs,
+    )  # fmt: skip
+    if key not in per_worker:
+        try:
+            per_worker[key] = worker_seconds_per_request(s)
+        except SpecError:  # e.g. a pool that does not fit: its search reports why
+            per_worker[key] = None
+    seconds = per_worker[key]
+    if seconds is None:
+        return None
+    terms = [
+        (POOL_BOUND_SLACK * p_workers / seconds[0], f"{p_workers} prefill workers"),
+        (POOL_BOUND_SLACK * d_workers / seconds[1], f"{d_workers} decode workers"),
+    ]
+    link = link_bound_req_s(c)
+    if link is not None:
+        terms.append((link[0], f"the {c.kv_link_gb_s:g} GB/s KV link"))
+    return min(terms)
+
+
 def _search_all(
     cands: list[Candidate],
     slo: SLO,
@@ -439,12 +571,19 @@ def _search_all(
     floor_of: Callable[[Candidate], float | None],
     done: Callable[[dict[str, Any]], None],
     exhaustive: bool = False,
+    skip: Callable[[Candidate], bool] | None = None,
+    fails_at: dict[str, float] | None = None,
 ) -> None:
     """Search ``cands`` in order, up to ``workers`` at once; each starts with the floor its
-    predecessors have set by then (``floor_of`` reads it when the search is submitted)."""
+    predecessors have set by then (``floor_of`` reads it when the search is submitted).
+    ``skip``, read at the same moment, leaves a candidate out (it records why). ``fails_at``:
+    a rate each label is known to fail at (:func:`search`)."""
+    known = fails_at or {}
     if workers <= 1 or len(cands) <= 1:
         for cand in cands:
-            done(search(cand, slo, horizon_s, floor_of(cand), exhaustive))
+            if skip is None or not skip(cand):
+                f = search(cand, slo, horizon_s, floor_of(cand), exhaustive, known.get(cand.label))
+                done(f)
         return
     queue = list(cands)
     with ProcessPoolExecutor(max_workers=min(workers, len(cands))) as pool:
@@ -452,7 +591,21 @@ def _search_all(
         while queue or running:
             while queue and len(running) < workers:
                 cand = queue.pop(0)
-                running.add(pool.submit(search, cand, slo, horizon_s, floor_of(cand), exhaustive))
+                if skip is not None and skip(cand):
+                    continue
+                running.add(
+                    pool.submit(
+                        search,
+                        cand,
+                        slo,
+                        horizon_s,
+                        floor_of(cand),
+                        exhaustive,
+                        known.get(cand.label),
+                    )
+                )
+            if not running:
+                break
             finished, running = wait(running, return_when=FIRST_COMPLETED)
             for future in finished:
                 done(future.result())
@@ -472,11 +625,12 @@ def plan_capacity(
     """Search every configuration of ``gpus`` GPUs; the best of each kind, the winner and its
     margin, and the Pareto frontier of all runs that met the SLOs.
 
-    Unless ``exhaustive``, three shortcuts (each reported in the result): splits are skipped
+    Unless ``exhaustive``, four shortcuts (each reported in the result): splits are skipped
     when their KV link's bound (:func:`link_bound_req_s`) is below the best colocated
-    configuration's goodput; a configuration that fails at the best capacity of its kind
-    found so far is not bisected (:func:`search`'s ``floor_rate``); and runs stop once they
-    certainly miss the SLO (:class:`CertainMiss`)."""
+    configuration's goodput; a split is skipped when its pools' and link's bound
+    (:func:`split_bound_req_s`) is below the best split's found so far; a configuration that
+    fails at the best capacity of its kind found so far is not bisected (:func:`search`'s
+    ``floor_rate``); and runs stop once they certainly miss the SLO (:class:`CertainMiss`)."""
     if gpus < 1:
         raise SpecError(f"--gpus must be >= 1, got {gpus}")
     slo = parse_plan_slo(slo_text)
@@ -492,11 +646,14 @@ def plan_capacity(
     workers = processes or os.cpu_count() or 1
     found: list[dict[str, Any]] = []
     best_of_kind: dict[str, float] = {}  # capacity (req/s), every candidate has ``gpus``
+    best_per_gpu: dict[str, float] = {}  # the ranking's figure: request throughput per GPU
 
     def done(f: dict[str, Any]) -> None:
         found.append(f)
         if "error" not in f and f["below_floor"] is None and f["capacity_req_s"] > 0:
             best_of_kind[f["kind"]] = max(best_of_kind.get(f["kind"], 0.0), f["capacity_req_s"])
+        if "error" not in f:
+            best_per_gpu[f["kind"]] = max(best_per_gpu.get(f["kind"], 0.0), f["req_s_per_gpu"])
         if progress is not None:
             if "error" in f:
                 what = f["error"]
@@ -538,14 +695,48 @@ def plan_capacity(
             f"({bound[0] / gpus:.2f} per GPU; prompts of >= {bound[1]} tokens), below the best "
             f"colocated {best_colocated:.2f} req/s per GPU"
         )
-        pruned = [{"label": x.label, "kind": x.kind, "reason": reason} for x in split]
+        pruned = [{"label": x.label, "kind": x.kind, "by": "link", "reason": reason}
+                  for x in split]  # fmt: skip
         split = []
-    _search_all(split, slo, horizon_s, workers, floor_of, done, exhaustive)
+    bounds: dict[tuple[Any, ...], tuple[float, float] | None] = {}
+
+    def bounded(cand: Candidate) -> bool:
+        """Leave out a split whose pools and link cannot complete as many requests per
+        second, per GPU, as the best split found so far has (:func:`split_bound_req_s`): it
+        cannot rank above it, so the best split, the winner and the margin stand."""
+        best = best_per_gpu.get(cand.kind)
+        if exhaustive or best is None:
+            return False
+        bound = split_bound_req_s(c, cand, bounds)
+        if bound is None or bound[0] / gpus >= best:
+            return False
+        pruned.append({
+            "label": cand.label, "kind": cand.kind, "by": "pools",
+            "bound_req_s": bound[0], "bound_req_s_per_gpu": bound[0] / gpus,
+            "set_by": bound[1], "best_req_s_per_gpu": best,
+            "reason": f"at most {bound[0]:.0f} req/s ({bound[0] / gpus:.2f} per GPU, set by "
+            f"{bound[1]}), below the best split's {best:.2f} req/s per GPU so far",
+        })  # fmt: skip
+        if progress is not None:
+            progress(f"not simulated {cand.label}: {pruned[-1]['reason']}")
+        return True
+
+    _search_all(split, slo, horizon_s, workers, floor_of, done, exhaustive, bounded)
     confirmed: list[dict[str, Any]] = []
     if not exhaustive:  # the best splits that ran as units, searched whole (see _confirm_whole)
         confirmed = _confirm_whole(
             c, gpus, budgets, tp_sizes, cands, found, slo, horizon_s, workers, progress
         )
+        # A split left out against a unit's estimate that its whole search then lowered may
+        # now beat the best split: search those after all (the bound stays a bound).
+        splits = [f for f in found if f["kind"] == "disaggregated" and "error" not in f]
+        final = max((f["req_s_per_gpu"] for f in splits), default=0.0)
+        back = {p["label"] for p in pruned
+                if p["by"] == "pools" and p["bound_req_s_per_gpu"] >= final}  # fmt: skip
+        if back:
+            pruned = [p for p in pruned if p["label"] not in back]
+            revisit = [x for x in cands if x.label in back]
+            _search_all(revisit, slo, horizon_s, workers, floor_of, done)
     order = {cand.label: i for i, cand in enumerate(cands)}
     found.sort(key=lambda f: order[f["label"]])
     ranked = sorted((f for f in found if "error" not in f), key=lambda f: -f["req_s_per_gpu"])
@@ -633,8 +824,10 @@ def _confirm_whole(
     The unit errs low where the shared link is busy (its cross traffic is random, the whole
     split's transfers are not), by ~11% at 16 GPUs: enough to turn a close verdict. Each
     whole search starts at the unit's capacity as its floor, which it normally meets, and
-    doubles and bisects upward from there; one that fails there is searched again from the
-    bottom, so the figure kept is always the whole split's own."""
+    doubles and bisects upward from there; one that fails there is searched below it as the
+    search from the bottom would end (:func:`search`'s ``fails_at``: the grid rate below the
+    unit's capacity, stepping down while it fails, then bisected), so the figure kept is
+    always the whole split's own."""
     scale = {x.label: x.scale for x in cands}
     ok = [f for f in found if "error" not in f and f["below_floor"] is None
           and f["capacity_req_s"] > 0]  # fmt: skip
@@ -664,7 +857,9 @@ def _confirm_whole(
     retry = [x for x in wholes if "error" not in results[x.label]
              and results[x.label]["below_floor"] is not None]  # fmt: skip
     first_runs = {x.label: results[x.label]["runs"] for x in retry}
-    _search_all(retry, slo, horizon_s, workers, lambda x: None, done)
+    # Below the unit's capacity: the search from the bottom, started where it would end.
+    failed = {x.label: unit_of[x.label]["capacity_req_s"] for x in retry}
+    _search_all(retry, slo, horizon_s, workers, lambda x: None, done, fails_at=failed)
     out = []
     for x in wholes:
         unit, whole = unit_of[x.label], results[x.label]
@@ -740,11 +935,22 @@ def render_plan(plan: dict[str, Any]) -> list[str]:
         lines.append(f"    {p['tok_s_per_user']:7.1f} -> {p['tok_s_per_gpu']:8.1f}  {p['run']}")
     for s in plan["skipped"]:
         lines.append(f"  skipped {s['label']}: {s['error']}")
-    if plan.get("pruned"):
+    by_link = [p for p in plan.get("pruned") or [] if p.get("by", "link") == "link"]
+    by_pools = [p for p in plan.get("pruned") or [] if p.get("by") == "pools"]
+    if by_link:
         lines.append(
-            f"  not simulated: {len(plan['pruned'])} disaggregated configurations, "
-            f"{plan['pruned'][0]['reason']}"
+            f"  not simulated: {len(by_link)} disaggregated configurations, {by_link[0]['reason']}"
         )
+    if by_pools:
+        lines.append(
+            f"  not simulated: {len(by_pools)} splits whose pools or link cannot complete as "
+            "many requests per second as the best split found before them (a bound from the "
+            "cost model: P / a prefill worker's least time per request, D / a decode "
+            f"worker's, the link's; {POOL_BOUND_SLACK - 1:.0%} headroom on the pools'); "
+            "--plan-exhaustive simulates them:"
+        )
+        for p in by_pools:
+            lines.append(f"    {p['label']}: {p['reason']}")
     units = plan.get("split_units") or []
     if units:
         lines.append(

@@ -187,6 +187,25 @@ class CostModel:
         head = self.model.lm_head_params
         return 2 * sampled * head, head * self.weights.bytes_per_weight
 
+    def linear_s(self, tokens: int) -> float:
+        """The linear layers' time for a step of ``tokens`` tokens (as :meth:`step` prices it)."""
+        return self._roofline_s(*self.linear_work(tokens))
+
+    def lm_head_s(self, sampled: int) -> float:
+        """The LM head's time for a step that samples ``sampled`` entries."""
+        return self._roofline_s(*self.lm_head_work(sampled)) if sampled else 0.0
+
+    @property
+    def flops_per_s(self) -> float:
+        """FLOP/s of the whole TP group (the achieved rate times the GPUs)."""
+        return self._flops_s
+
+    @property
+    def windowed(self) -> bool:
+        """Whether any layer attends over a sliding window (a decode's attention is then not
+        proportional to its context)."""
+        return any(g.window is not None for g in self._groups)
+
     def roofline_terms(self, entries: Sequence[ScheduledWork]) -> list[tuple[float, float]]:
         """Every roofline term of a step as (FLOPs, bytes): the linear layers, each entry's
         attention, the LM head when anything samples. ``step`` prices the same terms (faster);
