@@ -127,6 +127,23 @@ def test_logits_match_transformers(checkpoints: dict[str, Path], arch: str, kern
     assert ref.argmax(-1).tolist() == out.token_ids
 
 
+def _count_calls(modules: list, attr: str, method: str) -> list[int]:
+    """Point every module's ``attr`` (the loaded C kernels) at a copy whose ``method`` counts
+    its calls; returns the one-element counter."""
+    calls = [0]
+    ops = getattr(modules[0], attr)
+    run = getattr(ops, method)
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls[0] += 1
+        return run(*args, **kwargs)
+
+    for m in modules:
+        setattr(m, attr, copy.copy(ops))
+        setattr(getattr(m, attr), method, counted)
+    return calls
+
+
 @pytest.mark.parametrize("kernels", BF16_PATHS)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: str) -> None:
@@ -175,38 +192,17 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
     amx = "prefill_attention=amx" in kernels  # then every layer's prefill takes the tiles
     attns = [m for m in model.modules() if hasattr(m, "prefill_native")]
     assert attns and all((m.prefill_native is not None) == amx for m in attns)
-    many_calls = 0
-    if many:
-        ops = linears[0].native_many
-        run_many = ops.linear_many
-
-        def counted(*args: object, **kwargs: object) -> torch.Tensor:
-            nonlocal many_calls
-            many_calls += 1
-            return run_many(*args, **kwargs)
-
-        for m in linears:
-            m.native_many = copy.copy(ops)
-            m.native_many.linear_many = counted
-    one_row_calls = 0
-    if paths["linear"] == "amx":
-        one_row_ops = linears[0].native
-        run_one = one_row_ops.linear_many
-
-        def counted_one(*args: object, **kwargs: object) -> torch.Tensor:
-            nonlocal one_row_calls
-            one_row_calls += 1
-            return run_one(*args, **kwargs)
-
-        for m in linears:
-            m.native = copy.copy(one_row_ops)
-            m.native.linear_many = counted_one
+    # The many-row kernel's calls: from batched chunks (batch_linear=c) and from single rows
+    # (linear=amx, which hands them to the same kernel through the modules' `native`).
+    many_calls = _count_calls(linears, "native_many", "linear_many") if many else [0]
+    amx_rows = paths["linear"] == "amx"
+    one_row_calls = _count_calls(linears, "native", "linear_many") if amx_rows else [0]
     llm.engine.runner.capture_logits = True
     rng = random.Random(0)
     prompt = [rng.randrange(10, 1000) for _ in range(1100)]
     out = llm.generate(prompt, GREEDY)[0]
-    assert (many_calls > 0) == many  # the chunks' matmuls went through the many-row kernel
-    assert (one_row_calls > 0) == (paths["linear"] == "amx")  # decode rows on the tiles
+    assert (many_calls[0] > 0) == many  # the chunks' matmuls went through the many-row kernel
+    assert (one_row_calls[0] > 0) == amx_rows  # decode rows on the tiles
     ours = torch.cat(llm.engine.runner.captured)
     ref_model = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.bfloat16, attn_implementation="eager"
