@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from decode_ops_ab import generic_attention_ops
-from engine_bench import machine_line
+from engine_bench import interleaved_times, machine_line
 from pdscope.checkpoint.make_model import default_cache_dir
 from pdscope.engine import native
 
@@ -66,16 +65,7 @@ def main() -> None:
 
         paths = {name: (lambda o=o: step(o)) for name, o in ops.items()}
         paths["read"] = lambda same_bytes=same_bytes: same_bytes.sum()
-        wall: dict[str, list[float]] = {k: [] for k in paths}
-        cpu: dict[str, list[float]] = {k: [] for k in paths}
-        for fn in paths.values():
-            fn()
-        for _ in range(args.rounds):
-            for name, fn in paths.items():
-                w0, c0 = time.perf_counter(), time.process_time()
-                fn()
-                wall[name].append(time.perf_counter() - w0)
-                cpu[name].append(time.process_time() - c0)
+        wall, cpu = interleaved_times(paths, args.rounds)
         cells = []
         for name in paths:
             w, c = statistics.median(wall[name]), statistics.median(cpu[name])

@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -79,6 +80,32 @@ def machine_line() -> str:
         f"CPU: {cpu_model()} x {os.cpu_count()} ({' '.join(cpu_flags()) or 'no AVX2+ flags'}); "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
+
+
+def interleaved_times(
+    candidates: dict[str, Callable[[], object]],
+    rounds: int,
+    before_each: Callable[[], object] | None = None,
+    after_each: Callable[[str], object] | None = None,
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each candidate once as a warm-up, then ``rounds`` rounds of every candidate in turn:
+    wall and CPU seconds (``time.process_time``, every thread of the process) per run.
+    ``before_each``/``after_each`` run around each timed call, outside its time."""
+    for fn in candidates.values():
+        fn()
+    wall: dict[str, list[float]] = {name: [] for name in candidates}
+    cpu: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(rounds):
+        for name, fn in candidates.items():
+            if before_each:
+                before_each()
+            c0, w0 = time.process_time(), time.perf_counter()
+            fn()
+            wall[name].append(time.perf_counter() - w0)
+            cpu[name].append(time.process_time() - c0)
+            if after_each:
+                after_each(name)
+    return wall, cpu
 
 
 @dataclass

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine_bench import machine_line
+from engine_bench import interleaved_times, machine_line
 
 TOKENS = 2000
 
@@ -155,19 +155,13 @@ def main() -> None:
     current: dict[str, float] = collections.defaultdict(float)
     if args.parts:
         _time_parts(current)
-    for fn in candidates.values():
-        fn()  # warm-up
-    wall: dict[str, list[float]] = {name: [] for name in candidates}
-    cpu: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(args.rounds):
-        for name, fn in candidates.items():
-            current.clear()
-            c0, w0 = time.process_time(), time.perf_counter()
-            fn()
-            wall[name].append(time.perf_counter() - w0)
-            cpu[name].append(time.process_time() - c0)
-            for part, seconds in current.items():
-                parts[name].setdefault(part, []).append(seconds)
+
+    def keep_parts(name: str) -> None:
+        for part, seconds in current.items():
+            parts[name].setdefault(part, []).append(seconds)
+
+    # the parts of each timed run only: cleared before it, kept after it
+    wall, cpu = interleaved_times(candidates, args.rounds, current.clear, keep_parts)
 
     print(machine_line())
     print(f"kernels: {llm.engine.kernels.summary()}")

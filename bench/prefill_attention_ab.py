@@ -20,14 +20,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from engine_bench import machine_line
+from engine_bench import interleaved_times, machine_line
 from pdscope.engine import native
 
 
@@ -84,16 +83,7 @@ def main() -> None:
             out.view(n, -1)
 
         candidates["amx-ab-source"] = amx_ab
-    for fn in candidates.values():
-        fn()
-    cpu: dict[str, list[float]] = {name: [] for name in candidates}
-    wall: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(args.rounds):
-        for name, fn in candidates.items():
-            c0, w0 = time.process_time(), time.perf_counter()
-            fn()
-            wall[name].append(time.perf_counter() - w0)
-            cpu[name].append(time.process_time() - c0)
+    wall, cpu = interleaved_times(candidates, args.rounds)
     print(machine_line())
     flop = 4 * args.heads * dim * (n * cached + n * (n + 1) / 2)  # scores and values, causal
     print(

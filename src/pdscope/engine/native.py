@@ -371,25 +371,12 @@ class NativeOps:
             raise ValueError("rms_norm: weight dtype or residual shape differs from x")
         n = x.shape[-1]
         out = torch.empty_like(x)
+        args = (x.data_ptr(), _ptr(residual), weight.data_ptr(), out.data_ptr(), x.numel() // n, n)
         if self.wide_glue and x.dtype == torch.bfloat16:
-            self.lib.rms_norm_bf16(
-                x.data_ptr(),
-                _ptr(residual),
-                weight.data_ptr(),
-                out.data_ptr(),
-                x.numel() // n,
-                n,
-                eps,
-                torch.get_num_threads(),
-            )
+            self.lib.rms_norm_bf16(*args, eps, torch.get_num_threads())
             return out
         self.lib.rms_norm(
-            x.data_ptr(),
-            _ptr(residual),
-            weight.data_ptr(),
-            out.data_ptr(),
-            x.numel() // n,
-            n,
+            *args,
             eps,
             x.dtype == torch.bfloat16,
             torch.get_num_threads(),
