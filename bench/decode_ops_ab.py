@@ -18,6 +18,8 @@ prefill steps left out; a median over ~30 steps shrugs off a descheduled step on
 ``--generic-attention`` compares the C decode attention's generic loop (the library built with
 ``-DNEW_DECODE_ATTENTION=0``) with the build the engine uses, every path forced alike;
 ``--avx512-attention`` the head-64 kernel in AVX-512 only (``=1``, no AMX tiles for the scores).
+``--one-call`` compares the C decode step as one call per kernel from Python (per-kernel) with
+every layer in one call (one-call, NativeOps.decode_layers), every path forced alike.
 ``--cpu-time`` times the steps by the process's CPU time instead of wall time: at
 ``--threads 1`` that is the step's own work, which other processes on a busy host inflate far
 less than its wall time.
@@ -83,6 +85,11 @@ def main() -> None:
         help="compare the decode attention in AVX-512 only (avx512) with the engine's (c)",
     )
     parser.add_argument(
+        "--one-call",
+        action="store_true",
+        help="compare the C decode step's per-kernel calls (per-kernel) with one call (one-call)",
+    )
+    parser.add_argument(
         "--cpu-time",
         action="store_true",
         help="time each step by this process's CPU time (with --threads 1: the step's own work, "
@@ -92,6 +99,9 @@ def main() -> None:
     level = 0 if args.generic_attention else 1 if args.avx512_attention else None
     if level is not None:
         args.path, args.candidates = "decode_ops", ["generic" if level == 0 else "avx512", "c"]
+    if args.one_call:
+        level, args.path, args.candidates = None, "decode_ops", ["per-kernel", "one-call"]
+    all_c = level is not None or args.one_call
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model_path(args.model)
@@ -103,7 +113,7 @@ def main() -> None:
             max_model_len=4096,
             max_num_batched_tokens=2048,
             max_num_seqs=64,
-            kernels=f"{args.others},{args.path}={'c' if level is not None else cand}",
+            kernels=f"{args.others},{args.path}={'c' if all_c else cand}",
         )
         for cand in args.candidates
     }
@@ -112,6 +122,8 @@ def main() -> None:
         ops = generic_attention_ops(Path(tempfile.mkdtemp(prefix="pdscope-ab-")), level)
         apply_kernels(llm.engine.runner.model, llm.engine.kernels, ops)
         llm.engine._native = ops
+    if args.one_call:
+        engines["per-kernel"].engine.runner.model.fuse_decode = False
     cpu_s: dict[int, float] = {}  # id of a step record -> its CPU seconds
     if args.cpu_time:
         for llm in engines.values():

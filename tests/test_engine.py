@@ -359,3 +359,63 @@ def test_c_path_hands_long_contexts_to_sdpa_in_place(
     monkeypatch.setattr(runner.ModelRunner, "_native_decode_batch", spy)
     assert [llm.generate(p, GREEDY)[0].token_ids for p in ps] == expected
     assert seen and all(seen)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kernels"),
+    [
+        ("float32", "linear=c,prefill_attention=sdpa,decode_ops=c"),
+        ("bfloat16", "linear=c,batch_linear=c,prefill_attention=sdpa,decode_ops=c"),
+        ("bfloat16", "linear=amx,batch_linear=c,prefill_attention=sdpa,decode_ops=c"),
+    ],
+)
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # a qkv bias; q/k norms
+def test_one_call_decode_step_is_the_per_kernel_path_bit_for_bit(
+    tmp_path: Path, arch: str, dtype: str, kernels: str
+) -> None:
+    """NativeOps.decode_layers runs the per-kernel path's kernels in its order on its buffers,
+    so its logits are the same bits, at one row and at a batch of several (batch_linear=c)."""
+    from safetensors.torch import load_file, save_file
+
+    from pdscope.checkpoint.make_model import default_cache_dir
+    from pdscope.engine import native
+
+    if "linear=amx" in kernels:
+        ops = native.load(default_cache_dir() / "native")
+        if ops is None or ops.linear_many_isa != "amx":
+            pytest.skip("no AMX tiles on this CPU, compiler or kernel")
+    path = make_model(tmp_path / arch, "tiny", arch=arch, dtype=dtype)
+    # Generated norms are all ones: random ones make a swapped or dropped norm weight show.
+    weights_file = path / "model.safetensors"
+    tensors = load_file(weights_file)
+    gen = torch.Generator().manual_seed(0)
+    for name, t in tensors.items():
+        if "norm" in name or "bias" in name:
+            tensors[name] = (1 + 0.5 * torch.randn(t.shape, generator=gen)).to(t.dtype)
+    save_file(tensors, weights_file, metadata={"format": "pt"})
+    llm = LLM(
+        model=str(path),
+        dtype=dtype,
+        kv_cache_memory="8MiB",
+        block_size=4,
+        kernels=kernels,
+        enable_prefix_caching=False,  # the second pass must prefill as the first did
+    )
+    model = llm.engine.runner.model
+    ps = prompts(llm)
+    batched = "batch_linear=c" in kernels
+    llm.engine.runner.capture_logits = True
+    captured: dict[bool, list[torch.Tensor]] = {}
+    for fuse in (False, True):
+        model.fuse_decode = fuse
+        calls = _count_calls([model], "native", "decode_layers")
+        llm.engine.runner.captured = []
+        llm.generate(ps[0], GREEDY)  # batch-1 decode steps
+        single_calls = calls[0]
+        llm.generate(ps, GREEDY)  # decode steps of 1-4 rows
+        captured[fuse] = llm.engine.runner.captured
+        assert (single_calls == GREEDY.max_tokens - 1) == fuse
+        assert (calls[0] > single_calls) == (fuse and batched)
+    assert len(captured[True]) == len(captured[False])
+    for fused, per_kernel in zip(captured[True], captured[False], strict=True):
+        assert torch.equal(fused, per_kernel)

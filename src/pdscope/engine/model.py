@@ -10,6 +10,7 @@ then reads keys and values from the cache through each sequence's block table.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 from collections.abc import Callable
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdscope.engine.native import DecodeLayer, DecodeStep
 from pdscope.specs import architectures as registry
 
 if TYPE_CHECKING:
@@ -676,6 +678,10 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.init_rope(max_positions, torch.get_default_device())
         self.native: NativeOps | None = None  # the C decode kernels, when the choice says so
+        # Decodes-only steps run every layer in one C call (NativeOps.decode_layers) where
+        # their matmuls take the C kernels; False keeps the per-kernel calls (benches, tests).
+        self.fuse_decode = True
+        self._decode_layers: tuple[tuple[int, ...], ctypes.Array[DecodeLayer]] | None = None
 
     def init_rope(self, max_positions: int, device: torch.device) -> None:
         """Rotary cos/sin tables for positions 0..max_positions-1, float32 like Hugging Face."""
@@ -714,6 +720,9 @@ class CausalLM(nn.Module):
         native = self.native
         assert native is not None
         residual = self.embed_tokens(input_ids)  # a fresh tensor: updated in place below
+        fused = self._fused_decode(residual, kv_caches, batch) if self.fuse_decode else None
+        if fused is not None:
+            return native.decode_layers(*fused, residual)
         first = self.layers[0].input_layernorm
         h = native.rms_norm(residual, first.weight, first.eps)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
@@ -724,6 +733,98 @@ class CausalLM(nn.Module):
             h = layer.mlp(h)
             h = native.rms_norm(h, next_norm.weight, next_norm.eps, residual=residual)
         return h
+
+    def _fused_decode(
+        self, residual: torch.Tensor, kv_caches: list[torch.Tensor], batch: AttentionBatch
+    ) -> tuple[ctypes.Array[DecodeLayer], DecodeStep] | None:
+        """The layers and step for NativeOps.decode_layers, or None where a part of this step
+        would leave the C kernels: a long context read in place by SDPA, or matmuls of a row
+        count that takes oneDNN. The layers' array is built once per set of weights and caches."""
+        rows = residual.shape[0]
+        first = self.layers[0].self_attn.qkv_proj
+        if batch.decode_runs is not None or batch.decode_tables is None:
+            return None
+        if first.native is not None and rows <= NATIVE_LINEAR_MAX_ROWS:
+            many_rows = first.one_row_amx
+        elif first.native_many is not None and rows <= NATIVE_MANY_MAX_ROWS:
+            many_rows = True
+        else:
+            return None
+        layers = self._decode_layer_array(kv_caches)
+        if layers is None:
+            return None
+        c = self.config
+        attn = self.layers[0].self_attn
+        assert batch.positions is not None and batch.decode_bounds is not None
+        step = DecodeStep(
+            layers=c.num_layers,
+            rows=rows,
+            hidden=c.hidden_size,
+            heads=c.num_heads,
+            kv_heads=c.num_kv_heads,
+            dim=c.head_dim,
+            inter=c.intermediate_size,
+            slots=kv_caches[0].shape[2],
+            block_size=batch.block_size,
+            table_width=batch.decode_tables.shape[1],
+            positions=batch.positions.data_ptr(),
+            slot_mapping=batch.slot_mapping.data_ptr(),
+            tables=batch.decode_tables.data_ptr(),
+            bounds=batch.decode_bounds.data_ptr(),
+            cos_table=self.rope_cos.data_ptr(),
+            sin_table=self.rope_sin.data_ptr(),
+            final_norm=self.norm.weight.data_ptr(),
+            eps=self.norm.eps,
+            qk_eps=attn.q_norm.eps if attn.q_norm is not None else 0.0,
+            scale=attn.scale,
+            bf=residual.dtype == torch.bfloat16,
+            threads=torch.get_num_threads(),
+            many_rows=many_rows,
+            wide_glue=self.native is not None and self.native.wide_glue,
+        )
+        return layers, step
+
+    def _decode_layer_array(
+        self, kv_caches: list[torch.Tensor]
+    ) -> ctypes.Array[DecodeLayer] | None:
+        """Every layer's weight and cache pointers, rebuilt when any of them moves; None when
+        a tensor is not one the C kernels can read as given (the per-kernel path then checks
+        and says which)."""
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        rows = []
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            rows.append(
+                (
+                    layer.input_layernorm.weight,
+                    attn.qkv_proj.weight,
+                    attn.qkv_proj.bias,
+                    None if attn.q_norm is None else attn.q_norm.weight,
+                    None if attn.k_norm is None else attn.k_norm.weight,
+                    attn.o_proj.weight,
+                    layer.post_attention_layernorm.weight,
+                    mlp.gate_up_proj.weight,
+                    mlp.down_proj.weight,
+                    cache,
+                )
+            )
+        key = tuple(ptr(t) or 0 for row in rows for t in row)
+        if self._decode_layers is not None and self._decode_layers[0] == key:
+            return self._decode_layers[1]
+        eps = {self.norm.eps} | {
+            n.eps
+            for layer in self.layers
+            for n in (layer.input_layernorm, layer.post_attention_layernorm)
+        }
+        tensors = [t for row in rows for t in row if t is not None]
+        if len(eps) > 1 or any(not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
+            return None
+        array = (DecodeLayer * len(rows))(*(DecodeLayer(*(ptr(t) for t in row)) for row in rows))
+        self._decode_layers = (key, array)
+        return array
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

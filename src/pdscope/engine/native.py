@@ -129,6 +129,58 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+class DecodeLayer(ctypes.Structure):
+    """One decoder layer for :meth:`NativeOps.decode_layers`: weight pointers (None where a
+    bias or q/k norm is absent) and the layer's KV cache. decode_ops.c's ``decode_layer``."""
+
+    _fields_ = [
+        (name, _P)
+        for name in (
+            "input_norm",
+            "qkv_w",
+            "qkv_b",
+            "q_norm",
+            "k_norm",
+            "o_w",
+            "post_norm",
+            "gate_up_w",
+            "down_w",
+            "kv",
+        )
+    ]
+
+
+class DecodeStep(ctypes.Structure):
+    """A decodes-only step's shapes, batch and kernel settings for
+    :meth:`NativeOps.decode_layers`. decode_ops.c's ``decode_step``."""
+
+    _fields_ = [
+        *[
+            (name, _I)
+            for name in (
+                "layers",
+                "rows",
+                "hidden",
+                "heads",
+                "kv_heads",
+                "dim",
+                "inter",
+                "slots",
+                "block_size",
+                "table_width",
+            )
+        ],
+        *[(name, _P) for name in ("positions", "slot_mapping", "tables", "bounds")],
+        ("cos_table", _P),
+        ("sin_table", _P),
+        ("final_norm", _P),
+        ("eps", ctypes.c_double),
+        ("qk_eps", ctypes.c_double),
+        ("scale", ctypes.c_double),
+        *[(name, _I) for name in ("bf", "threads", "many_rows", "wide_glue")],
+    ]
+
+
 @dataclass
 class NativeOps:
     """Typed wrappers over the library's functions; each takes and returns tensors in
@@ -170,6 +222,10 @@ class NativeOps:
         self.lib.linear_rows_isa.restype = ctypes.c_int
         for fn in (self.lib.qkv_rope_store, self.lib.rms_norm, self.lib.linear_rows):
             fn.restype = None
+        self.lib.decode_layers.argtypes = [_P, ctypes.POINTER(DecodeStep), _P, _P, _P]
+        self.lib.decode_layers.restype = ctypes.c_int
+        self.lib.decode_layers_scratch.argtypes = [ctypes.POINTER(DecodeStep)]
+        self.lib.decode_layers_scratch.restype = ctypes.c_int64
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up from the fused projection's output [rows, 2 n] → [rows, n]."""
@@ -381,6 +437,30 @@ class NativeOps:
             x.dtype == torch.bfloat16,
             torch.get_num_threads(),
         )
+        return out
+
+    def decode_layers(
+        self, layers: ctypes.Array[DecodeLayer], step: DecodeStep, residual: torch.Tensor
+    ) -> torch.Tensor:
+        """Every decoder layer of a decodes-only step in one C call (decode_ops.c's
+        decode_layers): the same kernels, in the same order, as the per-kernel calls, so the
+        same bits. ``residual`` [rows, hidden] (the embedded tokens) is updated in place;
+        returns the final norm's output. The caller vouches for the pointers and shapes in
+        ``layers`` and ``step``: they come from the model's own tensors."""
+        _check(residual)
+        if residual.shape != (step.rows, step.hidden):
+            raise ValueError(f"decode_layers: residual {tuple(residual.shape)} does not fit")
+        out = torch.empty_like(residual)
+        scratch = torch.empty(self.lib.decode_layers_scratch(ctypes.byref(step)), dtype=torch.uint8)
+        status = self.lib.decode_layers(
+            ctypes.addressof(layers),
+            ctypes.byref(step),
+            residual.data_ptr(),
+            out.data_ptr(),
+            scratch.data_ptr(),
+        )
+        if status != 0:
+            raise MemoryError("decode_layers: a kernel found no memory for its scratch space")
         return out
 
     @property

@@ -1576,3 +1576,91 @@ int prefill_attention_amx(const bf16 *q, const bf16 *keys, const bf16 *values, b
     return 0;
 #endif
 }
+
+/* ---- A decodes-only step's decoder layers in one call. Through the per-kernel wrappers a
+ * batch-1 step of the small model (12 layers) is ~110 calls from Python, each paying the
+ * interpreter, ctypes' argument conversion, tensor checks and an allocation: ~4-5 ms of a
+ * ~25 ms step on the AMX Xeon. Here the same kernels run in the same order on the same
+ * buffers, so the result is bit for bit the per-kernel path's; Python makes one call.
+ * Per layer: h = norm(residual) (fused with the residual add of the layer before), qkv, the
+ * q/k norms + rope + K/V write, paged attention, o, residual += o and norm, gate_up, silu * up,
+ * down; the last layer's residual add is fused into the final norm, written to `out`. */
+
+/* One decoder layer: its weights (model dtype; biases and q/k norms NULL when absent) and its
+ * KV cache [2, kv_heads, slots, dim]. Mirrored by engine/native.py's DecodeLayer. */
+typedef struct {
+    const void *input_norm, *qkv_w, *qkv_b, *q_norm, *k_norm, *o_w, *post_norm, *gate_up_w,
+        *down_w;
+    void *kv;
+} decode_layer;
+
+/* The step's shapes, its batch (as paged_decode_attention and qkv_rope_store take it) and how
+ * to run each kernel. Mirrored by engine/native.py's DecodeStep. */
+typedef struct {
+    int64_t layers, rows, hidden, heads, kv_heads, dim, inter, slots, block_size, table_width;
+    const int64_t *positions, *slot_mapping, *tables, *bounds;
+    const float *cos_table, *sin_table;
+    const void *final_norm;
+    double eps, qk_eps, scale;
+    int64_t bf, threads, many_rows, wide_glue;
+} decode_step;
+
+static void step_norm(const decode_step *s, const void *x, void *residual, const void *w,
+                      void *out) {
+    if (s->wide_glue && s->bf)
+        rms_norm_bf16(x, residual, w, out, s->rows, s->hidden, (float)s->eps, (int)s->threads);
+    else
+        rms_norm(x, residual, w, out, s->rows, s->hidden, (float)s->eps, (int)s->bf,
+                 (int)s->threads);
+}
+
+static int step_linear(const decode_step *s, const void *x, const void *w, const void *bias,
+                       void *y, int64_t in, int64_t out) {
+    if (s->many_rows)
+        return linear_many_rows(x, w, bias, y, s->rows, in, out, (int)s->bf, (int)s->threads) < 0
+                   ? -1
+                   : 0;
+    linear_rows(x, w, bias, y, s->rows, in, out, (int)s->bf, (int)s->threads);
+    return 0;
+}
+
+/* residual [rows, hidden]: the embedded tokens, updated in place; out [rows, hidden]: the
+ * final norm's output; scratch: decode_layers_scratch(s) bytes. Returns 0, or -1 when a
+ * kernel could not allocate its scratch memory. */
+int64_t decode_layers_scratch(const decode_step *s) {
+    const int64_t qkv = (s->heads + 2 * s->kv_heads) * s->dim, q = s->heads * s->dim;
+    return s->rows * (qkv + 2 * q + 2 * s->hidden + 3 * s->inter) * (s->bf ? 2 : 4);
+}
+
+int decode_layers(const decode_layer *layers, const decode_step *s, void *residual, void *out,
+                  void *scratch) {
+    const int64_t elem = s->bf ? 2 : 4, rows = s->rows;
+    const int64_t qkv_width = (s->heads + 2 * s->kv_heads) * s->dim, q_width = s->heads * s->dim;
+    char *qkv = scratch, *q = qkv + rows * qkv_width * elem, *att = q + rows * q_width * elem,
+         *h = att + rows * q_width * elem, *o = h + rows * s->hidden * elem,
+         *gate_up = o + rows * s->hidden * elem, *act = gate_up + rows * 2 * s->inter * elem;
+    const int bf = (int)s->bf, threads = (int)s->threads;
+    step_norm(s, residual, NULL, layers[0].input_norm, h);
+    for (int64_t i = 0; i < s->layers; i++) {
+        const decode_layer *l = layers + i;
+        if (step_linear(s, h, l->qkv_w, l->qkv_b, qkv, s->hidden, qkv_width)) return -1;
+        qkv_rope_store(qkv, q, l->kv, s->positions, s->slot_mapping, s->cos_table, s->sin_table,
+                       l->q_norm, l->k_norm, (float)s->qk_eps, rows, s->heads, s->kv_heads,
+                       s->dim, s->slots, bf, threads);
+        if (paged_decode_attention(q, l->kv, att, s->tables, s->bounds, rows, s->heads,
+                                   s->kv_heads, s->dim, s->slots, s->block_size, s->table_width,
+                                   (float)s->scale, bf, threads))
+            return -1;
+        if (step_linear(s, att, l->o_w, NULL, o, q_width, s->hidden)) return -1;
+        step_norm(s, o, residual, l->post_norm, h);
+        if (step_linear(s, h, l->gate_up_w, NULL, gate_up, s->hidden, 2 * s->inter)) return -1;
+        if (s->wide_glue && bf)
+            silu_mul_bf16((const bf16 *)gate_up, (bf16 *)act, rows, s->inter, threads);
+        else
+            silu_mul(gate_up, act, rows, s->inter, bf, threads);
+        if (step_linear(s, act, l->down_w, NULL, o, s->inter, s->hidden)) return -1;
+        const int last = i + 1 == s->layers;
+        step_norm(s, o, residual, last ? s->final_norm : layers[i + 1].input_norm, last ? out : h);
+    }
+    return 0;
+}
