@@ -787,13 +787,13 @@ class CausalLM(nn.Module):
     def _decode_layer_array(
         self, kv_caches: list[torch.Tensor]
     ) -> ctypes.Array[DecodeLayer] | None:
-        """Every layer's weight and cache pointers, rebuilt when any of them moves; None when
-        a tensor is not one the C kernels can read as given (the per-kernel path then checks
-        and says which)."""
-
-        def ptr(t: torch.Tensor | None) -> int | None:
-            return None if t is None else t.data_ptr()
-
+        """Every layer's weight and cache pointers, built once per set of caches (apply_kernels
+        drops it with the kernels it was built for; the array holds the tensors it points
+        into); None when a tensor is not one the C kernels can read as given (the per-kernel
+        path then checks and says which)."""
+        key = tuple(cache.data_ptr() for cache in kv_caches)
+        if self._decode_layers is not None and self._decode_layers[0] == key:
+            return self._decode_layers[1]
         rows = []
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
@@ -811,18 +811,20 @@ class CausalLM(nn.Module):
                     cache,
                 )
             )
-        key = tuple(ptr(t) or 0 for row in rows for t in row)
-        if self._decode_layers is not None and self._decode_layers[0] == key:
-            return self._decode_layers[1]
-        eps = {self.norm.eps} | {
-            n.eps
+        norms = [self.norm] + [
+            n
             for layer in self.layers
             for n in (layer.input_layernorm, layer.post_attention_layernorm)
-        }
+        ]
         tensors = [t for row in rows for t in row if t is not None]
-        if len(eps) > 1 or any(not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
+        if len({n.eps for n in norms}) > 1 or any(
+            not t.is_contiguous() or t.device.type != "cpu" for t in tensors
+        ):
             return None
-        array = (DecodeLayer * len(rows))(*(DecodeLayer(*(ptr(t) for t in row)) for row in rows))
+        array = (DecodeLayer * len(rows))(
+            *(DecodeLayer(*(None if t is None else t.data_ptr() for t in row)) for row in rows)
+        )
+        array._tensors = tensors  # type: ignore[attr-defined]  # alive while pointed into
         self._decode_layers = (key, array)
         return array
 
@@ -847,6 +849,7 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             "or kernel does not give"
         )
     model.native = native if choice.decode_ops == "c" else None
+    model._decode_layers = None
     for module in model.modules():
         if isinstance(module, Linear):
             # linear=c or amx: single rows through C, larger matmuls through packed weights.
