@@ -268,13 +268,16 @@ def main() -> None:
                         f"      {part:20} {statistics.median(gains):.2f}x "
                         f"({min(gains):.2f}-{max(gains):.2f})"
                     )
-    for name in candidates:
-        if name == "pdscope":
-            continue
-        by_wall = [o / p for p, o in zip(wall["pdscope"], wall[name], strict=True)]
-        by_cpu = [o / p for p, o in zip(cpu["pdscope"], cpu[name], strict=True)]
+    pairs = [("pdscope", name) for name in candidates if name != "pdscope"]
+    # and at one thread, ours against the others at one thread
+    one = "pdscope-1-thread"
+    if one in candidates:
+        pairs += [(one, n) for n in candidates if n.endswith("-1-thread") and n != one]
+    for ours, name in pairs:
+        by_wall = [o / p for p, o in zip(wall[ours], wall[name], strict=True)]
+        by_cpu = [o / p for p, o in zip(cpu[ours], cpu[name], strict=True)]
         print(
-            f"  pdscope over {name} within rounds: wall {statistics.median(by_wall):.3f}x "
+            f"  {ours} over {name} within rounds: wall {statistics.median(by_wall):.3f}x "
             f"({min(by_wall):.3f}-{max(by_wall):.3f}), CPU {statistics.median(by_cpu):.3f}x "
             f"({min(by_cpu):.3f}-{max(by_cpu):.3f})"
         )
