@@ -8,21 +8,27 @@ Besides the wall time it reports CPU time (``time.process_time``, every thread o
 which a shared host inflates far less than wall time: with one thread (``--threads 1``) it is
 the work a prefill costs, whatever the neighbours do. With ``--parts``, the CPU time of each
 part of one pdscope prefill (matmuls, attention, the C glue) beside transformers' matmuls and
-SDPA, at one thread (timed with ``time.thread_time`` on the calling thread; what is not
-listed is the rest: glue in torch ops, Python).
+SDPA: CPU time at one thread (``time.thread_time`` on the calling thread), wall time
+(``time.perf_counter`` around each call, which blocks until its threads are done) at any
+count; what is not listed is the rest: glue in torch ops, Python. With ``--one-thread`` as
+well, every stack also runs at one thread in the same rounds, so each part's 1- to 2-thread
+speed-up is read from interleaved runs (wall: on a busy host it counts the neighbours too).
 
     .venv/bin/python bench/prefill_ab.py --rounds 5
     .venv/bin/python bench/prefill_ab.py --rounds 5 --threads 1 --parts
     .venv/bin/python bench/prefill_ab.py --rounds 5 --one-thread   # 2 threads vs 1, wall
+    .venv/bin/python bench/prefill_ab.py --rounds 5 --threads 2 --one-thread --parts
     .venv/bin/python bench/prefill_ab.py --rounds 5 --kernels prefill_attention=amx --sdpa-ab
 
 ``--sdpa-ab`` adds pdscope with its prefill attention switched to torch's SDPA in the same
 process (the same engine, only each layer's attention call changes): the AMX tile kernel's
 before/after when the trial (or ``--kernels``) chose ``prefill_attention=amx``.
-``--ab-source FILE`` adds pdscope with its AMX prefill attention taken from another build of
-the C kernels, compiled from FILE (e.g. an earlier commit's ``decode_ops.c``, written out with
-``git show REV:src/pdscope/engine/csrc/decode_ops.c``): a kernel change's before/after in one
-process, beside transformers.
+``--gather-ab`` adds pdscope with the AMX kernel reading a gathered copy of each chunk's K/V
+(the path before it read them through the block table). ``--ab-source FILE`` adds pdscope
+with its AMX prefill attention taken from another build of the C kernels, compiled from FILE
+(e.g. an earlier commit's ``decode_ops.c``, written out with ``git show
+REV:src/pdscope/engine/csrc/decode_ops.c``): a kernel change's before/after in one process,
+beside transformers.
 
     git show HEAD~1:src/pdscope/engine/csrc/decode_ops.c > /tmp/before.c
     .venv/bin/python bench/prefill_ab.py --rounds 8 --threads 1 --ab-source /tmp/before.c
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import random
 import statistics
 import time
@@ -44,6 +51,7 @@ import torch.nn.functional as F
 from engine_bench import interleaved_times, machine_line
 
 TOKENS = 2000
+QUIET_OTHERS = 0.1  # cores other processes may use during a run still called quiet
 
 
 def main() -> None:
@@ -60,13 +68,16 @@ def main() -> None:
     parser.add_argument("--kernels", default="auto", help="as the engine's --kernels")
     parser.add_argument("--sdpa-ab", action="store_true", help="also pdscope with SDPA prefill")
     parser.add_argument(
+        "--gather-ab",
+        action="store_true",
+        help="also pdscope with its AMX prefill attention on a gathered copy of K/V",
+    )
+    parser.add_argument(
         "--ab-source", help="also pdscope with its AMX prefill attention built from this C file"
     )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.parts and torch.get_num_threads() != 1:
-        raise SystemExit("--parts times the calling thread only: use it with --threads 1")
 
     from pdscope import LLM, SamplingParams
     from pdscope.checkpoint.make_model import resolve_model_path
@@ -101,17 +112,9 @@ def main() -> None:
                 ops.wide_glue = True
 
         candidates["pdscope-portable-glue"] = portable
-    if args.one_thread and torch.get_num_threads() > 1:
-        threads = torch.get_num_threads()
-
-        def one_thread() -> None:
-            torch.set_num_threads(1)  # the C kernels take torch's count too
-            try:
-                pdscope()
-            finally:
-                torch.set_num_threads(threads)
-
-        candidates["pdscope-1-thread"] = one_thread
+    threads = torch.get_num_threads()
+    if args.one_thread and threads > 1:
+        candidates["pdscope-1-thread"] = _at_one_thread(pdscope, threads)
     if args.sdpa_ab:
         from pdscope.engine.model import Attention
 
@@ -130,6 +133,25 @@ def main() -> None:
                     m.prefill_native, m.prefill_sdpa = native, sdpa
 
         candidates["pdscope-sdpa-attention"] = sdpa_attention
+    if args.gather_ab:
+        from pdscope.engine.model import Attention
+
+        attns = [m for m in llm.engine.runner.model.modules() if isinstance(m, Attention)]
+        if not any(m.prefill_native is not None for m in attns):
+            raise SystemExit("--gather-ab: the engine does not run prefill_attention=amx here")
+
+        def gathered() -> None:
+            for m in attns:
+                m.prefill_paged = False
+            try:
+                pdscope()
+            finally:
+                for m in attns:
+                    m.prefill_paged = True
+
+        candidates["pdscope-gather"] = gathered
+        if args.one_thread and threads > 1:
+            candidates["pdscope-gather-1-thread"] = _at_one_thread(gathered, threads)
     if args.ab_source:
         candidates["pdscope-ab-source"] = _ab_source_candidate(llm, pdscope, args.ab_source)
     if not args.no_transformers:
@@ -150,18 +172,40 @@ def main() -> None:
             )
 
         candidates["transformers"] = transformers
+        if args.one_thread and threads > 1:
+            candidates["transformers-1-thread"] = _at_one_thread(transformers, threads)
 
-    parts: dict[str, dict[str, list[float]]] = {name: {} for name in candidates}
-    current: dict[str, float] = collections.defaultdict(float)
+    # part -> [CPU s of the calling thread, wall s] per timed run
+    parts: dict[str, dict[str, list[tuple[float, float]]]] = {name: {} for name in candidates}
+    current: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
     if args.parts:
         _time_parts(current)
 
     def keep_parts(name: str) -> None:
-        for part, seconds in current.items():
-            parts[name].setdefault(part, []).append(seconds)
+        for part, (cpu_s, wall_s) in current.items():
+            parts[name].setdefault(part, []).append((cpu_s, wall_s))
 
+    # Other processes' CPU during each run (host busy time from /proc/stat less our own): on
+    # a shared 2-core host one busy neighbour thread halves a 2-thread run, so every figure
+    # is printed beside it and the rounds where no neighbour ran are summarised apart.
+    others: dict[str, list[float]] = {name: [] for name in candidates}
+    last_others: dict[str, float] = {}
+
+    def watched(name: str, fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            busy0, own0 = _host_busy_s(), time.process_time()
+            fn()
+            last_others[name] = max(0.0, _host_busy_s() - busy0 - (time.process_time() - own0))
+
+        return run
+
+    def after_run(name: str) -> None:
+        keep_parts(name)
+        others[name].append(last_others[name])
+
+    timed = {name: watched(name, fn) for name, fn in candidates.items()}
     # the parts of each timed run only: cleared before it, kept after it
-    wall, cpu = interleaved_times(candidates, args.rounds, current.clear, keep_parts)
+    wall, cpu = interleaved_times(timed, args.rounds, current.clear, after_run)
 
     print(machine_line())
     print(f"kernels: {llm.engine.kernels.summary()}")
@@ -172,20 +216,97 @@ def main() -> None:
             f"  {name:22} {TOKENS / statistics.median(w):6.0f} tok/s wall "
             f"({TOKENS / max(w):.0f}-{TOKENS / min(w):.0f}), "
             f"CPU {statistics.median(c) * 1e3:6.0f} ms "
-            f"({min(c) * 1e3:.0f}-{max(c) * 1e3:.0f})"
+            f"({min(c) * 1e3:.0f}-{max(c) * 1e3:.0f}); other processes "
+            f"{statistics.median(o / w for o, w in zip(others[name], wall[name], strict=True)):.2f}"
+            " cores"
         )
-        for part, seconds in sorted(parts[name].items(), key=lambda kv: -statistics.median(kv[1])):
-            print(f"      {part:20} CPU {statistics.median(seconds) * 1e3:6.0f} ms")
-    for name in candidates:
-        if name == "pdscope":
-            continue
-        by_wall = [o / p for p, o in zip(wall["pdscope"], wall[name], strict=True)]
-        by_cpu = [o / p for p, o in zip(cpu["pdscope"], cpu[name], strict=True)]
+        by_wall_s = sorted(parts[name].items(), key=lambda kv: -_median(kv[1], 1))
+        for part, runs in by_wall_s:
+            print(
+                f"      {part:20} wall {_median(runs, 1) * 1e3:6.0f} ms, "
+                f"CPU of the calling thread {_median(runs, 0) * 1e3:6.0f} ms"
+            )
+        if by_wall_s:
+            rest = [
+                w - sum(runs[i][1] for runs in parts[name].values())
+                for i, w in enumerate(wall[name])
+            ]
+            print(f"      {'the rest':20} wall {statistics.median(rest) * 1e3:6.0f} ms")
+    quiet = [
+        i
+        for i in range(args.rounds)
+        if all(others[name][i] < QUIET_OTHERS * wall[name][i] for name in candidates)
+    ]
+    print(
+        f"  rounds where other processes used < {QUIET_OTHERS:.2f} cores during every run: "
+        f"{len(quiet)} of {args.rounds}"
+    )
+    for name in candidates if quiet else ():
+        w = [wall[name][i] for i in quiet]
+        line = f"      {name:22} {TOKENS / statistics.median(w):6.0f} tok/s wall"
+        if name != "pdscope":
+            ratios = [wall[name][i] / wall["pdscope"][i] for i in quiet]
+            line += f", pdscope over it {statistics.median(ratios):.3f}x"
+            line += f" ({min(ratios):.3f}-{max(ratios):.3f})"
+        print(line)
+    for base in ("pdscope", "transformers"):
+        one = f"{base}-1-thread"
+        if args.parts and base in parts and one in parts:
+            which = quiet or list(range(args.rounds))
+            print(
+                f"  {base}, 1- over 2-thread wall within the {'quiet ' if quiet else ''}rounds, "
+                "per part: median (min-max)"
+            )
+            for part, runs in [*parts[base].items(), ("whole prefill", None)]:
+                if runs is None:
+                    gains = [wall[one][i] / wall[base][i] for i in which]
+                else:
+                    mine = parts[one].get(part, [])
+                    gains = [mine[i][1] / runs[i][1] for i in which if i < len(mine) and runs[i][1]]
+                if gains:
+                    print(
+                        f"      {part:20} {statistics.median(gains):.2f}x "
+                        f"({min(gains):.2f}-{max(gains):.2f})"
+                    )
+    pairs = [("pdscope", name) for name in candidates if name != "pdscope"]
+    # and at one thread, ours against the others at one thread
+    one = "pdscope-1-thread"
+    if one in candidates:
+        pairs += [(one, n) for n in candidates if n.endswith("-1-thread") and n != one]
+    for ours, name in pairs:
+        by_wall = [o / p for p, o in zip(wall[ours], wall[name], strict=True)]
+        by_cpu = [o / p for p, o in zip(cpu[ours], cpu[name], strict=True)]
         print(
-            f"  pdscope over {name} within rounds: wall {statistics.median(by_wall):.3f}x "
+            f"  {ours} over {name} within rounds: wall {statistics.median(by_wall):.3f}x "
             f"({min(by_wall):.3f}-{max(by_wall):.3f}), CPU {statistics.median(by_cpu):.3f}x "
             f"({min(by_cpu):.3f}-{max(by_cpu):.3f})"
         )
+
+
+def _host_busy_s() -> float:
+    """CPU seconds every process on the host has run since boot (/proc/stat, all CPUs)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    ticks = [int(f) for f in fields]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    # guest time is already counted in user time
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _median(runs: list[tuple[float, float]], index: int) -> float:
+    return statistics.median(run[index] for run in runs)
+
+
+def _at_one_thread(fn: Callable[[], None], threads: int) -> Callable[[], None]:
+    """``fn`` with torch (and so the C kernels, which take torch's count) at one thread."""
+
+    def run() -> None:
+        torch.set_num_threads(1)
+        try:
+            fn()
+        finally:
+            torch.set_num_threads(threads)
+
+    return run
 
 
 def _ab_source_candidate(
@@ -224,8 +345,9 @@ def _ab_source_candidate(
     return run
 
 
-def _time_parts(acc: dict[str, float]) -> None:
-    """Wrap the parts of both models' prefill so each adds its CPU time to ``acc``."""
+def _time_parts(acc: dict[str, list[float]]) -> None:
+    """Wrap the parts of both models' prefill so each adds [CPU s of the calling thread, wall
+    s] to ``acc``."""
     import pdscope.engine.model as model
     from pdscope.engine.native import NativeOps
 
@@ -233,17 +355,20 @@ def _time_parts(acc: dict[str, float]) -> None:
         inner = getattr(owner, name)
 
         def timed(*a: object, **k: object) -> object:
-            t0 = time.thread_time()
+            t0, w0 = time.thread_time(), time.perf_counter()
             try:
                 return inner(*a, **k)
             finally:
-                acc[label] += time.thread_time() - t0
+                spent = acc[label]
+                spent[0] += time.thread_time() - t0
+                spent[1] += time.perf_counter() - w0
 
         setattr(owner, name, timed)
 
     wrap(model.Linear, "forward", "matmuls (Linear)")
     wrap(model.Attention, "_prefill_cpu", "attention (blocked)")
     wrap(NativeOps, "prefill_attention", "attention (C, AMX)")
+    wrap(NativeOps, "prefill_attention_paged", "attention (C, AMX)")
     wrap(model, "_gather_blocks", "key gather")
     for fn in ("rms_norm", "qkv_rope_store", "silu_mul"):
         wrap(NativeOps, fn, f"C {fn}")

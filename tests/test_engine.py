@@ -197,12 +197,15 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
     many_calls = _count_calls(linears, "native_many", "linear_many") if many else [0]
     amx_rows = paths["linear"] == "amx"
     one_row_calls = _count_calls(linears, "native", "linear_many") if amx_rows else [0]
+    # prefill_attention=amx reads each chunk's K/V through its block table (no gather)
+    paged_calls = _count_calls(attns, "prefill_native", "prefill_attention_paged") if amx else [0]
     llm.engine.runner.capture_logits = True
     rng = random.Random(0)
     prompt = [rng.randrange(10, 1000) for _ in range(1100)]
     out = llm.generate(prompt, GREEDY)[0]
     assert (many_calls[0] > 0) == many  # the chunks' matmuls went through the many-row kernel
     assert (one_row_calls[0] > 0) == amx_rows  # decode rows on the tiles
+    assert (paged_calls[0] > 0) == amx
     ours = torch.cat(llm.engine.runner.captured)
     ref_model = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.bfloat16, attn_implementation="eager"
@@ -211,6 +214,48 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
         ref = ref_model(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1 :]
     # Measured: at most one bf16 step (0.004 at logits of ~0.7) apart.
     torch.testing.assert_close(ours, ref.float(), atol=1.5e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {"max_num_batched_tokens": 24, "block_size": 4},  # chunks after a cached prefix
+        {"max_num_batched_tokens": 2048, "enable_prefix_caching": True, "block_size": 8},
+    ],
+)
+def test_amx_prefill_reads_the_cache_in_place_as_the_gather_does(
+    tmp_path: Path, engine_args: dict[str, int]
+) -> None:
+    """prefill_attention=amx reads each chunk's keys and values through its block table; with
+    the gather copy instead (the path before) every logit and token is the same, bit for bit,
+    across chunking and prefix caching (bf16: the AMX kernel takes bf16 only)."""
+    kernels = "linear=amx,batch_linear=c,prefill_attention=amx,decode_math=native,decode_ops=c"
+    path = make_model(
+        tmp_path / "m", "tiny", arch="qwen3", dtype="bfloat16", **_amx_or_skip(kernels)
+    )
+    runs = []
+    for paged in (True, False):
+        llm = LLM(
+            model=str(path),
+            dtype="bfloat16",
+            kv_cache_memory="8MiB",
+            kernels=kernels,
+            **engine_args,
+        )
+        attns = [m for m in llm.engine.runner.model.modules() if hasattr(m, "prefill_paged")]
+        for m in attns:
+            m.prefill_paged = paged
+        calls = _count_calls(attns, "prefill_native", "prefill_attention_paged")
+        llm.engine.runner.capture_logits = True
+        ps = prompts(llm)
+        shared = ps[3] + ps[0]  # a second prompt on the first's blocks: a cached prefix
+        outs = llm.generate([ps[3], ps[1], shared], GREEDY)
+        outs += llm.generate([shared], GREEDY)
+        assert (calls[0] > 0) == paged
+        runs.append(([o.token_ids for o in outs], torch.cat(llm.engine.runner.captured)))
+        llm.engine.pool.check_invariants()
+    assert runs[0][0] == runs[1][0]
+    assert torch.equal(runs[0][1], runs[1][1])
 
 
 def baseline(path: Path, ps: list[list[int]]) -> list[list[int]]:

@@ -678,6 +678,57 @@ def test_c_prefill_attention_amx_matches_a_float64_reference(
 
 
 @needs_cc
+@pytest.mark.parametrize(
+    ("n", "cached", "heads", "kv_heads", "head_dim", "block_size"),
+    [
+        (37, 0, 16, 4, 64, 16),  # the small model's heads, the engine's default blocks
+        (100, 523, 16, 4, 64, 16),  # after a cached prefix, past one 512-key chunk
+        (33, 70, 6, 3, 32, 4),  # blocks smaller than a 16-key tile
+        (50, 17, 6, 2, 64, 48),  # blocks larger than a 32-key V tile, not a power of two
+        (1, 0, 4, 4, 64, 16),  # one query in a block of its own
+    ],
+)
+def test_c_prefill_attention_amx_paged_reads_the_cache_as_the_gather_does(
+    c_ops: native.NativeOps,
+    n: int,
+    cached: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+) -> None:
+    """The kernel reading K/V through a block table (scattered, out-of-order blocks of a paged
+    cache) gives bit for bit what it gives on the gathered copy: only where it reads differs."""
+    if not c_ops.prefill_amx:
+        pytest.skip("no AMX tiles on this CPU, compiler or kernel")
+    from pdscope.engine.model import _gather_blocks, block_rows
+
+    gen = torch.Generator().manual_seed(11)
+    total = cached + n
+    used = -(-total // block_size)
+    num_blocks = used * 2 + 3
+    cache = torch.randn(2, kv_heads, num_blocks * block_size, head_dim, generator=gen)
+    cache = cache.to(torch.bfloat16)
+    blocks = torch.randperm(num_blocks, generator=gen)[:used]
+    q = torch.randn(n, heads, head_dim, generator=gen).to(torch.bfloat16)
+    scale = head_dim**-0.5
+    rows = block_rows(blocks, kv_heads, num_blocks)
+    kv = _gather_blocks(cache, rows, block_size)[:, :, :total]
+    gathered = c_ops.prefill_attention(q, kv[0], kv[1], cached, scale)
+    paged = c_ops.prefill_attention_paged(q, cache, blocks, block_size, cached, scale)
+    assert gathered is not None and paged is not None
+    assert torch.equal(paged, gathered)
+    ref = _causal_reference(q, kv[0], kv[1], cached, scale)
+    torch.testing.assert_close(paged.double(), ref, atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="cannot hold"):
+        c_ops.prefill_attention_paged(q, cache, blocks[:-1], block_size, cached, scale)
+    wild = blocks.clone()
+    wild[-1] = num_blocks
+    with pytest.raises(ValueError, match="outside the cache"):
+        c_ops.prefill_attention_paged(q, cache, wild, block_size, cached, scale)
+
+
+@needs_cc
 def test_c_prefill_attention_amx_refuses_what_it_cannot_take(c_ops: native.NativeOps) -> None:
     """A head size off its tiles returns None (the model then takes SDPA); bad inputs raise."""
     q = torch.zeros(3, 4, 48, dtype=torch.bfloat16)

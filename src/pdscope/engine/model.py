@@ -339,6 +339,9 @@ class Attention(nn.Module):
         self.native: NativeOps | None = None
         # prefill_attention=amx: the C kernels whose AMX tile attention takes bf16 chunks.
         self.prefill_native: NativeOps | None = None
+        # with prefill_native: read K/V through the block table (False: gather them first,
+        # the A/B reference in bench/prefill_ab.py)
+        self.prefill_paged = True
 
     def forward(
         self,
@@ -558,6 +561,8 @@ class Attention(nn.Module):
         if rows is None:
             assert k is not None and v is not None
             keys, values = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+        elif (out := self._prefill_amx_paged(q, cached, rows, kv_cache, batch)) is not None:
+            return out
         else:
             kv = _gather_blocks(kv_cache, rows, batch.block_size)[:, :, : cached + q.shape[0]]
             keys, values = kv[0], kv[1]
@@ -566,6 +571,33 @@ class Attention(nn.Module):
         if q.device.type == "cpu" and not self.prefill_sdpa:
             return self._prefill_cpu(q, keys, values, cached)
         return self._prefill_sdpa(q, keys, values, cached)
+
+    def _prefill_amx_paged(
+        self,
+        q: torch.Tensor,
+        cached: int,
+        rows: torch.Tensor,
+        kv_cache: torch.Tensor,
+        batch: AttentionBatch,
+    ) -> torch.Tensor | None:
+        """The AMX kernel reading the chunk's keys and values where they lie in the cache (no
+        gather copy: at two threads under a busy neighbour the gather's parallel region cost
+        ~15x its one-thread time, docs/performance.md); None where it does not apply."""
+        native = self.prefill_native
+        if (
+            native is None
+            or not native.paged_prefill
+            or not self.prefill_paged
+            or self.window is not None
+            or q.dtype != torch.bfloat16
+        ):
+            return None
+        # rows lists each K/V plane's blocks in turn (block_rows); the first plane's are the
+        # block ids themselves
+        blocks = rows[: rows.numel() // (2 * self.num_kv_heads)]
+        return native.prefill_attention_paged(
+            q, kv_cache, blocks, batch.block_size, cached, self.scale
+        )
 
     def _prefill_amx(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int

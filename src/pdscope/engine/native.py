@@ -214,6 +214,12 @@ class NativeOps:
         self.wide_glue = bool(self.lib.prefill_glue_isa())
         self.lib.prefill_attention_amx.argtypes = [_P] * 4 + [_I] * 8 + [_F, _C]
         self.lib.prefill_attention_amx.restype = ctypes.c_int
+        # absent from a library built from an older source (bench/prefill_ab.py --ab-source)
+        self.paged_prefill = hasattr(self.lib, "prefill_attention_amx_paged")
+        if self.paged_prefill:
+            paged = self.lib.prefill_attention_amx_paged
+            paged.argtypes = [_P] * 3 + [_I] * 8 + [_P, _I, _F, _C]
+            paged.restype = ctypes.c_int
         self.lib.prefill_attention_amx_usable.argtypes = []
         self.lib.prefill_attention_amx_usable.restype = ctypes.c_int
         self.lib.place_threads.argtypes = [_P, _C, _C, _C]
@@ -515,6 +521,67 @@ class NativeOps:
         )
         if status < 0:
             raise MemoryError("prefill_attention_amx: no memory for its packed K/V")
+        return out if status else None
+
+    def prefill_attention_paged(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        blocks: torch.Tensor,
+        block_size: int,
+        cached: int,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """:meth:`prefill_attention` with keys and values read in place from a layer's paged
+        cache [2, kv_heads, slots, dim]: key i of the chunk's context (positions 0 ..
+        ``cached + n - 1``) at slot ``blocks[i // block_size] * block_size + i % block_size``.
+        The kernel packs K/V for its tiles in one pass anyway; reading them through the block
+        table there replaces the gather copy :meth:`prefill_attention` needs. None when the
+        kernel cannot run here."""
+        n, heads, dim = q.shape
+        _, kv_heads, slots, _ = kv_cache.shape
+        if q.dtype != torch.bfloat16 or kv_cache.dtype != q.dtype:
+            raise ValueError(f"prefill_attention_paged: bf16 only, got {q.dtype} {kv_cache.dtype}")
+        _check(kv_cache, blocks)
+        if blocks.dtype != torch.int64 or blocks.dim() != 1 or kv_cache.shape[3] != dim:
+            raise ValueError(
+                f"prefill_attention_paged: blocks {blocks.dtype} {tuple(blocks.shape)} or cache "
+                f"{tuple(kv_cache.shape)} does not fit q {tuple(q.shape)}"
+            )
+        needed = -(-(cached + n) // block_size)  # blocks holding positions 0 .. cached + n - 1
+        if blocks.numel() < needed or slots % block_size:
+            raise ValueError(
+                f"prefill_attention_paged: {blocks.numel()} blocks of {block_size} slots cannot "
+                f"hold {cached + n} positions in a cache of {slots} slots"
+            )
+        if needed and not 0 <= int(blocks[:needed].min()) <= int(blocks[:needed].max()) < (
+            slots // block_size
+        ):
+            raise ValueError("prefill_attention_paged: a block id lies outside the cache")
+        if q.stride(2) != 1 or q.device.type != "cpu":
+            raise ValueError(
+                f"prefill_attention_paged: q rows must be contiguous, got {q.stride()}"
+            )
+        out = torch.empty(n, heads, dim, dtype=q.dtype)
+        status = self.lib.prefill_attention_amx_paged(
+            q.data_ptr(),
+            kv_cache.data_ptr(),
+            out.data_ptr(),
+            n,
+            cached,
+            heads,
+            kv_heads,
+            dim,
+            q.stride(0),
+            q.stride(1),
+            slots,
+            blocks.data_ptr(),
+            block_size,
+            scale,
+            torch.get_num_threads(),
+        )
+        if status < 0:
+            raise MemoryError("prefill_attention_amx_paged: no memory for its packed K/V")
         return out if status else None
 
 

@@ -1415,24 +1415,51 @@ static inline void prefill_rescale(float *o, const float *pv, const float *alpha
     }
 }
 
-/* K and V of one KV head into the tiles' layouts (see above); keys past `total` are zero. */
+/* Rows of `dim` where consecutive keys of a head live from key `first` on: at row `key`, or,
+ * with a block table (paged cache), at slot blocks[key / block_size] * block_size + key %
+ * block_size, with one division a tile rather than one a key. */
+static inline void prefill_key_rows(int64_t first, int64_t count, const int64_t *blocks,
+                                    int64_t block_size, int64_t *rows) {
+    if (!blocks) {
+        for (int64_t i = 0; i < count; i++) rows[i] = first + i;
+        return;
+    }
+    int64_t b = first / block_size, off = first % block_size;
+    for (int64_t i = 0; i < count; i++) {
+        rows[i] = blocks[b] * block_size + off;
+        if (++off == block_size) b++, off = 0;
+    }
+}
+
+/* K and V of one KV head into the tiles' layouts (see above); keys past `total` are zero.
+ * `blocks` (or NULL) maps keys to cache slots, see prefill_key_rows. */
 static void prefill_pack_kv(const bf16 *k, const bf16 *v, int64_t total, int64_t dim,
-                            uint32_t *kp, bf16 *vp, int64_t kb) {
+                            uint32_t *kp, bf16 *vp, int64_t kb, const int64_t *blocks,
+                            int64_t block_size) {
     const int64_t pairs = dim / 2, cols = dim / 16;
     /* K: the 16 keys of block kb */
     uint32_t *kdst = kp + kb * pairs * 16;
+    int64_t rows[32];
+    const int64_t kleft = total - kb * 16;
+    prefill_key_rows(kb * 16, kleft < 16 ? (kleft > 0 ? kleft : 0) : 16, blocks, block_size, rows);
     for (int64_t n = 0; n < 16; n++) {
         const int64_t key = kb * 16 + n;
-        const uint32_t *src = (const uint32_t *)(k + key * dim);
-        for (int64_t pp = 0; pp < pairs; pp++) kdst[pp * 16 + n] = key < total ? src[pp] : 0;
+        if (key >= total) {
+            for (int64_t pp = 0; pp < pairs; pp++) kdst[pp * 16 + n] = 0;
+            continue;
+        }
+        const uint32_t *src = (const uint32_t *)(k + rows[n] * dim);
+        for (int64_t pp = 0; pp < pairs; pp++) kdst[pp * 16 + n] = src[pp];
     }
     /* V: one 32-key block per two K blocks */
     if (kb % 2) return;
     const int64_t vb = kb / 2;
     bf16 *vdst = vp + vb * cols * 512;
+    const int64_t vleft = total - vb * 32;
+    prefill_key_rows(vb * 32, vleft < 32 ? (vleft > 0 ? vleft : 0) : 32, blocks, block_size, rows);
     for (int64_t kk = 0; kk < 32; kk++) {
         const int64_t key = vb * 32 + kk;
-        const bf16 *src = v + key * dim;
+        const bf16 *src = key < total ? v + rows[kk] * dim : v;
         for (int64_t d = 0; d < dim; d++)
             vdst[(d / 16) * 512 + (kk / 2) * 32 + (d % 16) * 2 + kk % 2] = key < total ? src[d] : 0;
     }
@@ -1451,11 +1478,12 @@ int prefill_attention_amx_usable(void) {
 /* The attention described above. Strides in elements. Returns 1 when done, 0 when it cannot
  * run here (no AMX, or shapes outside its limits; nothing written), -1 when its scratch memory
  * could not be allocated. */
-int prefill_attention_amx(const bf16 *q, const bf16 *keys, const bf16 *values, bf16 *out,
-                          int64_t n, int64_t cached, int64_t heads, int64_t kv_heads, int64_t dim,
-                          int64_t q_tok_stride, int64_t q_head_stride, int64_t kv_head_stride,
-                          float scale, int threads) {
 #ifdef HAVE_AMX
+static int prefill_attention_amx_core(const bf16 *q, const bf16 *keys, const bf16 *values,
+                                      bf16 *out, int64_t n, int64_t cached, int64_t heads,
+                                      int64_t kv_heads, int64_t dim, int64_t q_tok_stride,
+                                      int64_t q_head_stride, int64_t kv_head_stride, float scale,
+                                      int threads, const int64_t *blocks, int64_t block_size) {
     const int64_t total = cached + n;
     if (n <= 0 || kv_heads <= 0 || heads % kv_heads || dim % 32 || dim > PREFILL_MAX_DIM ||
         heads / kv_heads > PREFILL_MAX_GROUP || !amx_usable())
@@ -1487,7 +1515,7 @@ int prefill_attention_amx(const bf16 *q, const bf16 *keys, const bf16 *values, b
         for (int64_t i = 0; i < kv_heads * kblocks; i++) {
             const int64_t h = i / kblocks, kb = i % kblocks;
             prefill_pack_kv(keys + h * kv_head_stride, values + h * kv_head_stride, total, dim,
-                            kp + h * (head_pack / 2), vp + h * head_pack, kb);
+                            kp + h * (head_pack / 2), vp + h * head_pack, kb, blocks, block_size);
         }
         int me = 0;
 #ifdef _OPENMP
@@ -1569,10 +1597,45 @@ int prefill_attention_amx(const bf16 *q, const bf16 *keys, const bf16 *values, b
     free(vp);
     free(scratch);
     return 1;
+}
+#endif
+
+int prefill_attention_amx(const bf16 *q, const bf16 *keys, const bf16 *values, bf16 *out,
+                          int64_t n, int64_t cached, int64_t heads, int64_t kv_heads, int64_t dim,
+                          int64_t q_tok_stride, int64_t q_head_stride, int64_t kv_head_stride,
+                          float scale, int threads) {
+#ifdef HAVE_AMX
+    return prefill_attention_amx_core(q, keys, values, out, n, cached, heads, kv_heads, dim,
+                                      q_tok_stride, q_head_stride, kv_head_stride, scale,
+                                      threads, NULL, 1);
 #else
     (void)q, (void)keys, (void)values, (void)out, (void)n, (void)cached, (void)heads;
     (void)kv_heads, (void)dim, (void)q_tok_stride, (void)q_head_stride, (void)kv_head_stride;
     (void)scale, (void)threads;
+    return 0;
+#endif
+}
+
+/* The same attention with keys and values read where they lie in a layer's paged cache
+ * [2, kv_heads, slots, dim] (K planes, then V planes): key i of the chunk's context at slot
+ * blocks[i / block_size] * block_size + i % block_size. Packing K/V for the tiles is already
+ * one pass over them, so reading them through the block table there saves the engine's
+ * gather copy (a pass over the context's K/V and one more parallel region a layer). */
+int prefill_attention_amx_paged(const bf16 *q, const bf16 *cache, bf16 *out, int64_t n,
+                                int64_t cached, int64_t heads, int64_t kv_heads, int64_t dim,
+                                int64_t q_tok_stride, int64_t q_head_stride, int64_t slots,
+                                const int64_t *blocks, int64_t block_size, float scale,
+                                int threads) {
+#ifdef HAVE_AMX
+    if (block_size < 1) return 0;
+    const int64_t plane = slots * dim;
+    return prefill_attention_amx_core(q, cache, cache + kv_heads * plane, out, n, cached, heads,
+                                      kv_heads, dim, q_tok_stride, q_head_stride, plane, scale,
+                                      threads, blocks, block_size);
+#else
+    (void)q, (void)cache, (void)out, (void)n, (void)cached, (void)heads, (void)kv_heads;
+    (void)dim, (void)q_tok_stride, (void)q_head_stride, (void)slots, (void)blocks;
+    (void)block_size, (void)scale, (void)threads;
     return 0;
 #endif
 }
