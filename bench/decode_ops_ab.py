@@ -18,6 +18,13 @@ prefill steps left out; a median over ~30 steps shrugs off a descheduled step on
 ``--generic-attention`` compares the C decode attention's generic loop (the library built with
 ``-DNEW_DECODE_ATTENTION=0``) with the build the engine uses, every path forced alike;
 ``--avx512-attention`` the head-64 kernel in AVX-512 only (``=1``, no AMX tiles for the scores).
+``--ab-source FILE`` compares the engine with every C kernel taken from another build, compiled
+from FILE (e.g. ``git show REV:src/pdscope/engine/csrc/decode_ops.c > /tmp/before.c``), with
+this build (``source`` / ``this``), every path forced by ``--others`` for both:
+
+    .venv/bin/python bench/decode_ops_ab.py --ab-source /tmp/before.c --threads 1 --cpu-time \
+        --others linear=amx,batch_linear=c,prefill_attention=sdpa,decode_math=native,decode_ops=c
+
 ``--cpu-time`` times the steps by the process's CPU time instead of wall time: at
 ``--threads 1`` that is the step's own work, which other processes on a busy host inflate far
 less than its wall time.
@@ -60,6 +67,17 @@ def generic_attention_ops(directory: Path, level: int = 0) -> native.NativeOps:
     return native.NativeOps(ctypes.CDLL(str(target)))
 
 
+def source_ops(directory: Path, source: str) -> native.NativeOps:
+    """The C kernels built from ``source`` with the engine's flags."""
+    cc = native.compiler()
+    if cc is None:
+        raise SystemExit("--ab-source needs a C compiler")
+    target = directory / "decode_ops_source.so"
+    cmd = [cc, *native._FLAG_SETS[0], "-o", str(target), source, "-lm"]
+    subprocess.run(cmd, check=True)
+    return native.NativeOps(ctypes.CDLL(str(target)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small")
@@ -83,6 +101,9 @@ def main() -> None:
         help="compare the decode attention in AVX-512 only (avx512) with the engine's (c)",
     )
     parser.add_argument(
+        "--ab-source", help="compare the C kernels built from this file (source) with ours (this)"
+    )
+    parser.add_argument(
         "--cpu-time",
         action="store_true",
         help="time each step by this process's CPU time (with --threads 1: the step's own work, "
@@ -92,6 +113,8 @@ def main() -> None:
     level = 0 if args.generic_attention else 1 if args.avx512_attention else None
     if level is not None:
         args.path, args.candidates = "decode_ops", ["generic" if level == 0 else "avx512", "c"]
+    if args.ab_source:
+        args.path, args.candidates = "build", ["source", "this"]
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model_path(args.model)
@@ -103,13 +126,20 @@ def main() -> None:
             max_model_len=4096,
             max_num_batched_tokens=2048,
             max_num_seqs=64,
-            kernels=f"{args.others},{args.path}={'c' if level is not None else cand}",
+            kernels=args.others
+            if args.ab_source
+            else f"{args.others},{args.path}={'c' if level is not None else cand}",
         )
         for cand in args.candidates
     }
     if level is not None:
         llm = engines[args.candidates[0]]
         ops = generic_attention_ops(Path(tempfile.mkdtemp(prefix="pdscope-ab-")), level)
+        apply_kernels(llm.engine.runner.model, llm.engine.kernels, ops)
+        llm.engine._native = ops
+    if args.ab_source:
+        llm = engines["source"]
+        ops = source_ops(Path(tempfile.mkdtemp(prefix="pdscope-ab-")), args.ab_source)
         apply_kernels(llm.engine.runner.model, llm.engine.kernels, ops)
         llm.engine._native = ops
     cpu_s: dict[int, float] = {}  # id of a step record -> its CPU seconds
