@@ -10,8 +10,8 @@
  * one L2 software prefetch per 64 bytes of the next 32-row block), amx_rows_nopf (the same
  * without the prefetch: the engine's kernel since), amx_tiled / amx_tiled_pf (weights re-laid
  * so each 16x32 A tile is 1 KB contiguous: one sequential stream), avx_tiled (that layout
- * through vdpbf16ps, 16 accumulators a block) and avx_rows (linear_rows' form, four weight
- * rows at a time). */
+ * through vdpbf16ps, 16 accumulators a block) and avx_rows / avx_rows8 / avx_rows16
+ * (linear_rows' form, four weight rows at a time; eight; sixteen). */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
@@ -162,6 +162,28 @@ static void run_avx_rows(int i) {
     }
 }
 
+/* linear_rows' form with `R` weight rows a block: more streams in flight per thread. */
+static inline __attribute__((always_inline)) void avx_rows_n(int i, const int R) {
+    const int64_t in = IN[i], out = OUT[i], blocks = out / R;
+#pragma omp parallel for schedule(static)
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        __m512 acc[16];
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+        const bf16 *w = W[i] + blk * R * in;
+        for (int64_t k = 0; k < in; k += 32) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(X[i] + k);
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(w + r * in + k), xv);
+        }
+        if (R == 16) {
+            __m256bh y = _mm512_cvtneps_pbh(sum16(acc));
+            _mm256_storeu_si256((__m256i *)(Y[i] + blk * 16), (__m256i)y);
+        } else {
+            for (int r = 0; r < R; r++) sink = _mm512_reduce_add_ps(acc[r]);
+        }
+    }
+}
+
 static int cmpd(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
@@ -193,8 +215,8 @@ int main(int argc, char **argv) {
                     W[i][r * IN[i] + k];
     }
     const char *names[] = {"read", "amx_rows", "amx_rows_nopf", "amx_tiled", "amx_tiled_pf",
-                           "avx_tiled", "avx_rows"};
-    enum { NV = 7 };
+                           "avx_tiled", "avx_rows", "avx_rows8", "avx_rows16"};
+    enum { NV = 9 };
     double *t[NV];
     for (int v = 0; v < NV; v++) t[v] = calloc(rounds, sizeof(double));
     for (int r = -1; r < rounds; r++)
@@ -209,6 +231,8 @@ int main(int argc, char **argv) {
                 case 4: run_amx(i, 1, 1); break;
                 case 5: run_avx_tiled(i); break;
                 case 6: run_avx_rows(i); break;
+                case 7: avx_rows_n(i, 8); break;
+                case 8: avx_rows_n(i, 16); break;
                 }
             }
             if (r >= 0) t[v][r] = now() - t0;
