@@ -1145,6 +1145,25 @@ static void amx_one_row(const bf16 *x, const bf16 *w, const void *bias, bf16 *y,
 }
 #endif
 
+#ifdef HAVE_AMX
+/* linear_many_rows' pair-interleaved copy of x, one per calling thread, grown when a wider
+ * or taller x comes and otherwise reused: allocated per call it cost 30-90 us a call at the
+ * small model's 2,816-wide inputs (above glibc's mmap threshold each call mapped, faulted in
+ * and unmapped fresh pages), against ~10 us for a whole one-row call. Never freed: one buffer
+ * per engine thread, the size of the largest x it has multiplied (~1 MB at 32 rows of 14,336). */
+static __thread uint32_t *x_pairs_buf;
+static __thread size_t x_pairs_cap;
+
+static uint32_t *x_pairs_scratch(size_t n) {
+    if (n > x_pairs_cap) {
+        free(x_pairs_buf);
+        x_pairs_buf = aligned_alloc(64, n * sizeof(uint32_t)); /* n: a multiple of 16 */
+        x_pairs_cap = x_pairs_buf ? n : 0;
+    }
+    return x_pairs_buf;
+}
+#endif
+
 /* y [rows, out] = x [rows, in] @ w [out, in]^T (+ bias [out]) for a few dozen rows: AMX tiles
  * for bf16 where the CPU, compiler and kernel allow and the shapes fit (in a multiple of 32,
  * out of 16), linear_rows otherwise. Returns 1 when it took the tiles, 0 when not, -1 when
@@ -1158,20 +1177,18 @@ int linear_many_rows(const void *x, const void *w, const void *bias, void *y, in
     }
     if (bf && rows > 0 && in % 32 == 0 && out % 16 == 0 && amx_usable()) {
         const int64_t groups = (rows + 15) / 16, pairs = in / 2;
-        uint32_t *xp = aligned_alloc(64, (size_t)(groups * pairs * 16) * sizeof(uint32_t));
+        uint32_t *xp = x_pairs_scratch((size_t)(groups * pairs * 16));
         if (!xp) return -1;
         const uint32_t *x32 = (const uint32_t *)x;
-        for (int64_t j = 0; j < groups; j++)
-            for (int64_t n = 0; n < 16; n++) {
-                const int64_t row = j * 16 + n;
-                uint32_t *dst = xp + j * pairs * 16 + n;
-                if (row < rows) {
-                    const uint32_t *src = x32 + row * pairs;
-                    for (int64_t kk = 0; kk < pairs; kk++) dst[kk * 16] = src[kk];
-                } else {
-                    for (int64_t kk = 0; kk < pairs; kk++) dst[kk * 16] = 0;
-                }
+        for (int64_t j = 0; j < groups; j++) { /* 64 contiguous bytes written per pair index */
+            const int64_t live = rows - j * 16 < 16 ? rows - j * 16 : 16;
+            const uint32_t *src = x32 + j * 16 * pairs;
+            uint32_t *dst = xp + j * pairs * 16;
+            for (int64_t kk = 0; kk < pairs; kk++) {
+                for (int64_t n = 0; n < live; n++) dst[kk * 16 + n] = src[n * pairs + kk];
+                for (int64_t n = live; n < 16; n++) dst[kk * 16 + n] = 0;
             }
+        }
         const int64_t blocks = (out + 31) / 32;
         const int parallel = threads > 1 && out * in >= 65536;
 #pragma omp parallel num_threads(threads) if (parallel)
@@ -1189,7 +1206,6 @@ int linear_many_rows(const void *x, const void *w, const void *bias, void *y, in
             }
             _tile_release();
         }
-        free(xp);
         return 1;
     }
 #endif
