@@ -25,6 +25,10 @@ this build (``source`` / ``this``), every path forced by ``--others`` for both:
     .venv/bin/python bench/decode_ops_ab.py --ab-source /tmp/before.c --threads 1 --cpu-time \
         --others linear=amx,batch_linear=c,prefill_attention=sdpa,decode_math=native,decode_ops=c
 
+``--plain-pages`` compares the engine with the weights its C kernels stream copied back onto
+ordinary 4 KiB pages (``plain``) with the engine as it loads them, on transparent huge pages
+where Linux offers them (``huge``), every path forced by ``--others`` for both.
+
 ``--cpu-time`` times the steps by the process's CPU time instead of wall time: at
 ``--threads 1`` that is the step's own work, which other processes on a busy host inflate far
 less than its wall time.
@@ -104,6 +108,11 @@ def main() -> None:
         "--ab-source", help="compare the C kernels built from this file (source) with ours (this)"
     )
     parser.add_argument(
+        "--plain-pages",
+        action="store_true",
+        help="compare streamed weights on ordinary pages (plain) with huge pages (huge)",
+    )
+    parser.add_argument(
         "--cpu-time",
         action="store_true",
         help="time each step by this process's CPU time (with --threads 1: the step's own work, "
@@ -115,6 +124,8 @@ def main() -> None:
         args.path, args.candidates = "decode_ops", ["generic" if level == 0 else "avx512", "c"]
     if args.ab_source:
         args.path, args.candidates = "build", ["source", "this"]
+    if args.plain_pages:
+        args.path, args.candidates = "pages", ["plain", "huge"]
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model_path(args.model)
@@ -127,7 +138,7 @@ def main() -> None:
             max_num_batched_tokens=2048,
             max_num_seqs=64,
             kernels=args.others
-            if args.ab_source
+            if args.ab_source or args.plain_pages
             else f"{args.others},{args.path}={'c' if level is not None else cand}",
         )
         for cand in args.candidates
@@ -142,6 +153,14 @@ def main() -> None:
         ops = source_ops(Path(tempfile.mkdtemp(prefix="pdscope-ab-")), args.ab_source)
         apply_kernels(llm.engine.runner.model, llm.engine.kernels, ops)
         llm.engine._native = ops
+    if args.plain_pages:
+        moved = 0
+        for m in engines["plain"].engine.runner.model.modules():
+            if getattr(m, "huge_pages", False):
+                m.weight.data = m.weight.data.clone()  # torch's allocator: ordinary pages
+                moved += 1
+        if not moved:
+            raise SystemExit("--plain-pages: no weight is on huge pages here")
     cpu_s: dict[int, float] = {}  # id of a step record -> its CPU seconds
     if args.cpu_time:
         for llm in engines.values():

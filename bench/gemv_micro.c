@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -25,7 +26,7 @@
 typedef uint16_t bf16;
 enum { NW = 49 };
 static int64_t OUT[NW], IN[NW];
-static bf16 *W[NW], *T[NW], *X[NW], *Y[NW];
+static bf16 *W[NW], *T[NW], *H[NW], *X[NW], *Y[NW];
 
 static double now(void) {
     struct timespec ts;
@@ -87,7 +88,9 @@ static void run_amx(int i, int tiled, int pf) {
             _tile_zero(2);
             const bf16 *a0, *a1;
             int64_t stride, step;
-            if (tiled) {
+            if (tiled == 2) {
+                a0 = H[i] + r0 * in, a1 = a0 + 16 * in, stride = in * 2, step = 32;
+            } else if (tiled) {
                 a0 = T[i] + r0 * in, a1 = a0 + 16 * in, stride = 64, step = 512;
             } else {
                 a0 = W[i] + r0 * in, a1 = a0 + 16 * in, stride = in * 2, step = 32;
@@ -201,10 +204,14 @@ int main(int argc, char **argv) {
         bytes += n * 2.0;
         W[i] = aligned_alloc(64, n * 2);
         T[i] = aligned_alloc(64, n * 2);
+        /* H: W's bytes on transparent huge pages (asked for before the first touch) */
+        H[i] = aligned_alloc(1 << 21, (n * 2 + (1 << 21) - 1) & ~(size_t)((1 << 21) - 1));
+        madvise(H[i], (n * 2 + (1 << 21) - 1) & ~(size_t)((1 << 21) - 1), MADV_HUGEPAGE);
         X[i] = aligned_alloc(64, IN[i] * 2);
         Y[i] = aligned_alloc(64, OUT[i] * 2);
         XP[i] = aligned_alloc(64, IN[i] / 2 * 16 * 4);
         for (size_t j = 0; j < n; j++) W[i][j] = 0x3f80 + (j * 7 % 13);
+        memcpy(H[i], W[i], n * 2);
         for (int64_t j = 0; j < IN[i]; j++) X[i][j] = 0x3f00 + (j % 5);
         memset(XP[i], 0, IN[i] / 2 * 16 * 4);
         for (int64_t k = 0; k < IN[i] / 2; k++) memcpy(XP[i] + k * 16, X[i] + 2 * k, 4);
@@ -215,8 +222,8 @@ int main(int argc, char **argv) {
                     W[i][r * IN[i] + k];
     }
     const char *names[] = {"read", "amx_rows", "amx_rows_nopf", "amx_tiled", "amx_tiled_pf",
-                           "avx_tiled", "avx_rows", "avx_rows8", "avx_rows16"};
-    enum { NV = 9 };
+                           "avx_tiled", "avx_rows", "avx_rows8", "avx_rows16", "amx_rows_huge"};
+    enum { NV = 10 };
     double *t[NV];
     for (int v = 0; v < NV; v++) t[v] = calloc(rounds, sizeof(double));
     for (int r = -1; r < rounds; r++)
@@ -233,6 +240,7 @@ int main(int argc, char **argv) {
                 case 6: run_avx_rows(i); break;
                 case 7: avx_rows_n(i, 8); break;
                 case 8: avx_rows_n(i, 16); break;
+                case 9: run_amx(i, 2, 0); break;
                 }
             }
             if (r >= 0) t[v][r] = now() - t0;

@@ -5,7 +5,9 @@ layers, and the lm head) at a few rows, through torch's plain ``F.linear``, the 
 weights (``linear=packed``) and the C kernel (``linear=c``, engine/native.py), beside a plain
 float32 sum over the same number of bytes (what streaming them costs on this machine).
 ``packed2048`` is the packed layout for many rows (the engine's under ``linear=c``), ``c_many``
-the many-row C kernel (``batch_linear=c``: AMX tiles where the CPU and Linux allow them).
+the many-row C kernel (``batch_linear=c``: AMX tiles where the CPU and Linux allow them),
+``c_many_huge`` the same over copies of the weights on transparent huge pages, as the engine
+keeps the weights its C kernels stream (where Linux offers them).
 
     .venv/bin/python bench/linear_ab.py --rows 1 2 4 32 64
 
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from engine_bench import machine_line
 from pdscope.checkpoint.make_model import default_cache_dir
 from pdscope.engine import native
+from pdscope.engine.model import on_huge_pages
 
 SHAPES = [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816)] * 12 + [(16384, 1024)]
 
@@ -53,6 +56,7 @@ def main() -> None:
     # laid out for many rows, as the engine packs them under linear=c (PACKED_ROWS_WITH_C)
     packed_many = [torch.ops.mkldnn._reorder_linear_weight(w, 2048) for w in weights]
     pointwise = torch.ops.mkldnn._linear_pointwise.default
+    huge = [on_huge_pages(w) for w in weights]
     nbytes = sum(w.numel() * 2 for w in weights)
     same_bytes = torch.ones(nbytes // 4)
     print(machine_line())
@@ -76,6 +80,8 @@ def main() -> None:
             "c_many": lambda x=x: [ops.linear_many(x[w.shape[1]], w) for w in weights],
             "read": lambda: same_bytes.sum(),
         }
+        if all(h is not None for h in huge):  # every weight here fills a huge page or more
+            paths["c_many_huge"] = lambda x=x: [ops.linear_many(x[h.shape[1]], h) for h in huge]
         if other is not None:
             paths["c_many_ab"] = lambda x=x: [other.linear_many(x[w.shape[1]], w) for w in weights]
         times: dict[str, list[float]] = {k: [] for k in paths}
@@ -92,14 +98,16 @@ def main() -> None:
             cells.append(f"{name} {med * 1e3:6.2f} ({nbytes / med / 1e9:4.1f} GB/s)")
         ratios = [
             statistics.median(p / c for p, c in zip(times[a], times[b], strict=True))
-            for a, b in (("packed", "c"), ("packed2048", "c_many"), ("c_many_ab", "c_many"))
-            if a in times
+            for a, b in (("packed", "c"), ("packed2048", "c_many"), ("c_many", "c_many_huge"))
+            + (("c_many_ab", "c_many"),)
+            if a in times and b in times
         ]
         print(
             f"rows {rows:3}: "
             + "  ".join(cells)
             + "  packed / c {:.2f}, packed2048 / c_many {:.2f}".format(*ratios)
-            + (f", c_many_ab / c_many {ratios[2]:.2f}" if other is not None else "")
+            + (f", c_many / c_many_huge {ratios[2]:.2f}" if "c_many_huge" in times else "")
+            + (f", c_many_ab / c_many {ratios[-1]:.2f}" if other is not None else "")
         )
 
 
