@@ -267,7 +267,7 @@ class Linear(nn.Linear):
 
 
 # Linux's transparent huge pages: 2 MiB. A weight the C kernels stream every decode step reads
-# 1.07-1.11x faster from memory backed by them (bench/gemv_micro.c's amx_rows_huge; the small
+# 1.06-1.14x faster from memory backed by them (bench/gemv_micro.c's amx_rows_huge; the small
 # model's 49 weights at one row through linear_many, 1 and 2 threads: docs/performance.md),
 # fewer TLB misses across its 16-32 row streams. Smaller weights cannot fill one.
 _HUGE_PAGE_BYTES = 1 << 21
