@@ -20,6 +20,17 @@ prefill steps left out; a median over ~30 steps shrugs off a descheduled step on
 ``--avx512-attention`` the head-64 kernel in AVX-512 only (``=1``, no AMX tiles for the scores).
 ``--one-call`` compares the C decode step as one call per kernel from Python (per-kernel) with
 every layer in one call (one-call, NativeOps.decode_layers), every path forced alike.
+``--ab-source FILE`` compares the engine with every C kernel taken from another build, compiled
+from FILE (e.g. ``git show REV:src/pdscope/engine/csrc/decode_ops.c > /tmp/before.c``), with
+this build (``source`` / ``this``), every path forced by ``--others`` for both:
+
+    .venv/bin/python bench/decode_ops_ab.py --ab-source /tmp/before.c --threads 1 --cpu-time \
+        --others linear=amx,batch_linear=c,prefill_attention=sdpa,decode_math=native,decode_ops=c
+
+``--plain-pages`` compares the engine with the weights its C kernels stream copied back onto
+ordinary 4 KiB pages (``plain``) with the engine as it loads them, on transparent huge pages
+where Linux offers them (``huge``), every path forced by ``--others`` for both.
+
 ``--cpu-time`` times the steps by the process's CPU time instead of wall time: at
 ``--threads 1`` that is the step's own work, which other processes on a busy host inflate far
 less than its wall time.
@@ -62,6 +73,17 @@ def generic_attention_ops(directory: Path, level: int = 0) -> native.NativeOps:
     return native.NativeOps(ctypes.CDLL(str(target)))
 
 
+def source_ops(directory: Path, source: str) -> native.NativeOps:
+    """The C kernels built from ``source`` with the engine's flags."""
+    cc = native.compiler()
+    if cc is None:
+        raise SystemExit("--ab-source needs a C compiler")
+    target = directory / "decode_ops_source.so"
+    cmd = [cc, *native._FLAG_SETS[0], "-o", str(target), source, "-lm"]
+    subprocess.run(cmd, check=True)
+    return native.NativeOps(ctypes.CDLL(str(target)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small")
@@ -90,6 +112,14 @@ def main() -> None:
         help="compare the C decode step's per-kernel calls (per-kernel) with one call (one-call)",
     )
     parser.add_argument(
+        "--ab-source", help="compare the C kernels built from this file (source) with ours (this)"
+    )
+    parser.add_argument(
+        "--plain-pages",
+        action="store_true",
+        help="compare streamed weights on ordinary pages (plain) with huge pages (huge)",
+    )
+    parser.add_argument(
         "--cpu-time",
         action="store_true",
         help="time each step by this process's CPU time (with --threads 1: the step's own work, "
@@ -100,8 +130,11 @@ def main() -> None:
     if level is not None:
         args.path, args.candidates = "decode_ops", ["generic" if level == 0 else "avx512", "c"]
     if args.one_call:
-        level, args.path, args.candidates = None, "decode_ops", ["per-kernel", "one-call"]
-    all_c = level is not None or args.one_call
+        args.path, args.candidates = "calls", ["per-kernel", "one-call"]
+    if args.ab_source:
+        args.path, args.candidates = "build", ["source", "this"]
+    if args.plain_pages:
+        args.path, args.candidates = "pages", ["plain", "huge"]
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model_path(args.model)
@@ -113,7 +146,11 @@ def main() -> None:
             max_model_len=4096,
             max_num_batched_tokens=2048,
             max_num_seqs=64,
-            kernels=f"{args.others},{args.path}={'c' if all_c else cand}",
+            kernels=f"{args.others},decode_ops=c"
+            if args.one_call
+            else args.others
+            if args.ab_source or args.plain_pages
+            else f"{args.others},{args.path}={'c' if level is not None else cand}",
         )
         for cand in args.candidates
     }
@@ -122,8 +159,19 @@ def main() -> None:
         ops = generic_attention_ops(Path(tempfile.mkdtemp(prefix="pdscope-ab-")), level)
         apply_kernels(llm.engine.runner.model, llm.engine.kernels, ops)
         llm.engine._native = ops
-    if args.one_call:
-        engines["per-kernel"].engine.runner.model.fuse_decode = False
+    if args.ab_source:
+        llm = engines["source"]
+        ops = source_ops(Path(tempfile.mkdtemp(prefix="pdscope-ab-")), args.ab_source)
+        apply_kernels(llm.engine.runner.model, llm.engine.kernels, ops)
+        llm.engine._native = ops
+    if args.plain_pages:
+        moved = 0
+        for m in engines["plain"].engine.runner.model.modules():
+            if getattr(m, "huge_pages", False):
+                m.weight.data = m.weight.data.clone()  # torch's allocator: ordinary pages
+                moved += 1
+        if not moved:
+            raise SystemExit("--plain-pages: no weight is on huge pages here")
     cpu_s: dict[int, float] = {}  # id of a step record -> its CPU seconds
     if args.cpu_time:
         for llm in engines.values():

@@ -5,16 +5,26 @@ layers, and the lm head) at a few rows, through torch's plain ``F.linear``, the 
 weights (``linear=packed``) and the C kernel (``linear=c``, engine/native.py), beside a plain
 float32 sum over the same number of bytes (what streaming them costs on this machine).
 ``packed2048`` is the packed layout for many rows (the engine's under ``linear=c``), ``c_many``
-the many-row C kernel (``batch_linear=c``: AMX tiles where the CPU and Linux allow them).
+the many-row C kernel (``batch_linear=c``: AMX tiles where the CPU and Linux allow them),
+``c_many_huge`` the same over copies of the weights on transparent huge pages, as the engine
+keeps the weights its C kernels stream (where Linux offers them).
 
     .venv/bin/python bench/linear_ab.py --rows 1 2 4 32 64
+
+``--ab-source FILE`` adds ``c_many_ab``: the many-row kernel built from FILE (e.g. an earlier
+commit's ``decode_ops.c``, from ``git show REV:src/pdscope/engine/csrc/decode_ops.c``), so a
+kernel change's before and after run interleaved in one process, and prints c_many_ab / c_many.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +32,7 @@ import torch.nn.functional as F
 from engine_bench import machine_line
 from pdscope.checkpoint.make_model import default_cache_dir
 from pdscope.engine import native
+from pdscope.engine.model import on_huge_pages
 
 SHAPES = [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816)] * 12 + [(16384, 1024)]
 
@@ -31,18 +42,21 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    parser.add_argument("--ab-source", help="also the many-row kernel built from this C file")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     ops = native.load(default_cache_dir() / "native")
     if ops is None:
         raise SystemExit("the C kernels did not build (a C compiler on PATH or in $CC)")
+    other = _build_other(args.ab_source) if args.ab_source else None
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=gen).to(torch.bfloat16) for o, i in SHAPES]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
     # laid out for many rows, as the engine packs them under linear=c (PACKED_ROWS_WITH_C)
     packed_many = [torch.ops.mkldnn._reorder_linear_weight(w, 2048) for w in weights]
     pointwise = torch.ops.mkldnn._linear_pointwise.default
+    huge = [on_huge_pages(w) for w in weights]
     nbytes = sum(w.numel() * 2 for w in weights)
     same_bytes = torch.ones(nbytes // 4)
     print(machine_line())
@@ -66,6 +80,10 @@ def main() -> None:
             "c_many": lambda x=x: [ops.linear_many(x[w.shape[1]], w) for w in weights],
             "read": lambda: same_bytes.sum(),
         }
+        if all(h is not None for h in huge):  # every weight here fills a huge page or more
+            paths["c_many_huge"] = lambda x=x: [ops.linear_many(x[h.shape[1]], h) for h in huge]
+        if other is not None:
+            paths["c_many_ab"] = lambda x=x: [other.linear_many(x[w.shape[1]], w) for w in weights]
         times: dict[str, list[float]] = {k: [] for k in paths}
         for fn in paths.values():
             fn()
@@ -80,13 +98,28 @@ def main() -> None:
             cells.append(f"{name} {med * 1e3:6.2f} ({nbytes / med / 1e9:4.1f} GB/s)")
         ratios = [
             statistics.median(p / c for p, c in zip(times[a], times[b], strict=True))
-            for a, b in (("packed", "c"), ("packed2048", "c_many"))
+            for a, b in (("packed", "c"), ("packed2048", "c_many"), ("c_many", "c_many_huge"))
+            + (("c_many_ab", "c_many"),)
+            if a in times and b in times
         ]
         print(
             f"rows {rows:3}: "
             + "  ".join(cells)
             + "  packed / c {:.2f}, packed2048 / c_many {:.2f}".format(*ratios)
+            + (f", c_many / c_many_huge {ratios[2]:.2f}" if "c_many_huge" in times else "")
+            + (f", c_many_ab / c_many {ratios[-1]:.2f}" if other is not None else "")
         )
+
+
+def _build_other(source: str) -> native.NativeOps:
+    """The C kernels compiled from ``source`` with the engine's flags, loaded beside ours."""
+    cc = native.compiler()
+    if cc is None:
+        raise SystemExit("--ab-source: no C compiler")
+    lib = Path(tempfile.mkdtemp()) / "ab_source.so"
+    flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+    subprocess.run([cc, *flags, "-o", str(lib), source, "-lm"], check=True)
+    return native.NativeOps(ctypes.CDLL(str(lib)))
 
 
 if __name__ == "__main__":

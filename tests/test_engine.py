@@ -464,3 +464,32 @@ def test_one_call_decode_step_is_the_per_kernel_path_bit_for_bit(
     assert len(captured[True]) == len(captured[False])
     for fused, per_kernel in zip(captured[True], captured[False], strict=True):
         assert torch.equal(fused, per_kernel)
+
+
+def test_streamed_weights_move_to_huge_pages_and_stay_tied(tmp_path: Path) -> None:
+    """Under linear=c the weights the C kernels stream (here the 4 MiB tied lm head; the tiny
+    model's others are under one huge page) move onto huge-page-aligned memory of their own:
+    the same values, still the embedding's parameter, and generation reads them."""
+    from safetensors.torch import load_file
+
+    from pdscope.engine.model import huge_pages_offered, on_huge_pages
+    from pdscope.engine.native import compiler
+
+    if not huge_pages_offered() or compiler() is None:
+        pytest.skip("Linux offers no transparent huge pages here, or no C compiler")
+    small = torch.randn(8, 8)
+    assert on_huge_pages(small) is None  # under one huge page: left where it is
+    path = make_model(
+        tmp_path / "tied", "tiny", dtype="bfloat16", tie_word_embeddings=True, vocab_size=32768
+    )
+    embed = load_file(path / "model.safetensors")["model.embed_tokens.weight"]
+    llm = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="8MiB", kernels="linear=c")
+    model = llm.engine.runner.model
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert model.lm_head.huge_pages and model.lm_head.weight.data_ptr() % (1 << 21) == 0
+    assert torch.equal(model.lm_head.weight, embed)
+    assert not any(
+        m.huge_pages for m in model.modules() if m is not model.lm_head and hasattr(m, "huge_pages")
+    )
+    out = llm.generate([5, 6, 7], GREEDY)[0]
+    assert len(out.token_ids) == 12 and all(0 <= t < 32768 for t in out.token_ids)

@@ -608,6 +608,42 @@ def test_c_linear_matches_a_float64_reference(
         linear(x, weight.t())
 
 
+@needs_cc
+@pytest.mark.parametrize("rows", [1, 2, 17, 33])  # 1 takes the one-row tile path, no x copy
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_linear_matches_f_linear_on_odd_shapes(
+    c_ops: native.NativeOps, rows: int, threads: int
+) -> None:
+    """linear_many on its AMX tiles against F.linear over the same bf16 tensors: outputs not a
+    multiple of 32 (a lone 16-row block last: 16, 48, 80, 304), inputs of one tile step (32)
+    up to the small model's down projection (2,816), with and without a bias, and weights
+    large enough that the second thread takes a share. Each call must report that it took the
+    tiles, so a silent fallback to the AVX-512 kernel cannot pass for it."""
+    if c_ops.linear_many_isa != "amx":
+        pytest.skip("no AMX tiles on this CPU, compiler or kernel")
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(7)
+        for outputs, inputs in ((16, 32), (48, 96), (80, 64), (304, 1024), (1040, 2816)):
+            x = torch.randn(rows, inputs, generator=gen).to(torch.bfloat16)
+            weight = (torch.randn(outputs, inputs, generator=gen) / 8).to(torch.bfloat16)
+            bias = torch.randn(outputs, generator=gen).to(torch.bfloat16)
+            for b in (None, bias):
+                y = torch.full((rows, outputs), float("nan"), dtype=torch.bfloat16)
+                took_tiles = c_ops._run_linear(c_ops.lib.linear_many_rows, x, weight, b, y)
+                assert took_tiles == 1
+                ref = torch.nn.functional.linear(x, weight, b)
+                exact = x.double() @ weight.double().T + (0 if b is None else b.double())
+                # both float32 sums rounded once to bf16: at most a rounding step apart
+                torch.testing.assert_close(y, ref, atol=2e-2, rtol=1.6e-2)
+                ours = (y.double() - exact).abs().max()
+                theirs = (ref.double() - exact).abs().max()
+                assert ours <= max(theirs * 1.01, 1e-5)
+    finally:
+        torch.set_num_threads(saved)
+
+
 def _causal_reference(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int, scale: float
 ) -> torch.Tensor:

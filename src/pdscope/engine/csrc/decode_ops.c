@@ -875,22 +875,22 @@ static void amx_configure(void) {
 
 /* One block of `na` (1 or 2) times 16 weight rows from r0, against x groups [j0, j0 + nj)
  * of 16 rows (nj 1 or 2); results transposed into y with the bias added and rounded once.
- * A tile load of weights touches 16 rows at once, more streams than the hardware prefetcher
- * follows, so the next block's bytes (`next`, `next_bytes`, contiguous) are prefetched into L2
- * in one linear sweep spread over this block's steps. */
-static inline __attribute__((always_inline)) void amx_block(
-    const bf16 *w, const bf16 *xp, const void *bias, bf16 *y, int64_t rows, int64_t in,
-    int64_t out, int64_t r0, int na, int64_t j0, int nj, const char *next, int64_t next_bytes) {
+ * A tile load of weights touches 16 rows at once, yet the hardware prefetcher keeps up with
+ * those 16-32 streams: this pass reads as fast as a plain sum over the same bytes
+ * (bench/gemv_micro.c), and an L2 software prefetch of the next block, which it once had, made
+ * it 1.18x slower at one row (one prefetch per 64 bytes loaded, for lines already on their
+ * way). A tile-blocked weight layout (each A tile 1 KB contiguous) measured no faster. */
+static inline __attribute__((always_inline)) void amx_block(const bf16 *w, const bf16 *xp,
+                                                            const void *bias, bf16 *y,
+                                                            int64_t rows, int64_t in, int64_t out,
+                                                            int64_t r0, int na, int64_t j0, int nj) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     const int64_t wstride = in * (int64_t)sizeof(bf16), pairs = in / 2;
     const bf16 *b0 = xp + j0 * pairs * 32, *b1 = b0 + pairs * 32;
-    const int64_t per_step = next ? ((next_bytes / (in / 32) + 63) / 64) * 64 : 0;
     for (int64_t k = 0; k < in; k += 32) {
-        for (int64_t off = (k / 32) * per_step; off < (k / 32 + 1) * per_step; off += 64)
-            if (off < next_bytes) _mm_prefetch(next + off, _MM_HINT_T1);
         _tile_loadd(4, w + r0 * in + k, wstride);
         _tile_loadd(6, b0 + k * 16, 64);
         _tile_dpbf16ps(0, 4, 6);
@@ -1090,6 +1090,80 @@ int linear_many_rows_amx(void) {
 #endif
 }
 
+#ifdef HAVE_AMX
+/* One row of x (a batch-1 decode step's matmul): B is x itself, a one-column tile (16 rows of
+ * 4 bytes: the pairs x[2i], x[2i + 1] at their place in x), and C one column, y's 16 outputs in
+ * order, so there is no copy of x to allocate and repack and no gather of C (the many-row path
+ * below pays both per call; measured 1.04x on the small model's one-row pass). Two A tiles, two
+ * independent accumulators, per 32-row block. */
+static void amx_one_row(const bf16 *x, const bf16 *w, const void *bias, bf16 *y, int64_t in,
+                        int64_t out, int threads) {
+    const int64_t blocks = (out + 31) / 32, wstride = in * (int64_t)sizeof(bf16);
+    const int parallel = threads > 1 && out * in >= 65536;
+#pragma omp parallel num_threads(threads) if (parallel)
+    {
+        struct amx_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        cfg.colsb[0] = cfg.colsb[2] = cfg.colsb[6] = 4; /* C: 16 x 1 float, B: 16 pairs x 1 */
+        cfg.colsb[4] = cfg.colsb[5] = 64;               /* A: 16 weight rows x 32 bf16 */
+        cfg.rows[0] = cfg.rows[2] = cfg.rows[4] = cfg.rows[5] = cfg.rows[6] = 16;
+        _tile_loadconfig(&cfg);
+#pragma omp for schedule(static)
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            const int64_t r0 = blk * 32;
+            const int na = out - r0 >= 32 ? 2 : 1;
+            const bf16 *a = w + r0 * in;
+            _tile_zero(0);
+            _tile_zero(2);
+            if (na == 2) {
+                for (int64_t k = 0; k < in; k += 32) {
+                    _tile_loadd(6, x + k, 4);
+                    _tile_loadd(4, a + k, wstride);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_loadd(5, a + 16 * in + k, wstride);
+                    _tile_dpbf16ps(2, 5, 6);
+                }
+            } else {
+                for (int64_t k = 0; k < in; k += 32) {
+                    _tile_loadd(6, x + k, 4);
+                    _tile_loadd(4, a + k, wstride);
+                    _tile_dpbf16ps(0, 4, 6);
+                }
+            }
+            float c[32];
+            _tile_stored(0, c, 4);
+            if (na == 2) _tile_stored(2, c + 16, 4);
+            for (int h = 0; h < na; h++) {
+                __m512 v = _mm512_loadu_ps(c + 16 * h);
+                if (bias) v = _mm512_add_ps(v, bf16x16_to_f32((const bf16 *)bias + r0 + 16 * h));
+                _mm256_storeu_si256((__m256i *)(y + r0 + 16 * h), (__m256i)_mm512_cvtneps_pbh(v));
+            }
+        }
+        _tile_release();
+    }
+}
+#endif
+
+#ifdef HAVE_AMX
+/* linear_many_rows' pair-interleaved copy of x, one per calling thread, grown when a wider
+ * or taller x comes and otherwise reused: allocated per call it cost 30-90 us a call at the
+ * small model's 2,816-wide inputs (above glibc's mmap threshold each call mapped, faulted in
+ * and unmapped fresh pages), against ~10 us for a whole one-row call. Never freed: one buffer
+ * per engine thread, the size of the largest x it has multiplied (~1 MB at 32 rows of 14,336). */
+static __thread uint32_t *x_pairs_buf;
+static __thread size_t x_pairs_cap;
+
+static uint32_t *x_pairs_scratch(size_t n) {
+    if (n > x_pairs_cap) {
+        free(x_pairs_buf);
+        x_pairs_buf = aligned_alloc(64, n * sizeof(uint32_t)); /* n: a multiple of 16 */
+        x_pairs_cap = x_pairs_buf ? n : 0;
+    }
+    return x_pairs_buf;
+}
+#endif
+
 /* y [rows, out] = x [rows, in] @ w [out, in]^T (+ bias [out]) for a few dozen rows: AMX tiles
  * for bf16 where the CPU, compiler and kernel allow and the shapes fit (in a multiple of 32,
  * out of 16), linear_rows otherwise. Returns 1 when it took the tiles, 0 when not, -1 when
@@ -1097,22 +1171,24 @@ int linear_many_rows_amx(void) {
 int linear_many_rows(const void *x, const void *w, const void *bias, void *y, int64_t rows,
                      int64_t in, int64_t out, int bf, int threads) {
 #ifdef HAVE_AMX
+    if (bf && rows == 1 && in % 32 == 0 && out % 16 == 0 && amx_usable()) {
+        amx_one_row((const bf16 *)x, (const bf16 *)w, bias, (bf16 *)y, in, out, threads);
+        return 1;
+    }
     if (bf && rows > 0 && in % 32 == 0 && out % 16 == 0 && amx_usable()) {
         const int64_t groups = (rows + 15) / 16, pairs = in / 2;
-        uint32_t *xp = aligned_alloc(64, (size_t)(groups * pairs * 16) * sizeof(uint32_t));
+        uint32_t *xp = x_pairs_scratch((size_t)(groups * pairs * 16));
         if (!xp) return -1;
         const uint32_t *x32 = (const uint32_t *)x;
-        for (int64_t j = 0; j < groups; j++)
-            for (int64_t n = 0; n < 16; n++) {
-                const int64_t row = j * 16 + n;
-                uint32_t *dst = xp + j * pairs * 16 + n;
-                if (row < rows) {
-                    const uint32_t *src = x32 + row * pairs;
-                    for (int64_t kk = 0; kk < pairs; kk++) dst[kk * 16] = src[kk];
-                } else {
-                    for (int64_t kk = 0; kk < pairs; kk++) dst[kk * 16] = 0;
-                }
+        for (int64_t j = 0; j < groups; j++) { /* 64 contiguous bytes written per pair index */
+            const int64_t live = rows - j * 16 < 16 ? rows - j * 16 : 16;
+            const uint32_t *src = x32 + j * 16 * pairs;
+            uint32_t *dst = xp + j * pairs * 16;
+            for (int64_t kk = 0; kk < pairs; kk++) {
+                for (int64_t n = 0; n < live; n++) dst[kk * 16 + n] = src[n * pairs + kk];
+                for (int64_t n = live; n < 16; n++) dst[kk * 16 + n] = 0;
             }
+        }
         const int64_t blocks = (out + 31) / 32;
         const int parallel = threads > 1 && out * in >= 65536;
 #pragma omp parallel num_threads(threads) if (parallel)
@@ -1122,18 +1198,14 @@ int linear_many_rows(const void *x, const void *w, const void *bias, void *y, in
             for (int64_t blk = 0; blk < blocks; blk++) {
                 const int64_t r0 = blk * 32;
                 const int na = out - r0 >= 32 ? 2 : 1;
-                /* the next block: this thread's next under the static schedule */
-                const int64_t next_rows = out - r0 - 32 < 32 ? out - r0 - 32 : 32;
-                const char *next = next_rows > 0 ? (const char *)w + (r0 + 32) * in * 2 : NULL;
                 for (int64_t j0 = 0; j0 < groups; j0 += 2) {
                     const int nj = groups - j0 >= 2 ? 2 : 1;
                     amx_block((const bf16 *)w, (const bf16 *)xp, bias, (bf16 *)y, rows, in, out,
-                              r0, na, j0, nj, j0 == 0 ? next : NULL, next_rows * in * 2);
+                              r0, na, j0, nj);
                 }
             }
             _tile_release();
         }
-        free(xp);
         return 1;
     }
 #endif
