@@ -751,7 +751,10 @@ class CausalLM(nn.Module):
         # Decodes-only steps run every layer in one C call (NativeOps.decode_layers) where
         # their matmuls take the C kernels; False keeps the per-kernel calls (benches, tests).
         self.fuse_decode = True
-        self._decode_layers: tuple[tuple[int, ...], ctypes.Array[DecodeLayer]] | None = None
+        # (every tensor pointed into, their pointers when built, the array)
+        self._decode_layers: (
+            tuple[list[torch.Tensor], list[int], ctypes.Array[DecodeLayer]] | None
+        ) = None
 
     def init_rope(self, max_positions: int, device: torch.device) -> None:
         """Rotary cos/sin tables for positions 0..max_positions-1, float32 like Hugging Face."""
@@ -812,11 +815,18 @@ class CausalLM(nn.Module):
         count that takes oneDNN. The layers' array is built once per set of weights and caches."""
         rows = residual.shape[0]
         first = self.layers[0].self_attn.qkv_proj
-        if batch.decode_runs is not None or batch.decode_tables is None:
+        if (
+            batch.decode_runs is not None
+            or batch.decode_tables is None
+            or batch.decode_tables.shape[0] != rows
+        ):
             return None
+        # apply_kernels points every Linear at the same paths: the first one speaks for all.
         if first.native is not None and rows <= NATIVE_LINEAR_MAX_ROWS:
             many_rows = first.one_row_amx
-        elif first.native_many is not None and rows <= NATIVE_MANY_MAX_ROWS:
+        elif (
+            first.native_many is not None and NATIVE_LINEAR_MAX_ROWS < rows <= NATIVE_MANY_MAX_ROWS
+        ):
             many_rows = True
         else:
             return None
@@ -857,13 +867,16 @@ class CausalLM(nn.Module):
     def _decode_layer_array(
         self, kv_caches: list[torch.Tensor]
     ) -> ctypes.Array[DecodeLayer] | None:
-        """Every layer's weight and cache pointers, built once per set of caches (apply_kernels
-        drops it with the kernels it was built for; the array holds the tensors it points
-        into); None when a tensor is not one the C kernels can read as given (the per-kernel
-        path then checks and says which)."""
-        key = tuple(cache.data_ptr() for cache in kv_caches)
-        if self._decode_layers is not None and self._decode_layers[0] == key:
-            return self._decode_layers[1]
+        """Every layer's weight and cache pointers, built again when any of them moves (new
+        caches, a weight's ``.data`` replaced; apply_kernels drops it too): checked on the held
+        tensors, ~12 us a step where walking the modules for them took 0.4 ms. None when a
+        tensor is not one the C kernels can read as given (the per-kernel path then checks and
+        says which)."""
+        if self._decode_layers is not None:
+            held, ptrs, array = self._decode_layers
+            caches = [cache.data_ptr() for cache in kv_caches]
+            if ptrs[-len(caches) :] == caches and [t.data_ptr() for t in held] == ptrs:
+                return array
         rows = []
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
@@ -886,16 +899,23 @@ class CausalLM(nn.Module):
             for layer in self.layers
             for n in (layer.input_layernorm, layer.post_attention_layernorm)
         ]
-        tensors = [t for row in rows for t in row if t is not None]
-        if len({n.eps for n in norms}) > 1 or any(
-            not t.is_contiguous() or t.device.type != "cpu" for t in tensors
+        qk_norms = [
+            n for layer in self.layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)
+        ]
+        tensors = [t for row in rows for t in row[:-1] if t is not None] + list(kv_caches)
+        dtype = self.embed_tokens.weight.dtype
+        if (
+            len({n.eps for n in norms}) > 1
+            or len({None if n is None else n.eps for n in qk_norms}) > 1
+            or any(
+                not t.is_contiguous() or t.device.type != "cpu" or t.dtype != dtype for t in tensors
+            )
         ):
             return None
         array = (DecodeLayer * len(rows))(
             *(DecodeLayer(*(None if t is None else t.data_ptr() for t in row)) for row in rows)
         )
-        array._tensors = tensors  # type: ignore[attr-defined]  # alive while pointed into
-        self._decode_layers = (key, array)
+        self._decode_layers = (tensors, [t.data_ptr() for t in tensors], array)
         return array
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
