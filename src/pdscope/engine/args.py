@@ -49,12 +49,6 @@ class EngineArgs:
         0.9, "Fraction of GPU memory for weights + KV pool (CUDA)."
     )
     device: str = "auto"  # auto: cuda when torch sees one, else cpu
-    # CPU: keep freed blocks up to 1 GiB in the process (engine/allocator.py says why)
-    keep_freed_memory: bool = knob(
-        True,
-        "CPU: keep freed memory in the process for the next step (glibc), as tcmalloc would.",
-        flags=("--keep-freed-memory/--no-keep-freed-memory",),
-    )
     seed: int = knob(0, "Engine seed.")
     # auto: each machine-dependent path timed at load (cached); or force some, e.g.
     # "linear=c,prefill_attention=sdpa,decode_math=native,decode_ops=c,threads=bound"

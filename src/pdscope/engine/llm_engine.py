@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from pdscope.engine.allocator import keep_freed_memory
 from pdscope.engine.args import EngineArgs
 from pdscope.engine.block_pool import BlockPool
 from pdscope.engine.kernels import KernelChoice, TrialShapes, choose, parse_kernels
@@ -71,8 +70,6 @@ class LLMEngine:
             )
         self.dtype = resolve_dtype(dtype_name)
         forced_kernels = parse_kernels(args.kernels)  # bad input fails before the load
-        if self.device.type == "cpu" and args.keep_freed_memory:
-            keep_freed_memory()
         torch.manual_seed(args.seed)
         self.model = load_model(self.path, self.dtype, self.device)
         self.tokenizer = Tokenizer(self.path)
