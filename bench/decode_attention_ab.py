@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
-from pathlib import Path
 
 import torch
 
@@ -37,10 +35,9 @@ def main() -> None:
     engine_ops = native.load(default_cache_dir() / "native")
     if engine_ops is None:
         raise SystemExit("the C kernels did not build (a C compiler on PATH or in $CC)")
-    scratch = Path(tempfile.mkdtemp(prefix="pdscope-ab-"))
     ops = {
-        "generic": generic_attention_ops(scratch),
-        "avx512": generic_attention_ops(scratch, 1),
+        "generic": generic_attention_ops(),
+        "avx512": generic_attention_ops(1),
         "c": engine_ops,
     }
     block, kv_heads, heads, dim, layers = 16, 4, 16, 64, 12

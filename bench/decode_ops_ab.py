@@ -42,46 +42,23 @@ arithmetic, issue 12 item 3) and batch-32 decode after 128-token prompts, in tok
 from __future__ import annotations
 
 import argparse
-import ctypes
 import random
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-from engine_bench import bytes_per_decode_token, machine_line
+from engine_bench import build_ops, bytes_per_decode_token, machine_line
 from pdscope import LLM, SamplingParams
 from pdscope.checkpoint.make_model import resolve_model_path
 from pdscope.engine import native
 from pdscope.engine.model import apply_kernels
 
 
-def generic_attention_ops(directory: Path, level: int = 0) -> native.NativeOps:
+def generic_attention_ops(level: int = 0) -> native.NativeOps:
     """The C kernels built with only the generic decode attention loop (``level`` 0), or with
     the head-64 kernel in AVX-512 only, its scores off the AMX tiles (1)."""
-    cc = native.compiler()
-    if cc is None:
-        raise SystemExit("--generic-attention needs a C compiler")
-    target = directory / f"decode_ops_attention{level}.so"
-    flags = native._FLAG_SETS[0]
-    cmd = [cc, f"-DNEW_DECODE_ATTENTION={level}", *flags, "-o", str(target)]
-    cmd += [str(native.SOURCE), "-lm"]
-    subprocess.run(cmd, check=True)
-    return native.NativeOps(ctypes.CDLL(str(target)))
-
-
-def source_ops(directory: Path, source: str) -> native.NativeOps:
-    """The C kernels built from ``source`` with the engine's flags."""
-    cc = native.compiler()
-    if cc is None:
-        raise SystemExit("--ab-source needs a C compiler")
-    target = directory / "decode_ops_source.so"
-    cmd = [cc, *native._FLAG_SETS[0], "-o", str(target), source, "-lm"]
-    subprocess.run(cmd, check=True)
-    return native.NativeOps(ctypes.CDLL(str(target)))
+    return build_ops(native.SOURCE, f"NEW_DECODE_ATTENTION={level}", what="--generic-attention")
 
 
 def main() -> None:
@@ -156,12 +133,12 @@ def main() -> None:
     }
     if level is not None:
         llm = engines[args.candidates[0]]
-        ops = generic_attention_ops(Path(tempfile.mkdtemp(prefix="pdscope-ab-")), level)
+        ops = generic_attention_ops(level)
         apply_kernels(llm.engine.runner.model, llm.engine.kernels, ops)
         llm.engine._native = ops
     if args.ab_source:
         llm = engines["source"]
-        ops = source_ops(Path(tempfile.mkdtemp(prefix="pdscope-ab-")), args.ab_source)
+        ops = build_ops(args.ab_source)
         apply_kernels(llm.engine.runner.model, llm.engine.kernels, ops)
         llm.engine._native = ops
     if args.plain_pages:

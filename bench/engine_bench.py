@@ -32,6 +32,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdscope.engine.native import NativeOps
 from typing import IO
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,6 +84,23 @@ def machine_line() -> str:
         f"CPU: {cpu_model()} x {os.cpu_count()} ({' '.join(cpu_flags()) or 'no AVX2+ flags'}); "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
+
+
+def build_ops(source: str | Path, *defines: str, what: str = "--ab-source") -> NativeOps:
+    """The engine's C kernels compiled from ``source`` with the engine's flags (and ``-D``
+    ``defines``) into a temporary library, loaded beside the engine's own build."""
+    import ctypes
+    import tempfile
+
+    from pdscope.engine import native
+
+    cc = native.compiler()
+    if cc is None:
+        raise SystemExit(f"{what} needs a C compiler")
+    target = Path(tempfile.mkdtemp(prefix="pdscope-ab-")) / "decode_ops_ab.so"
+    flags = [f"-D{d}" for d in defines] + native._FLAG_SETS[0]
+    subprocess.run([cc, *flags, "-o", str(target), str(source), "-lm"], check=True)
+    return native.NativeOps(ctypes.CDLL(str(target)))
 
 
 def interleaved_times(

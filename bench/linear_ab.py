@@ -19,17 +19,13 @@ kernel change's before and after run interleaved in one process, and prints c_ma
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from engine_bench import machine_line
+from engine_bench import build_ops, machine_line
 from pdscope.checkpoint.make_model import default_cache_dir
 from pdscope.engine import native
 from pdscope.engine.model import on_huge_pages
@@ -49,7 +45,7 @@ def main() -> None:
     ops = native.load(default_cache_dir() / "native")
     if ops is None:
         raise SystemExit("the C kernels did not build (a C compiler on PATH or in $CC)")
-    other = _build_other(args.ab_source) if args.ab_source else None
+    other = build_ops(args.ab_source) if args.ab_source else None
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=gen).to(torch.bfloat16) for o, i in SHAPES]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
@@ -109,17 +105,6 @@ def main() -> None:
             + (f", c_many / c_many_huge {ratios[2]:.2f}" if "c_many_huge" in times else "")
             + (f", c_many_ab / c_many {ratios[-1]:.2f}" if other is not None else "")
         )
-
-
-def _build_other(source: str) -> native.NativeOps:
-    """The C kernels compiled from ``source`` with the engine's flags, loaded beside ours."""
-    cc = native.compiler()
-    if cc is None:
-        raise SystemExit("--ab-source: no C compiler")
-    lib = Path(tempfile.mkdtemp()) / "ab_source.so"
-    flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
-    subprocess.run([cc, *flags, "-o", str(lib), source, "-lm"], check=True)
-    return native.NativeOps(ctypes.CDLL(str(lib)))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine_bench import interleaved_times, machine_line
+from engine_bench import build_ops, interleaved_times, machine_line
 from pdscope.engine import native
 
 
@@ -112,17 +112,8 @@ def main() -> None:
 
 
 def _build(source: str) -> native.NativeOps:
-    """The C kernels compiled from ``source`` into a temporary library."""
-    import ctypes
-    import subprocess
-
-    cc = native.compiler()
-    if cc is None:
-        raise SystemExit("--ab-source: no C compiler")
-    lib = Path(tempfile.mkdtemp()) / "ab_source.so"
-    flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
-    subprocess.run([cc, *flags, "-o", str(lib), source, "-lm"], check=True)
-    ops = native.NativeOps(ctypes.CDLL(str(lib)))
+    """The C kernels compiled from ``source``; they must have the AMX prefill attention."""
+    ops = build_ops(source)
     if not ops.prefill_amx:
         raise SystemExit("--ab-source: that build has no AMX prefill attention here")
     return ops
