@@ -816,7 +816,9 @@ class CausalLM(nn.Module):
         rows = residual.shape[0]
         first = self.layers[0].self_attn.qkv_proj
         if (
-            batch.decode_runs is not None
+            self.native is None
+            or not self.native.one_call
+            or batch.decode_runs is not None
             or batch.decode_tables is None
             or batch.decode_tables.shape[0] != rows
         ):
@@ -833,8 +835,9 @@ class CausalLM(nn.Module):
         layers = self._decode_layer_array(kv_caches)
         if layers is None:
             return None
-        c = self.config
+        c, native = self.config, self.native
         attn = self.layers[0].self_attn
+        assert native is not None
         assert batch.positions is not None and batch.decode_bounds is not None
         step = DecodeStep(
             layers=c.num_layers,
@@ -860,7 +863,7 @@ class CausalLM(nn.Module):
             bf=residual.dtype == torch.bfloat16,
             threads=torch.get_num_threads(),
             many_rows=many_rows,
-            wide_glue=self.native is not None and self.native.wide_glue,
+            wide_glue=native.wide_glue,
         )
         return layers, step
 
@@ -869,7 +872,7 @@ class CausalLM(nn.Module):
     ) -> ctypes.Array[DecodeLayer] | None:
         """Every layer's weight and cache pointers, built again when any of them moves (new
         caches, a weight's ``.data`` replaced; apply_kernels drops it too): checked on the held
-        tensors, ~12 us a step where walking the modules for them took 0.4 ms. None when a
+        tensors, ~20 us a step where walking the modules for them took 0.4 ms. None when a
         tensor is not one the C kernels can read as given (the per-kernel path then checks and
         says which)."""
         if self._decode_layers is not None:

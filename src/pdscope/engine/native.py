@@ -228,10 +228,13 @@ class NativeOps:
         self.lib.linear_rows_isa.restype = ctypes.c_int
         for fn in (self.lib.qkv_rope_store, self.lib.rms_norm, self.lib.linear_rows):
             fn.restype = None
-        self.lib.decode_layers.argtypes = [_P, ctypes.POINTER(DecodeStep), _P, _P, _P]
-        self.lib.decode_layers.restype = ctypes.c_int
-        self.lib.decode_layers_scratch.argtypes = [ctypes.POINTER(DecodeStep)]
-        self.lib.decode_layers_scratch.restype = ctypes.c_int64
+        # absent from a library built from an older source too (--ab-source benches)
+        self.one_call = hasattr(self.lib, "decode_layers")
+        if self.one_call:
+            self.lib.decode_layers.argtypes = [_P, ctypes.POINTER(DecodeStep), _P, _P, _P]
+            self.lib.decode_layers.restype = ctypes.c_int
+            self.lib.decode_layers_scratch.argtypes = [ctypes.POINTER(DecodeStep)]
+            self.lib.decode_layers_scratch.restype = ctypes.c_int64
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up from the fused projection's output [rows, 2 n] → [rows, n]."""
