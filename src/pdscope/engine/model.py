@@ -751,6 +751,9 @@ class CausalLM(nn.Module):
         # Decodes-only steps run every layer in one C call (NativeOps.decode_layers) where
         # their matmuls take the C kernels; False keeps the per-kernel calls (benches, tests).
         self.fuse_decode = True
+        # ... and the LM head in that call too (NativeOps.decode_logits, decode_logits);
+        # False keeps it a call of its own after it (benches, tests).
+        self.fuse_logits = True
         # (every tensor pointed into, their pointers when built, the array)
         self._decode_layers: (
             tuple[list[torch.Tensor], list[int], ctypes.Array[DecodeLayer]] | None
@@ -790,10 +793,36 @@ class CausalLM(nn.Module):
         """The same layers with the C kernels' glue: each residual add is fused into the norm
         that follows it (``residual += h; h = norm(residual)``), as one call. Every step under
         ``decode_ops=c`` runs here; steps with prefill chunks keep PyTorch's attention."""
-        native = self.native
-        assert native is not None
         residual = self.embed_tokens(input_ids)  # a fresh tensor: updated in place below
         fused = self._fused_decode(residual, kv_caches, batch) if self.fuse_decode else None
+        return self._native_layers(residual, kv_caches, batch, fused)
+
+    def decode_logits(
+        self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], batch: AttentionBatch
+    ) -> torch.Tensor:
+        """Float32 logits [rows, vocab] of a decodes-only step under the C kernels (every row
+        samples; ``batch.positions`` set): the layers and the LM head in one C call where
+        :meth:`_fused_decode` allows it, else :meth:`forward`'s layers and then :meth:`logits`,
+        which give the same bits."""
+        native = self.native
+        assert native is not None and batch.positions is not None
+        residual = self.embed_tokens(input_ids)  # a fresh tensor: updated in place below
+        fused = self._fused_decode(residual, kv_caches, batch) if self.fuse_decode else None
+        if fused is not None and self.fuse_logits and native.one_call_logits:
+            return native.decode_logits(*fused, residual)
+        return self.logits(self._native_layers(residual, kv_caches, batch, fused))
+
+    def _native_layers(
+        self,
+        residual: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        batch: AttentionBatch,
+        fused: tuple[ctypes.Array[DecodeLayer], DecodeStep] | None,
+    ) -> torch.Tensor:
+        """:meth:`_native_decode` from the embedded tokens: one C call when ``fused`` (from
+        :meth:`_fused_decode`), else one per kernel."""
+        native = self.native
+        assert native is not None
         if fused is not None:
             return native.decode_layers(*fused, residual)
         first = self.layers[0].input_layernorm
@@ -864,6 +893,8 @@ class CausalLM(nn.Module):
             threads=torch.get_num_threads(),
             many_rows=many_rows,
             wide_glue=native.wide_glue,
+            lm_head=self.lm_head.weight.data_ptr(),  # checked with the layers' weights
+            vocab=self.lm_head.weight.shape[0],
         )
         return layers, step
 
@@ -905,7 +936,11 @@ class CausalLM(nn.Module):
         qk_norms = [
             n for layer in self.layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)
         ]
-        tensors = [t for row in rows for t in row[:-1] if t is not None] + list(kv_caches)
+        tensors = [
+            *(t for row in rows for t in row[:-1] if t is not None),
+            self.lm_head.weight,  # read by decode_logits
+            *kv_caches,
+        ]
         dtype = self.embed_tokens.weight.dtype
         if (
             len({n.eps for n in norms}) > 1

@@ -178,6 +178,8 @@ class DecodeStep(ctypes.Structure):
         ("qk_eps", ctypes.c_double),
         ("scale", ctypes.c_double),
         *[(name, _I) for name in ("bf", "threads", "many_rows", "wide_glue")],
+        ("lm_head", _P),  # decode_logits only: the LM head's weight [vocab, hidden]
+        ("vocab", _I),
     ]
 
 
@@ -235,6 +237,13 @@ class NativeOps:
             self.lib.decode_layers.restype = ctypes.c_int
             self.lib.decode_layers_scratch.argtypes = [ctypes.POINTER(DecodeStep)]
             self.lib.decode_layers_scratch.restype = ctypes.c_int64
+        # newer still: the LM head in the same call (decode_logits)
+        self.one_call_logits = self.one_call and hasattr(self.lib, "decode_logits")
+        if self.one_call_logits:
+            self.lib.decode_logits.argtypes = self.lib.decode_layers.argtypes
+            self.lib.decode_logits.restype = ctypes.c_int
+            self.lib.decode_logits_scratch.argtypes = [ctypes.POINTER(DecodeStep)]
+            self.lib.decode_logits_scratch.restype = ctypes.c_int64
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up from the fused projection's output [rows, 2 n] → [rows, n]."""
@@ -471,6 +480,30 @@ class NativeOps:
         if status != 0:
             raise MemoryError("decode_layers: a kernel found no memory for its scratch space")
         return out
+
+    def decode_logits(
+        self, layers: ctypes.Array[DecodeLayer], step: DecodeStep, residual: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`decode_layers` and then the LM head (``step.lm_head``, ``step.vocab``) in
+        the same call (decode_ops.c's decode_logits): float32 logits [rows, vocab], the same
+        bits as the per-kernel path's ``lm_head(hidden).float()``. ``residual`` as there."""
+        _check(residual)
+        if residual.shape != (step.rows, step.hidden) or not step.lm_head or step.vocab <= 0:
+            raise ValueError(
+                f"decode_logits: residual {tuple(residual.shape)} or the LM head does not fit"
+            )
+        logits = torch.empty(step.rows, step.vocab, dtype=torch.float32)
+        scratch = torch.empty(self.lib.decode_logits_scratch(ctypes.byref(step)), dtype=torch.uint8)
+        status = self.lib.decode_logits(
+            ctypes.addressof(layers),
+            ctypes.byref(step),
+            residual.data_ptr(),
+            logits.data_ptr(),
+            scratch.data_ptr(),
+        )
+        if status != 0:
+            raise MemoryError("decode_logits: a kernel found no memory for its scratch space")
+        return logits
 
     @property
     def prefill_amx(self) -> bool:

@@ -104,8 +104,14 @@ class ModelRunner:
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
 
         window = self.model.config.sliding_window
-        if decodes and not prefills and self.model.native is not None:
+        native_decode = bool(decodes) and not prefills and self.model.native is not None
+        if native_decode:
             batch = self._native_decode_batch(decodes, slot_mapping, window)
+            if all(e.samples for e in decodes):  # logits for every row: the model's one call
+                logits = self.model.decode_logits(
+                    torch.tensor(ids, device=dev), self.kv_caches, batch
+                )
+                return self._sampled(logits, [e.request for e in decodes])
         else:
             batch = self._batch(decodes, prefills, slot_mapping, window)
         hidden = self.model(
@@ -125,7 +131,10 @@ class ModelRunner:
                 rows.append(offset - 1)
         if not due:
             return {}
-        logits = self.model.logits(hidden[torch.tensor(rows, device=dev)])
+        return self._sampled(self.model.logits(hidden[torch.tensor(rows, device=dev)]), due)
+
+    def _sampled(self, logits: torch.Tensor, due: list[Request]) -> dict[Request, int]:
+        """The token sampled for each request of ``due`` from its row of float32 ``logits``."""
         if self.capture_logits:
             self.captured.append(logits.clone())
         return dict(zip(due, self.sample(logits, due), strict=True))
