@@ -397,9 +397,9 @@ def test_c_path_hands_long_contexts_to_sdpa_in_place(
     build = runner.ModelRunner._native_decode_batch
 
     def spy(self, *args):
-        batch = build(self, *args)
+        batch, ids = build(self, *args)
         seen.append(batch.decode_runs is not None)
-        return batch
+        return batch, ids
 
     monkeypatch.setattr(runner.ModelRunner, "_native_decode_batch", spy)
     assert [llm.generate(p, GREEDY)[0].token_ids for p in ps] == expected

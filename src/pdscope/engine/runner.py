@@ -93,6 +93,15 @@ class ModelRunner:
         # The phase is the scheduler's call (ScheduledRequest.is_prefill), never decided here.
         decodes = [e for e in out.scheduled if not e.is_prefill]
         prefills = [e for e in out.scheduled if e.is_prefill]
+        if (
+            decodes
+            and not prefills
+            and self.model.native is not None
+            and all(e.samples for e in decodes)  # as a decode always does
+        ):
+            batch, token_ids = self._native_decode_batch(decodes)
+            logits, greedy = self.model.decode_logits(token_ids, self.kv_caches, batch)
+            return self._sampled(logits, [e.request for e in decodes], greedy)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -104,16 +113,7 @@ class ModelRunner:
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
 
         window = self.model.config.sliding_window
-        native_decode = bool(decodes) and not prefills and self.model.native is not None
-        if native_decode:
-            batch = self._native_decode_batch(decodes, slot_mapping, window)
-            if all(e.samples for e in decodes):  # logits for every row: the model's one call
-                logits = self.model.decode_logits(
-                    torch.tensor(ids, device=dev), self.kv_caches, batch
-                )
-                return self._sampled(logits, [e.request for e in decodes])
-        else:
-            batch = self._batch(decodes, prefills, slot_mapping, window)
+        batch = self._batch(decodes, prefills, slot_mapping, window)
         hidden = self.model(
             torch.tensor(ids, device=dev),
             torch.tensor(positions, device=dev) if batch.positions is None else batch.positions,
@@ -133,40 +133,57 @@ class ModelRunner:
             return {}
         return self._sampled(self.model.logits(hidden[torch.tensor(rows, device=dev)]), due)
 
-    def _sampled(self, logits: torch.Tensor, due: list[Request]) -> dict[Request, int]:
-        """The token sampled for each request of ``due`` from its row of float32 ``logits``."""
+    def _sampled(
+        self, logits: torch.Tensor, due: list[Request], greedy: torch.Tensor | None = None
+    ) -> dict[Request, int]:
+        """The token sampled for each request of ``due`` from its row of float32 ``logits``
+        (``greedy``: the rows' argmax, where the model gave it)."""
         if self.capture_logits:
             self.captured.append(logits.clone())
-        return dict(zip(due, self.sample(logits, due), strict=True))
+        return dict(zip(due, self.sample(logits, due, greedy), strict=True))
 
     def _native_decode_batch(
-        self, decodes: list[ScheduledRequest], slot_mapping: torch.Tensor, window: int | None
-    ) -> AttentionBatch:
-        """A decodes-only step for the C kernels: block tables and key bounds, nothing
-        gathered, no mask (each sequence's keys are cut to its own context and window)."""
-        dev, bs = self.device, self.block_size
-        lengths = [e.end for e in decodes]
+        self, decodes: list[ScheduledRequest]
+    ) -> tuple[AttentionBatch, torch.Tensor]:
+        """A decodes-only step for the C kernels and its token ids: block tables and key
+        bounds, nothing gathered, no mask (each sequence's keys are cut to its own context and
+        window). Every index the step needs (ids, slots, positions, bounds, tables) is one view
+        of one int64 tensor: one tensor built from Python where there were five (~5 us each
+        with warm caches, several times that after a step has streamed the weights through)."""
+        dev, bs, window = self.device, self.block_size, self.model.config.sliding_window
+        n = len(decodes)
+        lengths = [e.end for e in decodes]  # each decodes its last token, at position end - 1
         width = max(-(-length // bs) for length in lengths)
-        tables = [e.request.block_table[:width] for e in decodes]
-        tables = [t + [0] * (width - len(t)) for t in tables]
-        bounds = [(max(0, n - window) if window else 0, n) for n in lengths]
+        bounds = [(max(0, length - window) if window else 0, length) for length in lengths]
+        flat = [e.request.token_ids[e.end - 1] for e in decodes]
+        for e in decodes:
+            flat.append(e.request.block_table[(e.end - 1) // bs] * bs + (e.end - 1) % bs)
+        flat.extend(length - 1 for length in lengths)
+        for bound in bounds:
+            flat.extend(bound)
+        for e in decodes:
+            table = e.request.block_table[:width]
+            flat.extend(table)
+            flat.extend([0] * (width - len(table)))
+        data = torch.tensor(flat, dtype=torch.long, device=dev)
         runs = None
-        if len(decodes) == 1 and lengths[0] - bounds[0][0] >= NATIVE_SDPA_FROM_KEYS:
+        if n == 1 and lengths[0] - bounds[0][0] >= NATIVE_SDPA_FROM_KEYS:
             runs = slot_runs(decodes[0].request.block_table, *bounds[0], bs)
             runs = runs if can_decode_in_place(runs, dev) else None
-        return AttentionBatch(
-            slot_mapping,
+        batch = AttentionBatch(
+            data[n : 2 * n],  # slot_mapping
             bs,
-            len(decodes),
+            n,
             None,
             bounds[0] if runs else (0, 0),
             None,
             [],
             runs,
-            decode_tables=torch.tensor(tables, dtype=torch.long, device=dev),
-            decode_bounds=torch.tensor(bounds, dtype=torch.long, device=dev),
-            positions=torch.tensor([n - 1 for n in lengths], dtype=torch.long, device=dev),
+            decode_tables=data[5 * n :].view(n, width),
+            decode_bounds=data[3 * n : 5 * n].view(n, 2),
+            positions=data[2 * n : 3 * n],
         )
+        return batch, data[:n]
 
     def _batch(
         self,
@@ -231,16 +248,21 @@ class ModelRunner:
             decode_runs,
         )
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        """Greedy rows take the argmax; others temperature, top-k, top-p, then an exponential
-        race (argmax of p / E, E ~ Exp(1)), drawn from the request's own generator when it has
-        a seed so its tokens do not depend on what else shares the batch."""
+    def sample(
+        self, logits: torch.Tensor, requests: list[Request], greedy: torch.Tensor | None = None
+    ) -> list[int]:
+        """Greedy rows take the argmax (``greedy``, where the caller has it: the C kernels'
+        one call gives it, ~40 us sooner than torch's over a 16k vocabulary); others
+        temperature, top-k, top-p, then an exponential race (argmax of p / E, E ~ Exp(1)),
+        drawn from the request's own generator when it has a seed so its tokens do not depend
+        on what else shares the batch."""
         for i, request in enumerate(requests):
             p = request.params
             if len(request.output_token_ids) < p.min_tokens:  # no stop token before min_tokens
                 for stop_id in request.stop_token_ids:
                     logits[i, stop_id] = float("-inf")
-        tokens = logits.argmax(dim=-1)
+                    greedy = None  # a row changed: its argmax may have
+        tokens = logits.argmax(dim=-1) if greedy is None else greedy
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
         if not sampled:
             return tokens.tolist()

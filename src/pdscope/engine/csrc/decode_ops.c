@@ -1744,9 +1744,14 @@ typedef struct {
     double eps, qk_eps, scale;
     int64_t bf, threads, many_rows, wide_glue;
     /* decode_logits only (appended, so an older caller's shorter struct still fits
-     * decode_layers): the LM head [vocab, hidden], no bias */
+     * decode_layers): the LM head [vocab, hidden], no bias; when `embed` is set, the step's
+     * token ids [rows] and the embedding [vocab, hidden] the residual is first copied from;
+     * when `argmax` is set, each row's greedy token [rows] (argmax_rows) is written there. */
     const void *lm_head;
     int64_t vocab;
+    const int64_t *ids;
+    const void *embed;
+    int64_t *argmax;
 } decode_step;
 
 static void step_norm(const decode_step *s, const void *x, void *residual, const void *w,
@@ -1814,29 +1819,88 @@ int decode_layers(const decode_layer *layers, const decode_step *s, void *residu
  * model dtype and then widened, the bits the per-kernel path's lm_head(hidden).float() gives.
  * A one-row AMX step writes them widened straight from the tiles; other bf16 steps go through
  * a bf16 copy in scratch (decode_logits_scratch(s) bytes). Returns 0, or -1 as decode_layers. */
+/* out[r] = the index of row r's largest value in x [rows, n] as torch.argmax gives it: the
+ * first of equal maxima, and the first NaN where a row has one. */
+void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * n;
+        int64_t i = 0, best_i = 0;
+        float best = row[0];
+#ifdef HAVE_DPBF16
+        /* the row's maximum and whether it holds a NaN, 16 lanes at a time; then the first
+         * index of that maximum (or of the first NaN) */
+        __m512 m = _mm512_set1_ps(-INFINITY);
+        __mmask16 nan = 0;
+        for (; i < n; i += 16) {
+            const __mmask16 live = tail16(n - i);
+            const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, row + i);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            m = _mm512_max_ps(m, v);
+        }
+        best = _mm512_reduce_max_ps(m);
+        for (i = 0; i < n; i += 16) {
+            const __mmask16 live = tail16(n - i);
+            const __m512 v = _mm512_maskz_loadu_ps(live, row + i);
+            const __mmask16 hit = (nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
+                                       : _mm512_cmp_ps_mask(v, _mm512_set1_ps(best), _CMP_EQ_OQ)) &
+                                  live;
+            if (hit) {
+                best_i = i + __builtin_ctz(hit);
+                break;
+            }
+        }
+#else
+        for (i = 1; i < n; i++) {
+            const float v = row[i];
+            if (v > best || (v != v && best == best)) {
+                best = v;
+                best_i = i;
+            }
+        }
+#endif
+        out[r] = best_i;
+    }
+}
+
 int64_t decode_logits_scratch(const decode_step *s) {
-    return decode_layers_scratch(s) + s->rows * s->hidden * (s->bf ? 2 : 4) +
+    const int64_t elem = s->bf ? 2 : 4;
+    return decode_layers_scratch(s) + 2 * s->rows * s->hidden * elem +
            (s->bf ? s->rows * s->vocab * 2 : 0);
 }
 
+/* residual: as decode_layers', or NULL when `s->embed` is set (then it lives in scratch).
+ * Returns 0, -1 as decode_layers, or -2 when a token id lies outside the embedding. */
 int decode_logits(const decode_layer *layers, const decode_step *s, void *residual,
                   float *logits, void *scratch) {
+    const int64_t elem = s->bf ? 2 : 4, row_bytes = s->hidden * elem;
     char *normed = (char *)scratch + decode_layers_scratch(s);
-    bf16 *rounded = (bf16 *)(normed + s->rows * s->hidden * (s->bf ? 2 : 4));
+    char *embedded = normed + s->rows * row_bytes;
+    bf16 *rounded = (bf16 *)(embedded + s->rows * row_bytes);
+    if (s->embed) {
+        if (!residual) residual = embedded;
+        for (int64_t r = 0; r < s->rows; r++) {
+            if (s->ids[r] < 0 || s->ids[r] >= s->vocab) return -2;
+            memcpy((char *)residual + r * row_bytes,
+                   (const char *)s->embed + s->ids[r] * row_bytes, (size_t)row_bytes);
+        }
+    }
     if (decode_layers(layers, s, residual, normed, scratch)) return -1;
-    if (!s->bf) return step_linear(s, normed, s->lm_head, NULL, logits, s->hidden, s->vocab);
+    if (!s->bf) {
+        if (step_linear(s, normed, s->lm_head, NULL, logits, s->hidden, s->vocab)) return -1;
+    }
 #ifdef HAVE_AMX
     /* linear_many_rows' one-row branch, its output widened in place of stored */
-    if (s->many_rows && s->rows == 1 && s->hidden % 32 == 0 && s->vocab % 16 == 0 &&
-        amx_usable()) {
+    else if (s->many_rows && s->rows == 1 && s->hidden % 32 == 0 && s->vocab % 16 == 0 &&
+             amx_usable())
         amx_one_row((const bf16 *)normed, s->lm_head, NULL, NULL, logits, s->hidden, s->vocab,
                     (int)s->threads);
-        return 0;
-    }
 #endif
-    if (step_linear(s, normed, s->lm_head, NULL, rounded, s->hidden, s->vocab)) return -1;
-    const int64_t n = s->rows * s->vocab;
+    else {
+        if (step_linear(s, normed, s->lm_head, NULL, rounded, s->hidden, s->vocab)) return -1;
+        const int64_t n = s->rows * s->vocab;
 #pragma omp parallel for simd num_threads((int)s->threads) schedule(static) if (n >= 262144)
-    for (int64_t i = 0; i < n; i++) logits[i] = bf16_to_f32(rounded[i]);
+        for (int64_t i = 0; i < n; i++) logits[i] = bf16_to_f32(rounded[i]);
+    }
+    if (s->argmax) argmax_rows(logits, s->rows, s->vocab, s->argmax);
     return 0;
 }
