@@ -397,9 +397,9 @@ def test_c_path_hands_long_contexts_to_sdpa_in_place(
     build = runner.ModelRunner._native_decode_batch
 
     def spy(self, *args):
-        batch = build(self, *args)
+        batch, ids = build(self, *args)
         seen.append(batch.decode_runs is not None)
-        return batch
+        return batch, ids
 
     monkeypatch.setattr(runner.ModelRunner, "_native_decode_batch", spy)
     assert [llm.generate(p, GREEDY)[0].token_ids for p in ps] == expected
@@ -416,12 +416,15 @@ def test_c_path_hands_long_contexts_to_sdpa_in_place(
         ("bfloat16", "linear=amx,batch_linear=c,prefill_attention=sdpa,decode_ops=c"),
     ],
 )
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # a qkv bias; q/k norms
+# a qkv bias; q/k norms; q/k norms with the LM head tied to the embedding and a vocabulary
+# that is not a multiple of 16 (the one-row AMX kernel then leaves it to the other matmul)
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3-tied"])
 def test_one_call_decode_step_is_the_per_kernel_path_bit_for_bit(
     tmp_path: Path, arch: str, dtype: str, kernels: str
 ) -> None:
     """NativeOps.decode_layers runs the per-kernel path's kernels in its order on its buffers,
-    so its logits are the same bits, at one row and at a batch of several (batch_linear=c)."""
+    and NativeOps.decode_logits the LM head after them in the same call, so their logits are
+    the same bits, at one row and at a batch of several (batch_linear=c)."""
     from safetensors.torch import load_file, save_file
 
     from pdscope.checkpoint.make_model import default_cache_dir
@@ -431,7 +434,11 @@ def test_one_call_decode_step_is_the_per_kernel_path_bit_for_bit(
         ops = native.load(default_cache_dir() / "native")
         if ops is None or ops.linear_many_isa != "amx":
             pytest.skip("no AMX tiles on this CPU, compiler or kernel")
-    path = make_model(tmp_path / arch, "tiny", arch=arch, dtype=dtype)
+    tied = arch.endswith("-tied")
+    overrides = {"tie_word_embeddings": True, "vocab_size": 1000} if tied else {}
+    path = make_model(
+        tmp_path / arch, "tiny", arch=arch.removesuffix("-tied"), dtype=dtype, **overrides
+    )
     # Generated norms are all ones: random ones make a swapped or dropped norm weight show.
     weights_file = path / "model.safetensors"
     tensors = load_file(weights_file)
@@ -449,32 +456,41 @@ def test_one_call_decode_step_is_the_per_kernel_path_bit_for_bit(
         enable_prefix_caching=False,  # the second pass must prefill as the first did
     )
     model = llm.engine.runner.model
+    assert (model.lm_head.weight is model.embed_tokens.weight) == tied
     ps = prompts(llm)
     batched = "batch_linear=c" in kernels
+    one_row_c = "linear=packed" not in kernels
     llm.engine.runner.capture_logits = True
-    captured: dict[bool, list[torch.Tensor]] = {}
-    for fuse in (False, True):
-        model.fuse_decode = fuse
-        calls = _count_calls([model], "native", "decode_layers")
+    # per-kernel; the layers in one call, the LM head after it; both in one call
+    modes = {"per-kernel": (False, False), "layers": (True, False), "logits": (True, True)}
+    captured: dict[str, list[torch.Tensor]] = {}
+    for mode, (fuse, fuse_logits) in modes.items():
+        model.fuse_decode, model.fuse_logits = fuse, fuse_logits
+        layer_calls = _count_calls([model], "native", "decode_layers")
+        logit_calls = _count_calls([model], "native", "decode_logits")
         llm.engine.runner.captured = []
         llm.generate(ps[0], GREEDY)  # batch-1 decode steps
-        single_calls = calls[0]
+        single = (layer_calls[0], logit_calls[0])
         llm.generate(ps, GREEDY)  # decode steps of 1-4 rows
-        captured[fuse] = llm.engine.runner.captured
-        one_row_c = "linear=packed" not in kernels
-        assert single_calls == (GREEDY.max_tokens - 1 if fuse and one_row_c else 0)
-        assert (calls[0] > single_calls) == (fuse and batched)
-    # A weight whose storage is replaced after the one-call path cached its pointers: read anew.
-    proj = model.layers[0].mlp.down_proj
-    proj.weight.data = proj.weight.data * 1.5
-    for fuse in (False, True):
-        model.fuse_decode = fuse
+        captured[mode] = llm.engine.runner.captured
+        one_calls = GREEDY.max_tokens - 1 if fuse and one_row_c else 0
+        assert single == ((0, one_calls) if fuse_logits else (one_calls, 0))
+        calls = logit_calls if fuse_logits else layer_calls
+        assert (calls[0] > sum(single)) == (fuse and batched)
+    # A weight whose storage is replaced after the one-call path cached its pointers: read
+    # anew; the LM head's too (under tying, the embedding's with it).
+    for proj in (model.layers[0].mlp.down_proj, model.lm_head):
+        proj.weight.data = proj.weight.data * 1.5
+    for mode, (fuse, fuse_logits) in modes.items():
+        model.fuse_decode, model.fuse_logits = fuse, fuse_logits
         llm.engine.runner.captured = []
         llm.generate(ps[0], GREEDY)
-        captured[fuse] += llm.engine.runner.captured
-    assert len(captured[True]) == len(captured[False])
-    for fused, per_kernel in zip(captured[True], captured[False], strict=True):
-        assert torch.equal(fused, per_kernel)
+        captured[mode] += llm.engine.runner.captured
+    for mode in ("layers", "logits"):
+        assert len(captured[mode]) == len(captured["per-kernel"])
+        for fused, per_kernel in zip(captured[mode], captured["per-kernel"], strict=True):
+            assert fused.dtype == per_kernel.dtype == torch.float32
+            assert torch.equal(fused, per_kernel)
 
 
 def test_streamed_weights_move_to_huge_pages_and_stay_tied(tmp_path: Path) -> None:

@@ -530,6 +530,45 @@ def glue_ops(request: pytest.FixtureRequest, c_ops: native.NativeOps) -> Iterato
         c_ops.wide_glue = before
 
 
+@pytest.fixture(scope="module", params=["native", "portable"])
+def argmax_ops(
+    request: pytest.FixtureRequest,
+    c_ops: native.NativeOps,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> native.NativeOps:
+    """The engine's build (AVX-512 where the CPU has it) and one for x86-64-v3 (no AVX-512:
+    the scalar loops, as on a CPU without it)."""
+    if request.param == "native":
+        return c_ops
+    cc = native.compiler()
+    assert cc is not None
+    target = tmp_path_factory.mktemp("native_v3") / "decode_ops.so"
+    cmd = [cc, *native._FLAG_SETS[0], "-march=x86-64-v3", "-o", str(target)]
+    subprocess.run([*cmd, str(native.SOURCE), "-lm"], check=True)
+    return native.NativeOps(ctypes.CDLL(str(target)))
+
+
+@needs_cc
+def test_c_argmax_is_torchs(argmax_ops: native.NativeOps) -> None:
+    """The greedy token the one-call decode step hands the sampler: torch.argmax's index for
+    every row, ties (the first), NaNs (the first), all -inf, and lengths off the 16 lanes."""
+    if not argmax_ops.one_call_logits:
+        pytest.skip("a build without decode_logits")
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 15, 16, 17, 1000, 16384):
+        x = torch.randn(6, n, generator=gen)
+        x[1] = x[1].round()  # many ties
+        x[1, -1] = x[1].max()  # the maximum twice, at the end too
+        x[2] = float("-inf")
+        x[3, n // 2] = float("nan")
+        x[3, -1] = float("nan")
+        x[4, 0] = float("inf")
+        x[5] = 0.0
+        assert torch.equal(argmax_ops.argmax_rows(x), x.argmax(dim=-1)), n
+    with pytest.raises(ValueError, match="float32"):
+        argmax_ops.argmax_rows(torch.zeros(2, 3, dtype=torch.bfloat16))
+
+
 @needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(5, 96), (70, 1000)])  # 1000: a masked tail; 70 x 1000: threaded
@@ -819,9 +858,14 @@ def test_threads_bound_pins_each_step_and_only_the_step(tiny_bf16: Path) -> None
     llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels="threads=bound")
     assert llm.engine.kernels.threads == "bound"
     seen: list[set[int]] = []
-    llm.engine.runner.model.register_forward_pre_hook(
-        lambda *_: seen.append(os.sched_getaffinity(0))
-    )
+    runner = llm.engine.runner
+    execute = runner._execute  # the model's work of a step (decode steps skip its forward)
+
+    def spy(out: object) -> object:
+        seen.append(os.sched_getaffinity(0))
+        return execute(out)
+
+    runner._execute = spy  # type: ignore[method-assign]
 
     def run() -> tuple[int, set[int]]:
         out = llm.generate([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))

@@ -751,9 +751,15 @@ class CausalLM(nn.Module):
         # Decodes-only steps run every layer in one C call (NativeOps.decode_layers) where
         # their matmuls take the C kernels; False keeps the per-kernel calls (benches, tests).
         self.fuse_decode = True
-        # (every tensor pointed into, their pointers when built, the array)
+        # ... and the LM head in that call too (NativeOps.decode_logits, decode_logits);
+        # False keeps it a call of its own after it (benches, tests).
+        self.fuse_logits = True
+        # (every tensor pointed into, their pointers when built, what was built from them)
         self._decode_layers: (
-            tuple[list[torch.Tensor], list[int], ctypes.Array[DecodeLayer]] | None
+            tuple[
+                list[torch.Tensor], list[int], tuple[ctypes.Array[DecodeLayer], DecodeStep, Linear]
+            ]
+            | None
         ) = None
 
     def init_rope(self, max_positions: int, device: torch.device) -> None:
@@ -790,10 +796,39 @@ class CausalLM(nn.Module):
         """The same layers with the C kernels' glue: each residual add is fused into the norm
         that follows it (``residual += h; h = norm(residual)``), as one call. Every step under
         ``decode_ops=c`` runs here; steps with prefill chunks keep PyTorch's attention."""
+        residual = self.embed_tokens(input_ids)  # a fresh tensor: updated in place below
+        fused = (
+            self._fused_decode(input_ids.shape[0], kv_caches, batch) if self.fuse_decode else None
+        )
+        return self._native_layers(residual, kv_caches, batch, fused)
+
+    def decode_logits(
+        self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], batch: AttentionBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Float32 logits [rows, vocab] of a decodes-only step under the C kernels (every row
+        samples; ``batch.positions`` set) and, where the embedding, the layers and the LM head
+        run in one C call (:meth:`_fused_decode` allows it), each row's argmax [rows] from that
+        call; else :meth:`forward`'s layers and then :meth:`logits` (the same bits) and None."""
+        native = self.native
+        assert native is not None and batch.positions is not None
+        rows = input_ids.shape[0]
+        fused = self._fused_decode(rows, kv_caches, batch) if self.fuse_decode else None
+        if fused is not None and self.fuse_logits and native.one_call_logits:
+            return native.decode_logits(*fused, input_ids, self.embed_tokens.weight)
+        residual = self.embed_tokens(input_ids)  # a fresh tensor: updated in place below
+        return self.logits(self._native_layers(residual, kv_caches, batch, fused)), None
+
+    def _native_layers(
+        self,
+        residual: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        batch: AttentionBatch,
+        fused: tuple[ctypes.Array[DecodeLayer], DecodeStep] | None,
+    ) -> torch.Tensor:
+        """:meth:`_native_decode` from the embedded tokens: one C call when ``fused`` (from
+        :meth:`_fused_decode`), else one per kernel."""
         native = self.native
         assert native is not None
-        residual = self.embed_tokens(input_ids)  # a fresh tensor: updated in place below
-        fused = self._fused_decode(residual, kv_caches, batch) if self.fuse_decode else None
         if fused is not None:
             return native.decode_layers(*fused, residual)
         first = self.layers[0].input_layernorm
@@ -808,13 +843,12 @@ class CausalLM(nn.Module):
         return h
 
     def _fused_decode(
-        self, residual: torch.Tensor, kv_caches: list[torch.Tensor], batch: AttentionBatch
+        self, rows: int, kv_caches: list[torch.Tensor], batch: AttentionBatch
     ) -> tuple[ctypes.Array[DecodeLayer], DecodeStep] | None:
-        """The layers and step for NativeOps.decode_layers, or None where a part of this step
-        would leave the C kernels: a long context read in place by SDPA, or matmuls of a row
-        count that takes oneDNN. The layers' array is built once per set of weights and caches."""
-        rows = residual.shape[0]
-        first = self.layers[0].self_attn.qkv_proj
+        """The layers and step for NativeOps.decode_layers / decode_logits, or None where a part
+        of this step would leave the C kernels: a long context read in place by SDPA, or
+        matmuls of a row count that takes oneDNN. Both are built once per set of weights and
+        caches (:meth:`_decode_layer_array`); the step's batch fields are set here."""
         if (
             self.native is None
             or not self.native.one_call
@@ -823,63 +857,45 @@ class CausalLM(nn.Module):
             or batch.decode_tables.shape[0] != rows
         ):
             return None
+        built = self._decode_layer_array(kv_caches)
+        if built is None:
+            return None
+        layers, step, first = built
         # apply_kernels points every Linear at the same paths: the first one speaks for all.
         if first.native is not None and rows <= NATIVE_LINEAR_MAX_ROWS:
-            many_rows = first.one_row_amx
+            step.many_rows = first.one_row_amx
         elif (
             first.native_many is not None and NATIVE_LINEAR_MAX_ROWS < rows <= NATIVE_MANY_MAX_ROWS
         ):
-            many_rows = True
+            step.many_rows = True
         else:
             return None
-        layers = self._decode_layer_array(kv_caches)
-        if layers is None:
-            return None
-        c, native = self.config, self.native
-        attn = self.layers[0].self_attn
-        assert native is not None
         assert batch.positions is not None and batch.decode_bounds is not None
-        step = DecodeStep(
-            layers=c.num_layers,
-            rows=rows,
-            hidden=c.hidden_size,
-            heads=c.num_heads,
-            kv_heads=c.num_kv_heads,
-            dim=c.head_dim,
-            inter=c.intermediate_size,
-            slots=kv_caches[0].shape[2],
-            block_size=batch.block_size,
-            table_width=batch.decode_tables.shape[1],
-            positions=batch.positions.data_ptr(),
-            slot_mapping=batch.slot_mapping.data_ptr(),
-            tables=batch.decode_tables.data_ptr(),
-            bounds=batch.decode_bounds.data_ptr(),
-            cos_table=self.rope_cos.data_ptr(),
-            sin_table=self.rope_sin.data_ptr(),
-            final_norm=self.norm.weight.data_ptr(),
-            eps=self.norm.eps,
-            qk_eps=attn.q_norm.eps if attn.q_norm is not None else 0.0,
-            scale=attn.scale,
-            bf=residual.dtype == torch.bfloat16,
-            threads=torch.get_num_threads(),
-            many_rows=many_rows,
-            wide_glue=native.wide_glue,
-        )
+        step.rows = rows
+        step.block_size = batch.block_size
+        step.table_width = batch.decode_tables.shape[1]
+        step.positions = batch.positions.data_ptr()
+        step.slot_mapping = batch.slot_mapping.data_ptr()
+        step.tables = batch.decode_tables.data_ptr()
+        step.bounds = batch.decode_bounds.data_ptr()
+        step.threads = torch.get_num_threads()
         return layers, step
 
     def _decode_layer_array(
         self, kv_caches: list[torch.Tensor]
-    ) -> ctypes.Array[DecodeLayer] | None:
-        """Every layer's weight and cache pointers, built again when any of them moves (new
-        caches, a weight's ``.data`` replaced; apply_kernels drops it too): checked on the held
-        tensors, ~20 us a step where walking the modules for them took 0.4 ms. None when a
-        tensor is not one the C kernels can read as given (the per-kernel path then checks and
-        says which)."""
+    ) -> tuple[ctypes.Array[DecodeLayer], DecodeStep, Linear] | None:
+        """Every layer's weight and cache pointers, and a step holding the model's own (final
+        norm, rope tables, LM head, embedding; the batch fields are the caller's), built again
+        when any of them moves (new caches, a weight's ``.data`` replaced; apply_kernels drops
+        them too): checked on the held tensors, ~20 us a step where walking the modules for
+        them took 0.4 ms. The first Linear comes with them (it names the matmul paths). None
+        when a tensor is not one the C kernels can read as given (the per-kernel path then
+        checks and says which)."""
         if self._decode_layers is not None:
-            held, ptrs, array = self._decode_layers
+            held, ptrs, built = self._decode_layers
             caches = [cache.data_ptr() for cache in kv_caches]
             if ptrs[-len(caches) :] == caches and [t.data_ptr() for t in held] == ptrs:
-                return array
+                return built
         rows = []
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
@@ -905,21 +921,50 @@ class CausalLM(nn.Module):
         qk_norms = [
             n for layer in self.layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)
         ]
-        tensors = [t for row in rows for t in row[:-1] if t is not None] + list(kv_caches)
+        weights = [
+            *(t for row in rows for t in row[:-1] if t is not None),
+            self.norm.weight,
+            self.lm_head.weight,  # read by decode_logits, as the embedding
+            self.embed_tokens.weight,
+        ]
         dtype = self.embed_tokens.weight.dtype
+        c, attn = self.config, self.layers[0].self_attn
         if (
             len({n.eps for n in norms}) > 1
             or len({None if n is None else n.eps for n in qk_norms}) > 1
             or any(
-                not t.is_contiguous() or t.device.type != "cpu" or t.dtype != dtype for t in tensors
+                not t.is_contiguous() or t.device.type != "cpu" or t.dtype != dtype
+                for t in weights + kv_caches
             )
+            or self.embed_tokens.weight.shape != self.lm_head.weight.shape
         ):
             return None
         array = (DecodeLayer * len(rows))(
             *(DecodeLayer(*(None if t is None else t.data_ptr() for t in row)) for row in rows)
         )
-        self._decode_layers = (tensors, [t.data_ptr() for t in tensors], array)
-        return array
+        step = DecodeStep(
+            layers=c.num_layers,
+            hidden=c.hidden_size,
+            heads=c.num_heads,
+            kv_heads=c.num_kv_heads,
+            dim=c.head_dim,
+            inter=c.intermediate_size,
+            slots=kv_caches[0].shape[2],
+            cos_table=self.rope_cos.data_ptr(),
+            sin_table=self.rope_sin.data_ptr(),
+            final_norm=self.norm.weight.data_ptr(),
+            eps=self.norm.eps,
+            qk_eps=attn.q_norm.eps if attn.q_norm is not None else 0.0,
+            scale=attn.scale,
+            bf=dtype == torch.bfloat16,
+            wide_glue=self.native is not None and self.native.wide_glue,
+            lm_head=self.lm_head.weight.data_ptr(),
+            vocab=self.lm_head.weight.shape[0],
+        )
+        held = [*weights, self.rope_cos, self.rope_sin, *kv_caches]
+        built = (array, step, attn.qkv_proj)
+        self._decode_layers = (held, [t.data_ptr() for t in held], built)
+        return built
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -178,6 +178,13 @@ class DecodeStep(ctypes.Structure):
         ("qk_eps", ctypes.c_double),
         ("scale", ctypes.c_double),
         *[(name, _I) for name in ("bf", "threads", "many_rows", "wide_glue")],
+        # decode_logits only: the LM head's weight [vocab, hidden]; the token ids [rows] and
+        # the embedding to copy the residual from, and where each row's argmax goes
+        ("lm_head", _P),
+        ("vocab", _I),
+        ("ids", _P),
+        ("embed", _P),
+        ("argmax", _P),
     ]
 
 
@@ -235,6 +242,15 @@ class NativeOps:
             self.lib.decode_layers.restype = ctypes.c_int
             self.lib.decode_layers_scratch.argtypes = [ctypes.POINTER(DecodeStep)]
             self.lib.decode_layers_scratch.restype = ctypes.c_int64
+        # newer still: the LM head in the same call (decode_logits)
+        self.one_call_logits = self.one_call and hasattr(self.lib, "decode_logits")
+        if self.one_call_logits:
+            self.lib.decode_logits.argtypes = self.lib.decode_layers.argtypes
+            self.lib.decode_logits.restype = ctypes.c_int
+            self.lib.decode_logits_scratch.argtypes = [ctypes.POINTER(DecodeStep)]
+            self.lib.decode_logits_scratch.restype = ctypes.c_int64
+            self.lib.argmax_rows.argtypes = [_P, _I, _I, _P]
+            self.lib.argmax_rows.restype = None
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up from the fused projection's output [rows, 2 n] → [rows, n]."""
@@ -470,6 +486,51 @@ class NativeOps:
         )
         if status != 0:
             raise MemoryError("decode_layers: a kernel found no memory for its scratch space")
+        return out
+
+    def decode_logits(
+        self,
+        layers: ctypes.Array[DecodeLayer],
+        step: DecodeStep,
+        ids: torch.Tensor,
+        embed: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's tokens ``ids`` [rows] (int64) embedded from ``embed`` [vocab, hidden],
+        :meth:`decode_layers` and then the LM head (``step.lm_head``, ``step.vocab``), all in
+        one call (decode_ops.c's decode_logits). Returns float32 logits [rows, vocab], the same
+        bits as the per-kernel path's ``lm_head(hidden).float()``, and each row's argmax
+        [rows] (int64, as ``logits.argmax(-1)``). The caller vouches for ``embed`` and ids
+        inside it, as for the pointers in ``step``; this sets ``step``'s ids, embedding and
+        argmax fields."""
+        if ids.shape != (step.rows,) or ids.dtype != torch.int64 or not ids.is_contiguous():
+            raise ValueError(f"decode_logits: ids {ids.dtype} {tuple(ids.shape)} do not fit")
+        if not step.lm_head or step.vocab <= 0 or embed.shape[1] != step.hidden:
+            raise ValueError("decode_logits: the LM head or the embedding does not fit")
+        logits = torch.empty(step.rows, step.vocab, dtype=torch.float32)
+        argmax = torch.empty(step.rows, dtype=torch.int64)
+        step.ids, step.embed, step.argmax = ids.data_ptr(), embed.data_ptr(), argmax.data_ptr()
+        scratch = torch.empty(self.lib.decode_logits_scratch(ctypes.byref(step)), dtype=torch.uint8)
+        status = self.lib.decode_logits(
+            ctypes.addressof(layers),
+            ctypes.byref(step),
+            None,
+            logits.data_ptr(),
+            scratch.data_ptr(),
+        )
+        if status == -2:
+            raise ValueError(f"decode_logits: a token id outside 0..{step.vocab - 1}")
+        if status != 0:
+            raise MemoryError("decode_logits: a kernel found no memory for its scratch space")
+        return logits, argmax
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x.argmax(-1)`` of float32 ``x`` [rows, n] (the first of equal maxima, the first
+        NaN where a row has one): the greedy tokens :meth:`decode_logits` gives."""
+        _check(x)
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] == 0:
+            raise ValueError(f"argmax_rows: float32 [rows, n>0] only, got {x.dtype} {x.shape}")
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self.lib.argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
         return out
 
     @property

@@ -1096,8 +1096,8 @@ int linear_many_rows_amx(void) {
  * order, so there is no copy of x to allocate and repack and no gather of C (the many-row path
  * below pays both per call; measured 1.04x on the small model's one-row pass). Two A tiles, two
  * independent accumulators, per 32-row block. */
-static void amx_one_row(const bf16 *x, const bf16 *w, const void *bias, bf16 *y, int64_t in,
-                        int64_t out, int threads) {
+static void amx_one_row(const bf16 *x, const bf16 *w, const void *bias, bf16 *y, float *yf,
+                        int64_t in, int64_t out, int threads) {
     const int64_t blocks = (out + 31) / 32, wstride = in * (int64_t)sizeof(bf16);
     const int parallel = threads > 1 && out * in >= 65536;
 #pragma omp parallel num_threads(threads) if (parallel)
@@ -1137,7 +1137,12 @@ static void amx_one_row(const bf16 *x, const bf16 *w, const void *bias, bf16 *y,
             for (int h = 0; h < na; h++) {
                 __m512 v = _mm512_loadu_ps(c + 16 * h);
                 if (bias) v = _mm512_add_ps(v, bf16x16_to_f32((const bf16 *)bias + r0 + 16 * h));
-                _mm256_storeu_si256((__m256i *)(y + r0 + 16 * h), (__m256i)_mm512_cvtneps_pbh(v));
+                const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(v);
+                if (yf) /* the bf16 result widened, as torch's .float() of y would give it */
+                    _mm512_storeu_si512(yf + r0 + 16 * h,
+                                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+                else
+                    _mm256_storeu_si256((__m256i *)(y + r0 + 16 * h), rounded);
             }
         }
         _tile_release();
@@ -1172,7 +1177,7 @@ int linear_many_rows(const void *x, const void *w, const void *bias, void *y, in
                      int64_t in, int64_t out, int bf, int threads) {
 #ifdef HAVE_AMX
     if (bf && rows == 1 && in % 32 == 0 && out % 16 == 0 && amx_usable()) {
-        amx_one_row((const bf16 *)x, (const bf16 *)w, bias, (bf16 *)y, in, out, threads);
+        amx_one_row((const bf16 *)x, (const bf16 *)w, bias, (bf16 *)y, NULL, in, out, threads);
         return 1;
     }
     if (bf && rows > 0 && in % 32 == 0 && out % 16 == 0 && amx_usable()) {
@@ -1738,6 +1743,15 @@ typedef struct {
     const void *final_norm;
     double eps, qk_eps, scale;
     int64_t bf, threads, many_rows, wide_glue;
+    /* decode_logits only (appended, so an older caller's shorter struct still fits
+     * decode_layers): the LM head [vocab, hidden], no bias; when `embed` is set, the step's
+     * token ids [rows] and the embedding [vocab, hidden] the residual is first copied from;
+     * when `argmax` is set, each row's greedy token [rows] (argmax_rows) is written there. */
+    const void *lm_head;
+    int64_t vocab;
+    const int64_t *ids;
+    const void *embed;
+    int64_t *argmax;
 } decode_step;
 
 static void step_norm(const decode_step *s, const void *x, void *residual, const void *w,
@@ -1797,5 +1811,96 @@ int decode_layers(const decode_layer *layers, const decode_step *s, void *residu
         const int last = i + 1 == s->layers;
         step_norm(s, o, residual, last ? s->final_norm : layers[i + 1].input_norm, last ? out : h);
     }
+    return 0;
+}
+
+/* The rows' logits, float32 [rows, vocab], after decode_layers in the same call: the final
+ * norm's output through the LM head on the step's matmul kernel, each value rounded to the
+ * model dtype and then widened, the bits the per-kernel path's lm_head(hidden).float() gives.
+ * A one-row AMX step writes them widened straight from the tiles; other bf16 steps go through
+ * a bf16 copy in scratch (decode_logits_scratch(s) bytes). Returns 0, or -1 as decode_layers. */
+/* out[r] = the index of row r's largest value in x [rows, n] as torch.argmax gives it: the
+ * first of equal maxima, and the first NaN where a row has one. */
+void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * n;
+        int64_t i = 0, best_i = 0;
+        float best = row[0];
+#ifdef HAVE_DPBF16
+        /* the row's maximum and whether it holds a NaN, 16 lanes at a time; then the first
+         * index of that maximum (or of the first NaN) */
+        __m512 m = _mm512_set1_ps(-INFINITY);
+        __mmask16 nan = 0;
+        for (; i < n; i += 16) {
+            const __mmask16 live = tail16(n - i);
+            const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, row + i);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            m = _mm512_max_ps(m, v);
+        }
+        best = _mm512_reduce_max_ps(m);
+        for (i = 0; i < n; i += 16) {
+            const __mmask16 live = tail16(n - i);
+            const __m512 v = _mm512_maskz_loadu_ps(live, row + i);
+            const __mmask16 hit = (nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
+                                       : _mm512_cmp_ps_mask(v, _mm512_set1_ps(best), _CMP_EQ_OQ)) &
+                                  live;
+            if (hit) {
+                best_i = i + __builtin_ctz(hit);
+                break;
+            }
+        }
+#else
+        for (i = 1; i < n; i++) {
+            const float v = row[i];
+            if (v > best || (v != v && best == best)) {
+                best = v;
+                best_i = i;
+            }
+        }
+#endif
+        out[r] = best_i;
+    }
+}
+
+int64_t decode_logits_scratch(const decode_step *s) {
+    const int64_t elem = s->bf ? 2 : 4;
+    return decode_layers_scratch(s) + 2 * s->rows * s->hidden * elem +
+           (s->bf ? s->rows * s->vocab * 2 : 0);
+}
+
+/* residual: as decode_layers', or NULL when `s->embed` is set (then it lives in scratch).
+ * Returns 0, -1 as decode_layers, or -2 when a token id lies outside the embedding. */
+int decode_logits(const decode_layer *layers, const decode_step *s, void *residual,
+                  float *logits, void *scratch) {
+    const int64_t elem = s->bf ? 2 : 4, row_bytes = s->hidden * elem;
+    char *normed = (char *)scratch + decode_layers_scratch(s);
+    char *embedded = normed + s->rows * row_bytes;
+    bf16 *rounded = (bf16 *)(embedded + s->rows * row_bytes);
+    if (s->embed) {
+        if (!residual) residual = embedded;
+        for (int64_t r = 0; r < s->rows; r++) {
+            if (s->ids[r] < 0 || s->ids[r] >= s->vocab) return -2;
+            memcpy((char *)residual + r * row_bytes,
+                   (const char *)s->embed + s->ids[r] * row_bytes, (size_t)row_bytes);
+        }
+    }
+    if (decode_layers(layers, s, residual, normed, scratch)) return -1;
+    if (!s->bf) {
+        if (step_linear(s, normed, s->lm_head, NULL, logits, s->hidden, s->vocab)) return -1;
+    }
+#ifdef HAVE_AMX
+    /* linear_many_rows' one-row branch, its output widened in place of stored */
+    else if (s->many_rows && s->rows == 1 && s->hidden % 32 == 0 && s->vocab % 16 == 0 &&
+             amx_usable())
+        amx_one_row((const bf16 *)normed, s->lm_head, NULL, NULL, logits, s->hidden, s->vocab,
+                    (int)s->threads);
+#endif
+    else {
+        if (step_linear(s, normed, s->lm_head, NULL, rounded, s->hidden, s->vocab)) return -1;
+        const int64_t n = s->rows * s->vocab;
+#pragma omp parallel for simd num_threads((int)s->threads) schedule(static) if (n >= 262144)
+        for (int64_t i = 0; i < n; i++) logits[i] = bf16_to_f32(rounded[i]);
+    }
+    if (s->argmax) argmax_rows(logits, s->rows, s->vocab, s->argmax);
     return 0;
 }
