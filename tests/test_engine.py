@@ -37,6 +37,9 @@ BF16_PATHS = [
     # AMX tiles: the prefill attention (a head size that is a multiple of 32: the model below
     # gets 64) and single-row matmuls (linear=amx)
     "linear=amx,batch_linear=c,prefill_attention=amx,decode_math=native,decode_ops=c",
+    # a prefill's matmuls split by rows over the threads (the 1,100-token chunk below)
+    "linear=c,batch_linear=packed,prefill_linear=rows,prefill_attention=sdpa,"
+    "decode_math=native,decode_ops=c",
 ]
 
 
@@ -199,10 +202,17 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
     one_row_calls = _count_calls(linears, "native", "linear_many") if amx_rows else [0]
     # prefill_attention=amx reads each chunk's K/V through its block table (no gather)
     paged_calls = _count_calls(attns, "prefill_native", "prefill_attention_paged") if amx else [0]
+    by_rows = paths.get("prefill_linear") == "rows"
+    in_layers = [m for m in linears if m is not model.lm_head]
+    assert all((m.team is not None) == by_rows for m in in_layers)
+    assert model.lm_head.team is None and model.lm_head.weight_t is None
+    team_calls = _count_calls(in_layers, "team", "run_on_team") if by_rows else [0]
     llm.engine.runner.capture_logits = True
     rng = random.Random(0)
     prompt = [rng.randrange(10, 1000) for _ in range(1100)]
     out = llm.generate(prompt, GREEDY)[0]
+    # every matmul of the layers in the 1,100-row prefill, none in the decode steps
+    assert team_calls[0] == (4 * len(model.layers) if by_rows else 0)
     assert (many_calls[0] > 0) == many  # the chunks' matmuls went through the many-row kernel
     assert (one_row_calls[0] > 0) == amx_rows  # decode rows on the tiles
     assert (paged_calls[0] > 0) == amx

@@ -823,6 +823,29 @@ int place_threads(const int32_t *cpus, int n, int threads, int bind) {
     return placed;
 }
 
+/* ---- One function on every thread of the calling thread's OpenMP team, at once: share(i, n)
+ * on thread i of n. A prefill's matmuls split by rows run their shares this way (each a
+ * one-thread oneDNN matmul: a region nested in this one runs on its thread alone), on the
+ * team whose other thread would otherwise spin idle beside a second pool's threads for up to
+ * libgomp's spin count after every region. Returns n. */
+typedef void (*team_share_fn)(int share, int shares);
+int run_on_team(team_share_fn share, int threads) {
+#ifdef _OPENMP
+    int shares = 1;
+#pragma omp parallel num_threads(threads)
+    {
+        const int n = omp_get_num_threads(), i = omp_get_thread_num();
+        if (i == 0) shares = n;
+        share(i, n);
+    }
+    return shares;
+#else
+    (void)threads;
+    share(0, 1);
+    return 1;
+#endif
+}
+
 /* ---- Many-row linear on AMX tiles: y [rows, out] = x [rows, in] @ w [out, in]^T (+ bias) in
  * bf16 for the 2-32 rows of a batched decode step. The step is still one stream over the
  * weights, so the weights are read as stored: a tile multiply C[16 x 16] += A[16 x 32] B[32 x
