@@ -211,8 +211,9 @@ def test_auto_measures_every_path_that_has_two_candidates(
 def test_prefill_linear_is_measured_at_prefill_size_with_two_threads(
     tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """prefill_linear has a trial where chunks reach ROWS_SPLIT_MIN_ROWS rows, two or more
-    threads run and the weights can be packed: both candidates timed, the winner applied."""
+    """prefill_linear has a trial where chunks reach ROWS_SPLIT_MIN_ROWS rows and the weights
+    can be packed (the split by rows with the C kernels and two or more threads): every
+    candidate timed, the winner applied."""
     if not can_pack(torch.bfloat16, torch.device("cpu")):
         pytest.skip("no oneDNN packed weights in this torch")
     from pdscope.engine.model import ROWS_SPLIT_MIN_ROWS
@@ -233,11 +234,12 @@ def test_prefill_linear_is_measured_at_prefill_size_with_two_threads(
         torch.set_num_threads(saved)
     choice = llm.engine.kernels
     assert choice.how["prefill_linear"] == "measured"
-    assert set(choice.trial_s) == {"prefill_linear=onednn", "prefill_linear=rows"}
+    assert set(choice.trial_s) == {f"prefill_linear={o}" for o in ("onednn", "transposed", "rows")}
     model = llm.engine.runner.model
     layers = [m for m in model.modules() if hasattr(m, "team") and m is not model.lm_head]
-    rows = choice.prefill_linear == "rows"
-    assert all((m.team is not None) == rows == (m.weight_t is not None) for m in layers)
+    copied = choice.prefill_linear != "onednn"
+    assert all((m.team is not None) == (choice.prefill_linear == "rows") for m in layers)
+    assert all((m.weight_t is not None) == copied for m in layers)
 
 
 def _attentions(model: torch.nn.Module) -> list[Attention]:
@@ -715,13 +717,13 @@ def test_run_on_team_calls_every_share_once_and_raises_a_shares_error(
 @needs_cc
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("rows", "bias"), [(512, False), (1025, True), (3, False)])
-def test_linear_by_rows_matches_a_float64_reference_and_onednn(
+def test_linear_by_rows_and_transposed_match_a_float64_reference_and_onednn(
     c_ops: native.NativeOps, threads: int, rows: int, bias: bool
 ) -> None:
-    """prefill_linear=rows: x's rows split over the team, each share a one-thread matmul into
-    its rows of one output; within a bf16 rounding of the float64 product, and no further
-    from it than oneDNN's threaded matmul (F.linear) on the same bf16 inputs."""
-    from pdscope.engine.model import linear_by_rows
+    """prefill_linear=rows (x's rows split over the team, each share a one-thread matmul into
+    its rows of one output) and =transposed (one matmul on the [in, out] copy): within a bf16
+    rounding of the float64 product, and no further from it than F.linear on the same inputs."""
+    from pdscope.engine.model import linear_by_rows, linear_transposed
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(rows, 320, generator=gen).bfloat16()
@@ -730,16 +732,19 @@ def test_linear_by_rows_matches_a_float64_reference_and_onednn(
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = linear_by_rows(x, w.t().contiguous(), b, c_ops)
+        outs = [linear_by_rows(x, w.t().contiguous(), b, c_ops)]
+        outs.append(linear_transposed(x, w.t().contiguous(), b))
         theirs = torch.nn.functional.linear(x, w, b)
     finally:
         torch.set_num_threads(saved)
-    assert out.shape == (rows, 192) and out.dtype == torch.bfloat16 and out.is_contiguous()
     exact = x.double() @ w.double().t() + (b.double() if b is not None else 0)
-    torch.testing.assert_close(out.double(), exact, atol=2e-2, rtol=8e-3)
-    ours, ref = (out.double() - exact).abs(), (theirs.double() - exact).abs()
-    assert ours.max() <= ref.max() * 1.25 + 1e-6
-    assert ours.mean() <= ref.mean() * 1.05 + 1e-9
+    ref = (theirs.double() - exact).abs()
+    for out in outs:
+        assert out.shape == (rows, 192) and out.dtype == torch.bfloat16 and out.is_contiguous()
+        torch.testing.assert_close(out.double(), exact, atol=2e-2, rtol=8e-3)
+        ours = (out.double() - exact).abs()
+        assert ours.max() <= ref.max() * 1.25 + 1e-6
+        assert ours.mean() <= ref.mean() * 1.05 + 1e-9
 
 
 def _causal_reference(

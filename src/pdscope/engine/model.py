@@ -55,9 +55,9 @@ NATIVE_MANY_MAX_ROWS = 32
 # the small model's 49 weights, packing for 2,048 rows instead of 1 took 2,000-row matmuls
 # 1.18x and 32-row ones 1.21x faster (medians of 6 and 9 rounds).
 PACKED_ROWS_WITH_C = 2048
-# Matmuls of at least this many rows (a prefill chunk) take prefill_linear=rows when chosen:
-# x's rows split over the OpenMP team, each share a one-thread oneDNN matmul (see Linear). A
-# decode batch stays below it, on oneDNN's own threading.
+# Matmuls of at least this many rows (a prefill chunk) take prefill_linear=transposed or rows
+# when chosen: torch.mm on a transposed copy of the weight, whole or with x's rows split over
+# the OpenMP team (see Linear). A decode batch stays below it, on linear's path.
 ROWS_SPLIT_MIN_ROWS = 512
 # Returns the log-sum-exp beside the output, which merging runs needs; absent on old torch.
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -252,7 +252,9 @@ class Linear(nn.Linear):
     native_many: NativeOps | None = None  # set by apply_kernels when batch_linear=c
     huge_pages: bool = False  # the weight was moved onto transparent huge pages
     team: NativeOps | None = None  # set by apply_kernels when prefill_linear=rows
-    weight_t: torch.Tensor | None = None  # [in, out] contiguous: what the row shares multiply
+    # [in, out] contiguous, what prefill matmuls multiply by under prefill_linear=transposed or
+    # rows: oneDNN's matmul on it beat the packed weights at 2,000 rows on the AMX Xeon
+    weight_t: torch.Tensor | None = None
 
     def pack(self, rows: int = 1) -> None:
         """Pre-pack the weight for matmuls of about ``rows`` rows (oneDNN's batch hint)."""
@@ -269,16 +271,23 @@ class Linear(nn.Linear):
             and NATIVE_LINEAR_MAX_ROWS < x.shape[0] <= NATIVE_MANY_MAX_ROWS
         ):
             return self.native_many.linear_many(x.contiguous(), self.weight, self.bias)
-        if (
-            self.team is not None
-            and self.weight_t is not None
-            and x.dim() == 2
-            and x.shape[0] >= ROWS_SPLIT_MIN_ROWS
-        ):
-            return linear_by_rows(x, self.weight_t, self.bias, self.team)
+        if self.weight_t is not None and x.dim() == 2 and x.shape[0] >= ROWS_SPLIT_MIN_ROWS:
+            if self.team is not None:
+                return linear_by_rows(x, self.weight_t, self.bias, self.team)
+            return linear_transposed(x, self.weight_t, self.bias)
         if self.packed is not None:
             return _packed_linear(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def linear_transposed(
+    x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ weight_t (+ bias), ``weight_t`` [in, out] contiguous (``prefill_linear=transposed``):
+    oneDNN's matmul primitive on the plain layout, its threads splitting the work."""
+    if bias is None:
+        return torch.mm(x, weight_t)
+    return torch.addmm(bias, x, weight_t)
 
 
 def linear_by_rows(
@@ -1003,13 +1012,13 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             else:
                 module.packed, module.packed_rows = None, 0  # frees the packed copy too
             # not the LM head: a prefill runs it on its last row only
-            by_rows = (
-                choice.prefill_linear == "rows"
+            transposed = (
+                choice.prefill_linear in ("transposed", "rows")
                 and module.weight.dtype == torch.bfloat16
                 and module is not model.lm_head
             )
-            module.team = native if by_rows else None
-            if not by_rows:
+            module.team = native if transposed and choice.prefill_linear == "rows" else None
+            if not transposed:
                 module.weight_t = None
             elif module.weight_t is None:
                 module.weight_t = module.weight.detach().t().contiguous()
@@ -1047,9 +1056,9 @@ def kernel_trials(
       many-row C kernel. The packed candidate is always laid out for many rows (as under
       ``linear=c``), the fastest packed form at these rows, whatever ``linear`` chooses: C
       must beat the best oneDNN can do to be chosen;
-    * prefill linear (bf16 with the C kernels, more than one thread, chunks of at least
-      ``ROWS_SPLIT_MIN_ROWS``): layer 0's matmuls at ``prefill_tokens`` rows, through the
-      weights packed for many rows (oneDNN's threads) or split by rows over the team;
+    * prefill linear (bf16, chunks of at least ``ROWS_SPLIT_MIN_ROWS``): layer 0's matmuls at
+      ``prefill_tokens`` rows, through the weights packed for many rows, through a transposed
+      copy, and (with the C kernels and more than one thread) split by rows over the team;
     * prefill attention: layer 0's attention over a fresh chunk of ``prefill_tokens``;
     * decode math: every layer's attention for a batch of the largest size that may take the
       float32 path, each with 256 tokens of context;
@@ -1076,9 +1085,9 @@ def kernel_trials(
     if native is not None and can_pack(dtype, device):
         many = native
         trials["batch_linear"] = lambda: _batch_linear_trial(model, many)
-        if native.team and torch.get_num_threads() > 1 and prefill_tokens >= ROWS_SPLIT_MIN_ROWS:
-            team = native
-            trials["prefill_linear"] = lambda: _prefill_linear_trial(model, team, prefill_tokens)
+    if can_pack(dtype, device) and prefill_tokens >= ROWS_SPLIT_MIN_ROWS:
+        team = native if native is not None and native.team else None
+        trials["prefill_linear"] = lambda: _prefill_linear_trial(model, team, prefill_tokens)
     if native is not None:
         ops = native
         trials["decode_ops"] = lambda: _decode_ops_trial(model, ops)
@@ -1174,7 +1183,7 @@ def _batch_linear_trial(model: CausalLM, native: NativeOps) -> dict[str, Callabl
 
 
 def _prefill_linear_trial(
-    model: CausalLM, team: NativeOps, rows: int
+    model: CausalLM, team: NativeOps | None, rows: int
 ) -> dict[str, Callable[[], object]]:
     linears = [m for m in model.layers[0].modules() if isinstance(m, Linear)]
     weight = model.embed_tokens.weight
@@ -1197,11 +1206,23 @@ def _prefill_linear_trial(
         for m in linears:
             _packed_linear(inputs[m.in_features], packed[m], m.bias, "none", [], "")
 
-    def run_rows() -> None:
+    def run_transposed() -> None:
         for m in linears:
-            linear_by_rows(inputs[m.in_features], transposed[m], m.bias, team)
+            linear_transposed(inputs[m.in_features], transposed[m], m.bias)
 
-    return {"onednn": run_onednn, "rows": run_rows}
+    candidates: dict[str, Callable[[], object]] = {
+        "onednn": run_onednn,
+        "transposed": run_transposed,
+    }
+    if team is not None and torch.get_num_threads() > 1:
+        ops = team
+
+        def run_rows() -> None:
+            for m in linears:
+                linear_by_rows(inputs[m.in_features], transposed[m], m.bias, ops)
+
+        candidates["rows"] = run_rows
+    return candidates
 
 
 def _prefill_trial(
