@@ -32,6 +32,11 @@ beside transformers.
 
     git show HEAD~1:src/pdscope/engine/csrc/decode_ops.c > /tmp/before.c
     .venv/bin/python bench/prefill_ab.py --rounds 8 --threads 1 --ab-source /tmp/before.c
+
+``--rows-ab`` (with ``prefill_linear=transposed`` or ``rows``, chosen or forced) adds pdscope
+with its prefill matmuls through ``linear``'s path instead (``prefill_linear=onednn``: the
+weights packed for many rows), and under ``rows`` also unsplit on the transposed copy
+(``transposed``); with ``--ab-source`` as well, also both before at once (``pdscope-before``).
 """
 
 from __future__ import annotations
@@ -74,6 +79,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--ab-source", help="also pdscope with its AMX prefill attention built from this C file"
+    )
+    parser.add_argument(
+        "--rows-ab",
+        action="store_true",
+        help="also pdscope with its prefill matmuls on oneDNN's threads (prefill_linear=onednn)",
     )
     args = parser.parse_args()
     if args.threads:
@@ -154,6 +164,14 @@ def main() -> None:
             candidates["pdscope-gather-1-thread"] = _at_one_thread(gathered, threads)
     if args.ab_source:
         candidates["pdscope-ab-source"] = _ab_source_candidate(llm, pdscope, args.ab_source)
+    if args.rows_ab:
+        onednn = _prefill_linear_candidate(llm, pdscope, unsplit=False)
+        candidates["pdscope-onednn-linear"] = onednn
+        if llm.engine.kernels.prefill_linear == "rows":
+            unsplit = _prefill_linear_candidate(llm, pdscope, unsplit=True)
+            candidates["pdscope-transposed-linear"] = unsplit
+        if args.ab_source:
+            candidates["pdscope-before"] = _ab_source_candidate(llm, onednn, args.ab_source)
     if not args.no_transformers:
         from transformers import AutoModelForCausalLM
 
@@ -341,6 +359,34 @@ def _ab_source_candidate(
         finally:
             for m, ops in zip(attns, saved, strict=True):
                 m.prefill_native = ops
+
+    return run
+
+
+def _prefill_linear_candidate(
+    llm: object, pdscope: Callable[[], None], unsplit: bool
+) -> Callable[[], None]:
+    """pdscope with its prefill matmuls through ``linear``'s path (prefill_linear=onednn: the
+    packed weights, or F.linear), or with ``unsplit`` on the transposed copy without the split
+    by rows (prefill_linear=transposed)."""
+    from pdscope.engine.model import Linear
+
+    model = llm.engine.runner.model  # type: ignore[attr-defined]
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.weight_t is not None]
+    if not linears:
+        raise SystemExit("--rows-ab: the engine does not run prefill_linear=transposed or rows")
+
+    def run() -> None:
+        saved = [(m.team, m.weight_t) for m in linears]
+        for m in linears:
+            m.team = None
+            if not unsplit:
+                m.weight_t = None
+        try:
+            pdscope()
+        finally:
+            for m, (team, weight_t) in zip(linears, saved, strict=True):
+                m.team, m.weight_t = team, weight_t
 
     return run
 

@@ -30,13 +30,16 @@ FLOAT32_PATHS = [
     "linear=c,prefill_attention=sdpa,decode_ops=c,threads=bound",
 ]
 BF16_PATHS = [
-    "linear=packed,batch_linear=packed,prefill_attention=blocked,decode_math=float32,"
-    "decode_ops=torch",
+    "linear=packed,batch_linear=packed,prefill_linear=transposed,prefill_attention=blocked,"
+    "decode_math=float32,decode_ops=torch",
     "linear=plain,batch_linear=c,prefill_attention=sdpa,decode_math=native,decode_ops=c",
     "linear=c,batch_linear=c,prefill_attention=sdpa,decode_math=float32,decode_ops=c,threads=bound",
     # AMX tiles: the prefill attention (a head size that is a multiple of 32: the model below
     # gets 64) and single-row matmuls (linear=amx)
     "linear=amx,batch_linear=c,prefill_attention=amx,decode_math=native,decode_ops=c",
+    # a prefill's matmuls split by rows over the threads (the 1,100-token chunk below)
+    "linear=c,batch_linear=packed,prefill_linear=rows,prefill_attention=sdpa,"
+    "decode_math=native,decode_ops=c",
 ]
 
 
@@ -199,10 +202,34 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
     one_row_calls = _count_calls(linears, "native", "linear_many") if amx_rows else [0]
     # prefill_attention=amx reads each chunk's K/V through its block table (no gather)
     paged_calls = _count_calls(attns, "prefill_native", "prefill_attention_paged") if amx else [0]
+    by_rows = paths.get("prefill_linear") == "rows"
+    copied = paths.get("prefill_linear") in ("rows", "transposed")
+    in_layers = [m for m in linears if m is not model.lm_head]
+    assert all((m.team is not None) == by_rows for m in in_layers)
+    assert all((m.weight_t is not None) == copied for m in in_layers)
+    assert model.lm_head.team is None and model.lm_head.weight_t is None
+    import pdscope.engine.model as model_module
+
+    plain_calls = [0]
+    transposed = model_module.linear_transposed
+
+    def counted(*args: object) -> torch.Tensor:
+        plain_calls[0] += 1
+        return transposed(*args)  # type: ignore[arg-type]
+
+    model_module.linear_transposed = counted  # restored below
+    team_calls = _count_calls(in_layers, "team", "run_on_team") if by_rows else [0]
     llm.engine.runner.capture_logits = True
     rng = random.Random(0)
     prompt = [rng.randrange(10, 1000) for _ in range(1100)]
-    out = llm.generate(prompt, GREEDY)[0]
+    try:
+        out = llm.generate(prompt, GREEDY)[0]
+    finally:
+        model_module.linear_transposed = transposed
+    # every matmul of the layers in the 1,100-row prefill, none in the decode steps
+    assert team_calls[0] == (4 * len(model.layers) if by_rows else 0)
+    unsplit = paths.get("prefill_linear") == "transposed"
+    assert plain_calls[0] == (4 * len(model.layers) if unsplit else 0)
     assert (many_calls[0] > 0) == many  # the chunks' matmuls went through the many-row kernel
     assert (one_row_calls[0] > 0) == amx_rows  # decode rows on the tiles
     assert (paged_calls[0] > 0) == amx

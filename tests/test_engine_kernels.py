@@ -93,6 +93,7 @@ def test_trial_picks_the_faster_candidate_and_caches_it(tmp_path: Path) -> None:
     assert first.how == {
         "linear": "fixed",
         "batch_linear": "fixed",
+        "prefill_linear": "fixed",
         "prefill_attention": "measured",
         "decode_math": "fixed",
         "decode_ops": "fixed",
@@ -154,8 +155,8 @@ def test_engine_logs_applies_and_reports_its_choice(
     from pdscope.server.metrics import EngineMetrics
 
     forced = (
-        "linear=plain,batch_linear=packed,prefill_attention=sdpa,decode_math=native,"
-        "decode_ops=torch,threads=free"
+        "linear=plain,batch_linear=packed,prefill_linear=onednn,prefill_attention=sdpa,"
+        "decode_math=native,decode_ops=torch,threads=free"
     )
     with caplog.at_level("INFO", logger="pdscope.engine"):
         llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels=forced)
@@ -176,6 +177,8 @@ def test_engine_logs_applies_and_reports_its_choice(
     assert 'linear="plain"' in line and 'prefill_attention="sdpa"' in line
     assert 'decode_math="native"' in line and 'decode_ops="torch"' in line
     assert 'threads="free"' in line and 'batch_linear="packed"' in line
+    assert 'prefill_linear="onednn"' in line
+    assert all(m.team is None and m.weight_t is None for m in model.modules() if hasattr(m, "team"))
     assert all(m.native_many is None for m in model.modules() if hasattr(m, "native_many"))
     assert line.endswith(" 1.0")
 
@@ -202,6 +205,41 @@ def test_auto_measures_every_path_that_has_two_candidates(
     again = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", max_model_len=256).engine.kernels
     assert {p for p, how in again.how.items() if how == "cached"} == expected
     assert again == choice
+
+
+@pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
+def test_prefill_linear_is_measured_at_prefill_size_with_two_threads(
+    tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """prefill_linear has a trial where chunks reach ROWS_SPLIT_MIN_ROWS rows and the weights
+    can be packed (the split by rows with the C kernels and two or more threads): every
+    candidate timed, the winner applied."""
+    if not can_pack(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no oneDNN packed weights in this torch")
+    from pdscope.engine.model import ROWS_SPLIT_MIN_ROWS
+
+    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    others = "linear=c,batch_linear=packed,prefill_attention=sdpa,decode_math=native,decode_ops=c"
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM(
+            model=str(tiny_bf16),
+            kv_cache_memory="8MiB",
+            max_model_len=2 * ROWS_SPLIT_MIN_ROWS,
+            max_num_batched_tokens=ROWS_SPLIT_MIN_ROWS,
+            kernels=others,
+        )
+    finally:
+        torch.set_num_threads(saved)
+    choice = llm.engine.kernels
+    assert choice.how["prefill_linear"] == "measured"
+    assert set(choice.trial_s) == {f"prefill_linear={o}" for o in ("onednn", "transposed", "rows")}
+    model = llm.engine.runner.model
+    layers = [m for m in model.modules() if hasattr(m, "team") and m is not model.lm_head]
+    copied = choice.prefill_linear != "onednn"
+    assert all((m.team is not None) == (choice.prefill_linear == "rows") for m in layers)
+    assert all((m.weight_t is not None) == copied for m in layers)
 
 
 def _attentions(model: torch.nn.Module) -> list[Attention]:
@@ -307,6 +345,7 @@ def test_a_float32_model_reports_the_paths_it_really_runs(tmp_path: Path) -> Non
     assert {p: how in timed for p, how in kernels.how.items()} == {
         "linear": bool(native.compiler()),
         "batch_linear": False,  # bf16 only
+        "prefill_linear": False,  # bf16 only
         "prefill_attention": False,
         "decode_math": False,
         "decode_ops": False,
@@ -681,6 +720,70 @@ def test_amx_linear_matches_f_linear_on_odd_shapes(
                 assert ours <= max(theirs * 1.01, 1e-5)
     finally:
         torch.set_num_threads(saved)
+
+
+@needs_cc
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_run_on_team_calls_every_share_once_and_raises_a_shares_error(
+    c_ops: native.NativeOps, threads: int
+) -> None:
+    """run_on_team: share(i, n) once for each thread i of the team of torch's thread count,
+    on distinct OS threads where n > 1; an exception in any share reaches the caller."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        seen: list[tuple[int, int, int]] = []
+        lock = threading.Lock()
+
+        def share(i: int, n: int) -> None:
+            with lock:
+                seen.append((i, n, threading.get_native_id()))
+
+        assert c_ops.run_on_team(share) == threads
+        assert sorted((i, n) for i, n, _ in seen) == [(i, threads) for i in range(threads)]
+        assert len({tid for *_, tid in seen}) == threads
+
+        def fails(i: int, n: int) -> None:
+            if i == n - 1:
+                raise ValueError(f"share {i} of {n}")
+
+        with pytest.raises(ValueError, match=f"share {threads - 1} of {threads}"):
+            c_ops.run_on_team(fails)
+    finally:
+        torch.set_num_threads(saved)
+
+
+@needs_cc
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("rows", "bias"), [(512, False), (1025, True), (3, False)])
+def test_linear_by_rows_and_transposed_match_a_float64_reference_and_onednn(
+    c_ops: native.NativeOps, threads: int, rows: int, bias: bool
+) -> None:
+    """prefill_linear=rows (x's rows split over the team, each share a one-thread matmul into
+    its rows of one output) and =transposed (one matmul on the [in, out] copy): within a bf16
+    rounding of the float64 product, and no further from it than F.linear on the same inputs."""
+    from pdscope.engine.model import linear_by_rows, linear_transposed
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, 320, generator=gen).bfloat16()
+    w = (torch.randn(192, 320, generator=gen) * 0.05).bfloat16()
+    b = torch.randn(192, generator=gen).bfloat16() if bias else None
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        outs = [linear_by_rows(x, w.t().contiguous(), b, c_ops)]
+        outs.append(linear_transposed(x, w.t().contiguous(), b))
+        theirs = torch.nn.functional.linear(x, w, b)
+    finally:
+        torch.set_num_threads(saved)
+    exact = x.double() @ w.double().t() + (b.double() if b is not None else 0)
+    ref = (theirs.double() - exact).abs()
+    for out in outs:
+        assert out.shape == (rows, 192) and out.dtype == torch.bfloat16 and out.is_contiguous()
+        torch.testing.assert_close(out.double(), exact, atol=2e-2, rtol=8e-3)
+        ours = (out.double() - exact).abs()
+        assert ours.max() <= ref.max() * 1.25 + 1e-6
+        assert ours.mean() <= ref.mean() * 1.05 + 1e-9
 
 
 def _causal_reference(

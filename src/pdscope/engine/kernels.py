@@ -18,6 +18,13 @@ Paths (every candidate computes the same function; tests pin each against transf
   ``F.linear`` under ``linear=plain``) or ``c`` (engine/native.py's many-row kernel: AMX tile
   multiplies reading each weight block once for all rows, where the CPU and Linux allow them).
   bf16 on CPU with the C kernels only.
+* ``prefill_linear``: for matmuls of a prefill chunk's rows (``ROWS_SPLIT_MIN_ROWS`` or
+  more): ``onednn`` (``linear``'s path: the packed weights, or ``F.linear``), ``transposed``
+  (``torch.mm`` on a transposed copy of each weight, [in, out]: oneDNN's matmul primitive on
+  the plain layout, its threads splitting the work) or ``rows`` (the same copy, the rows split
+  over the OpenMP team, each thread a one-thread matmul on its share into one output;
+  engine/model.py's linear_by_rows; with the C kernels and more than one thread). The last two
+  keep a transposed copy of every layer weight. bf16 on CPU only.
 * ``prefill_attention``: ``blocked`` (blocks of queries, each scored only against the keys it
   can see), ``sdpa`` (torch's fused kernel) or ``amx`` (engine/native.py's causal attention on
   AMX tiles: bf16 scores and values on tiles, the softmax in AVX-512; chunks it does not take,
@@ -58,6 +65,7 @@ log = logging.getLogger("pdscope.engine")
 OPTIONS: dict[str, tuple[str, ...]] = {
     "linear": ("packed", "plain", "c", "amx"),
     "batch_linear": ("packed", "c"),
+    "prefill_linear": ("onednn", "transposed", "rows"),
     "prefill_attention": ("blocked", "sdpa", "amx"),
     "decode_math": ("float32", "native"),
     "decode_ops": ("torch", "c"),
@@ -66,7 +74,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
-_TRIAL_VERSION = 9
+_TRIAL_VERSION = 11
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,7 @@ class KernelChoice:
 
     linear: str = "packed"
     batch_linear: str = "packed"
+    prefill_linear: str = "onednn"
     prefill_attention: str = "blocked"
     decode_math: str = "float32"
     decode_ops: str = "torch"

@@ -156,6 +156,7 @@ class LLMEngine:
         fixed = {  # what runs where a path has one candidate (CUDA, or float32 weights)
             "linear": "packed" if can_pack(self.dtype, self.device) else "plain",
             "batch_linear": "packed",  # as linear (float32, a GPU, or no C kernels)
+            "prefill_linear": "onednn",  # as linear (float32, a GPU, or short chunks)
             "prefill_attention": "blocked" if cpu else "sdpa",
             "decode_math": "float32" if cpu or self.dtype == torch.float32 else "native",
             "decode_ops": "torch",  # no C kernels here (a GPU, or no compiler)

@@ -55,6 +55,10 @@ NATIVE_MANY_MAX_ROWS = 32
 # the small model's 49 weights, packing for 2,048 rows instead of 1 took 2,000-row matmuls
 # 1.18x and 32-row ones 1.21x faster (medians of 6 and 9 rounds).
 PACKED_ROWS_WITH_C = 2048
+# Matmuls of at least this many rows (a prefill chunk) take prefill_linear=transposed or rows
+# when chosen: torch.mm on a transposed copy of the weight, whole or with x's rows split over
+# the OpenMP team (see Linear). A decode batch stays below it, on linear's path.
+ROWS_SPLIT_MIN_ROWS = 512
 # Returns the log-sum-exp beside the output, which merging runs needs; absent on old torch.
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -247,6 +251,10 @@ class Linear(nn.Linear):
     one_row_amx: bool = False  # linear=amx: single rows through the tile kernel
     native_many: NativeOps | None = None  # set by apply_kernels when batch_linear=c
     huge_pages: bool = False  # the weight was moved onto transparent huge pages
+    team: NativeOps | None = None  # set by apply_kernels when prefill_linear=rows
+    # [in, out] contiguous, what prefill matmuls multiply by under prefill_linear=transposed or
+    # rows: oneDNN's matmul on it beat the packed weights at 2,000 rows on the AMX Xeon
+    weight_t: torch.Tensor | None = None
 
     def pack(self, rows: int = 1) -> None:
         """Pre-pack the weight for matmuls of about ``rows`` rows (oneDNN's batch hint)."""
@@ -263,9 +271,52 @@ class Linear(nn.Linear):
             and NATIVE_LINEAR_MAX_ROWS < x.shape[0] <= NATIVE_MANY_MAX_ROWS
         ):
             return self.native_many.linear_many(x.contiguous(), self.weight, self.bias)
+        if self.weight_t is not None and x.dim() == 2 and x.shape[0] >= ROWS_SPLIT_MIN_ROWS:
+            if self.team is not None:
+                return linear_by_rows(x, self.weight_t, self.bias, self.team)
+            return linear_transposed(x, self.weight_t, self.bias)
         if self.packed is not None:
             return _packed_linear(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def linear_transposed(
+    x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ weight_t (+ bias), ``weight_t`` [in, out] contiguous (``prefill_linear=transposed``):
+    oneDNN's matmul primitive on the plain layout, its threads splitting the work."""
+    if bias is None:
+        return torch.mm(x, weight_t)
+    return torch.addmm(bias, x, weight_t)
+
+
+def linear_by_rows(
+    x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, team: NativeOps
+) -> torch.Tensor:
+    """x @ weight_t (+ bias) for a 2-D ``x``, its rows split evenly over the OpenMP team
+    (``prefill_linear=rows``): thread i of n multiplies rows [i r / n, (i + 1) r / n) by
+    ``weight_t`` ([in, out], contiguous) into those rows of one output, as a one-thread oneDNN
+    matmul (a nested region is serial). oneDNN's own threading splits each matmul of a prefill
+    too, but syncs its threads per call; two one-thread matmuls side by side need none
+    (the gain is measured per machine by the kernel trial, see docs/performance.md)."""
+    x = x.contiguous()
+    rows = x.shape[0]
+    out = torch.empty(rows, weight_t.shape[1], dtype=x.dtype, device=x.device)
+
+    def share(i: int, n: int) -> None:
+        lo, hi = rows * i // n, rows * (i + 1) // n
+        if lo == hi:
+            return
+        # inference mode is per thread, and the team's other threads are not the engine's:
+        # writing into an output made under it needs it here too
+        with torch.inference_mode():
+            if bias is None:
+                torch.mm(x[lo:hi], weight_t, out=out[lo:hi])
+            else:
+                torch.addmm(bias, x[lo:hi], weight_t, out=out[lo:hi])
+
+    team.run_on_team(share)
+    return out
 
 
 # Linux's transparent huge pages: 2 MiB. A weight the C kernels stream every decode step reads
@@ -986,6 +1037,8 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             "prefill_attention=amx needs the C kernels and AMX tiles, which this CPU, compiler "
             "or kernel does not give"
         )
+    if choice.prefill_linear == "rows" and (native is None or not native.team):
+        raise ValueError("prefill_linear=rows needs the C kernels, which did not load")
     model.native = native if choice.decode_ops == "c" else None
     model._decode_layers = None
     for module in model.modules():
@@ -1003,6 +1056,17 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
                     module.pack(rows)
             else:
                 module.packed, module.packed_rows = None, 0  # frees the packed copy too
+            # not the LM head: a prefill runs it on its last row only
+            transposed = (
+                choice.prefill_linear in ("transposed", "rows")
+                and module.weight.dtype == torch.bfloat16
+                and module is not model.lm_head
+            )
+            module.team = native if transposed and choice.prefill_linear == "rows" else None
+            if not transposed:
+                module.weight_t = None
+            elif module.weight_t is None:
+                module.weight_t = module.weight.detach().t().contiguous()
             streamed = module.native is not None or module.native_many is not None
             if streamed and not module.huge_pages:
                 # The C kernels stream this weight every decode step: moved, not copied (the
@@ -1037,6 +1101,9 @@ def kernel_trials(
       many-row C kernel. The packed candidate is always laid out for many rows (as under
       ``linear=c``), the fastest packed form at these rows, whatever ``linear`` chooses: C
       must beat the best oneDNN can do to be chosen;
+    * prefill linear (bf16, chunks of at least ``ROWS_SPLIT_MIN_ROWS``): layer 0's matmuls at
+      ``prefill_tokens`` rows, through the weights packed for many rows, through a transposed
+      copy, and (with the C kernels and more than one thread) split by rows over the team;
     * prefill attention: layer 0's attention over a fresh chunk of ``prefill_tokens``;
     * decode math: every layer's attention for a batch of the largest size that may take the
       float32 path, each with 256 tokens of context;
@@ -1063,6 +1130,9 @@ def kernel_trials(
     if native is not None and can_pack(dtype, device):
         many = native
         trials["batch_linear"] = lambda: _batch_linear_trial(model, many)
+    if can_pack(dtype, device) and prefill_tokens >= ROWS_SPLIT_MIN_ROWS:
+        team = native if native is not None and native.team else None
+        trials["prefill_linear"] = lambda: _prefill_linear_trial(model, team, prefill_tokens)
     if native is not None:
         ops = native
         trials["decode_ops"] = lambda: _decode_ops_trial(model, ops)
@@ -1155,6 +1225,49 @@ def _batch_linear_trial(model: CausalLM, native: NativeOps) -> dict[str, Callabl
             native.linear_many(inputs[m.in_features], m.weight, m.bias)
 
     return {"packed": run_packed, "c": run_c}
+
+
+def _prefill_linear_trial(
+    model: CausalLM, team: NativeOps | None, rows: int
+) -> dict[str, Callable[[], object]]:
+    linears = [m for m in model.layers[0].modules() if isinstance(m, Linear)]
+    weight = model.embed_tokens.weight
+    rows = min(rows, PACKED_ROWS_WITH_C)  # a chunk of the size the weights are packed for
+    inputs = {m.in_features: _random((rows, m.in_features), weight) for m in linears}
+    # oneDNN's candidate as a prefill runs it under linear=c or amx (what the trial picks on
+    # the CPUs where this path applies): laid out for many rows.
+    packed = {
+        m: m.packed
+        if m.packed is not None and m.packed_rows == PACKED_ROWS_WITH_C
+        else torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACKED_ROWS_WITH_C)
+        for m in linears
+    }
+    transposed = {
+        m: m.weight_t if m.weight_t is not None else m.weight.detach().t().contiguous()
+        for m in linears
+    }
+
+    def run_onednn() -> None:
+        for m in linears:
+            _packed_linear(inputs[m.in_features], packed[m], m.bias, "none", [], "")
+
+    def run_transposed() -> None:
+        for m in linears:
+            linear_transposed(inputs[m.in_features], transposed[m], m.bias)
+
+    candidates: dict[str, Callable[[], object]] = {
+        "onednn": run_onednn,
+        "transposed": run_transposed,
+    }
+    if team is not None and torch.get_num_threads() > 1:
+        ops = team
+
+        def run_rows() -> None:
+            for m in linears:
+                linear_by_rows(inputs[m.in_features], transposed[m], m.bias, ops)
+
+        candidates["rows"] = run_rows
+    return candidates
 
 
 def _prefill_trial(

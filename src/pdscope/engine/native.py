@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,8 @@ def supports(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+# decode_ops.c's team_share_fn: share(i, n) on thread i of the team's n
+_SHARE_FN = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_int)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -236,6 +239,10 @@ class NativeOps:
         for fn in (self.lib.qkv_rope_store, self.lib.rms_norm, self.lib.linear_rows):
             fn.restype = None
         # absent from a library built from an older source too (--ab-source benches)
+        self.team = hasattr(self.lib, "run_on_team")
+        if self.team:
+            self.lib.run_on_team.argtypes = [_SHARE_FN, _C]
+            self.lib.run_on_team.restype = ctypes.c_int
         self.one_call = hasattr(self.lib, "decode_layers")
         if self.one_call:
             self.lib.decode_layers.argtypes = [_P, ctypes.POINTER(DecodeStep), _P, _P, _P]
@@ -284,6 +291,27 @@ class NativeOps:
         return self.lib.place_threads(
             ctypes.cast(ids, ctypes.c_void_p), len(cpus), torch.get_num_threads(), int(bind)
         )
+
+    def run_on_team(self, share: Callable[[int, int], None]) -> int:
+        """Call ``share(i, n)`` on every thread i of the calling thread's OpenMP team of
+        torch's thread count (n threads), all at once, and return n. Torch ops inside run on
+        their own thread alone (a nested parallel region is serial) and release the GIL while
+        they compute, so the shares' matmuls run side by side. The first exception a share
+        raised is raised here, after every share has returned."""
+        if not self.team:
+            raise RuntimeError("run_on_team: this build of the C kernels lacks it")
+        errors: list[BaseException] = []
+
+        def call(i: int, n: int) -> None:
+            try:
+                share(i, n)
+            except BaseException as exc:  # a ctypes callback cannot raise into C
+                errors.append(exc)
+
+        shares = self.lib.run_on_team(_SHARE_FN(call), torch.get_num_threads())
+        if errors:
+            raise errors[0]
+        return shares
 
     @property
     def linear_isa(self) -> str:

@@ -823,6 +823,29 @@ int place_threads(const int32_t *cpus, int n, int threads, int bind) {
     return placed;
 }
 
+/* ---- One function on every thread of the calling thread's OpenMP team, at once: share(i, n)
+ * on thread i of n. A prefill's matmuls split by rows run their shares this way (each a
+ * one-thread oneDNN matmul: a region nested in this one runs on its thread alone), on the
+ * team whose other thread would otherwise spin idle beside a second pool's threads for up to
+ * libgomp's spin count after every region. Returns n. */
+typedef void (*team_share_fn)(int share, int shares);
+int run_on_team(team_share_fn share, int threads) {
+#ifdef _OPENMP
+    int shares = 1;
+#pragma omp parallel num_threads(threads)
+    {
+        const int n = omp_get_num_threads(), i = omp_get_thread_num();
+        if (i == 0) shares = n;
+        share(i, n);
+    }
+    return shares;
+#else
+    (void)threads;
+    share(0, 1);
+    return 1;
+#endif
+}
+
 /* ---- Many-row linear on AMX tiles: y [rows, out] = x [rows, in] @ w [out, in]^T (+ bias) in
  * bf16 for the 2-32 rows of a batched decode step. The step is still one stream over the
  * weights, so the weights are read as stored: a tile multiply C[16 x 16] += A[16 x 32] B[32 x
@@ -1388,19 +1411,21 @@ static inline void prefill_values2(const bf16 *pa, const bf16 *pb, const bf16 *v
     }
 }
 
-/* 2^t on 16 lanes for the softmax's t <= 0 (finite): 2^n * 2^f with n = round(t), |f| <= 1/2,
- * 2^f by its degree-4 Taylor polynomial (relative error < 6e-5, far below the bf16 rounding P
- * gets, and the same for every key of a row, so it cancels in P / l) and 2^n by vscalefps,
- * which underflows to 0 for very negative t. Half the instructions of exp_neg_abs16. */
+/* 2^t on 16 lanes for the softmax's t <= 0 (finite): 2^floor(t) * 2^f with f = t - floor(t)
+ * in [0, 1) from one vreduceps, 2^f by a degree-3 polynomial fitted for relative error on
+ * [0, 1) (p(0) = 1 exactly, so the row's max weighs exactly 1; error < 9e-5, 1/40 of the bf16
+ * rounding P gets) and 2^floor(t) by vscalefps, which floors its exponent operand itself and
+ * underflows to 0 for very negative t. Five instructions where rounding to the nearest
+ * integer, subtracting it and a degree-4 Taylor polynomial on [-1/2, 1/2] took seven (error
+ * 6e-5; the outputs' error against float64 is the same, docs/performance.md). */
 static inline __m512 prefill_exp2_16(__m512 t) {
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(9.618129107628477e-3f); /* ln2^4 / 4! */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
+    /* imm 0x09: keep 0 fraction bits, round down, exceptions suppressed */
+    const __m512 f = _mm512_reduce_ps(t, 0x09);
+    __m512 p = _mm512_set1_ps(0.07706601917743683f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2276461124420166f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6951165199279785f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    return _mm512_scalef_ps(p, t);
 }
 
 /* One row's softmax step over its chunk scores s[0, kc): the first `vis` are visible (the rest
