@@ -212,8 +212,8 @@ def test_prefill_linear_is_measured_at_prefill_size_with_two_threads(
     tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """prefill_linear has a trial where chunks reach ROWS_SPLIT_MIN_ROWS rows and the weights
-    can be packed (the split by rows with the C kernels and two or more threads): every
-    candidate timed, the winner applied."""
+    can be packed: oneDNN's path and the transposed copy timed (the split by rows never, even
+    with the C kernels and two threads: forced only), the winner applied."""
     if not can_pack(torch.bfloat16, torch.device("cpu")):
         pytest.skip("no oneDNN packed weights in this torch")
     from pdscope.engine.model import ROWS_SPLIT_MIN_ROWS
@@ -234,12 +234,39 @@ def test_prefill_linear_is_measured_at_prefill_size_with_two_threads(
         torch.set_num_threads(saved)
     choice = llm.engine.kernels
     assert choice.how["prefill_linear"] == "measured"
-    assert set(choice.trial_s) == {f"prefill_linear={o}" for o in ("onednn", "transposed", "rows")}
+    assert set(choice.trial_s) == {f"prefill_linear={o}" for o in ("onednn", "transposed")}
     model = llm.engine.runner.model
     layers = [m for m in model.modules() if hasattr(m, "team") and m is not model.lm_head]
     copied = choice.prefill_linear != "onednn"
-    assert all((m.team is not None) == (choice.prefill_linear == "rows") for m in layers)
+    assert all(m.team is None for m in layers)
     assert all((m.weight_t is not None) == copied for m in layers)
+
+
+def test_prefill_linear_is_not_offered_when_its_copy_would_not_fit(
+    tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A model whose transposed copy would take more than TRANSPOSED_COPY_MAX_SHARE of the free
+    memory is not measured into a third copy of its weights: prefill_linear stays oneDNN's,
+    no layer holds a copy."""
+    from pdscope.engine import model as model_module
+
+    if not can_pack(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no oneDNN packed weights in this torch")
+    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    rows = model_module.ROWS_SPLIT_MIN_ROWS
+    sizes = {"kv_cache_memory": "8MiB", "max_model_len": 2 * rows, "max_num_batched_tokens": rows}
+    llm = LLM(model=str(tiny_bf16), **sizes)
+    model = llm.engine.runner.model
+    assert model_module.transposed_copy_fits(model)  # a tiny model fits anywhere
+    assert llm.engine.kernels.how["prefill_linear"] == "measured"
+    monkeypatch.setattr(model_module, "TRANSPOSED_COPY_MAX_SHARE", 0.0)
+    assert not model_module.transposed_copy_fits(model)
+    assert "prefill_linear" not in model_module.kernel_trials(model, rows)
+    llm = LLM(model=str(tiny_bf16), **sizes)
+    choice = llm.engine.kernels
+    assert (choice.prefill_linear, choice.how["prefill_linear"]) == ("onednn", "fixed")
+    model = llm.engine.runner.model
+    assert all(m.weight_t is None for m in model.modules() if hasattr(m, "weight_t"))
 
 
 def _attentions(model: torch.nn.Module) -> list[Attention]:

@@ -23,8 +23,11 @@ Paths (every candidate computes the same function; tests pin each against transf
   (``torch.mm`` on a transposed copy of each weight, [in, out]: oneDNN's matmul primitive on
   the plain layout, its threads splitting the work) or ``rows`` (the same copy, the rows split
   over the OpenMP team, each thread a one-thread matmul on its share into one output;
-  engine/model.py's linear_by_rows; with the C kernels and more than one thread). The last two
-  keep a transposed copy of every layer weight. bf16 on CPU only.
+  engine/model.py's linear_by_rows; with the C kernels and more than one thread; forced only,
+  never a trial's pick: its shares take the GIL on the team's threads). The last two keep a
+  transposed copy of every layer weight, a third copy of them beside the weight and the packed
+  one, so the trial offers ``transposed`` only while that copy takes at most a quarter of the
+  memory free at start-up. bf16 on CPU only.
 * ``prefill_attention``: ``blocked`` (blocks of queries, each scored only against the keys it
   can see), ``sdpa`` (torch's fused kernel) or ``amx`` (engine/native.py's causal attention on
   AMX tiles: bf16 scores and values on tiles, the softmax in AVX-512; chunks it does not take,
@@ -74,7 +77,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
-_TRIAL_VERSION = 11
+_TRIAL_VERSION = 12
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,9 @@ PACKED_ROWS_WITH_C = 2048
 # when chosen: torch.mm on a transposed copy of the weight, whole or with x's rows split over
 # the OpenMP team (see Linear). A decode batch stays below it, on linear's path.
 ROWS_SPLIT_MIN_ROWS = 512
+# prefill_linear=transposed's copy of the layer weights is offered to the trial only while it
+# takes at most this share of the memory free at start-up.
+TRANSPOSED_COPY_MAX_SHARE = 0.25
 # Returns the log-sum-exp beside the output, which merging runs needs; absent on old torch.
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -1102,8 +1105,8 @@ def kernel_trials(
       ``linear=c``), the fastest packed form at these rows, whatever ``linear`` chooses: C
       must beat the best oneDNN can do to be chosen;
     * prefill linear (bf16, chunks of at least ``ROWS_SPLIT_MIN_ROWS``): layer 0's matmuls at
-      ``prefill_tokens`` rows, through the weights packed for many rows, through a transposed
-      copy, and (with the C kernels and more than one thread) split by rows over the team;
+      ``prefill_tokens`` rows, through the weights packed for many rows and through a
+      transposed copy (offered only while that copy fits: ``transposed_copy_fits``);
     * prefill attention: layer 0's attention over a fresh chunk of ``prefill_tokens``;
     * decode math: every layer's attention for a batch of the largest size that may take the
       float32 path, each with 256 tokens of context;
@@ -1130,9 +1133,12 @@ def kernel_trials(
     if native is not None and can_pack(dtype, device):
         many = native
         trials["batch_linear"] = lambda: _batch_linear_trial(model, many)
-    if can_pack(dtype, device) and prefill_tokens >= ROWS_SPLIT_MIN_ROWS:
-        team = native if native is not None and native.team else None
-        trials["prefill_linear"] = lambda: _prefill_linear_trial(model, team, prefill_tokens)
+    if (
+        can_pack(dtype, device)
+        and prefill_tokens >= ROWS_SPLIT_MIN_ROWS
+        and transposed_copy_fits(model)
+    ):
+        trials["prefill_linear"] = lambda: _prefill_linear_trial(model, prefill_tokens)
     if native is not None:
         ops = native
         trials["decode_ops"] = lambda: _decode_ops_trial(model, ops)
@@ -1227,9 +1233,29 @@ def _batch_linear_trial(model: CausalLM, native: NativeOps) -> dict[str, Callabl
     return {"packed": run_packed, "c": run_c}
 
 
-def _prefill_linear_trial(
-    model: CausalLM, team: NativeOps | None, rows: int
-) -> dict[str, Callable[[], object]]:
+def transposed_copy_bytes(model: CausalLM) -> int:
+    """Bytes of the transposed copy prefill_linear=transposed keeps: every layer weight once
+    more (the LM head excepted), beside the weight and its oneDNN-packed copy."""
+    return sum(
+        m.weight.numel() * m.weight.element_size()
+        for m in model.layers.modules()
+        if isinstance(m, Linear)
+    )
+
+
+def transposed_copy_fits(model: CausalLM) -> bool:
+    """Whether the transposed copy is at most TRANSPOSED_COPY_MAX_SHARE of the memory free
+    now: a model that would need most of the machine's memory for it keeps oneDNN's path
+    rather than be measured into a third copy of its weights. False where the free memory
+    cannot be read."""
+    try:
+        free_bytes = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return False
+    return transposed_copy_bytes(model) <= TRANSPOSED_COPY_MAX_SHARE * free_bytes
+
+
+def _prefill_linear_trial(model: CausalLM, rows: int) -> dict[str, Callable[[], object]]:
     linears = [m for m in model.layers[0].modules() if isinstance(m, Linear)]
     weight = model.embed_tokens.weight
     rows = min(rows, PACKED_ROWS_WITH_C)  # a chunk of the size the weights are packed for
@@ -1255,19 +1281,11 @@ def _prefill_linear_trial(
         for m in linears:
             linear_transposed(inputs[m.in_features], transposed[m], m.bias)
 
-    candidates: dict[str, Callable[[], object]] = {
-        "onednn": run_onednn,
-        "transposed": run_transposed,
-    }
-    if team is not None and torch.get_num_threads() > 1:
-        ops = team
-
-        def run_rows() -> None:
-            for m in linears:
-                linear_by_rows(inputs[m.in_features], transposed[m], m.bias, ops)
-
-        candidates["rows"] = run_rows
-    return candidates
+    # prefill_linear=rows is not a candidate (forced only): each of its shares takes the GIL
+    # on its OpenMP thread, so a server's event loop holding it stalls a prefill's matmuls (up
+    # to the 5 ms switch interval each, 96 takes per 2,000-token prefill of the small model);
+    # quiet, it beat transposed by only 1.5-3% (docs/performance.md).
+    return {"onednn": run_onednn, "transposed": run_transposed}
 
 
 def _prefill_trial(
