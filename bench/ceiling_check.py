@@ -103,7 +103,7 @@ def main() -> None:
         engine.steps.clear()
         short = timed(fresh(32), 1)
         row["decode_tok_s"] = args.tokens / (timed(fresh(32), 1 + args.tokens) - short)
-        steps = [s.end_s - s.start_s for s in engine.steps if s.prefill_tokens == 0]
+        steps = [s.duration_s for s in engine.steps if s.prefill_tokens == 0]
         row["step_tok_s"] = 1 / statistics.median(steps)
         row["ceiling_after_gb_s"] = bandwidth_gb_s()
         rows.append(row)

@@ -242,6 +242,27 @@ def test_prefill_linear_is_measured_at_prefill_size_with_two_threads(
     assert all((m.weight_t is not None) == copied for m in layers)
 
 
+@pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
+def test_prefill_linear_rows_alone_loads_the_c_kernels(
+    tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """prefill_linear=rows runs its shares on the C kernels' team: forced with every other
+    C path forced off, the kernels still load and every layer matmul gets the team."""
+    if not can_pack(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no oneDNN packed weights in this torch")
+    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    llm = LLM(
+        model=str(tiny_bf16),
+        kv_cache_memory="8MiB",
+        max_model_len=256,
+        kernels="linear=packed,batch_linear=packed,decode_ops=torch,threads=free,"
+        "prefill_linear=rows,prefill_attention=sdpa,decode_math=native",
+    )
+    model = llm.engine.runner.model
+    layers = [m for m in model.layers.modules() if hasattr(m, "team")]
+    assert layers and all(m.team is not None and m.weight_t is not None for m in layers)
+
+
 def test_prefill_linear_is_not_offered_when_its_copy_would_not_fit(
     tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

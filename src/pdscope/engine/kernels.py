@@ -23,11 +23,11 @@ Paths (every candidate computes the same function; tests pin each against transf
   (``torch.mm`` on a transposed copy of each weight, [in, out]: oneDNN's matmul primitive on
   the plain layout, its threads splitting the work) or ``rows`` (the same copy, the rows split
   over the OpenMP team, each thread a one-thread matmul on its share into one output;
-  engine/model.py's linear_by_rows; with the C kernels and more than one thread; forced only,
+  engine/model.py's linear_by_rows; with the C kernels; forced only,
   never a trial's pick: its shares take the GIL on the team's threads). The last two keep a
   transposed copy of every layer weight, a third copy of them beside the weight and the packed
   one, so the trial offers ``transposed`` only while that copy takes at most a quarter of the
-  memory free at start-up. bf16 on CPU only.
+  memory available at start-up. bf16 only; the trial runs on CPU.
 * ``prefill_attention``: ``blocked`` (blocks of queries, each scored only against the keys it
   can see), ``sdpa`` (torch's fused kernel) or ``amx`` (engine/native.py's causal attention on
   AMX tiles: bf16 scores and values on tiles, the softmax in AVX-512; chunks it does not take,

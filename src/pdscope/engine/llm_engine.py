@@ -131,6 +131,7 @@ class LLMEngine:
             or forced.get("linear") in (None, "c")
             or forced.get("batch_linear") in (None, "c")
             or forced.get("threads") != "free"
+            or forced.get("prefill_linear") == "rows"  # its shares run on the C kernels' team
         )
         if native.supports(self.dtype, self.device) and wanted:
             ops = native.load(default_cache_dir() / "native")

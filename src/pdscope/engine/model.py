@@ -1243,16 +1243,41 @@ def transposed_copy_bytes(model: CausalLM) -> int:
     )
 
 
-def transposed_copy_fits(model: CausalLM) -> bool:
-    """Whether the transposed copy is at most TRANSPOSED_COPY_MAX_SHARE of the memory free
-    now: a model that would need most of the machine's memory for it keeps oneDNN's path
-    rather than be measured into a third copy of its weights. False where the free memory
-    cannot be read."""
+def available_memory_bytes() -> int | None:
+    """Memory a new allocation can have now: Linux's MemAvailable (free memory plus the page
+    cache it can drop, e.g. the checkpoint's file pages just read), capped by this process's
+    cgroup v2 limit less its use where one is set; None where neither can be read."""
+    available = None
     try:
-        free_bytes = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return False
-    return transposed_copy_bytes(model) <= TRANSPOSED_COPY_MAX_SHARE * free_bytes
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024  # kB
+                    break
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read())
+        if limit != "max":
+            left = max(0, int(limit) - used)
+            available = left if available is None else min(available, left)
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def transposed_copy_fits(model: CausalLM) -> bool:
+    """Whether the transposed copy is at most TRANSPOSED_COPY_MAX_SHARE of the memory
+    available now: a model that would need most of the machine's memory for it keeps
+    oneDNN's path rather than be measured into a third copy of its weights. False where the
+    available memory cannot be read."""
+    available = available_memory_bytes()
+    return available is not None and (
+        transposed_copy_bytes(model) <= TRANSPOSED_COPY_MAX_SHARE * available
+    )
 
 
 def _prefill_linear_trial(model: CausalLM, rows: int) -> dict[str, Callable[[], object]]:

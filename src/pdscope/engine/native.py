@@ -532,7 +532,14 @@ class NativeOps:
         argmax fields."""
         if ids.shape != (step.rows,) or ids.dtype != torch.int64 or not ids.is_contiguous():
             raise ValueError(f"decode_logits: ids {ids.dtype} {tuple(ids.shape)} do not fit")
-        if not step.lm_head or step.vocab <= 0 or embed.shape[1] != step.hidden:
+        dtype = torch.bfloat16 if step.bf else torch.float32
+        if (
+            not step.lm_head
+            or step.vocab <= 0
+            or embed.shape != (step.vocab, step.hidden)  # the C side reads ids < vocab rows
+            or embed.dtype != dtype
+            or not embed.is_contiguous()
+        ):
             raise ValueError("decode_logits: the LM head or the embedding does not fit")
         logits = torch.empty(step.rows, step.vocab, dtype=torch.float32)
         argmax = torch.empty(step.rows, dtype=torch.int64)

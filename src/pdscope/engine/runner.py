@@ -93,12 +93,8 @@ class ModelRunner:
         # The phase is the scheduler's call (ScheduledRequest.is_prefill), never decided here.
         decodes = [e for e in out.scheduled if not e.is_prefill]
         prefills = [e for e in out.scheduled if e.is_prefill]
-        if (
-            decodes
-            and not prefills
-            and self.model.native is not None
-            and all(e.samples for e in decodes)  # as a decode always does
-        ):
+        if decodes and not prefills and self.model.native is not None:
+            assert all(e.samples for e in decodes)  # a decode's token is always due
             batch, token_ids = self._native_decode_batch(decodes)
             logits, greedy = self.model.decode_logits(token_ids, self.kv_caches, batch)
             return self._sampled(logits, [e.request for e in decodes], greedy)
@@ -154,10 +150,7 @@ class ModelRunner:
         tables = [e.request.block_table[:width] for e in decodes]
         tables = [t + [0] * (width - len(t)) for t in tables]
         bounds = [(max(0, n - window) if window else 0, n) for n in lengths]
-        slots = [
-            e.request.block_table[(n - 1) // bs] * bs + (n - 1) % bs
-            for e, n in zip(decodes, lengths, strict=True)
-        ]
+        slots = [self._slots(e.request, n - 1, n)[0] for e, n in zip(decodes, lengths, strict=True)]
         runs = None
         if len(decodes) == 1 and lengths[0] - bounds[0][0] >= NATIVE_SDPA_FROM_KEYS:
             runs = slot_runs(decodes[0].request.block_table, *bounds[0], bs)

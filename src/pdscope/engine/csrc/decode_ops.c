@@ -1839,11 +1839,6 @@ int decode_layers(const decode_layer *layers, const decode_step *s, void *residu
     return 0;
 }
 
-/* The rows' logits, float32 [rows, vocab], after decode_layers in the same call: the final
- * norm's output through the LM head on the step's matmul kernel, each value rounded to the
- * model dtype and then widened, the bits the per-kernel path's lm_head(hidden).float() gives.
- * A one-row AMX step writes them widened straight from the tiles; other bf16 steps go through
- * a bf16 copy in scratch (decode_logits_scratch(s) bytes). Returns 0, or -1 as decode_layers. */
 /* out[r] = the index of row r's largest value in x [rows, n] as torch.argmax gives it: the
  * first of equal maxima, and the first NaN where a row has one. */
 void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
@@ -1893,7 +1888,14 @@ int64_t decode_logits_scratch(const decode_step *s) {
            (s->bf ? s->rows * s->vocab * 2 : 0);
 }
 
-/* residual: as decode_layers', or NULL when `s->embed` is set (then it lives in scratch).
+/* The rows' logits, float32 [rows, vocab], after decode_layers in the same call: the final
+ * norm's output through the LM head on the step's matmul kernel, each value rounded to the
+ * model dtype and then widened, the bits the per-kernel path's lm_head(hidden).float() gives.
+ * A one-row AMX step writes them widened straight from the tiles; other bf16 steps go through
+ * a bf16 copy in scratch (decode_logits_scratch(s) bytes). The one-row branch below repeats
+ * linear_many_rows' own test for its one-row AMX kernel: the two must change together, or the
+ * logits leave the per-kernel path's bits (the bit-for-bit test in test_engine.py says so).
+ * residual: as decode_layers', or NULL when `s->embed` is set (then it lives in scratch).
  * Returns 0, -1 as decode_layers, or -2 when a token id lies outside the embedding. */
 int decode_logits(const decode_layer *layers, const decode_step *s, void *residual,
                   float *logits, void *scratch) {
