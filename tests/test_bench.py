@@ -345,20 +345,7 @@ def test_ctrl_c_writes_partial_results(medium_server: Server, tmp_path: Path) ->
     import sys
     import time
 
-    import httpx
-
-    def finished() -> float:
-        """Requests the server has finished so far (its own counter)."""
-        text = httpx.get(f"{medium_server.url}/metrics", timeout=10).text
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("vllm:request_success_total{")
-        )
-
-    prompts = 512  # minutes of work even for a fast engine: the stop always comes mid-run
     out = tmp_path / "partial.json"
-    before = finished()
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -367,11 +354,11 @@ def test_ctrl_c_writes_partial_results(medium_server: Server, tmp_path: Path) ->
             "bench",
             medium_server.url,
             "--num-prompts",
-            str(prompts),
+            "64",
             "--input-len",
             "32",
             "--output-len",
-            "400",
+            "1500",  # ~60 s of work on a fast engine: 400 once finished inside the 6 s below
             "--max-concurrency",
             "2",
             "--save-result",
@@ -381,19 +368,14 @@ def test_ctrl_c_writes_partial_results(medium_server: Server, tmp_path: Path) ->
         stderr=subprocess.STDOUT,
         text=True,
     )
-    # Stop once the run is under way (a few requests finished), not after a fixed sleep: a
-    # fast engine finished a whole 64-prompt run inside the 6 s this test used to wait.
-    deadline = time.monotonic() + 120
-    while finished() < before + 3 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert proc.poll() is None, "the bench ended before it could be stopped"
+    time.sleep(6)  # start-up, warm-up, then a few requests in flight
     proc.send_signal(signal.SIGINT)
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1, output
     data = json.loads(out.read_text())
     assert data["partial"] and data["runs"]
     done = data["runs"][0]["summary"]["completed"]
-    assert done < prompts  # stopped early, and what finished is kept
+    assert done < 64  # stopped early, and what finished is kept
     assert "partial results" in output
 
 
