@@ -367,6 +367,9 @@ def test_ctrl_c_writes_partial_results(medium_server: Server, tmp_path: Path) ->
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # A suite started in the background (``cmd &``, nohup) hands its children SIGINT
+        # ignored, and Python then installs no Ctrl-C handler: give the bench the default back.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     time.sleep(6)  # start-up, warm-up, then a few requests in flight
     proc.send_signal(signal.SIGINT)
