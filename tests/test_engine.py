@@ -5,6 +5,7 @@ gaps between the top logits.
 """
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,8 @@ BF16_PATHS = [
     # AMX tiles: the prefill attention (a head size that is a multiple of 32: the model below
     # gets 64) and single-row matmuls (linear=amx)
     "linear=amx,batch_linear=c,prefill_attention=amx,decode_math=native,decode_ops=c",
+    # single rows through the pair-interleaved weight copies (linear=pairs)
+    "linear=pairs,batch_linear=c,prefill_attention=sdpa,decode_math=native,decode_ops=c",
     # a prefill's matmuls split by rows over the threads (the 1,100-token chunk below)
     "linear=c,batch_linear=packed,prefill_linear=rows,prefill_attention=sdpa,"
     "decode_math=native,decode_ops=c",
@@ -56,6 +59,18 @@ def _amx_or_skip(kernels: str) -> dict[str, int]:
     if ops is None or not ops.prefill_amx:
         pytest.skip("no AMX tiles on this CPU, compiler or kernel")
     return {"head_dim": 64}
+
+
+def _pairs_or_skip(kernels: str) -> None:
+    """For the linear=pairs rows: skip where the C kernels lack AVX-512 BF16."""
+    if "linear=pairs" not in kernels:
+        return
+    from pdscope.checkpoint.make_model import default_cache_dir
+    from pdscope.engine import native
+
+    ops = native.load(default_cache_dir() / "native")
+    if ops is None or not ops.pairs:
+        pytest.skip("no AVX-512 BF16 in this build of the C kernels")
 
 
 @pytest.fixture(autouse=True)
@@ -161,6 +176,7 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
     from safetensors.torch import load_file, save_file
 
     overrides = _amx_or_skip(kernels)
+    _pairs_or_skip(kernels)
     path = make_model(tmp_path / arch, "tiny", arch=arch, dtype="bfloat16", **overrides)
     # Generated norm weights are all ones; random ones make a dropped or misplaced weight show.
     weights_file = path / "model.safetensors"
@@ -171,7 +187,7 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
             tensors[name] = (1 + 0.5 * torch.randn(t.shape, generator=gen)).to(t.dtype)
     save_file(tensors, weights_file, metadata={"format": "pt"})
     paths = parse_kernels(kernels)
-    many, c_linear = paths["batch_linear"] == "c", paths["linear"] in ("c", "amx")
+    many, c_linear = paths["batch_linear"] == "c", paths["linear"] in ("c", "amx", "pairs")
     llm = LLM(
         model=str(path),
         dtype="bfloat16",
@@ -189,6 +205,8 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
     linears = [m for m in model.modules() if hasattr(m, "packed")]
     assert all((m.native is not None) == c_linear for m in linears)
     assert all(m.one_row_amx == (paths["linear"] == "amx") for m in linears)
+    pair_rows = paths["linear"] == "pairs"  # every weight here has a shape the copy takes
+    assert all((m.pairs is not None) == pair_rows for m in linears)
     assert all((m.native_many is not None) == many for m in linears)
     rows = 2048 if c_linear else 1  # packed for many rows where C takes one
     assert all(m.packed_rows == rows for m in linears if m.packed is not None)
@@ -200,6 +218,8 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
     many_calls = _count_calls(linears, "native_many", "linear_many") if many else [0]
     amx_rows = paths["linear"] == "amx"
     one_row_calls = _count_calls(linears, "native", "linear_many") if amx_rows else [0]
+    # linear=pairs: the prefill's last row through the LM head (decode steps run in one call)
+    pair_calls = _count_calls(linears, "native", "linear_pairs") if pair_rows else [0]
     # prefill_attention=amx reads each chunk's K/V through its block table (no gather)
     paged_calls = _count_calls(attns, "prefill_native", "prefill_attention_paged") if amx else [0]
     by_rows = paths.get("prefill_linear") == "rows"
@@ -232,6 +252,7 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
     assert plain_calls[0] == (4 * len(model.layers) if unsplit else 0)
     assert (many_calls[0] > 0) == many  # the chunks' matmuls went through the many-row kernel
     assert (one_row_calls[0] > 0) == amx_rows  # decode rows on the tiles
+    assert (pair_calls[0] > 0) == pair_rows
     assert (paged_calls[0] > 0) == amx
     ours = torch.cat(llm.engine.runner.captured)
     ref_model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -441,6 +462,7 @@ def test_c_path_hands_long_contexts_to_sdpa_in_place(
         # batch-1 rows stay on oneDNN here (not one-call); batches of 2-4 take the C kernel
         ("bfloat16", "linear=packed,batch_linear=c,prefill_attention=sdpa,decode_ops=c"),
         ("bfloat16", "linear=amx,batch_linear=c,prefill_attention=sdpa,decode_ops=c"),
+        ("bfloat16", "linear=pairs,batch_linear=c,prefill_attention=sdpa,decode_ops=c"),
     ],
 )
 # a qkv bias; q/k norms; q/k norms with the LM head tied to the embedding and a vocabulary
@@ -461,6 +483,7 @@ def test_one_call_decode_step_is_the_per_kernel_path_bit_for_bit(
         ops = native.load(default_cache_dir() / "native")
         if ops is None or ops.linear_many_isa != "amx":
             pytest.skip("no AMX tiles on this CPU, compiler or kernel")
+    _pairs_or_skip(kernels)
     tied = arch.endswith("-tied")
     overrides = {"tie_word_embeddings": True, "vocab_size": 1000} if tied else {}
     path = make_model(
@@ -518,6 +541,39 @@ def test_one_call_decode_step_is_the_per_kernel_path_bit_for_bit(
         for fused, per_kernel in zip(captured[mode], captured["per-kernel"], strict=True):
             assert fused.dtype == per_kernel.dtype == torch.float32
             assert torch.equal(fused, per_kernel)
+
+
+def test_pairs_copies_follow_a_replaced_weight_and_are_dropped_with_the_path(
+    tmp_path: Path,
+) -> None:
+    """Under linear=pairs every weight the copy takes holds one (the tied-away vocabulary of
+    1,000 is not a multiple of 16: that LM head keeps the C kernel); a weight whose storage is
+    replaced is copied anew before a single row reads it, so a row sees the new weight; and
+    another linear choice frees every copy."""
+    from pdscope.engine.model import Linear, apply_kernels
+
+    _pairs_or_skip("linear=pairs")
+    path = make_model(tmp_path / "m", "tiny", dtype="bfloat16", vocab_size=1000)
+    llm = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="8MiB", kernels="linear=pairs")
+    model = llm.engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert model.lm_head.pairs is None
+    assert all(m.pairs is not None for m in linears if m is not model.lm_head)
+    before = llm.generate([5, 6, 7], GREEDY)[0].token_ids
+    proj = model.layers[0].mlp.down_proj
+    x = torch.randn(1, proj.in_features, generator=torch.Generator().manual_seed(0))
+    x = x.to(torch.bfloat16)
+    old = proj(x)
+    proj.weight.data = proj.weight.data * -2.0
+    new = proj(x)
+    torch.testing.assert_close(
+        new, torch.nn.functional.linear(x, proj.weight), atol=4e-2, rtol=2e-2
+    )
+    assert not torch.allclose(new, old, atol=4e-2, rtol=2e-2)
+    assert proj.pairs_source == proj.weight.data_ptr()
+    assert llm.generate([5, 6, 7], GREEDY)[0].token_ids != before  # the step read it too
+    apply_kernels(model, replace(llm.engine.kernels, linear="c"), model.native)
+    assert all(m.pairs is None for m in linears)
 
 
 def test_streamed_weights_move_to_huge_pages_and_stay_tied(tmp_path: Path) -> None:

@@ -263,6 +263,29 @@ def test_prefill_linear_rows_alone_loads_the_c_kernels(
     assert layers and all(m.team is not None and m.weight_t is not None for m in layers)
 
 
+def test_pairs_are_offered_to_the_linear_trial_only_while_their_copy_fits(
+    tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """linear=pairs keeps a copy of every weight: the trial measures it beside the other
+    single-row paths while that copy fits in TRANSPOSED_COPY_MAX_SHARE of the free memory,
+    and leaves it out (and allocates none) when it would not."""
+    from pdscope.engine import model as model_module
+
+    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB")
+    model = llm.engine.runner.model
+    ops = native.load(tmp_path / "native")
+    if ops is None or not ops.pairs:
+        pytest.skip("no AVX-512 BF16 in this build of the C kernels")
+    assert "pairs" in model_module.kernel_trials(model, 64, ops)["linear"]()
+    made: list[object] = []
+    monkeypatch.setattr(model_module, "pairs_copy", lambda *a: made.append(a))
+    monkeypatch.setattr(model_module, "TRANSPOSED_COPY_MAX_SHARE", 0.0)
+    assert not model_module.pairs_copy_fits(model)
+    assert "pairs" not in model_module.kernel_trials(model, 64, ops)["linear"]()
+    assert not made
+
+
 def test_prefill_linear_is_not_offered_when_its_copy_would_not_fit(
     tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -768,6 +791,50 @@ def test_amx_linear_matches_f_linear_on_odd_shapes(
                 assert ours <= max(theirs * 1.01, 1e-5)
     finally:
         torch.set_num_threads(saved)
+
+
+@needs_cc
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_pairs_linear_matches_f_linear_whatever_the_threads(
+    c_ops: native.NativeOps, threads: int
+) -> None:
+    """linear_pairs on pack_pairs copies against F.linear over the same bf16 tensors: block
+    counts that leave the eight-stream loop a remainder (1, 3, 9, 65 blocks of 16) or none
+    (16, 1,024 at the small model's LM head), inputs of one pair up to the down projection's
+    2,816, with and without a bias. Each block sums its pairs in one order whichever loop runs
+    it, so the bits are the same at any thread count; and the copy is the documented layout."""
+    if not c_ops.pairs:
+        pytest.skip("this build of the C kernels lacks AVX-512 BF16")
+    gen = torch.Generator().manual_seed(11)
+    shapes = ((16, 2), (48, 96), (144, 64), (256, 1024), (1040, 2816), (16384, 128))
+    saved = torch.get_num_threads()
+    try:
+        for outputs, inputs in shapes:
+            x = torch.randn(1, inputs, generator=gen).to(torch.bfloat16)
+            weight = (torch.randn(outputs, inputs, generator=gen) / 8).to(torch.bfloat16)
+            bias = torch.randn(outputs, generator=gen).to(torch.bfloat16)
+            pairs = c_ops.pack_pairs(weight)
+            layout = weight.view(outputs // 16, 16, inputs // 2, 2).transpose(1, 2)
+            assert torch.equal(pairs, layout)
+            for b in (None, bias):
+                torch.set_num_threads(1)
+                alone = c_ops.linear_pairs(x, pairs, b)
+                torch.set_num_threads(threads)
+                y = c_ops.linear_pairs(x, pairs, b)
+                assert torch.equal(y, alone), (outputs, inputs)
+                ref = torch.nn.functional.linear(x, weight, b)
+                exact = x.double() @ weight.double().T + (0 if b is None else b.double())
+                # both float32 sums rounded once to bf16: at most a rounding step apart
+                torch.testing.assert_close(y, ref, atol=2e-2, rtol=1.6e-2)
+                ours = (y.double() - exact).abs().max()
+                theirs = (ref.double() - exact).abs().max()
+                assert ours <= max(theirs * 1.01, 1e-5)
+    finally:
+        torch.set_num_threads(saved)
+    with pytest.raises(ValueError, match="rows a multiple of 16"):
+        c_ops.pack_pairs(torch.zeros(24, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="does not fit"):
+        c_ops.linear_pairs(torch.zeros(1, 6, dtype=torch.bfloat16), c_ops.pack_pairs(weight))
 
 
 @needs_cc

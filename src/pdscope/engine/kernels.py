@@ -13,6 +13,11 @@ Paths (every candidate computes the same function; tests pin each against transf
   (``F.linear``) or ``c`` (engine/native.py's kernel for single-row matmuls, reading the
   weights as stored with AVX-512 BF16 dot products where the CPU has them; larger matmuls then
   take the packed weights). Only bf16 on CPU has a packed form; ``c`` needs a C compiler.
+  ``amx`` takes single rows through AMX tiles instead, reading the weight as stored; ``pairs``
+  through a pair-interleaved copy of every weight ([out / 16, in / 2, 16, 2]: one 64-byte
+  load feeds 16 outputs), eight blocks of it read side by side per thread, so that each core
+  keeps eight streams from memory going where ``amx`` and ``c`` keep one or a few (bf16 with
+  AVX-512 BF16; the copy is offered only while it takes at most a quarter of the memory).
 * ``batch_linear``: for matmuls of 2 to ``NATIVE_MANY_MAX_ROWS`` rows (a batched decode
   step): ``packed`` (whatever ``linear`` gives matmuls of several rows: the packed weights, or
   ``F.linear`` under ``linear=plain``) or ``c`` (engine/native.py's many-row kernel: AMX tile
@@ -66,7 +71,7 @@ from pdscope.specs.local import cpu_model
 log = logging.getLogger("pdscope.engine")
 
 OPTIONS: dict[str, tuple[str, ...]] = {
-    "linear": ("packed", "plain", "c", "amx"),
+    "linear": ("packed", "plain", "c", "amx", "pairs"),
     "batch_linear": ("packed", "c"),
     "prefill_linear": ("onednn", "transposed", "rows"),
     "prefill_attention": ("blocked", "sdpa", "amx"),
@@ -77,7 +82,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
-_TRIAL_VERSION = 12
+_TRIAL_VERSION = 13
 
 
 @dataclass(frozen=True)

@@ -59,8 +59,9 @@ PACKED_ROWS_WITH_C = 2048
 # when chosen: torch.mm on a transposed copy of the weight, whole or with x's rows split over
 # the OpenMP team (see Linear). A decode batch stays below it, on linear's path.
 ROWS_SPLIT_MIN_ROWS = 512
-# prefill_linear=transposed's copy of the layer weights is offered to the trial only while it
-# takes at most this share of the memory free at start-up.
+# prefill_linear=transposed's copy of the layer weights, and linear=pairs' copy of every
+# weight, are each offered to the trial only while it takes at most this share of the memory
+# free at start-up.
 TRANSPOSED_COPY_MAX_SHARE = 0.25
 # Returns the log-sum-exp beside the output, which merging runs needs; absent on old torch.
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -258,13 +259,35 @@ class Linear(nn.Linear):
     # [in, out] contiguous, what prefill matmuls multiply by under prefill_linear=transposed or
     # rows: oneDNN's matmul on it beat the packed weights at 2,000 rows on the AMX Xeon
     weight_t: torch.Tensor | None = None
+    # linear=pairs: the weight's pack_pairs copy [out / 16, in / 2, 16, 2], what single rows
+    # multiply by (NativeOps.linear_pairs); None where the shape does not allow it.
+    # pairs_source: the weight storage it was made from (current_pairs makes it anew when
+    # the weight's .data is replaced)
+    pairs: torch.Tensor | None = None
+    pairs_source: int = 0
 
     def pack(self, rows: int = 1) -> None:
         """Pre-pack the weight for matmuls of about ``rows`` rows (oneDNN's batch hint)."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), rows)
         self.packed_rows = rows
 
+    def make_pairs(self, native: NativeOps) -> None:
+        """Hold the weight's pack_pairs copy (:func:`pairs_copy`), for linear=pairs."""
+        self.pairs = pairs_copy(self.weight, native)
+        self.pairs_source = self.weight.data_ptr()
+
+    def current_pairs(self) -> torch.Tensor | None:
+        """The pairs copy, made anew first if the weight's storage was replaced since."""
+        if self.pairs is not None and self.pairs_source != self.weight.data_ptr():
+            assert self.native is not None  # linear=pairs sets both
+            self.make_pairs(self.native)
+        return self.pairs
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pairs is not None and self.native is not None and x.dim() == 2 and x.shape[0] == 1:
+            pairs = self.current_pairs()
+            assert pairs is not None
+            return self.native.linear_pairs(x.contiguous(), pairs, self.bias)
         if self.native is not None and x.dim() == 2 and x.shape[0] <= NATIVE_LINEAR_MAX_ROWS:
             run = self.native.linear_many if self.one_row_amx else self.native.linear
             return run(x.contiguous(), self.weight, self.bias)
@@ -343,19 +366,38 @@ def huge_pages_offered() -> bool:
     return "[never]" not in setting
 
 
-def on_huge_pages(t: torch.Tensor) -> torch.Tensor | None:
-    """A copy of contiguous CPU tensor ``t`` in private anonymous memory that Linux is asked,
-    before anything touches it, to back with transparent huge pages; the tensor keeps the
-    mapping alive. None when ``t`` is under one huge page or huge pages are not offered."""
-    nbytes = t.numel() * t.element_size()
-    if t.device.type != "cpu" or nbytes < _HUGE_PAGE_BYTES or not huge_pages_offered():
+def empty_on_huge_pages(numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """An uninitialized 1-D CPU tensor in private anonymous memory that Linux is asked, before
+    anything touches it, to back with transparent huge pages; the tensor keeps the mapping
+    alive. None when it would be under one huge page or huge pages are not offered."""
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    if nbytes < _HUGE_PAGE_BYTES or not huge_pages_offered():
         return None
     area = mmap.mmap(-1, nbytes + _HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     area.madvise(mmap.MADV_HUGEPAGE)
     start = torch.frombuffer(area, dtype=torch.uint8, count=1).data_ptr()
-    offset = -start % _HUGE_PAGE_BYTES  # the copy starts on a huge-page boundary
-    copy = torch.frombuffer(area, dtype=t.dtype, count=t.numel(), offset=offset)
-    return copy.view(t.shape).copy_(t)
+    offset = -start % _HUGE_PAGE_BYTES  # the tensor starts on a huge-page boundary
+    return torch.frombuffer(area, dtype=dtype, count=numel, offset=offset)
+
+
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor | None:
+    """A copy of contiguous CPU tensor ``t`` on transparent huge pages
+    (:func:`empty_on_huge_pages`); None when ``t`` is under one huge page or huge pages are
+    not offered."""
+    if t.device.type != "cpu":
+        return None
+    copy = empty_on_huge_pages(t.numel(), t.dtype)
+    return None if copy is None else copy.view(t.shape).copy_(t)
+
+
+def pairs_copy(weight: torch.Tensor, native: NativeOps) -> torch.Tensor | None:
+    """``weight``'s pack_pairs copy for linear=pairs (on huge pages where Linux offers them:
+    the C kernel streams it every batch-1 step), or None where its dtype or shape does not
+    allow one (bf16, rows a multiple of 16, columns of 2)."""
+    rows, cols = weight.shape
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or rows % 16 or cols % 2:
+        return None
+    return native.pack_pairs(weight.detach(), empty_on_huge_pages(weight.numel(), weight.dtype))
 
 
 def pack_linears(model: nn.Module) -> int:
@@ -925,6 +967,7 @@ class CausalLM(nn.Module):
         else:
             return None
         assert batch.positions is not None and batch.decode_bounds is not None
+        step.pairs = rows == 1 and first.native is not None and first.pairs is not None
         step.rows = rows
         step.block_size = batch.block_size
         step.table_width = batch.decode_tables.shape[1]
@@ -965,6 +1008,10 @@ class CausalLM(nn.Module):
                     mlp.gate_up_proj.weight,
                     mlp.down_proj.weight,
                     cache,
+                    attn.qkv_proj.current_pairs(),
+                    attn.o_proj.current_pairs(),
+                    mlp.gate_up_proj.current_pairs(),
+                    mlp.down_proj.current_pairs(),
                 )
             )
         norms = [self.norm] + [
@@ -976,10 +1023,11 @@ class CausalLM(nn.Module):
             n for layer in self.layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)
         ]
         weights = [
-            *(t for row in rows for t in row[:-1] if t is not None),
+            *(t for row in rows for t in row[:9] + row[10:] if t is not None),  # not the cache
             self.norm.weight,
             self.lm_head.weight,  # read by decode_logits, as the embedding
             self.embed_tokens.weight,
+            *([] if self.lm_head.current_pairs() is None else [self.lm_head.pairs]),
         ]
         dtype = self.embed_tokens.weight.dtype
         c, attn = self.config, self.layers[0].self_attn
@@ -1014,6 +1062,7 @@ class CausalLM(nn.Module):
             wide_glue=self.native is not None and self.native.wide_glue,
             lm_head=self.lm_head.weight.data_ptr(),
             vocab=self.lm_head.weight.shape[0],
+            lm_head_p=None if self.lm_head.pairs is None else self.lm_head.pairs.data_ptr(),
         )
         held = [*weights, self.rope_cos, self.rope_sin, *kv_caches]
         built = (array, step, attn.qkv_proj)
@@ -1040,14 +1089,19 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             "prefill_attention=amx needs the C kernels and AMX tiles, which this CPU, compiler "
             "or kernel does not give"
         )
+    if choice.linear == "pairs" and (native is None or not native.pairs):
+        raise ValueError(
+            "linear=pairs needs the C kernels built with AVX-512 BF16, which this CPU or "
+            "compiler does not give"
+        )
     if choice.prefill_linear == "rows" and (native is None or not native.team):
         raise ValueError("prefill_linear=rows needs the C kernels, which did not load")
     model.native = native if choice.decode_ops == "c" else None
     model._decode_layers = None
     for module in model.modules():
         if isinstance(module, Linear):
-            # linear=c or amx: single rows through C, larger matmuls through packed weights.
-            one_row_c = choice.linear in ("c", "amx")
+            # linear=c, amx or pairs: single rows through C, larger matmuls through packed weights.
+            one_row_c = choice.linear in ("c", "amx", "pairs")
             module.native = native if one_row_c else None
             module.one_row_amx = choice.linear == "amx" and module.weight.dtype == torch.bfloat16
             module.native_many = native if choice.batch_linear == "c" else None
@@ -1078,6 +1132,11 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
                 if moved is not None:
                     module.weight.data = moved
                     module.huge_pages = True
+            if choice.linear != "pairs":
+                module.pairs = None
+            elif module.pairs is None:  # after the move: made from the weight's final storage
+                assert native is not None  # checked above
+                module.make_pairs(native)
         elif isinstance(module, MLP):
             module.native = model.native
         elif isinstance(module, Attention):
@@ -1097,8 +1156,10 @@ def kernel_trials(
 
     * linear: one decode step's worth of matmuls (every weight read once, at one row), so the
       trial streams from memory as a real step does: oneDNN packed (bf16 only), plain
-      ``F.linear``, the C kernel (when ``native`` loaded), and the many-row kernel's AMX tiles
-      at one row (bf16, where Linux grants the tiles; 1.08x the C kernel on the AMX Xeon);
+      ``F.linear``, the C kernel (when ``native`` loaded), the many-row kernel's AMX tiles
+      at one row (bf16, where Linux grants the tiles; 1.08x the C kernel on the AMX Xeon), and
+      the pair-interleaved copies (bf16 with AVX-512 BF16, offered only while that copy fits:
+      ``pairs_copy_fits``);
     * batch linear (bf16 with the C kernels): one step's matmuls at ``_BATCH_TRIAL_ROWS`` rows
       (a batched decode), through the weights as ``linear`` would run them (packed) or the
       many-row C kernel. The packed candidate is always laid out for many rows (as under
@@ -1203,6 +1264,22 @@ def _linear_trial(model: CausalLM, native: NativeOps | None) -> dict[str, Callab
                     ops.linear_many(inputs[m.in_features], m.weight, m.bias)
 
             candidates["amx"] = run_amx
+        if weight.dtype == torch.bfloat16 and ops.pairs and pairs_copy_fits(model):
+            # as apply_kernels would run them: weights without a copy take the C kernel
+            pairs = {
+                m: m.pairs if m.pairs is not None else pairs_copy(m.weight, ops) for m in linears
+            }
+
+            def run_pairs() -> None:
+                for m in linears:
+                    p = pairs[m]
+                    x = inputs[m.in_features]
+                    if p is None:
+                        ops.linear(x, m.weight, m.bias)
+                    else:
+                        ops.linear_pairs(x, p, m.bias)
+
+            candidates["pairs"] = run_pairs
     return candidates
 
 
@@ -1269,15 +1346,25 @@ def available_memory_bytes() -> int | None:
     return available
 
 
-def transposed_copy_fits(model: CausalLM) -> bool:
-    """Whether the transposed copy is at most TRANSPOSED_COPY_MAX_SHARE of the memory
-    available now: a model that would need most of the machine's memory for it keeps
-    oneDNN's path rather than be measured into a third copy of its weights. False where the
-    available memory cannot be read."""
+def copy_fits(nbytes: int) -> bool:
+    """Whether a copy of ``nbytes`` is at most TRANSPOSED_COPY_MAX_SHARE of the memory
+    available now: a model that would need most of the machine's memory for another copy of
+    its weights keeps the paths that need none rather than be measured into one. False where
+    the available memory cannot be read."""
     available = available_memory_bytes()
-    return available is not None and (
-        transposed_copy_bytes(model) <= TRANSPOSED_COPY_MAX_SHARE * available
-    )
+    return available is not None and nbytes <= TRANSPOSED_COPY_MAX_SHARE * available
+
+
+def transposed_copy_fits(model: CausalLM) -> bool:
+    """Whether prefill_linear=transposed's copy fits (:func:`copy_fits`)."""
+    return copy_fits(transposed_copy_bytes(model))
+
+
+def pairs_copy_fits(model: CausalLM) -> bool:
+    """Whether linear=pairs' copy (every weight once more, the LM head's too) fits
+    (:func:`copy_fits`)."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    return copy_fits(sum(m.weight.numel() * m.weight.element_size() for m in linears))
 
 
 def _prefill_linear_trial(model: CausalLM, rows: int) -> dict[str, Callable[[], object]]:

@@ -134,7 +134,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 class DecodeLayer(ctypes.Structure):
     """One decoder layer for :meth:`NativeOps.decode_layers`: weight pointers (None where a
-    bias or q/k norm is absent) and the layer's KV cache. decode_ops.c's ``decode_layer``."""
+    bias or q/k norm is absent), the layer's KV cache, and its matmul weights' pack_pairs
+    copies (None unless ``linear=pairs``). decode_ops.c's ``decode_layer``."""
 
     _fields_ = [
         (name, _P)
@@ -149,6 +150,10 @@ class DecodeLayer(ctypes.Structure):
             "gate_up_w",
             "down_w",
             "kv",
+            "qkv_p",
+            "o_p",
+            "gate_up_p",
+            "down_p",
         )
     ]
 
@@ -188,6 +193,9 @@ class DecodeStep(ctypes.Structure):
         ("ids", _P),
         ("embed", _P),
         ("argmax", _P),
+        # linear=pairs: one-row matmuls read the pack_pairs copies, the LM head's here
+        ("lm_head_p", _P),
+        ("pairs", _I),
     ]
 
 
@@ -258,6 +266,13 @@ class NativeOps:
             self.lib.decode_logits_scratch.restype = ctypes.c_int64
             self.lib.argmax_rows.argtypes = [_P, _I, _I, _P]
             self.lib.argmax_rows.restype = None
+        # newer still: one-row matmuls over pair-interleaved weight copies (linear=pairs)
+        self.pairs = hasattr(self.lib, "linear_pairs") and bool(self.lib.linear_pairs_isa())
+        if self.pairs:
+            self.lib.pack_pairs.argtypes = [_P, _P, _I, _I, _C]
+            self.lib.pack_pairs.restype = None
+            self.lib.linear_pairs.argtypes = [_P] * 5 + [_I, _I, _C]
+            self.lib.linear_pairs.restype = ctypes.c_int
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up from the fused projection's output [rows, 2 n] → [rows, n]."""
@@ -346,6 +361,60 @@ class NativeOps:
         status = self._run_linear(self.lib.linear_many_rows, x, weight, bias, y)
         if status < 0:
             raise MemoryError("linear_many_rows: no memory for its copy of x")
+        return y
+
+    def pack_pairs(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``weight`` [out, in] (bf16, ``out`` a multiple of 16, ``in`` of 2) laid out for
+        :meth:`linear_pairs`: [out / 16, in / 2, 16, 2] (decode_ops.c's pack_pairs), written
+        into ``out`` (contiguous, as many bf16 as ``weight``) when given."""
+        _check(weight)
+        rows, cols = weight.shape
+        if weight.dtype != torch.bfloat16 or rows % 16 or cols % 2:
+            raise ValueError(
+                f"pack_pairs: weight {tuple(weight.shape)} {weight.dtype} is not bf16 with "
+                "rows a multiple of 16 and columns of 2"
+            )
+        if out is None:
+            out = torch.empty(rows // 16, cols // 2, 16, 2, dtype=torch.bfloat16)
+        if out.dtype != weight.dtype or out.numel() != weight.numel() or not out.is_contiguous():
+            raise ValueError("pack_pairs: out does not fit the weight")
+        out = out.view(rows // 16, cols // 2, 16, 2)
+        self.lib.pack_pairs(weight.data_ptr(), out.data_ptr(), cols, rows, torch.get_num_threads())
+        return out
+
+    def linear_pairs(
+        self, x: torch.Tensor, pairs: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [1, in] @ weight^T (+ bias) in bf16 from ``pairs``, the weight's
+        :meth:`pack_pairs` copy: 16 outputs per 64-byte load, 8 blocks read side by side per
+        thread. float32 accumulation, one rounding at the end."""
+        _check(x, pairs, bias)
+        blocks, half, sixteen, two = pairs.shape
+        in_features, out_features = 2 * half, 16 * blocks
+        if (
+            x.shape != (1, in_features)
+            or x.dtype != torch.bfloat16
+            or pairs.dtype != torch.bfloat16
+            or (sixteen, two) != (16, 2)
+        ):
+            raise ValueError(
+                f"linear_pairs: x {tuple(x.shape)} {x.dtype} does not fit pairs "
+                f"{tuple(pairs.shape)} {pairs.dtype}"
+            )
+        if bias is not None and (bias.shape != (out_features,) or bias.dtype != x.dtype):
+            raise ValueError(f"linear_pairs: bias {tuple(bias.shape)} does not fit {out_features}")
+        y = torch.empty(1, out_features, dtype=x.dtype)
+        if not self.lib.linear_pairs(
+            x.data_ptr(),
+            pairs.data_ptr(),
+            _ptr(bias),
+            y.data_ptr(),
+            None,
+            in_features,
+            out_features,
+            torch.get_num_threads(),
+        ):
+            raise RuntimeError("linear_pairs: this build of the C kernels lacks AVX-512 BF16")
         return y
 
     @staticmethod

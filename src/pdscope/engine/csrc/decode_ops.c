@@ -1742,6 +1742,119 @@ int prefill_attention_amx_paged(const bf16 *q, const bf16 *cache, bf16 *out, int
 #endif
 }
 
+/* ---- One row through a pair-interleaved copy of the weight (linear=pairs). With two cores,
+ * a read streams from memory at what each core keeps in flight, not at what the memory gives:
+ * on the AMX Xeon a plain read of 304 MB ran at ~20 GB/s as one stream per core and ~32 GB/s
+ * as four to eight (bench/gemv_micro.c's read_streams). amx_one_row walks a weight 32 rows at
+ * a time, each row in 64-byte steps; this kernel reads 8 blocks of 16 rows side by side, each
+ * block one contiguous run, so a core keeps 8 streams going.
+ *
+ * The copy, [out / 16][in / 2][16][2]: block b, pair k holds w[16 b + j][2 k] and
+ * w[16 b + j][2 k + 1] for j = 0..15, so one 64-byte load and one `vdpbf16ps` against x's pair
+ * k, broadcast, adds to all 16 outputs of the block. Each block sums its pairs in order into one
+ * float32 accumulator whichever branch runs it, so the result does not depend on the threads. */
+
+/* dst [out / 16][in / 2][16][2] from w [out, in] (bf16; out a multiple of 16, in of 2). */
+void pack_pairs(const bf16 *w, bf16 *dst, int64_t in, int64_t out, int threads) {
+    const int64_t pairs = in / 2;
+    const uint32_t *w32 = (const uint32_t *)w;
+    uint32_t *d32 = (uint32_t *)dst;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < out / 16; b++)
+        for (int64_t k = 0; k < pairs; k++)
+            for (int64_t j = 0; j < 16; j++)
+                d32[(b * pairs + k) * 16 + j] = w32[(b * 16 + j) * pairs + k];
+}
+
+/* Whether linear_pairs can run here (the build has AVX-512 BF16). */
+int linear_pairs_isa(void) {
+#ifdef HAVE_DPBF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef HAVE_DPBF16
+#define PAIRS_STREAMS 8
+
+/* y's block b (16 outputs) from its float32 sums: + bias, rounded to bf16 once, stored, or
+ * widened into yf as torch's .float() of the bf16 result would give it. */
+static inline void pairs_store(__m512 v, int64_t b, const bf16 *bias, bf16 *y, float *yf) {
+    if (bias) v = _mm512_add_ps(v, bf16x16_to_f32(bias + 16 * b));
+    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(v);
+    if (yf)
+        _mm512_storeu_si512(yf + 16 * b, _mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+    else
+        _mm256_storeu_si256((__m256i *)(y + 16 * b), rounded);
+}
+
+static inline __m512bh pair_of(const bf16 *x, int64_t k) {
+    uint32_t v;
+    memcpy(&v, x + 2 * k, sizeof v);
+    return (__m512bh)_mm512_set1_epi32((int)v);
+}
+
+static void pairs_one_row(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, float *yf,
+                          int64_t in, int64_t out, int threads) {
+    const int64_t blocks = out / 16, pairs = in / 2, block_elems = 16 * in;
+    const int parallel = threads > 1 && out * in >= 65536;
+#pragma omp parallel num_threads(threads) if (parallel)
+    {
+        int64_t lo = 0, hi = blocks;
+#ifdef _OPENMP
+        const int64_t id = omp_get_thread_num(), n = omp_get_num_threads();
+        lo = blocks * id / n;
+        hi = blocks * (id + 1) / n;
+#endif
+        /* stream s walks blocks lo + s * per + i, i = 0..per-1; the last streams may be short */
+        const int64_t per = (hi - lo + PAIRS_STREAMS - 1) / PAIRS_STREAMS;
+        int64_t i = 0;
+        for (; per > 0 && lo + (PAIRS_STREAMS - 1) * per + i < hi; i++) {
+            const bf16 *a[PAIRS_STREAMS];
+            __m512 c[PAIRS_STREAMS];
+            for (int s = 0; s < PAIRS_STREAMS; s++) {
+                a[s] = wp + (lo + s * per + i) * block_elems;
+                c[s] = _mm512_setzero_ps();
+            }
+            for (int64_t k = 0; k < pairs; k++) {
+                const __m512bh xv = pair_of(x, k);
+#pragma GCC unroll 8
+                for (int s = 0; s < PAIRS_STREAMS; s++)
+                    c[s] = _mm512_dpbf16_ps(c[s], (__m512bh)_mm512_loadu_si512(a[s] + 32 * k), xv);
+            }
+            for (int s = 0; s < PAIRS_STREAMS; s++) pairs_store(c[s], lo + s * per + i, bias, y, yf);
+        }
+        /* the blocks the full-width loop left: each alone, summed in the same order */
+        for (int s = 0; s < PAIRS_STREAMS; s++)
+            for (int64_t j = i; j < per; j++) {
+                const int64_t b = lo + s * per + j;
+                if (b >= hi) break;
+                const bf16 *a = wp + b * block_elems;
+                __m512 c = _mm512_setzero_ps();
+                for (int64_t k = 0; k < pairs; k++)
+                    c = _mm512_dpbf16_ps(c, (__m512bh)_mm512_loadu_si512(a + 32 * k), pair_of(x, k));
+                pairs_store(c, b, bias, y, yf);
+            }
+    }
+}
+#endif
+
+/* y [out] = x [in] @ w [out, in]^T (+ bias [out]) for one row of bf16, from wp, w's
+ * pack_pairs copy; y bf16, or when yf is set, float32 (the bf16 result widened) there instead.
+ * Returns 1 when it ran, 0 when this build lacks AVX-512 BF16. */
+int linear_pairs(const void *x, const void *wp, const void *bias, void *y, float *yf, int64_t in,
+                 int64_t out, int threads) {
+#ifdef HAVE_DPBF16
+    pairs_one_row((const bf16 *)x, (const bf16 *)wp, (const bf16 *)bias, (bf16 *)y, yf, in, out,
+                  threads);
+    return 1;
+#else
+    (void)x, (void)wp, (void)bias, (void)y, (void)yf, (void)in, (void)out, (void)threads;
+    return 0;
+#endif
+}
+
 /* ---- A decodes-only step's decoder layers in one call. Through the per-kernel wrappers a
  * batch-1 step of the small model (12 layers) is ~110 calls from Python, each paying the
  * interpreter, ctypes' argument conversion, tensor checks and an allocation (one call here:
@@ -1751,12 +1864,14 @@ int prefill_attention_amx_paged(const bf16 *q, const bf16 *cache, bf16 *out, int
  * q/k norms + rope + K/V write, paged attention, o, residual += o and norm, gate_up, silu * up,
  * down; the last layer's residual add is fused into the final norm, written to `out`. */
 
-/* One decoder layer: its weights (model dtype; biases and q/k norms NULL when absent) and its
- * KV cache [2, kv_heads, slots, dim]. Mirrored by engine/native.py's DecodeLayer. */
+/* One decoder layer: its weights (model dtype; biases and q/k norms NULL when absent), its
+ * KV cache [2, kv_heads, slots, dim], and its matmul weights' pack_pairs copies (NULL when
+ * linear=pairs is not chosen). Mirrored by engine/native.py's DecodeLayer. */
 typedef struct {
     const void *input_norm, *qkv_w, *qkv_b, *q_norm, *k_norm, *o_w, *post_norm, *gate_up_w,
         *down_w;
     void *kv;
+    const void *qkv_p, *o_p, *gate_up_p, *down_p;
 } decode_layer;
 
 /* The step's shapes, its batch (as paged_decode_attention and qkv_rope_store take it) and how
@@ -1777,6 +1892,10 @@ typedef struct {
     const int64_t *ids;
     const void *embed;
     int64_t *argmax;
+    /* pairs: one-row matmuls read the layers' pack_pairs copies (linear_pairs), and the LM
+     * head its copy lm_head_p, where set */
+    const void *lm_head_p;
+    int64_t pairs;
 } decode_step;
 
 static void step_norm(const decode_step *s, const void *x, void *residual, const void *w,
@@ -1788,8 +1907,10 @@ static void step_norm(const decode_step *s, const void *x, void *residual, const
                  (int)s->threads);
 }
 
-static int step_linear(const decode_step *s, const void *x, const void *w, const void *bias,
-                       void *y, int64_t in, int64_t out) {
+static int step_linear(const decode_step *s, const void *x, const void *w, const void *wp,
+                       const void *bias, void *y, int64_t in, int64_t out) {
+    if (s->pairs && s->rows == 1 && wp && linear_pairs(x, wp, bias, y, NULL, in, out, (int)s->threads))
+        return 0;
     if (s->many_rows)
         return linear_many_rows(x, w, bias, y, s->rows, in, out, (int)s->bf, (int)s->threads) < 0
                    ? -1
@@ -1817,7 +1938,7 @@ int decode_layers(const decode_layer *layers, const decode_step *s, void *residu
     step_norm(s, residual, NULL, layers[0].input_norm, h);
     for (int64_t i = 0; i < s->layers; i++) {
         const decode_layer *l = layers + i;
-        if (step_linear(s, h, l->qkv_w, l->qkv_b, qkv, s->hidden, qkv_width)) return -1;
+        if (step_linear(s, h, l->qkv_w, l->qkv_p, l->qkv_b, qkv, s->hidden, qkv_width)) return -1;
         qkv_rope_store(qkv, q, l->kv, s->positions, s->slot_mapping, s->cos_table, s->sin_table,
                        l->q_norm, l->k_norm, (float)s->qk_eps, rows, s->heads, s->kv_heads,
                        s->dim, s->slots, bf, threads);
@@ -1825,14 +1946,14 @@ int decode_layers(const decode_layer *layers, const decode_step *s, void *residu
                                    s->kv_heads, s->dim, s->slots, s->block_size, s->table_width,
                                    (float)s->scale, bf, threads))
             return -1;
-        if (step_linear(s, att, l->o_w, NULL, o, q_width, s->hidden)) return -1;
+        if (step_linear(s, att, l->o_w, l->o_p, NULL, o, q_width, s->hidden)) return -1;
         step_norm(s, o, residual, l->post_norm, h);
-        if (step_linear(s, h, l->gate_up_w, NULL, gate_up, s->hidden, 2 * s->inter)) return -1;
+        if (step_linear(s, h, l->gate_up_w, l->gate_up_p, NULL, gate_up, s->hidden, 2 * s->inter)) return -1;
         if (s->wide_glue && bf)
             silu_mul_bf16((const bf16 *)gate_up, (bf16 *)act, rows, s->inter, threads);
         else
             silu_mul(gate_up, act, rows, s->inter, bf, threads);
-        if (step_linear(s, act, l->down_w, NULL, o, s->inter, s->hidden)) return -1;
+        if (step_linear(s, act, l->down_w, l->down_p, NULL, o, s->inter, s->hidden)) return -1;
         const int last = i + 1 == s->layers;
         step_norm(s, o, residual, last ? s->final_norm : layers[i + 1].input_norm, last ? out : h);
     }
@@ -1913,7 +2034,12 @@ int decode_logits(const decode_layer *layers, const decode_step *s, void *residu
     }
     if (decode_layers(layers, s, residual, normed, scratch)) return -1;
     if (!s->bf) {
-        if (step_linear(s, normed, s->lm_head, NULL, logits, s->hidden, s->vocab)) return -1;
+        if (step_linear(s, normed, s->lm_head, NULL, NULL, logits, s->hidden, s->vocab)) return -1;
+    }
+    /* step_linear's one-row pairs branch, its output widened in place of stored */
+    else if (s->pairs && s->rows == 1 && s->lm_head_p &&
+             linear_pairs(normed, s->lm_head_p, NULL, NULL, logits, s->hidden, s->vocab,
+                          (int)s->threads)) {
     }
 #ifdef HAVE_AMX
     /* linear_many_rows' one-row branch, its output widened in place of stored */
@@ -1923,7 +2049,7 @@ int decode_logits(const decode_layer *layers, const decode_step *s, void *residu
                     (int)s->threads);
 #endif
     else {
-        if (step_linear(s, normed, s->lm_head, NULL, rounded, s->hidden, s->vocab)) return -1;
+        if (step_linear(s, normed, s->lm_head, NULL, NULL, rounded, s->hidden, s->vocab)) return -1;
         const int64_t n = s->rows * s->vocab;
 #pragma omp parallel for simd num_threads((int)s->threads) schedule(static) if (n >= 262144)
         for (int64_t i = 0; i < n; i++) logits[i] = bf16_to_f32(rounded[i]);
