@@ -10,8 +10,12 @@
  * one L2 software prefetch per 64 bytes of the next 32-row block), amx_rows_nopf (the same
  * without the prefetch: the engine's kernel since), amx_tiled / amx_tiled_pf (weights re-laid
  * so each 16x32 A tile is 1 KB contiguous: one sequential stream), avx_tiled (that layout
- * through vdpbf16ps, 16 accumulators a block) and avx_rows / avx_rows8 / avx_rows16
- * (linear_rows' form, four weight rows at a time; eight; sixteen). */
+ * through vdpbf16ps, 16 accumulators a block), avx_rows / avx_rows8 / avx_rows16
+ * (linear_rows' form, four weight rows at a time; eight; sixteen), read_streams4 /
+ * read_streams8 (the read, each thread's share split in 4 or 8 parts summed side by side:
+ * what a core reads when it keeps several streams going) and pairs8 (linear=pairs: the
+ * weights re-laid [out/16][in/2][16][2] on huge pages, eight 16-row blocks side by side per
+ * thread, one vdpbf16ps per 64-byte load against x's pair broadcast). */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
@@ -26,7 +30,7 @@
 typedef uint16_t bf16;
 enum { NW = 49 };
 static int64_t OUT[NW], IN[NW];
-static bf16 *W[NW], *T[NW], *H[NW], *X[NW], *Y[NW];
+static bf16 *W[NW], *T[NW], *H[NW], *P[NW], *X[NW], *Y[NW];
 
 static double now(void) {
     struct timespec ts;
@@ -61,6 +65,51 @@ static void run_read(int i) {
         total += _mm512_reduce_add_ps(_mm512_add_ps(a, b));
     }
     sink = total;
+}
+
+/* The read with each thread's share as S streams side by side. */
+static void run_read_streams(int i, const int S) {
+    const int64_t n = OUT[i] * IN[i] / 32; /* zmm of bf16 */
+    float total = 0;
+#pragma omp parallel reduction(+ : total)
+    {
+        const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t lo = n * id / nt, len = (n * (id + 1) / nt - lo) / S;
+        const __m512 *p = (const __m512 *)(W[i]) + lo;
+        __m512 a[8];
+        for (int s = 0; s < S; s++) a[s] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < len; j++)
+            for (int s = 0; s < S; s++) a[s] = _mm512_add_ps(a[s], p[s * len + j]);
+        for (int s = 0; s < S; s++) total += _mm512_reduce_add_ps(a[s]);
+    }
+    sink = total;
+}
+
+/* linear=pairs' kernel: 8 blocks of 16 rows side by side per thread over P's layout. */
+static void run_pairs(int i) {
+    const int64_t blocks = OUT[i] / 16, pairs = IN[i] / 2;
+#pragma omp parallel
+    {
+        const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t lo = blocks * id / nt, hi = blocks * (id + 1) / nt, per = (hi - lo) / 8;
+        for (int64_t j = 0; j < per; j++) {
+            __m512 c[8];
+            for (int s = 0; s < 8; s++) c[s] = _mm512_setzero_ps();
+            for (int64_t k = 0; k < pairs; k++) {
+                uint32_t xv;
+                memcpy(&xv, X[i] + 2 * k, 4);
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xv);
+                for (int s = 0; s < 8; s++)
+                    c[s] = _mm512_dpbf16_ps(
+                        c[s],
+                        (__m512bh)_mm512_loadu_si512(P[i] + ((lo + s * per + j) * pairs + k) * 32),
+                        xb);
+            }
+            for (int s = 0; s < 8; s++)
+                _mm256_storeu_si256((__m256i *)(Y[i] + (lo + s * per + j) * 16),
+                                    (__m256i)_mm512_cvtneps_pbh(c[s]));
+        }
+    }
 }
 
 /* x packed as the B tile for one row: pairs k/2 at column 0, rest zero. */
@@ -212,6 +261,12 @@ int main(int argc, char **argv) {
         XP[i] = aligned_alloc(64, IN[i] / 2 * 16 * 4);
         for (size_t j = 0; j < n; j++) W[i][j] = 0x3f80 + (j * 7 % 13);
         memcpy(H[i], W[i], n * 2);
+        P[i] = aligned_alloc(1 << 21, (n * 2 + (1 << 21) - 1) & ~(size_t)((1 << 21) - 1));
+        madvise(P[i], (n * 2 + (1 << 21) - 1) & ~(size_t)((1 << 21) - 1), MADV_HUGEPAGE);
+        for (int64_t r = 0; r < OUT[i]; r++) /* [out/16][in/2][16][2] */
+            for (int64_t k = 0; k < IN[i]; k++)
+                P[i][((r / 16) * (IN[i] / 2) + k / 2) * 32 + (r % 16) * 2 + k % 2] =
+                    W[i][r * IN[i] + k];
         for (int64_t j = 0; j < IN[i]; j++) X[i][j] = 0x3f00 + (j % 5);
         memset(XP[i], 0, IN[i] / 2 * 16 * 4);
         for (int64_t k = 0; k < IN[i] / 2; k++) memcpy(XP[i] + k * 16, X[i] + 2 * k, 4);
@@ -222,8 +277,9 @@ int main(int argc, char **argv) {
                     W[i][r * IN[i] + k];
     }
     const char *names[] = {"read", "amx_rows", "amx_rows_nopf", "amx_tiled", "amx_tiled_pf",
-                           "avx_tiled", "avx_rows", "avx_rows8", "avx_rows16", "amx_rows_huge"};
-    enum { NV = 10 };
+                           "avx_tiled", "avx_rows", "avx_rows8", "avx_rows16", "amx_rows_huge",
+                           "read_streams4", "read_streams8", "pairs8"};
+    enum { NV = 13 };
     double *t[NV];
     for (int v = 0; v < NV; v++) t[v] = calloc(rounds, sizeof(double));
     for (int r = -1; r < rounds; r++)
@@ -241,6 +297,9 @@ int main(int argc, char **argv) {
                 case 7: avx_rows_n(i, 8); break;
                 case 8: avx_rows_n(i, 16); break;
                 case 9: run_amx(i, 2, 0); break;
+                case 10: run_read_streams(i, 4); break;
+                case 11: run_read_streams(i, 8); break;
+                case 12: run_pairs(i); break;
                 }
             }
             if (r >= 0) t[v][r] = now() - t0;
