@@ -91,7 +91,9 @@ static void run_pairs(int i) {
 #pragma omp parallel
     {
         const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t lo = blocks * id / nt, hi = blocks * (id + 1) / nt, per = (hi - lo) / 8;
+        /* run s: blocks [start(s), start(s + 1)), n / 8 of them side by side, then the rest */
+        const int64_t lo = blocks * id / nt, n = blocks * (id + 1) / nt - lo, per = n / 8;
+#define START(s) (lo + n * (s) / 8)
         for (int64_t j = 0; j < per; j++) {
             __m512 c[8];
             for (int s = 0; s < 8; s++) c[s] = _mm512_setzero_ps();
@@ -101,14 +103,25 @@ static void run_pairs(int i) {
                 const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xv);
                 for (int s = 0; s < 8; s++)
                     c[s] = _mm512_dpbf16_ps(
-                        c[s],
-                        (__m512bh)_mm512_loadu_si512(P[i] + ((lo + s * per + j) * pairs + k) * 32),
+                        c[s], (__m512bh)_mm512_loadu_si512(P[i] + ((START(s) + j) * pairs + k) * 32),
                         xb);
             }
             for (int s = 0; s < 8; s++)
-                _mm256_storeu_si256((__m256i *)(Y[i] + (lo + s * per + j) * 16),
+                _mm256_storeu_si256((__m256i *)(Y[i] + (START(s) + j) * 16),
                                     (__m256i)_mm512_cvtneps_pbh(c[s]));
         }
+        for (int s = 0; s < 8; s++)
+            for (int64_t b = START(s) + per; b < START(s + 1); b++) {
+                __m512 c = _mm512_setzero_ps();
+                for (int64_t k = 0; k < pairs; k++) {
+                    uint32_t xv;
+                    memcpy(&xv, X[i] + 2 * k, 4);
+                    c = _mm512_dpbf16_ps(c, (__m512bh)_mm512_loadu_si512(P[i] + (b * pairs + k) * 32),
+                                         (__m512bh)_mm512_set1_epi32((int)xv));
+                }
+                _mm256_storeu_si256((__m256i *)(Y[i] + b * 16), (__m256i)_mm512_cvtneps_pbh(c));
+            }
+#undef START
     }
 }
 

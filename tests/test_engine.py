@@ -576,6 +576,47 @@ def test_pairs_copies_follow_a_replaced_weight_and_are_dropped_with_the_path(
     assert all(m.pairs is None for m in linears)
 
 
+def test_pairs_step_reads_each_weight_as_the_per_kernel_path_does(tmp_path: Path) -> None:
+    """Under linear=pairs a weight whose shape the copy does not take (here layer 0's qkv,
+    (4 + 2) x 12 = 72 rows) keeps the C kernel on the weight as stored while the others read
+    their copies: the one-call step does the same per weight, so its logits are the per-kernel
+    path's bits, and it does take the copies (the step says so; the logits are not
+    linear=c's)."""
+    from pdscope.engine.model import apply_kernels
+
+    _pairs_or_skip("linear=pairs")
+    odd = {"num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 12}
+    path = make_model(tmp_path / "m", "tiny", dtype="bfloat16", **odd)
+    llm = LLM(
+        model=str(path),
+        dtype="bfloat16",
+        kv_cache_memory="8MiB",
+        kernels="linear=pairs,decode_ops=c",
+        enable_prefix_caching=False,
+    )
+    model = llm.engine.runner.model
+    assert model.layers[0].self_attn.qkv_proj.pairs is None
+    assert model.layers[0].self_attn.o_proj.pairs is not None
+    runner = llm.engine.runner
+    runner.capture_logits = True
+    captured: dict[str, list[torch.Tensor]] = {}
+    for mode, fused in (("per-kernel", False), ("one call", True)):
+        model.fuse_decode = model.fuse_logits = fused
+        runner.captured = []
+        llm.generate([5, 6, 7], GREEDY)
+        captured[mode] = runner.captured
+    assert model._decode_layers is not None and model._decode_layers[2][1].pairs
+    assert len(captured["one call"]) == len(captured["per-kernel"])
+    for a, b in zip(captured["one call"], captured["per-kernel"], strict=True):
+        assert torch.equal(a, b)
+    apply_kernels(model, replace(llm.engine.kernels, linear="c"), model.native)
+    runner.captured = []
+    llm.generate([5, 6, 7], GREEDY)
+    assert not all(
+        torch.equal(a, b) for a, b in zip(runner.captured, captured["one call"], strict=True)
+    )
+
+
 def test_streamed_weights_move_to_huge_pages_and_stay_tied(tmp_path: Path) -> None:
     """Under linear=c the weights the C kernels stream (here the 4 MiB tied lm head; the tiny
     model's others are under one huge page) move onto huge-page-aligned memory of their own:

@@ -438,6 +438,29 @@ def c_ops(tmp_path_factory: pytest.TempPathFactory) -> native.NativeOps:
     return ops
 
 
+@needs_cc
+def test_the_kernels_build_with_openmp_where_the_compiler_has_it(
+    c_ops: native.NativeOps, tmp_path: Path
+) -> None:
+    """The build falls back to a library without -fopenmp (every kernel on one thread) only
+    for a compiler that lacks it: a compile error in the source under -fopenmp once passed
+    every test through that fallback at half the speed."""
+    import subprocess
+
+    probe = tmp_path / "omp.c"
+    probe.write_text("#include <omp.h>\nint f(void) { return omp_get_max_threads(); }\n")
+    cc = native.compiler()
+    assert cc is not None
+    has_openmp = (
+        subprocess.run(
+            [cc, "-fopenmp", "-fPIC", "-shared", "-o", str(tmp_path / "omp.so"), str(probe)],
+            capture_output=True,
+        ).returncode
+        == 0
+    )
+    assert c_ops.openmp == has_openmp
+
+
 @pytest.fixture(scope="module")
 def avx512_ops(tmp_path_factory: pytest.TempPathFactory) -> native.NativeOps:
     """The library built with ``-DNEW_DECODE_ATTENTION=1``: the head-64 decode attention in

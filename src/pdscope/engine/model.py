@@ -265,6 +265,7 @@ class Linear(nn.Linear):
     # the weight's .data is replaced)
     pairs: torch.Tensor | None = None
     pairs_source: int = 0
+    one_row_pairs: bool = False  # linear=pairs: single rows read the copy where there is one
 
     def pack(self, rows: int = 1) -> None:
         """Pre-pack the weight for matmuls of about ``rows`` rows (oneDNN's batch hint)."""
@@ -285,9 +286,9 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pairs is not None and self.native is not None and x.dim() == 2 and x.shape[0] == 1:
-            pairs = self.current_pairs()
-            assert pairs is not None
-            return self.native.linear_pairs(x.contiguous(), pairs, self.bias)
+            pairs = self.current_pairs()  # None: a replacing weight the copy cannot take
+            if pairs is not None:
+                return self.native.linear_pairs(x.contiguous(), pairs, self.bias)
         if self.native is not None and x.dim() == 2 and x.shape[0] <= NATIVE_LINEAR_MAX_ROWS:
             run = self.native.linear_many if self.one_row_amx else self.native.linear
             return run(x.contiguous(), self.weight, self.bias)
@@ -967,7 +968,9 @@ class CausalLM(nn.Module):
         else:
             return None
         assert batch.positions is not None and batch.decode_bounds is not None
-        step.pairs = rows == 1 and first.native is not None and first.pairs is not None
+        # per weight, C reads the copy where there is one and the weight as stored where not,
+        # as Linear.forward does
+        step.pairs = rows == 1 and first.native is not None and first.one_row_pairs
         step.rows = rows
         step.block_size = batch.block_size
         step.table_width = batch.decode_tables.shape[1]
@@ -1104,6 +1107,7 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             one_row_c = choice.linear in ("c", "amx", "pairs")
             module.native = native if one_row_c else None
             module.one_row_amx = choice.linear == "amx" and module.weight.dtype == torch.bfloat16
+            module.one_row_pairs = choice.linear == "pairs"
             module.native_many = native if choice.batch_linear == "c" else None
             if choice.linear != "plain" and module.weight.dtype == torch.bfloat16:
                 rows = PACKED_ROWS_WITH_C if one_row_c else 1

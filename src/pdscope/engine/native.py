@@ -100,7 +100,14 @@ def build(cache_dir: Path) -> Path:
                 time.perf_counter() - start,
             )
             return target
-        errors.append(proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"])
+        lines = proc.stderr.strip().splitlines()
+        errors.append(
+            [line for line in lines if "error" in line][:1]
+            or lines[-1:]
+            or [f"exit {proc.returncode}"]
+        )
+        if "-fopenmp" in flags:  # the next set drops it: every kernel then runs on one thread
+            log.warning("%s -fopenmp failed (%s); building without OpenMP", cc, errors[-1][0])
     tmp.unlink(missing_ok=True)
     raise RuntimeError(f"{cc} could not build {SOURCE.name}: {errors[0][0]}")
 
@@ -240,6 +247,8 @@ class NativeOps:
             paged.restype = ctypes.c_int
         self.lib.prefill_attention_amx_usable.argtypes = []
         self.lib.prefill_attention_amx_usable.restype = ctypes.c_int
+        # absent from a library built from an older source (--ab-source benches)
+        self.openmp = hasattr(self.lib, "built_with_openmp") and bool(self.lib.built_with_openmp())
         self.lib.place_threads.argtypes = [_P, _C, _C, _C]
         self.lib.place_threads.restype = ctypes.c_int
         self.lib.paged_decode_attention.restype = ctypes.c_int

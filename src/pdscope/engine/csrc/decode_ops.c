@@ -800,6 +800,16 @@ void linear_rows(const void *x, const void *w, const void *bias, void *y, int64_
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+/* Whether this build runs its kernels on OpenMP threads (1) or on the caller's thread alone
+ * (0: the compiler took no -fopenmp). */
+int built_with_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int place_threads(const int32_t *cpus, int n, int threads, int bind) {
     int placed = 0;
 #ifdef _OPENMP
@@ -1757,13 +1767,11 @@ int prefill_attention_amx_paged(const bf16 *q, const bf16 *cache, bf16 *out, int
 /* dst [out / 16][in / 2][16][2] from w [out, in] (bf16; out a multiple of 16, in of 2). */
 void pack_pairs(const bf16 *w, bf16 *dst, int64_t in, int64_t out, int threads) {
     const int64_t pairs = in / 2;
-    const uint32_t *w32 = (const uint32_t *)w;
-    uint32_t *d32 = (uint32_t *)dst;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < out / 16; b++)
         for (int64_t k = 0; k < pairs; k++)
-            for (int64_t j = 0; j < 16; j++)
-                d32[(b * pairs + k) * 16 + j] = w32[(b * 16 + j) * pairs + k];
+            for (int64_t j = 0; j < 16; j++) /* 4 bytes: bf16 tensors need only 2-byte alignment */
+                memcpy(dst + ((b * pairs + k) * 16 + j) * 2, w + (b * 16 + j) * in + 2 * k, 4);
 }
 
 /* Whether linear_pairs can run here (the build has AVX-512 BF16). */
@@ -1807,14 +1815,14 @@ static void pairs_one_row(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 
         lo = blocks * id / n;
         hi = blocks * (id + 1) / n;
 #endif
-        /* stream s walks blocks lo + s * per + i, i = 0..per-1; the last streams may be short */
-        const int64_t per = (hi - lo + PAIRS_STREAMS - 1) / PAIRS_STREAMS;
-        int64_t i = 0;
-        for (; per > 0 && lo + (PAIRS_STREAMS - 1) * per + i < hi; i++) {
+        /* stream s walks the blocks [start(s), start(s + 1)): eight runs of n / 8 or one more */
+        const int64_t count = hi - lo, len = count / PAIRS_STREAMS;
+#define PAIRS_START(s) (lo + count * (s) / PAIRS_STREAMS)
+        for (int64_t i = 0; i < len; i++) {
             const bf16 *a[PAIRS_STREAMS];
             __m512 c[PAIRS_STREAMS];
             for (int s = 0; s < PAIRS_STREAMS; s++) {
-                a[s] = wp + (lo + s * per + i) * block_elems;
+                a[s] = wp + (PAIRS_START(s) + i) * block_elems;
                 c[s] = _mm512_setzero_ps();
             }
             for (int64_t k = 0; k < pairs; k++) {
@@ -1823,19 +1831,20 @@ static void pairs_one_row(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 
                 for (int s = 0; s < PAIRS_STREAMS; s++)
                     c[s] = _mm512_dpbf16_ps(c[s], (__m512bh)_mm512_loadu_si512(a[s] + 32 * k), xv);
             }
-            for (int s = 0; s < PAIRS_STREAMS; s++) pairs_store(c[s], lo + s * per + i, bias, y, yf);
+            for (int s = 0; s < PAIRS_STREAMS; s++)
+                pairs_store(c[s], PAIRS_START(s) + i, bias, y, yf);
         }
-        /* the blocks the full-width loop left: each alone, summed in the same order */
+        /* the last block of each run one longer than n / 8 (at most 7): each alone, summed in
+         * the same order */
         for (int s = 0; s < PAIRS_STREAMS; s++)
-            for (int64_t j = i; j < per; j++) {
-                const int64_t b = lo + s * per + j;
-                if (b >= hi) break;
+            for (int64_t b = PAIRS_START(s) + len; b < PAIRS_START(s + 1); b++) {
                 const bf16 *a = wp + b * block_elems;
                 __m512 c = _mm512_setzero_ps();
                 for (int64_t k = 0; k < pairs; k++)
                     c = _mm512_dpbf16_ps(c, (__m512bh)_mm512_loadu_si512(a + 32 * k), pair_of(x, k));
                 pairs_store(c, b, bias, y, yf);
             }
+#undef PAIRS_START
     }
 }
 #endif
@@ -1883,8 +1892,7 @@ typedef struct {
     const void *final_norm;
     double eps, qk_eps, scale;
     int64_t bf, threads, many_rows, wide_glue;
-    /* decode_logits only (appended, so an older caller's shorter struct still fits
-     * decode_layers): the LM head [vocab, hidden], no bias; when `embed` is set, the step's
+    /* decode_logits only: the LM head [vocab, hidden], no bias; when `embed` is set, the step's
      * token ids [rows] and the embedding [vocab, hidden] the residual is first copied from;
      * when `argmax` is set, each row's greedy token [rows] (argmax_rows) is written there. */
     const void *lm_head;
