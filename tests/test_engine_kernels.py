@@ -780,6 +780,19 @@ def test_c_linear_matches_a_float64_reference(
         linear(x, weight.t())
 
 
+def _assert_as_close_as_f_linear(
+    y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> None:
+    """``y``, a bf16 x @ weight^T (+ bias), is F.linear's result give or take one rounding
+    step (both float32 sums rounded once to bf16), and no farther from the exact product."""
+    ref = torch.nn.functional.linear(x, weight, bias)
+    exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    torch.testing.assert_close(y, ref, atol=2e-2, rtol=1.6e-2)
+    ours = (y.double() - exact).abs().max()
+    theirs = (ref.double() - exact).abs().max()
+    assert ours <= max(theirs * 1.01, 1e-5)
+
+
 @needs_cc
 @pytest.mark.parametrize("rows", [1, 2, 17, 33])  # 1 takes the one-row tile path, no x copy
 @pytest.mark.parametrize("threads", [1, 2])
@@ -805,13 +818,7 @@ def test_amx_linear_matches_f_linear_on_odd_shapes(
                 y = torch.full((rows, outputs), float("nan"), dtype=torch.bfloat16)
                 took_tiles = c_ops._run_linear(c_ops.lib.linear_many_rows, x, weight, b, y)
                 assert took_tiles == 1
-                ref = torch.nn.functional.linear(x, weight, b)
-                exact = x.double() @ weight.double().T + (0 if b is None else b.double())
-                # both float32 sums rounded once to bf16: at most a rounding step apart
-                torch.testing.assert_close(y, ref, atol=2e-2, rtol=1.6e-2)
-                ours = (y.double() - exact).abs().max()
-                theirs = (ref.double() - exact).abs().max()
-                assert ours <= max(theirs * 1.01, 1e-5)
+                _assert_as_close_as_f_linear(y, x, weight, b)
     finally:
         torch.set_num_threads(saved)
 
@@ -845,13 +852,7 @@ def test_pairs_linear_matches_f_linear_whatever_the_threads(
                 torch.set_num_threads(threads)
                 y = c_ops.linear_pairs(x, pairs, b)
                 assert torch.equal(y, alone), (outputs, inputs)
-                ref = torch.nn.functional.linear(x, weight, b)
-                exact = x.double() @ weight.double().T + (0 if b is None else b.double())
-                # both float32 sums rounded once to bf16: at most a rounding step apart
-                torch.testing.assert_close(y, ref, atol=2e-2, rtol=1.6e-2)
-                ours = (y.double() - exact).abs().max()
-                theirs = (ref.double() - exact).abs().max()
-                assert ours <= max(theirs * 1.01, 1e-5)
+                _assert_as_close_as_f_linear(y, x, weight, b)
     finally:
         torch.set_num_threads(saved)
     with pytest.raises(ValueError, match="rows a multiple of 16"):
