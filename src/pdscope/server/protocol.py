@@ -28,6 +28,8 @@ from pdscope.engine.sampling_params import SamplingParams
 
 
 def _no_lone_surrogates(text: str) -> str:
+    if text.isascii():  # O(1) in CPython (a flag of the string); encoding copies the text
+        return text
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
