@@ -65,9 +65,11 @@ def test_probe_openai_dialect(medium_server: Server) -> None:
     # The batched-decode check: 8 short prompts at once, decoding together (most of the time),
     # one step for all of them costing far less than 8 single-stream steps. (Not "more than
     # one": on a shared 2-core host the single-stream figure, taken earlier, can be the slower.)
+    # Under 6, not 4: on the AMD EPYC this read 2.7 in three runs alone and 4.4 in one
+    # full-suite run, its single-stream figure from a faster phase; unbatched it would be ~8.
     batch = r["batch_decode"]
     assert batch["streams"] == 8 and batch["concurrency"] > 4
-    assert 0 < batch["step_over_one_stream"] < 4
+    assert 0 < batch["step_over_one_stream"] < 6
     # The same 8 at long context: the steps where most of them decode together (their prefills
     # are staggered by the server's token budget), at the prompt plus the decode's middle.
     long = r["batch_decode_long"]
