@@ -862,6 +862,32 @@ def test_pairs_linear_matches_f_linear_whatever_the_threads(
 
 
 @needs_cc
+def test_a_replacing_weight_gets_a_pairs_copy_where_the_one_before_took_none(
+    c_ops: native.NativeOps,
+) -> None:
+    """Under linear=pairs a Linear whose weight took no copy (float32) reads the weight as
+    stored; once its ``.data`` is replaced by one the copy takes (bf16), the next single row
+    reads a new copy of it, and a replacement the copy cannot take drops it again."""
+    from pdscope.engine.model import Linear
+
+    if not c_ops.pairs:
+        pytest.skip("this build of the C kernels lacks AVX-512 BF16")
+    gen = torch.Generator().manual_seed(12)
+    lin = Linear(64, 32, bias=False)
+    lin.native, lin.one_row_pairs = c_ops, True
+    lin.make_pairs(c_ops)
+    assert lin.pairs is None
+    lin.weight.data = (torch.randn(32, 64, generator=gen) / 8).to(torch.bfloat16)
+    x = torch.randn(1, 64, generator=gen).to(torch.bfloat16)
+    y = lin(x)
+    assert lin.pairs is not None and lin.pairs_source == lin.weight.data_ptr()
+    assert torch.equal(y, c_ops.linear_pairs(x, c_ops.pack_pairs(lin.weight.detach())))
+    _assert_as_close_as_f_linear(y, x, lin.weight.detach(), None)
+    lin.weight.data = lin.weight.data.float()
+    assert lin.current_pairs() is None
+
+
+@needs_cc
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_run_on_team_calls_every_share_once_and_raises_a_shares_error(
     c_ops: native.NativeOps, threads: int

@@ -278,15 +278,17 @@ class Linear(nn.Linear):
         self.pairs_source = self.weight.data_ptr()
 
     def current_pairs(self) -> torch.Tensor | None:
-        """The pairs copy, made anew first if the weight's storage was replaced since."""
-        if self.pairs is not None and self.pairs_source != self.weight.data_ptr():
+        """Under linear=pairs, the pairs copy, made anew first if the weight's storage was
+        replaced since (a replacing weight whose shape allows one gets one even where the
+        weight before could not); None where the weight takes none or the path is another."""
+        if self.one_row_pairs and self.pairs_source != self.weight.data_ptr():
             assert self.native is not None  # linear=pairs sets both
             self.make_pairs(self.native)
         return self.pairs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.pairs is not None and self.native is not None and x.dim() == 2 and x.shape[0] == 1:
-            pairs = self.current_pairs()  # None: a replacing weight the copy cannot take
+        if self.one_row_pairs and self.native is not None and x.dim() == 2 and x.shape[0] == 1:
+            pairs = self.current_pairs()  # None: a weight the copy cannot take
             if pairs is not None:
                 return self.native.linear_pairs(x.contiguous(), pairs, self.bias)
         if self.native is not None and x.dim() == 2 and x.shape[0] <= NATIVE_LINEAR_MAX_ROWS:

@@ -2044,10 +2044,12 @@ int decode_logits(const decode_layer *layers, const decode_step *s, void *residu
     if (!s->bf) {
         if (step_linear(s, normed, s->lm_head, NULL, NULL, logits, s->hidden, s->vocab)) return -1;
     }
-    /* step_linear's one-row pairs branch, its output widened in place of stored */
-    else if (s->pairs && s->rows == 1 && s->lm_head_p &&
-             linear_pairs(normed, s->lm_head_p, NULL, NULL, logits, s->hidden, s->vocab,
-                          (int)s->threads)) {
+    /* step_linear's one-row pairs branch, its output widened in place of stored (the caller
+     * sets pairs only where linear_pairs_isa() holds, so a 0 from it is an error here) */
+    else if (s->pairs && s->rows == 1 && s->lm_head_p) {
+        if (!linear_pairs(normed, s->lm_head_p, NULL, NULL, logits, s->hidden, s->vocab,
+                          (int)s->threads))
+            return -1;
     }
 #ifdef HAVE_AMX
     /* linear_many_rows' one-row branch, its output widened in place of stored */
