@@ -9,6 +9,11 @@ over the same bytes of K and V. Wall time and this process's CPU time (robust to
 at ``--threads 1``), medians.
 
     .venv/bin/python bench/decode_attention_ab.py --contexts 64 1000 4000 --threads 1
+
+``--ab-source FILE`` adds ``ab``: the engine's build compiled from FILE (e.g. an earlier
+commit's ``decode_ops.c``, from ``git show REV:src/pdscope/engine/csrc/decode_ops.c``), so a
+change to the attention runs before and after, interleaved, and prints ab / c (the time the
+other build takes over this one's: above 1, this build is faster).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import statistics
 import torch
 
 from decode_ops_ab import generic_attention_ops
-from engine_bench import interleaved_times, machine_line
+from engine_bench import build_ops, interleaved_times, machine_line
 from pdscope.checkpoint.make_model import default_cache_dir
 from pdscope.engine import native
 
@@ -29,6 +34,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[4000])
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    parser.add_argument("--ab-source", help="decode_ops.c to build as the `ab` candidate")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -40,6 +46,8 @@ def main() -> None:
         "avx512": generic_attention_ops(1),
         "c": engine_ops,
     }
+    if args.ab_source:
+        ops["ab"] = build_ops(args.ab_source)
     block, kv_heads, heads, dim, layers = 16, 4, 16, 64, 12
     gen = torch.Generator().manual_seed(0)
     print(machine_line())
@@ -71,10 +79,15 @@ def main() -> None:
             statistics.median(a / c for a, c in zip(wall[name], wall["c"], strict=True))
             for name in ("generic", "avx512")
         ]
+        if "ab" in ops:  # the time ab takes over c's: above 1, this build is faster
+            ratios.append(
+                statistics.median(a / c for a, c in zip(wall["ab"], wall["c"], strict=True))
+            )
         print(
             f"context {context:5}: "
             + "  ".join(cells)
             + f"  generic / c {ratios[0]:.2f}  avx512 / c {ratios[1]:.2f}"
+            + (f"  ab / c {ratios[2]:.2f}" if "ab" in ops else "")
         )
 
 
