@@ -632,7 +632,9 @@ class NativeOps:
         )
         if status == -2:
             raise ValueError(f"decode_logits: a token id outside 0..{step.vocab - 1}")
-        if status != 0:  # -1: a kernel's scratch (or linear_pairs, which pairs rules out)
+        if status == -3:
+            raise RuntimeError("decode_logits: pairs is set but this build lacks AVX-512 BF16")
+        if status != 0:
             raise MemoryError("decode_logits: a kernel found no memory for its scratch space")
         return logits, argmax
 

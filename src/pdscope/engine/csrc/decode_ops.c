@@ -2025,7 +2025,8 @@ int64_t decode_logits_scratch(const decode_step *s) {
  * linear_many_rows' own test for its one-row AMX kernel: the two must change together, or the
  * logits leave the per-kernel path's bits (the bit-for-bit test in test_engine.py says so).
  * residual: as decode_layers', or NULL when `s->embed` is set (then it lives in scratch).
- * Returns 0, -1 as decode_layers, or -2 when a token id lies outside the embedding. */
+ * Returns 0, -1 as decode_layers, -2 when a token id lies outside the embedding, or -3 when
+ * s->pairs is set in a build without AVX-512 BF16. */
 int decode_logits(const decode_layer *layers, const decode_step *s, void *residual,
                   float *logits, void *scratch) {
     const int64_t elem = s->bf ? 2 : 4, row_bytes = s->hidden * elem;
@@ -2049,7 +2050,7 @@ int decode_logits(const decode_layer *layers, const decode_step *s, void *residu
     else if (s->pairs && s->rows == 1 && s->lm_head_p) {
         if (!linear_pairs(normed, s->lm_head_p, NULL, NULL, logits, s->hidden, s->vocab,
                           (int)s->threads))
-            return -1;
+            return -3;
     }
 #ifdef HAVE_AMX
     /* linear_many_rows' one-row branch, its output widened in place of stored */
