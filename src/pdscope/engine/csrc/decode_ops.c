@@ -194,8 +194,9 @@ static inline __attribute__((always_inline)) void attend_range_impl(
  * KV on one core (its accumulators live in memory, and each score ends in a horizontal sum).
  * Here 16 keys go at a time: their scores are `vdpbf16ps` partial sums reduced 16 at once by a
  * transpose-and-add tree, the softmax's exp is vectorized (scalef applies the 2^n), and the
- * unnormalized output of every query head stays in registers, V converted to float32 once per
- * key for all query heads. Same contract as attend_range: m, l, acc for keys [lo, hi). */
+ * unnormalized output of every query head stays in registers. V is summed by `vdpbf16ps` over
+ * pairs of keys, the weights split into two bf16 parts (split_bf16), with fewer operations
+ * than widening V to float32 for FMAs. Same contract as attend_range: m, l, acc for keys [lo, hi). */
 
 /* out[t] = sum of the 16 lanes of v[t], t < 16. */
 static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16]) {
@@ -237,6 +238,69 @@ static inline __m512 bf16x16_to_f32(const bf16 *src) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* The K and V rows of the 16 keys after the next tile into L1, while this tile is worked on.
+ * A block's rows are contiguous but blocks need not be, and the hardware prefetcher cannot see
+ * a jump to another block. Where the rows ahead continue this tile's run (jumps_only), the
+ * hardware prefetcher already follows them, and on an AMD EPYC (Zen 4) prefetching them anyway
+ * cost a quarter of the read rate (bench/decode_attention_ab.py). The AMX kernel, measured
+ * only on the Intel Xeon it was tuned on, still prefetches every tile. */
+static inline void prefetch_tile_after_next(const bf16 *kp, const bf16 *vp, const int64_t *table,
+                                            int64_t block_size, int64_t pos, int64_t n,
+                                            int64_t hi, int64_t slot, int jumps_only) {
+    const int64_t ahead = pos + n + 16;
+    if (ahead >= hi) return;
+    const int64_t next = table[ahead / block_size] * block_size + ahead % block_size;
+    if (jumps_only && next == slot + (ahead - pos)) return;
+    for (int i = 0; i < 16 * 64; i += 32) {
+        _mm_prefetch((const char *)(kp + next * 64 + i), _MM_HINT_T0);
+        _mm_prefetch((const char *)(vp + next * 64 + i), _MM_HINT_T0);
+    }
+}
+
+/* Two V rows (keys t and t + 1, adjacent slots) of 64 bf16 interleaved for vdpbf16ps over the
+ * pair: v[0] = unpacklo_epi16 of dims 0-31, v[1] unpackhi, v[2] and v[3] the same of 32-63.
+ * Without `both` (an odd tile's last key) the second row is zeros: the slot after it may hold
+ * anything, and 0 times a NaN left there is a NaN. */
+static inline __attribute__((always_inline)) void v_pair(const bf16 *va, int both, __m512bh v[4]) {
+    const __m512i a0 = _mm512_loadu_si512((const void *)va);
+    const __m512i a1 = _mm512_loadu_si512((const void *)(va + 32));
+    const __m512i b0 = both ? _mm512_loadu_si512((const void *)(va + 64)) : _mm512_setzero_si512();
+    const __m512i b1 = both ? _mm512_loadu_si512((const void *)(va + 96)) : _mm512_setzero_si512();
+    v[0] = (__m512bh)_mm512_unpacklo_epi16(a0, b0);
+    v[1] = (__m512bh)_mm512_unpackhi_epi16(a0, b0);
+    v[2] = (__m512bh)_mm512_unpacklo_epi16(a1, b1);
+    v[3] = (__m512bh)_mm512_unpackhi_epi16(a1, b1);
+}
+
+/* 16 float weights as two bf16 parts, hi = bf16(e) and lo = bf16(e - hi), stored as 8 pairs
+ * each: hi + lo carries ~16 bits of e, so V summed with both by vdpbf16ps is as close to float
+ * as the float sum (hi alone adds ~30% to the output's mean error against float64: one more
+ * bf16 rounding on top of the output's own). */
+static inline void split_bf16(__m512 e, uint32_t hi[8], uint32_t lo[8]) {
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(e);
+    const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    _mm256_storeu_si256((__m256i *)hi, h);
+    _mm256_storeu_si256((__m256i *)lo, (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(e, hf)));
+}
+
+/* o[c] += the pair's weights (hi and lo parts, each a bf16 pair packed in 32 bits) times v[c]. */
+static inline __attribute__((always_inline)) void add_v_pair(__m512 o[4], const __m512bh v[4],
+                                                             uint32_t hi, uint32_t lo) {
+    const __m512bh ph = (__m512bh)_mm512_set1_epi32((int)hi);
+    const __m512bh pl = (__m512bh)_mm512_set1_epi32((int)lo);
+    for (int c = 0; c < 4; c++) o[c] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(o[c], ph, v[c]), pl, v[c]);
+}
+
+/* One head's 4 accumulators of v_pair sums to dims 0-63: unpacklo/hi_epi16 pair the rows within
+ * each 128-bit lane, so lane j of o[0] holds dim 8 (j / 4) + j % 4 and o[1] that + 4; o[2] and
+ * o[3] the same + 32. */
+static inline void store_v_pair_sums(const __m512 o[4], float *acc) {
+    float lanes[4][16];
+    for (int c = 0; c < 4; c++) _mm512_storeu_ps(lanes[c], o[c]);
+    for (int c = 0; c < 4; c++)
+        for (int j = 0; j < 16; j++) acc[(c / 2) * 32 + 8 * (j / 4) + (c % 2) * 4 + j % 4] = lanes[c][j];
+}
+
 static inline __attribute__((always_inline)) void attend_bf16_d64_impl(
     const int G, const bf16 *qb, const void *kv, int64_t kv_heads, int64_t slots, int64_t head,
     const int64_t *table, int64_t block_size, int64_t lo, int64_t hi, float *m, float *l,
@@ -263,17 +327,8 @@ static inline __attribute__((always_inline)) void attend_bf16_d64_impl(
         if (n > 16) n = 16;
         if (n > hi - pos) n = hi - pos;
         const __mmask16 valid = (__mmask16)((1u << n) - 1u);
-        /* the next 16 keys' K and V rows into L1 while these are worked on: a block's rows
-         * are contiguous, but blocks need not be, which the hardware prefetcher cannot see */
-        if (pos + n + 16 < hi) {
-            const int64_t ahead = pos + n + 16;
-            const int64_t next = table[ahead / block_size] * block_size + ahead % block_size;
-            for (int i = 0; i < 16 * 64; i += 32) {
-                _mm_prefetch((const char *)(kp + next * 64 + i), _MM_HINT_T0);
-                _mm_prefetch((const char *)(vp + next * 64 + i), _MM_HINT_T0);
-            }
-        }
-        float p[4][16];
+        prefetch_tile_after_next(kp, vp, table, block_size, pos, n, hi, slot, 1);
+        uint32_t pw[4][8], pwl[4][8]; /* pw[g][h]: head g's weights of keys 2h and 2h + 1 */
         for (int g = 0; g < G; g++) {
             __m512 part[16];
             for (int t = 0; t < 16; t++) {
@@ -301,18 +356,13 @@ static inline __attribute__((always_inline)) void attend_bf16_d64_impl(
             const __m512 e = _mm512_maskz_mov_ps(
                 valid, exp16_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(mx[g]))));
             sum[g] = _mm512_add_ps(sum[g], e);
-            _mm512_storeu_ps(p[g], e);
+            split_bf16(e, pw[g], pwl[g]);
         }
-        for (int64_t t = 0; t < n; t++) {
-            const bf16 *vr = vp + (slot + t) * 64;
-            const __m512 v0 = bf16x16_to_f32(vr), v1 = bf16x16_to_f32(vr + 16);
-            const __m512 v2 = bf16x16_to_f32(vr + 32), v3 = bf16x16_to_f32(vr + 48);
+        for (int64_t t = 0; t < n; t += 2) {
+            __m512bh v[4];
+            v_pair(vp + (slot + t) * 64, t + 1 < n, v);
             for (int g = 0; g < G; g++) {
-                const __m512 pg = _mm512_set1_ps(p[g][t]);
-                o[g][0] = _mm512_fmadd_ps(pg, v0, o[g][0]);
-                o[g][1] = _mm512_fmadd_ps(pg, v1, o[g][1]);
-                o[g][2] = _mm512_fmadd_ps(pg, v2, o[g][2]);
-                o[g][3] = _mm512_fmadd_ps(pg, v3, o[g][3]);
+                add_v_pair(o[g], v, pw[g][t / 2], pwl[g][t / 2]);
             }
         }
         pos += n;
@@ -320,7 +370,120 @@ static inline __attribute__((always_inline)) void attend_bf16_d64_impl(
     for (int g = 0; g < G; g++) {
         m[g] = mx[g];
         l[g] = _mm512_reduce_add_ps(sum[g]);
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * 64 + c * 16, o[g][c]);
+        store_v_pair_sums(o[g], acc + g * 64);
+    }
+}
+
+
+/* Four query heads over one KV head, the heads side by side in each vector instead of a vector
+ * per head: lane 4g + j holds head g's j-th partial sum, so one score reduction, one max and one
+ * exp serve all four heads.
+ *   scores: per key, 8 vdpbf16ps of q's dims 8c..8c+7 of every head (a register each) with the
+ *           key's same 8 dims broadcast to the four 128-bit lanes; a 2-step shuffle-add tree
+ *           turns the 16 keys' vectors into 4, lane 4g + i holding key 4k + i's score for head g.
+ *   values: as the per-head kernel, over pairs of keys (v_pair, add_v_pair).
+ * With the cache in L2 on an AMD EPYC (Zen 4) it takes ~10 ns a key where the per-head kernel
+ * took ~15: there the per-head kernel was bound by its operations, not by memory. Same contract
+ * as attend_range. */
+static void attend_bf16_d64_g4(const bf16 *qb, const void *kv, int64_t kv_heads, int64_t slots,
+                               int64_t head, const int64_t *table, int64_t block_size, int64_t lo,
+                               int64_t hi, float *m, float *l, float *acc, float scale) {
+    __m512bh qc[8];
+    for (int c = 0; c < 8; c++) {
+        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(qb + 8 * c)));
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(qb + 64 + 8 * c)), 1);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(qb + 128 + 8 * c)), 2);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(qb + 192 + 8 * c)), 3);
+        qc[c] = (__m512bh)v;
+    }
+    __m512 o[4][4];
+    for (int g = 0; g < 4; g++)
+        for (int c = 0; c < 4; c++) o[g][c] = _mm512_setzero_ps();
+    __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const bf16 *kp = (const bf16 *)kv + head * slots * 64;
+    const bf16 *vp = (const bf16 *)kv + (kv_heads + head) * slots * 64;
+    for (int64_t pos = lo; pos < hi;) {
+        const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+        int64_t n = block_size - pos % block_size;
+        while (n < 16 && pos + n < hi && table[(pos + n) / block_size] * block_size == slot + n)
+            n += block_size;
+        if (n > 16) n = 16;
+        if (n > hi - pos) n = hi - pos;
+        prefetch_tile_after_next(kp, vp, table, block_size, pos, n, hi, slot, 1);
+        /* the 16 keys' sums advance together, one 8-dim slice at a time, so no key's chain of
+         * 8 dependent vdpbf16ps waits on its own latency; keys past n read key 0 (masked) */
+        const bf16 *kr[16];
+        for (int t = 0; t < 16; t++) kr[t] = kp + (slot + (t < n ? t : 0)) * 64;
+        __m512 part[16];
+        for (int t = 0; t < 16; t++) part[t] = _mm512_setzero_ps();
+        for (int c = 0; c < 8; c++)
+            for (int t = 0; t < 16; t++)
+                part[t] = _mm512_dpbf16_ps(
+                    part[t], qc[c],
+                    (__m512bh)_mm512_broadcast_i32x4(
+                        _mm_loadu_si128((const __m128i *)(kr[t] + 8 * c))));
+        /* keys (4k .. 4k+3) into r[k], lane 4g + i = key 4k + i for head g */
+        __m512 r[4];
+        for (int k = 0; k < 4; k++) {
+            const __m512 *a = part + 4 * k;
+            const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]),
+                                            _mm512_unpackhi_ps(a[0], a[1]));
+            const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]),
+                                            _mm512_unpackhi_ps(a[2], a[3]));
+            r[k] = _mm512_add_ps(
+                _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+        }
+        __mmask16 valid[4];
+        __m512 tmax = _mm512_set1_ps(-INFINITY);
+        for (int k = 0; k < 4; k++) {
+            /* lane 4g + i is key 4k + i: valid while 4k + i < n */
+            const int64_t keys = n - 4 * k < 0 ? 0 : (n - 4 * k > 4 ? 4 : n - 4 * k);
+            valid[k] = (__mmask16)(((1u << keys) - 1u) * 0x1111u);
+            r[k] = _mm512_mul_ps(r[k], vscale);
+            tmax = _mm512_mask_max_ps(tmax, valid[k], tmax, r[k]);
+        }
+        /* each head's max over its 4 lanes, in all 4 */
+        tmax = _mm512_max_ps(tmax, _mm512_permute_ps(tmax, 0xB1));
+        tmax = _mm512_max_ps(tmax, _mm512_permute_ps(tmax, 0x4E));
+        const __mmask16 grew = _mm512_cmp_ps_mask(tmax, mx, _CMP_GT_OQ);
+        if (grew) {
+            const __m512 nmx = _mm512_max_ps(mx, tmax);
+            /* heads whose max did not grow get alpha = exp(0) = 1; a first max gets ~0 */
+            const __m512 alpha = exp16_nonpositive(_mm512_sub_ps(mx, nmx));
+            sum = _mm512_mul_ps(sum, alpha);
+            for (int g = 0; g < 4; g++) {
+                const __m512 ag = _mm512_permutexvar_ps(_mm512_set1_epi32(4 * g), alpha);
+                for (int c = 0; c < 4; c++) o[g][c] = _mm512_mul_ps(o[g][c], ag);
+            }
+            mx = nmx;
+        }
+        /* pw[k][2g + h]: head g's weights of keys 4k + 2h and 4k + 2h + 1 (pwl: the rest) */
+        uint32_t pw[4][8], pwl[4][8];
+        for (int k = 0; k < 4; k++) {
+            const __m512 e = _mm512_maskz_mov_ps(valid[k], exp16_nonpositive(_mm512_sub_ps(r[k], mx)));
+            sum = _mm512_add_ps(sum, e);
+            split_bf16(e, pw[k], pwl[k]);
+        }
+        for (int64_t t = 0; t < n; t += 2) {
+            __m512bh v[4];
+            v_pair(vp + (slot + t) * 64, t + 1 < n, v);
+            const uint32_t *w = pw[t / 4] + (t / 2) % 2;
+            const uint32_t *wl = pwl[t / 4] + (t / 2) % 2;
+            for (int g = 0; g < 4; g++) {
+                add_v_pair(o[g], v, w[2 * g], wl[2 * g]);
+            }
+        }
+        pos += n;
+    }
+    float mxs[16], sums[16];
+    _mm512_storeu_ps(mxs, mx);
+    _mm512_storeu_ps(sums, sum);
+    for (int g = 0; g < 4; g++) {
+        m[g] = mxs[4 * g];
+        l[g] = sums[4 * g] + sums[4 * g + 1] + sums[4 * g + 2] + sums[4 * g + 3];
+        store_v_pair_sums(o[g], acc + g * 64);
     }
 }
 
@@ -348,7 +511,7 @@ static int attend_bf16_d64(int64_t group, const bf16 *qb, const void *kv, int64_
     case 1: ATTEND_G(1); return 1;
     case 2: ATTEND_G(2); return 1;
     case 3: ATTEND_G(3); return 1;
-    case 4: ATTEND_G(4); return 1;
+    case 4: attend_bf16_d64_g4(qb, kv, kv_heads, slots, head, table, block_size, lo, hi, m, l, acc, scale); return 1;
     default: return 0;
     }
 #undef ATTEND_G
@@ -406,8 +569,10 @@ int paged_decode_attention(const void *q, const void *kv, void *out, const int64
     const int64_t width = (longest + parts - 1) / parts;
     float *scratch = malloc((size_t)(items * parts * group * (dim + 2)) * sizeof(float));
     if (!scratch) return -1;
-    /* Below ~8K key rows the whole job takes microseconds: a parallel region costs more. */
-    const int parallel = threads > 1 && total * kv_heads >= 8192;
+    /* Below ~512 key rows a parallel region costs about what it saves. On an AMD EPYC at 2
+     * threads, 2,400 rows took 0.62 of their one-thread time and 512 rows 0.85
+     * (bench/decode_attention_ab.py --ab-source); the bound was 8,192 rows before. */
+    const int parallel = threads > 1 && total * kv_heads >= 512;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (parallel)
     for (int64_t w = 0; w < items * parts; w++) {
         const int64_t d = w / (kv_heads * parts), h = (w / parts) % kv_heads, part = w % parts;
@@ -1025,14 +1190,7 @@ static inline __attribute__((always_inline)) void attend_amx_d64_impl(
         if (n > 16) n = 16;
         if (n > hi - pos) n = hi - pos;
         const __mmask16 valid = (__mmask16)((1u << n) - 1u);
-        if (pos + n + 16 < hi) {
-            const int64_t ahead = pos + n + 16;
-            const int64_t next = table[ahead / block_size] * block_size + ahead % block_size;
-            for (int i = 0; i < 16 * 64; i += 32) {
-                _mm_prefetch((const char *)(kp + next * 64 + i), _MM_HINT_T0);
-                _mm_prefetch((const char *)(vp + next * 64 + i), _MM_HINT_T0);
-            }
-        }
+        prefetch_tile_after_next(kp, vp, table, block_size, pos, n, hi, slot, 0);
         const bf16 *krows = kp + slot * 64;
         if (n < 16) { /* a short tile: its rows padded with zeros, never read past the cache */
             memcpy(kpad, krows, (size_t)n * 64 * sizeof(bf16));
@@ -1107,7 +1265,7 @@ static int attend_amx_d64(int64_t group, const bf16 *qb, const void *kv, int64_t
     case 1: ATTEND_G(1); return 1;
     case 2: ATTEND_G(2); return 1;
     case 3: ATTEND_G(3); return 1;
-    case 4: ATTEND_G(4); return 1;
+    case 4: attend_bf16_d64_g4(qb, kv, kv_heads, slots, head, table, block_size, lo, hi, m, l, acc, scale); return 1;
     default: return 0;
     }
 #undef ATTEND_G
