@@ -282,6 +282,18 @@ def test_a_freed_request_loses_its_tail_block_before_its_head() -> None:
     assert len(pool.find_cached_prefix(b, 9)) == 2
 
 
+def test_reset_prefix_cache_forgets_every_block_but_only_while_none_is_held() -> None:
+    pool, a, b = two_finished_requests()
+    held = pool.allocate(1)
+    assert not pool.reset_prefix_cache()  # a request holds a block: nothing forgotten
+    assert len(pool.find_cached_prefix(b, 9)) == 2
+    pool.free(held)
+    assert pool.reset_prefix_cache()
+    assert pool.find_cached_prefix(a, 9) == pool.find_cached_prefix(b, 9) == []
+    assert pool.counts() == (pool.num_blocks, 0, 0)
+    pool.check_invariants()
+
+
 def test_cached_blocks_are_evicted_lru() -> None:
     s = make(blocks=8)
     s.add(make_request("a", list(range(8)), max_tokens=1))  # 2 full blocks cached

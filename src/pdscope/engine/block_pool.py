@@ -106,6 +106,17 @@ class BlockPool:
             hit.append(block_id)
         return hit
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, so no later request reuses KV computed before now (as
+        after new weights are loaded). Only while no block is held: False, and nothing
+        forgotten, while a request holds blocks (vLLM's reset_prefix_cache refuses alike)."""
+        if self.num_used_blocks:
+            return False
+        for block_id in self.cached.values():
+            self.blocks[block_id].hash = None
+        self.cached.clear()
+        return True
+
     def record_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
         """Count one admitted request's lookup (vLLM's prefix_cache_queries / _hits, in tokens)."""
         if self.enable_prefix_caching:

@@ -249,6 +249,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (after new weights are loaded: its KV was computed with the
+        old). False, and nothing forgotten, while a request holds KV blocks."""
+        return self.pool.reset_prefix_cache()
+
     # --- the loop -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -374,6 +379,10 @@ class LLM:
     @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """See :meth:`LLMEngine.reset_prefix_cache`."""
+        return self.engine.reset_prefix_cache()
 
     def generate(
         self,
