@@ -570,10 +570,67 @@ def test_pairs_copies_follow_a_replaced_weight_and_are_dropped_with_the_path(
         new, torch.nn.functional.linear(x, proj.weight), atol=4e-2, rtol=2e-2
     )
     assert not torch.allclose(new, old, atol=4e-2, rtol=2e-2)
-    assert proj.pairs_source == proj.weight.data_ptr()
+    assert proj.pairs_source == proj.weight_key()
     assert llm.generate([5, 6, 7], GREEDY)[0].token_ids != before  # the step read it too
     apply_kernels(model, replace(llm.engine.kernels, linear="c"), model.native)
     assert all(m.pairs is None for m in linears)
+
+
+def test_weights_loaded_in_place_reach_every_copy(tmp_path: Path) -> None:
+    """``load_state_dict`` writes the weights in place, their storage where it was: the packed,
+    transposed and pairs copies made from the old weights, and the one-call step's pointers,
+    are made anew before anything reads them. After the load the engine generates what an
+    engine whose copies were made from the new weights generates (its copies dropped, the
+    weights loaded, the copies made again), and not what it generated before, once its prefix
+    cache is reset (its KV came from the old weights). Steps that write no weight remake
+    nothing."""
+    from pdscope.engine.model import Linear, apply_kernels
+
+    # one row: pairs in the one-call step; 8 rows: packed; a 600-token prefill: transposed
+    kernels = "linear=pairs,prefill_linear=transposed,decode_ops=c"
+    _pairs_or_skip(kernels)
+    path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
+    a, b = (
+        LLM(model=str(path), dtype="bfloat16", kv_cache_memory="8MiB", kernels=kernels)
+        for _ in range(2)
+    )
+    ma, mb = a.engine.runner.model, b.engine.runner.model
+    linears = {n: m for n, m in ma.named_modules() if isinstance(m, Linear)}
+    assert all(m.pairs is not None and m.packed is not None for m in linears.values())
+    assert ma.layers[0].mlp.down_proj.weight_t is not None
+    batch = [[5 + i % 50 for i in range(600)]] + [[9 + j, 10, 11, 12] for j in range(7)]
+
+    def generated(llm: LLM) -> list[list[int]]:
+        outs = [o.token_ids for o in llm.generate(batch, GREEDY)]
+        return outs + [llm.generate([5, 6, 7], GREEDY)[0].token_ids]
+
+    before = generated(a)
+    copies = {n: (m.pairs, m.packed, m.weight_t) for n, m in linears.items()}
+    step = ma._decode_layers
+    assert generated(a) == before
+    assert ma._decode_layers is step  # the version check does not fire on reads
+    for n, m in linears.items():
+        assert all(x is y for x, y in zip((m.pairs, m.packed, m.weight_t), copies[n], strict=True))
+    gen = torch.Generator().manual_seed(3)
+    new = {
+        k: (v.float() * (1 + 0.5 * torch.randn(v.shape, generator=gen))).to(v.dtype)
+        if k.removesuffix(".weight") in linears
+        else v.clone()
+        for k, v in ma.state_dict().items()
+    }
+    ma.load_state_dict(new)
+    assert a.reset_prefix_cache()  # its cached KV was computed with the old weights
+    apply_kernels(mb, replace(b.engine.kernels, linear="plain", prefill_linear="onednn"), mb.native)
+    assert all(
+        m.pairs is None and m.packed is None and m.weight_t is None
+        for m in mb.modules()
+        if isinstance(m, Linear)
+    )
+    mb.load_state_dict(new)
+    apply_kernels(mb, b.engine.kernels, mb.native)
+    after = generated(a)
+    assert after == generated(b)
+    assert after != before
 
 
 def test_pairs_step_reads_each_weight_as_the_per_kernel_path_does(tmp_path: Path) -> None:
@@ -605,7 +662,7 @@ def test_pairs_step_reads_each_weight_as_the_per_kernel_path_does(tmp_path: Path
         runner.captured = []
         llm.generate([5, 6, 7], GREEDY)
         captured[mode] = runner.captured
-    assert model._decode_layers is not None and model._decode_layers[2][1].pairs
+    assert model._decode_layers is not None and model._decode_layers[3][1].pairs
     assert len(captured["one call"]) == len(captured["per-kernel"])
     for a, b in zip(captured["one call"], captured["per-kernel"], strict=True):
         assert torch.equal(a, b)

@@ -237,6 +237,12 @@ def block_rows(blocks: torch.Tensor, kv_heads: int, num_blocks: int) -> torch.Te
 _packed_linear = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "default", None)
 
 
+def version_of(t: torch.Tensor) -> int:
+    """The tensor's version counter, which each in-place write bumps; -1 for an inference
+    tensor (made under ``torch.inference_mode``, as the engine's copies are), which keeps none."""
+    return -1 if t.is_inference() else t._version
+
+
 class Linear(nn.Linear):
     """nn.Linear that can hold its weight pre-packed in oneDNN's blocked layout on CPU, and
     hand single-row inputs to the C kernel (``linear=c``).
@@ -261,30 +267,61 @@ class Linear(nn.Linear):
     weight_t: torch.Tensor | None = None
     # linear=pairs: the weight's pack_pairs copy [out / 16, in / 2, 16, 2], what single rows
     # multiply by (NativeOps.linear_pairs); None where the shape does not allow it.
-    # pairs_source: the weight storage it was made from (current_pairs makes it anew when
-    # the weight's .data is replaced)
     pairs: torch.Tensor | None = None
-    pairs_source: int = 0
     one_row_pairs: bool = False  # linear=pairs: single rows read the copy where there is one
+    # The weight_key() each copy (packed, weight_t, pairs) was made from: a copy whose key
+    # differs from the weight's is made anew before a matmul reads it.
+    packed_source: tuple[int, int] = (0, -1)
+    weight_t_source: tuple[int, int] = (0, -1)
+    pairs_source: tuple[int, int] = (0, -1)
+
+    def weight_key(self) -> tuple[int, int]:
+        """The weight's storage address and version counter. Replacing ``.data`` changes the
+        first; an in-place write through the parameter (``load_state_dict``, ``copy_`` under
+        ``no_grad``) the second. A write through ``.data`` bypasses the counter: a copy made
+        before it is not remade."""
+        return self.weight.data_ptr(), version_of(self.weight)
 
     def pack(self, rows: int = 1) -> None:
         """Pre-pack the weight for matmuls of about ``rows`` rows (oneDNN's batch hint)."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), rows)
         self.packed_rows = rows
+        self.packed_source = self.weight_key()
+
+    def make_weight_t(self) -> None:
+        """Hold the weight transposed, [in, out] contiguous (prefill_linear=transposed, rows)."""
+        self.weight_t = self.weight.detach().t().contiguous()
+        self.weight_t_source = self.weight_key()
 
     def make_pairs(self, native: NativeOps) -> None:
         """Hold the weight's pack_pairs copy (:func:`pairs_copy`), for linear=pairs."""
         self.pairs = pairs_copy(self.weight, native)
-        self.pairs_source = self.weight.data_ptr()
+        self.pairs_source = self.weight_key()
 
     def current_pairs(self) -> torch.Tensor | None:
-        """Under linear=pairs, the pairs copy, made anew first if the weight's storage was
-        replaced since (a replacing weight whose shape allows one gets one even where the
-        weight before could not); None where the weight takes none or the path is another."""
-        if self.one_row_pairs and self.pairs_source != self.weight.data_ptr():
+        """Under linear=pairs, the pairs copy, made anew first if the weight changed since (a
+        replacing weight whose shape allows one gets one even where the weight before could
+        not); None where the weight takes none or the path is another."""
+        if self.one_row_pairs and self.pairs_source != self.weight_key():
             assert self.native is not None  # linear=pairs sets both
             self.make_pairs(self.native)
         return self.pairs
+
+    def current_packed(self) -> torch.Tensor | None:
+        """The packed weight, packed anew first if the weight changed since; dropped (None)
+        when the weight changed to one oneDNN's packing does not take."""
+        if self.packed is not None and self.packed_source != self.weight_key():
+            if can_pack(self.weight.dtype, self.weight.device):
+                self.pack(self.packed_rows)
+            else:
+                self.packed, self.packed_rows = None, 0
+        return self.packed
+
+    def current_weight_t(self) -> torch.Tensor | None:
+        """The transposed weight, made anew first if the weight changed since."""
+        if self.weight_t is not None and self.weight_t_source != self.weight_key():
+            self.make_weight_t()
+        return self.weight_t
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.one_row_pairs and self.native is not None and x.dim() == 2 and x.shape[0] == 1:
@@ -301,11 +338,14 @@ class Linear(nn.Linear):
         ):
             return self.native_many.linear_many(x.contiguous(), self.weight, self.bias)
         if self.weight_t is not None and x.dim() == 2 and x.shape[0] >= ROWS_SPLIT_MIN_ROWS:
+            weight_t = self.current_weight_t()
+            assert weight_t is not None
             if self.team is not None:
-                return linear_by_rows(x, self.weight_t, self.bias, self.team)
-            return linear_transposed(x, self.weight_t, self.bias)
-        if self.packed is not None:
-            return _packed_linear(x, self.packed, self.bias, "none", [], "")
+                return linear_by_rows(x, weight_t, self.bias, self.team)
+            return linear_transposed(x, weight_t, self.bias)
+        packed = self.current_packed()
+        if packed is not None:
+            return _packed_linear(x, packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
@@ -853,10 +893,14 @@ class CausalLM(nn.Module):
         # ... and the LM head in that call too (NativeOps.decode_logits, decode_logits);
         # False keeps it a call of its own after it (benches, tests).
         self.fuse_logits = True
-        # (every tensor pointed into, their pointers when built, what was built from them)
+        # (every tensor pointed into, their pointers when built, the weights' version counters
+        # when built, what was built from them)
         self._decode_layers: (
             tuple[
-                list[torch.Tensor], list[int], tuple[ctypes.Array[DecodeLayer], DecodeStep, Linear]
+                list[torch.Tensor],
+                list[int],
+                list[int],
+                tuple[ctypes.Array[DecodeLayer], DecodeStep, Linear],
             ]
             | None
         ) = None
@@ -988,15 +1032,20 @@ class CausalLM(nn.Module):
     ) -> tuple[ctypes.Array[DecodeLayer], DecodeStep, Linear] | None:
         """Every layer's weight and cache pointers, and a step holding the model's own (final
         norm, rope tables, LM head, embedding; the batch fields are the caller's), built again
-        when any of them moves (new caches, a weight's ``.data`` replaced; apply_kernels drops
-        them too): checked on the held tensors, ~20 us a step where walking the modules for
-        them took 0.4 ms. The first Linear comes with them (it names the matmul paths). None
-        when a tensor is not one the C kernels can read as given (the per-kernel path then
-        checks and says which)."""
+        when any of them moves or a weight is written in place (new caches, a weight's ``.data``
+        replaced, ``load_state_dict``; apply_kernels drops them too): checked on the held
+        tensors' addresses and the weights' version counters each step, where walking the
+        modules for them took 0.4 ms. The first Linear comes with them (it names the matmul
+        paths). None when a tensor is not one the C kernels can read as given (the per-kernel
+        path then checks and says which)."""
         if self._decode_layers is not None:
-            held, ptrs, built = self._decode_layers
+            held, ptrs, versions, built = self._decode_layers
             caches = [cache.data_ptr() for cache in kv_caches]
-            if ptrs[-len(caches) :] == caches and [t.data_ptr() for t in held] == ptrs:
+            if (
+                ptrs[-len(caches) :] == caches
+                and [t.data_ptr() for t in held] == ptrs
+                and [version_of(t) for t in held[: len(versions)]] == versions
+            ):
                 return built
         rows = []
         for layer, cache in zip(self.layers, kv_caches, strict=True):
@@ -1071,7 +1120,10 @@ class CausalLM(nn.Module):
         )
         held = [*weights, self.rope_cos, self.rope_sin, *kv_caches]
         built = (array, step, attn.qkv_proj)
-        self._decode_layers = (held, [t.data_ptr() for t in held], built)
+        # the weights' versions too: an in-place write (load_state_dict) leaves their storage
+        # where it was, and a pairs copy made before it would be read stale
+        versions = [version_of(t) for t in weights]
+        self._decode_layers = (held, [t.data_ptr() for t in held], versions, built)
         return built
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -1111,6 +1163,15 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             module.one_row_amx = choice.linear == "amx" and module.weight.dtype == torch.bfloat16
             module.one_row_pairs = choice.linear == "pairs"
             module.native_many = native if choice.batch_linear == "c" else None
+            streamed = module.native is not None or module.native_many is not None
+            if streamed and not module.huge_pages:
+                # The C kernels stream this weight every decode step: moved, not copied (the
+                # old storage is freed; a tied embedding shares the parameter, so it follows),
+                # and before any copy below is made, so each copy's weight_key is current.
+                moved = on_huge_pages(module.weight.detach())
+                if moved is not None:
+                    module.weight.data = moved
+                    module.huge_pages = True
             if choice.linear != "plain" and module.weight.dtype == torch.bfloat16:
                 rows = PACKED_ROWS_WITH_C if one_row_c else 1
                 if module.packed_rows != rows and can_pack(
@@ -1129,18 +1190,10 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             if not transposed:
                 module.weight_t = None
             elif module.weight_t is None:
-                module.weight_t = module.weight.detach().t().contiguous()
-            streamed = module.native is not None or module.native_many is not None
-            if streamed and not module.huge_pages:
-                # The C kernels stream this weight every decode step: moved, not copied (the
-                # old storage is freed; a tied embedding shares the parameter, so it follows).
-                moved = on_huge_pages(module.weight.detach())
-                if moved is not None:
-                    module.weight.data = moved
-                    module.huge_pages = True
+                module.make_weight_t()
             if choice.linear != "pairs":
                 module.pairs = None
-            elif module.pairs is None:  # after the move: made from the weight's final storage
+            elif module.pairs is None:
                 assert native is not None  # checked above
                 module.make_pairs(native)
         elif isinstance(module, MLP):
