@@ -1,16 +1,20 @@
-"""One layer's causal prefill attention: the AMX tile kernel beside torch's SDPA, interleaved.
+"""One layer's causal prefill attention: the C kernels beside torch's SDPA and the engine's
+blocked attention, interleaved.
 
 The ``small`` model's shapes (16 query heads over 4 KV heads, head 64) by default, bf16, a
 fresh chunk of ``--tokens`` queries (``--cached`` keys before it): the C kernel
-(``prefill_attention=amx``, engine/csrc/decode_ops.c) and ``F.scaled_dot_product_attention``
-as the engine calls it (head-major queries, GQA, is_causal or a bottom-right mask), each
-followed by the [tokens, heads * dim] layout o_proj reads. Reports the median CPU time
-(``time.process_time``: at one thread the work itself, which a loaded neighbour inflates far
-less than wall time) and wall time, and amx over SDPA within rounds.
+(engine/csrc/decode_ops.c) with its products on AMX tiles (``amx``, prefill_attention=amx, where
+the CPU and Linux grant the tiles) and in AVX-512 BF16 (``c``, prefill_attention=c, where the
+build has it), ``F.scaled_dot_product_attention`` as the engine calls it (head-major queries,
+GQA, is_causal or a bottom-right mask) and the engine's ``blocked`` attention
+(prefill_attention=blocked), each followed by the [tokens, heads * dim] layout o_proj reads.
+Reports the median CPU time (``time.process_time``: at one thread the work itself, which a
+loaded neighbour inflates far less than wall time) and wall time, and each C kernel over SDPA
+and over blocked within rounds.
 
     .venv/bin/python bench/prefill_attention_ab.py --threads 1 --rounds 10
 
-``--ab-source FILE`` adds the same kernel built from another ``decode_ops.c`` (e.g. an earlier
+``--ab-source FILE`` adds the same kernels built from another ``decode_ops.c`` (e.g. an earlier
 commit's, from ``git show REV:src/pdscope/engine/csrc/decode_ops.c``), interleaved with the
 rest, and reports the current kernel over it within rounds: a kernel change's before/after.
 """
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 
 from engine_bench import build_ops, interleaved_times, machine_line
 from pdscope.engine import native
+from pdscope.engine.model import Attention, ModelConfig
 
 
 def main() -> None:
@@ -44,8 +49,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     ops = native.load(Path(tempfile.gettempdir()) / "pdscope-bench-native")
-    if ops is None or not ops.prefill_amx:
-        raise SystemExit("no AMX tiles here (CPU, compiler or kernel): nothing to compare")
+    kernels = {} if ops is None else {"amx": ops.prefill_amx, "c": ops.prefill_vec}
+    kernels = {name: name == "amx" for name, usable in kernels.items() if usable}  # name: tiles
+    if not kernels:
+        raise SystemExit("neither AMX tiles nor AVX-512 BF16 here: no C kernel to compare")
     n, cached, dim = args.tokens, args.cached, args.head_dim
     total, scale = cached + n, dim**-0.5
     gen = torch.Generator().manual_seed(0)
@@ -68,21 +75,41 @@ def main() -> None:
         )
         out[0].transpose(0, 1).reshape(n, -1)
 
-    def amx() -> None:
-        out = ops.prefill_attention(q, keys, values, cached, scale)
-        assert out is not None
-        out.view(n, -1)
+    attn = Attention(
+        ModelConfig.from_hf(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": 1024,
+                "hidden_size": args.heads * dim,
+                "intermediate_size": 4 * args.heads * dim,
+                "num_hidden_layers": 1,
+                "num_attention_heads": args.heads,
+                "num_key_value_heads": args.kv_heads,
+                "head_dim": dim,
+            }
+        )
+    )
 
-    candidates: dict[str, Callable[[], None]] = {"sdpa": sdpa, "amx": amx}
-    if args.ab_source:
-        other = _build(args.ab_source)
+    def blocked() -> None:
+        attn._prefill_cpu(q, keys, values, cached).reshape(n, -1)
 
-        def amx_ab() -> None:
-            out = other.prefill_attention(q, keys, values, cached, scale)
+    def kernel(o: native.NativeOps, tiles: bool) -> Callable[[], None]:
+        def run() -> None:
+            out = o.prefill_attention(q, keys, values, cached, scale, tiles)
             assert out is not None
             out.view(n, -1)
 
-        candidates["amx-ab-source"] = amx_ab
+        return run
+
+    candidates: dict[str, Callable[[], None]] = {"sdpa": sdpa, "blocked": blocked}
+    assert ops is not None
+    for name, tiles in kernels.items():
+        candidates[name] = kernel(ops, tiles)
+    if args.ab_source:
+        other = build_ops(args.ab_source)
+        for name, tiles in kernels.items():
+            if other.prefill_amx if tiles else getattr(other, "prefill_vec", False):
+                candidates[f"{name}-ab-source"] = kernel(other, tiles)
     wall, cpu = interleaved_times(candidates, args.rounds)
     print(machine_line())
     flop = 4 * args.heads * dim * (n * cached + n * (n + 1) / 2)  # scores and values, causal
@@ -93,30 +120,20 @@ def main() -> None:
     for name in candidates:
         c = statistics.median(cpu[name])
         print(
-            f"  {name:5} CPU {c * 1e3:7.1f} ms ({min(cpu[name]) * 1e3:.1f}-"
+            f"  {name:16} CPU {c * 1e3:7.1f} ms ({min(cpu[name]) * 1e3:.1f}-"
             f"{max(cpu[name]) * 1e3:.1f}), {flop / c / 1e12:.2f} TFLOP/s of CPU time; "
             f"wall {statistics.median(wall[name]) * 1e3:7.1f} ms"
         )
-    by_cpu = [a / s for a, s in zip(cpu["amx"], cpu["sdpa"], strict=True)]
-    by_wall = [a / s for a, s in zip(wall["amx"], wall["sdpa"], strict=True)]
-    print(
-        f"  amx over sdpa within rounds: CPU {statistics.median(by_cpu):.3f}x "
-        f"({min(by_cpu):.3f}-{max(by_cpu):.3f}), wall {statistics.median(by_wall):.3f}x"
-    )
-    if args.ab_source:
-        by_cpu = [a / b for a, b in zip(cpu["amx"], cpu["amx-ab-source"], strict=True)]
-        print(
-            f"  amx over amx-ab-source within rounds: CPU {statistics.median(by_cpu):.3f}x "
-            f"({min(by_cpu):.3f}-{max(by_cpu):.3f})"
-        )
-
-
-def _build(source: str) -> native.NativeOps:
-    """The C kernels compiled from ``source``; they must have the AMX prefill attention."""
-    ops = build_ops(source)
-    if not ops.prefill_amx:
-        raise SystemExit("--ab-source: that build has no AMX prefill attention here")
-    return ops
+    for name in kernels:
+        for base in ("sdpa", "blocked", f"{name}-ab-source"):
+            if base not in candidates:
+                continue
+            by_cpu = [a / b for a, b in zip(cpu[name], cpu[base], strict=True)]
+            by_wall = [a / b for a, b in zip(wall[name], wall[base], strict=True)]
+            print(
+                f"  {name} over {base} within rounds: CPU {statistics.median(by_cpu):.3f}x "
+                f"({min(by_cpu):.3f}-{max(by_cpu):.3f}), wall {statistics.median(by_wall):.3f}x"
+            )
 
 
 if __name__ == "__main__":

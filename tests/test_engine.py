@@ -38,8 +38,10 @@ BF16_PATHS = [
     # AMX tiles: the prefill attention (a head size that is a multiple of 32: the model below
     # gets 64) and single-row matmuls (linear=amx)
     "linear=amx,batch_linear=c,prefill_attention=amx,decode_math=native,decode_ops=c",
-    # single rows through the pair-interleaved weight copies (linear=pairs)
-    "linear=pairs,batch_linear=c,prefill_attention=sdpa,decode_math=native,decode_ops=c",
+    # single rows through the pair-interleaved weight copies (linear=pairs), the prefill
+    # attention in AVX-512 BF16 (head size 64, as the AMX row: decode attention then takes
+    # the bf16 head-64 kernel too)
+    "linear=pairs,batch_linear=c,prefill_attention=c,decode_math=native,decode_ops=c",
     # a prefill's matmuls split by rows over the threads (the 1,100-token chunk below)
     "linear=c,batch_linear=packed,prefill_linear=rows,prefill_attention=sdpa,"
     "decode_math=native,decode_ops=c",
@@ -47,17 +49,21 @@ BF16_PATHS = [
 
 
 def _amx_or_skip(kernels: str) -> dict[str, int]:
-    """For the prefill_attention=amx row: skip where the tiles are not granted; the checkpoint
-    overrides that give the kernel a head size it takes (tiny's is 16). Head size 64 also sends
-    the decode steps through the bf16 head-64 decode attention, its scores on the tiles."""
-    if "prefill_attention=amx" not in kernels:
+    """For the prefill_attention=amx and =c rows: skip where the tiles are not granted (amx) or
+    the C kernels lack AVX-512 BF16 (c); the checkpoint overrides that give the kernel a head
+    size it takes (tiny's is 16). Head size 64 also sends the decode steps through the bf16
+    head-64 decode attention, its scores on the tiles where they are granted."""
+    tiles = "prefill_attention=amx" in kernels
+    if not tiles and "prefill_attention=c" not in kernels:
         return {}
     from pdscope.checkpoint.make_model import default_cache_dir
     from pdscope.engine import native
 
     ops = native.load(default_cache_dir() / "native")
-    if ops is None or not ops.prefill_amx:
+    if tiles and (ops is None or not ops.prefill_amx):
         pytest.skip("no AMX tiles on this CPU, compiler or kernel")
+    if not tiles and (ops is None or not ops.prefill_vec):
+        pytest.skip("the C kernels built without AVX-512 BF16 here")
     return {"head_dim": 64}
 
 
@@ -210,9 +216,11 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
     assert all((m.native_many is not None) == many for m in linears)
     rows = 2048 if c_linear else 1  # packed for many rows where C takes one
     assert all(m.packed_rows == rows for m in linears if m.packed is not None)
-    amx = "prefill_attention=amx" in kernels  # then every layer's prefill takes the tiles
+    # amx or c: every layer's prefill takes the C kernel
+    amx = paths.get("prefill_attention") in ("amx", "c")
     attns = [m for m in model.modules() if hasattr(m, "prefill_native")]
     assert attns and all((m.prefill_native is not None) == amx for m in attns)
+    assert all(m.prefill_tiles == (paths["prefill_attention"] == "amx") for m in attns if amx)
     # The many-row kernel's calls: from batched chunks (batch_linear=c) and from single rows
     # (linear=amx, which hands them to the same kernel through the modules' `native`).
     many_calls = _count_calls(linears, "native_many", "linear_many") if many else [0]
@@ -220,7 +228,7 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
     one_row_calls = _count_calls(linears, "native", "linear_many") if amx_rows else [0]
     # linear=pairs: the prefill's last row through the LM head (decode steps run in one call)
     pair_calls = _count_calls(linears, "native", "linear_pairs") if pair_rows else [0]
-    # prefill_attention=amx reads each chunk's K/V through its block table (no gather)
+    # prefill_attention=amx or c reads each chunk's K/V through its block table (no gather)
     paged_calls = _count_calls(attns, "prefill_native", "prefill_attention_paged") if amx else [0]
     by_rows = paths.get("prefill_linear") == "rows"
     copied = paths.get("prefill_linear") in ("rows", "transposed")
@@ -271,13 +279,21 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
         {"max_num_batched_tokens": 2048, "enable_prefix_caching": True, "block_size": 8},
     ],
 )
-def test_amx_prefill_reads_the_cache_in_place_as_the_gather_does(
-    tmp_path: Path, engine_args: dict[str, int]
+@pytest.mark.parametrize(
+    "kernels",
+    [
+        "linear=amx,batch_linear=c,prefill_attention=amx,decode_math=native,decode_ops=c",
+        "linear=pairs,batch_linear=c,prefill_attention=c,decode_math=native,decode_ops=c",
+    ],
+    ids=["amx", "c"],
+)
+def test_c_prefill_reads_the_cache_in_place_as_the_gather_does(
+    tmp_path: Path, engine_args: dict[str, int], kernels: str
 ) -> None:
-    """prefill_attention=amx reads each chunk's keys and values through its block table; with
-    the gather copy instead (the path before) every logit and token is the same, bit for bit,
-    across chunking and prefix caching (bf16: the AMX kernel takes bf16 only)."""
-    kernels = "linear=amx,batch_linear=c,prefill_attention=amx,decode_math=native,decode_ops=c"
+    """prefill_attention=amx or c reads each chunk's keys and values through its block table;
+    with the gather copy instead (the path before) every logit and token is the same, bit for
+    bit, across chunking and prefix caching (bf16: the kernel takes bf16 only)."""
+    _pairs_or_skip(kernels)
     path = make_model(
         tmp_path / "m", "tiny", arch="qwen3", dtype="bfloat16", **_amx_or_skip(kernels)
     )

@@ -951,6 +951,13 @@ def test_linear_by_rows_and_transposed_match_a_float64_reference_and_onednn(
         assert ours.mean() <= ref.mean() * 1.05 + 1e-9
 
 
+def _prefill_kernel_or_skip(c_ops: native.NativeOps, tiles: bool) -> None:
+    if tiles and not c_ops.prefill_amx:
+        pytest.skip("no AMX tiles on this CPU, compiler or kernel")
+    if not tiles and not c_ops.prefill_vec:
+        pytest.skip("the C kernels built without AVX-512 BF16 on this CPU or compiler")
+
+
 def _causal_reference(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int, scale: float
 ) -> torch.Tensor:
@@ -979,7 +986,8 @@ def _causal_reference(
     ],
 )
 @pytest.mark.parametrize("heads_major", [False, True])
-def test_c_prefill_attention_amx_matches_a_float64_reference(
+@pytest.mark.parametrize("tiles", [True, False], ids=["amx", "avx512"])
+def test_c_prefill_attention_matches_a_float64_reference(
     c_ops: native.NativeOps,
     n: int,
     cached: int,
@@ -987,12 +995,13 @@ def test_c_prefill_attention_amx_matches_a_float64_reference(
     kv_heads: int,
     head_dim: int,
     heads_major: bool,
+    tiles: bool,
 ) -> None:
-    """The AMX tile kernel (prefill_attention=amx): causal, from a cached offset, GQA, every
-    tail; within a bf16 rounding of float64 and no further from it than torch's SDPA. Keys
-    and values are slices of a wider gather, as the engine hands them over."""
-    if not c_ops.prefill_amx:
-        pytest.skip("no AMX tiles on this CPU, compiler or kernel")
+    """The C prefill attention, its products on AMX tiles (prefill_attention=amx) or in
+    AVX-512 BF16 (=c): causal, from a cached offset, GQA, every tail; within a bf16 rounding
+    of float64 and no further from it than torch's SDPA. Keys and values are slices of a wider
+    gather, as the engine hands them over."""
+    _prefill_kernel_or_skip(c_ops, tiles)
     gen = torch.Generator().manual_seed(7)
     total = cached + n
     if heads_major:
@@ -1002,7 +1011,7 @@ def test_c_prefill_attention_amx_matches_a_float64_reference(
     kv = torch.randn(2, kv_heads, total + 5, head_dim, generator=gen).to(torch.bfloat16)
     keys, values = kv[0, :, :total], kv[1, :, :total]
     scale = head_dim**-0.5
-    out = c_ops.prefill_attention(q, keys, values, cached, scale)
+    out = c_ops.prefill_attention(q, keys, values, cached, scale, tiles)
     assert out is not None and out.shape == (n, heads, head_dim) and out.is_contiguous()
     ref = _causal_reference(q, keys, values, cached, scale)
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
@@ -1031,7 +1040,8 @@ def test_c_prefill_attention_amx_matches_a_float64_reference(
         (1, 0, 4, 4, 64, 16),  # one query in a block of its own
     ],
 )
-def test_c_prefill_attention_amx_paged_reads_the_cache_as_the_gather_does(
+@pytest.mark.parametrize("tiles", [True, False], ids=["amx", "avx512"])
+def test_c_prefill_attention_paged_reads_the_cache_as_the_gather_does(
     c_ops: native.NativeOps,
     n: int,
     cached: int,
@@ -1039,11 +1049,11 @@ def test_c_prefill_attention_amx_paged_reads_the_cache_as_the_gather_does(
     kv_heads: int,
     head_dim: int,
     block_size: int,
+    tiles: bool,
 ) -> None:
     """The kernel reading K/V through a block table (scattered, out-of-order blocks of a paged
     cache) gives bit for bit what it gives on the gathered copy: only where it reads differs."""
-    if not c_ops.prefill_amx:
-        pytest.skip("no AMX tiles on this CPU, compiler or kernel")
+    _prefill_kernel_or_skip(c_ops, tiles)
     from pdscope.engine.model import _gather_blocks, block_rows
 
     gen = torch.Generator().manual_seed(11)
@@ -1057,8 +1067,8 @@ def test_c_prefill_attention_amx_paged_reads_the_cache_as_the_gather_does(
     scale = head_dim**-0.5
     rows = block_rows(blocks, kv_heads, num_blocks)
     kv = _gather_blocks(cache, rows, block_size)[:, :, :total]
-    gathered = c_ops.prefill_attention(q, kv[0], kv[1], cached, scale)
-    paged = c_ops.prefill_attention_paged(q, cache, blocks, block_size, cached, scale)
+    gathered = c_ops.prefill_attention(q, kv[0], kv[1], cached, scale, tiles)
+    paged = c_ops.prefill_attention_paged(q, cache, blocks, block_size, cached, scale, tiles)
     assert gathered is not None and paged is not None
     assert torch.equal(paged, gathered)
     ref = _causal_reference(q, kv[0], kv[1], cached, scale)
@@ -1072,11 +1082,18 @@ def test_c_prefill_attention_amx_paged_reads_the_cache_as_the_gather_does(
 
 
 @needs_cc
-def test_c_prefill_attention_amx_refuses_what_it_cannot_take(c_ops: native.NativeOps) -> None:
+@pytest.mark.parametrize("tiles", [True, False], ids=["amx", "avx512"])
+def test_c_prefill_attention_refuses_what_it_cannot_take(
+    c_ops: native.NativeOps, tiles: bool
+) -> None:
     """A head size off its tiles returns None (the model then takes SDPA); bad inputs raise."""
+    if not tiles and not c_ops.prefill_vec:
+        with pytest.raises(RuntimeError, match="lacks AVX-512 BF16"):
+            c_ops.prefill_attention(*torch.zeros(3, 1, 1, 32, dtype=torch.bfloat16), 0, 0.1, False)
+        return
     q = torch.zeros(3, 4, 48, dtype=torch.bfloat16)
     kv = torch.zeros(2, 2, 3, 48, dtype=torch.bfloat16)
-    assert c_ops.prefill_attention(q, kv[0], kv[1], 0, 0.1) is None
+    assert c_ops.prefill_attention(q, kv[0], kv[1], 0, 0.1, tiles) is None
     with pytest.raises(ValueError, match="bf16 only"):
         c_ops.prefill_attention(q.float(), kv[0].float(), kv[1].float(), 0, 0.1)
     with pytest.raises(ValueError, match="does not fit"):

@@ -34,11 +34,12 @@ Paths (every candidate computes the same function; tests pin each against transf
   one, so the trial offers ``transposed`` only while that copy takes at most a quarter of the
   memory available at start-up. bf16 only; the trial runs on CPU.
 * ``prefill_attention``: ``blocked`` (blocks of queries, each scored only against the keys it
-  can see), ``sdpa`` (torch's fused kernel) or ``amx`` (engine/native.py's causal attention on
+  can see), ``sdpa`` (torch's fused kernel), ``amx`` (engine/native.py's causal attention on
   AMX tiles: bf16 scores and values on tiles, the softmax in AVX-512; chunks it does not take,
-  float32 or a sliding window or a head size not a multiple of 32, go to SDPA). ``amx`` only
-  where the C kernels built with AMX and Linux grants the tiles, and a bf16 model. CPU only;
-  CUDA always takes SDPA.
+  float32 or a sliding window or a head size not a multiple of 32, go to SDPA) or ``c`` (the
+  same kernel with its products in AVX-512 BF16, for CPUs without AMX). ``amx`` only where the
+  C kernels built with AMX and Linux grants the tiles, ``c`` where they built with AVX-512
+  BF16; both for a bf16 model. CPU only; CUDA always takes SDPA.
 * ``decode_math``: ``float32`` (small decode batches convert their context to float32 first)
   or ``native`` (the model dtype throughout). Only bf16 on CPU differs.
 * ``decode_ops``: ``torch`` (the PyTorch ops: the reference) or ``c`` (engine/native.py's C
@@ -74,7 +75,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "linear": ("packed", "plain", "c", "amx", "pairs"),
     "batch_linear": ("packed", "c"),
     "prefill_linear": ("onednn", "transposed", "rows"),
-    "prefill_attention": ("blocked", "sdpa", "amx"),
+    "prefill_attention": ("blocked", "sdpa", "amx", "c"),
     "decode_math": ("float32", "native"),
     "decode_ops": ("torch", "c"),
     "threads": ("free", "bound"),
@@ -82,7 +83,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
-_TRIAL_VERSION = 14
+_TRIAL_VERSION = 15
 
 
 @dataclass(frozen=True)

@@ -514,8 +514,10 @@ class Attention(nn.Module):
         self.prefill_sdpa = False
         self.decode_float32 = True
         self.native: NativeOps | None = None
-        # prefill_attention=amx: the C kernels whose AMX tile attention takes bf16 chunks.
+        # prefill_attention=amx or c: the C kernels whose causal attention takes bf16 chunks,
+        # its products on AMX tiles (prefill_tiles) or in AVX-512 BF16.
         self.prefill_native: NativeOps | None = None
+        self.prefill_tiles = True
         # with prefill_native: read K/V through the block table (False: gather them first,
         # the A/B reference in bench/prefill_ab.py)
         self.prefill_paged = True
@@ -757,7 +759,7 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         batch: AttentionBatch,
     ) -> torch.Tensor | None:
-        """The AMX kernel reading the chunk's keys and values where they lie in the cache (no
+        """The C kernel reading the chunk's keys and values where they lie in the cache (no
         gather copy: at two threads under a busy neighbour the gather's parallel region cost
         ~15x its one-thread time, docs/performance.md); None where it does not apply."""
         native = self.prefill_native
@@ -773,18 +775,18 @@ class Attention(nn.Module):
         # block ids themselves
         blocks = rows[: rows.numel() // (2 * self.num_kv_heads)]
         return native.prefill_attention_paged(
-            q, kv_cache, blocks, batch.block_size, cached, self.scale
+            q, kv_cache, blocks, batch.block_size, cached, self.scale, self.prefill_tiles
         )
 
     def _prefill_amx(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int
     ) -> torch.Tensor:
-        """The C kernel's causal attention on AMX tiles (csrc/decode_ops.c) for a bf16 chunk
-        without a sliding window; SDPA for anything it does not take (a float32 model, a
-        window, a head size that is not a multiple of 32)."""
+        """The C kernel's causal attention (csrc/decode_ops.c: on AMX tiles, or in AVX-512
+        BF16) for a bf16 chunk without a sliding window; SDPA for anything it does not take (a
+        float32 model, a window, a head size that is not a multiple of 32)."""
         native = self.prefill_native
         if native is not None and self.window is None and q.dtype == torch.bfloat16:
-            out = native.prefill_attention(q, keys, values, cached, self.scale)
+            out = native.prefill_attention(q, keys, values, cached, self.scale, self.prefill_tiles)
             if out is not None:
                 return out
         return self._prefill_sdpa(q, keys, values, cached)
@@ -1146,6 +1148,11 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             "prefill_attention=amx needs the C kernels and AMX tiles, which this CPU, compiler "
             "or kernel does not give"
         )
+    if choice.prefill_attention == "c" and (native is None or not native.prefill_vec):
+        raise ValueError(
+            "prefill_attention=c needs the C kernels built with AVX-512 BF16, which this CPU "
+            "or compiler does not give"
+        )
     if choice.linear == "pairs" and (native is None or not native.pairs):
         raise ValueError(
             "linear=pairs needs the C kernels built with AVX-512 BF16, which this CPU or "
@@ -1200,7 +1207,8 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             module.native = model.native
         elif isinstance(module, Attention):
             module.prefill_sdpa = choice.prefill_attention == "sdpa"
-            module.prefill_native = native if choice.prefill_attention == "amx" else None
+            module.prefill_native = native if choice.prefill_attention in ("amx", "c") else None
+            module.prefill_tiles = choice.prefill_attention == "amx"
             module.decode_float32 = choice.decode_math == "float32"
             module.native = model.native
 
@@ -1472,8 +1480,9 @@ def _prefill_trial(
         "blocked": lambda: attn._prefill_cpu(q, keys, values, 0),
         "sdpa": lambda: attn._prefill_sdpa(q, keys, values, 0),
     }
-    # The AMX kernel only where it would run in the model: bf16 chunks, no window, a head size
-    # it takes, tiles granted. Elsewhere it would time SDPA under another name.
+    # The C kernel only where it would run in the model: bf16 chunks, no window, a head size
+    # it takes, tiles granted (amx) or AVX-512 BF16 built (c). Elsewhere it would time SDPA
+    # under another name.
     if (
         native is not None
         and weight.dtype == torch.bfloat16
@@ -1481,15 +1490,20 @@ def _prefill_trial(
         and c.head_dim % 32 == 0
         and c.head_dim <= 256
         and c.num_heads // c.num_kv_heads <= 16
-        and native.prefill_amx
     ):
         ops = native
 
-        def run_amx() -> None:
-            if ops.prefill_attention(q, keys, values, 0, attn.scale) is None:
-                raise RuntimeError("prefill_attention_amx refused a shape the trial offered")
+        def run_with(tiles: bool) -> Callable[[], object]:
+            def run() -> None:
+                if ops.prefill_attention(q, keys, values, 0, attn.scale, tiles) is None:
+                    raise RuntimeError("prefill_attention refused a shape the trial offered")
 
-        candidates["amx"] = run_amx
+            return run
+
+        if native.prefill_amx:
+            candidates["amx"] = run_with(True)
+        if native.prefill_vec:
+            candidates["c"] = run_with(False)
     return candidates
 
 

@@ -247,6 +247,16 @@ class NativeOps:
             paged.restype = ctypes.c_int
         self.lib.prefill_attention_amx_usable.argtypes = []
         self.lib.prefill_attention_amx_usable.restype = ctypes.c_int
+        # the same kernel in AVX-512 BF16 (absent from a library built from an older source)
+        self.prefill_vec = hasattr(self.lib, "prefill_attention_vec_usable") and bool(
+            self.lib.prefill_attention_vec_usable()
+        )
+        if self.prefill_vec:
+            self.lib.prefill_attention_vec.argtypes = self.lib.prefill_attention_amx.argtypes
+            self.lib.prefill_attention_vec.restype = ctypes.c_int
+            paged = self.lib.prefill_attention_vec_paged
+            paged.argtypes = [_P] * 3 + [_I] * 8 + [_P, _I, _F, _C]
+            paged.restype = ctypes.c_int
         # absent from a library built from an older source (--ab-source benches)
         self.openmp = hasattr(self.lib, "built_with_openmp") and bool(self.lib.built_with_openmp())
         self.lib.place_threads.argtypes = [_P, _C, _C, _C]
@@ -655,13 +665,21 @@ class NativeOps:
         return bool(self.lib.prefill_attention_amx_usable())
 
     def prefill_attention(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int, scale: float
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        cached: int,
+        scale: float,
+        tiles: bool = True,
     ) -> torch.Tensor | None:
-        """Causal attention of one chunk on AMX tiles (bf16): q [n, heads, dim] at positions
+        """Causal attention of one chunk on AMX tiles (bf16), or with ``tiles=False`` the same
+        kernel's products in AVX-512 BF16 (:attr:`prefill_vec`): q [n, heads, dim] at positions
         ``cached``..``cached + n - 1`` (any token/head strides, each row contiguous) over keys
         and values [kv_heads, cached + n, dim] (any head stride); returns [n, heads, dim],
-        contiguous. None when the kernel cannot run here (no AMX tiles, refused by the kernel,
-        or a head size that is not a multiple of 32 up to 256): the caller takes SDPA."""
+        contiguous. None when the kernel cannot run here (no AMX tiles or no AVX-512 BF16,
+        refused by the kernel, or a head size that is not a multiple of 32 up to 256): the
+        caller takes SDPA."""
         n, heads, dim = q.shape
         kv_heads, total, _ = keys.shape
         if q.dtype != torch.bfloat16 or keys.dtype != q.dtype or values.dtype != q.dtype:
@@ -682,7 +700,8 @@ class NativeOps:
                 f"keys {keys.stride()} values {values.stride()}"
             )
         out = torch.empty(n, heads, dim, dtype=q.dtype)
-        status = self.lib.prefill_attention_amx(
+        entry = self.lib.prefill_attention_amx if tiles else self._prefill_vec_entry()
+        status = entry(
             q.data_ptr(),
             keys.data_ptr(),
             values.data_ptr(),
@@ -699,8 +718,13 @@ class NativeOps:
             torch.get_num_threads(),
         )
         if status < 0:
-            raise MemoryError("prefill_attention_amx: no memory for its packed K/V")
+            raise MemoryError("prefill_attention: no memory for its packed K/V")
         return out if status else None
+
+    def _prefill_vec_entry(self, paged: bool = False) -> Any:
+        if not self.prefill_vec:
+            raise RuntimeError("prefill_attention(tiles=False): this build lacks AVX-512 BF16")
+        return self.lib.prefill_attention_vec_paged if paged else self.lib.prefill_attention_vec
 
     def prefill_attention_paged(
         self,
@@ -710,6 +734,7 @@ class NativeOps:
         block_size: int,
         cached: int,
         scale: float,
+        tiles: bool = True,
     ) -> torch.Tensor | None:
         """:meth:`prefill_attention` with keys and values read in place from a layer's paged
         cache [2, kv_heads, slots, dim]: key i of the chunk's context (positions 0 ..
@@ -742,7 +767,8 @@ class NativeOps:
                 f"prefill_attention_paged: q rows must be contiguous, got {q.stride()}"
             )
         out = torch.empty(n, heads, dim, dtype=q.dtype)
-        status = self.lib.prefill_attention_amx_paged(
+        entry = self.lib.prefill_attention_amx_paged if tiles else self._prefill_vec_entry(True)
+        status = entry(
             q.data_ptr(),
             kv_cache.data_ptr(),
             out.data_ptr(),
@@ -760,7 +786,7 @@ class NativeOps:
             torch.get_num_threads(),
         )
         if status < 0:
-            raise MemoryError("prefill_attention_amx_paged: no memory for its packed K/V")
+            raise MemoryError("prefill_attention_paged: no memory for its packed K/V")
         return out if status else None
 
 

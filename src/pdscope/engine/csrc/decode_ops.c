@@ -232,6 +232,13 @@ static inline __m512 exp16_nonpositive(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* Elements 2k and 2k + 1 of x (a bf16 pair in 32 bits) in every lane, for vdpbf16ps. */
+static inline __m512bh pair_of(const bf16 *x, int64_t k) {
+    uint32_t v;
+    memcpy(&v, x + 2 * k, sizeof v);
+    return (__m512bh)_mm512_set1_epi32((int)v);
+}
+
 /* 16 bf16 values (32 bytes) to float32. */
 static inline __m512 bf16x16_to_f32(const bf16 *src) {
     const __m256i h = _mm256_loadu_si256((const __m256i *)src);
@@ -1435,10 +1442,11 @@ int linear_many_rows(const void *x, const void *w, const void *bias, void *y, in
  * the CPU or compiler lacks AMX, the entry point returns 0 and the caller keeps SDPA.
  */
 
-#ifdef HAVE_AMX /* the permission request and tile config are linear_many_rows' (above) */
+#ifdef HAVE_DPBF16 /* AMX's permission request and tile config are linear_many_rows' (above) */
 #define PREFILL_KEYS 512 /* keys per online-softmax chunk */
 #define PREFILL_MAX_DIM 256
 #define PREFILL_MAX_GROUP 16
+#ifdef HAVE_AMX
 
 /* Tile numbers must be compile-time constants: store accumulator t (0-3). */
 static inline __attribute__((always_inline)) void prefill_store_acc(int t, float *dst,
@@ -1576,6 +1584,81 @@ static inline void prefill_values2(const bf16 *pa, const bf16 *pb, const bf16 *v
         _tile_stored(1, pva + (d0 + 1) * 16, ostride);
         _tile_stored(2, pvb + d0 * 16, ostride);
         _tile_stored(3, pvb + (d0 + 1) * 16, ostride);
+    }
+}
+#endif /* HAVE_AMX */
+
+/* The same four products in AVX-512 BF16 for CPUs without AMX tiles (prefill_attention_vec),
+ * on the same packed layouts: a packed K block's pair k is one vector of 16 keys, a packed V
+ * block's key pair one vector of 16 columns, so each `vdpbf16ps` against a query's (or a
+ * weight row's) pair, broadcast, adds 16 keys' (columns') worth. 4 rows x 4 vectors of
+ * accumulators: each vector loaded serves 4 rows, each broadcast 4 vectors. */
+static inline __attribute__((always_inline)) void prefill_scores_vec4(
+    const bf16 *qb, const uint32_t *b, int64_t dim, int nb, float *s) {
+    const int64_t pairs = dim / 2;
+    for (int r0 = 0; r0 < 16; r0 += 4) {
+        __m512 acc[4][4];
+        for (int r = 0; r < 4; r++)
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < pairs; k++) {
+            __m512bh kv[4];
+            for (int j = 0; j < nb; j++)
+                kv[j] = (__m512bh)_mm512_loadu_si512((const void *)(b + (j * pairs + k) * 16));
+            for (int r = 0; r < 4; r++) {
+                const __m512bh qp = pair_of(qb + (r0 + r) * dim, k);
+                for (int j = 0; j < nb; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], qp, kv[j]);
+            }
+        }
+        for (int r = 0; r < 4; r++)
+            for (int j = 0; j < nb; j++)
+                _mm512_storeu_ps(s + (r0 + r) * PREFILL_KEYS + 16 * j, acc[r][j]);
+    }
+}
+
+static inline void prefill_scores_vec(const bf16 *qb, const uint32_t *kp, int64_t kb0,
+                                      int64_t kc, int64_t dim, float *s) {
+    const int64_t pairs = dim / 2;
+    for (int64_t kk = 0; kk < kc; kk += 64) {
+        const uint32_t *b = kp + (kb0 + kk / 16) * pairs * 16;
+        if (kc - kk >= 64) prefill_scores_vec4(qb, b, dim, 4, s + kk);
+        else prefill_scores_vec4(qb, b, dim, 2, s + kk); /* kc is a multiple of 32 */
+    }
+}
+
+static inline __attribute__((always_inline)) void prefill_values_vec4(
+    const bf16 *p, const bf16 *vp, int64_t vb0, int64_t kc, int64_t dim, int64_t c0, int nc,
+    float *pv) {
+    const int64_t block = dim / 16 * 16 * 32;
+    for (int r0 = 0; r0 < 16; r0 += 4) {
+        __m512 acc[4][4];
+        for (int r = 0; r < 4; r++)
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+        for (int64_t k32 = 0; k32 < kc / 32; k32++) {
+            const bf16 *b = vp + (vb0 + k32) * block + c0 * 512;
+            const bf16 *pk = p + k32 * 32;
+            for (int64_t kp2 = 0; kp2 < 16; kp2++) {
+                __m512bh vv[4];
+                for (int j = 0; j < nc; j++)
+                    vv[j] = (__m512bh)_mm512_loadu_si512((const void *)(b + j * 512 + kp2 * 32));
+                for (int r = 0; r < 4; r++) {
+                    const __m512bh pp = pair_of(pk + (r0 + r) * PREFILL_KEYS, kp2);
+                    for (int j = 0; j < nc; j++)
+                        acc[r][j] = _mm512_dpbf16_ps(acc[r][j], pp, vv[j]);
+                }
+            }
+        }
+        for (int r = 0; r < 4; r++)
+            for (int j = 0; j < nc; j++)
+                _mm512_storeu_ps(pv + (r0 + r) * dim + (c0 + j) * 16, acc[r][j]);
+    }
+}
+
+static inline void prefill_values_vec(const bf16 *p, const bf16 *vp, int64_t vb0, int64_t kc,
+                                      int64_t dim, float *pv) {
+    const int64_t cols = dim / 16;
+    for (int64_t c0 = 0; c0 < cols; c0 += 4) {
+        if (cols - c0 >= 4) prefill_values_vec4(p, vp, vb0, kc, dim, c0, 4, pv);
+        else prefill_values_vec4(p, vp, vb0, kc, dim, c0, 2, pv); /* dim a multiple of 32 */
     }
 }
 
@@ -1736,6 +1819,15 @@ static void prefill_pack_kv(const bf16 *k, const bf16 *v, int64_t total, int64_t
 }
 #endif
 
+/* Whether prefill_attention_vec can run here (the build has AVX-512 BF16). */
+int prefill_attention_vec_usable(void) {
+#ifdef HAVE_DPBF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Whether prefill_attention_amx can run here (asking Linux for the tiles on the first call). */
 int prefill_attention_amx_usable(void) {
 #ifdef HAVE_AMX
@@ -1748,16 +1840,22 @@ int prefill_attention_amx_usable(void) {
 /* The attention described above. Strides in elements. Returns 1 when done, 0 when it cannot
  * run here (no AMX, or shapes outside its limits; nothing written), -1 when its scratch memory
  * could not be allocated. */
-#ifdef HAVE_AMX
-static int prefill_attention_amx_core(const bf16 *q, const bf16 *keys, const bf16 *values,
+#ifdef HAVE_DPBF16
+/* tiles: the products on AMX tiles (0 only in a build without them: AVX-512 BF16). */
+static int prefill_attention_core(int tiles, const bf16 *q, const bf16 *keys, const bf16 *values,
                                       bf16 *out, int64_t n, int64_t cached, int64_t heads,
                                       int64_t kv_heads, int64_t dim, int64_t q_tok_stride,
                                       int64_t q_head_stride, int64_t kv_head_stride, float scale,
                                       int threads, const int64_t *blocks, int64_t block_size) {
     const int64_t total = cached + n;
     if (n <= 0 || kv_heads <= 0 || heads % kv_heads || dim % 32 || dim > PREFILL_MAX_DIM ||
-        heads / kv_heads > PREFILL_MAX_GROUP || !amx_usable())
+        heads / kv_heads > PREFILL_MAX_GROUP)
         return 0;
+#ifdef HAVE_AMX
+    if (tiles && !amx_usable()) return 0;
+#else
+    if (tiles) return 0;
+#endif
     const int64_t group = heads / kv_heads, padded = (total + 31) / 32 * 32;
     const float c2 = scale * 1.44269504088896341f; /* scores to log2 units */
     const int64_t kblocks = padded / 16, qblocks = (n + 15) / 16;
@@ -1798,7 +1896,9 @@ static int prefill_attention_amx_core(const bf16 *q, const bf16 *keys, const bf1
         float *o = pv + 2 * 16 * dim;
         float *m = o + group * 16 * dim, *l = m + group * 16;
         bf16 *qb = (bf16 *)(l + group * 16);
-        amx_configure();
+#ifdef HAVE_AMX
+        if (tiles) amx_configure();
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < kv_heads * qblocks; item++) {
             const int64_t qblk = qblocks - 1 - item % qblocks, h = item / qblocks;
@@ -1831,21 +1931,44 @@ static int prefill_attention_amx_core(const bf16 *q, const bf16 *keys, const bf1
                 for (; g + 1 < group; g += 2) { /* heads in pairs: one K/V tile load for two */
                     float *sb = s + 16 * PREFILL_KEYS, *pvb = pv + 16 * dim;
                     bf16 *pb = p + 16 * PREFILL_KEYS;
-                    prefill_scores2(qb + g * 16 * dim, qb + (g + 1) * 16 * dim, kh, k0 / 16, kc,
-                                    dim, s, sb);
+#ifdef HAVE_AMX
+                    if (tiles)
+                        prefill_scores2(qb + g * 16 * dim, qb + (g + 1) * 16 * dim, kh, k0 / 16,
+                                        kc, dim, s, sb);
+                    else
+#endif
+                    {
+                        prefill_scores_vec(qb + g * 16 * dim, kh, k0 / 16, kc, dim, s);
+                        prefill_scores_vec(qb + (g + 1) * 16 * dim, kh, k0 / 16, kc, dim, sb);
+                    }
                     prefill_softmax_block(s, p, rows, first, kend, k0, kc, c2, m + g * 16,
                                           l + g * 16, alpha[0]);
                     prefill_softmax_block(sb, pb, rows, first, kend, k0, kc, c2,
                                           m + (g + 1) * 16, l + (g + 1) * 16, alpha[1]);
-                    prefill_values2(p, pb, vh, k0 / 32, kc, dim, pv, pvb);
+#ifdef HAVE_AMX
+                    if (tiles) prefill_values2(p, pb, vh, k0 / 32, kc, dim, pv, pvb);
+                    else
+#endif
+                    {
+                        prefill_values_vec(p, vh, k0 / 32, kc, dim, pv);
+                        prefill_values_vec(pb, vh, k0 / 32, kc, dim, pvb);
+                    }
                     prefill_rescale(o + g * 16 * dim, pv, alpha[0], dim);
                     prefill_rescale(o + (g + 1) * 16 * dim, pvb, alpha[1], dim);
                 }
                 if (g < group) { /* an odd group's last head alone */
-                    prefill_scores(qb + g * 16 * dim, kh, k0 / 16, kc, dim, s);
+#ifdef HAVE_AMX
+                    if (tiles) prefill_scores(qb + g * 16 * dim, kh, k0 / 16, kc, dim, s);
+                    else
+#endif
+                        prefill_scores_vec(qb + g * 16 * dim, kh, k0 / 16, kc, dim, s);
                     prefill_softmax_block(s, p, rows, first, kend, k0, kc, c2, m + g * 16,
                                           l + g * 16, alpha[0]);
-                    prefill_values(p, vh, k0 / 32, kc, dim, pv);
+#ifdef HAVE_AMX
+                    if (tiles) prefill_values(p, vh, k0 / 32, kc, dim, pv);
+                    else
+#endif
+                        prefill_values_vec(p, vh, k0 / 32, kc, dim, pv);
                     prefill_rescale(o + g * 16 * dim, pv, alpha[0], dim);
                 }
             }
@@ -1861,7 +1984,9 @@ static int prefill_attention_amx_core(const bf16 *q, const bf16 *keys, const bf1
                 }
             }
         }
-        _tile_release();
+#ifdef HAVE_AMX
+        if (tiles) _tile_release();
+#endif
     }
     free(kp);
     free(vp);
@@ -1875,9 +2000,9 @@ int prefill_attention_amx(const bf16 *q, const bf16 *keys, const bf16 *values, b
                           int64_t q_tok_stride, int64_t q_head_stride, int64_t kv_head_stride,
                           float scale, int threads) {
 #ifdef HAVE_AMX
-    return prefill_attention_amx_core(q, keys, values, out, n, cached, heads, kv_heads, dim,
-                                      q_tok_stride, q_head_stride, kv_head_stride, scale,
-                                      threads, NULL, 1);
+    return prefill_attention_core(1, q, keys, values, out, n, cached, heads, kv_heads, dim,
+                                  q_tok_stride, q_head_stride, kv_head_stride, scale, threads,
+                                  NULL, 1);
 #else
     (void)q, (void)keys, (void)values, (void)out, (void)n, (void)cached, (void)heads;
     (void)kv_heads, (void)dim, (void)q_tok_stride, (void)q_head_stride, (void)kv_head_stride;
@@ -1899,9 +2024,47 @@ int prefill_attention_amx_paged(const bf16 *q, const bf16 *cache, bf16 *out, int
 #ifdef HAVE_AMX
     if (block_size < 1) return 0;
     const int64_t plane = slots * dim;
-    return prefill_attention_amx_core(q, cache, cache + kv_heads * plane, out, n, cached, heads,
-                                      kv_heads, dim, q_tok_stride, q_head_stride, plane, scale,
-                                      threads, blocks, block_size);
+    return prefill_attention_core(1, q, cache, cache + kv_heads * plane, out, n, cached, heads,
+                                  kv_heads, dim, q_tok_stride, q_head_stride, plane, scale,
+                                  threads, blocks, block_size);
+#else
+    (void)q, (void)cache, (void)out, (void)n, (void)cached, (void)heads, (void)kv_heads;
+    (void)dim, (void)q_tok_stride, (void)q_head_stride, (void)slots, (void)blocks;
+    (void)block_size, (void)scale, (void)threads;
+    return 0;
+#endif
+}
+
+/* The same two entry points with the products in AVX-512 BF16 (no AMX tiles needed): 1 when
+ * done, 0 when the build lacks AVX-512 BF16 or the shape is outside the limits, -1 when its
+ * scratch memory could not be allocated. */
+int prefill_attention_vec(const bf16 *q, const bf16 *keys, const bf16 *values, bf16 *out,
+                          int64_t n, int64_t cached, int64_t heads, int64_t kv_heads, int64_t dim,
+                          int64_t q_tok_stride, int64_t q_head_stride, int64_t kv_head_stride,
+                          float scale, int threads) {
+#ifdef HAVE_DPBF16
+    return prefill_attention_core(0, q, keys, values, out, n, cached, heads, kv_heads, dim,
+                                  q_tok_stride, q_head_stride, kv_head_stride, scale, threads,
+                                  NULL, 1);
+#else
+    (void)q, (void)keys, (void)values, (void)out, (void)n, (void)cached, (void)heads;
+    (void)kv_heads, (void)dim, (void)q_tok_stride, (void)q_head_stride, (void)kv_head_stride;
+    (void)scale, (void)threads;
+    return 0;
+#endif
+}
+
+int prefill_attention_vec_paged(const bf16 *q, const bf16 *cache, bf16 *out, int64_t n,
+                                int64_t cached, int64_t heads, int64_t kv_heads, int64_t dim,
+                                int64_t q_tok_stride, int64_t q_head_stride, int64_t slots,
+                                const int64_t *blocks, int64_t block_size, float scale,
+                                int threads) {
+#ifdef HAVE_DPBF16
+    if (block_size < 1) return 0;
+    const int64_t plane = slots * dim;
+    return prefill_attention_core(0, q, cache, cache + kv_heads * plane, out, n, cached, heads,
+                                  kv_heads, dim, q_tok_stride, q_head_stride, plane, scale,
+                                  threads, blocks, block_size);
 #else
     (void)q, (void)cache, (void)out, (void)n, (void)cached, (void)heads, (void)kv_heads;
     (void)dim, (void)q_tok_stride, (void)q_head_stride, (void)slots, (void)blocks;
@@ -1953,12 +2116,6 @@ static inline void pairs_store(__m512 v, int64_t b, const bf16 *bias, bf16 *y, f
         _mm512_storeu_si512(yf + 16 * b, _mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
     else
         _mm256_storeu_si256((__m256i *)(y + 16 * b), rounded);
-}
-
-static inline __m512bh pair_of(const bf16 *x, int64_t k) {
-    uint32_t v;
-    memcpy(&v, x + 2 * k, sizeof v);
-    return (__m512bh)_mm512_set1_epi32((int)v);
 }
 
 static void pairs_one_row(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, float *yf,
