@@ -895,13 +895,16 @@ class CausalLM(nn.Module):
         # ... and the LM head in that call too (NativeOps.decode_logits, decode_logits);
         # False keeps it a call of its own after it (benches, tests).
         self.fuse_logits = True
-        # (every tensor pointed into, their pointers when built, the weights' version counters
-        # when built, what was built from them)
+        # (the tensors pointed into but the weight copies, their addresses when built, the
+        # weights with a pairs copy and their version counters when built, the copies, what
+        # was built from them)
         self._decode_layers: (
             tuple[
                 list[torch.Tensor],
                 list[int],
+                list[torch.Tensor],
                 list[int],
+                list[torch.Tensor],
                 tuple[ctypes.Array[DecodeLayer], DecodeStep, Linear],
             ]
             | None
@@ -1034,19 +1037,19 @@ class CausalLM(nn.Module):
     ) -> tuple[ctypes.Array[DecodeLayer], DecodeStep, Linear] | None:
         """Every layer's weight and cache pointers, and a step holding the model's own (final
         norm, rope tables, LM head, embedding; the batch fields are the caller's), built again
-        when any of them moves or a weight is written in place (new caches, a weight's ``.data``
-        replaced, ``load_state_dict``; apply_kernels drops them too): checked on the held
-        tensors' addresses and the weights' version counters each step, where walking the
-        modules for them took 0.4 ms. The first Linear comes with them (it names the matmul
-        paths). None when a tensor is not one the C kernels can read as given (the per-kernel
-        path then checks and says which)."""
+        when any of them moves or a copied weight is written in place (new caches, a weight's
+        ``.data`` replaced, ``load_state_dict``; apply_kernels drops them too): checked on the
+        held tensors' addresses and the copied weights' version counters each step, where
+        walking the modules for them took 0.4 ms. The first Linear comes with them (it names
+        the matmul paths). None when a tensor is not one the C kernels can read as given (the
+        per-kernel path then checks and says which)."""
         if self._decode_layers is not None:
-            held, ptrs, versions, built = self._decode_layers
+            held, ptrs, copied, versions, _, built = self._decode_layers
             caches = [cache.data_ptr() for cache in kv_caches]
             if (
                 ptrs[-len(caches) :] == caches
                 and [t.data_ptr() for t in held] == ptrs
-                and [version_of(t) for t in held[: len(versions)]] == versions
+                and [version_of(t) for t in copied] == versions
             ):
                 return built
         rows = []
@@ -1079,10 +1082,13 @@ class CausalLM(nn.Module):
             n for layer in self.layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)
         ]
         weights = [
-            *(t for row in rows for t in row[:9] + row[10:] if t is not None),  # not the cache
+            *(t for row in rows for t in row[:9] if t is not None),  # not the cache
             self.norm.weight,
             self.lm_head.weight,  # read by decode_logits, as the embedding
             self.embed_tokens.weight,
+        ]
+        copies = [
+            *(t for row in rows for t in row[10:] if t is not None),
             *([] if self.lm_head.current_pairs() is None else [self.lm_head.pairs]),
         ]
         dtype = self.embed_tokens.weight.dtype
@@ -1092,7 +1098,7 @@ class CausalLM(nn.Module):
             or len({None if n is None else n.eps for n in qk_norms}) > 1
             or any(
                 not t.is_contiguous() or t.device.type != "cpu" or t.dtype != dtype
-                for t in weights + kv_caches
+                for t in weights + copies + kv_caches
             )
             or self.embed_tokens.weight.shape != self.lm_head.weight.shape
         ):
@@ -1122,10 +1128,31 @@ class CausalLM(nn.Module):
         )
         held = [*weights, self.rope_cos, self.rope_sin, *kv_caches]
         built = (array, step, attn.qkv_proj)
-        # the weights' versions too: an in-place write (load_state_dict) leaves their storage
-        # where it was, and a pairs copy made before it would be read stale
-        versions = [version_of(t) for t in weights]
-        self._decode_layers = (held, [t.data_ptr() for t in held], versions, built)
+        # A pairs copy changes only with its weight (Linear.current_pairs) or under
+        # apply_kernels, which drops all this: its weight's address (in held) and version
+        # counter (an in-place write, as load_state_dict's, leaves the address) say when to
+        # build again. The copies are held, not checked: each tensor checked costs ~1 us a
+        # step, its lines cold after the step streamed the weights (measured: the check took
+        # ~0.2 ms a step over all 138 tensors and their 124 counters, 37 us warm).
+        linears = [self.lm_head] + [
+            m
+            for layer in self.layers
+            for m in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
+        ]
+        copied = [m.weight for m in linears if m.pairs is not None]
+        self._decode_layers = (
+            held,
+            [t.data_ptr() for t in held],
+            copied,
+            [version_of(t) for t in copied],
+            copies,
+            built,
+        )
         return built
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
