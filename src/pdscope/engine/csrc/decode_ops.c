@@ -1838,8 +1838,8 @@ int prefill_attention_amx_usable(void) {
 }
 
 /* The attention described above. Strides in elements. Returns 1 when done, 0 when it cannot
- * run here (no AMX, or shapes outside its limits; nothing written), -1 when its scratch memory
- * could not be allocated. */
+ * run here (tiles asked where AMX is not granted, or shapes outside its limits; nothing
+ * written), -1 when its scratch memory could not be allocated. */
 #ifdef HAVE_DPBF16
 /* tiles: the products on AMX tiles (0 only in a build without them: AVX-512 BF16). */
 static int prefill_attention_core(int tiles, const bf16 *q, const bf16 *keys, const bf16 *values,
@@ -1995,20 +1995,35 @@ static int prefill_attention_core(int tiles, const bf16 *q, const bf16 *keys, co
 }
 #endif
 
+/* The entry points below: the kernel with its products on AMX tiles (tiles) or in AVX-512
+ * BF16, over keys and values [kv_heads, *, dim] at kv_head_stride, read through `blocks` where
+ * set (see prefill_key_rows). 1 when done, 0 when it cannot run here (the build or CPU lacks
+ * the products asked for, or the shape is outside the limits; nothing written), -1 when its
+ * scratch memory could not be allocated. */
+static int prefill_entry(int tiles, const bf16 *q, const bf16 *keys, const bf16 *values,
+                         bf16 *out, int64_t n, int64_t cached, int64_t heads, int64_t kv_heads,
+                         int64_t dim, int64_t q_tok_stride, int64_t q_head_stride,
+                         int64_t kv_head_stride, float scale, int threads,
+                         const int64_t *blocks, int64_t block_size) {
+#ifdef HAVE_DPBF16
+    if (block_size < 1) return 0;
+    return prefill_attention_core(tiles, q, keys, values, out, n, cached, heads, kv_heads, dim,
+                                  q_tok_stride, q_head_stride, kv_head_stride, scale, threads,
+                                  blocks, block_size);
+#else
+    (void)tiles, (void)q, (void)keys, (void)values, (void)out, (void)n, (void)cached;
+    (void)heads, (void)kv_heads, (void)dim, (void)q_tok_stride, (void)q_head_stride;
+    (void)kv_head_stride, (void)scale, (void)threads, (void)blocks, (void)block_size;
+    return 0;
+#endif
+}
+
 int prefill_attention_amx(const bf16 *q, const bf16 *keys, const bf16 *values, bf16 *out,
                           int64_t n, int64_t cached, int64_t heads, int64_t kv_heads, int64_t dim,
                           int64_t q_tok_stride, int64_t q_head_stride, int64_t kv_head_stride,
                           float scale, int threads) {
-#ifdef HAVE_AMX
-    return prefill_attention_core(1, q, keys, values, out, n, cached, heads, kv_heads, dim,
-                                  q_tok_stride, q_head_stride, kv_head_stride, scale, threads,
-                                  NULL, 1);
-#else
-    (void)q, (void)keys, (void)values, (void)out, (void)n, (void)cached, (void)heads;
-    (void)kv_heads, (void)dim, (void)q_tok_stride, (void)q_head_stride, (void)kv_head_stride;
-    (void)scale, (void)threads;
-    return 0;
-#endif
+    return prefill_entry(1, q, keys, values, out, n, cached, heads, kv_heads, dim, q_tok_stride,
+                         q_head_stride, kv_head_stride, scale, threads, NULL, 1);
 }
 
 /* The same attention with keys and values read where they lie in a layer's paged cache
@@ -2021,37 +2036,18 @@ int prefill_attention_amx_paged(const bf16 *q, const bf16 *cache, bf16 *out, int
                                 int64_t q_tok_stride, int64_t q_head_stride, int64_t slots,
                                 const int64_t *blocks, int64_t block_size, float scale,
                                 int threads) {
-#ifdef HAVE_AMX
-    if (block_size < 1) return 0;
-    const int64_t plane = slots * dim;
-    return prefill_attention_core(1, q, cache, cache + kv_heads * plane, out, n, cached, heads,
-                                  kv_heads, dim, q_tok_stride, q_head_stride, plane, scale,
-                                  threads, blocks, block_size);
-#else
-    (void)q, (void)cache, (void)out, (void)n, (void)cached, (void)heads, (void)kv_heads;
-    (void)dim, (void)q_tok_stride, (void)q_head_stride, (void)slots, (void)blocks;
-    (void)block_size, (void)scale, (void)threads;
-    return 0;
-#endif
+    return prefill_entry(1, q, cache, cache + kv_heads * slots * dim, out, n, cached, heads,
+                         kv_heads, dim, q_tok_stride, q_head_stride, slots * dim, scale, threads,
+                         blocks, block_size);
 }
 
-/* The same two entry points with the products in AVX-512 BF16 (no AMX tiles needed): 1 when
- * done, 0 when the build lacks AVX-512 BF16 or the shape is outside the limits, -1 when its
- * scratch memory could not be allocated. */
+/* The same two with the products in AVX-512 BF16 (no AMX tiles needed). */
 int prefill_attention_vec(const bf16 *q, const bf16 *keys, const bf16 *values, bf16 *out,
                           int64_t n, int64_t cached, int64_t heads, int64_t kv_heads, int64_t dim,
                           int64_t q_tok_stride, int64_t q_head_stride, int64_t kv_head_stride,
                           float scale, int threads) {
-#ifdef HAVE_DPBF16
-    return prefill_attention_core(0, q, keys, values, out, n, cached, heads, kv_heads, dim,
-                                  q_tok_stride, q_head_stride, kv_head_stride, scale, threads,
-                                  NULL, 1);
-#else
-    (void)q, (void)keys, (void)values, (void)out, (void)n, (void)cached, (void)heads;
-    (void)kv_heads, (void)dim, (void)q_tok_stride, (void)q_head_stride, (void)kv_head_stride;
-    (void)scale, (void)threads;
-    return 0;
-#endif
+    return prefill_entry(0, q, keys, values, out, n, cached, heads, kv_heads, dim, q_tok_stride,
+                         q_head_stride, kv_head_stride, scale, threads, NULL, 1);
 }
 
 int prefill_attention_vec_paged(const bf16 *q, const bf16 *cache, bf16 *out, int64_t n,
@@ -2059,18 +2055,9 @@ int prefill_attention_vec_paged(const bf16 *q, const bf16 *cache, bf16 *out, int
                                 int64_t q_tok_stride, int64_t q_head_stride, int64_t slots,
                                 const int64_t *blocks, int64_t block_size, float scale,
                                 int threads) {
-#ifdef HAVE_DPBF16
-    if (block_size < 1) return 0;
-    const int64_t plane = slots * dim;
-    return prefill_attention_core(0, q, cache, cache + kv_heads * plane, out, n, cached, heads,
-                                  kv_heads, dim, q_tok_stride, q_head_stride, plane, scale,
-                                  threads, blocks, block_size);
-#else
-    (void)q, (void)cache, (void)out, (void)n, (void)cached, (void)heads, (void)kv_heads;
-    (void)dim, (void)q_tok_stride, (void)q_head_stride, (void)slots, (void)blocks;
-    (void)block_size, (void)scale, (void)threads;
-    return 0;
-#endif
+    return prefill_entry(0, q, cache, cache + kv_heads * slots * dim, out, n, cached, heads,
+                         kv_heads, dim, q_tok_stride, q_head_stride, slots * dim, scale, threads,
+                         blocks, block_size);
 }
 
 /* ---- One row through a pair-interleaved copy of the weight (linear=pairs). With two cores,
