@@ -518,7 +518,10 @@ static int attend_bf16_d64(int64_t group, const bf16 *qb, const void *kv, int64_
     case 1: ATTEND_G(1); return 1;
     case 2: ATTEND_G(2); return 1;
     case 3: ATTEND_G(3); return 1;
-    case 4: attend_bf16_d64_g4(qb, kv, kv_heads, slots, head, table, block_size, lo, hi, m, l, acc, scale); return 1;
+    case 4: /* the four heads side by side (attend_bf16_d64_g4), not a loop over them */
+        attend_bf16_d64_g4(qb, kv, kv_heads, slots, head, table, block_size, lo, hi, m, l, acc,
+                           scale);
+        return 1;
     default: return 0;
     }
 #undef ATTEND_G
@@ -1272,7 +1275,7 @@ static int attend_amx_d64(int64_t group, const bf16 *qb, const void *kv, int64_t
     case 1: ATTEND_G(1); return 1;
     case 2: ATTEND_G(2); return 1;
     case 3: ATTEND_G(3); return 1;
-    case 4: attend_bf16_d64_g4(qb, kv, kv_heads, slots, head, table, block_size, lo, hi, m, l, acc, scale); return 1;
+    case 4: ATTEND_G(4); return 1;
     default: return 0;
     }
 #undef ATTEND_G
@@ -1841,7 +1844,7 @@ int prefill_attention_amx_usable(void) {
  * run here (tiles asked where AMX is not granted, or shapes outside its limits; nothing
  * written), -1 when its scratch memory could not be allocated. */
 #ifdef HAVE_DPBF16
-/* tiles: the products on AMX tiles (0 only in a build without them: AVX-512 BF16). */
+/* tiles: the products on AMX tiles (1) or in AVX-512 BF16 (0). */
 static int prefill_attention_core(int tiles, const bf16 *q, const bf16 *keys, const bf16 *values,
                                       bf16 *out, int64_t n, int64_t cached, int64_t heads,
                                       int64_t kv_heads, int64_t dim, int64_t q_tok_stride,
