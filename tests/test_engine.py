@@ -592,18 +592,19 @@ def test_pairs_copies_follow_a_replaced_weight_and_are_dropped_with_the_path(
     assert all(m.pairs is None for m in linears)
 
 
-def test_weights_loaded_in_place_reach_every_copy(tmp_path: Path) -> None:
-    """``load_state_dict`` writes the weights in place, their storage where it was: the packed,
-    transposed and pairs copies made from the old weights, and the one-call step's pointers,
-    are made anew before anything reads them. After the load the engine generates what an
-    engine whose copies were made from the new weights generates (its copies dropped, the
-    weights loaded, the copies made again), and not what it generated before, once its prefix
-    cache is reset (its KV came from the old weights). Steps that write no weight remake
-    nothing."""
+@pytest.mark.parametrize("assign", [False, True], ids=["in-place", "assign"])
+def test_weights_loaded_in_place_reach_every_copy(tmp_path: Path, assign: bool) -> None:
+    """``load_state_dict`` writes the weights in place, their storage where it was (or, with
+    ``assign=True``, puts new Parameters in the modules): the packed, transposed and pairs
+    copies made from the old weights, and the one-call step's pointers, are made anew before
+    anything reads them. After the load the engine generates what an engine whose copies were
+    made from the new weights generates (its copies dropped, the weights loaded, the copies
+    made again), and not what it generated before, once its prefix cache is reset (its KV
+    came from the old weights). Steps that write no weight remake nothing."""
     from pdscope.engine.model import Linear, apply_kernels
 
     # one row: pairs in the one-call step; 8 rows: packed; a 600-token prefill: transposed
-    kernels = "linear=pairs,prefill_linear=transposed,decode_ops=c"
+    kernels = "linear=pairs,batch_linear=packed,prefill_linear=transposed,decode_ops=c"
     _pairs_or_skip(kernels)
     path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
     a, b = (
@@ -634,7 +635,7 @@ def test_weights_loaded_in_place_reach_every_copy(tmp_path: Path) -> None:
         else v.clone()
         for k, v in ma.state_dict().items()
     }
-    ma.load_state_dict(new)
+    ma.load_state_dict(new, assign=assign)
     assert a.reset_prefix_cache()  # its cached KV was computed with the old weights
     apply_kernels(mb, replace(b.engine.kernels, linear="plain", prefill_linear="onednn"), mb.native)
     assert all(
@@ -688,6 +689,30 @@ def test_pairs_step_reads_each_weight_as_the_per_kernel_path_does(tmp_path: Path
     assert not all(
         torch.equal(a, b) for a, b in zip(runner.captured, captured["one call"], strict=True)
     )
+
+
+def test_kv_caches_are_zeroed_on_huge_pages_where_linux_offers_them(tmp_path: Path) -> None:
+    """The runner's KV caches: zeroed, the model's shape and dtype, each on huge-page-aligned
+    memory of its own where Linux offers transparent huge pages and a cache fills one (else
+    torch's), and generation writes and reads them."""
+    from pdscope.engine.model import huge_pages_offered
+    from pdscope.engine.runner import kv_cache
+
+    small = kv_cache((2, 2, 16, 8), torch.bfloat16, torch.device("cpu"))  # under a huge page
+    assert small.shape == (2, 2, 16, 8) and not small.any()
+    path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
+    llm = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="64MiB")
+    caches = llm.engine.runner.kv_caches
+    c = llm.engine.runner.model.config
+    assert all(
+        t.shape == (2, c.num_kv_heads, t.shape[2], c.head_dim) and t.dtype == torch.bfloat16
+        for t in caches
+    )
+    assert not any(t.any() for t in caches)
+    if huge_pages_offered() and caches[0].numel() * 2 >= 1 << 21:
+        assert all(t.data_ptr() % (1 << 21) == 0 for t in caches)
+    assert len(llm.generate([5, 6, 7], GREEDY)[0].token_ids) == 12
+    assert all(t.any() for t in caches)  # generation wrote K/V into every layer's
 
 
 def test_streamed_weights_move_to_huge_pages_and_stay_tied(tmp_path: Path) -> None:

@@ -238,9 +238,29 @@ _packed_linear = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "
 
 
 def version_of(t: torch.Tensor) -> int:
-    """The tensor's version counter, which each in-place write bumps; -1 for an inference
-    tensor (made under ``torch.inference_mode``, as the engine's copies are), which keeps none."""
-    return -1 if t.is_inference() else t._version
+    """The tensor's version counter, which each in-place write bumps; -1 for a tensor that keeps
+    none (an inference tensor, made under ``torch.inference_mode`` as the engine's copies are;
+    a parameter whose ``.data`` was set to one keeps its own and reads as usual)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
+# Bumped whenever any module in this process registers a parameter or buffer: a new
+# nn.Parameter assigned to a module, load_state_dict(assign=True), register_buffer. The
+# one-call decode step's per-step check reads this one count where re-reading every module's
+# weight each step would cost ~1 us a weight (its lines cold after the step).
+_registrations = 0
+
+
+def _count_registration(module: nn.Module, name: str, value: object) -> None:
+    global _registrations
+    _registrations += 1
+
+
+nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+nn.modules.module.register_module_buffer_registration_hook(_count_registration)
 
 
 class Linear(nn.Linear):
@@ -275,6 +295,13 @@ class Linear(nn.Linear):
     weight_t_source: tuple[int, int] = (0, -1)
     pairs_source: tuple[int, int] = (0, -1)
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The weight storage each copy was made from, held while the copy stands: freed, its
+        # address could go to a later weight whose counter reads the same, which would then
+        # pass for the weight the copy was made from.
+        self.copied_from: dict[str, torch.UntypedStorage] = {}
+
     def weight_key(self) -> tuple[int, int]:
         """The weight's storage address and version counter. Replacing ``.data`` changes the
         first; an in-place write through the parameter (``load_state_dict``, ``copy_`` under
@@ -287,16 +314,19 @@ class Linear(nn.Linear):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), rows)
         self.packed_rows = rows
         self.packed_source = self.weight_key()
+        self.copied_from["packed"] = self.weight.untyped_storage()
 
     def make_weight_t(self) -> None:
         """Hold the weight transposed, [in, out] contiguous (prefill_linear=transposed, rows)."""
         self.weight_t = self.weight.detach().t().contiguous()
         self.weight_t_source = self.weight_key()
+        self.copied_from["weight_t"] = self.weight.untyped_storage()
 
     def make_pairs(self, native: NativeOps) -> None:
         """Hold the weight's pack_pairs copy (:func:`pairs_copy`), for linear=pairs."""
         self.pairs = pairs_copy(self.weight, native)
         self.pairs_source = self.weight_key()
+        self.copied_from["pairs"] = self.weight.untyped_storage()
 
     def current_pairs(self) -> torch.Tensor | None:
         """Under linear=pairs, the pairs copy, made anew first if the weight changed since (a
@@ -315,12 +345,19 @@ class Linear(nn.Linear):
                 self.pack(self.packed_rows)
             else:
                 self.packed, self.packed_rows = None, 0
+                self.copied_from.pop("packed", None)
         return self.packed
 
     def current_weight_t(self) -> torch.Tensor | None:
-        """The transposed weight, made anew first if the weight changed since."""
+        """The transposed weight, made anew first if the weight changed since; dropped (None)
+        when the weight changed to a dtype the path does not take (bf16 only, as
+        apply_kernels offers it)."""
         if self.weight_t is not None and self.weight_t_source != self.weight_key():
-            self.make_weight_t()
+            if self.weight.dtype == torch.bfloat16:
+                self.make_weight_t()
+            else:
+                self.weight_t = None
+                self.copied_from.pop("weight_t", None)
         return self.weight_t
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -338,11 +375,11 @@ class Linear(nn.Linear):
         ):
             return self.native_many.linear_many(x.contiguous(), self.weight, self.bias)
         if self.weight_t is not None and x.dim() == 2 and x.shape[0] >= ROWS_SPLIT_MIN_ROWS:
-            weight_t = self.current_weight_t()
-            assert weight_t is not None
-            if self.team is not None:
+            weight_t = self.current_weight_t()  # None: a weight the path does not take
+            if weight_t is not None and self.team is not None:
                 return linear_by_rows(x, weight_t, self.bias, self.team)
-            return linear_transposed(x, weight_t, self.bias)
+            if weight_t is not None:
+                return linear_transposed(x, weight_t, self.bias)
         packed = self.current_packed()
         if packed is not None:
             return _packed_linear(x, packed, self.bias, "none", [], "")
@@ -895,16 +932,17 @@ class CausalLM(nn.Module):
         # ... and the LM head in that call too (NativeOps.decode_logits, decode_logits);
         # False keeps it a call of its own after it (benches, tests).
         self.fuse_logits = True
-        # (the tensors pointed into but the weight copies, their addresses when built, the
-        # weights with a pairs copy and their version counters when built, the copies, what
-        # was built from them)
+        # (the registration count when built, the tensors pointed into but the weight copies,
+        # their addresses when built, the weights with a pairs copy and their version counters
+        # when built, what is held only to stay alive, what was built from them)
         self._decode_layers: (
             tuple[
+                int,
                 list[torch.Tensor],
                 list[int],
                 list[torch.Tensor],
                 list[int],
-                list[torch.Tensor],
+                list[object],
                 tuple[ctypes.Array[DecodeLayer], DecodeStep, Linear],
             ]
             | None
@@ -1044,10 +1082,11 @@ class CausalLM(nn.Module):
         the matmul paths). None when a tensor is not one the C kernels can read as given (the
         per-kernel path then checks and says which)."""
         if self._decode_layers is not None:
-            held, ptrs, copied, versions, _, built = self._decode_layers
+            registrations, held, ptrs, copied, versions, _, built = self._decode_layers
             caches = [cache.data_ptr() for cache in kv_caches]
             if (
-                ptrs[-len(caches) :] == caches
+                registrations == _registrations
+                and ptrs[-len(caches) :] == caches
                 and [t.data_ptr() for t in held] == ptrs
                 and [version_of(t) for t in copied] == versions
             ):
@@ -1146,11 +1185,14 @@ class CausalLM(nn.Module):
         ]
         copied = [m.weight for m in linears if m.pairs is not None]
         self._decode_layers = (
+            _registrations,  # a weight's Parameter replaced: held no longer holds the weight
             held,
             [t.data_ptr() for t in held],
             copied,
             [version_of(t) for t in copied],
-            copies,
+            # the copies, and the storages pointed into (held as Linear.copied_from holds
+            # them, so that no later tensor takes a checked address)
+            copies + [t.untyped_storage() for t in held],
             built,
         )
         return built
@@ -1208,12 +1250,14 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
                     module.huge_pages = True
             if choice.linear != "plain" and module.weight.dtype == torch.bfloat16:
                 rows = PACKED_ROWS_WITH_C if one_row_c else 1
-                if module.packed_rows != rows and can_pack(
+                stale = module.packed_source != module.weight_key()  # e.g. moved just above
+                if (module.packed_rows != rows or stale) and can_pack(
                     module.weight.dtype, module.weight.device
                 ):
                     module.pack(rows)
             else:
                 module.packed, module.packed_rows = None, 0  # frees the packed copy too
+                module.copied_from.pop("packed", None)
             # not the LM head: a prefill runs it on its last row only
             transposed = (
                 choice.prefill_linear in ("transposed", "rows")
@@ -1223,10 +1267,12 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             module.team = native if transposed and choice.prefill_linear == "rows" else None
             if not transposed:
                 module.weight_t = None
-            elif module.weight_t is None:
+                module.copied_from.pop("weight_t", None)
+            elif module.weight_t is None or module.weight_t_source != module.weight_key():
                 module.make_weight_t()
             if choice.linear != "pairs":
                 module.pairs = None
+                module.copied_from.pop("pairs", None)
             elif module.pairs is None:
                 assert native is not None  # checked above
                 module.make_pairs(native)
