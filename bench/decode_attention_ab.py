@@ -10,6 +10,10 @@ at ``--threads 1``), medians.
 
     .venv/bin/python bench/decode_attention_ab.py --contexts 64 1000 4000 --threads 1
 
+``--huge-cache`` adds ``c_huge``: the engine's build over the same caches copied onto
+transparent huge pages (as the engine's runner allocates them where Linux offers them; the
+others' caches are on torch's ordinary pages), and prints c_huge / c.
+
 ``--ab-source FILE`` adds ``ab``: the engine's build compiled from FILE (e.g. an earlier
 commit's ``decode_ops.c``, from ``git show REV:src/pdscope/engine/csrc/decode_ops.c``), so a
 change to the attention runs before and after, interleaved, and prints ab / c (the time the
@@ -27,6 +31,7 @@ from decode_ops_ab import generic_attention_ops
 from engine_bench import build_ops, interleaved_times, machine_line
 from pdscope.checkpoint.make_model import default_cache_dir
 from pdscope.engine import native
+from pdscope.engine.runner import kv_cache
 
 
 def main() -> None:
@@ -35,6 +40,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     parser.add_argument("--ab-source", help="decode_ops.c to build as the `ab` candidate")
+    parser.add_argument(
+        "--huge-cache", action="store_true", help="also the engine's build over huge pages"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -64,11 +72,23 @@ def main() -> None:
         nbytes = layers * 2 * kv_heads * context * dim * 2
         same_bytes = torch.ones(nbytes // 4)
 
-        def step(o: native.NativeOps, caches=caches, q=q, tables=tables, bounds=bounds) -> None:
-            for c in caches:
+        def step(
+            o: native.NativeOps,
+            over: list[torch.Tensor] | None = None,
+            caches=caches,
+            q=q,
+            tables=tables,
+            bounds=bounds,
+        ) -> None:
+            for c in caches if over is None else over:
                 o.decode_attention(q, c, tables, bounds, block, 0.125)
 
         paths = {name: (lambda o=o: step(o)) for name, o in ops.items()}
+        if args.huge_cache:
+            huge = [kv_cache(c.shape, c.dtype, c.device).copy_(c) for c in caches]
+            # a cache under one huge page, or no huge pages offered: ordinary pages, left out
+            if all(c.data_ptr() % (2 << 20) == 0 for c in huge):
+                paths["c_huge"] = lambda huge=huge: step(engine_ops, huge)
         paths["read"] = lambda same_bytes=same_bytes: same_bytes.sum()
         wall, cpu = interleaved_times(paths, args.rounds)
         cells = []
@@ -79,16 +99,19 @@ def main() -> None:
             statistics.median(a / c for a, c in zip(wall[name], wall["c"], strict=True))
             for name in ("generic", "avx512")
         ]
-        if "ab" in ops:  # the time ab takes over c's: above 1, this build is faster
-            ratios.append(
-                statistics.median(a / c for a, c in zip(wall["ab"], wall["c"], strict=True))
-            )
+        # the time ab (c_huge) takes over c's: above 1, c is faster
+        extra = [name for name in ("ab", "c_huge") if name in paths]
         print(
             f"context {context:5}: "
             + "  ".join(cells)
             + f"  generic / c {ratios[0]:.2f}  avx512 / c {ratios[1]:.2f}"
-            + (f"  ab / c {ratios[2]:.2f}" if "ab" in ops else "")
+            + "".join(f"  {name} / c {_over(wall[name], wall['c']):.2f}" for name in extra)
         )
+
+
+def _over(a: list[float], b: list[float]) -> float:
+    """The median within rounds of a's time over b's."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ this build (``source`` / ``this``), every path forced by ``--others`` for both:
 
 ``--plain-pages`` compares the engine with the weights its C kernels stream copied back onto
 ordinary 4 KiB pages (``plain``) with the engine as it loads them, on transparent huge pages
-where Linux offers them (``huge``), every path forced by ``--others`` for both.
+where Linux offers them (``huge``), every path forced by ``--others`` for both;
+``--plain-cache`` the same for the KV cache (the runner's, on huge pages where offered).
 
 ``--cpu-time`` times the steps by the process's CPU time instead of wall time: at
 ``--threads 1`` that is the step's own work, which other processes on a busy host inflate far
@@ -52,7 +53,7 @@ from engine_bench import build_ops, bytes_per_decode_token, machine_line
 from pdscope import LLM, SamplingParams
 from pdscope.checkpoint.make_model import resolve_model_path
 from pdscope.engine import native
-from pdscope.engine.model import apply_kernels
+from pdscope.engine.model import apply_kernels, huge_pages_offered
 
 
 def generic_attention_ops(level: int = 0) -> native.NativeOps:
@@ -97,6 +98,11 @@ def main() -> None:
         help="compare streamed weights on ordinary pages (plain) with huge pages (huge)",
     )
     parser.add_argument(
+        "--plain-cache",
+        action="store_true",
+        help="compare the KV cache on ordinary pages (plain) with huge pages (huge)",
+    )
+    parser.add_argument(
         "--cpu-time",
         action="store_true",
         help="time each step by this process's CPU time (with --threads 1: the step's own work, "
@@ -110,7 +116,7 @@ def main() -> None:
         args.path, args.candidates = "calls", ["per-kernel", "one-call"]
     if args.ab_source:
         args.path, args.candidates = "build", ["source", "this"]
-    if args.plain_pages:
+    if args.plain_pages or args.plain_cache:
         args.path, args.candidates = "pages", ["plain", "huge"]
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -126,7 +132,7 @@ def main() -> None:
             kernels=f"{args.others},decode_ops=c"
             if args.one_call
             else args.others
-            if args.ab_source or args.plain_pages
+            if args.ab_source or args.plain_pages or args.plain_cache
             else f"{args.others},{args.path}={'c' if level is not None else cand}",
         )
         for cand in args.candidates
@@ -149,6 +155,12 @@ def main() -> None:
                 moved += 1
         if not moved:
             raise SystemExit("--plain-pages: no weight is on huge pages here")
+    if args.plain_cache:
+        runner = engines["plain"].engine.runner
+        if not huge_pages_offered():
+            raise SystemExit("--plain-cache: Linux offers no huge pages here")
+        # torch's allocator: ordinary pages (the model sees the new caches' addresses)
+        runner.kv_caches = [c.clone() for c in runner.kv_caches]
     cpu_s: dict[int, float] = {}  # id of a step record -> its CPU seconds
     if args.cpu_time:
         for llm in engines.values():

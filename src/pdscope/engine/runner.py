@@ -15,6 +15,7 @@ from pdscope.engine.model import (
     CausalLM,
     block_rows,
     can_decode_in_place,
+    empty_on_huge_pages,
     slot_runs,
 )
 from pdscope.engine.request import Request
@@ -32,6 +33,26 @@ if TYPE_CHECKING:
 NATIVE_SDPA_FROM_KEYS = 16384
 
 
+def kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One layer's KV cache, zeroed; on a CPU on transparent huge pages where Linux offers them
+    (empty_on_huge_pages). The decode attention walks each KV head's K and V planes: on 4 KiB
+    pages a plane crosses a page every 32 keys (head size 64, bf16). On the AMD EPYC at 4,000
+    keys, 12 layers' decode attention over caches on huge pages took 0.85-0.86x the time over
+    the same caches on ordinary pages, at 1 and 2 threads (bench/decode_attention_ab.py
+    --huge-cache); in the whole engine the host's noise hid it (bench/decode_ops_ab.py
+    --plain-cache, batch 1 at 4,000 keys: huge over plain 0.99x in tokens/s, 0.86-1.04).
+    Zeroed here, as torch.zeros would, so the memory is committed at start rather than when
+    the cache fills."""
+    if device.type == "cpu":
+        numel = 1
+        for n in shape:
+            numel *= n
+        huge = empty_on_huge_pages(numel, dtype)
+        if huge is not None:
+            return huge.view(shape).zero_()
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device):
         c = model.config
@@ -41,17 +62,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.dtype = model.embed_tokens.weight.dtype
         # One tensor per layer: [K/V, kv_heads, slots, head_dim], slot = block * block_size + i.
-        self.kv_caches = [
-            torch.zeros(
-                2,
-                c.num_kv_heads,
-                num_blocks * block_size,
-                c.head_dim,
-                dtype=self.dtype,
-                device=device,
-            )
-            for _ in range(c.num_layers)
-        ]
+        shape = (2, c.num_kv_heads, num_blocks * block_size, c.head_dim)
+        self.kv_caches = [kv_cache(shape, self.dtype, device) for _ in range(c.num_layers)]
         self.generators: dict[str, torch.Generator] = {}
         # threads=bound (engine/kernels.py): the C kernels, the CPUs that pin the OpenMP team
         # of the thread running a step for the step's duration, and the CPUs it is freed to
