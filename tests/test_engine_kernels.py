@@ -516,6 +516,12 @@ def _check_decode_attention(
     bounds = [(0, 18), (0, 1), (5, 15), (0, 1197)]
     width = max(len(t) for t in tables)
     table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    # every slot no sequence attends holds NaN: a read outside [lo, hi), or past an odd
+    # tile's last key, shows in the output
+    seen = torch.zeros(blocks * block, dtype=torch.bool)
+    for table, (lo, hi) in zip(tables, bounds, strict=True):
+        seen[[table[p // block] * block + p % block for p in range(lo, hi)]] = True
+    cache[:, :, ~seen] = float("nan")
     q = torch.randn(4, heads, head_dim, generator=gen).to(dtype)
     scale = head_dim**-0.5
     out = c_ops.decode_attention(q, cache, table_t, torch.tensor(bounds), block, scale)
