@@ -31,6 +31,7 @@ from decode_ops_ab import generic_attention_ops
 from engine_bench import build_ops, interleaved_times, machine_line
 from pdscope.checkpoint.make_model import default_cache_dir
 from pdscope.engine import native
+from pdscope.engine.model import huge_pages_setting
 from pdscope.engine.runner import kv_cache
 
 
@@ -85,6 +86,8 @@ def main() -> None:
 
         paths = {name: (lambda o=o: step(o)) for name, o in ops.items()}
         if args.huge_cache:
+            if huge_pages_setting() != "madvise":  # under always, the others' are huge too
+                raise SystemExit("--huge-cache: needs transparent huge pages set to madvise")
             huge = [kv_cache(c.shape, c.dtype, c.device).copy_(c) for c in caches]
             # a cache under one huge page, or no huge pages offered: ordinary pages, left out
             if all(c.data_ptr() % (2 << 20) == 0 for c in huge):

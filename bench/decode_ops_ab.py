@@ -53,7 +53,7 @@ from engine_bench import build_ops, bytes_per_decode_token, machine_line
 from pdscope import LLM, SamplingParams
 from pdscope.checkpoint.make_model import resolve_model_path
 from pdscope.engine import native
-from pdscope.engine.model import apply_kernels, huge_pages_offered
+from pdscope.engine.model import apply_kernels, huge_pages_setting
 
 
 def generic_attention_ops(level: int = 0) -> native.NativeOps:
@@ -153,12 +153,12 @@ def main() -> None:
             if getattr(m, "huge_pages", False):
                 m.weight.data = m.weight.data.clone()  # torch's allocator: ordinary pages
                 moved += 1
-        if not moved:
-            raise SystemExit("--plain-pages: no weight is on huge pages here")
+        if not moved or huge_pages_setting() != "madvise":
+            raise SystemExit("--plain-pages: no weight on huge pages, or huge pages not madvise")
     if args.plain_cache:
         runner = engines["plain"].engine.runner
-        if not huge_pages_offered():
-            raise SystemExit("--plain-cache: Linux offers no huge pages here")
+        if huge_pages_setting() != "madvise":  # under always, torch's clones are huge too
+            raise SystemExit("--plain-cache: needs transparent huge pages set to madvise")
         # torch's allocator: ordinary pages (the model sees the new caches' addresses)
         runner.kv_caches = [c.clone() for c in runner.kv_caches]
     cpu_s: dict[int, float] = {}  # id of a step record -> its CPU seconds

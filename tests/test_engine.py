@@ -691,6 +691,22 @@ def test_pairs_step_reads_each_weight_as_the_per_kernel_path_does(tmp_path: Path
     )
 
 
+def test_huge_pages_setting_reads_the_bracketed_choice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pdscope.engine.model as model_module
+
+    setting = tmp_path / "enabled"
+    monkeypatch.setattr(model_module, "_THP_SETTING", str(setting))
+    assert model_module.huge_pages_setting() is None  # absent
+    cases = (("always [madvise] never\n", "madvise"), ("[always] madvise never", "always"))
+    for text, word in cases:
+        setting.write_text(text)
+        assert model_module.huge_pages_setting() == word
+    setting.write_text("always madvise [never]")
+    assert model_module.huge_pages_setting() == "never" and not model_module.huge_pages_offered()
+
+
 def test_kv_caches_are_zeroed_on_huge_pages_where_linux_offers_them(tmp_path: Path) -> None:
     """The runner's KV caches: zeroed, the model's shape and dtype, each on huge-page-aligned
     memory of its own where Linux offers transparent huge pages and a cache fills one (else

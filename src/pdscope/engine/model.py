@@ -14,6 +14,7 @@ import ctypes
 import math
 import mmap
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -247,8 +248,10 @@ def version_of(t: torch.Tensor) -> int:
         return -1
 
 
-# Bumped whenever any module in this process registers a parameter or buffer: a new
-# nn.Parameter assigned to a module, load_state_dict(assign=True), register_buffer. The
+# Bumped whenever any module in this process registers a parameter or buffer through
+# setattr or register_*: a new nn.Parameter assigned to a module, load_state_dict(assign=True),
+# register_buffer. (Module._apply writing _parameters directly, under
+# torch.__future__.set_overwrite_module_params_on_conversion(True), goes around it.) The
 # one-call decode step's per-step check reads this one count where re-reading every module's
 # weight each step would cost ~1 us a weight (its lines cold after the step).
 _registrations = 0
@@ -261,6 +264,11 @@ def _count_registration(module: nn.Module, name: str, value: object) -> None:
 
 nn.modules.module.register_module_parameter_registration_hook(_count_registration)
 nn.modules.module.register_module_buffer_registration_hook(_count_registration)
+
+# Linear.hold_source's storages, by module: while a module lives and its copies stand.
+_COPIED_FROM: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.UntypedStorage]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class Linear(nn.Linear):
@@ -295,12 +303,17 @@ class Linear(nn.Linear):
     weight_t_source: tuple[int, int] = (0, -1)
     pairs_source: tuple[int, int] = (0, -1)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # The weight storage each copy was made from, held while the copy stands: freed, its
-        # address could go to a later weight whose counter reads the same, which would then
-        # pass for the weight the copy was made from.
-        self.copied_from: dict[str, torch.UntypedStorage] = {}
+    def hold_source(self, copy: str, made: bool = True) -> None:
+        """Hold the weight storage ``copy`` (packed, weight_t, pairs) was made from while the
+        copy stands (``made``), or let it go: freed, its address could go to a later weight
+        whose counter reads the same, which would then pass for the weight the copy was made
+        from. Held outside the module (_COPIED_FROM), so saving or copying a module carries
+        no storage of its own."""
+        held = _COPIED_FROM.setdefault(self, {})
+        if made:
+            held[copy] = self.weight.untyped_storage()
+        else:
+            held.pop(copy, None)
 
     def weight_key(self) -> tuple[int, int]:
         """The weight's storage address and version counter. Replacing ``.data`` changes the
@@ -314,19 +327,19 @@ class Linear(nn.Linear):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), rows)
         self.packed_rows = rows
         self.packed_source = self.weight_key()
-        self.copied_from["packed"] = self.weight.untyped_storage()
+        self.hold_source("packed")
 
     def make_weight_t(self) -> None:
         """Hold the weight transposed, [in, out] contiguous (prefill_linear=transposed, rows)."""
         self.weight_t = self.weight.detach().t().contiguous()
         self.weight_t_source = self.weight_key()
-        self.copied_from["weight_t"] = self.weight.untyped_storage()
+        self.hold_source("weight_t")
 
     def make_pairs(self, native: NativeOps) -> None:
         """Hold the weight's pack_pairs copy (:func:`pairs_copy`), for linear=pairs."""
         self.pairs = pairs_copy(self.weight, native)
         self.pairs_source = self.weight_key()
-        self.copied_from["pairs"] = self.weight.untyped_storage()
+        self.hold_source("pairs", self.pairs is not None)
 
     def current_pairs(self) -> torch.Tensor | None:
         """Under linear=pairs, the pairs copy, made anew first if the weight changed since (a
@@ -345,7 +358,7 @@ class Linear(nn.Linear):
                 self.pack(self.packed_rows)
             else:
                 self.packed, self.packed_rows = None, 0
-                self.copied_from.pop("packed", None)
+                self.hold_source("packed", made=False)
         return self.packed
 
     def current_weight_t(self) -> torch.Tensor | None:
@@ -357,7 +370,7 @@ class Linear(nn.Linear):
                 self.make_weight_t()
             else:
                 self.weight_t = None
-                self.copied_from.pop("weight_t", None)
+                self.hold_source("weight_t", made=False)
         return self.weight_t
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -433,17 +446,24 @@ _HUGE_PAGE_BYTES = 1 << 21
 _THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
+def huge_pages_setting() -> str | None:
+    """Linux's transparent huge page setting (``always``, ``madvise`` or ``never``); None where
+    it is absent (not Linux) or unreadable."""
+    try:
+        with open(_THP_SETTING) as f:
+            setting = f.read()
+    except OSError:
+        return None
+    start, end = setting.find("["), setting.find("]")
+    return setting[start + 1 : end] if 0 <= start < end else None
+
+
 def huge_pages_offered() -> bool:
     """Whether Linux backs memory with transparent huge pages on request (``madvise``) or
     always; False where the setting is ``never``, absent (not Linux) or unreadable."""
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
-    try:
-        with open(_THP_SETTING) as f:
-            setting = f.read()
-    except OSError:
-        return False
-    return "[never]" not in setting
+    return huge_pages_setting() in ("always", "madvise")
 
 
 def empty_on_huge_pages(numel: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -1190,7 +1210,7 @@ class CausalLM(nn.Module):
             [t.data_ptr() for t in held],
             copied,
             [version_of(t) for t in copied],
-            # the copies, and the storages pointed into (held as Linear.copied_from holds
+            # the copies, and the storages pointed into (held as Linear.hold_source holds
             # them, so that no later tensor takes a checked address)
             copies + [t.untyped_storage() for t in held],
             built,
@@ -1257,7 +1277,7 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
                     module.pack(rows)
             else:
                 module.packed, module.packed_rows = None, 0  # frees the packed copy too
-                module.copied_from.pop("packed", None)
+                module.hold_source("packed", made=False)
             # not the LM head: a prefill runs it on its last row only
             transposed = (
                 choice.prefill_linear in ("transposed", "rows")
@@ -1267,12 +1287,12 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             module.team = native if transposed and choice.prefill_linear == "rows" else None
             if not transposed:
                 module.weight_t = None
-                module.copied_from.pop("weight_t", None)
+                module.hold_source("weight_t", made=False)
             elif module.weight_t is None or module.weight_t_source != module.weight_key():
                 module.make_weight_t()
             if choice.linear != "pairs":
                 module.pairs = None
-                module.copied_from.pop("pairs", None)
+                module.hold_source("pairs", made=False)
             elif module.pairs is None:
                 assert native is not None  # checked above
                 module.make_pairs(native)

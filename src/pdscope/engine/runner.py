@@ -40,7 +40,8 @@ def kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
     keys, 12 layers' decode attention over caches on huge pages took 0.85-0.86x the time over
     the same caches on ordinary pages, at 1 and 2 threads (bench/decode_attention_ab.py
     --huge-cache); in the whole engine the host's noise hid it (bench/decode_ops_ab.py
-    --plain-cache, batch 1 at 4,000 keys: huge over plain 0.99x in tokens/s, 0.86-1.04).
+    --plain-cache, batch 1 at 4,000 keys, huge over plain in tokens/s: 0.99x and 1.11x in
+    two runs, each over 0.84-1.64).
     Zeroed here, as torch.zeros would, so the memory is committed at start rather than when
     the cache fills."""
     if device.type == "cpu":
