@@ -517,7 +517,7 @@ def _check_decode_attention(
     width = max(len(t) for t in tables)
     table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     # every slot no sequence attends holds NaN: a read outside [lo, hi), or past an odd
-    # tile's last key, shows in the output
+    # tile's last key, that reaches a sum shows in the output (masked lanes do not)
     seen = torch.zeros(blocks * block, dtype=torch.bool)
     for table, (lo, hi) in zip(tables, bounds, strict=True):
         seen[[table[p // block] * block + p % block for p in range(lo, hi)]] = True
