@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from engine_bench import build_ops, machine_line
 from pdscope.checkpoint.make_model import default_cache_dir
 from pdscope.engine import native
-from pdscope.engine.model import on_huge_pages
+from pdscope.engine.model import on_huge_pages, pairs_copy
 
 SHAPES = [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816)] * 12 + [(16384, 1024)]
 
@@ -53,6 +53,8 @@ def main() -> None:
     packed_many = [torch.ops.mkldnn._reorder_linear_weight(w, 2048) for w in weights]
     pointwise = torch.ops.mkldnn._linear_pointwise.default
     huge = [on_huge_pages(w) for w in weights]
+    # batch_linear=pairs: the pair-interleaved copies, on huge pages as the engine keeps them
+    pairs = [pairs_copy(w, ops) for w in weights] if ops.pairs_rows else None
     nbytes = sum(w.numel() * 2 for w in weights)
     same_bytes = torch.ones(nbytes // 4)
     print(machine_line())
@@ -78,6 +80,10 @@ def main() -> None:
         }
         if all(h is not None for h in huge):  # every weight here fills a huge page or more
             paths["c_many_huge"] = lambda x=x: [ops.linear_many(x[h.shape[1]], h) for h in huge]
+        if pairs is not None:
+            paths["pairs"] = lambda x=x: [
+                ops.linear_pairs(x[w.shape[1]], p) for w, p in zip(weights, pairs, strict=True)
+            ]
         if other is not None:
             paths["c_many_ab"] = lambda x=x: [other.linear_many(x[w.shape[1]], w) for w in weights]
         times: dict[str, list[float]] = {k: [] for k in paths}
@@ -98,12 +104,20 @@ def main() -> None:
             + (("c_many_ab", "c_many"),)
             if a in times and b in times
         ]
+        pairs_ratio = (
+            statistics.median(
+                p / c for p, c in zip(times["packed2048"], times["pairs"], strict=True)
+            )
+            if "pairs" in times
+            else None
+        )
         print(
             f"rows {rows:3}: "
             + "  ".join(cells)
             + "  packed / c {:.2f}, packed2048 / c_many {:.2f}".format(*ratios)
             + (f", c_many / c_many_huge {ratios[2]:.2f}" if "c_many_huge" in times else "")
             + (f", c_many_ab / c_many {ratios[-1]:.2f}" if other is not None else "")
+            + (f", packed2048 / pairs {pairs_ratio:.2f}" if pairs_ratio else "")
         )
 
 

@@ -42,6 +42,8 @@ BF16_PATHS = [
     # attention in AVX-512 BF16 (head size 64, as the AMX row: decode attention then takes
     # the bf16 head-64 kernel too)
     "linear=pairs,batch_linear=c,prefill_attention=c,decode_math=native,decode_ops=c",
+    # batched rows (the 24-row chunks below) through the pairs copies, single rows packed
+    "linear=packed,batch_linear=pairs,prefill_attention=c,decode_math=float32,decode_ops=c",
     # a prefill's matmuls split by rows over the threads (the 1,100-token chunk below)
     "linear=c,batch_linear=packed,prefill_linear=rows,prefill_attention=sdpa,"
     "decode_math=native,decode_ops=c",
@@ -68,14 +70,15 @@ def _amx_or_skip(kernels: str) -> dict[str, int]:
 
 
 def _pairs_or_skip(kernels: str) -> None:
-    """For the linear=pairs rows: skip where the C kernels lack AVX-512 BF16."""
+    """For the linear=pairs and batch_linear=pairs rows (both hold the text "linear=pairs"):
+    skip where the C kernels lack AVX-512 BF16."""
     if "linear=pairs" not in kernels:
         return
     from pdscope.checkpoint.make_model import default_cache_dir
     from pdscope.engine import native
 
     ops = native.load(default_cache_dir() / "native")
-    if ops is None or not ops.pairs:
+    if ops is None or not ops.pairs or not ops.pairs_rows:
         pytest.skip("no AVX-512 BF16 in this build of the C kernels")
 
 
@@ -193,7 +196,8 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
             tensors[name] = (1 + 0.5 * torch.randn(t.shape, generator=gen)).to(t.dtype)
     save_file(tensors, weights_file, metadata={"format": "pt"})
     paths = parse_kernels(kernels)
-    many, c_linear = paths["batch_linear"] == "c", paths["linear"] in ("c", "amx", "pairs")
+    many = paths["batch_linear"] in ("c", "pairs")
+    c_linear = paths["linear"] in ("c", "amx", "pairs")
     llm = LLM(
         model=str(path),
         dtype="bfloat16",
@@ -211,8 +215,10 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
     linears = [m for m in model.modules() if hasattr(m, "packed")]
     assert all((m.native is not None) == c_linear for m in linears)
     assert all(m.one_row_amx == (paths["linear"] == "amx") for m in linears)
-    pair_rows = paths["linear"] == "pairs"  # every weight here has a shape the copy takes
-    assert all((m.pairs is not None) == pair_rows for m in linears)
+    pair_rows, many_pairs = paths["linear"] == "pairs", paths["batch_linear"] == "pairs"
+    # every weight here has a shape the copy takes
+    assert all((m.pairs is not None) == (pair_rows or many_pairs) for m in linears)
+    assert all(m.many_pairs == many_pairs for m in linears)
     assert all((m.native_many is not None) == many for m in linears)
     rows = 2048 if c_linear else 1  # packed for many rows where C takes one
     assert all(m.packed_rows == rows for m in linears if m.packed is not None)
@@ -223,7 +229,8 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
     assert all(m.prefill_tiles == (paths["prefill_attention"] == "amx") for m in attns if amx)
     # The many-row kernel's calls: from batched chunks (batch_linear=c) and from single rows
     # (linear=amx, which hands them to the same kernel through the modules' `native`).
-    many_calls = _count_calls(linears, "native_many", "linear_many") if many else [0]
+    many_kernel = "linear_pairs" if many_pairs else "linear_many"
+    many_calls = _count_calls(linears, "native_many", many_kernel) if many else [0]
     amx_rows = paths["linear"] == "amx"
     one_row_calls = _count_calls(linears, "native", "linear_many") if amx_rows else [0]
     # linear=pairs: the prefill's last row through the LM head (decode steps run in one call)
@@ -258,7 +265,8 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
     assert team_calls[0] == (4 * len(model.layers) if by_rows else 0)
     unsplit = paths.get("prefill_linear") == "transposed"
     assert plain_calls[0] == (4 * len(model.layers) if unsplit else 0)
-    assert (many_calls[0] > 0) == many  # the chunks' matmuls went through the many-row kernel
+    # the chunks' matmuls went through the many-row kernel (or the copies)
+    assert (many_calls[0] > 0) == many
     assert (one_row_calls[0] > 0) == amx_rows  # decode rows on the tiles
     assert (pair_calls[0] > 0) == pair_rows
     assert (paged_calls[0] > 0) == amx
@@ -479,6 +487,7 @@ def test_c_path_hands_long_contexts_to_sdpa_in_place(
         ("bfloat16", "linear=packed,batch_linear=c,prefill_attention=sdpa,decode_ops=c"),
         ("bfloat16", "linear=amx,batch_linear=c,prefill_attention=sdpa,decode_ops=c"),
         ("bfloat16", "linear=pairs,batch_linear=c,prefill_attention=sdpa,decode_ops=c"),
+        ("bfloat16", "linear=pairs,batch_linear=pairs,prefill_attention=sdpa,decode_ops=c"),
     ],
 )
 # a qkv bias; q/k norms; q/k norms with the LM head tied to the embedding and a vocabulary
@@ -524,7 +533,7 @@ def test_one_call_decode_step_is_the_per_kernel_path_bit_for_bit(
     model = llm.engine.runner.model
     assert (model.lm_head.weight is model.embed_tokens.weight) == tied
     ps = prompts(llm)
-    batched = "batch_linear=c" in kernels
+    batched = "batch_linear=c" in kernels or "batch_linear=pairs" in kernels
     one_row_c = "linear=packed" not in kernels
     llm.engine.runner.capture_logits = True
     # per-kernel; the layers in one call, the LM head after it; both in one call
@@ -559,25 +568,29 @@ def test_one_call_decode_step_is_the_per_kernel_path_bit_for_bit(
             assert torch.equal(fused, per_kernel)
 
 
+@pytest.mark.parametrize(
+    ("kernels", "rows"), [("linear=pairs", 1), ("linear=packed,batch_linear=pairs", 3)]
+)
 def test_pairs_copies_follow_a_replaced_weight_and_are_dropped_with_the_path(
-    tmp_path: Path,
+    tmp_path: Path, kernels: str, rows: int
 ) -> None:
-    """Under linear=pairs every weight the copy takes holds one (the tied-away vocabulary of
-    1,000 is not a multiple of 16: that LM head keeps the C kernel); a weight whose storage is
-    replaced is copied anew before a single row reads it, so a row sees the new weight; and
-    another linear choice frees every copy."""
+    """Under linear=pairs (or batch_linear=pairs) every weight the copy takes holds one (the
+    tied-away vocabulary of 1,000 is not a multiple of 16: that LM head keeps the C kernel); a
+    weight whose storage is replaced is copied anew before a single row (or a few) reads it,
+    so a row sees the new weight; and other linear choices free every copy."""
     from pdscope.engine.model import Linear, apply_kernels
 
-    _pairs_or_skip("linear=pairs")
+    _pairs_or_skip(kernels)
     path = make_model(tmp_path / "m", "tiny", dtype="bfloat16", vocab_size=1000)
-    llm = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="8MiB", kernels="linear=pairs")
+    llm = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="8MiB", kernels=kernels)
     model = llm.engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert model.lm_head.pairs is None
     assert all(m.pairs is not None for m in linears if m is not model.lm_head)
-    before = llm.generate([5, 6, 7], GREEDY)[0].token_ids
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]][:rows]
+    before = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     proj = model.layers[0].mlp.down_proj
-    x = torch.randn(1, proj.in_features, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(rows, proj.in_features, generator=torch.Generator().manual_seed(0))
     x = x.to(torch.bfloat16)
     old = proj(x)
     proj.weight.data = proj.weight.data * -2.0
@@ -587,8 +600,10 @@ def test_pairs_copies_follow_a_replaced_weight_and_are_dropped_with_the_path(
     )
     assert not torch.allclose(new, old, atol=4e-2, rtol=2e-2)
     assert proj.pairs_source == proj.weight_key()
-    assert llm.generate([5, 6, 7], GREEDY)[0].token_ids != before  # the step read it too
-    apply_kernels(model, replace(llm.engine.kernels, linear="c"), model.native)
+    after = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert all(a != b for a, b in zip(after, before, strict=True))  # the steps read it too
+    other = replace(llm.engine.kernels, linear="c", batch_linear="packed")
+    apply_kernels(model, other, model.native)
     assert all(m.pairs is None for m in linears)
 
 

@@ -266,9 +266,10 @@ def test_prefill_linear_rows_alone_loads_the_c_kernels(
 def test_pairs_are_offered_to_the_linear_trial_only_while_their_copy_fits(
     tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """linear=pairs keeps a copy of every weight: the trial measures it beside the other
-    single-row paths while that copy fits in TRANSPOSED_COPY_MAX_SHARE of the free memory,
-    and leaves it out (and allocates none) when it would not."""
+    """linear=pairs and batch_linear=pairs keep a copy of every weight: the trials measure
+    them beside the other single-row and many-row paths while that copy fits in
+    TRANSPOSED_COPY_MAX_SHARE of the free memory, and leave them out (and allocate none) when
+    it would not."""
     from pdscope.engine import model as model_module
 
     monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
@@ -277,12 +278,14 @@ def test_pairs_are_offered_to_the_linear_trial_only_while_their_copy_fits(
     ops = native.load(tmp_path / "native")
     if ops is None or not ops.pairs:
         pytest.skip("no AVX-512 BF16 in this build of the C kernels")
-    assert "pairs" in model_module.kernel_trials(model, 64, ops)["linear"]()
+    trials = model_module.kernel_trials(model, 64, ops)
+    assert "pairs" in trials["linear"]() and "pairs" in trials["batch_linear"]()
     made: list[object] = []
     monkeypatch.setattr(model_module, "pairs_copy", lambda *a: made.append(a))
     monkeypatch.setattr(model_module, "TRANSPOSED_COPY_MAX_SHARE", 0.0)
     assert not model_module.pairs_copy_fits(model)
-    assert "pairs" not in model_module.kernel_trials(model, 64, ops)["linear"]()
+    trials = model_module.kernel_trials(model, 64, ops)
+    assert "pairs" not in trials["linear"]() and "pairs" not in trials["batch_linear"]()
     assert not made
 
 
@@ -865,6 +868,37 @@ def test_pairs_linear_matches_f_linear_whatever_the_threads(
         c_ops.pack_pairs(torch.zeros(24, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="does not fit"):
         c_ops.linear_pairs(torch.zeros(1, 6, dtype=torch.bfloat16), c_ops.pack_pairs(weight))
+
+
+@needs_cc
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_pairs_rows_are_each_row_alone_bit_for_bit(c_ops: native.NativeOps, threads: int) -> None:
+    """linear_pairs at several rows (batch_linear=pairs: tiles of up to 8 rows against 3
+    blocks) gives each row the bits linear_pairs gives it alone, whatever the rows around it
+    and the threads: row counts that fill tiles of 8 and leave each tail (2-17), block counts
+    that leave groups of 3 a remainder (1, 2, 4, 65) or none (3, 96), with and without a
+    bias; and every row as close to F.linear as the one-row kernel."""
+    if not c_ops.pairs_rows:
+        pytest.skip("this build of the C kernels lacks AVX-512 BF16")
+    gen = torch.Generator().manual_seed(12)
+    shapes = ((16, 2), (32, 96), (48, 64), (64, 1024), (1040, 2816), (1536, 128))
+    saved = torch.get_num_threads()
+    try:
+        for outputs, inputs in shapes:
+            weight = (torch.randn(outputs, inputs, generator=gen) / 8).to(torch.bfloat16)
+            bias = torch.randn(outputs, generator=gen).to(torch.bfloat16)
+            pairs = c_ops.pack_pairs(weight)
+            for rows in (2, 3, 7, 8, 9, 16, 17):
+                x = torch.randn(rows, inputs, generator=gen).to(torch.bfloat16)
+                for b in (None, bias):
+                    torch.set_num_threads(threads)
+                    y = c_ops.linear_pairs(x, pairs, b)
+                    torch.set_num_threads(1)
+                    alone = [c_ops.linear_pairs(x[r : r + 1], pairs, b) for r in range(rows)]
+                    assert torch.equal(y, torch.cat(alone)), (outputs, inputs, rows)
+                    _assert_as_close_as_f_linear(y, x, weight, b)
+    finally:
+        torch.set_num_threads(saved)
 
 
 @needs_cc

@@ -20,9 +20,12 @@ Paths (every candidate computes the same function; tests pin each against transf
   AVX-512 BF16; the copy is offered only while it takes at most a quarter of the memory).
 * ``batch_linear``: for matmuls of 2 to ``NATIVE_MANY_MAX_ROWS`` rows (a batched decode
   step): ``packed`` (whatever ``linear`` gives matmuls of several rows: the packed weights, or
-  ``F.linear`` under ``linear=plain``) or ``c`` (engine/native.py's many-row kernel: AMX tile
-  multiplies reading each weight block once for all rows, where the CPU and Linux allow them).
-  bf16 on CPU with the C kernels only.
+  ``F.linear`` under ``linear=plain``), ``c`` (engine/native.py's many-row kernel: AMX tile
+  multiplies reading each weight block once for all rows, where the CPU and Linux allow them)
+  or ``pairs`` (the pair-interleaved copies of ``linear=pairs``, made for this path whatever
+  ``linear`` is: tiles of up to 8 rows against 3 blocks of 16 outputs, in AVX-512 BF16; each
+  row the same bits as alone). bf16 on CPU with the C kernels only; ``pairs`` offered while
+  the copy fits, as for ``linear``.
 * ``prefill_linear``: for matmuls of a prefill chunk's rows (``ROWS_SPLIT_MIN_ROWS`` or
   more): ``onednn`` (``linear``'s path: the packed weights, or ``F.linear``), ``transposed``
   (``torch.mm`` on a transposed copy of each weight, [in, out]: oneDNN's matmul primitive on
@@ -73,7 +76,7 @@ log = logging.getLogger("pdscope.engine")
 
 OPTIONS: dict[str, tuple[str, ...]] = {
     "linear": ("packed", "plain", "c", "amx", "pairs"),
-    "batch_linear": ("packed", "c"),
+    "batch_linear": ("packed", "c", "pairs"),
     "prefill_linear": ("onednn", "transposed", "rows"),
     "prefill_attention": ("blocked", "sdpa", "amx", "c"),
     "decode_math": ("float32", "native"),
@@ -83,7 +86,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
-_TRIAL_VERSION = 15
+_TRIAL_VERSION = 17
 
 
 @dataclass(frozen=True)

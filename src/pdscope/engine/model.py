@@ -297,6 +297,8 @@ class Linear(nn.Linear):
     # multiply by (NativeOps.linear_pairs); None where the shape does not allow it.
     pairs: torch.Tensor | None = None
     one_row_pairs: bool = False  # linear=pairs: single rows read the copy where there is one
+    # batch_linear=pairs: matmuls of 2 to NATIVE_MANY_MAX_ROWS rows read it (native_many set)
+    many_pairs: bool = False
     # The weight_key() each copy (packed, weight_t, pairs) was made from: a copy whose key
     # differs from the weight's is made anew before a matmul reads it.
     packed_source: tuple[int, int] = (0, -1)
@@ -336,18 +338,21 @@ class Linear(nn.Linear):
         self.hold_source("weight_t")
 
     def make_pairs(self, native: NativeOps) -> None:
-        """Hold the weight's pack_pairs copy (:func:`pairs_copy`), for linear=pairs."""
+        """Hold the weight's pack_pairs copy (:func:`pairs_copy`), for linear=pairs or
+        batch_linear=pairs."""
         self.pairs = pairs_copy(self.weight, native)
         self.pairs_source = self.weight_key()
         self.hold_source("pairs", self.pairs is not None)
 
     def current_pairs(self) -> torch.Tensor | None:
-        """Under linear=pairs, the pairs copy, made anew first if the weight changed since (a
-        replacing weight whose shape allows one gets one even where the weight before could
-        not); None where the weight takes none or the path is another."""
-        if self.one_row_pairs and self.pairs_source != self.weight_key():
-            assert self.native is not None  # linear=pairs sets both
-            self.make_pairs(self.native)
+        """Under linear=pairs or batch_linear=pairs, the pairs copy, made anew first if the
+        weight changed since (a replacing weight whose shape allows one gets one even where
+        the weight before could not); None where the weight takes none or the paths are
+        others."""
+        if (self.one_row_pairs or self.many_pairs) and self.pairs_source != self.weight_key():
+            native = self.native if self.one_row_pairs else self.native_many
+            assert native is not None  # apply_kernels sets it with the path
+            self.make_pairs(native)
         return self.pairs
 
     def current_packed(self) -> torch.Tensor | None:
@@ -386,6 +391,10 @@ class Linear(nn.Linear):
             and x.dim() == 2
             and NATIVE_LINEAR_MAX_ROWS < x.shape[0] <= NATIVE_MANY_MAX_ROWS
         ):
+            # batch_linear=pairs: the copy where the weight has one, else the many-row kernel
+            pairs = self.current_pairs() if self.many_pairs else None
+            if pairs is not None:
+                return self.native_many.linear_pairs(x.contiguous(), pairs, self.bias)
             return self.native_many.linear_many(x.contiguous(), self.weight, self.bias)
         if self.weight_t is not None and x.dim() == 2 and x.shape[0] >= ROWS_SPLIT_MIN_ROWS:
             weight_t = self.current_weight_t()  # None: a weight the path does not take
@@ -1079,7 +1088,9 @@ class CausalLM(nn.Module):
         assert batch.positions is not None and batch.decode_bounds is not None
         # per weight, C reads the copy where there is one and the weight as stored where not,
         # as Linear.forward does
-        step.pairs = rows == 1 and first.native is not None and first.one_row_pairs
+        step.pairs = (rows == 1 and first.native is not None and first.one_row_pairs) or (
+            rows > 1 and first.many_pairs
+        )
         step.rows = rows
         step.block_size = batch.block_size
         step.table_width = batch.decode_tables.shape[1]
@@ -1247,6 +1258,11 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             "linear=pairs needs the C kernels built with AVX-512 BF16, which this CPU or "
             "compiler does not give"
         )
+    if choice.batch_linear == "pairs" and (native is None or not native.pairs_rows):
+        raise ValueError(
+            "batch_linear=pairs needs the C kernels built with AVX-512 BF16, which this CPU "
+            "or compiler does not give"
+        )
     if choice.prefill_linear == "rows" and (native is None or not native.team):
         raise ValueError("prefill_linear=rows needs the C kernels, which did not load")
     model.native = native if choice.decode_ops == "c" else None
@@ -1258,7 +1274,9 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             module.native = native if one_row_c else None
             module.one_row_amx = choice.linear == "amx" and module.weight.dtype == torch.bfloat16
             module.one_row_pairs = choice.linear == "pairs"
-            module.native_many = native if choice.batch_linear == "c" else None
+            module.many_pairs = choice.batch_linear == "pairs"
+            # batch_linear=pairs: weights without a copy take the many-row kernel
+            module.native_many = native if choice.batch_linear in ("c", "pairs") else None
             streamed = module.native is not None or module.native_many is not None
             if streamed and not module.huge_pages:
                 # The C kernels stream this weight every decode step: moved, not copied (the
@@ -1290,7 +1308,7 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
                 module.hold_source("weight_t", made=False)
             elif module.weight_t is None or module.weight_t_source != module.weight_key():
                 module.make_weight_t()
-            if choice.linear != "pairs":
+            if choice.linear != "pairs" and choice.batch_linear != "pairs":
                 module.pairs = None
                 module.hold_source("pairs", made=False)
             elif module.pairs is None:
@@ -1321,8 +1339,9 @@ def kernel_trials(
       the pair-interleaved copies (bf16 with AVX-512 BF16, offered only while that copy fits:
       ``pairs_copy_fits``);
     * batch linear (bf16 with the C kernels): one step's matmuls at ``_BATCH_TRIAL_ROWS`` rows
-      (a batched decode), through the weights as ``linear`` would run them (packed) or the
-      many-row C kernel. The packed candidate is always laid out for many rows (as under
+      (a batched decode), through the weights as ``linear`` would run them (packed), the
+      many-row C kernel, or the pair-interleaved copies (bf16 with AVX-512 BF16, while the
+      copy fits). The packed candidate is always laid out for many rows (as under
       ``linear=c``), the fastest packed form at these rows, whatever ``linear`` chooses: C
       must beat the best oneDNN can do to be chosen;
     * prefill linear (bf16, chunks of at least ``ROWS_SPLIT_MIN_ROWS``): layer 0's matmuls at
@@ -1467,7 +1486,23 @@ def _batch_linear_trial(model: CausalLM, native: NativeOps) -> dict[str, Callabl
         for m in linears:
             native.linear_many(inputs[m.in_features], m.weight, m.bias)
 
-    return {"packed": run_packed, "c": run_c}
+    candidates: dict[str, Callable[[], object]] = {"packed": run_packed, "c": run_c}
+    if weight.dtype == torch.bfloat16 and native.pairs_rows and pairs_copy_fits(model):
+        # as apply_kernels would run them: weights without a copy take the many-row kernel
+        pairs = {
+            m: m.pairs if m.pairs is not None else pairs_copy(m.weight, native) for m in linears
+        }
+
+        def run_pairs() -> None:
+            for m in linears:
+                p, x = pairs[m], inputs[m.in_features]
+                if p is None:
+                    native.linear_many(x, m.weight, m.bias)
+                else:
+                    native.linear_pairs(x, p, m.bias)
+
+        candidates["pairs"] = run_pairs
+    return candidates
 
 
 def transposed_copy_bytes(model: CausalLM) -> int:

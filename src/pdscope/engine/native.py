@@ -292,6 +292,11 @@ class NativeOps:
             self.lib.pack_pairs.restype = None
             self.lib.linear_pairs.argtypes = [_P] * 5 + [_I, _I, _C]
             self.lib.linear_pairs.restype = ctypes.c_int
+        # newer still: several rows through the same copies (batch_linear=pairs)
+        self.pairs_rows = self.pairs and hasattr(self.lib, "linear_pairs_rows")
+        if self.pairs_rows:
+            self.lib.linear_pairs_rows.argtypes = [_P] * 5 + [_I, _I, _I, _C]
+            self.lib.linear_pairs_rows.restype = ctypes.c_int
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up from the fused projection's output [rows, 2 n] → [rows, n]."""
@@ -404,14 +409,20 @@ class NativeOps:
     def linear_pairs(
         self, x: torch.Tensor, pairs: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """x [1, in] @ weight^T (+ bias) in bf16 from ``pairs``, the weight's
-        :meth:`pack_pairs` copy: 16 outputs per 64-byte load, 8 blocks read side by side per
-        thread. float32 accumulation, one rounding at the end."""
+        """x [rows, in] @ weight^T (+ bias) in bf16 from ``pairs``, the weight's
+        :meth:`pack_pairs` copy: 16 outputs per 64-byte load. One row reads 8 blocks side by
+        side per thread (decode_ops.c's linear_pairs); several (where the build has
+        linear_pairs_rows) run in tiles of up to 8 rows against 3 blocks at a time, each row
+        the same bits as alone. float32 accumulation, one rounding at the end."""
         _check(x, pairs, bias)
         blocks, half, sixteen, two = pairs.shape
         in_features, out_features = 2 * half, 16 * blocks
+        rows = x.shape[0] if x.dim() == 2 else 0
         if (
-            x.shape != (1, in_features)
+            x.dim() != 2
+            or x.shape[1] != in_features
+            or rows < 1
+            or (rows > 1 and not self.pairs_rows)
             or x.dtype != torch.bfloat16
             or pairs.dtype != torch.bfloat16
             or (sixteen, two) != (16, 2)
@@ -422,17 +433,14 @@ class NativeOps:
             )
         if bias is not None and (bias.shape != (out_features,) or bias.dtype != x.dtype):
             raise ValueError(f"linear_pairs: bias {tuple(bias.shape)} does not fit {out_features}")
-        y = torch.empty(1, out_features, dtype=x.dtype)
-        if not self.lib.linear_pairs(
-            x.data_ptr(),
-            pairs.data_ptr(),
-            _ptr(bias),
-            y.data_ptr(),
-            None,
-            in_features,
-            out_features,
-            torch.get_num_threads(),
-        ):
+        y = torch.empty(rows, out_features, dtype=x.dtype)
+        threads = torch.get_num_threads()
+        args = (x.data_ptr(), pairs.data_ptr(), _ptr(bias), y.data_ptr(), None)
+        if rows == 1:
+            ran = self.lib.linear_pairs(*args, in_features, out_features, threads)
+        else:
+            ran = self.lib.linear_pairs_rows(*args, rows, in_features, out_features, threads)
+        if not ran:
             raise RuntimeError("linear_pairs: this build of the C kernels lacks AVX-512 BF16")
         return y
 

@@ -2152,7 +2152,107 @@ static void pairs_one_row(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 
 #undef PAIRS_START
     }
 }
+
+/* ---- Several rows through the same copies (batch_linear=pairs). A tile of R rows (at most 8)
+ * and B blocks (48 outputs) keeps R x B float32 sums in registers: per pair k, B 64-byte
+ * loads of the copy and R broadcasts of x feed R x B `vdpbf16ps`. Each thread takes a share of
+ * the blocks and runs every row tile past each group of B blocks while that group is in its
+ * L2, so the weights come from memory once per step whatever the rows. Each output sums its
+ * pairs in order in one accumulator, as pairs_one_row does: a row's result is the same bits
+ * at any batch size, tile or thread count. */
+#define PAIRS_TILE_BLOCKS 3
+
+static inline __attribute__((always_inline)) void pairs_tile(const bf16 *x, const bf16 *wp,
+                                                             const bf16 *bias, bf16 *y,
+                                                             float *yf, int64_t in,
+                                                             int64_t out, int64_t b0,
+                                                             const int R, const int B) {
+    const int64_t pairs = in / 2, block_elems = 16 * in;
+    __m512 c[8][PAIRS_TILE_BLOCKS];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 3
+        for (int j = 0; j < B; j++) c[r][j] = _mm512_setzero_ps();
+    const bf16 *a = wp + b0 * block_elems;
+    for (int64_t k = 0; k < pairs; k++) {
+        __m512bh w[PAIRS_TILE_BLOCKS];
+#pragma GCC unroll 3
+        for (int j = 0; j < B; j++)
+            w[j] = (__m512bh)_mm512_loadu_si512(a + j * block_elems + 32 * k);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const __m512bh xv = pair_of(x + r * in, k);
+#pragma GCC unroll 3
+            for (int j = 0; j < B; j++) c[r][j] = _mm512_dpbf16_ps(c[r][j], w[j], xv);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < B; j++)
+            pairs_store(c[r][j], b0 + j, bias, yf ? NULL : y + r * out, yf ? yf + r * out : NULL);
+}
+
+/* Rows [0, rows) against blocks [b0, b0 + B): row tiles of 8, then the rest. */
+static inline __attribute__((always_inline)) void pairs_group(const bf16 *x, const bf16 *wp,
+                                                              const bf16 *bias, bf16 *y,
+                                                              float *yf, int64_t rows,
+                                                              int64_t in, int64_t out,
+                                                              int64_t b0, const int B) {
+    int64_t r = 0;
+    for (; r + 8 <= rows; r += 8)
+        pairs_tile(x + r * in, wp, bias, y + r * out, yf ? yf + r * out : NULL, in, out, b0, 8, B);
+    const bf16 *xr = x + r * in;
+    bf16 *yr = y + r * out;
+    float *yfr = yf ? yf + r * out : NULL;
+    switch (rows - r) {
+#define PAIRS_TAIL(n) \
+    case n: pairs_tile(xr, wp, bias, yr, yfr, in, out, b0, n, B); break;
+        PAIRS_TAIL(1) PAIRS_TAIL(2) PAIRS_TAIL(3) PAIRS_TAIL(4) PAIRS_TAIL(5) PAIRS_TAIL(6)
+        PAIRS_TAIL(7)
+#undef PAIRS_TAIL
+    default: break;
+    }
+}
+
+static void pairs_rows(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, float *yf,
+                       int64_t rows, int64_t in, int64_t out, int threads) {
+    const int64_t blocks = out / 16;
+    const int parallel = threads > 1 && rows * out * in >= 65536;
+#pragma omp parallel num_threads(threads) if (parallel)
+    {
+        int64_t lo = 0, hi = blocks;
+#ifdef _OPENMP
+        const int64_t id = omp_get_thread_num(), n = omp_get_num_threads();
+        lo = blocks * id / n;
+        hi = blocks * (id + 1) / n;
 #endif
+        int64_t b = lo;
+        for (; b + PAIRS_TILE_BLOCKS <= hi; b += PAIRS_TILE_BLOCKS)
+            pairs_group(x, wp, bias, y, yf, rows, in, out, b, PAIRS_TILE_BLOCKS);
+        for (; b < hi; b++) pairs_group(x, wp, bias, y, yf, rows, in, out, b, 1);
+    }
+}
+#endif
+
+/* y [rows, out] = x [rows, in] @ w^T (+ bias) in bf16 from wp, w's pack_pairs copy; y bf16,
+ * or when yf is set, float32 (the bf16 results widened) there instead. One row takes
+ * linear_pairs' kernel, several the row tiles above; each row's result is the same bits
+ * either way. Returns 1 when it ran, 0 when this build lacks AVX-512 BF16. */
+int linear_pairs_rows(const void *x, const void *wp, const void *bias, void *y, float *yf,
+                      int64_t rows, int64_t in, int64_t out, int threads) {
+#ifdef HAVE_DPBF16
+    if (rows == 1)
+        pairs_one_row((const bf16 *)x, (const bf16 *)wp, (const bf16 *)bias, (bf16 *)y, yf, in,
+                      out, threads);
+    else
+        pairs_rows((const bf16 *)x, (const bf16 *)wp, (const bf16 *)bias, (bf16 *)y, yf, rows,
+                   in, out, threads);
+    return 1;
+#else
+    (void)x, (void)wp, (void)bias, (void)y, (void)yf, (void)rows, (void)in, (void)out,
+        (void)threads;
+    return 0;
+#endif
+}
 
 /* y [out] = x [in] @ w [out, in]^T (+ bias [out]) for one row of bf16, from wp, w's
  * pack_pairs copy; y bf16, or when yf is set, float32 (the bf16 result widened) there instead.
@@ -2205,8 +2305,9 @@ typedef struct {
     const int64_t *ids;
     const void *embed;
     int64_t *argmax;
-    /* pairs: one-row matmuls read the layers' pack_pairs copies (linear_pairs), and the LM
-     * head its copy lm_head_p, where set */
+    /* pairs: the matmuls read the layers' pack_pairs copies (linear_pairs_rows: linear=pairs
+     * at one row, batch_linear=pairs at several), and the LM head its copy lm_head_p, where
+     * set */
     const void *lm_head_p;
     int64_t pairs;
 } decode_step;
@@ -2222,7 +2323,8 @@ static void step_norm(const decode_step *s, const void *x, void *residual, const
 
 static int step_linear(const decode_step *s, const void *x, const void *w, const void *wp,
                        const void *bias, void *y, int64_t in, int64_t out) {
-    if (s->pairs && s->rows == 1 && wp && linear_pairs(x, wp, bias, y, NULL, in, out, (int)s->threads))
+    if (s->pairs && wp &&
+        linear_pairs_rows(x, wp, bias, y, NULL, s->rows, in, out, (int)s->threads))
         return 0;
     if (s->many_rows)
         return linear_many_rows(x, w, bias, y, s->rows, in, out, (int)s->bf, (int)s->threads) < 0
@@ -2350,11 +2452,11 @@ int decode_logits(const decode_layer *layers, const decode_step *s, void *residu
     if (!s->bf) {
         if (step_linear(s, normed, s->lm_head, NULL, NULL, logits, s->hidden, s->vocab)) return -1;
     }
-    /* step_linear's one-row pairs branch, its output widened in place of stored (the caller
-     * sets pairs only where linear_pairs_isa() holds, so a 0 from it is an error here) */
-    else if (s->pairs && s->rows == 1 && s->lm_head_p) {
-        if (!linear_pairs(normed, s->lm_head_p, NULL, NULL, logits, s->hidden, s->vocab,
-                          (int)s->threads))
+    /* step_linear's pairs branch, its output widened in place of stored (the caller sets
+     * pairs only where linear_pairs_isa() holds, so a 0 from it is an error here) */
+    else if (s->pairs && s->lm_head_p) {
+        if (!linear_pairs_rows(normed, s->lm_head_p, NULL, NULL, logits, s->rows, s->hidden,
+                               s->vocab, (int)s->threads))
             return -3;
     }
 #ifdef HAVE_AMX
