@@ -2160,7 +2160,12 @@ static void pairs_one_row(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 
  * L2, so the weights come from memory once per step whatever the rows. Each output sums its
  * pairs in order in one accumulator, as pairs_one_row does: a row's result is the same bits
  * at any batch size, tile or thread count. */
+#ifndef PAIRS_TILE_ROWS /* -D for bench A/Bs of the tile's shape */
+#define PAIRS_TILE_ROWS 8
+#endif
+#ifndef PAIRS_TILE_BLOCKS
 #define PAIRS_TILE_BLOCKS 3
+#endif
 
 static inline __attribute__((always_inline)) void pairs_tile(const bf16 *x, const bf16 *wp,
                                                              const bf16 *bias, bf16 *y,
@@ -2168,21 +2173,21 @@ static inline __attribute__((always_inline)) void pairs_tile(const bf16 *x, cons
                                                              int64_t out, int64_t b0,
                                                              const int R, const int B) {
     const int64_t pairs = in / 2, block_elems = 16 * in;
-    __m512 c[8][PAIRS_TILE_BLOCKS];
+    __m512 c[PAIRS_TILE_ROWS][PAIRS_TILE_BLOCKS];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
-#pragma GCC unroll 3
+#pragma GCC unroll 8
         for (int j = 0; j < B; j++) c[r][j] = _mm512_setzero_ps();
     const bf16 *a = wp + b0 * block_elems;
     for (int64_t k = 0; k < pairs; k++) {
         __m512bh w[PAIRS_TILE_BLOCKS];
-#pragma GCC unroll 3
+#pragma GCC unroll 8
         for (int j = 0; j < B; j++)
             w[j] = (__m512bh)_mm512_loadu_si512(a + j * block_elems + 32 * k);
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const __m512bh xv = pair_of(x + r * in, k);
-#pragma GCC unroll 3
+#pragma GCC unroll 8
             for (int j = 0; j < B; j++) c[r][j] = _mm512_dpbf16_ps(c[r][j], w[j], xv);
         }
     }
@@ -2198,14 +2203,17 @@ static inline __attribute__((always_inline)) void pairs_group(const bf16 *x, con
                                                               int64_t in, int64_t out,
                                                               int64_t b0, const int B) {
     int64_t r = 0;
-    for (; r + 8 <= rows; r += 8)
-        pairs_tile(x + r * in, wp, bias, y + r * out, yf ? yf + r * out : NULL, in, out, b0, 8, B);
+    for (; r + PAIRS_TILE_ROWS <= rows; r += PAIRS_TILE_ROWS)
+        pairs_tile(x + r * in, wp, bias, y + r * out, yf ? yf + r * out : NULL, in, out, b0,
+                   PAIRS_TILE_ROWS, B);
     const bf16 *xr = x + r * in;
     bf16 *yr = y + r * out;
     float *yfr = yf ? yf + r * out : NULL;
     switch (rows - r) {
 #define PAIRS_TAIL(n) \
-    case n: pairs_tile(xr, wp, bias, yr, yfr, in, out, b0, n, B); break;
+    case n: \
+        if (n < PAIRS_TILE_ROWS) pairs_tile(xr, wp, bias, yr, yfr, in, out, b0, n, B); \
+        break;
         PAIRS_TAIL(1) PAIRS_TAIL(2) PAIRS_TAIL(3) PAIRS_TAIL(4) PAIRS_TAIL(5) PAIRS_TAIL(6)
         PAIRS_TAIL(7)
 #undef PAIRS_TAIL
