@@ -7,7 +7,9 @@ float32 sum over the same number of bytes (what streaming them costs on this mac
 ``packed2048`` is the packed layout for many rows (the engine's under ``linear=c``), ``c_many``
 the many-row C kernel (``batch_linear=c``: AMX tiles where the CPU and Linux allow them),
 ``c_many_huge`` the same over copies of the weights on transparent huge pages, as the engine
-keeps the weights its C kernels stream (where Linux offers them).
+keeps the weights its C kernels stream (where Linux offers them), and ``pairs`` the
+pair-interleaved copies (``linear=pairs`` at one row, ``batch_linear=pairs`` at more; with
+AVX-512 BF16), printed against ``packed2048``.
 
     .venv/bin/python bench/linear_ab.py --rows 1 2 4 32 64
 

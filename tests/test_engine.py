@@ -488,6 +488,11 @@ def test_c_path_hands_long_contexts_to_sdpa_in_place(
         ("bfloat16", "linear=amx,batch_linear=c,prefill_attention=sdpa,decode_ops=c"),
         ("bfloat16", "linear=pairs,batch_linear=c,prefill_attention=sdpa,decode_ops=c"),
         ("bfloat16", "linear=pairs,batch_linear=pairs,prefill_attention=sdpa,decode_ops=c"),
+        # batched rows through the copies, single rows not: made for batch_linear alone
+        ("bfloat16", "linear=packed,batch_linear=pairs,prefill_attention=sdpa,decode_ops=c"),
+        ("bfloat16", "linear=c,batch_linear=pairs,prefill_attention=sdpa,decode_ops=c"),
+        # float32 weights take no copy: every matmul the many-row kernel, in both paths
+        ("float32", "linear=c,batch_linear=pairs,prefill_attention=sdpa,decode_ops=c"),
     ],
 )
 # a qkv bias; q/k norms; q/k norms with the LM head tied to the embedding and a vocabulary
@@ -498,7 +503,7 @@ def test_one_call_decode_step_is_the_per_kernel_path_bit_for_bit(
 ) -> None:
     """NativeOps.decode_layers runs the per-kernel path's kernels in its order on its buffers,
     and NativeOps.decode_logits the LM head after them in the same call, so their logits are
-    the same bits, at one row and at a batch of several (batch_linear=c)."""
+    the same bits, at one row and at a batch of several (batch_linear=c or pairs)."""
     from safetensors.torch import load_file, save_file
 
     from pdscope.checkpoint.make_model import default_cache_dir

@@ -263,6 +263,27 @@ def test_prefill_linear_rows_alone_loads_the_c_kernels(
     assert layers and all(m.team is not None and m.weight_t is not None for m in layers)
 
 
+def test_forcing_an_option_that_runs_on_c_loads_the_c_kernels(
+    tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An option that runs on the C kernels, forced with every other path off them, loads the
+    kernels: batch_linear=pairs, linear=pairs and prefill_attention=c were refused as "not
+    given by this CPU" on a CPU that gives them."""
+    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    ops = native.load(tmp_path / "native")
+    if ops is None or not ops.pairs_rows or not ops.prefill_vec:
+        pytest.skip("no AVX-512 BF16 in this build of the C kernels")
+    off = {"decode_ops": "torch", "linear": "packed", "batch_linear": "packed", "threads": "free"}
+    for path, option in (
+        ("batch_linear", "pairs"),
+        ("linear", "pairs"),
+        ("prefill_attention", "c"),
+    ):
+        spec = ",".join(f"{p}={o}" for p, o in {**off, path: option}.items())
+        llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels=spec)
+        assert getattr(llm.engine.kernels, path) == option, spec
+
+
 def test_pairs_are_offered_to_the_linear_trial_only_while_their_copy_fits(
     tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -888,7 +909,7 @@ def test_pairs_rows_are_each_row_alone_bit_for_bit(c_ops: native.NativeOps, thre
             weight = (torch.randn(outputs, inputs, generator=gen) / 8).to(torch.bfloat16)
             bias = torch.randn(outputs, generator=gen).to(torch.bfloat16)
             pairs = c_ops.pack_pairs(weight)
-            for rows in (2, 3, 7, 8, 9, 16, 17):
+            for rows in range(2, 18):
                 x = torch.randn(rows, inputs, generator=gen).to(torch.bfloat16)
                 for b in (None, bias):
                     torch.set_num_threads(threads)

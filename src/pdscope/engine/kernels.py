@@ -83,6 +83,15 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "decode_ops": ("torch", "c"),
     "threads": ("free", "bound"),
 }
+# The options that run on the C kernels (engine/native.py): forcing one needs them built.
+# (threads=bound too, checked with its own message.)
+ON_C: dict[str, tuple[str, ...]] = {
+    "linear": ("c", "amx", "pairs"),
+    "batch_linear": ("c", "pairs"),
+    "prefill_linear": ("rows",),
+    "prefill_attention": ("amx", "c"),
+    "decode_ops": ("c",),
+}
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.

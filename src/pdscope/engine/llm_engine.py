@@ -14,7 +14,7 @@ import torch
 
 from pdscope.engine.args import EngineArgs
 from pdscope.engine.block_pool import BlockPool
-from pdscope.engine.kernels import KernelChoice, TrialShapes, choose, parse_kernels
+from pdscope.engine.kernels import ON_C, KernelChoice, TrialShapes, choose, parse_kernels
 from pdscope.engine.loader import load_model, read_config, resolve_dtype
 from pdscope.engine.model import apply_kernels, can_pack, kernel_trials, thread_cpus
 from pdscope.engine.request import Request
@@ -125,22 +125,23 @@ class LLMEngine:
         c = self.model.config
         prefill_tokens = min(self.args.max_num_batched_tokens, self.max_model_len)
         ops = None
-        # The C kernels serve three paths: built unless all are forced off them.
+        # The C kernels serve several paths: built unless all are forced off them.
         wanted = (
             forced.get("decode_ops") != "torch"
-            or forced.get("linear") in (None, "c")
-            or forced.get("batch_linear") in (None, "c")
+            or forced.get("linear") in (None, *ON_C["linear"])
+            or forced.get("batch_linear") in (None, *ON_C["batch_linear"])
             or forced.get("threads") != "free"
             or forced.get("prefill_linear") == "rows"  # its shares run on the C kernels' team
+            or forced.get("prefill_attention") in ON_C["prefill_attention"]
         )
+        forced_on_c = [f"{p}={o}" for p, o in forced.items() if o in ON_C.get(p, ())]
         if native.supports(self.dtype, self.device) and wanted:
             ops = native.load(default_cache_dir() / "native")
-            for path in ("decode_ops", "linear", "batch_linear"):
-                if ops is None and forced.get(path) == "c":
-                    raise ValueError(
-                        f"kernels: {path}=c needs the C kernels, which could not be built "
-                        "(see the warning above; a C compiler on PATH or in $CC)"
-                    )
+            if ops is None and forced_on_c:
+                raise ValueError(
+                    f"kernels: {forced_on_c[0]} needs the C kernels, which could not be built "
+                    "(see the warning above; a C compiler on PATH or in $CC)"
+                )
         trials = kernel_trials(self.model, prefill_tokens, ops)
         shapes = TrialShapes(
             dtype=str(self.dtype).removeprefix("torch."),
@@ -163,9 +164,11 @@ class LLMEngine:
             "decode_ops": "torch",  # no C kernels here (a GPU, or no compiler)
             "threads": "free",  # no C kernels, or one thread: nothing to place
         }
-        for path in ("decode_ops", "linear", "batch_linear"):
-            if forced.get(path) == "c" and ops is None:
-                raise ValueError(f"kernels: {path}=c runs on CPU only (device {self.device})")
+        if forced_on_c and ops is None:
+            raise ValueError(
+                f"kernels: {forced_on_c[0]} runs on the C kernels, on CPU only "
+                f"(device {self.device})"
+            )
         if forced.get("threads") == "bound" and (ops is None or not thread_cpus()):
             raise ValueError(
                 "kernels: threads=bound needs the C kernels on CPU and at least two threads "

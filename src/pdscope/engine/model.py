@@ -1088,8 +1088,10 @@ class CausalLM(nn.Module):
         assert batch.positions is not None and batch.decode_bounds is not None
         # per weight, C reads the copy where there is one and the weight as stored where not,
         # as Linear.forward does
-        step.pairs = (rows == 1 and first.native is not None and first.one_row_pairs) or (
-            rows > 1 and first.many_pairs
+        # as Linear.forward splits them: one-row matmuls by `linear`, more by `batch_linear`
+        one_row = rows <= NATIVE_LINEAR_MAX_ROWS
+        step.pairs = (one_row and first.native is not None and first.one_row_pairs) or (
+            not one_row and first.many_pairs
         )
         step.rows = rows
         step.block_size = batch.block_size
@@ -1444,22 +1446,31 @@ def _linear_trial(model: CausalLM, native: NativeOps | None) -> dict[str, Callab
 
             candidates["amx"] = run_amx
         if weight.dtype == torch.bfloat16 and ops.pairs and pairs_copy_fits(model):
-            # as apply_kernels would run them: weights without a copy take the C kernel
-            pairs = {
-                m: m.pairs if m.pairs is not None else pairs_copy(m.weight, ops) for m in linears
-            }
-
-            def run_pairs() -> None:
-                for m in linears:
-                    p = pairs[m]
-                    x = inputs[m.in_features]
-                    if p is None:
-                        ops.linear(x, m.weight, m.bias)
-                    else:
-                        ops.linear_pairs(x, p, m.bias)
-
-            candidates["pairs"] = run_pairs
+            # weights without a copy take the C kernel
+            candidates["pairs"] = _pairs_candidate(linears, inputs, ops, ops.linear)
     return candidates
+
+
+def _pairs_candidate(
+    linears: list[Linear],
+    inputs: dict[int, torch.Tensor],
+    ops: NativeOps,
+    without_copy: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+) -> Callable[[], None]:
+    """A trial's pairs candidate, run as apply_kernels would: each Linear's matmul through its
+    pack_pairs copy (the one it holds, else one made here), a weight the copy cannot take
+    through ``without_copy``."""
+    pairs = {m: m.pairs if m.pairs is not None else pairs_copy(m.weight, ops) for m in linears}
+
+    def run() -> None:
+        for m in linears:
+            p, x = pairs[m], inputs[m.in_features]
+            if p is None:
+                without_copy(x, m.weight, m.bias)
+            else:
+                ops.linear_pairs(x, p, m.bias)
+
+    return run
 
 
 # Rows of x in the batch_linear trial: the batch the engine's batched-decode figures use.
@@ -1488,20 +1499,8 @@ def _batch_linear_trial(model: CausalLM, native: NativeOps) -> dict[str, Callabl
 
     candidates: dict[str, Callable[[], object]] = {"packed": run_packed, "c": run_c}
     if weight.dtype == torch.bfloat16 and native.pairs_rows and pairs_copy_fits(model):
-        # as apply_kernels would run them: weights without a copy take the many-row kernel
-        pairs = {
-            m: m.pairs if m.pairs is not None else pairs_copy(m.weight, native) for m in linears
-        }
-
-        def run_pairs() -> None:
-            for m in linears:
-                p, x = pairs[m], inputs[m.in_features]
-                if p is None:
-                    native.linear_many(x, m.weight, m.bias)
-                else:
-                    native.linear_pairs(x, p, m.bias)
-
-        candidates["pairs"] = run_pairs
+        # weights without a copy take the many-row kernel
+        candidates["pairs"] = _pairs_candidate(linears, inputs, native, native.linear_many)
     return candidates
 
 

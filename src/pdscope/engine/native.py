@@ -418,11 +418,12 @@ class NativeOps:
         blocks, half, sixteen, two = pairs.shape
         in_features, out_features = 2 * half, 16 * blocks
         rows = x.shape[0] if x.dim() == 2 else 0
+        if rows > 1 and not self.pairs_rows:
+            raise RuntimeError("linear_pairs: this build of the C kernels takes one row only")
         if (
             x.dim() != 2
             or x.shape[1] != in_features
             or rows < 1
-            or (rows > 1 and not self.pairs_rows)
             or x.dtype != torch.bfloat16
             or pairs.dtype != torch.bfloat16
             or (sixteen, two) != (16, 2)

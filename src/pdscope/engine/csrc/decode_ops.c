@@ -2108,18 +2108,25 @@ static inline void pairs_store(__m512 v, int64_t b, const bf16 *bias, bf16 *y, f
         _mm256_storeu_si256((__m256i *)(y + 16 * b), rounded);
 }
 
+/* This thread's share [lo, hi) of n items, split evenly in order over the team of the parallel
+ * region it runs in (all of them outside one). */
+static inline void thread_share(int64_t n, int64_t *lo, int64_t *hi) {
+    *lo = 0, *hi = n;
+#ifdef _OPENMP
+    const int64_t id = omp_get_thread_num(), team = omp_get_num_threads();
+    *lo = n * id / team;
+    *hi = n * (id + 1) / team;
+#endif
+}
+
 static void pairs_one_row(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, float *yf,
                           int64_t in, int64_t out, int threads) {
     const int64_t blocks = out / 16, pairs = in / 2, block_elems = 16 * in;
     const int parallel = threads > 1 && out * in >= 65536;
 #pragma omp parallel num_threads(threads) if (parallel)
     {
-        int64_t lo = 0, hi = blocks;
-#ifdef _OPENMP
-        const int64_t id = omp_get_thread_num(), n = omp_get_num_threads();
-        lo = blocks * id / n;
-        hi = blocks * (id + 1) / n;
-#endif
+        int64_t lo, hi;
+        thread_share(blocks, &lo, &hi);
         /* stream s walks the blocks [start(s), start(s + 1)): eight runs of n / 8 or one more */
         const int64_t count = hi - lo, len = count / PAIRS_STREAMS;
 #define PAIRS_START(s) (lo + count * (s) / PAIRS_STREAMS)
@@ -2166,6 +2173,9 @@ static void pairs_one_row(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 
 #ifndef PAIRS_TILE_BLOCKS
 #define PAIRS_TILE_BLOCKS 3
 #endif
+#if PAIRS_TILE_ROWS < 1 || PAIRS_TILE_ROWS > 8 /* pairs_group's tails take 1-7 rows */
+#error "PAIRS_TILE_ROWS must be 1 to 8"
+#endif
 
 static inline __attribute__((always_inline)) void pairs_tile(const bf16 *x, const bf16 *wp,
                                                              const bf16 *bias, bf16 *y,
@@ -2204,10 +2214,10 @@ static inline __attribute__((always_inline)) void pairs_group(const bf16 *x, con
                                                               int64_t b0, const int B) {
     int64_t r = 0;
     for (; r + PAIRS_TILE_ROWS <= rows; r += PAIRS_TILE_ROWS)
-        pairs_tile(x + r * in, wp, bias, y + r * out, yf ? yf + r * out : NULL, in, out, b0,
-                   PAIRS_TILE_ROWS, B);
+        pairs_tile(x + r * in, wp, bias, y ? y + r * out : NULL, yf ? yf + r * out : NULL, in,
+                   out, b0, PAIRS_TILE_ROWS, B);
     const bf16 *xr = x + r * in;
-    bf16 *yr = y + r * out;
+    bf16 *yr = y ? y + r * out : NULL; /* one of y and yf is NULL */
     float *yfr = yf ? yf + r * out : NULL;
     switch (rows - r) {
 #define PAIRS_TAIL(n) \
@@ -2227,12 +2237,8 @@ static void pairs_rows(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y,
     const int parallel = threads > 1 && rows * out * in >= 65536;
 #pragma omp parallel num_threads(threads) if (parallel)
     {
-        int64_t lo = 0, hi = blocks;
-#ifdef _OPENMP
-        const int64_t id = omp_get_thread_num(), n = omp_get_num_threads();
-        lo = blocks * id / n;
-        hi = blocks * (id + 1) / n;
-#endif
+        int64_t lo, hi;
+        thread_share(blocks, &lo, &hi);
         int64_t b = lo;
         for (; b + PAIRS_TILE_BLOCKS <= hi; b += PAIRS_TILE_BLOCKS)
             pairs_group(x, wp, bias, y, yf, rows, in, out, b, PAIRS_TILE_BLOCKS);
