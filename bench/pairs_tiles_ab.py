@@ -3,12 +3,16 @@ against builds with other shapes (``-DPAIRS_TILE_ROWS``, ``-DPAIRS_TILE_BLOCKS``
 interleaved in one process.
 
 Every weight of the ``small`` model's shapes (49 matmuls, 304 MB of bf16, as pair-interleaved
-copies) at 8, 16 and 32 rows through ``NativeOps.linear_pairs`` of each build; every build's
-result is checked to be the same bits first (each output sums its pairs in one order whatever
-the tile). Prints each shape's median time and, in brackets, the median within rounds of the
+copies) at ``--rows`` (8, 16 and 32) through ``NativeOps.linear_pairs`` of each build; every
+build's result is checked to be the same bits first (each output sums its pairs in one order
+whatever the tile). Prints each shape's median time and, in brackets, the median within rounds of the
 engine's time over its (above 1: that shape is faster).
 
     .venv/bin/python bench/pairs_tiles_ab.py --rounds 9
+
+``--ab-source FILE`` adds ``ab``: the kernels compiled from FILE (e.g. a changed
+``decode_ops.c``, or an earlier commit's from ``git show REV:src/pdscope/engine/csrc/decode_ops.c``)
+at the engine's shape; ``--shapes`` with no shapes leaves the other shapes out.
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument(
-        "--shapes", nargs="+", default=["8x2", "6x4", "4x6", "4x4"], help="ROWSxBLOCKS"
+        "--shapes", nargs="*", default=["8x2", "6x4", "4x6", "4x4"], help="ROWSxBLOCKS"
     )
+    parser.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--ab-source", help="decode_ops.c to build as the `ab` candidate")
     args = parser.parse_args()
     engine = native.load(default_cache_dir() / "native")
     if engine is None or not engine.pairs_rows:
@@ -43,12 +49,14 @@ def main() -> None:
     for shape in args.shapes:
         rows, blocks = shape.split("x")
         builds[shape] = build_ops(SOURCE, f"PAIRS_TILE_ROWS={rows}", f"PAIRS_TILE_BLOCKS={blocks}")
+    if args.ab_source:
+        builds["ab"] = build_ops(args.ab_source)
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=gen).to(torch.bfloat16) for o, i in SHAPES]
     copies = [pairs_copy(w, engine) for w in weights]
     assert all(c is not None for c in copies)
     print(machine_line())
-    for rows in (8, 16, 32):
+    for rows in args.rows:
         x = {i: torch.randn(rows, i, generator=gen).to(torch.bfloat16) for _, i in SHAPES}
 
         def run(ops: native.NativeOps, x: dict[int, torch.Tensor] = x) -> list[torch.Tensor]:
