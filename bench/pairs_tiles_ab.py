@@ -5,8 +5,8 @@ interleaved in one process.
 Every weight of the ``small`` model's shapes (49 matmuls, 304 MB of bf16, as pair-interleaved
 copies) at ``--rows`` (8, 16 and 32) through ``NativeOps.linear_pairs`` of each build; every
 build's result is checked to be the same bits first (each output sums its pairs in one order
-whatever the tile). Prints each shape's median time and, in brackets, the median within rounds of the
-engine's time over its (above 1: that shape is faster).
+whatever the tile). Prints each shape's median time and, in brackets, the median within
+rounds of the engine's time over its (above 1: that shape is faster).
 
     .venv/bin/python bench/pairs_tiles_ab.py --rounds 9
 

@@ -24,8 +24,8 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 # decode steps and a prefill's sampled row); the bf16 tests below cover packed linears and the
 # decode math too. threads=bound changes where the threads run, not what they compute; it is
 # in one row of each so that pinning is exercised under every scheduling mode. batch_linear=c
-# (bf16 matmuls of 2-32 rows through the many-row C kernel) runs its prefill in chunks of 24
-# tokens, so that the logits pass through it (counted below).
+# and pairs (bf16 matmuls of 2-32 rows through the many-row C kernel or the pairs copies) run
+# their prefill in chunks of 24 tokens, so that the logits pass through them (counted below).
 FLOAT32_PATHS = [
     "linear=plain,prefill_attention=blocked,decode_ops=torch",
     "linear=c,prefill_attention=sdpa,decode_ops=c,threads=bound",

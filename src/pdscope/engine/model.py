@@ -1087,8 +1087,7 @@ class CausalLM(nn.Module):
             return None
         assert batch.positions is not None and batch.decode_bounds is not None
         # per weight, C reads the copy where there is one and the weight as stored where not,
-        # as Linear.forward does
-        # as Linear.forward splits them: one-row matmuls by `linear`, more by `batch_linear`
+        # as Linear.forward does, which takes one-row matmuls by `linear`, more by `batch_linear`
         one_row = rows <= NATIVE_LINEAR_MAX_ROWS
         step.pairs = (one_row and first.native is not None and first.one_row_pairs) or (
             not one_row and first.many_pairs
