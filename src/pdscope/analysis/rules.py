@@ -36,8 +36,8 @@ KNOBS: dict[str, dict[str, str]] = {
     "quantize": {
         "vllm": "serve a quantized checkpoint (--quantization fp8 / AWQ / GPTQ) or --kv-cache-"
         "dtype fp8",
-        "pdscope": "a smaller model or fewer bytes per weight (pdscope plan --dtype int8 shows "
-        "the gain)",
+        # no "a smaller model" here: probe's advice adds it beside this for every runtime
+        "pdscope": "fewer bytes per weight (pdscope plan --dtype int8 shows the gain)",
         "ollama": "pull a smaller quantization tag (q4_K_M instead of q8_0 or fp16)",
         "llama.cpp": "use a Q4_K_M / Q5_K_M GGUF",
         "sglang": "--quantization fp8 or a quantized checkpoint",
