@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
+import operator
 import os
 import weakref
 from collections.abc import Callable
@@ -246,6 +247,18 @@ def version_of(t: torch.Tensor) -> int:
         return t._version
     except RuntimeError:
         return -1
+
+
+def versions_of(tensors: list[torch.Tensor]) -> list[int]:
+    """``[version_of(t) for t in tensors]``, without a Python frame per tensor where none is an
+    inference tensor."""
+    try:
+        return list(map(_VERSION, tensors))
+    except RuntimeError:
+        return [version_of(t) for t in tensors]
+
+
+_VERSION = operator.attrgetter("_version")
 
 
 # Bumped whenever any module in this process registers a parameter or buffer through
@@ -1029,9 +1042,11 @@ class CausalLM(nn.Module):
         rows = input_ids.shape[0]
         fused = self._fused_decode(rows, kv_caches, batch) if self.fuse_decode else None
         if fused is not None and self.fuse_logits and native.one_call_logits:
+            # no module runs: no inference mode to enter (~10 us a step, cold)
             return native.decode_logits(*fused, input_ids, self.embed_tokens.weight)
-        residual = self.embed_tokens(input_ids)  # a fresh tensor: updated in place below
-        return self.logits(self._native_layers(residual, kv_caches, batch, fused)), None
+        with torch.inference_mode():
+            residual = self.embed_tokens(input_ids)  # a fresh tensor: updated in place below
+            return self.logits(self._native_layers(residual, kv_caches, batch, fused)), None
 
     def _native_layers(
         self,
@@ -1115,14 +1130,22 @@ class CausalLM(nn.Module):
         per-kernel path then checks and says which)."""
         if self._decode_layers is not None:
             registrations, held, ptrs, copied, versions, _, built = self._decode_layers
-            caches = [cache.data_ptr() for cache in kv_caches]
+            # map() over the methods: no Python frame per tensor (the check is ~160 of them)
             if (
                 registrations == _registrations
-                and ptrs[-len(caches) :] == caches
-                and [t.data_ptr() for t in held] == ptrs
-                and [version_of(t) for t in copied] == versions
+                and len(kv_caches) == self.config.num_layers
+                and all(map(operator.is_, kv_caches, held[-len(kv_caches) :]))
+                and list(map(torch.Tensor.data_ptr, held)) == ptrs
+                and versions_of(copied) == versions
             ):
                 return built
+        return self._build_decode_layers(kv_caches)
+
+    @torch.inference_mode()  # copies made here (Linear.current_pairs) are inference tensors
+    def _build_decode_layers(
+        self, kv_caches: list[torch.Tensor]
+    ) -> tuple[ctypes.Array[DecodeLayer], DecodeStep, Linear] | None:
+        """:meth:`_decode_layer_array`'s build, and what its check reads, kept."""
         rows = []
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
@@ -1221,7 +1244,7 @@ class CausalLM(nn.Module):
             held,
             [t.data_ptr() for t in held],
             copied,
-            [version_of(t) for t in copied],
+            versions_of(copied),
             # the copies, and the storages pointed into (held as Linear.hold_source holds
             # them, so that no later tensor takes a checked address)
             copies + [t.untyped_storage() for t in held],

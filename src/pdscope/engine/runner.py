@@ -54,6 +54,14 @@ def kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+def _takes_argmax(request: Request) -> bool:
+    """Whether ``request``'s next token is its logits' argmax as given (:meth:`ModelRunner.sample`
+    would change nothing: greedy, and no stop token held back by ``min_tokens``)."""
+    p = request.params
+    held = request.stop_token_ids and len(request.output_token_ids) < p.min_tokens
+    return p.greedy and not held
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device):
         c = model.config
@@ -66,6 +74,10 @@ class ModelRunner:
         shape = (2, c.num_kv_heads, num_blocks * block_size, c.head_dim)
         self.kv_caches = [kv_cache(shape, self.dtype, device) for _ in range(c.num_layers)]
         self.generators: dict[str, torch.Generator] = {}
+        # decodes-only steps under the C kernels write their indices here (_index_views)
+        self._index_buf = torch.zeros(1024, dtype=torch.long)
+        self._index_np = self._index_buf.numpy()
+        self._index_view_cache: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         # threads=bound (engine/kernels.py): the C kernels, the CPUs that pin the OpenMP team
         # of the thread running a step for the step's duration, and the CPUs it is freed to
         # after it (so nothing outside the steps, e.g. a process started between them,
@@ -100,17 +112,28 @@ class ModelRunner:
         finally:
             ops.place_threads(allowed, bind=False)
 
-    @torch.inference_mode()
     def _execute(self, out: SchedulerOutput) -> dict[Request, int]:
         # Decodes first (one token each), then prefill chunks, matching AttentionBatch's layout.
         # The phase is the scheduler's call (ScheduledRequest.is_prefill), never decided here.
         decodes = [e for e in out.scheduled if not e.is_prefill]
-        prefills = [e for e in out.scheduled if e.is_prefill]
-        if decodes and not prefills and self.model.native is not None:
+        if decodes and len(decodes) == len(out.scheduled) and self.model.native is not None:
             assert all(e.samples for e in decodes)  # a decode's token is always due
             batch, token_ids = self._native_decode_batch(decodes)
+            # (CausalLM.decode_logits enters inference mode itself where it runs modules)
             logits, greedy = self.model.decode_logits(token_ids, self.kv_caches, batch)
-            return self._sampled(logits, [e.request for e in decodes], greedy)
+            due = [e.request for e in decodes]
+            if greedy is not None and not self.capture_logits and all(map(_takes_argmax, due)):
+                return dict(zip(due, greedy.tolist(), strict=True))
+            with torch.inference_mode():  # the logits may be an inference tensor, edited here
+                return self._sampled(logits, due, greedy)
+        with torch.inference_mode():
+            return self._forward(decodes, [e for e in out.scheduled if e.is_prefill])
+
+    def _forward(
+        self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]
+    ) -> dict[Request, int]:
+        """A step with prefill chunks, or any step off the C kernels: the model's forward over
+        the step's tokens, then the logits of the rows whose token is due."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -156,33 +179,70 @@ class ModelRunner:
     ) -> tuple[AttentionBatch, torch.Tensor]:
         """A decodes-only step for the C kernels and its token ids: block tables and key
         bounds, nothing gathered, no mask (each sequence's keys are cut to its own context and
-        window). (The indices as views of one tensor instead of five measured no faster.)"""
-        dev, bs, window = self.device, self.block_size, self.model.config.sliding_window
+        window). The indices are written into one int64 buffer the runner keeps and handed out
+        as views of it (:meth:`_index_views`), valid until the next step: five ``torch.tensor``
+        calls took ~60 us of a batch-1 step, their lines cold after the step streamed the
+        weights."""
+        bs, window = self.block_size, self.model.config.sliding_window
+        rows = len(decodes)
         lengths = [e.end for e in decodes]  # each decodes its last token, at position end - 1
-        width = max(-(-length // bs) for length in lengths)
-        tables = [e.request.block_table[:width] for e in decodes]
-        tables = [t + [0] * (width - len(t)) for t in tables]
-        bounds = [(max(0, n - window) if window else 0, n) for n in lengths]
-        slots = [self._slots(e.request, n - 1, n)[0] for e, n in zip(decodes, lengths, strict=True)]
+        width = -(-max(lengths) // bs)
+        ids, positions, slots, bounds, tables = [], [], [], [], []
+        for e, n in zip(decodes, lengths, strict=True):
+            table = e.request.block_table
+            ids.append(e.request.token_ids[n - 1])
+            positions.append(n - 1)
+            slots.append(table[(n - 1) // bs] * bs + (n - 1) % bs)
+            bounds += (max(0, n - window) if window else 0, n)
+            row = table[:width]
+            tables += row
+            if len(row) < width:
+                tables += [0] * (width - len(row))
         runs = None
-        if len(decodes) == 1 and lengths[0] - bounds[0][0] >= NATIVE_SDPA_FROM_KEYS:
-            runs = slot_runs(decodes[0].request.block_table, *bounds[0], bs)
-            runs = runs if can_decode_in_place(runs, dev) else None
+        if rows == 1 and lengths[0] - bounds[0] >= NATIVE_SDPA_FROM_KEYS:
+            runs = slot_runs(decodes[0].request.block_table, bounds[0], bounds[1], bs)
+            runs = runs if can_decode_in_place(runs, self.device) else None
+        views = self._index_views(rows, width)
+        self._index_np[: rows * (5 + width)] = ids + positions + slots + bounds + tables
+        id_view, position_view, slot_view, bound_view, table_view = views
         batch = AttentionBatch(
-            torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_view,
             bs,
-            len(decodes),
+            rows,
             None,
-            bounds[0] if runs else (0, 0),
+            (bounds[0], bounds[1]) if runs else (0, 0),
             None,
             [],
             runs,
-            decode_tables=torch.tensor(tables, dtype=torch.long, device=dev),
-            decode_bounds=torch.tensor(bounds, dtype=torch.long, device=dev),
-            positions=torch.tensor([n - 1 for n in lengths], dtype=torch.long, device=dev),
+            decode_tables=table_view,
+            decode_bounds=bound_view,
+            positions=position_view,
         )
-        ids = [e.request.token_ids[n - 1] for e, n in zip(decodes, lengths, strict=True)]
-        return batch, torch.tensor(ids, dtype=torch.long, device=dev)
+        return batch, id_view
+
+    def _index_views(self, rows: int, width: int) -> tuple[torch.Tensor, ...]:
+        """Views of the index buffer for a decodes-only step of ``rows`` sequences and block
+        tables ``width`` wide: ids [rows], positions [rows], slots [rows], key bounds [rows, 2]
+        and tables [rows, width], in this order, one after another. Made once per shape; the
+        buffer grows (and the views are made anew) when a step needs more."""
+        views = self._index_view_cache.get((rows, width))
+        if views is not None:
+            return views
+        need = rows * (5 + width)
+        if need > self._index_buf.numel():
+            self._index_buf = torch.zeros(max(need, 2 * self._index_buf.numel()), dtype=torch.long)
+            self._index_np = self._index_buf.numpy()
+            self._index_view_cache.clear()
+        buf = self._index_buf
+        views = (
+            buf[:rows],
+            buf[rows : 2 * rows],
+            buf[2 * rows : 3 * rows],
+            buf[3 * rows : 5 * rows].view(rows, 2),
+            buf[5 * rows : need].view(rows, width),
+        )
+        self._index_view_cache[(rows, width)] = views
+        return views
 
     def _batch(
         self,
