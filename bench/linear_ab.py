@@ -9,7 +9,8 @@ the many-row C kernel (``batch_linear=c``: AMX tiles where the CPU and Linux all
 ``c_many_huge`` the same over copies of the weights on transparent huge pages, as the engine
 keeps the weights its C kernels stream (where Linux offers them), and ``pairs`` the
 pair-interleaved copies (``linear=pairs`` at one row, ``batch_linear=pairs`` at more; with
-AVX-512 BF16), printed against ``packed2048``.
+AVX-512 BF16), printed against ``packed2048``; at one row also ``pairs2``, the same copies read
+as two streams a thread (``linear=pairs2``), printed against ``pairs``.
 
     .venv/bin/python bench/linear_ab.py --rows 1 2 4 32 64
 
@@ -86,6 +87,11 @@ def main() -> None:
             paths["pairs"] = lambda x=x: [
                 ops.linear_pairs(x[w.shape[1]], p) for w, p in zip(weights, pairs, strict=True)
             ]
+            if rows == 1:  # linear=pairs2: two streams a thread where pairs keeps eight
+                paths["pairs2"] = lambda x=x: [
+                    ops.linear_pairs(x[w.shape[1]], p, streams=2)
+                    for w, p in zip(weights, pairs, strict=True)
+                ]
         if other is not None:
             paths["c_many_ab"] = lambda x=x: [other.linear_many(x[w.shape[1]], w) for w in weights]
         times: dict[str, list[float]] = {k: [] for k in paths}
@@ -120,6 +126,15 @@ def main() -> None:
             + (f", c_many / c_many_huge {ratios[2]:.2f}" if "c_many_huge" in times else "")
             + (f", c_many_ab / c_many {ratios[-1]:.2f}" if other is not None else "")
             + (f", packed2048 / pairs {pairs_ratio:.2f}" if pairs_ratio else "")
+            + (
+                ", pairs / pairs2 {:.2f}".format(
+                    statistics.median(
+                        a / b for a, b in zip(times["pairs"], times["pairs2"], strict=True)
+                    )
+                )
+                if "pairs2" in times
+                else ""
+            )
         )
 
 

@@ -44,6 +44,8 @@ BF16_PATHS = [
     "linear=pairs,batch_linear=c,prefill_attention=c,decode_math=native,decode_ops=c",
     # batched rows (the 24-row chunks below) through the pairs copies, single rows packed
     "linear=packed,batch_linear=pairs,prefill_attention=c,decode_math=float32,decode_ops=c",
+    # single rows through the copies as two streams a thread, batched rows too
+    "linear=pairs2,batch_linear=pairs,prefill_attention=c,decode_math=native,decode_ops=c",
     # a prefill's matmuls split by rows over the threads (the 1,100-token chunk below)
     "linear=c,batch_linear=packed,prefill_linear=rows,prefill_attention=sdpa,"
     "decode_math=native,decode_ops=c",
@@ -197,7 +199,7 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
     save_file(tensors, weights_file, metadata={"format": "pt"})
     paths = parse_kernels(kernels)
     many = paths["batch_linear"] in ("c", "pairs")
-    c_linear = paths["linear"] in ("c", "amx", "pairs")
+    c_linear = paths["linear"] in ("c", "amx", "pairs", "pairs2")
     llm = LLM(
         model=str(path),
         dtype="bfloat16",
@@ -215,9 +217,11 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
     linears = [m for m in model.modules() if hasattr(m, "packed")]
     assert all((m.native is not None) == c_linear for m in linears)
     assert all(m.one_row_amx == (paths["linear"] == "amx") for m in linears)
-    pair_rows, many_pairs = paths["linear"] == "pairs", paths["batch_linear"] == "pairs"
+    pair_rows = paths["linear"] in ("pairs", "pairs2")
+    many_pairs = paths["batch_linear"] == "pairs"
     # every weight here has a shape the copy takes
     assert all((m.pairs is not None) == (pair_rows or many_pairs) for m in linears)
+    assert all(m.pair_streams == (2 if paths["linear"] == "pairs2" else 8) for m in linears)
     assert all(m.many_pairs == many_pairs for m in linears)
     assert all((m.native_many is not None) == many for m in linears)
     rows = 2048 if c_linear else 1  # packed for many rows where C takes one
@@ -488,6 +492,7 @@ def test_c_path_hands_long_contexts_to_sdpa_in_place(
         ("bfloat16", "linear=amx,batch_linear=c,prefill_attention=sdpa,decode_ops=c"),
         ("bfloat16", "linear=pairs,batch_linear=c,prefill_attention=sdpa,decode_ops=c"),
         ("bfloat16", "linear=pairs,batch_linear=pairs,prefill_attention=sdpa,decode_ops=c"),
+        ("bfloat16", "linear=pairs2,batch_linear=pairs,prefill_attention=sdpa,decode_ops=c"),
         # batched rows through the copies, single rows not: made for batch_linear alone
         ("bfloat16", "linear=packed,batch_linear=pairs,prefill_attention=sdpa,decode_ops=c"),
         ("bfloat16", "linear=c,batch_linear=pairs,prefill_attention=sdpa,decode_ops=c"),

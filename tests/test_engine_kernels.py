@@ -277,6 +277,7 @@ def test_forcing_an_option_that_runs_on_c_loads_the_c_kernels(
     for path, option in (
         ("batch_linear", "pairs"),
         ("linear", "pairs"),
+        ("linear", "pairs2"),
         ("prefill_attention", "c"),
     ):
         spec = ",".join(f"{p}={o}" for p, o in {**off, path: option}.items())
@@ -300,13 +301,15 @@ def test_pairs_are_offered_to_the_linear_trial_only_while_their_copy_fits(
     if ops is None or not ops.pairs:
         pytest.skip("no AVX-512 BF16 in this build of the C kernels")
     trials = model_module.kernel_trials(model, 64, ops)
-    assert "pairs" in trials["linear"]() and "pairs" in trials["batch_linear"]()
+    linear = trials["linear"]()
+    assert {"pairs", "pairs2"} <= set(linear) and "pairs" in trials["batch_linear"]()
     made: list[object] = []
     monkeypatch.setattr(model_module, "pairs_copy", lambda *a: made.append(a))
     monkeypatch.setattr(model_module, "TRANSPOSED_COPY_MAX_SHARE", 0.0)
     assert not model_module.pairs_copy_fits(model)
     trials = model_module.kernel_trials(model, 64, ops)
-    assert "pairs" not in trials["linear"]() and "pairs" not in trials["batch_linear"]()
+    assert not {"pairs", "pairs2"} & set(trials["linear"]())
+    assert "pairs" not in trials["batch_linear"]()
     assert not made
 
 
@@ -862,7 +865,8 @@ def test_pairs_linear_matches_f_linear_whatever_the_threads(
     counts that leave the eight-stream loop a remainder (1, 3, 9, 65 blocks of 16) or none
     (16, 1,024 at the small model's LM head), inputs of one pair up to the down projection's
     2,816, with and without a bias. Each block sums its pairs in one order whichever loop runs
-    it, so the bits are the same at any thread count; and the copy is the documented layout."""
+    it, so the bits are the same at any thread count and either stream count (8, or 2 for
+    linear=pairs2); and the copy is the documented layout."""
     if not c_ops.pairs:
         pytest.skip("this build of the C kernels lacks AVX-512 BF16")
     gen = torch.Generator().manual_seed(11)
@@ -880,8 +884,9 @@ def test_pairs_linear_matches_f_linear_whatever_the_threads(
                 torch.set_num_threads(1)
                 alone = c_ops.linear_pairs(x, pairs, b)
                 torch.set_num_threads(threads)
-                y = c_ops.linear_pairs(x, pairs, b)
-                assert torch.equal(y, alone), (outputs, inputs)
+                for streams in native.PAIR_STREAMS:
+                    y = c_ops.linear_pairs(x, pairs, b, streams=streams)
+                    assert torch.equal(y, alone), (outputs, inputs, streams)
                 _assert_as_close_as_f_linear(y, x, weight, b)
     finally:
         torch.set_num_threads(saved)
@@ -889,6 +894,8 @@ def test_pairs_linear_matches_f_linear_whatever_the_threads(
         c_ops.pack_pairs(torch.zeros(24, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="does not fit"):
         c_ops.linear_pairs(torch.zeros(1, 6, dtype=torch.bfloat16), c_ops.pack_pairs(weight))
+    with pytest.raises(ValueError, match="streams must be one of"):
+        c_ops.linear_pairs(x, pairs, streams=3)
 
 
 @needs_cc

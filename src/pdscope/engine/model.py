@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdscope.engine.kernels import PAIRS_LINEAR
 from pdscope.engine.native import DecodeLayer, DecodeStep
 from pdscope.specs import architectures as registry
 
@@ -309,7 +310,8 @@ class Linear(nn.Linear):
     # linear=pairs: the weight's pack_pairs copy [out / 16, in / 2, 16, 2], what single rows
     # multiply by (NativeOps.linear_pairs); None where the shape does not allow it.
     pairs: torch.Tensor | None = None
-    one_row_pairs: bool = False  # linear=pairs: single rows read the copy where there is one
+    one_row_pairs: bool = False  # linear=pairs/pairs2: single rows read the copy where it is
+    pair_streams: int = 8  # ... as 8 streams a thread (linear=pairs) or 2 (pairs2)
     # batch_linear=pairs: matmuls of 2 to NATIVE_MANY_MAX_ROWS rows read it (native_many set)
     many_pairs: bool = False
     # The weight_key() each copy (packed, weight_t, pairs) was made from: a copy whose key
@@ -395,7 +397,9 @@ class Linear(nn.Linear):
         if self.one_row_pairs and self.native is not None and x.dim() == 2 and x.shape[0] == 1:
             pairs = self.current_pairs()  # None: a weight the copy cannot take
             if pairs is not None:
-                return self.native.linear_pairs(x.contiguous(), pairs, self.bias)
+                return self.native.linear_pairs(
+                    x.contiguous(), pairs, self.bias, streams=self.pair_streams
+                )
         if self.native is not None and x.dim() == 2 and x.shape[0] <= NATIVE_LINEAR_MAX_ROWS:
             run = self.native.linear_many if self.one_row_amx else self.native.linear
             return run(x.contiguous(), self.weight, self.bias)
@@ -1107,6 +1111,7 @@ class CausalLM(nn.Module):
         step.pairs = (one_row and first.native is not None and first.one_row_pairs) or (
             not one_row and first.many_pairs
         )
+        step.pair_streams = first.pair_streams
         step.rows = rows
         step.block_size = batch.block_size
         step.table_width = batch.decode_tables.shape[1]
@@ -1277,10 +1282,10 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             "prefill_attention=c needs the C kernels built with AVX-512 BF16, which this CPU "
             "or compiler does not give"
         )
-    if choice.linear == "pairs" and (native is None or not native.pairs):
+    if choice.linear in PAIRS_LINEAR and (native is None or not native.pairs):
         raise ValueError(
-            "linear=pairs needs the C kernels built with AVX-512 BF16, which this CPU or "
-            "compiler does not give"
+            f"linear={choice.linear} needs the C kernels built with AVX-512 BF16, which this "
+            "CPU or compiler does not give"
         )
     if choice.batch_linear == "pairs" and (native is None or not native.pairs_rows):
         raise ValueError(
@@ -1294,10 +1299,11 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
     for module in model.modules():
         if isinstance(module, Linear):
             # linear=c, amx or pairs: single rows through C, larger matmuls through packed weights.
-            one_row_c = choice.linear in ("c", "amx", "pairs")
+            one_row_c = choice.linear in ("c", "amx", *PAIRS_LINEAR)
             module.native = native if one_row_c else None
             module.one_row_amx = choice.linear == "amx" and module.weight.dtype == torch.bfloat16
-            module.one_row_pairs = choice.linear == "pairs"
+            module.one_row_pairs = choice.linear in PAIRS_LINEAR
+            module.pair_streams = PAIRS_LINEAR.get(choice.linear, 8)
             module.many_pairs = choice.batch_linear == "pairs"
             # batch_linear=pairs: weights without a copy take the many-row kernel
             module.native_many = native if choice.batch_linear in ("c", "pairs") else None
@@ -1332,7 +1338,7 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
                 module.hold_source("weight_t", made=False)
             elif module.weight_t is None or module.weight_t_source != module.weight_key():
                 module.make_weight_t()
-            if choice.linear != "pairs" and choice.batch_linear != "pairs":
+            if choice.linear not in PAIRS_LINEAR and choice.batch_linear != "pairs":
                 module.pairs = None
                 module.hold_source("pairs", made=False)
             elif module.pairs is None:
@@ -1468,29 +1474,37 @@ def _linear_trial(model: CausalLM, native: NativeOps | None) -> dict[str, Callab
 
             candidates["amx"] = run_amx
         if weight.dtype == torch.bfloat16 and ops.pairs and pairs_copy_fits(model):
-            # weights without a copy take the C kernel
-            candidates["pairs"] = _pairs_candidate(linears, inputs, ops, ops.linear)
+            # weights without a copy take the C kernel; one set of copies for both counts
+            copies = _pairs_copies(linears, ops)
+            for name, streams in PAIRS_LINEAR.items():
+                candidates[name] = _pairs_candidate(copies, inputs, ops, ops.linear, streams)
     return candidates
 
 
+def _pairs_copies(linears: list[Linear], ops: NativeOps) -> dict[Linear, torch.Tensor | None]:
+    """Each Linear's pack_pairs copy for a trial: the one it holds, else one made here (None
+    where the weight's shape takes none)."""
+    return {m: m.pairs if m.pairs is not None else pairs_copy(m.weight, ops) for m in linears}
+
+
 def _pairs_candidate(
-    linears: list[Linear],
+    copies: dict[Linear, torch.Tensor | None],
     inputs: dict[int, torch.Tensor],
     ops: NativeOps,
     without_copy: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+    streams: int = 8,
 ) -> Callable[[], None]:
     """A trial's pairs candidate, run as apply_kernels would: each Linear's matmul through its
-    pack_pairs copy (the one it holds, else one made here), a weight the copy cannot take
-    through ``without_copy``."""
-    pairs = {m: m.pairs if m.pairs is not None else pairs_copy(m.weight, ops) for m in linears}
+    copy (:func:`_pairs_copies`; one row read as ``streams`` a thread), a weight the copy
+    cannot take through ``without_copy``."""
 
     def run() -> None:
-        for m in linears:
-            p, x = pairs[m], inputs[m.in_features]
+        for m, p in copies.items():
+            x = inputs[m.in_features]
             if p is None:
                 without_copy(x, m.weight, m.bias)
             else:
-                ops.linear_pairs(x, p, m.bias)
+                ops.linear_pairs(x, p, m.bias, streams=streams)
 
     return run
 
@@ -1522,7 +1536,9 @@ def _batch_linear_trial(model: CausalLM, native: NativeOps) -> dict[str, Callabl
     candidates: dict[str, Callable[[], object]] = {"packed": run_packed, "c": run_c}
     if weight.dtype == torch.bfloat16 and native.pairs_rows and pairs_copy_fits(model):
         # weights without a copy take the many-row kernel
-        candidates["pairs"] = _pairs_candidate(linears, inputs, native, native.linear_many)
+        candidates["pairs"] = _pairs_candidate(
+            _pairs_copies(linears, native), inputs, native, native.linear_many
+        )
     return candidates
 
 

@@ -36,6 +36,8 @@ _FLAG_SETS = (
     ["-O3", "-march=native", "-fPIC", "-shared"],
 )
 _SUPPORTED = (torch.float32, torch.bfloat16)
+# linear_pairs' streams a thread at one row (decode_ops.c's pairs_one_row compiles these two)
+PAIR_STREAMS = (8, 2)
 
 _loaded: dict[Path, NativeOps | None] = {}
 
@@ -203,6 +205,7 @@ class DecodeStep(ctypes.Structure):
         # linear=pairs: one-row matmuls read the pack_pairs copies, the LM head's here
         ("lm_head_p", _P),
         ("pairs", _I),
+        ("pair_streams", _I),  # one-row matmuls over the copies: streams a thread (2, else 8)
     ]
 
 
@@ -290,12 +293,12 @@ class NativeOps:
         if self.pairs:
             self.lib.pack_pairs.argtypes = [_P, _P, _I, _I, _C]
             self.lib.pack_pairs.restype = None
-            self.lib.linear_pairs.argtypes = [_P] * 5 + [_I, _I, _C]
+            self.lib.linear_pairs.argtypes = [_P] * 5 + [_I, _I, _C, _C]
             self.lib.linear_pairs.restype = ctypes.c_int
         # newer still: several rows through the same copies (batch_linear=pairs)
         self.pairs_rows = self.pairs and hasattr(self.lib, "linear_pairs_rows")
         if self.pairs_rows:
-            self.lib.linear_pairs_rows.argtypes = [_P] * 5 + [_I, _I, _I, _C]
+            self.lib.linear_pairs_rows.argtypes = [_P] * 5 + [_I, _I, _I, _C, _C]
             self.lib.linear_pairs_rows.restype = ctypes.c_int
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -407,11 +410,16 @@ class NativeOps:
         return out
 
     def linear_pairs(
-        self, x: torch.Tensor, pairs: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        pairs: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        streams: int = 8,
     ) -> torch.Tensor:
         """x [rows, in] @ weight^T (+ bias) in bf16 from ``pairs``, the weight's
-        :meth:`pack_pairs` copy: 16 outputs per 64-byte load. One row reads 8 blocks side by
-        side per thread (decode_ops.c's linear_pairs); several (where the build has
+        :meth:`pack_pairs` copy: 16 outputs per 64-byte load. One row reads ``streams`` (8 or
+        2) blocks side by side per thread (decode_ops.c's linear_pairs; the same bits either
+        way); several (where the build has
         linear_pairs_rows) run in tiles of up to 8 rows against 3 blocks at a time, each row
         the same bits as alone. float32 accumulation, one rounding at the end."""
         _check(x, pairs, bias)
@@ -434,13 +442,17 @@ class NativeOps:
             )
         if bias is not None and (bias.shape != (out_features,) or bias.dtype != x.dtype):
             raise ValueError(f"linear_pairs: bias {tuple(bias.shape)} does not fit {out_features}")
+        if streams not in PAIR_STREAMS:
+            raise ValueError(f"linear_pairs: streams must be one of {PAIR_STREAMS}, got {streams}")
         y = torch.empty(rows, out_features, dtype=x.dtype)
         threads = torch.get_num_threads()
         args = (x.data_ptr(), pairs.data_ptr(), _ptr(bias), y.data_ptr(), None)
         if rows == 1:
-            ran = self.lib.linear_pairs(*args, in_features, out_features, threads)
+            ran = self.lib.linear_pairs(*args, in_features, out_features, threads, streams)
         else:
-            ran = self.lib.linear_pairs_rows(*args, rows, in_features, out_features, threads)
+            ran = self.lib.linear_pairs_rows(
+                *args, rows, in_features, out_features, threads, streams
+            )
         if not ran:
             raise RuntimeError("linear_pairs: this build of the C kernels lacks AVX-512 BF16")
         return y

@@ -2068,7 +2068,10 @@ int prefill_attention_vec_paged(const bf16 *q, const bf16 *cache, bf16 *out, int
  * on the AMX Xeon a plain read of 304 MB ran at ~20 GB/s as one stream per core and ~32 GB/s
  * as four to eight (bench/gemv_micro.c's read_streams). amx_one_row walks a weight 32 rows at
  * a time, each row in 64-byte steps; this kernel reads 8 blocks of 16 rows side by side, each
- * block one contiguous run, so a core keeps 8 streams going.
+ * block one contiguous run, so a core keeps 8 streams going. On the AMD EPYC fewer streams
+ * read faster: the whole one-call decode step took ~1/1.07 the time with 2 streams a thread
+ * (and with 1) as with 8 (300 rounds interleaved, 2 threads). So the count is a parameter,
+ * 8 (linear=pairs) or 2 (linear=pairs2), and the kernel trial picks it.
  *
  * The copy, [out / 16][in / 2][16][2]: block b, pair k holds w[16 b + j][2 k] and
  * w[16 b + j][2 k + 1] for j = 0..15, so one 64-byte load and one `vdpbf16ps` against x's pair
@@ -2119,44 +2122,61 @@ static inline void thread_share(int64_t n, int64_t *lo, int64_t *hi) {
 #endif
 }
 
+/* The blocks [lo, hi) of y from wp, read as S streams: S runs of the blocks side by side, each
+ * run one contiguous stretch of the copy. Inlined with S a constant, so each count compiles to
+ * its own unrolled loop. */
+static inline __attribute__((always_inline)) void pairs_streams(const bf16 *x, const bf16 *wp,
+                                                                const bf16 *bias, bf16 *y,
+                                                                float *yf, int64_t in,
+                                                                int64_t lo, int64_t hi,
+                                                                const int S) {
+    const int64_t pairs = in / 2, block_elems = 16 * in;
+    /* stream s walks the blocks [start(s), start(s + 1)): S runs of n / S or one more */
+    const int64_t count = hi - lo, len = count / S;
+#define PAIRS_START(s) (lo + count * (s) / S)
+    for (int64_t i = 0; i < len; i++) {
+        const bf16 *a[PAIRS_STREAMS];
+        __m512 c[PAIRS_STREAMS];
+        for (int s = 0; s < S; s++) {
+            a[s] = wp + (PAIRS_START(s) + i) * block_elems;
+            c[s] = _mm512_setzero_ps();
+        }
+        for (int64_t k = 0; k < pairs; k++) {
+            const __m512bh xv = pair_of(x, k);
+#pragma GCC unroll 8
+            for (int s = 0; s < S; s++)
+                c[s] = _mm512_dpbf16_ps(c[s], (__m512bh)_mm512_loadu_si512(a[s] + 32 * k), xv);
+        }
+        for (int s = 0; s < S; s++) pairs_store(c[s], PAIRS_START(s) + i, bias, y, yf);
+    }
+    /* the last block of each run one longer than n / S (at most S - 1): each alone, summed in
+     * the same order */
+    for (int s = 0; s < S; s++)
+        for (int64_t b = PAIRS_START(s) + len; b < PAIRS_START(s + 1); b++) {
+            const bf16 *a = wp + b * block_elems;
+            __m512 c = _mm512_setzero_ps();
+            for (int64_t k = 0; k < pairs; k++)
+                c = _mm512_dpbf16_ps(c, (__m512bh)_mm512_loadu_si512(a + 32 * k), pair_of(x, k));
+            pairs_store(c, b, bias, y, yf);
+        }
+#undef PAIRS_START
+}
+
+/* One row, each thread's share of the blocks read as `streams` runs side by side: 2, or
+ * PAIRS_STREAMS for any other value. Each block sums its pairs in order in one accumulator
+ * either way: the same bits. */
 static void pairs_one_row(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, float *yf,
-                          int64_t in, int64_t out, int threads) {
-    const int64_t blocks = out / 16, pairs = in / 2, block_elems = 16 * in;
+                          int64_t in, int64_t out, int threads, int streams) {
+    const int64_t blocks = out / 16;
     const int parallel = threads > 1 && out * in >= 65536;
 #pragma omp parallel num_threads(threads) if (parallel)
     {
         int64_t lo, hi;
         thread_share(blocks, &lo, &hi);
-        /* stream s walks the blocks [start(s), start(s + 1)): eight runs of n / 8 or one more */
-        const int64_t count = hi - lo, len = count / PAIRS_STREAMS;
-#define PAIRS_START(s) (lo + count * (s) / PAIRS_STREAMS)
-        for (int64_t i = 0; i < len; i++) {
-            const bf16 *a[PAIRS_STREAMS];
-            __m512 c[PAIRS_STREAMS];
-            for (int s = 0; s < PAIRS_STREAMS; s++) {
-                a[s] = wp + (PAIRS_START(s) + i) * block_elems;
-                c[s] = _mm512_setzero_ps();
-            }
-            for (int64_t k = 0; k < pairs; k++) {
-                const __m512bh xv = pair_of(x, k);
-#pragma GCC unroll 8
-                for (int s = 0; s < PAIRS_STREAMS; s++)
-                    c[s] = _mm512_dpbf16_ps(c[s], (__m512bh)_mm512_loadu_si512(a[s] + 32 * k), xv);
-            }
-            for (int s = 0; s < PAIRS_STREAMS; s++)
-                pairs_store(c[s], PAIRS_START(s) + i, bias, y, yf);
-        }
-        /* the last block of each run one longer than n / 8 (at most 7): each alone, summed in
-         * the same order */
-        for (int s = 0; s < PAIRS_STREAMS; s++)
-            for (int64_t b = PAIRS_START(s) + len; b < PAIRS_START(s + 1); b++) {
-                const bf16 *a = wp + b * block_elems;
-                __m512 c = _mm512_setzero_ps();
-                for (int64_t k = 0; k < pairs; k++)
-                    c = _mm512_dpbf16_ps(c, (__m512bh)_mm512_loadu_si512(a + 32 * k), pair_of(x, k));
-                pairs_store(c, b, bias, y, yf);
-            }
-#undef PAIRS_START
+        if (streams == 2)
+            pairs_streams(x, wp, bias, y, yf, in, lo, hi, 2);
+        else
+            pairs_streams(x, wp, bias, y, yf, in, lo, hi, PAIRS_STREAMS);
     }
 }
 
@@ -2249,36 +2269,39 @@ static void pairs_rows(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y,
 
 /* y [rows, out] = x [rows, in] @ w^T (+ bias) in bf16 from wp, w's pack_pairs copy; y bf16,
  * or when yf is set, float32 (the bf16 results widened) there instead. One row takes
- * linear_pairs' kernel, several the row tiles above; each row's result is the same bits
- * either way. Returns 1 when it ran, 0 when this build lacks AVX-512 BF16. */
+ * linear_pairs' kernel (`streams` a thread: 2, else 8), several the row tiles above; each
+ * row's result is the same bits either way. Returns 1 when it ran, 0 when this build lacks
+ * AVX-512 BF16. */
 int linear_pairs_rows(const void *x, const void *wp, const void *bias, void *y, float *yf,
-                      int64_t rows, int64_t in, int64_t out, int threads) {
+                      int64_t rows, int64_t in, int64_t out, int threads, int streams) {
 #ifdef HAVE_DPBF16
     if (rows == 1)
         pairs_one_row((const bf16 *)x, (const bf16 *)wp, (const bf16 *)bias, (bf16 *)y, yf, in,
-                      out, threads);
+                      out, threads, streams);
     else
         pairs_rows((const bf16 *)x, (const bf16 *)wp, (const bf16 *)bias, (bf16 *)y, yf, rows,
                    in, out, threads);
     return 1;
 #else
     (void)x, (void)wp, (void)bias, (void)y, (void)yf, (void)rows, (void)in, (void)out,
-        (void)threads;
+        (void)threads, (void)streams;
     return 0;
 #endif
 }
 
 /* y [out] = x [in] @ w [out, in]^T (+ bias [out]) for one row of bf16, from wp, w's
  * pack_pairs copy; y bf16, or when yf is set, float32 (the bf16 result widened) there instead.
- * Returns 1 when it ran, 0 when this build lacks AVX-512 BF16. */
+ * Each thread reads its share as `streams` runs side by side (2, else 8). Returns 1 when it
+ * ran, 0 when this build lacks AVX-512 BF16. */
 int linear_pairs(const void *x, const void *wp, const void *bias, void *y, float *yf, int64_t in,
-                 int64_t out, int threads) {
+                 int64_t out, int threads, int streams) {
 #ifdef HAVE_DPBF16
     pairs_one_row((const bf16 *)x, (const bf16 *)wp, (const bf16 *)bias, (bf16 *)y, yf, in, out,
-                  threads);
+                  threads, streams);
     return 1;
 #else
-    (void)x, (void)wp, (void)bias, (void)y, (void)yf, (void)in, (void)out, (void)threads;
+    (void)x, (void)wp, (void)bias, (void)y, (void)yf, (void)in, (void)out, (void)threads,
+        (void)streams;
     return 0;
 #endif
 }
@@ -2324,6 +2347,7 @@ typedef struct {
      * set */
     const void *lm_head_p;
     int64_t pairs;
+    int64_t pair_streams; /* one-row matmuls over the copies: streams a thread (linear_pairs) */
 } decode_step;
 
 static void step_norm(const decode_step *s, const void *x, void *residual, const void *w,
@@ -2338,7 +2362,8 @@ static void step_norm(const decode_step *s, const void *x, void *residual, const
 static int step_linear(const decode_step *s, const void *x, const void *w, const void *wp,
                        const void *bias, void *y, int64_t in, int64_t out) {
     if (s->pairs && wp &&
-        linear_pairs_rows(x, wp, bias, y, NULL, s->rows, in, out, (int)s->threads))
+        linear_pairs_rows(x, wp, bias, y, NULL, s->rows, in, out, (int)s->threads,
+                          (int)s->pair_streams))
         return 0;
     if (s->many_rows)
         return linear_many_rows(x, w, bias, y, s->rows, in, out, (int)s->bf, (int)s->threads) < 0
@@ -2470,7 +2495,7 @@ int decode_logits(const decode_layer *layers, const decode_step *s, void *residu
      * pairs only where linear_pairs_isa() holds, so a 0 from it is an error here) */
     else if (s->pairs && s->lm_head_p) {
         if (!linear_pairs_rows(normed, s->lm_head_p, NULL, NULL, logits, s->rows, s->hidden,
-                               s->vocab, (int)s->threads))
+                               s->vocab, (int)s->threads, (int)s->pair_streams))
             return -3;
     }
 #ifdef HAVE_AMX
