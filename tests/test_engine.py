@@ -482,6 +482,47 @@ def test_c_path_hands_long_contexts_to_sdpa_in_place(
     assert seen and all(seen)
 
 
+def test_decode_step_indices_are_views_of_one_buffer_that_grows(tiny_model: Path) -> None:
+    """A decodes-only step under the C kernels writes its ids, positions, slots, key bounds and
+    block tables into one buffer the runner keeps, and hands out views of it: the right values
+    for each sequence; the views of the last shape kept; a step too big for the buffer grows
+    it, and later views (of any shape) point into the new buffer, not the old one."""
+    llm = LLM(model=str(tiny_model), kv_cache_memory="8MiB", block_size=4, max_model_len=256)
+    engine, runner = llm.engine, llm.engine.runner
+    small = runner._index_views(2, 3)
+    assert runner._index_views(2, 3) is small
+    start = runner._index_buf.numel()
+    big = runner._index_views(32, start // 32)  # 32 x (5 + width) > the buffer
+    buf = runner._index_buf
+    assert buf.numel() >= 32 * (5 + start // 32) > start
+    again = runner._index_views(2, 3)
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
+    assert all(lo <= v.data_ptr() < hi for v in (*big, *again))
+    assert [tuple(v.shape) for v in again] == [(2,), (2,), (2,), (2, 2), (2, 3)]
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    for prompt in ([5] * 9, [7] * 3):
+        engine.add_request(prompt, params)
+    engine.step()  # both prefills
+    engine.step()  # their first decodes
+    out = engine.scheduler.schedule()
+    assert [e.is_prefill for e in out.scheduled] == [False, False]
+    batch, ids = runner._native_decode_batch(out.scheduled)
+    requests = [e.request for e in out.scheduled]
+    lengths = [r.num_tokens for r in requests]  # 11 and 5: each decodes its last token
+    assert ids.tolist() == [r.token_ids[-1] for r in requests]
+    assert batch.positions is not None and batch.positions.tolist() == [n - 1 for n in lengths]
+    pairs = zip(requests, lengths, strict=True)
+    slots = [r.block_table[(n - 1) // 4] * 4 + (n - 1) % 4 for r, n in pairs]
+    assert batch.slot_mapping.tolist() == slots
+    assert batch.decode_bounds is not None and batch.decode_tables is not None
+    assert batch.decode_bounds.tolist() == [[0, n] for n in lengths]
+    width = -(-max(lengths) // 4)
+    tables = [(r.block_table + [0] * width)[:width] for r in requests]
+    assert batch.decode_tables.tolist() == tables
+    lo, hi = runner._index_buf.data_ptr(), runner._index_buf.data_ptr() + 8 * 2 * (5 + width)
+    assert all(lo <= t.data_ptr() < hi for t in (ids, batch.positions, batch.decode_tables))
+
+
 @pytest.mark.parametrize(
     ("dtype", "kernels"),
     [
@@ -571,6 +612,12 @@ def test_one_call_decode_step_is_the_per_kernel_path_bit_for_bit(
         llm.engine.runner.captured = []
         llm.generate(ps[0], GREEDY)
         captured[mode] += llm.engine.runner.captured
+    # the one call's step (the last one ran a single row) reads it as linear's streams a
+    # thread: the same bits either way, so only the field says which ran
+    if one_row_c:
+        assert model._decode_layers is not None
+        step = model._decode_layers[-1][1]
+        assert step.pair_streams == (2 if "linear=pairs2" in kernels else 8)
     for mode in ("layers", "logits"):
         assert len(captured[mode]) == len(captured["per-kernel"])
         for fused, per_kernel in zip(captured[mode], captured["per-kernel"], strict=True):

@@ -16,9 +16,18 @@ def tiny(tmp_path_factory) -> Path:
     return make_model(tmp_path_factory.mktemp("tiny") / "m", "tiny", dtype="float32")
 
 
-@pytest.fixture(scope="module")
-def llm(tiny: Path) -> LLM:
-    return LLM(model=str(tiny), kv_cache_memory="8MiB", max_model_len=512)
+# The kernels as the trial picks them, and decode steps forced through the C kernels' one
+# call, whose greedy rows take the argmax it returns unless a request needs the sampler
+# (temperature, a seed, a stop id held back by min_tokens).
+@pytest.fixture(scope="module", params=["auto", "linear=c,decode_ops=c"])
+def llm(tiny: Path, request: pytest.FixtureRequest) -> LLM:
+    if request.param != "auto":
+        from pdscope.checkpoint.make_model import default_cache_dir
+        from pdscope.engine import native
+
+        if native.load(default_cache_dir() / "native") is None:
+            pytest.skip("the C kernels did not build here")
+    return LLM(model=str(tiny), kv_cache_memory="8MiB", max_model_len=512, kernels=request.param)
 
 
 PROMPT = "Prefill reads the prompt and decode writes one token per step."

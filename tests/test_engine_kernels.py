@@ -23,12 +23,20 @@ from prometheus_client import generate_latest
 from pdscope import LLM, SamplingParams
 from pdscope.checkpoint.make_model import make_model
 from pdscope.engine import native
-from pdscope.engine.kernels import OPTIONS, TrialShapes, choose, cpu_flags, parse_kernels
+from pdscope.engine.kernels import (
+    OPTIONS,
+    KernelChoice,
+    TrialShapes,
+    choose,
+    cpu_flags,
+    parse_kernels,
+)
 from pdscope.engine.model import (
     Attention,
     AttentionBatch,
     ModelConfig,
     RMSNorm,
+    apply_kernels,
     apply_rope,
     block_rows,
     can_decode_in_place,
@@ -283,6 +291,19 @@ def test_forcing_an_option_that_runs_on_c_loads_the_c_kernels(
         spec = ",".join(f"{p}={o}" for p, o in {**off, path: option}.items())
         llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels=spec)
         assert getattr(llm.engine.kernels, path) == option, spec
+
+
+@pytest.mark.parametrize("option", ["pairs", "pairs2"])
+def test_pairs_linear_without_the_c_kernels_is_refused_by_its_name(
+    tiny_bf16: Path, option: str
+) -> None:
+    """Pointing a model at linear=pairs or pairs2 with no C kernels (or none built with AVX-512
+    BF16) names the option asked for, and changes nothing."""
+    llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels="linear=packed")
+    model = llm.engine.runner.model
+    with pytest.raises(ValueError, match=f"linear={option} needs the C kernels built with AVX"):
+        apply_kernels(model, KernelChoice(linear=option, decode_ops="torch"), None)
+    assert not any(getattr(m, "one_row_pairs", False) for m in model.modules())
 
 
 def test_pairs_are_offered_to_the_linear_trial_only_while_their_copy_fits(

@@ -18,8 +18,8 @@ Paths (every candidate computes the same function; tests pin each against transf
   load feeds 16 outputs), eight blocks of it read side by side per thread, so that each core
   keeps eight streams from memory going where ``amx`` and ``c`` keep one or a few (bf16 with
   AVX-512 BF16; the copy is offered only while it takes at most a quarter of the memory).
-  ``pairs2`` reads the same copy as two streams a thread, the same bits: on the AMX Xeon
-  eight streams a core read faster than one, on the AMD EPYC two read faster than eight.
+  ``pairs2`` reads the same copy as two streams a thread, the same bits: on the AMD EPYC two
+  read faster than eight; on the AMX Xeon eight read faster than one (two not measured there).
 * ``batch_linear``: for matmuls of 2 to ``NATIVE_MANY_MAX_ROWS`` rows (a batched decode
   step): ``packed`` (whatever ``linear`` gives matmuls of several rows: the packed weights, or
   ``F.linear`` under ``linear=plain``), ``c`` (engine/native.py's many-row kernel: AMX tile
@@ -72,6 +72,7 @@ from pathlib import Path
 
 import torch
 
+from pdscope.engine.native import PAIR_STREAMS
 from pdscope.specs.local import cpu_model
 
 log = logging.getLogger("pdscope.engine")
@@ -95,7 +96,7 @@ ON_C: dict[str, tuple[str, ...]] = {
     "decode_ops": ("c",),
 }
 # The linear options that read the pair-interleaved copies, and each one's streams a thread.
-PAIRS_LINEAR: dict[str, int] = {"pairs": 8, "pairs2": 2}
+PAIRS_LINEAR: dict[str, int] = dict(zip(("pairs", "pairs2"), PAIR_STREAMS, strict=True))
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.

@@ -1135,7 +1135,7 @@ class CausalLM(nn.Module):
         per-kernel path then checks and says which)."""
         if self._decode_layers is not None:
             registrations, held, ptrs, copied, versions, _, built = self._decode_layers
-            # map() over the methods: no Python frame per tensor (the check is ~160 of them)
+            # map() over the methods: no Python frame per tensor (~100 addresses, ~50 counters)
             if (
                 registrations == _registrations
                 and len(kv_caches) == self.config.num_layers

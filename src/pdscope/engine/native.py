@@ -36,7 +36,8 @@ _FLAG_SETS = (
     ["-O3", "-march=native", "-fPIC", "-shared"],
 )
 _SUPPORTED = (torch.float32, torch.bfloat16)
-# linear_pairs' streams a thread at one row (decode_ops.c's pairs_one_row compiles these two)
+# linear_pairs' streams a thread at one row (decode_ops.c's pairs_one_row compiles these two;
+# kernels.PAIRS_LINEAR names them)
 PAIR_STREAMS = (8, 2)
 
 _loaded: dict[Path, NativeOps | None] = {}

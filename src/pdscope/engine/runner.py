@@ -74,10 +74,11 @@ class ModelRunner:
         shape = (2, c.num_kv_heads, num_blocks * block_size, c.head_dim)
         self.kv_caches = [kv_cache(shape, self.dtype, device) for _ in range(c.num_layers)]
         self.generators: dict[str, torch.Generator] = {}
-        # decodes-only steps under the C kernels write their indices here (_index_views)
+        # decodes-only steps under the C kernels write their indices here (_index_views), and
+        # the views of the last step's shape, (rows, width) -> views
         self._index_buf = torch.zeros(1024, dtype=torch.long)
         self._index_np = self._index_buf.numpy()
-        self._index_view_cache: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._index_last: tuple[tuple[int, int], tuple[torch.Tensor, ...]] | None = None
         # threads=bound (engine/kernels.py): the C kernels, the CPUs that pin the OpenMP team
         # of the thread running a step for the step's duration, and the CPUs it is freed to
         # after it (so nothing outside the steps, e.g. a process started between them,
@@ -181,8 +182,8 @@ class ModelRunner:
         bounds, nothing gathered, no mask (each sequence's keys are cut to its own context and
         window). The indices are written into one int64 buffer the runner keeps and handed out
         as views of it (:meth:`_index_views`), valid until the next step: five ``torch.tensor``
-        calls took ~60 us of a batch-1 step, their lines cold after the step streamed the
-        weights."""
+        calls took ~95 us of a batch-1 step (~35 now), their lines cold after the step streamed
+        the weights."""
         bs, window = self.block_size, self.model.config.sliding_window
         rows = len(decodes)
         lengths = [e.end for e in decodes]  # each decodes its last token, at position end - 1
@@ -223,16 +224,15 @@ class ModelRunner:
     def _index_views(self, rows: int, width: int) -> tuple[torch.Tensor, ...]:
         """Views of the index buffer for a decodes-only step of ``rows`` sequences and block
         tables ``width`` wide: ids [rows], positions [rows], slots [rows], key bounds [rows, 2]
-        and tables [rows, width], in this order, one after another. Made once per shape; the
-        buffer grows (and the views are made anew) when a step needs more."""
-        views = self._index_view_cache.get((rows, width))
-        if views is not None:
-            return views
+        and tables [rows, width], in this order, one after another. Kept for the last shape only
+        (steps in a row mostly share it; the width grows a block at a time); the buffer grows
+        when a step needs more, views of the old one then go with it."""
+        if self._index_last is not None and self._index_last[0] == (rows, width):
+            return self._index_last[1]
         need = rows * (5 + width)
         if need > self._index_buf.numel():
             self._index_buf = torch.zeros(max(need, 2 * self._index_buf.numel()), dtype=torch.long)
             self._index_np = self._index_buf.numpy()
-            self._index_view_cache.clear()
         buf = self._index_buf
         views = (
             buf[:rows],
@@ -241,7 +241,7 @@ class ModelRunner:
             buf[3 * rows : 5 * rows].view(rows, 2),
             buf[5 * rows : need].view(rows, width),
         )
-        self._index_view_cache[(rows, width)] = views
+        self._index_last = ((rows, width), views)
         return views
 
     def _batch(

@@ -2069,9 +2069,10 @@ int prefill_attention_vec_paged(const bf16 *q, const bf16 *cache, bf16 *out, int
  * as four to eight (bench/gemv_micro.c's read_streams). amx_one_row walks a weight 32 rows at
  * a time, each row in 64-byte steps; this kernel reads 8 blocks of 16 rows side by side, each
  * block one contiguous run, so a core keeps 8 streams going. On the AMD EPYC fewer streams
- * read faster: the whole one-call decode step took ~1/1.07 the time with 2 streams a thread
- * (and with 1) as with 8 (300 rounds interleaved, 2 threads). So the count is a parameter,
- * 8 (linear=pairs) or 2 (linear=pairs2), and the kernel trial picks it.
+ * read faster: the whole one-call batch-1 decode step ran 1.07x and 1.11x faster with 2 streams
+ * a thread than with 8, at par with torch's read of the same bytes (bench/pair_streams_ab.py,
+ * 200 rounds, 2 threads; 1 stream was at par with 2). So the count is a parameter, 8
+ * (linear=pairs) or 2 (linear=pairs2), and the kernel trial picks it.
  *
  * The copy, [out / 16][in / 2][16][2]: block b, pair k holds w[16 b + j][2 k] and
  * w[16 b + j][2 k + 1] for j = 0..15, so one 64-byte load and one `vdpbf16ps` against x's pair
