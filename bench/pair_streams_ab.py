@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
-from engine_bench import machine_line
+from engine_bench import interleaved_times, machine_line
 from pdscope import LLM, SamplingParams
 from pdscope.checkpoint.make_model import resolve_model_path
 from pdscope.engine.model import Linear
@@ -71,22 +70,16 @@ def main() -> None:
     }
     print(machine_line())
     print(f"{weight_bytes / 1e6:.0f} MB of weights a step; {args.context} tokens of context; ms")
-    times: dict[str, list[float]] = {k: [] for k in candidates}
-    for fn in candidates.values():
-        fn()
-    for r in range(args.rounds):
-        for name, fn in candidates.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-        if r % 25 == 24:
-            cells = [f"{k} {statistics.median(v[-25:]) * 1e3:6.2f}" for k, v in times.items()]
-            print(f"rounds {r - 23:3}-{r + 1:3}: " + "  ".join(cells), flush=True)
+    times, _ = interleaved_times(candidates, args.rounds)
+    for r in range(0, args.rounds, 25):  # the host's phases
+        cells = [f"{k} {statistics.median(v[r : r + 25]) * 1e3:6.2f}" for k, v in times.items()]
+        print(f"rounds {r + 1:3}-{min(r + 25, args.rounds):3}: " + "  ".join(cells))
+    eight = times["8 streams"]
     print(
         "all rounds:     "
         + "  ".join(
             f"{k} {statistics.median(v) * 1e3:6.2f} "
-            f"({statistics.median(a / b for a, b in zip(times['8 streams'], v, strict=True)):.3f})"
+            f"({statistics.median(a / b for a, b in zip(eight, v, strict=True)):.3f})"
             for k, v in times.items()
         )
     )
