@@ -83,16 +83,20 @@ def test_watch_in_tmux_under_bench_load(small_pool_server: Server, tmp_path: Pat
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
         )  # fmt: skip
-        saw_waiting = saw_rule = False
+        saw_waiting = saw_rule = generating = False
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (saw_waiting and saw_rule):
+        # Until the queue and the rule have shown and the view's generation rate is up: the
+        # first panes under load can come while the window holds only prefill (CI saw one
+        # draw 'waiting' and the rule with generation still 0.0 tok/s over its first second).
+        while time.monotonic() < deadline and not (saw_waiting and saw_rule and generating):
             time.sleep(0.5)
             pane = _tmux(session, "capture-pane", "-p", "-t", session)
             panes.append(pane)
             waiting = _value(pane, "waiting")
             saw_waiting |= waiting not in (None, "-", "0", "absent")
             saw_rule |= "Requests are waiting" in pane
-            if bench.poll() is not None and not (saw_waiting and saw_rule):
+            generating = _value(pane, "generation") not in (None, "-", "0.0 tok/s")
+            if bench.poll() is not None and not (saw_waiting and saw_rule and generating):
                 break
         assert saw_waiting, "waiting never rose above 0:\n" + panes[-1]
         assert saw_rule, "the capacity rule never appeared:\n" + panes[-1]
