@@ -621,9 +621,11 @@ def test_c_bf16_decode_attention_is_as_close_to_float64_as_sdpa(
     request: pytest.FixtureRequest, build: str
 ) -> None:
     """The small model's attention shape (16 query heads over 4 KV heads of 64, bf16) over
-    2,000 keys in scattered blocks of 16: the kernel's largest error
-    against a float64 reference is no larger than torch's SDPA's on the same bf16 inputs
-    (each output rounded to bf16 once, which is most of both errors)."""
+    2,000 keys in scattered blocks of 16: the kernel's error against a float64 reference is no
+    larger than torch's SDPA's on the same bf16 inputs, called as transformers calls it (4-D,
+    ``enable_gqa``: torch's flash kernel, which rounds the softmax weights to bf16 before P @ V,
+    as this kernel does), and its mean at most 1.5x that of the reference rounded to bf16 once
+    (the output's own rounding)."""
     c_ops = request.getfixturevalue("c_ops" if build == "engine" else "avx512_ops")
     gen = torch.Generator().manual_seed(5)
     kv_heads, heads, dim, block, context = 4, 16, 64, 16, 2000
@@ -636,12 +638,14 @@ def test_c_bf16_decode_attention_is_as_close_to_float64_as_sdpa(
     k, v = cache[0][:, slots], cache[1][:, slots]  # [kv_heads, context, dim]
     qg = q[0].view(kv_heads, heads // kv_heads, dim)
     ref = ((qg.double() @ k.double().transpose(-1, -2)) * 0.125).softmax(-1) @ v.double()
-    sdpa = torch.nn.functional.scaled_dot_product_attention(qg, k, v, scale=0.125)
-    ours_err = (out[0].double().view_as(ref) - ref).abs().max().item()
-    sdpa_err = (sdpa.double() - ref).abs().max().item()
-    assert ours_err <= sdpa_err * 1.05, (ours_err, sdpa_err)
-    ours_mean = (out[0].double().view_as(ref) - ref).abs().mean().item()
-    assert ours_mean <= (sdpa.double() - ref).abs().mean().item() * 1.1
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q[0][None, :, None], k[None], v[None], scale=0.125, enable_gqa=True
+    )[0, :, 0].view_as(ref)
+    ours, theirs = (out[0].double().view_as(ref) - ref).abs(), (sdpa.double() - ref).abs()
+    assert ours.max() <= theirs.max() * 1.05, (ours.max(), theirs.max())
+    assert ours.mean() <= theirs.mean() * 1.05, (ours.mean(), theirs.mean())
+    rounding = (ref.bfloat16().double() - ref).abs().mean()
+    assert ours.mean() <= rounding * 1.5, (ours.mean(), rounding)
 
 
 @needs_cc

@@ -195,8 +195,8 @@ static inline __attribute__((always_inline)) void attend_range_impl(
  * Here 16 keys go at a time: their scores are `vdpbf16ps` partial sums reduced 16 at once by a
  * transpose-and-add tree, the softmax's exp is vectorized (scalef applies the 2^n), and the
  * unnormalized output of every query head stays in registers. V is summed by `vdpbf16ps` over
- * pairs of keys, the weights split into two bf16 parts (split_bf16), with fewer operations
- * than widening V to float32 for FMAs. Same contract as attend_range: m, l, acc for keys [lo, hi). */
+ * pairs of keys with the softmax weights rounded to bf16 (bf16_weights), half the operations of
+ * widening V to float32 for FMAs. Same contract as attend_range: m, l, acc for keys [lo, hi). */
 
 /* out[t] = sum of the 16 lanes of v[t], t < 16. */
 static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16]) {
@@ -279,23 +279,20 @@ static inline __attribute__((always_inline)) void v_pair(const bf16 *va, int bot
     v[3] = (__m512bh)_mm512_unpackhi_epi16(a1, b1);
 }
 
-/* 16 float weights as two bf16 parts, hi = bf16(e) and lo = bf16(e - hi), stored as 8 pairs
- * each: hi + lo carries ~16 bits of e, so V summed with both by vdpbf16ps is as close to float
- * as the float sum (hi alone adds ~30% to the output's mean error against float64: one more
- * bf16 rounding on top of the output's own). */
-static inline void split_bf16(__m512 e, uint32_t hi[8], uint32_t lo[8]) {
-    const __m256i h = (__m256i)_mm512_cvtneps_pbh(e);
-    const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    _mm256_storeu_si256((__m256i *)hi, h);
-    _mm256_storeu_si256((__m256i *)lo, (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(e, hf)));
+/* 16 float softmax weights rounded to bf16, stored as 8 pairs. The rounding is the one torch's
+ * flash attention on CPU and this file's prefill attention make before P @ V: it adds ~20-40% to
+ * the output's mean error against float64 over the output's own bf16 rounding, which leaves it
+ * at or below torch's SDPA on the same inputs. Keeping the rest as a second bf16 part (hi + lo,
+ * as close as a float sum) took a third more time a key: 8 more vdpbf16ps of the 24. */
+static inline void bf16_weights(__m512 e, uint32_t w[8]) {
+    _mm256_storeu_si256((__m256i *)w, (__m256i)_mm512_cvtneps_pbh(e));
 }
 
-/* o[c] += the pair's weights (hi and lo parts, each a bf16 pair packed in 32 bits) times v[c]. */
+/* o[c] += the pair's weights (a bf16 pair packed in 32 bits) times v[c]. */
 static inline __attribute__((always_inline)) void add_v_pair(__m512 o[4], const __m512bh v[4],
-                                                             uint32_t hi, uint32_t lo) {
-    const __m512bh ph = (__m512bh)_mm512_set1_epi32((int)hi);
-    const __m512bh pl = (__m512bh)_mm512_set1_epi32((int)lo);
-    for (int c = 0; c < 4; c++) o[c] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(o[c], ph, v[c]), pl, v[c]);
+                                                             uint32_t w) {
+    const __m512bh pw = (__m512bh)_mm512_set1_epi32((int)w);
+    for (int c = 0; c < 4; c++) o[c] = _mm512_dpbf16_ps(o[c], pw, v[c]);
 }
 
 /* One head's 4 accumulators of v_pair sums to dims 0-63: unpacklo/hi_epi16 pair the rows within
@@ -335,7 +332,7 @@ static inline __attribute__((always_inline)) void attend_bf16_d64_impl(
         if (n > hi - pos) n = hi - pos;
         const __mmask16 valid = (__mmask16)((1u << n) - 1u);
         prefetch_tile_after_next(kp, vp, table, block_size, pos, n, hi, slot, 1);
-        uint32_t pw[4][8], pwl[4][8]; /* pw[g][h]: head g's weights of keys 2h and 2h + 1 */
+        uint32_t pw[4][8]; /* pw[g][h]: head g's weights of keys 2h and 2h + 1 */
         for (int g = 0; g < G; g++) {
             __m512 part[16];
             for (int t = 0; t < 16; t++) {
@@ -363,13 +360,13 @@ static inline __attribute__((always_inline)) void attend_bf16_d64_impl(
             const __m512 e = _mm512_maskz_mov_ps(
                 valid, exp16_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(mx[g]))));
             sum[g] = _mm512_add_ps(sum[g], e);
-            split_bf16(e, pw[g], pwl[g]);
+            bf16_weights(e, pw[g]);
         }
         for (int64_t t = 0; t < n; t += 2) {
             __m512bh v[4];
             v_pair(vp + (slot + t) * 64, t + 1 < n, v);
             for (int g = 0; g < G; g++) {
-                add_v_pair(o[g], v, pw[g][t / 2], pwl[g][t / 2]);
+                add_v_pair(o[g], v, pw[g][t / 2]);
             }
         }
         pos += n;
@@ -466,20 +463,19 @@ static void attend_bf16_d64_g4(const bf16 *qb, const void *kv, int64_t kv_heads,
             }
             mx = nmx;
         }
-        /* pw[k][2g + h]: head g's weights of keys 4k + 2h and 4k + 2h + 1 (pwl: the rest) */
-        uint32_t pw[4][8], pwl[4][8];
+        /* pw[k][2g + h]: head g's weights of keys 4k + 2h and 4k + 2h + 1 */
+        uint32_t pw[4][8];
         for (int k = 0; k < 4; k++) {
             const __m512 e = _mm512_maskz_mov_ps(valid[k], exp16_nonpositive(_mm512_sub_ps(r[k], mx)));
             sum = _mm512_add_ps(sum, e);
-            split_bf16(e, pw[k], pwl[k]);
+            bf16_weights(e, pw[k]);
         }
         for (int64_t t = 0; t < n; t += 2) {
             __m512bh v[4];
             v_pair(vp + (slot + t) * 64, t + 1 < n, v);
             const uint32_t *w = pw[t / 4] + (t / 2) % 2;
-            const uint32_t *wl = pwl[t / 4] + (t / 2) % 2;
             for (int g = 0; g < 4; g++) {
-                add_v_pair(o[g], v, w[2 * g], wl[2 * g]);
+                add_v_pair(o[g], v, w[2 * g]);
             }
         }
         pos += n;
