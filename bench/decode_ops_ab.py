@@ -32,6 +32,15 @@ ordinary 4 KiB pages (``plain``) with the engine as it loads them, on transparen
 where Linux offers them (``huge``), every path forced by ``--others`` for both;
 ``--plain-cache`` the same for the KV cache (the runner's, on huge pages where offered).
 
+``--block-order`` compares two engines whose block pools have wrapped (filled once by filler
+prompts, so blocks come back from the free queue, where freed tables lie reversed): one takes
+an allocation's blocks in the queue's order (``queue``, the engine before the fourteenth
+session), the other in ascending order (``sorted``, the engine now), every path forced by
+``--others`` for both:
+
+    .venv/bin/python bench/decode_ops_ab.py --block-order \
+        --others decode_ops=c  # the other paths as the trial picks them, alike for both
+
 ``--cpu-time`` times the steps by the process's CPU time instead of wall time: at
 ``--threads 1`` that is the step's own work, which other processes on a busy host inflate far
 less than its wall time.
@@ -43,6 +52,7 @@ arithmetic, issue 12 item 3) and batch-32 decode after 128-token prompts, in tok
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import statistics
 import time
@@ -103,6 +113,11 @@ def main() -> None:
         help="compare the KV cache on ordinary pages (plain) with huge pages (huge)",
     )
     parser.add_argument(
+        "--block-order",
+        action="store_true",
+        help="compare wrapped pools' blocks taken in queue order (queue) with ascending (sorted)",
+    )
+    parser.add_argument(
         "--cpu-time",
         action="store_true",
         help="time each step by this process's CPU time (with --threads 1: the step's own work, "
@@ -118,6 +133,8 @@ def main() -> None:
         args.path, args.candidates = "build", ["source", "this"]
     if args.plain_pages or args.plain_cache:
         args.path, args.candidates = "pages", ["plain", "huge"]
+    if args.block_order:
+        args.path, args.candidates = "blocks", ["queue", "sorted"]
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model_path(args.model)
@@ -125,14 +142,15 @@ def main() -> None:
         cand: LLM(
             model=str(model_dir),
             dtype="bfloat16",
-            kv_cache_memory="1GiB",
+            # wrapped by filler prompts under --block-order: a pool the rounds still fit in
+            kv_cache_memory="256MiB" if args.block_order else "1GiB",
             max_model_len=4096,
             max_num_batched_tokens=2048,
             max_num_seqs=64,
             kernels=f"{args.others},decode_ops=c"
             if args.one_call
             else args.others
-            if args.ab_source or args.plain_pages or args.plain_cache
+            if args.ab_source or args.plain_pages or args.plain_cache or args.block_order
             else f"{args.others},{args.path}={'c' if level is not None else cand}",
         )
         for cand in args.candidates
@@ -161,6 +179,22 @@ def main() -> None:
             raise SystemExit("--plain-cache: needs transparent huge pages set to madvise")
         # torch's allocator: ordinary pages (the model sees the new caches' addresses)
         runner.kv_caches = [c.clone() for c in runner.kv_caches]
+    if args.block_order:
+        pool = engines["queue"].engine.scheduler.pool
+        taken_sorted = pool.allocate
+
+        def in_queue_order(count: int, pool=pool, taken_sorted=taken_sorted) -> list[int]:
+            ids = list(itertools.islice(pool.free_queue, count))  # the blocks allocate() takes
+            assert sorted(ids) == taken_sorted(count)
+            return ids
+
+        pool.allocate = in_queue_order  # type: ignore[method-assign]
+        filler = random.Random(1)
+        for llm in engines.values():  # every block taken and freed once
+            pool = llm.engine.scheduler.pool
+            for _ in range(-(-pool.num_blocks * pool.block_size // 2000) + 1):
+                prompt = [filler.randrange(100, 16000) for _ in range(2000)]
+                llm.generate([prompt], SamplingParams(max_tokens=1))
     cpu_s: dict[int, float] = {}  # id of a step record -> its CPU seconds
     if args.cpu_time:
         for llm in engines.values():

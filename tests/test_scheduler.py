@@ -249,6 +249,23 @@ def test_a_recomputation_that_ends_on_the_last_sampled_token_is_a_decode() -> No
     assert not entry.is_prefill and entry.samples and entry.num_cached_tokens == 0
 
 
+def test_blocks_are_handed_out_ascending_once_the_pool_has_wrapped() -> None:
+    """A pool that has handed out and taken back every block holds freed tables reversed (a
+    prefix's tail is evicted before its head): an allocation still takes the blocks the queue
+    offers first, least recently freed first, but lays them out ascending, so a prompt's keys
+    lie forwards in memory (the decode attention reads descending blocks at less than half
+    the rate: bench/decode_ops_ab.py --block-order)."""
+    pool = BlockPool(16, 4)
+    for size in (6, 10):  # two tables, freed as finished requests free them
+        pool.free(pool.allocate(size))
+    offered = list(pool.free_queue)[:9]
+    assert offered[:6] == [5, 4, 3, 2, 1, 0]  # the first table's blocks, reversed
+    taken = pool.allocate(9)
+    assert taken == sorted(offered) == [0, 1, 2, 3, 4, 5, 13, 14, 15]
+    assert list(pool.free_queue) == [12, 11, 10, 9, 8, 7, 6]
+    pool.check_invariants()
+
+
 def two_finished_requests() -> tuple[BlockPool, list[bytes], list[bytes]]:
     """A pool of exactly 4 blocks holding two finished 2-block prompts, a's freed before b's.
 
