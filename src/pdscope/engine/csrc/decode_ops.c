@@ -245,23 +245,41 @@ static inline __m512 bf16x16_to_f32(const bf16 *src) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* The K and V rows of the 16 keys after the next tile into L1, while this tile is worked on.
- * A block's rows are contiguous but blocks need not be, and the hardware prefetcher cannot see
- * a jump to another block. Where the rows ahead continue this tile's run (jumps_only), the
- * hardware prefetcher already follows them, and on an AMD EPYC (Zen 4) prefetching them anyway
- * cost a quarter of the read rate (bench/decode_attention_ab.py). The AMX kernel, measured
- * only on the Intel Xeon it was tuned on, still prefetches every tile. */
+/* KEEP_LOOP() in a loop of _mm_prefetch: gcc 12 (-O1 and up) deletes a loop whose body is
+ * prefetches alone, as a loop without side effects, and the engine's library held no prefetch
+ * instruction from this file's loops until the fourteenth session (objdump -d | grep
+ * prefetch). An empty volatile asm is a side effect that leaves the prefetches free to be
+ * scheduled: prefetches written as inline asm made the attention loop 1.16-1.21x slower. */
+#define KEEP_LOOP() __asm__ volatile("")
+
+/* 16 K rows and 16 V rows of 64 bf16 into L2. Out of line: inlined into the attention loops,
+ * the 64 prefetches made the loop 1.24-1.37x slower at one thread even where none ran
+ * (contiguous tables). */
+__attribute__((noinline)) static void prefetch_rows16_l2(const bf16 *k, const bf16 *v) {
+    for (int i = 0; i < 16 * 64; i += 32) {
+        _mm_prefetch((const char *)(k + i), _MM_HINT_T1);
+        _mm_prefetch((const char *)(v + i), _MM_HINT_T1);
+        KEEP_LOOP();
+    }
+}
+
+/* The K and V rows of the 16 keys after the next tile into L2, where they do not continue this
+ * tile's run: a block's rows are contiguous but blocks need not be, and the hardware
+ * prefetcher cannot see a jump to another block. Where they continue it, the hardware
+ * prefetcher already follows them, and on an AMD EPYC (Zen 4) prefetching them anyway cost a
+ * quarter of the read rate. Shuffled or descending tables of 16-key blocks (bench/
+ * decode_ops_ab.py --block-order's queue order) are read at less than half the rate of
+ * ascending ones; with this, at ~0.7-0.75x the time they took without it, at 4,000 keys and
+ * 2 threads. To L1 instead (prefetcht0) it did nothing measurable; in a plain reader of the
+ * same pattern too. */
 static inline void prefetch_tile_after_next(const bf16 *kp, const bf16 *vp, const int64_t *table,
                                             int64_t block_size, int64_t pos, int64_t n,
-                                            int64_t hi, int64_t slot, int jumps_only) {
+                                            int64_t hi, int64_t slot) {
     const int64_t ahead = pos + n + 16;
     if (ahead >= hi) return;
     const int64_t next = table[ahead / block_size] * block_size + ahead % block_size;
-    if (jumps_only && next == slot + (ahead - pos)) return;
-    for (int i = 0; i < 16 * 64; i += 32) {
-        _mm_prefetch((const char *)(kp + next * 64 + i), _MM_HINT_T0);
-        _mm_prefetch((const char *)(vp + next * 64 + i), _MM_HINT_T0);
-    }
+    if (next == slot + (ahead - pos)) return;
+    prefetch_rows16_l2(kp + next * 64, vp + next * 64);
 }
 
 /* Two V rows (keys t and t + 1, adjacent slots) of 64 bf16 interleaved for vdpbf16ps over the
@@ -331,7 +349,7 @@ static inline __attribute__((always_inline)) void attend_bf16_d64_impl(
         if (n > 16) n = 16;
         if (n > hi - pos) n = hi - pos;
         const __mmask16 valid = (__mmask16)((1u << n) - 1u);
-        prefetch_tile_after_next(kp, vp, table, block_size, pos, n, hi, slot, 1);
+        prefetch_tile_after_next(kp, vp, table, block_size, pos, n, hi, slot);
         uint32_t pw[4][8]; /* pw[g][h]: head g's weights of keys 2h and 2h + 1 */
         for (int g = 0; g < G; g++) {
             __m512 part[16];
@@ -414,7 +432,7 @@ static void attend_bf16_d64_g4(const bf16 *qb, const void *kv, int64_t kv_heads,
             n += block_size;
         if (n > 16) n = 16;
         if (n > hi - pos) n = hi - pos;
-        prefetch_tile_after_next(kp, vp, table, block_size, pos, n, hi, slot, 1);
+        prefetch_tile_after_next(kp, vp, table, block_size, pos, n, hi, slot);
         /* This tile's K rows, asked for in address order before the scores read them 16 bytes
          * of each row at a time (one 8-dim slice of 16 rows, then the next): in that order the
          * hardware prefetcher saw a stride, not a stream, and a short run of keys (a batch of
@@ -422,7 +440,10 @@ static void attend_bf16_d64_g4(const bf16 *qb, const void *kv, int64_t kv_heads,
          * (Zen 4): batch 32 x 144 keys 0.78x the time at 1 thread, 0.85x at 2; one sequence of
          * 4,000 keys 0.87-0.89x (/tmp A/B of builds, 12 layers' caches evicted between steps).
          * The next tile's rows instead cost 1.13-1.29x. */
-        for (int64_t i = 0; i < n * 64; i += 32) _mm_prefetch((const char *)(kp + slot * 64 + i), _MM_HINT_T0);
+        for (int64_t i = 0; i < n * 64; i += 32) {
+            _mm_prefetch((const char *)(kp + slot * 64 + i), _MM_HINT_T0);
+            KEEP_LOOP();
+        }
         /* the 16 keys' sums advance together, one 8-dim slice at a time, so no key's chain of
          * 8 dependent vdpbf16ps waits on its own latency; keys past n read key 0 (masked) */
         const bf16 *kr[16];
@@ -1204,7 +1225,7 @@ static inline __attribute__((always_inline)) void attend_amx_d64_impl(
         if (n > 16) n = 16;
         if (n > hi - pos) n = hi - pos;
         const __mmask16 valid = (__mmask16)((1u << n) - 1u);
-        prefetch_tile_after_next(kp, vp, table, block_size, pos, n, hi, slot, 0);
+        prefetch_tile_after_next(kp, vp, table, block_size, pos, n, hi, slot);
         const bf16 *krows = kp + slot * 64;
         if (n < 16) { /* a short tile: its rows padded with zeros, never read past the cache */
             memcpy(kpad, krows, (size_t)n * 64 * sizeof(bf16));
