@@ -185,7 +185,8 @@ def main() -> None:
 
         def in_queue_order(count: int, pool=pool, taken_sorted=taken_sorted) -> list[int]:
             ids = list(itertools.islice(pool.free_queue, count))  # the blocks allocate() takes
-            assert sorted(ids) == taken_sorted(count)
+            taken = taken_sorted(count)
+            assert sorted(ids) == taken
             return ids
 
         pool.allocate = in_queue_order  # type: ignore[method-assign]

@@ -488,10 +488,10 @@ def c_ops(tmp_path_factory: pytest.TempPathFactory) -> native.NativeOps:
 
 @needs_cc
 def test_the_decode_attention_prefetches_are_in_the_built_library(c_ops: native.NativeOps) -> None:
-    """gcc deletes a loop whose body is prefetches alone, and for several sessions the engine's
-    library held none of the decode attention's (a shuffled block table then read at ~0.7x the
-    rate it does with them). Where the build has the AVX-512 BF16 kernels, the library holds
-    the prefetcht0 of a tile's K rows and the prefetcht1 of the tile after a jump."""
+    """gcc 12 may delete prefetches as code without side effects: for several sessions the
+    engine's library held no prefetch of the tile after a block jump (shuffled tables were read
+    at ~0.7x the time with it). Where the build has the AVX-512 BF16 kernels, the library holds
+    that prefetcht1 and the prefetcht0 of a tile's K rows (which gcc had kept so far)."""
     import shutil
 
     objdump = shutil.which("objdump")

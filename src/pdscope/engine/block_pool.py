@@ -176,7 +176,8 @@ class BlockPool:
         # The same blocks in ascending order: the queue holds freed tables reversed (free()),
         # so once the pool has wrapped, taking them in queue order laid a prompt's keys out
         # backwards, block by block, and the decode attention read them at less than half the
-        # rate it reads ascending blocks (no hardware prefetcher follows a descending stride).
+        # rate it reads ascending blocks (an AMD EPYC's prefetchers follow no descending run).
+        # Blocks a sequence gains one at a time while decoding still come in queue order.
         taken.sort()
         return taken
 

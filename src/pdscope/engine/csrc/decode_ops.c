@@ -245,11 +245,12 @@ static inline __m512 bf16x16_to_f32(const bf16 *src) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* KEEP_LOOP() in a loop of _mm_prefetch: gcc 12 (-O1 and up) deletes a loop whose body is
- * prefetches alone, as a loop without side effects, and the engine's library held no prefetch
- * instruction from this file's loops until the fourteenth session (objdump -d | grep
- * prefetch). An empty volatile asm is a side effect that leaves the prefetches free to be
- * scheduled: prefetches written as inline asm made the attention loop 1.16-1.21x slower. */
+/* KEEP_LOOP() in each loop of _mm_prefetch: gcc 12 (-O1 and up) may delete prefetches as code
+ * without side effects. The jump prefetch's fixed 32-iteration loop (below) was not in the
+ * engine's library from the commit that wrote it until the fourteenth session (objdump -d |
+ * grep prefetch), while the K-row loop's variable count kept it. An empty volatile asm is a
+ * side effect gcc keeps, and it leaves the prefetches free to be scheduled: prefetches written
+ * as inline asm made the attention loop 1.16-1.21x slower. */
 #define KEEP_LOOP() __asm__ volatile("")
 
 /* 16 K rows and 16 V rows of 64 bf16 into L2. Out of line: inlined into the attention loops,
@@ -1174,8 +1175,9 @@ static inline __attribute__((always_inline)) void amx_block(const bf16 *w, const
  * is 16 K rows tile-loaded straight from the cache at their row stride (no repacking), B the
  * group's queries transposed into AMX's pair layout once per call; S^T comes back as 16 rows
  * of 4 floats, turned into one 16-key vector per head by a 4x4 transpose. The softmax and
- * P·V are the AVX-512 kernel's (float32 P, V converted once per key for all heads), so the
- * result differs from it only in the scores' summation order. */
+ * P·V are float32 (P as computed, V converted once per key for all heads), where the AVX-512
+ * kernel rounds P to bf16 for vdpbf16ps: the results differ by that rounding and the scores'
+ * summation order. */
 
 /* Tile 0: S^T (16 keys x 4 heads, float32); 4-5: A, 16 K rows, dims 0-31 and 32-63; 6-7: B,
  * the queries' dims 0-31 and 32-63 as 16 pair-rows x 4 heads. */
