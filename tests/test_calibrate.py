@@ -325,6 +325,14 @@ def test_calibrated_simulation_tracks_the_real_engine_end_to_end(tiny_model, tmp
     # overhead, and on the AMD EPYC four runs of this test alone fitted a simulated TPOT of
     # 0.56-1.18 ms against a real 1.19-1.75 (ratios 0.42-0.99), and 0.21 once in a full
     # suite (real 2.01 ms; the probe and the bench run one after the other on a host that changes
-    # speed). A unit error is off by far more. The fit's instability is not mended.
+    # speed). A unit error is off by far more. The fit's instability is not mended: in the
+    # fourteenth session one full-suite run fitted 0.046 ms against a real 0.883 (0.05), and
+    # its probe file was lost with pytest's old temporary folders, so a failure now prints the
+    # fit and the probe's residuals.
     for key, factor in (("median_tpot_ms", 5), ("median_ttft_ms", 2.5), ("output_throughput", 5)):
-        assert 1 / factor < sim[key] / real[key] < factor, (key, sim[key], real[key])
+        assert 1 / factor < sim[key] / real[key] < factor, (
+            key,
+            sim[key],
+            real[key],
+            json.dumps(sim["metadata"]["calibration"]),
+        )
