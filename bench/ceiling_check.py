@@ -2,9 +2,10 @@
 under it, interleaved in one process.
 
 engine_bench.py divides batch-1 decode by a ceiling: the best of five 512 MiB reads (or
-triads), measured around each stack's run. This script takes, round after round in one
-process, that ceiling and three figures beneath it, so that the gap between decode and the
-ceiling can be split into what the host gives at all and what the engine loses:
+triads), measured just before and just after each stack's batch-1 decode. This script takes,
+round after round in one process, that ceiling and three figures beneath it, so that the gap
+between decode and the ceiling can be split into what the host gives at all and what the
+engine loses:
 
 * ceiling: engine_bench's figure (``bandwidth_gb_s``: best of 5, the higher of read and triad);
 * sustained: the same 512 MiB read repeated for as long as a decode figure takes (~5 s), its

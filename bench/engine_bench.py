@@ -4,10 +4,10 @@ One machine, one checkpoint (the built-in `small`, bfloat16), the same protocol 
 (bench/workload.py). Every stack is loaded once in its own worker process (bench/stack_worker.py);
 then, round after round, each stack runs the whole protocol once while the others sit idle, in
 an order rotated every round. Figures are medians over rounds, ratios are taken within each
-round (ours / peer) and given as median (min-max), and the memory bandwidth is measured between
-consecutive stacks, so each stack's batch-1 decode is also a fraction of the ceiling of its own
-minutes. On a shared host whose speed swings several-fold over minutes, only such interleaved
-medians and within-round ratios mean much.
+round (ours / peer) and given as median (min-max), and the memory bandwidth is measured just
+before and just after each stack's batch-1 decode (the worker idle meanwhile), so that figure is
+also a fraction of the ceiling of its own seconds. On a shared host whose speed swings
+several-fold over minutes, only such interleaved medians and within-round ratios mean much.
 
     .venv/bin/python bench/engine_bench.py      # ours, HF, vLLM in one process; 5 rounds
     .venv/bin/python bench/engine_bench.py --stacks pdscope vllm-1p vllm --repeats 3
@@ -268,14 +268,17 @@ def main() -> None:
             ask = {"seed": 1000 + r, "quick": args.quick, "long_context": args.long_context}
             per_stack: dict[str, dict[str, float]] = {}
             around: dict[str, tuple[float, float]] = {}
-            before = bandwidth_gb_s()
             for w in order:
-                result = w.round(ask)
+                # The ceiling in the seconds around the figure it divides: this host's rate
+                # flips between ~33 and ~60 GB/s from one minute to the next, and readings
+                # taken around a stack's whole round paired decodes with other phases.
+                before = bandwidth_gb_s()
+                result = w.round(ask | {"part": "decode_b1"})
                 after = bandwidth_gb_s()
+                result |= w.round(ask | {"part": "rest"})
                 ceiling_tok_s = (before + after) / 2 * 1e9 / per_token
                 result["decode_b1_of_ceiling"] = result["decode_b1_tok_s"] / ceiling_tok_s
                 per_stack[w.name], around[w.name] = result, (before, after)
-                before = after
             rounds.append(per_stack)
             bandwidths.append(around)
             print(
@@ -307,7 +310,7 @@ def report(
     print(machine_line())
     print(f"model {model_dir}, bf16; {len(rounds)} interleaved rounds; median (min-max)")
     print(f"{per_token / 1e6:.1f} MB read per decode token at 32 tokens of context; ")
-    print("ceiling = bandwidth measured around each stack's run / that")
+    print("ceiling = bandwidth measured around each stack's batch-1 decode / that")
     print(f"{'':24}" + "".join(f"{s:>{width}}" for s in stacks))
     bw = {s: [sum(b[s]) / 2 for b in bandwidths if s in b] for s in stacks}
     print(f"{'bandwidth GB/s':24}" + "".join(f"{spread(bw[s]):>{width}}" for s in stacks))

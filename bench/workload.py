@@ -21,7 +21,9 @@ Every prompt is fresh random token ids from ``seed`` unless cached on purpose, s
 by accident, and a new seed per round keeps rounds from hitting each other's prefixes.
 
 A stack's worker (stack_worker.py) loads it once and runs :func:`run_round` for every round the
-bench asks for, so that stacks can be interleaved round by round.
+bench asks for, so that stacks can be interleaved round by round. A round comes in two parts,
+batch-1 decode and the rest, so that the bench can measure the bandwidth ceiling just before and
+just after the decode figure that it divides, while the worker sits idle.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ LONG_CONTEXT_DECODE = 96
 CONTEXTS = {"decode_ctx64_tok_s": 64, "decode_ctx4000_tok_s": 4000}
 
 
+PARTS = ("decode_b1", "rest")
+
+
 def run_round(
     generate: Generate,
     seed: int,
@@ -45,12 +50,18 @@ def run_round(
     quick: bool = False,
     with_cached_prefix: bool = True,
     long_context: bool = False,
+    part: str = "all",
 ) -> dict[str, float]:
-    """Every figure once (the bench takes medians across rounds)."""
+    """Every figure once (the bench takes medians across rounds), or one of :data:`PARTS`:
+    ``decode_b1`` (its warm-up and decode_b1_tok_s) or ``rest`` (every other figure)."""
+    if part not in ("all", *PARTS):
+        raise ValueError(f"part must be 'all' or one of {PARTS}, got {part!r}")
+    # The rest draws from its own stream, so a round split in two prompts exactly as one whole.
     rng = random.Random(seed)
+    rest_rng = random.Random(seed + 1_000_003)
 
-    def fresh(n: int) -> list[int]:
-        return [rng.randrange(100, vocab) for _ in range(n)]
+    def fresh(n: int, source: random.Random = rest_rng) -> list[int]:
+        return [source.randrange(100, vocab) for _ in range(n)]
 
     def timed(prompts: list[list[int]], max_tokens: int) -> float:
         start = time.perf_counter()
@@ -58,11 +69,15 @@ def run_round(
         return time.perf_counter() - start
 
     def decode_rate(prompt_len: int, tokens: int) -> float:
-        short = timed([fresh(prompt_len)], 1)
-        return tokens / (timed([fresh(prompt_len)], 1 + tokens) - short)
+        short = timed([fresh(prompt_len, rng)], 1)
+        return tokens / (timed([fresh(prompt_len, rng)], 1 + tokens) - short)
 
-    timed([fresh(64)], 8)  # warm-up: the first call after another stack ran pays cache misses
-    result = {"decode_b1_tok_s": decode_rate(32, 64 if quick else 256)}
+    result: dict[str, float] = {}
+    if part in ("all", "decode_b1"):
+        timed([fresh(64, rng)], 8)  # warm-up: the first call after another stack pays misses
+        result["decode_b1_tok_s"] = decode_rate(32, 64 if quick else 256)
+    if part == "decode_b1":
+        return result
     result["prefill_2000_tok_s"] = 2000 / timed([fresh(2000)], 1)
     batch, out_len = (8, 32) if quick else (32, 128)
     first = timed([fresh(128) for _ in range(batch)], 1)
@@ -89,7 +104,8 @@ def run_round(
 
 def serve_rounds(generate: Generate, with_cached_prefix: bool = True) -> None:
     """Answer the bench over stdin/stdout: one JSON request per line ({"seed", "quick",
-    "long_context"}), one ``RESULT {json}`` line back per round; ``READY`` once loaded."""
+    "long_context", "part"}), one ``RESULT {json}`` line back per request; ``READY`` once
+    loaded."""
     print("READY", flush=True)
     for line in sys.stdin:
         if not line.strip():
@@ -101,5 +117,6 @@ def serve_rounds(generate: Generate, with_cached_prefix: bool = True) -> None:
             quick=ask.get("quick", False),
             with_cached_prefix=with_cached_prefix,
             long_context=ask.get("long_context", False),
+            part=ask.get("part", "all"),
         )
         print("RESULT " + json.dumps(result), flush=True)
