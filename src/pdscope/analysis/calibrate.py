@@ -2,7 +2,7 @@
 
 A probe measures one server's steps in three shapes: prefills of several lengths (TTFT, one
 request at a time), single-stream decodes at short and long context (TPOT), and batched
-decodes at short and long context (several streams at once: the median per-token gap while
+decodes at short and long context (several streams at once: the mean per-token gap while
 most of them decode together is one step carrying that many).
 Each becomes an :class:`Observation`: the steps the engine's scheduler would run for it, and the
 seconds they took. The cost model prices a step as a sum of roofline terms ``max(FLOPs / F,
@@ -54,7 +54,7 @@ class Observation:
     kind: str  # prefill, decode or batch-decode
     steps: tuple[tuple[WorkEntry, ...], ...]
     seconds: float
-    samples: int = 1  # requests (or gaps) the median was taken over
+    samples: int = 1  # requests the median was taken over (gaps, for a batch-decode mean)
 
     @property
     def requests(self) -> int:
@@ -78,9 +78,14 @@ class Residual:
 @dataclass(frozen=True)
 class StepJitter:
     """How much a server's step times scatter about their cost: every single-stream decode gap
-    of the probe over its own request's median gap, scaled so the ratios average 1 (the fit
-    prices a step's mean; this spreads it). Kept as 101 quantiles; a simulated step's seconds
-    are multiplied by a draw. A perfectly steady server gives all ones, i.e. no jitter."""
+    of the probe over its own request's mean gap, kept as 101 quantiles scaled so that a draw
+    averages 1 (the fit prices a step's mean; this spreads it). A simulated step's seconds are
+    multiplied by a draw. A perfectly steady server gives all ones, i.e. no jitter.
+
+    Each request is its own scale, so one request's stall or bunched delivery (a loaded client
+    reading several tokens at once: gaps of ~0 and of twice the step) moves only its own
+    ratios. Scaled by its median gap, such a request gave ratios in the thousands, and one
+    global rescaling to mean 1 then shrank every other step twenty-fold."""
 
     quantiles: tuple[float, ...]
     samples: int
@@ -109,13 +114,16 @@ def step_jitter(probe: dict[str, Any]) -> StepJitter | None:
         if not t.ok or t.label not in _SINGLE_LABELS:
             continue
         gaps = t.itl_samples_s()
-        mid = median(gaps) if len(gaps) >= 8 else None
-        if mid:
-            ratios += [g / mid for g in gaps]
+        mean_gap = sum(gaps) / len(gaps) if len(gaps) >= 8 else 0.0
+        if mean_gap > 0:
+            ratios += [g / mean_gap for g in gaps]
     if not ratios:
         return None
-    r = np.array(ratios) / np.mean(ratios)
-    return StepJitter(tuple(float(x) for x in np.percentile(r, range(101))), len(r))
+    q = np.percentile(ratios, range(101))
+    # draw() interpolates between quantiles, so its mean is the trapezoid over them, not the
+    # samples' mean: a tail beyond p99 weighs less drawn than sampled.
+    q /= (q.sum() - (q[0] + q[-1]) / 2) / 100
+    return StepJitter(tuple(float(x) for x in q), len(ratios))
 
 
 @dataclass
@@ -214,12 +222,16 @@ def observations(probe: dict[str, Any], budget: int) -> list[Observation]:
         if joint is None or joint.streams < 2:
             continue
         entries = tuple(WorkEntry(joint.context - 1, 1) for _ in range(joint.streams))
+        # The mean gap, as a single stream's TPOT is: a client too loaded to keep up reads
+        # several streamed tokens at once, and the gaps of ~0 between them sank the median to
+        # half a step, or to 0 (a tiny model's probe beside a busy core), while their sum is
+        # still the streams' decode time.
         out.append(
             Observation(
                 f"{label} x{joint.streams} at {joint.context} tok",
                 "batch-decode",
                 (entries,),
-                median(joint.gaps_s),  # type: ignore[arg-type]
+                sum(joint.gaps_s) / len(joint.gaps_s),
                 len(joint.gaps_s),
             )
         )
@@ -303,13 +315,17 @@ def fit(cost: CostModel, obs: Sequence[Observation], source: str = "") -> Calibr
     the fit takes those whose overheads explain the least time, letting the roofline (which
     knows how time grows with batch, context and prompt) carry what the probe cannot tell apart.
     """
+    notes = []
+    timeless = [o.label for o in obs if not o.seconds > 0]
+    if timeless:
+        notes.append(f"left out, measured at 0 s (no step takes none): {', '.join(timeless)}")
+        obs = [o for o in obs if o.seconds > 0]
     kinds = {o.kind for o in obs}
     if "prefill" not in kinds or not kinds & {"decode", "batch-decode"}:
         raise SpecError(
             "the probe file needs answered prefill and decode requests to fit anything "
             f"(found: {', '.join(sorted(kinds)) or 'none'})"
         )
-    notes = []
     terms = [_terms(cost, o) for o in obs]
     seconds = np.array([o.seconds for o in obs])
     counts = np.array(
