@@ -78,52 +78,77 @@ class Residual:
 @dataclass(frozen=True)
 class StepJitter:
     """How much a server's step times scatter about their cost: every single-stream decode gap
-    of the probe over its own request's mean gap, kept as 101 quantiles scaled so that a draw
-    averages 1 (the fit prices a step's mean; this spreads it). A simulated step's seconds are
-    multiplied by a draw. A perfectly steady server gives all ones, i.e. no jitter.
+    of the probe over its own request's mean gap, sorted. A simulated step's seconds are
+    multiplied by one of them drawn at random; each request's ratios average 1, so the draws
+    do too (the fit prices a step's mean; this spreads it). A perfectly steady server gives
+    all ones, i.e. no jitter.
 
-    Each request is its own scale, so one request's stall or bunched delivery (a loaded client
-    reading several tokens at once: gaps of ~0 and of twice the step) moves only its own
-    ratios. Scaled by its median gap, such a request gave ratios in the thousands, and one
-    global rescaling to mean 1 then shrank every other step twenty-fold."""
+    Each request is its own scale, so a stall in one request adds one large ratio and shrinks
+    only its own request's others. Scaled by its median gap and then rescaled to mean 1 over
+    the whole probe, a request read in bursts gave ratios in the thousands, and the rescaling
+    shrank every other step twenty-fold. A request read in bursts (``bursty``: a quarter of
+    its gaps or more under a tenth of its mean gap, which no step is) measures the client,
+    not the server's steps, and is left out."""
 
-    quantiles: tuple[float, ...]
-    samples: int
+    ratios: tuple[float, ...]  # sorted ascending, mean 1
+    bursty: int = 0  # requests left out
+
+    @property
+    def samples(self) -> int:
+        return len(self.ratios)
+
+    @property
+    def quantiles(self) -> tuple[float, ...]:
+        """p0..p100 of the ratios (for reports; draws come from the ratios themselves)."""
+        return tuple(float(x) for x in np.percentile(self.ratios, range(101)))
 
     def draw(self, u: float) -> float:
-        """The ratio at cumulative probability ``u`` in [0, 1), interpolated."""
-        x = u * (len(self.quantiles) - 1)
-        i = min(int(x), len(self.quantiles) - 2)
-        lo, hi = self.quantiles[i], self.quantiles[i + 1]
-        return lo + (hi - lo) * (x - i)
+        """The ratio at cumulative probability ``u`` in [0, 1): each ratio is drawn with
+        probability 1 / samples, so the draws' mean is the ratios' mean, 1. (Interpolating
+        between 101 quantiles instead gave the largest ratio a weight of 1/200, more than its
+        1/samples: one stall then shrank every other draw.)"""
+        return self.ratios[min(int(u * len(self.ratios)), len(self.ratios) - 1)]
 
     def to_dict(self) -> dict[str, Any]:
         q = self.quantiles
-        return {"samples": self.samples, "p1": q[1], "p50": q[50], "p90": q[90], "p99": q[99]}
+        return {
+            "samples": self.samples,
+            "bursty_requests_left_out": self.bursty,
+            "p1": q[1],
+            "p50": q[50],
+            "p90": q[90],
+            "p99": q[99],
+        }
 
 
 # Single-stream decodes of a probe: every gap is one step carrying one decode.
 _SINGLE_LABELS = ("sweep", "prefix-cold", "prefix-warm", "context-short", "context-long")
+# A gap under this share of its request's mean gap is tokens read at once, not a step.
+BURST_GAP = 0.1
+BURSTY_SHARE = 0.25  # of a request's gaps: read in bursts, left out of the scatter
 
 
 def step_jitter(probe: dict[str, Any]) -> StepJitter | None:
     """The probe's step-time scatter (see :class:`StepJitter`); None without a decode of at
-    least 8 gaps. The cold request is left out: its first steps pay one-off work."""
+    least 8 gaps read steadily. The cold request is left out: its first steps pay one-off
+    work."""
     ratios: list[float] = []
+    bursty = 0
     for t in (Trace.from_dict(d) for d in probe.get("traces") or []):
         if not t.ok or t.label not in _SINGLE_LABELS:
             continue
         gaps = t.itl_samples_s()
         mean_gap = sum(gaps) / len(gaps) if len(gaps) >= 8 else 0.0
-        if mean_gap > 0:
-            ratios += [g / mean_gap for g in gaps]
+        if not mean_gap > 0:
+            continue
+        request = [g / mean_gap for g in gaps]
+        if sum(r < BURST_GAP for r in request) >= BURSTY_SHARE * len(request):
+            bursty += 1
+            continue
+        ratios += request
     if not ratios:
         return None
-    q = np.percentile(ratios, range(101))
-    # draw() interpolates between quantiles, so its mean is the trapezoid over them, not the
-    # samples' mean: a tail beyond p99 weighs less drawn than sampled.
-    q /= (q.sum() - (q[0] + q[-1]) / 2) / 100
-    return StepJitter(tuple(float(x) for x in q), len(ratios))
+    return StepJitter(tuple(sorted(ratios)), bursty)
 
 
 @dataclass
@@ -318,7 +343,7 @@ def fit(cost: CostModel, obs: Sequence[Observation], source: str = "") -> Calibr
     notes = []
     timeless = [o.label for o in obs if not o.seconds > 0]
     if timeless:
-        notes.append(f"left out, measured at 0 s (no step takes none): {', '.join(timeless)}")
+        notes.append(f"left out, not a positive time (no step takes none): {', '.join(timeless)}")
         obs = [o for o in obs if o.seconds > 0]
     kinds = {o.kind for o in obs}
     if "prefill" not in kinds or not kinds & {"decode", "batch-decode"}:
@@ -333,8 +358,9 @@ def fit(cost: CostModel, obs: Sequence[Observation], source: str = "") -> Calibr
     )
     if "batch-decode" not in kinds:
         notes.append(
-            "no batched-decode point (probe with --batch-streams 8): the per-sequence "
-            "overhead cannot be told apart from the per-step one and is held at 0"
+            "no usable batched-decode point (probe with --batch-streams 8, on a client "
+            "that keeps up): the per-sequence overhead cannot be told apart from the "
+            "per-step one and is held at 0"
         )
         counts[:, 1] = 0.0
     # The rates that would explain each observation alone bound the search.

@@ -328,6 +328,12 @@ def render_calibration(c: dict[str, Any], console: Console) -> None:
             f"step-time scatter from the probe's {jitter['samples']:,} decode gaps (each step's "
             f"cost times a draw, mean 1): p50 {jitter['p50']:.2f}, p90 {jitter['p90']:.2f}, "
             f"p99 {jitter['p99']:.2f}"
+            + (
+                f"; {jitter['bursty_requests_left_out']} request(s) read in bursts by the "
+                "client left out"
+                if jitter.get("bursty_requests_left_out")
+                else ""
+            )
         )
     for note in c.get("notes") or []:
         console.print(f"note: {note}")
