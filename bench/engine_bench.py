@@ -68,10 +68,11 @@ def bytes_per_decode_token(model_dir: Path, context: int = 32) -> float:
 
 
 def bandwidth_gb_s() -> float:
-    """This machine's memory bandwidth now, measured as `pdscope plan --device local` does."""
-    from pdscope.specs.local import measure
+    """This machine's memory bandwidth now, measured as `pdscope plan --device local` does
+    (the higher of its read and triad rates), without its matmul timing."""
+    from pdscope.specs.local import stream_gb_s
 
-    return measure("bf16").bandwidth_gb_s
+    return max(stream_gb_s())
 
 
 def machine_line() -> str:

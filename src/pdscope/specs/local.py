@@ -56,6 +56,15 @@ def _stream_seconds(n: int, repeats: int) -> tuple[float, float]:
     return read_s, triad_s
 
 
+def stream_gb_s(array_mib: int = 512, repeats: int = 5) -> tuple[float, float]:
+    """Read and triad rates (GB/s, STREAM accounting) over float32 arrays of ``array_mib``
+    MiB, each the best of ``repeats`` after a warm-up: :func:`measure`'s stream part alone,
+    for a ceiling read in the seconds around the figure it divides."""
+    n = array_mib * 1024 * 1024 // 4
+    read_s, triad_s = _stream_seconds(n, repeats)
+    return n * 4 / read_s / 1e9, 3 * n * 4 / triad_s / 1e9
+
+
 MATMUL_SIZES = (1024, 2048)  # square matmuls timed for the peak; the faster one counts
 
 
@@ -67,8 +76,7 @@ def measure(dtype: str = "bf16", array_mib: int = 512, repeats: int = 5) -> Loca
     if dtype not in _DTYPES:
         raise ValueError(f"local matmul dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     threads = torch.get_num_threads()
-    n = array_mib * 1024 * 1024 // 4
-    read_s, triad_s = _stream_seconds(n, repeats)
+    read_gb_s, triad_gb_s = stream_gb_s(array_mib, repeats)
 
     torch_dtype = getattr(torch, _DTYPES[dtype])
     # The best of two sizes: which one a CPU's matmul runs fastest at depends on its caches
@@ -81,12 +89,12 @@ def measure(dtype: str = "bf16", array_mib: int = 512, repeats: int = 5) -> Loca
         mm_s = _best_seconds(lambda x=x, y=y: torch.mm(x, y), repeats)
         flops_s = max(flops_s, 2 * size**3 / mm_s)
     return LocalMeasurement(
-        read_gb_s=n * 4 / read_s / 1e9,
-        triad_gb_s=3 * n * 4 / triad_s / 1e9,
+        read_gb_s=read_gb_s,
+        triad_gb_s=triad_gb_s,
         matmul_tflops=flops_s / 1e12,
         matmul_dtype=dtype,
         threads=threads,
-        array_bytes=n * 4,
+        array_bytes=array_mib * 1024 * 1024,
     )
 
 
