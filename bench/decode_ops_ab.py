@@ -41,6 +41,14 @@ session), the other in ascending order (``sorted``, the engine now), every path 
     .venv/bin/python bench/decode_ops_ab.py --block-order \
         --others decode_ops=c  # the other paths as the trial picks them, alike for both
 
+``--block-growth`` compares two such engines, prefix caching off, on a decode that grows its
+table a block at a time: one takes each new block in the queue's order (``queue``, the engine
+of the fourteenth session), the other the free block right after the table's last one where
+it holds no hash (``run``, the engine now). Figures: batch-1 decode at 64 tokens of context
+and over the last 500 of 2,000 generated tokens.
+
+    .venv/bin/python bench/decode_ops_ab.py --block-growth --others decode_ops=c
+
 ``--cpu-time`` times the steps by the process's CPU time instead of wall time: at
 ``--threads 1`` that is the step's own work, which other processes on a busy host inflate far
 less than its wall time.
@@ -118,6 +126,12 @@ def main() -> None:
         help="compare wrapped pools' blocks taken in queue order (queue) with ascending (sorted)",
     )
     parser.add_argument(
+        "--block-growth",
+        action="store_true",
+        help="compare a growing table's blocks taken in queue order (queue) with the block "
+        "after its last (run); prefix caching off",
+    )
+    parser.add_argument(
         "--cpu-time",
         action="store_true",
         help="time each step by this process's CPU time (with --threads 1: the step's own work, "
@@ -135,6 +149,9 @@ def main() -> None:
         args.path, args.candidates = "pages", ["plain", "huge"]
     if args.block_order:
         args.path, args.candidates = "blocks", ["queue", "sorted"]
+    if args.block_growth:
+        args.path, args.candidates = "growth", ["queue", "run"]
+    wrapped = args.block_order or args.block_growth
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model_path(args.model)
@@ -143,14 +160,15 @@ def main() -> None:
             model=str(model_dir),
             dtype="bfloat16",
             # wrapped by filler prompts under --block-order: a pool the rounds still fit in
-            kv_cache_memory="256MiB" if args.block_order else "1GiB",
+            kv_cache_memory="256MiB" if wrapped else "1GiB",
+            enable_prefix_caching=not args.block_growth,
             max_model_len=4096,
             max_num_batched_tokens=2048,
             max_num_seqs=64,
             kernels=f"{args.others},decode_ops=c"
             if args.one_call
             else args.others
-            if args.ab_source or args.plain_pages or args.plain_cache or args.block_order
+            if args.ab_source or args.plain_pages or args.plain_cache or wrapped
             else f"{args.others},{args.path}={'c' if level is not None else cand}",
         )
         for cand in args.candidates
@@ -179,15 +197,20 @@ def main() -> None:
             raise SystemExit("--plain-cache: needs transparent huge pages set to madvise")
         # torch's allocator: ordinary pages (the model sees the new caches' addresses)
         runner.kv_caches = [c.clone() for c in runner.kv_caches]
-    if args.block_order:
+    if wrapped:
         pool = engines["queue"].engine.scheduler.pool
         taken_sorted = pool.allocate
 
-        def in_queue_order(count: int, pool=pool, taken_sorted=taken_sorted) -> list[int]:
+        def in_queue_order(
+            count: int, after: int | None = None, pool=pool, taken_sorted=taken_sorted
+        ) -> list[int]:
+            """A prompt's blocks sorted under --block-growth (the fourteenth session's
+            engine), in queue order under --block-order; a growing table's never after its
+            last block."""
             ids = list(itertools.islice(pool.free_queue, count))  # the blocks allocate() takes
             taken = taken_sorted(count)
             assert sorted(ids) == taken
-            return ids
+            return taken if args.block_growth and after is None else ids
 
         pool.allocate = in_queue_order  # type: ignore[method-assign]
         filler = random.Random(1)
@@ -233,11 +256,30 @@ def main() -> None:
     def timed(llm: LLM, prompts: list[list[int]], tokens: int) -> None:
         llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
 
+    def grown_rate(llm: LLM, tokens: int = 2000, last: int = 500) -> float:
+        """Tokens/s of the median step over the last ``last`` of ``tokens`` decoded after a
+        64-token prompt: a context the decode itself wrote, block by block."""
+        params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+        llm.engine.steps.clear()
+        cpu_s.clear()
+        llm.generate([fresh(64)], params)
+        steps = [
+            cpu_s.pop(id(s)) if args.cpu_time else s.end_s - s.start_s
+            for s in llm.engine.steps
+            if s.prefill_tokens == 0
+        ]
+        return 1 / statistics.median(steps[-last:])
+
     figures = {
         "decode_b1_ctx64_tok_s": lambda llm: rate(llm, 64, 1),
         "decode_b1_ctx4000_tok_s": lambda llm: rate(llm, 4000, 1),
         "decode_b32_tok_s": lambda llm: rate(llm, 128 + 16, 32),
     }
+    if args.block_growth:
+        figures = {
+            "decode_b1_ctx64_tok_s": lambda llm: rate(llm, 64, 1),
+            "decode_b1_grown_tok_s": grown_rate,
+        }
     for llm in engines.values():  # warm-up
         timed(llm, [fresh(64)], 8)
     values: dict[str, dict[str, list[float]]] = {ops: {} for ops in engines}
@@ -271,6 +313,8 @@ def main() -> None:
         ratios = [b / a for a, b in zip(values[first][name], values[second][name], strict=True)]
         cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
         print(f"{name:26}" + "".join(f"{c:>22}" for c in cells))
+    if args.block_growth:
+        return
     predicted = bytes_per_decode_token(model_dir, 64) / bytes_per_decode_token(model_dir, 4000)
     print(f"\ndecode at 4,000 / at 64 tokens of context; plan's bytes predict {predicted:.3f}")
     for ops in engines:

@@ -266,6 +266,58 @@ def test_blocks_are_handed_out_ascending_once_the_pool_has_wrapped() -> None:
     pool.check_invariants()
 
 
+def test_a_table_that_grows_takes_the_free_block_after_its_last() -> None:
+    """Once the pool has wrapped, a table that grows a block at a time (a decode) takes the
+    block right after its last where that block is free and holds no hash, so it stays one
+    ascending run; a neighbour that holds a hash is left to the LRU order (taking it would
+    evict a cached prefix early)."""
+    pool = BlockPool(16, 4, enable_prefix_caching=False)
+    for size in (6, 10):
+        pool.free(pool.allocate(size))  # the queue: 5 .. 0, then 15 .. 6
+    table = pool.allocate(2)
+    assert table == [4, 5]
+    for _ in range(3):
+        table += pool.allocate(1, table[-1])
+    assert table == [4, 5, 6, 7, 8]  # in queue order: 4, 5, 3, 2, 1
+    table += pool.allocate(3, table[-1])
+    assert table == [4, 5, 6, 7, 8, 9, 10, 11]
+    pool.check_invariants()
+
+    cached = BlockPool(16, 4)
+    for size in (6, 10):
+        ids = cached.allocate(size)
+        cached.register_full_blocks(ids, [bytes([i]) * 16 for i in ids])
+        cached.free(ids)
+    table = cached.allocate(2)
+    assert table == [4, 5] and cached.blocks[6].hash is not None
+    table += cached.allocate(1, table[-1])
+    assert table == [4, 5, 3]  # 6 holds a hash: the least recently freed block instead
+    cached.check_invariants()
+
+
+def test_a_decode_in_a_wrapped_pool_keeps_its_blocks_in_one_ascending_run() -> None:
+    """The scheduler passes a table's last block when it grows: a request that decodes many
+    blocks' worth of tokens in a wrapped pool (prefix caching off) holds consecutive blocks,
+    where the queue's order would have handed it 47, 46, 45, ..."""
+    pool = BlockPool(64, 4, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(256, 8, 256), pool)
+    for rid, prompt_len in (("a", 200), ("b", 56)):  # blocks 0-49, then 50-63
+        done = make_request(rid, list(range(100, 100 + prompt_len)), max_tokens=1)
+        s.add(done)
+        while not done.is_finished:
+            run_step(s)
+    assert list(pool.free_queue)[:3] == [49, 48, 47]
+    r = make_request("r", list(range(8)), max_tokens=56)
+    s.add(r)
+    longest = 0
+    while not r.is_finished:
+        run_step(s)
+        table = r.block_table  # emptied once the request finishes
+        assert table == list(range(table[0], table[0] + len(table))) if table else r.is_finished
+        longest = max(longest, len(table))
+    assert longest == 16  # 48 .. 63
+
+
 def two_finished_requests() -> tuple[BlockPool, list[bytes], list[bytes]]:
     """A pool of exactly 4 blocks holding two finished 2-block prompts, a's freed before b's.
 

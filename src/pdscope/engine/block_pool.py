@@ -161,25 +161,42 @@ class BlockPool:
                 del self.free_queue[block_id]
             block.ref_count += 1
 
-    def allocate(self, count: int) -> list[int]:
-        """Take ``count`` blocks, evicting least recently freed cached blocks first."""
+    def allocate(self, count: int, after: int | None = None) -> list[int]:
+        """Take ``count`` blocks, evicting least recently freed cached blocks first.
+
+        ``after``: the last block of the table the blocks extend. The blocks right after it
+        are taken first while they are free and hold no hash (which costs the cache nothing),
+        so that a sequence growing while it decodes stays one ascending run."""
         assert count <= len(self.free_queue), "allocate() without a capacity check"
+        blocks, queue = self.blocks, self.free_queue
+        run: list[int] = []
+        if after is not None:
+            block_id = after + 1
+            while (
+                len(run) < count
+                and block_id < self.num_blocks
+                and block_id in queue
+                and blocks[block_id].hash is None
+            ):
+                del queue[block_id]
+                blocks[block_id].ref_count = 1
+                run.append(block_id)
+                block_id += 1
         taken = []
-        for _ in range(count):
-            block_id, _ = self.free_queue.popitem(last=False)
-            block = self.blocks[block_id]
+        for _ in range(count - len(run)):
+            block_id, _ = queue.popitem(last=False)
+            block = blocks[block_id]
             if block.hash is not None:
                 del self.cached[block.hash]
                 block.hash = None
             block.ref_count = 1
             taken.append(block_id)
-        # The same blocks in ascending order: the queue holds freed tables reversed (free()),
-        # so once the pool has wrapped, taking them in queue order laid a prompt's keys out
+        # The rest in ascending order: the queue holds freed tables reversed (free()), so
+        # once the pool has wrapped, taking them in queue order laid a prompt's keys out
         # backwards, block by block, and the decode attention read them at less than half the
         # rate it reads ascending blocks (an AMD EPYC's prefetchers follow no descending run).
-        # Blocks a sequence gains one at a time while decoding still come in queue order.
         taken.sort()
-        return taken
+        return run + taken
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference on each block; unreferenced blocks join the LRU queue.

@@ -134,7 +134,8 @@ class Scheduler:
                 new = budget
             extra = -(-(start + new) // block_size) - len(request.block_table)
             if extra > 0 and extra <= pool.num_free_blocks:
-                request.block_table += pool.allocate(extra)
+                table = request.block_table
+                table += pool.allocate(extra, table[-1] if table else None)
             elif extra > 0:
                 preempted_self = False
                 while not self._grow(request, new):
@@ -183,7 +184,9 @@ class Scheduler:
             if request.timeline.preemptions == 0:
                 self.pool.record_lookup(request.num_tokens, num_cached)
             self.pool.touch(cached)
-            request.block_table = cached + self.pool.allocate(needed)
+            request.block_table = cached + self.pool.allocate(
+                needed, cached[-1] if cached else None
+            )
             request.num_published_blocks = len(cached)  # a hit's blocks are all published
             request.num_computed_tokens = num_cached
             if request.timeline.first_scheduled_s is None:
@@ -213,7 +216,8 @@ class Scheduler:
             return True
         if extra > self.pool.num_free_blocks:
             return False
-        request.block_table += self.pool.allocate(extra)
+        table = request.block_table
+        table += self.pool.allocate(extra, table[-1] if table else None)
         return True
 
     def _preempt(self, request: Request) -> None:
