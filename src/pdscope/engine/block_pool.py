@@ -6,7 +6,8 @@ Every block is in exactly one of three states:
   until evicted;
 * free: ``ref_count == 0``, no hash.
 Both kinds of unreferenced block sit in one LRU queue; allocation takes the least recently freed
-and evicts its hash, so cached blocks survive as long as possible.
+and evicts its hash, so cached blocks survive as long as possible (a growing table first takes
+the free block after its last one if that holds no hash, which evicts nothing).
 """
 
 from __future__ import annotations
