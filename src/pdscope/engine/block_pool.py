@@ -199,6 +199,10 @@ class BlockPool:
         taken.sort()
         return run + taken
 
+    def extend(self, block_table: list[int], count: int) -> None:
+        """Append ``count`` blocks to ``block_table``, the run after its last block first."""
+        block_table += self.allocate(count, block_table[-1] if block_table else None)
+
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference on each block; unreferenced blocks join the LRU queue.
 

@@ -134,8 +134,7 @@ class Scheduler:
                 new = budget
             extra = -(-(start + new) // block_size) - len(request.block_table)
             if extra > 0 and extra <= pool.num_free_blocks:
-                table = request.block_table
-                table += pool.allocate(extra, table[-1] if table else None)
+                pool.extend(request.block_table, extra)
             elif extra > 0:
                 preempted_self = False
                 while not self._grow(request, new):
@@ -184,9 +183,8 @@ class Scheduler:
             if request.timeline.preemptions == 0:
                 self.pool.record_lookup(request.num_tokens, num_cached)
             self.pool.touch(cached)
-            request.block_table = cached + self.pool.allocate(
-                needed, cached[-1] if cached else None
-            )
+            request.block_table = list(cached)
+            self.pool.extend(request.block_table, needed)
             request.num_published_blocks = len(cached)  # a hit's blocks are all published
             request.num_computed_tokens = num_cached
             if request.timeline.first_scheduled_s is None:
@@ -216,8 +214,7 @@ class Scheduler:
             return True
         if extra > self.pool.num_free_blocks:
             return False
-        table = request.block_table
-        table += self.pool.allocate(extra, table[-1] if table else None)
+        self.pool.extend(request.block_table, extra)
         return True
 
     def _preempt(self, request: Request) -> None:
