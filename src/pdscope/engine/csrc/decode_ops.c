@@ -576,6 +576,32 @@ static void attend_range(const float *qf, int64_t group, int64_t dim, const void
 #undef ATTEND
 }
 
+/* Item it's output rows from its parts' running max, sum and unnormalised sums in `parts`
+ * (each group * (dim + 2) floats: m, l, acc), merged by their max and sum. */
+static void merge_parts(const float *parts_base, int64_t parts, int64_t group, int64_t dim,
+                        void *out, int64_t first_row, int bf) {
+    for (int64_t g = 0; g < group; g++) {
+        float mx = -INFINITY;
+        for (int64_t p = 0; p < parts; p++) {
+            float mp = parts_base[p * group * (dim + 2) + g];
+            mx = mp > mx ? mp : mx;
+        }
+        float row[dim], total_l = 0.0f;
+        for (int64_t i = 0; i < dim; i++) row[i] = 0.0f;
+        for (int64_t p = 0; p < parts; p++) {
+            const float *base = parts_base + p * group * (dim + 2);
+            if (base[g] == -INFINITY) continue; /* an empty part */
+            float wgt = exp_nonpositive(base[g] - mx);
+            total_l += base[group + g] * wgt;
+            const float *acc = base + 2 * group + g * dim;
+            for (int64_t i = 0; i < dim; i++) row[i] += acc[i] * wgt;
+        }
+        const float inv = total_l > 0.0f ? 1.0f / total_l : 0.0f;
+        for (int64_t i = 0; i < dim; i++) row[i] *= inv;
+        store_f32(out, (first_row + g) * dim, dim, row, bf);
+    }
+}
+
 /* Decode attention for `seqs` sequences, one query token each, read straight from the paged
  * cache through each sequence's block table: no gather copy, no padding, no mask.
  *   q [seqs, heads, dim], out [seqs, heads, dim] (model dtype)
@@ -603,8 +629,15 @@ int paged_decode_attention(const void *q, const void *kv, void *out, const int64
         parts = parts < 1 ? 1 : parts;
     }
     const int64_t width = (longest + parts - 1) / parts;
-    float *scratch = malloc((size_t)(items * parts * group * (dim + 2)) * sizeof(float));
-    if (!scratch) return -1;
+    /* One part an item (any batch of 2 or more sequences on 2 threads): each item writes its
+     * rows where it is attended, from scratch on its thread's stack. A batch-32 step's 128
+     * items a layer otherwise shared a malloc past glibc's mmap threshold (an mmap, its page
+     * faults and a munmap every layer) and a merge run on one thread. */
+    float *scratch = NULL;
+    if (parts > 1) {
+        scratch = malloc((size_t)(items * parts * group * (dim + 2)) * sizeof(float));
+        if (!scratch) return -1;
+    }
     /* Below ~512 key rows a parallel region costs about what it saves. On an AMD EPYC at 2
      * threads, 2,400 rows took 0.62 of their one-thread time and 512 rows 0.85
      * (bench/decode_attention_ab.py --ab-source); the bound was 8,192 rows before. */
@@ -615,7 +648,9 @@ int paged_decode_attention(const void *q, const void *kv, void *out, const int64
         const int64_t lo0 = bounds[2 * d], hi0 = bounds[2 * d + 1];
         int64_t lo = lo0 + part * width, hi = lo + width;
         hi = hi < hi0 ? hi : hi0;
-        float *m = scratch + w * group * (dim + 2), *l = m + group, *acc = l + group;
+        float own[scratch ? 1 : group * (dim + 2)];
+        float *m = scratch ? scratch + w * group * (dim + 2) : own, *l = m + group,
+              *acc = l + group;
         float qf[group * dim];
         load_f32(q, (d * heads + h * group) * dim, group * dim, qf, bf);
         for (int64_t i = 0; i < group * dim; i++) qf[i] *= scale;
@@ -626,31 +661,13 @@ int paged_decode_attention(const void *q, const void *kv, void *out, const int64
         } else {
             for (int64_t g = 0; g < group; g++) m[g] = -INFINITY, l[g] = 0.0f;
         }
+        if (!scratch) merge_parts(m, 1, group, dim, out, d * heads + h * group, bf);
     }
+    if (!scratch) return 0;
     /* Merge each (sequence, kv head)'s parts and write the output rows. */
-    for (int64_t it = 0; it < items; it++) {
-        const int64_t d = it / kv_heads, h = it % kv_heads;
-        for (int64_t g = 0; g < group; g++) {
-            float mx = -INFINITY;
-            for (int64_t p = 0; p < parts; p++) {
-                float mp = scratch[(it * parts + p) * group * (dim + 2) + g];
-                mx = mp > mx ? mp : mx;
-            }
-            float row[dim], total_l = 0.0f;
-            for (int64_t i = 0; i < dim; i++) row[i] = 0.0f;
-            for (int64_t p = 0; p < parts; p++) {
-                const float *base = scratch + (it * parts + p) * group * (dim + 2);
-                if (base[g] == -INFINITY) continue; /* an empty part */
-                float wgt = exp_nonpositive(base[g] - mx);
-                total_l += base[group + g] * wgt;
-                const float *acc = base + 2 * group + g * dim;
-                for (int64_t i = 0; i < dim; i++) row[i] += acc[i] * wgt;
-            }
-            const float inv = total_l > 0.0f ? 1.0f / total_l : 0.0f;
-            for (int64_t i = 0; i < dim; i++) row[i] *= inv;
-            store_f32(out, (d * heads + h * group + g) * dim, dim, row, bf);
-        }
-    }
+    for (int64_t it = 0; it < items; it++)
+        merge_parts(scratch + it * parts * group * (dim + 2), parts, group, dim, out,
+                    (it / kv_heads) * heads + (it % kv_heads) * group, bf);
     free(scratch);
     return 0;
 }
