@@ -1,18 +1,21 @@
 """The C decode attention alone: its generic loop against the engine's build, interleaved.
 
 One decode step's attention for the ``small`` model's shapes (12 layers, 16 query heads over 4
-KV heads of 64, bf16, blocks of 16) at batch 1 and the given contexts, through the library
-built with ``-DNEW_DECODE_ATTENTION=0`` (the generic per-key loop, ``generic``), with ``=1``
-(16 keys at a time for head size 64 in AVX-512, ``avx512``) and the engine's build (``c``: the
-same with the scores on AMX tiles where the CPU and Linux grant them), beside a float32 sum
-over the same bytes of K and V. Wall time and this process's CPU time (robust to a busy host
+KV heads of 64, bf16, blocks of 16) at ``--batch`` sequences (1) of each given context, each
+sequence its own ascending run of blocks, through the library built with
+``-DNEW_DECODE_ATTENTION=0`` (the generic per-key loop, ``generic``), with ``=1`` (16 keys at a
+time for head size 64 in AVX-512, ``avx512``) and the engine's build (``c``: the same with the
+scores on AMX tiles where the CPU and Linux grant them), beside a float32 sum over the same
+bytes of K and V. Wall time and this process's CPU time (robust to a busy host
 at ``--threads 1``), medians.
 
     .venv/bin/python bench/decode_attention_ab.py --contexts 64 1000 4000 --threads 1
+    .venv/bin/python bench/decode_attention_ab.py --batch 32 --contexts 144
 
 ``--huge-cache`` adds ``c_huge``: the engine's build over the same caches copied onto
 transparent huge pages (as the engine's runner allocates them where Linux offers them; the
-others' caches are on torch's ordinary pages), and prints c_huge / c.
+others' caches are on torch's ordinary pages), and prints c_huge / c; with ``--ab-source`` also
+``ab_huge``, that build over the same huge caches, and ab_huge / c_huge.
 
 ``--ab-source FILE`` adds ``ab``: the engine's build compiled from FILE (e.g. an earlier
 commit's ``decode_ops.c``, from ``git show REV:src/pdscope/engine/csrc/decode_ops.c``), so a
@@ -38,6 +41,9 @@ from pdscope.engine.runner import kv_cache
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[4000])
+    parser.add_argument(
+        "--batch", type=int, default=1, help="sequences a step, each of every context"
+    )
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     parser.add_argument("--ab-source", help="decode_ops.c to build as the `ab` candidate")
@@ -62,15 +68,17 @@ def main() -> None:
     print(machine_line())
     print("ms per step's attention (12 layers), wall / CPU; GB/s of K and V by wall time")
     for context in args.contexts:
-        blocks = (context + block - 1) // block
+        # each sequence its own ascending run of blocks, as a fresh pool hands them out
+        per_seq = (context + block - 1) // block
+        blocks = per_seq * args.batch
         caches = [
             torch.randn(2, kv_heads, blocks * block, dim, generator=gen).to(torch.bfloat16)
             for _ in range(layers)
         ]
-        tables = torch.arange(blocks)[None].contiguous()
-        bounds = torch.tensor([[0, context]])
-        q = torch.randn(1, heads, dim, generator=gen).to(torch.bfloat16)
-        nbytes = layers * 2 * kv_heads * context * dim * 2
+        tables = torch.arange(blocks).view(args.batch, per_seq).contiguous()
+        bounds = torch.tensor([[0, context]] * args.batch)
+        q = torch.randn(args.batch, heads, dim, generator=gen).to(torch.bfloat16)
+        nbytes = layers * 2 * kv_heads * context * dim * 2 * args.batch
         same_bytes = torch.ones(nbytes // 4)
 
         def step(
@@ -92,6 +100,8 @@ def main() -> None:
             # a cache under one huge page, or no huge pages offered: ordinary pages, left out
             if all(c.data_ptr() % (2 << 20) == 0 for c in huge):
                 paths["c_huge"] = lambda huge=huge: step(engine_ops, huge)
+                if "ab" in ops:
+                    paths["ab_huge"] = lambda huge=huge: step(ops["ab"], huge)
         paths["read"] = lambda same_bytes=same_bytes: same_bytes.sum()
         wall, cpu = interleaved_times(paths, args.rounds)
         cells = []
@@ -103,12 +113,16 @@ def main() -> None:
             for name in ("generic", "avx512")
         ]
         # the time ab (c_huge) takes over c's: above 1, c is faster
-        extra = [name for name in ("ab", "c_huge") if name in paths]
+        extra = [(name, "c") for name in ("ab", "c_huge") if name in paths]
+        if "ab_huge" in paths:
+            extra.append(("ab_huge", "c_huge"))
         print(
             f"context {context:5}: "
             + "  ".join(cells)
             + f"  generic / c {ratios[0]:.2f}  avx512 / c {ratios[1]:.2f}"
-            + "".join(f"  {name} / c {_over(wall[name], wall['c']):.2f}" for name in extra)
+            + "".join(
+                f"  {name} / {base} {_over(wall[name], wall[base]):.2f}" for name, base in extra
+            )
         )
 
 
