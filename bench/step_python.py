@@ -1,16 +1,17 @@
-"""Where a batch-1 decode token's time goes outside the C step: the engine's Python, timed.
+"""Where a decode step's time goes outside the C step: the engine's Python, timed.
 
-The ``small`` model (or ``--model``) decodes ``--tokens`` tokens for one prompt of ``--context``
-tokens, the kernels as the engine's trial picks them. Every decode step under the one-call C
-path is timed in four nested spans: the engine's ``step`` (scheduling, batch tensors, sampling,
-detokenizing, stop checks, records), the model's ``decode_logits`` (the per-step check of the
-weights' and caches' addresses, the step's fields), the ``NativeOps.decode_logits`` wrapper
-(output and scratch tensors, argument checks) and the C call itself. Prints, per run, tokens/s
-and the medians over steps of each span less the one inside it (paired within each step), in
+The ``small`` model (or ``--model``) decodes ``--tokens`` tokens for ``--batch`` prompts (1) of
+``--context`` tokens each, the kernels as the engine's trial picks them. Every decode step under the
+one-call C path is timed in four nested spans: the engine's ``step`` (scheduling, batch tensors,
+sampling, detokenizing, stop checks, records), the model's ``decode_logits`` (the per-step check of
+the weights' and caches' addresses, the step's fields), the ``NativeOps.decode_logits`` wrapper
+(output and scratch tensors, argument checks) and the C call itself. Prints, per run, tokens/s and
+the medians over steps of each span less the one inside it (paired within each step), in
 microseconds. After the C call streams the weights, the Python objects a step touches are cold:
 these spans are several times their warm cost.
 
     .venv/bin/python bench/step_python.py --runs 3
+    .venv/bin/python bench/step_python.py --batch 32 --context 16 --tokens 128
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=1, help="prompts decoded side by side")
     args = parser.parse_args()
     llm = LLM(
         str(resolve_model_path(args.model)),
@@ -61,29 +63,30 @@ def main() -> None:
     wrapper = native.decode_logits
     native.decode_logits = timed(wrapper, spans["wrapper"])  # type: ignore[method-assign]
     native.lib.decode_logits = timed(native.lib.decode_logits, spans["c"])
-    prompt = [5 + i % 1000 for i in range(args.context)]
+    # distinct prompts, so no request's prefill is another's cached prefix
+    prompts = [[5 + (i + 7 * b) % 1000 for i in range(args.context)] for b in range(args.batch)]
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
-    llm.generate([prompt], params)  # warm-up
+    llm.generate(prompts, params)  # warm-up
     print(machine_line())
     print(f"kernels: {engine.kernels.summary()}")
     print(
-        f"batch 1, {args.context} tokens of context, {args.tokens} tokens a run; medians over "
-        "decode steps, us (each span less the one inside it, paired per step):"
+        f"batch {args.batch}, {args.context} tokens of context, {args.tokens} tokens a run; "
+        "medians over decode steps, us (each span less the one inside it, paired per step):"
     )
     for run in range(args.runs):
         for v in spans.values():
             v.clear()
         start = time.perf_counter()
-        llm.generate([prompt], params)
+        llm.generate(prompts, params)
         elapsed = time.perf_counter() - start
-        n = len(spans["c"])  # the decode steps; the prefill step is the first of `step`
+        n = len(spans["c"])  # the decode steps; the prefill steps come first in `step`
         step, mdl, wrap, c = (spans[k][-n:] for k in ("step", "model", "wrapper", "c"))
 
         def less(outer: list[int], inner: list[int]) -> float:
             return statistics.median(a - b for a, b in zip(outer, inner, strict=True)) / 1e3
 
         print(
-            f"run {run + 1}: {args.tokens / elapsed:6.1f} tok/s;"
+            f"run {run + 1}: {args.batch * args.tokens / elapsed:6.1f} tok/s;"
             f" C {statistics.median(c) / 1e3:7.0f}"
             f"  engine step {less(step, mdl):5.0f}  model {less(mdl, wrap):5.0f}"
             f"  wrapper {less(wrap, c):5.0f}  (Python {less(step, c):5.0f})"
