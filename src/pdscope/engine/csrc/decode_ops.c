@@ -2238,7 +2238,7 @@ static void pairs_one_row(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 
  * weight, 96 KB, in ~3.4 us of dot products at 3.6 GHz: ~28 GB/s a core) and waits, while
  * the later tiles leave the memory idle. So from PAIRS_PREFETCH_ROWS rows on (two full tiles),
  * the tiles after the first prefetch the next group into L2 between them, one line per block
- * per pair k, the group's blocks split evenly over those tiles. At 24 and 32 rows on an AMD
+ * per pair k, the group's blocks split over those tiles by their rows. At 24 and 32 rows on an AMD
  * EPYC (Zen 4) the 49 matmuls of the small model took 0.85-0.93 of their time without it; at
  * 12 rows (one full tile and a tail of 4, the whole group prefetched in the short tail) it
  * cost ~5% (bench/pairs_tiles_ab.py --ab-source). */
@@ -2260,7 +2260,8 @@ static inline __attribute__((always_inline)) void pairs_tile(const bf16 *x, cons
                                                              float *yf, int64_t in,
                                                              int64_t out, int64_t b0,
                                                              const int R, const int B,
-                                                             const bf16 *pf, int64_t pf_blocks) {
+                                                             const int P, const bf16 *pf,
+                                                             int64_t pf_blocks) {
     const int64_t pairs = in / 2, block_elems = 16 * in;
     __m512 c[PAIRS_TILE_ROWS][PAIRS_TILE_BLOCKS];
 #pragma GCC unroll 8
@@ -2273,8 +2274,11 @@ static inline __attribute__((always_inline)) void pairs_tile(const bf16 *x, cons
 #pragma GCC unroll 8
         for (int j = 0; j < B; j++)
             w[j] = (__m512bh)_mm512_loadu_si512(a + j * block_elems + 32 * k);
-        for (int64_t j = 0; j < pf_blocks; j++)
-            _mm_prefetch((const char *)(pf + j * block_elems + 32 * k), _MM_HINT_T1);
+        if (P) /* a constant: the tiles that never prefetch compile without the loop */
+            for (int64_t j = 0; j < pf_blocks; j++) {
+                _mm_prefetch((const char *)(pf + j * block_elems + 32 * k), _MM_HINT_T1);
+                KEEP_LOOP();
+            }
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const __m512bh xv = pair_of(x + r * in, k);
@@ -2294,22 +2298,32 @@ static inline __attribute__((always_inline)) void pairs_group(const bf16 *x, con
                                                               int64_t in, int64_t out,
                                                               int64_t b0, const int B,
                                                               int64_t next_blocks) {
-    const int64_t block_elems = 16 * in, tiles = (rows + PAIRS_TILE_ROWS - 1) / PAIRS_TILE_ROWS;
-    int64_t r = 0, tile = 0;
-    /* tile t >= 1 prefetches the next group's blocks [(t - 1) n / (T - 1), t n / (T - 1)) */
-#define PF_LO (tiles > 1 && tile >= 1 ? (tile - 1) * next_blocks / (tiles - 1) : 0)
-#define PF_HI (tiles > 1 && tile >= 1 ? tile * next_blocks / (tiles - 1) : 0)
-#define PAIRS_PF wp + (b0 + B + PF_LO) * block_elems, PF_HI - PF_LO
-    for (; r + PAIRS_TILE_ROWS <= rows; r += PAIRS_TILE_ROWS, tile++)
-        pairs_tile(x + r * in, wp, bias, y ? y + r * out : NULL, yf ? yf + r * out : NULL, in,
-                   out, b0, PAIRS_TILE_ROWS, B, PAIRS_PF);
+    const int64_t block_elems = 16 * in, later = rows - PAIRS_TILE_ROWS;
+    int64_t r = 0;
+    /* The tile of rows [r, r + R) after the first prefetches the next group's blocks
+     * [(r - T) n / later, (r + R - T) n / later), T the first tile's rows and `later` the rows
+     * after it: each tile a share of the blocks by its rows, so a short tail takes a short
+     * share. Set only where next_blocks is (at least two full tiles). */
+#define PF_LO (r < PAIRS_TILE_ROWS ? 0 : (r - PAIRS_TILE_ROWS) * next_blocks / later)
+#define PF_HI(R) (r < PAIRS_TILE_ROWS ? 0 : (r + (R) - PAIRS_TILE_ROWS) * next_blocks / later)
+#define PAIRS_PF(R) wp + (b0 + B + PF_LO) * block_elems, PF_HI(R) - PF_LO
+    for (; r + PAIRS_TILE_ROWS <= rows; r += PAIRS_TILE_ROWS)
+        if (next_blocks && r >= PAIRS_TILE_ROWS)
+            pairs_tile(x + r * in, wp, bias, y ? y + r * out : NULL, yf ? yf + r * out : NULL,
+                       in, out, b0, PAIRS_TILE_ROWS, B, 1, PAIRS_PF(PAIRS_TILE_ROWS));
+        else
+            pairs_tile(x + r * in, wp, bias, y ? y + r * out : NULL, yf ? yf + r * out : NULL,
+                       in, out, b0, PAIRS_TILE_ROWS, B, 0, NULL, 0);
     const bf16 *xr = x + r * in;
     bf16 *yr = y ? y + r * out : NULL; /* one of y and yf is NULL */
     float *yfr = yf ? yf + r * out : NULL;
     switch (rows - r) {
 #define PAIRS_TAIL(n) \
     case n: \
-        if (n < PAIRS_TILE_ROWS) pairs_tile(xr, wp, bias, yr, yfr, in, out, b0, n, B, PAIRS_PF); \
+        if (n < PAIRS_TILE_ROWS && next_blocks) \
+            pairs_tile(xr, wp, bias, yr, yfr, in, out, b0, n, B, 1, PAIRS_PF(n)); \
+        else if (n < PAIRS_TILE_ROWS) \
+            pairs_tile(xr, wp, bias, yr, yfr, in, out, b0, n, B, 0, NULL, 0); \
         break;
         PAIRS_TAIL(1) PAIRS_TAIL(2) PAIRS_TAIL(3) PAIRS_TAIL(4) PAIRS_TAIL(5) PAIRS_TAIL(6)
         PAIRS_TAIL(7)
