@@ -629,10 +629,10 @@ int paged_decode_attention(const void *q, const void *kv, void *out, const int64
         parts = parts < 1 ? 1 : parts;
     }
     const int64_t width = (longest + parts - 1) / parts;
-    /* One part an item (any batch of 2 or more sequences on 2 threads): each item writes its
-     * rows where it is attended, from scratch on its thread's stack. A batch-32 step's 128
-     * items a layer otherwise shared a malloc past glibc's mmap threshold (an mmap, its page
-     * faults and a munmap every layer) and a merge run on one thread. */
+    /* One part an item (one thread, two items a thread or more, or fewer than 512 keys):
+     * each item writes its rows where it is attended, from scratch on its thread's stack. A
+     * batch-32 step's 128 items a layer otherwise shared a malloc past glibc's mmap threshold
+     * (an mmap, its page faults and a munmap every layer) and a merge run on one thread. */
     float *scratch = NULL;
     if (parts > 1) {
         scratch = malloc((size_t)(items * parts * group * (dim + 2)) * sizeof(float));
@@ -2238,10 +2238,10 @@ static void pairs_one_row(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 
  * weight, 96 KB, in ~3.4 us of dot products at 3.6 GHz: ~28 GB/s a core) and waits, while
  * the later tiles leave the memory idle. So from PAIRS_PREFETCH_ROWS rows on (two full tiles),
  * the tiles after the first prefetch the next group into L2 between them, one line per block
- * per pair k, the group's blocks split over those tiles by their rows. At 24 and 32 rows on an AMD
- * EPYC (Zen 4) the 49 matmuls of the small model took 0.85-0.93 of their time without it; at
- * 12 rows (one full tile and a tail of 4, the whole group prefetched in the short tail) it
- * cost ~5% (bench/pairs_tiles_ab.py --ab-source). */
+ * per pair k, the group's blocks split over those tiles by their rows. At 24 and 32 rows on an
+ * AMD EPYC (Zen 4) the 49 matmuls of the small model took 0.84-0.94 of their time without it;
+ * at 12 rows (one full tile and a tail of 4, the whole group prefetched in the short tail) it
+ * cost ~5% (bench/pairs_tiles_ab.py --ab-source), so fewer rows prefetch nothing. */
 #ifndef PAIRS_TILE_ROWS /* -D for bench A/Bs of the tile's shape */
 #define PAIRS_TILE_ROWS 8
 #endif
