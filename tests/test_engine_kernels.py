@@ -486,22 +486,27 @@ def c_ops(tmp_path_factory: pytest.TempPathFactory) -> native.NativeOps:
     return ops
 
 
+def _disassembly(c_ops: native.NativeOps) -> str:
+    """``objdump -d`` of the built library; skips where binutils is absent."""
+    import shutil
+
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump here (binutils) to read the library with")
+    return subprocess.run(
+        [objdump, "-d", c_ops.lib._name], capture_output=True, text=True, check=True
+    ).stdout
+
+
 @needs_cc
 def test_the_decode_attention_prefetches_are_in_the_built_library(c_ops: native.NativeOps) -> None:
     """gcc 12 may delete prefetches as code without side effects: for several sessions the
     engine's library held no prefetch of the tile after a block jump (shuffled tables were read
     at ~0.7x the time with it). Where the build has the AVX-512 BF16 kernels, the library holds
     that prefetcht1 and the prefetcht0 of a tile's K rows (which gcc had kept so far)."""
-    import shutil
-
-    objdump = shutil.which("objdump")
-    if objdump is None:
-        pytest.skip("no objdump here (binutils) to read the library with")
     if not c_ops.lib.linear_pairs_isa():
         pytest.skip("this build has no AVX-512 BF16 kernels, where the prefetches are")
-    text = subprocess.run(
-        [objdump, "-d", c_ops.lib._name], capture_output=True, text=True, check=True
-    ).stdout
+    text = _disassembly(c_ops)
     assert "prefetcht0" in text and "prefetcht1" in text
 
 
@@ -511,20 +516,14 @@ def test_the_batched_pairs_kernel_prefetches_its_next_group(c_ops: native.Native
     at 24-32 rows on an AMD EPYC): the function that runs the row tiles holds prefetcht1,
     which gcc could delete as code without side effects."""
     import re
-    import shutil
 
-    objdump = shutil.which("objdump")
-    if objdump is None:
-        pytest.skip("no objdump here (binutils) to read the library with")
     cc = native.compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout if cc else ""
     if "Free Software Foundation" not in version:
         pytest.skip("the function names read here are gcc's (clang outlines OpenMP otherwise)")
     if not c_ops.pairs_rows:
         pytest.skip("this build has no AVX-512 BF16 kernels, where the prefetch is")
-    text = subprocess.run(
-        [objdump, "-d", c_ops.lib._name], capture_output=True, text=True, check=True
-    ).stdout
+    text = _disassembly(c_ops)
     # one function a chunk; pairs_rows' body is its OpenMP outline, or inlined into
     # linear_pairs_rows in a build without OpenMP
     bodies = [f for f in re.split(r"\n(?=[0-9a-f]+ <)", text) if "pairs_rows" in f.split("\n")[0]]
