@@ -58,7 +58,11 @@ def test_probe_openai_dialect(medium_server: Server) -> None:
     # stream at once can multiply one.)
     assert sweep[-1]["decode_tok_s_max"] > sweep[0]["decode_tok_s_min"] / 2.5
     pc = r["prefix_cache"]
-    assert pc["pairs"] == 3 and pc["cached_tokens"] >= 1392 and pc["warm_over_cold"] < 0.7
+    assert pc["pairs"] == 3 and pc["cached_tokens"] >= 1392
+    # Fastest warm over fastest cold, as for the sweep: alone on the AMD EPYC the medians' ratio
+    # read 0.17-0.21 in six runs, but one CI run read 0.72 (two of three warm sends slowed by
+    # the host). Without the cache the fastest warm send prefills as much as a cold one (~1.0).
+    assert pc["best_warm_over_cold"] < 0.5
     kinds = {f["finding"] for f in r["findings"]}
     assert "Prefix caching works" in kinds
     assert not r["failures"] and r["partial"] is None
@@ -111,7 +115,7 @@ def test_probe_ollama_dialect(medium_server: Server) -> None:
         assert t["server"]["ollama"]["eval_count"] == t["output_tokens"]
     assert "server_prompt_eval_ms" in sweep[0]  # the server's own view, shown beside ours
     # The prefix check reports the TTFT drop even without a cached-token count.
-    assert r["prefix_cache"]["warm_over_cold"] < 0.7
+    assert r["prefix_cache"]["best_warm_over_cold"] < 0.5
 
 
 def test_probe_cli_json_and_plot(medium_server: Server, tmp_path: Path) -> None:
@@ -677,6 +681,7 @@ def test_prefix_check_survives_one_disturbed_send() -> None:
     assert pc["pairs"] == 3 and pc["cached_tokens"] == 992 and pc["cold_cached_tokens"] == 0
     assert pc["cold_ttft_ms"] == pytest.approx(34) and pc["warm_ttft_ms"] == pytest.approx(12)
     assert pc["warm_over_cold"] == pytest.approx(12 / 34)
+    assert pc["best_warm_over_cold"] == pytest.approx(11 / 30)
     # One warm send that missed the cache shows in the count: the fewest, not the median.
     traces[-1].cached_tokens = 0
     assert analyze(traces, "pdscope")["prefix_cache"]["cached_tokens"] == 0
