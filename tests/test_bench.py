@@ -17,6 +17,7 @@ from pdscope.client.trace import Chunk, Trace
 from pdscope.client.workloads import Lengths, WorkloadError, file_workload
 from pdscope.commands.bench import Bench, BenchSettings, BenchState, bench
 from tests.conftest import Server, start_server
+from tests.test_server import wait_for
 
 
 def run(settings: BenchSettings) -> dict:
@@ -358,7 +359,7 @@ def test_ctrl_c_writes_partial_results(medium_server: Server, tmp_path: Path) ->
             "--input-len",
             "32",
             "--output-len",
-            "1500",  # ~60 s of work on a fast engine: 400 once finished inside the 6 s below
+            "1500",  # ~60 s of work on a fast engine: 400 once finished before a 6 s stop
             "--max-concurrency",
             "2",
             "--save-result",
@@ -371,7 +372,12 @@ def test_ctrl_c_writes_partial_results(medium_server: Server, tmp_path: Path) ->
         # ignored, and Python then installs no Ctrl-C handler: give the bench the default back.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    time.sleep(6)  # start-up, warm-up, then a few requests in flight
+    # Stop once the run is in flight: two requests at once (the warm-up is one), not after a
+    # fixed sleep, which a slow start on a loaded host could outlast (no run to keep then).
+    running = "vllm:num_requests_running"
+    m = wait_for(medium_server.url, lambda m: m[running] >= 2 or proc.poll() is not None, 60)
+    assert m[running] >= 2, proc.communicate(timeout=60)[0] if proc.poll() is not None else m
+    time.sleep(1)
     proc.send_signal(signal.SIGINT)
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1, output

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -30,6 +31,18 @@ def metrics(url: str) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
+
+
+def wait_for(
+    url: str, test: Callable[[dict[str, float]], bool], timeout_s: float = 20
+) -> dict[str, float]:
+    """The first scrape of `/metrics` that passes `test`, or the last one at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = metrics(url)
+        if test(m) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
 
 
 def client(server: Server) -> openai.OpenAI:

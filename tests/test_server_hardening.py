@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,7 +19,7 @@ import pytest
 
 from pdscope.server.guard import GuardConfig
 from tests.conftest import Server, start_server
-from tests.test_server import metrics
+from tests.test_server import metrics, wait_for
 
 KEY = "s3cret"
 JSON = {"Content-Type": "application/json"}
@@ -67,17 +67,6 @@ def _auth(with_key: bool) -> dict[str, str]:
     return {"Authorization": f"Bearer {KEY}"} if with_key else {}
 
 
-def _wait_for(
-    url: str, test: Callable[[dict[str, float]], bool], timeout_s: float = 20
-) -> dict[str, float]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = metrics(url)
-        if test(m) or time.monotonic() > deadline:
-            return m
-        time.sleep(0.05)
-
-
 NON_STREAMING = {
     "/v1/completions": {"prompt": "hi", "max_tokens": LONG, "ignore_eos": True},
     "/v1/chat/completions": {
@@ -113,10 +102,10 @@ def test_non_streaming_disconnect_aborts(
     port = int(srv.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(head.encode() + body)
-        running = _wait_for(srv.url, lambda m: m["vllm:num_requests_running"] >= 1)
+        running = wait_for(srv.url, lambda m: m["vllm:num_requests_running"] >= 1)
         assert running["vllm:num_requests_running"] == 1
     # The client is gone: the request must end as an abort, long before its 2,000 tokens.
-    m = _wait_for(srv.url, lambda m: m["vllm:num_requests_running"] == 0, timeout_s=10)
+    m = wait_for(srv.url, lambda m: m["vllm:num_requests_running"] == 0, timeout_s=10)
     assert m["vllm:num_requests_running"] == 0
     assert m.get(aborted, 0) == before + 1
     assert m["vllm:kv_cache_usage_perc"] == 0
