@@ -145,15 +145,25 @@ def test_dashboard_against_real_prometheus(
     p99_expr = next(t["expr"] for t in ttft["targets"] if t["legendFormat"] == "p99 (vllm)")
     p99_expr = p99_expr.replace("$runtime", "1").replace("$__rate_interval", window)
     server_p99_ms = float(_query(prom, p99_expr, at_s)[0]["value"][1]) * 1e3
-    # Bucket resolution: the server interpolates within the bucket holding its p99. The client's
-    # TTFT adds the network and its own event loop to the server's, so its p99 may sit higher:
-    # one bucket on a quiet host, and measured two (55 ms vs 81 ms) on a 2-core host loaded by
-    # other jobs. The server's can never be above the client's bucket.
+    # Bucket resolution: the server interpolates within the bucket holding its p99. Each
+    # client TTFT is the server's plus the network and the client's event loop, so the
+    # server's p99 is never above the bucket holding the client's. Below, the client's p99 is
+    # one request of 24, and a client stalled once on a loaded host moves it buckets up (55 vs
+    # 81 ms measured on 2 cores): the floor is the bucket under the one holding the client's
+    # median, which a p99 cannot be below.
     bounds_ms = [0.0, *(b * 1e3 for b in TTFT_BUCKETS)]
-    i = next(k for k in range(1, len(bounds_ms)) if client_p99_ms <= bounds_ms[k])
-    low_ms, high_ms = bounds_ms[max(0, i - 3)], bounds_ms[i]
-    print(f"TTFT p99: dashboard {server_p99_ms:.1f} ms, bench client {client_p99_ms:.1f} ms")
+
+    def bucket(ms: float) -> int:
+        return next(k for k in range(1, len(bounds_ms)) if ms <= bounds_ms[k])
+
+    client_median_ms = run["summary"]["median_ttft_ms"]
+    low_ms = bounds_ms[max(0, bucket(client_median_ms) - 2)]
+    high_ms = bounds_ms[bucket(client_p99_ms)]
+    print(
+        f"TTFT p99: dashboard {server_p99_ms:.1f} ms, bench client {client_p99_ms:.1f} ms "
+        f"(median {client_median_ms:.1f})"
+    )
     assert low_ms <= server_p99_ms <= high_ms, (
         f"dashboard TTFT p99 {server_p99_ms:.1f} ms vs bench's client p99 {client_p99_ms:.1f} ms "
-        f"(bucket resolution there: {low_ms:g}-{high_ms:g} ms)"
+        f"(median {client_median_ms:.1f} ms; bounds by bucket: {low_ms:g}-{high_ms:g} ms)"
     )
