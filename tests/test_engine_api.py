@@ -78,6 +78,18 @@ def test_stop_strings_and_stop_tokens(llm: LLM) -> None:
         ),
     )[0]
     assert len(held.token_ids) >= 8
+    # A stop string completed before min_tokens is ignored, as a stop id is: the text keeps it
+    # (a stream has already sent it). Here the 5th token completes it and min_tokens is 6, so
+    # the first token that may stop sees it just behind its own text (which cut it before).
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    five = llm.generate(PROMPT, SamplingParams(**{**vars(greedy), "max_tokens": 5}))[0].text
+    early = five[-3:]
+    assert len(five) >= 3 and five.index(early) == len(five) - 3
+    late = llm.generate(
+        PROMPT, SamplingParams(**{**vars(greedy), "stop": [early], "min_tokens": 6})
+    )[0]
+    assert late.text.startswith(five)
+    assert free.text.startswith(late.text) and len(late.token_ids) >= 6
 
 
 def test_max_tokens_and_max_model_len(tiny: Path) -> None:

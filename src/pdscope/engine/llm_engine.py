@@ -332,9 +332,14 @@ class LLMEngine:
         if delta:
             request.output_text += delta
             if enough and p.stop:
-                # Only the tail can hold a new match: the delta plus a stop string's length.
-                tail_from = max(0, len(request.output_text) - len(delta) - max(map(len, p.stop)))
-                hits = [i for s in p.stop if (i := request.output_text.find(s, tail_from)) >= 0]
+                # Only a stop string this token completes counts (it ends inside the delta): one
+                # completed before min_tokens was ignored then, and a stream has already sent it.
+                end = len(request.output_text) - len(delta)
+                hits = [
+                    i
+                    for s in p.stop
+                    if (i := request.output_text.find(s, max(0, end - len(s) + 1))) >= 0
+                ]
                 if hits:
                     request.output_text = request.output_text[: min(hits)]
                     return "stop"
