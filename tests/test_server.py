@@ -96,6 +96,17 @@ def test_openai_chat(server: Server) -> None:
     assert r.usage.completion_tokens == 6
     counted = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()["count"]
     assert r.usage.prompt_tokens == counted
+    # Without the generation prompt (the assistant's header) the count is smaller.
+    bare = {"messages": messages, "add_generation_prompt": False}
+    assert httpx.post(f"{server.url}/tokenize", json=bare).json()["count"] < counted
+    # OpenAI's "developer" role is read as "system".
+    as_system = [{"role": "system", "content": "Be brief."}, *messages]
+    as_developer = [{"role": "developer", "content": "Be brief."}, *messages]
+    ids = [
+        httpx.post(f"{server.url}/tokenize", json={"messages": m}).json()["tokens"]
+        for m in (as_system, as_developer)
+    ]
+    assert ids[0] == ids[1]
 
     stream = list(
         c.chat.completions.create(

@@ -114,12 +114,22 @@ class ServerState:
                 param=param,
             )
 
-    async def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
-        plain = [{"role": m.role, "content": _content_text(m.content)} for m in messages]
+    async def chat_prompt(
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True
+    ) -> list[int]:
+        plain = [
+            {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": _content_text(m.content),
+            }
+            for m in messages
+        ]
         chars = sum(len(m["content"]) for m in plain)
 
         def render() -> str:
-            return self.llm.tokenizer.apply_chat_template(plain, add_generation_prompt=True)
+            return self.llm.tokenizer.apply_chat_template(
+                plain, add_generation_prompt=add_generation_prompt
+            )
 
         try:
             text = render() if chars < INLINE_TOKENIZE_CHARS else await asyncio.to_thread(render)

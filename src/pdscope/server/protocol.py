@@ -64,7 +64,8 @@ def _integral_items(value: Any) -> Any:
 
 TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-pdscope": "token-id"})]
 IdList = Annotated[list[TokenId], BeforeValidator(_integral_items)]
-Role = Literal["system", "user", "assistant", "tool"]
+# "developer" is OpenAI's newer name for "system" (its clients send it); templates get "system".
+Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class _Body(BaseModel):
