@@ -1,6 +1,7 @@
 """The engine's public surfaces: sampling options, stops, timelines, async streaming, errors."""
 
 import asyncio
+import math
 from pathlib import Path
 
 import pytest
@@ -209,6 +210,9 @@ def test_one_failing_request_fails_alone(tiny: Path) -> None:
 def test_sampler_and_request_validation(llm: LLM) -> None:
     with pytest.raises(ValueError, match="seed"):
         SamplingParams(seed=2**64)
+    for t in (math.inf, math.nan):
+        with pytest.raises(ValueError, match="finite"):
+            SamplingParams(temperature=t)
     with pytest.raises(ValueError, match="stop_token_ids"):
         llm.generate(PROMPT, SamplingParams(stop_token_ids=[10**9], min_tokens=2))
     greedy = llm.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))

@@ -230,6 +230,10 @@ def test_ollama_counts_whole_prompt_when_cached(server: Server) -> None:
         ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+        # Python's json (and so the server) reads 1e400 as inf and takes NaN; neither samples.
+        ("/v1/completions", '{"prompt": "x", "temperature": 1e400}', 400, "finite"),
+        ("/v1/completions", '{"prompt": "x", "temperature": NaN}', 400, "finite"),
+        ("/v1/completions", '{"prompt": "x", "top_p": NaN}', 400, "finite"),
         ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n=2"),
         ("/v1/completions", {"prompt": "word " * 2000}, 400, "maximum context length"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "maximum context"),
@@ -271,6 +275,11 @@ def test_openai_errors(server: Server, path: str, body, status: int, needle: str
         ("/api/generate", {"prompt": "hi"}, 400),
         ("/api/generate", {"model": "llama3", "prompt": "hi"}, 404),
         ("/api/chat", {"model": "tiny", "messages": []}, 400),
+        (
+            "/api/generate",
+            '{"model": "tiny", "prompt": "hi", "options": {"temperature": 1e400}}',
+            400,
+        ),
         ("/api/nothing", {}, 404),
     ],
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -32,8 +33,8 @@ class SamplingParams:
             problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             problems.append(f"seed must fit in 64 bits, got {self.seed}")
-        if self.temperature < 0:
-            problems.append(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # NaN fails this too
+            problems.append(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             problems.append(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:

@@ -106,8 +106,8 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 
 class _OpenAISampling(_Body):
     model: Text | None = None
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: Annotated[int, Field(ge=-1), BeforeValidator(_integral)] | None = None
     seed: Seed | None = None
     stop: NonEmptyText | list[NonEmptyText] | None = None
@@ -214,10 +214,10 @@ class DetokenizeRequest(_Body):
 
 class OllamaOptions(_Body):
     num_predict: Int | None = None
-    temperature: float | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
     seed: Seed | None = None
     stop: list[NonEmptyText] | None = None
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: NonNegative | None = None
 
     def sampling(self, limit: int) -> SamplingParams:
