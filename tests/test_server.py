@@ -20,6 +20,7 @@ from tests.conftest import Server, start_server
 pytestmark = pytest.mark.slow
 
 PROMPT = "Prefill reads the prompt; decode writes one token per step."
+USER = {"role": "user", "content": "Hi"}
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -293,6 +294,44 @@ def test_ollama_errors(server: Server, path: str, body, status: int) -> None:
     )
     assert r.status_code == status
     assert isinstance(r.json()["error"], str) and r.json()["error"]
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "neutral", "needle"),
+    [
+        ("/api/generate", {"format": "json"}, {"format": ""}, "'format'"),
+        ("/api/generate", {"images": ["aGk="]}, {"images": []}, "'images'"),
+        ("/api/generate", {"think": True}, {"think": False}, "'think'"),
+        (
+            "/api/generate",
+            {"options": {"min_p": 0.1}},
+            {"options": {"min_p": 0}},
+            "'options.min_p'",
+        ),
+        ("/api/generate", {"options": {"num_ctx": "x"}}, {"options": {"num_ctx": 64}}, "num_ctx"),
+        ("/api/chat", {"tools": [{"type": "function"}]}, {"tools": None}, "'tools'"),
+        (
+            "/api/chat",
+            {"messages": [{**USER, "images": ["aGk="]}]},
+            {"messages": [{**USER, "images": []}]},
+            "'messages.0.images'",
+        ),
+    ],
+)
+def test_ollama_refuses_what_it_does_not_implement(
+    server: Server, path: str, extra: dict, neutral: dict, needle: str
+) -> None:
+    """Refused, not ignored: Ollama itself refuses format, images, tools and think for a model
+    without them, and an ignored sampling option would change the results unannounced. The
+    neutral value is accepted."""
+    body = {"model": server.model, "stream": False}
+    body |= {"prompt": "Hi"} if path == "/api/generate" else {"messages": [USER]}
+    r = httpx.post(f"{server.url}{path}", json=body | extra, timeout=30)
+    assert r.status_code == 400 and needle in r.json()["error"], r.text
+    neutral = {"options": {"num_predict": 2}} | neutral
+    neutral["options"] = {"num_predict": 2} | neutral["options"]
+    ok = httpx.post(f"{server.url}{path}", json=body | neutral, timeout=30)
+    assert ok.status_code == 200, ok.text
 
 
 def test_nulls_and_neutral_values_are_accepted(server: Server) -> None:

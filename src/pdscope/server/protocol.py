@@ -121,11 +121,7 @@ class _OpenAISampling(_Body):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unimplemented(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for key, neutral in UNSUPPORTED.items():
-                if key in data and data[key] not in neutral:
-                    raise ValueError(f"'{key}' is not supported by pdscope (got {data[key]!r})")
-        return data
+        return _refuse(data, UNSUPPORTED, "")
 
     @field_validator("n", mode="wrap")
     @classmethod
@@ -212,8 +208,41 @@ class DetokenizeRequest(_Body):
     tokens: IdList
 
 
+# Ollama fields pdscope does not implement, with the values that mean "not used". Ollama
+# itself refuses format, images, tools and think for a model without them; an option that
+# changes sampling (penalties, mirostat, min_p) is refused unless neutral. Runtime knobs
+# (num_thread, num_batch, use_mmap, ...) are ignored, as they change no result.
+OLLAMA_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "format": (None, ""),
+    "images": (None, []),
+    "tools": (None, []),
+    "think": (None, False),
+    "template": (None, ""),
+    "suffix": (None, ""),
+    "context": (None, []),
+}
+OLLAMA_UNSUPPORTED_OPTIONS: dict[str, tuple[Any, ...]] = {
+    "repeat_penalty": (None, 1, 1.0),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "mirostat": (None, 0),
+    "min_p": (None, 0, 0.0),
+    "typical_p": (None, 1, 1.0),
+    "tfs_z": (None, 1, 1.0),
+}
+
+
+def _refuse(data: Any, unsupported: dict[str, tuple[Any, ...]], where: str) -> Any:
+    if isinstance(data, dict):
+        for key, neutral in unsupported.items():
+            if key in data and data[key] not in neutral:
+                raise ValueError(f"'{where}{key}' is not supported by pdscope (got {data[key]!r})")
+    return data
+
+
 class OllamaOptions(_Body):
     num_predict: Int | None = None
+    num_ctx: Int | None = None  # the context is the server's --max-model-len; typed, not used
     temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
     seed: Seed | None = None
     stop: list[NonEmptyText] | None = None
@@ -234,8 +263,23 @@ class OllamaOptions(_Body):
             stop=list(self.stop or []),
         )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data: Any) -> Any:
+        return _refuse(data, OLLAMA_UNSUPPORTED_OPTIONS, "options.")
 
-class OllamaGenerateRequest(_Body):
+
+class _OllamaBody(_Body):
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data: Any) -> Any:
+        messages = data.get("messages") if isinstance(data, dict) else None
+        for i, message in enumerate(messages if isinstance(messages, list) else []):
+            _refuse(message, {"images": (None, [])}, f"messages.{i}.")
+        return _refuse(data, OLLAMA_UNSUPPORTED, "")
+
+
+class OllamaGenerateRequest(_OllamaBody):
     model: Text
     prompt: Text = ""
     system: Text | None = None
@@ -244,7 +288,7 @@ class OllamaGenerateRequest(_Body):
     options: OllamaOptions = Field(default_factory=OllamaOptions)
 
 
-class OllamaChatRequest(_Body):
+class OllamaChatRequest(_OllamaBody):
     model: Text
     messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = True
