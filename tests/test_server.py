@@ -270,6 +270,28 @@ def test_openai_errors(server: Server, path: str, body, status: int, needle: str
 
 
 @pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**9]}, "stop_token_ids"),
+        ("/v1/chat/completions", {"messages": [USER], "max_completion_tokens": 10**6},
+         "max_completion_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 2000}]},
+         "messages"),
+        ("/v1/completions", "{not json", None),
+    ],
+)  # fmt: skip
+def test_openai_errors_name_the_field(server: Server, path: str, body, param: str | None) -> None:
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(
+        f"{server.url}{path}", content=content, headers={"content-type": "application/json"}
+    )
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param, error
+    if param is None:  # where the JSON breaks, not a path into it
+        assert "not valid JSON" in error["message"] and "at character 1" in error["message"]
+
+
+@pytest.mark.parametrize(
     ("path", "body", "status"),
     [
         ("/api/generate", "{bad", 400),

@@ -37,6 +37,13 @@ def validation_problems(errors: Sequence[Any]) -> dict[str, str]:
     errors = _likeliest_branch(errors)
     by_field: dict[str, list[dict[str, Any]]] = {}
     for err in errors:
+        if err.get("type") == "json_invalid":  # its loc is ("body", the character's offset)
+            at = err.get("loc", ())[-1]
+            detail = (err.get("ctx") or {}).get("error", err.get("msg"))
+            by_field.setdefault("", []).append(
+                {"msg": f"the body is not valid JSON: {detail} (at character {at})"}
+            )
+            continue
         where = ".".join(str(p) for p in err.get("loc", ()) if _is_field_step(p))
         by_field.setdefault(where, []).append(err)
     problems = {}

@@ -146,9 +146,14 @@ class ServerState:
             raise APIError(400, f"invalid sampling parameters: {exc}") from exc
 
     def max_tokens_for(
-        self, prompt_ids: list[int], asked: int | None, name: str = "max_tokens"
+        self,
+        prompt_ids: list[int],
+        asked: int | None,
+        name: str = "max_tokens",
+        prompt_param: str = "prompt",
     ) -> int:
-        """Output budget: what was asked, or the rest of the context; refuse if it cannot fit."""
+        """Output budget: what was asked, or the rest of the context; refuse if it cannot fit.
+        ``name`` and ``prompt_param``: the body's fields a refusal names."""
         limit = self.llm.max_model_len
         room = limit - len(prompt_ids)
         if room < 1:
@@ -156,7 +161,7 @@ class ServerState:
                 400,
                 f"This model's maximum context length is {limit} tokens. "
                 f"However, your prompt has {len(prompt_ids)} tokens.",
-                param="prompt",
+                param=prompt_param,
             )
         if asked is None:
             return room
@@ -171,7 +176,12 @@ class ServerState:
         return asked
 
     async def start(
-        self, request: Request, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        request: Request,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        prompt_param: str = "prompt",
     ) -> RequestStream:
         try:
             arrival = getattr(request.state, "arrival_s", None)
@@ -181,8 +191,9 @@ class ServerState:
             raise APIError(503, str(exc), "ServiceUnavailableError", headers=retry) from exc
         except EngineDeadError as exc:
             raise APIError(503, str(exc), "ServiceUnavailableError") from exc
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="prompt") from exc
+        except ValueError as exc:  # the engine's message starts with the field it refuses
+            param = "stop_token_ids" if str(exc).startswith("stop_token_ids") else prompt_param
+            raise APIError(400, str(exc), param=param) from exc
 
 
 def state_of(request: Request) -> ServerState:

@@ -163,10 +163,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 param=name,
             )
     asked = body.max_completion_tokens or body.max_tokens
-    limit = s.max_tokens_for(ids, asked)
+    name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    limit = s.max_tokens_for(ids, asked, name, prompt_param="messages")
     params = s.sampling(lambda: body.sampling(limit))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = await s.start(request, ids, params, rid)
+    stream = await s.start(request, ids, params, rid, prompt_param="messages")
     head = {"id": rid, "created": int(time.time()), "model": s.model_name}
 
     if not body.stream:
