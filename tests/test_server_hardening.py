@@ -496,6 +496,17 @@ def test_405_carries_allow(plain: Server) -> None:
 
 
 @pytest.mark.slow
+def test_head_is_served_wherever_get_is(plain: Server) -> None:
+    """Ollama's CLI sends HEAD / before anything else; HEAD is GET's status and headers."""
+    assert httpx.get(f"{plain.url}/").status_code == 200
+    for path in ("/", "/health", "/v1/models", "/api/tags", "/api/version"):
+        got, head = httpx.get(f"{plain.url}{path}"), httpx.head(f"{plain.url}{path}")
+        assert head.status_code == got.status_code == 200 and head.content == b"", path
+        assert head.headers["content-type"] == got.headers["content-type"]
+    assert httpx.head(f"{plain.url}/v1/completions").status_code == 405  # POST only
+
+
+@pytest.mark.slow
 def test_ollama_ps_and_one_token_durations(plain: Server) -> None:
     import ollama
 

@@ -137,6 +137,11 @@ def build_app(state: ServerState) -> Guard:
             generate_latest(metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST
         )
 
+    @app.get("/")
+    async def root() -> PlainTextResponse:
+        # What Ollama answers here; its CLI sends HEAD / before anything else.
+        return PlainTextResponse("pdscope is running")
+
     for dialect in DIALECTS:
         app.include_router(dialect.router)
     openapi.install(app, state.llm, DIALECTS)
@@ -146,4 +151,8 @@ def build_app(state: ServerState) -> Guard:
         for r in dialect.router.routes
         if isinstance(r, APIRoute) and "POST" in r.methods
     )
-    return Guard(app, dataclasses.replace(state.guard, json_paths=json_paths), error_body)
+    # The dialects' routes too: app.routes does not list a router's routes here.
+    routes = [*app.routes, *(r for dialect in DIALECTS for r in dialect.router.routes)]
+    get_paths = frozenset(r.path for r in routes if isinstance(r, APIRoute) and "GET" in r.methods)
+    guard = dataclasses.replace(state.guard, json_paths=json_paths, get_paths=get_paths)
+    return Guard(app, guard, error_body)

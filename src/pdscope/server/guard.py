@@ -60,6 +60,7 @@ class GuardConfig:
     allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides loopback names and IPs
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     json_paths: frozenset[str] = field(default_factory=frozenset)  # POST routes taking JSON
+    get_paths: frozenset[str] = field(default_factory=frozenset)  # GET routes, HEAD served too
 
     def origin_allowed(self, origin: str) -> bool:
         origin = origin.lower()
@@ -207,7 +208,10 @@ class Guard:
                     {**cors, "connection": "close"},
                 )
                 return
-        await self._run(scope, receive, send, path, cors)
+        head = method == "HEAD" and path in c.get_paths
+        if head:  # FastAPI routes answer only the methods they list: HEAD is the GET, no body
+            scope = {**scope, "method": "GET"}
+        await self._run(scope, receive, send, path, cors, head)
 
     async def _read_body(self, receive: Receive, headers: dict[str, str]) -> Receive:
         """Read the body up front, refusing it once it passes the limit: a declared length
@@ -239,7 +243,13 @@ class Guard:
         return replay
 
     async def _run(
-        self, scope: Scope, receive: Receive, send: Send, path: str, cors: dict[str, str]
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        path: str,
+        cors: dict[str, str],
+        head: bool = False,
     ) -> None:
         started = False
 
@@ -252,6 +262,8 @@ class Guard:
                         **message,
                         "headers": [*message.get("headers", []), *_encode(cors)],
                     }
+            elif head and message["type"] == "http.response.body":
+                message = {**message, "body": b""}
             await send(message)
 
         try:

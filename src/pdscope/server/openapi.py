@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from pdscope.engine.llm_engine import LLMEngine
 from pdscope.server.common import Dialect
 
-TEXT_ROUTES = {"/health": "text/plain", "/metrics": "text/plain"}
+TEXT_ROUTES = {"/": "text/plain", "/health": "text/plain", "/metrics": "text/plain"}
 WHY = {
     "400": "Invalid request: the message names the field",
     "401": "Missing or wrong API key (--api-key)",
