@@ -442,6 +442,19 @@ def test_capacity_is_never_above_the_served_rate() -> None:
 
 
 @pytest.mark.slow
+def test_a_run_where_every_request_failed_exits_1_with_the_reason(
+    medium_server: Server, tmp_path: Path
+) -> None:
+    out = tmp_path / "failed.json"
+    args = ["bench", medium_server.url, "--num-prompts", "3", "--warmup", "0", "--input-len", "16"]
+    res = CliRunner().invoke(cli, [*args, "--output-len", "5000", "--save-result", str(out)])
+    assert res.exit_code == 1, res.output
+    assert "every request of a run failed" in res.output
+    assert "maximum context length" in " ".join(res.output.split())  # the server's reason
+    assert json.loads(out.read_text())["failed"] == 3  # what was measured is kept
+
+
+@pytest.mark.slow
 def test_find_capacity_cli(medium_server: Server, tmp_path: Path) -> None:
     out = tmp_path / "cap.json"
     res = CliRunner().invoke(

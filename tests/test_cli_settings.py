@@ -87,3 +87,19 @@ def test_embedded_server_passes_a_url_through_and_refuses_bad_args() -> None:
     # shlex: "No closing quotation"; refused before any process or folder is made
     with pytest.raises(EmbeddedServerError, match="quotation"), embedded_server(None, "t", "'1"):
         pass
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["probe", "--json", "/nonexistent/p.json"],
+        ["probe", "--plot", "probe.txt"],
+        ["bench", "--save-result", "/nonexistent/b.json"],
+        ["bench", "--report", "/"],
+    ],
+)
+def test_unwritable_outputs_exit_2_before_any_run(args: list[str]) -> None:
+    """No URL: these would start the embedded server and run for minutes, then fail to write."""
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert args[1] in result.output

@@ -1,6 +1,7 @@
 """The engine's scheduler on a roofline clock: the cost model against plan's own arithmetic, and
 the simulated server against the article's claims. No model, no torch."""
 
+import json
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -214,8 +215,6 @@ def test_without_a_cap_requests_arrive_when_scheduled_even_mid_step() -> None:
 
 
 def test_simulate_cli_writes_bench_shaped_json_that_bench_compare_reads(tmp_path) -> None:
-    import json
-
     from typer.testing import CliRunner
 
     from pdscope.cli import app
@@ -260,6 +259,10 @@ def test_simulate_cli_writes_bench_shaped_json_that_bench_compare_reads(tmp_path
         (["--max-num-seqs", "0"], "--max-num-seqs"),
         (["--bandwidth-efficiency", "1.5"], "--bandwidth-efficiency"),
         (["--input-len", "ten"], "--input-len"),
+        # Output files are checked before the run, not after it.
+        (["--save-result", "/nonexistent/x.json"], "does not exist"),
+        (["--report", "."], "is a directory"),
+        (["--plan-capacity", "--plot", "plan.txt"], ".png"),
     ],
 )
 def test_simulate_cli_refuses_bad_input_with_exit_2(args, message) -> None:
@@ -270,6 +273,19 @@ def test_simulate_cli_refuses_bad_input_with_exit_2(args, message) -> None:
     result = CliRunner().invoke(app, ["simulate", "--num-prompts", "4", *args])
     assert result.exit_code == 2
     assert message in result.output
+
+
+def test_a_run_with_every_request_failed_exits_1_with_the_first_reason(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from pdscope.cli import app
+
+    saved = tmp_path / "sim.json"
+    args = ["simulate", "--num-prompts", "4", "--input-len", "100", "--max-model-len", "50"]
+    result = CliRunner().invoke(app, [*args, "--save-result", str(saved)])
+    assert result.exit_code == 1, result.output
+    assert "every simulated request" in result.output and "max_model_len 50" in result.output
+    assert json.loads(saved.read_text())["failed"] == 4  # what was measured is kept
 
 
 def test_a_request_over_max_model_len_is_a_counted_failure_with_its_reason() -> None:

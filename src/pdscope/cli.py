@@ -10,6 +10,7 @@ import dataclasses
 import inspect
 import json
 import math
+import os
 import sys
 import typing
 from collections.abc import Callable, Iterator
@@ -493,6 +494,26 @@ def exit_on(code: int, *errors: type[Exception]) -> Iterator[None]:
         raise fail(str(exc), code) from None
 
 
+def check_output(path: Path | None, option: str, figure: bool = False) -> None:
+    """Refuse an output file that cannot be written before the run, not after it: a missing
+    or unwritable folder, a directory, or (``figure``) a format matplotlib cannot save."""
+    if path is None:
+        return
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise fail(f"{option} {path} is a directory, not a file")
+    if not folder.is_dir():
+        raise fail(f"{option} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise fail(f"{option} {path}: not writable")
+    if figure:
+        from matplotlib.figure import Figure
+
+        formats = Figure().canvas.get_supported_filetypes()
+        if path.suffix.lstrip(".").lower() not in formats:
+            raise fail(f"{option} {path}: the name must end in one of .{', .'.join(formats)}")
+
+
 def note(message: str) -> None:
     err_console.print(message, highlight=False)
 
@@ -715,6 +736,8 @@ def probe(
     from pdscope.commands.probe import probe as run_probe
     from pdscope.report.probe import plot_probe, render_probe
 
+    check_output(json_file, "--json")
+    check_output(plot, "--plot", figure=True)
     with exit_on(2, ValueError):
         settings = ProbeSettings.from_flags(
             url, prompt_tokens, api=api, model=model, api_key=api_key,
@@ -740,10 +763,11 @@ def probe(
                 tick=lambda label: bar.update(task, advance=1, description=label),
             )
         )
-    if json_file:
-        json_file.write_text(json.dumps(result, indent=2))
-    if plot:
-        plot_probe(result, plot)
+    with exit_on(1, OSError):
+        if json_file:
+            json_file.write_text(json.dumps(result, indent=2))
+        if plot:
+            plot_probe(result, plot)
     render_probe(result, console)
     for path in (json_file, plot):
         if path:
@@ -790,6 +814,7 @@ def bench(
 ) -> None:
     """Load a server: arrivals, workloads, latency percentiles, goodput, the server's own
     metrics, and the capacity where p99 breaks."""
+    from pdscope.analysis.bench import nothing_completed
     from pdscope.commands.bench import BenchSettings
     from pdscope.report.bench import render_bench
 
@@ -798,6 +823,8 @@ def bench(
         return
     if files:
         raise fail(f"unexpected arguments: {' '.join(map(str, files))}")
+    check_output(save_result, "--save-result")
+    check_output(report, "--report")
     with exit_on(2, ValueError):
         settings = BenchSettings.from_flags(
             url, request_rate, max_concurrency, percentiles, slo, find_capacity, sweep,
@@ -808,12 +835,15 @@ def bench(
             warmup=warmup, ramp_up_s=ramp_up, seed=seed, timeout_s=timeout,
         )  # fmt: skip
     result = _run_bench(settings, url, server_args)
-    write_result(result, save_result, report)
+    with exit_on(1, OSError):
+        write_result(result, save_result, report)
     if result["runs"]:
         render_bench(result, console)
     for path in (save_result, report):
         if path:
             console.print(f"wrote {path}")
+    if (error := nothing_completed(result)) is not None:
+        raise fail(f"every request of a run failed; the first: {error}", 1)
     if result["partial"] or not result["runs"]:
         raise typer.Exit(1)
 
@@ -940,11 +970,15 @@ def simulate(
     the real engine, decode medians and throughput hold within 10% on this project's host;
     TTFT and p99 do not yet (see docs/simulation.md, Validation)."""
 
+    from pdscope.analysis.bench import nothing_completed
     from pdscope.commands import capacity
     from pdscope.commands.cluster import ClusterSettings, simulate_any
     from pdscope.commands.simulate import SimulateSettings
     from pdscope.report.simulate import render_simulation, simulation_html
 
+    check_output(save_result, "--save-result")
+    check_output(report, "--report")
+    check_output(plot, "--plot", figure=True)
     with exit_on(2, SpecError, ValueError):
         settings = SimulateSettings.from_flags(
             kv_cache_memory, model=model, device=device, calibrate=calibrate,
@@ -981,12 +1015,13 @@ def simulate(
             )
         else:
             out = simulate_any(cs)
-    if save_result is not None:
-        save_result.write_text(json.dumps(out, indent=2))
-    if plan_capacity and plot is not None:
-        capacity.plot_plan(out, plot)
-    if not plan_capacity and report is not None:
-        report.write_text(simulation_html(out))
+    with exit_on(1, OSError):
+        if save_result is not None:
+            save_result.write_text(json.dumps(out, indent=2))
+        if plan_capacity and plot is not None:
+            capacity.plot_plan(out, plot)
+        if not plan_capacity and report is not None:
+            report.write_text(simulation_html(out))
     if as_json:
         print_json(out)
     elif plan_capacity:
@@ -994,6 +1029,8 @@ def simulate(
             console.print(line)
     else:
         render_simulation(out, console)
+    if not plan_capacity and (error := nothing_completed(out)) is not None:
+        raise fail(f"every simulated request of a run failed; the first: {error}", 1)
 
 
 @app.command()

@@ -181,3 +181,13 @@ def by_kind(
     return {
         k: summarize([t for t in traces if t.label == k], duration_s, percentiles) for k in kinds
     }
+
+
+def nothing_completed(result: dict[str, Any]) -> str | None:
+    """Where a run (bench's or simulate's) completed no request but failed some: the first
+    failure's message, for a one-line error and a non-zero exit. None otherwise."""
+    for run in result.get("runs", []):
+        s = run["summary"]
+        if s["completed"] == 0 and s.get("failures"):
+            return str(s["failures"][0]["error"])
+    return None
