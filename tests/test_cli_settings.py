@@ -5,6 +5,8 @@ bench's default load applies to the embedded server alone."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import typer
@@ -39,6 +41,10 @@ def test_every_engine_knob_with_help_is_a_serve_flag() -> None:
         (["--max-request-bytes", "100"], "--max-request-bytes must be at least 1KiB"),
         (["--max-request-bytes", "lots"], "--max-request-bytes:"),
         (["--threads", "0"], "--threads must be >= 1"),
+        (["--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
+        (["--max-num-batched-tokens", "0"], "max_num_batched_tokens must be >= 1"),
+        (["--max-model-len", "0"], "max_model_len must be >= 1"),
+        (["--block-size", "0"], "block_size must be >= 1"),
     ],
 )
 def test_bad_serve_flags_exit_2_before_loading(args: list[str], needle: str) -> None:
@@ -103,3 +109,37 @@ def test_unwritable_outputs_exit_2_before_any_run(args: list[str]) -> None:
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2, result.output
     assert args[1] in result.output
+
+
+@pytest.mark.parametrize(
+    ("damage", "needle"),
+    [
+        ("truncate the weights", "cannot read"),
+        ("garble tokenizer.json", "cannot read"),
+        ("change intermediate_size", "does not match the weights"),
+        ("ask for 1,024 TiB of KV cache", "more than the"),
+    ],
+)
+def test_a_checkpoint_or_pool_that_cannot_load_is_one_error_line(
+    tmp_path: Path, damage: str, needle: str
+) -> None:
+    """A corrupt checkpoint gave a safetensors, tokenizers or torch traceback; a KV pool larger
+    than the machine's memory grew until the host ran out."""
+    from pdscope.checkpoint.make_model import make_model
+
+    model = make_model(tmp_path / "m", "tiny")
+    extra: list[str] = []
+    if damage == "truncate the weights":
+        weights = model / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif damage == "garble tokenizer.json":
+        (model / "tokenizer.json").write_text("{not json")
+    elif damage == "change intermediate_size":
+        config = json.loads((model / "config.json").read_text())
+        config["intermediate_size"] += 32
+        (model / "config.json").write_text(json.dumps(config))
+    else:
+        extra = ["--kv-cache-memory", "1024TiB"]
+    result = CliRunner().invoke(app, ["serve", "--model", str(model), *extra])
+    assert result.exit_code == 2, result.output
+    assert needle in " ".join(result.output.split()) and "Traceback" not in result.output

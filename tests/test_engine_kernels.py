@@ -215,6 +215,21 @@ def test_auto_measures_every_path_that_has_two_candidates(
     assert again == choice
 
 
+def test_the_trials_fit_a_model_of_few_positions(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The decode trial ran at 256 tokens of context: on a model whose rope table holds 64
+    positions, start-up failed with an IndexError."""
+    from pdscope.checkpoint.make_model import make_model
+
+    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    short = make_model(tmp_path / "short", "tiny", max_position_embeddings=64)
+    llm = LLM(model=str(short), kv_cache_memory="8MiB")
+    assert llm.engine.kernels.how["decode_math"] == "measured"
+    out = llm.generate("hi", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+
+
 @pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
 def test_prefill_linear_is_measured_at_prefill_size_with_two_threads(
     tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path

@@ -697,8 +697,8 @@ def serve(**flags: Any) -> None:
     Prometheus metrics on /metrics."""
     from pdscope.commands.serve import serve as run_server
 
-    args = EngineArgs(**split_flags(flags, EngineArgs))
     with exit_on(2, ValueError):
+        args = EngineArgs(**split_flags(flags, EngineArgs))
         settings = ServeSettings(**flags)
     with exit_on(2, ValueError, FileNotFoundError):
         run_server(args, settings)

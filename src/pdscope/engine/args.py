@@ -58,3 +58,19 @@ class EngineArgs:
         "auto (timed at start-up, cached per CPU), or force paths, e.g. "
         "linear=c,prefill_attention=sdpa,decode_math=native,decode_ops=c,threads=bound.",
     )
+
+    def __post_init__(self) -> None:
+        """Refuse what no engine can run, before a model is loaded."""
+        problems = [
+            f"{name} must be >= 1, got {value}"
+            for name in ("max_num_batched_tokens", "max_num_seqs", "block_size")
+            if (value := getattr(self, name)) < 1
+        ]
+        if self.max_model_len is not None and self.max_model_len < 1:
+            problems.append(f"max_model_len must be >= 1 (or unset), got {self.max_model_len}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            problems.append(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))

@@ -82,9 +82,6 @@ class LLMEngine:
             )
         self.kernels = self._choose_kernels(forced_kernels)
         log.info("kernels on %s: %s", cpu_model(), self.kernels.summary())
-        if args.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {args.block_size}")
-
         block_bytes = ModelRunner.kv_bytes_per_block(config, args.block_size, self.dtype)
         self.kv_cache_bytes = self._kv_budget_bytes()
         num_blocks = self.kv_cache_bytes // block_bytes
@@ -190,7 +187,14 @@ class LLMEngine:
                     f"leaves no KV memory: {used / 2**30:.1f} GiB already in use"
                 )
             return budget
-        return parse_bytes(self.args.kv_cache_memory)
+        asked = parse_bytes(self.args.kv_cache_memory)
+        free = _available_memory_bytes()
+        if free is not None and asked > free:
+            raise ValueError(
+                f"kv_cache_memory {asked / 2**30:.1f} GiB is more than the "
+                f"{free / 2**30:.1f} GiB of memory available here (after the weights)"
+            )
+        return asked
 
     @property
     def pool_summary(self) -> str:
@@ -417,3 +421,15 @@ class LLM:
             )
             for r in requests
         ]
+
+
+def _available_memory_bytes() -> int | None:
+    """Linux's MemAvailable (what can be allocated without swapping); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

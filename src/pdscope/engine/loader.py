@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from pdscope.engine.model import CausalLM, ModelConfig, can_pack, pack_linears
 from pdscope.specs.models import read_config as specs_read_config
@@ -50,9 +50,12 @@ def _weight_files(path: Path) -> list[Path]:
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                tensors[name] = f.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    tensors[name] = f.get_tensor(name)
+        except (SafetensorError, OSError) as exc:  # truncated, not safetensors, unreadable
+            raise CheckpointError(f"cannot read {file}: {exc}") from None
     return tensors
 
 
@@ -106,6 +109,13 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> CausalLM
             f"checkpoint {path} has tensors this model does not use: "
             f"{', '.join(sorted(leftover)[:5])}"
         )
+    expected = model.state_dict()  # on meta: shapes from config.json, no memory
+    for name, tensor in state.items():
+        if name in expected and tensor.shape != expected[name].shape:
+            raise CheckpointError(
+                f"checkpoint {path}: '{name}' is {list(tensor.shape)}, but config.json makes "
+                f"it {list(expected[name].shape)} (a config that does not match the weights)"
+            )
     state = {k: v.to(dtype=dtype, device=device) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:

@@ -1706,10 +1706,12 @@ def _decode_math_trial(model: CausalLM) -> dict[str, Callable[[], object]]:
 
 def _decode_ops_trial(model: CausalLM, native: NativeOps) -> dict[str, Callable[[], object]]:
     c, weight = model.config, model.embed_tokens.weight
-    context, block = 256, 16
+    # 256 tokens of context, or fewer where the model's rope table is shorter.
+    block, positions = 16, model.rope_cos.shape[0]
+    context = max(block, min(256, positions) // block * block)
     caches = [_random((2, c.num_kv_heads, context, c.head_dim), weight) for _ in model.layers]
     slot = torch.tensor([context - 1], device=weight.device)
-    position = torch.tensor([context - 1], device=weight.device)
+    position = torch.tensor([min(context, positions) - 1], device=weight.device)
     torch_batch = AttentionBatch(slot, block, 1, None, (0, context), None, [], [(0, context)])
     native_batch = AttentionBatch(
         slot,

@@ -17,11 +17,17 @@ class Tokenizer:
         file = path / "tokenizer.json"
         if not file.is_file():
             raise FileNotFoundError(f"{path} has no tokenizer.json")
-        self._tok = HFTokenizer.from_file(str(file))
         config_file = path / "tokenizer_config.json"
-        self.config: dict[str, Any] = (
-            json.loads(config_file.read_text()) if config_file.is_file() else {}
-        )
+        try:
+            self._tok = HFTokenizer.from_file(str(file))
+        except Exception as exc:  # the tokenizers library raises a bare Exception
+            raise ValueError(f"cannot read {file}: {exc}") from None
+        try:
+            self.config: dict[str, Any] = (
+                json.loads(config_file.read_text()) if config_file.is_file() else {}
+            )
+        except ValueError as exc:
+            raise ValueError(f"cannot read {config_file} as JSON: {exc}") from None
         self.chat_template: str | None = self.config.get("chat_template")
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
