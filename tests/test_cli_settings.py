@@ -85,6 +85,34 @@ def test_probe_settings_check_flags_and_default_to_the_local_ceiling() -> None:
         ProbeSettings.from_flags("http://x", "200", repeats=0)
     with pytest.raises(ValueError, match="--prompt-tokens"):
         ProbeSettings.from_flags("http://x", "a,b")
+    with pytest.raises(ValueError, match="--prompt-tokens has an empty item"):
+        ProbeSettings.from_flags("http://x", "1,,2")  # a typo, not 1,2
+    with pytest.raises(ValueError, match="--request-rate has an empty item"):
+        _bench("http://x", request_rate="1,,2")
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        ({"timeout_s": 0}, "--timeout must be > 0"),
+        ({"duration_s": -1}, "--duration must be > 0"),
+        ({"warmup": -1}, "--warmup must be >= 0"),
+        ({"ramp_up_s": -2}, "--ramp-up must be >= 0"),
+        ({"long_len": 0}, "--long-len must be >= 1"),
+    ],
+)
+def test_bench_refuses_flags_that_would_run_something_else(flags: dict, needle: str) -> None:
+    """Each was taken before: no timeout, no load, a 1-token request for 0."""
+    with pytest.raises(ValueError, match=needle):
+        _bench("http://x", **flags)
+
+
+def test_a_length_of_zero_tokens_is_refused() -> None:
+    from pdscope.client.workloads import Lengths, WorkloadError
+
+    for text in ("0", "0-8"):
+        with pytest.raises(WorkloadError, match="--input-len must be at least 1"):
+            Lengths.parse(text, "--input-len")
 
 
 def test_embedded_server_passes_a_url_through_and_refuses_bad_args() -> None:

@@ -46,6 +46,8 @@ class Lengths:
     @classmethod
     def parse(cls, text: str, what: str) -> Lengths:
         text = str(text).strip()
+        if re.fullmatch(r"0+(-\d+)?", text):  # no tokens asked for: not a request
+            raise WorkloadError(f"{what} must be at least 1, got {text!r}")
         try:
             if m := re.fullmatch(r"(\d+)", text):
                 return cls("fixed", int(m.group(1)))

@@ -110,7 +110,14 @@ class BenchSettings:
             ("--groups", s.groups),
             ("--streams", s.streams),
             ("--prefix-len", s.prefix_len),
+            ("--long-len", s.long_len),
+            ("--stream-output", s.stream_output),
         )
+        at_least(0, ("--warmup", s.warmup), ("--ramp-up", s.ramp_up_s))
+        # Zero would mean no limit or no load, never what was asked for.
+        for flag, value in (("--timeout", s.timeout_s), ("--duration", s.duration_s)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{flag} must be > 0, got {value}")
         s.request_rates = float_list(request_rate, "--request-rate")
         if max_concurrency:
             s.concurrencies = [*int_list(max_concurrency, "--max-concurrency")]

@@ -52,6 +52,7 @@ import numpy as np
 from pdscope.analysis.bench import SLO, SLOError
 from pdscope.client.workloads import Lengths
 from pdscope.commands.cluster import ClusterSettings, Pool, PoolArgs, build_pools, simulate_cluster
+from pdscope.commands.flags import int_list
 from pdscope.commands.simulate import DEFAULT_MODEL, resolve_inputs
 from pdscope.engine.cluster import RunStopped
 from pdscope.engine.request import Request
@@ -406,9 +407,9 @@ def pareto(points: list[tuple[float, float, str]]) -> list[tuple[float, float, s
 
 def _int_tuple(text: str, flag: str) -> tuple[int, ...]:
     try:
-        return tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise SpecError(f"{flag} takes comma-separated integers, got {text!r}") from None
+        return tuple(int_list(text, flag))
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None
 
 
 def plan_from_flags(

@@ -7,10 +7,19 @@ one line of a usage error (exit 2).
 from __future__ import annotations
 
 
+def _items(text: str, flag: str) -> list[str]:
+    """The comma-separated items, refusing an empty one ('1,,2' is a typo, not '1,2')."""
+    items = [v.strip() for v in text.split(",")]
+    if len(items) > 1 and not all(items):
+        raise ValueError(f"{flag} has an empty item in {text!r}")
+    return [v for v in items if v]
+
+
 def int_list(text: str, flag: str) -> list[int]:
     """'200,500,500' → [200, 500]: positive, sorted, without repeats."""
+    items = _items(text, flag)
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        values = [int(v) for v in items]
     except ValueError:
         raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
     if not values or any(v < 1 for v in values):
@@ -20,8 +29,9 @@ def int_list(text: str, flag: str) -> list[int]:
 
 def float_list(text: str, flag: str) -> list[float]:
     """'1,2,inf' → [1.0, 2.0, inf]: positive, in the order given."""
+    items = _items(text, flag)
     try:
-        values = [float(v) for v in text.split(",") if v.strip()]
+        values = [float(v) for v in items]
     except ValueError:
         raise ValueError(f"{flag} takes comma-separated numbers (or inf), got {text!r}") from None
     if not values or any(not v > 0 for v in values):
