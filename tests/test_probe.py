@@ -686,6 +686,18 @@ def test_prefix_check_survives_one_disturbed_send() -> None:
     traces[-1].cached_tokens = 0
     assert analyze(traces, "pdscope")["prefix_cache"]["cached_tokens"] == 0
 
+    # An 18-token prefix (under two 16-token blocks) that no send reused gets no verdict: a
+    # server cannot cache what does not fill a block.
+    def short(label: str) -> list[Trace]:
+        out = [_trace(label, 18, t, 40.0) for t in (0.030, 0.031, 0.032)]
+        for t in out:
+            t.cached_tokens = 0
+        return out
+
+    traces = [*_probe_traces([40.0, 41.0]), *short("prefix-cold"), *short("prefix-warm")]
+    findings = analyze(traces, "pdscope")
+    assert not [f for f in findings["findings"] if "not being reused" in f["finding"]]
+
 
 def test_impossible_results_get_no_verdict() -> None:
     """Decode at 2x the ceiling of a plan model 50x bigger than the served one: the result

@@ -76,6 +76,8 @@ def _prompt_tokens(trace: Trace) -> int | None:
 # A request whose cached prompt tokens exceed this share of its prompt measured the prefix
 # cache, not prefill. Fresh prompts can still share a chat template's first block or two.
 CACHE_HIT_FRACTION = 0.1
+# A prefix shorter than this (a few KV blocks) may simply not fill one: no "not reused" verdict.
+MIN_JUDGED_PREFIX_TOKENS = 64
 
 
 def cache_hit(trace: Trace) -> bool | None:
@@ -588,7 +590,7 @@ def findings(r: dict[str, Any], runtime: str) -> list[dict[str, str]]:
                 f"{pc['warm_ttft_ms']:.0f} ms; {reported}",
                 "put long shared text (system prompt, documents) first and keep it identical",
             )
-        else:
+        elif (pc["prompt_tokens"] or 0) >= MIN_JUDGED_PREFIX_TOKENS:
             add(
                 "ttft",
                 "A repeated prefix is not being reused",

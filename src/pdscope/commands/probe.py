@@ -84,6 +84,7 @@ class ProbeSettings:
 
 BATCH_PROMPT_TOKENS = 64  # the batched-decode check's prompts: short, so decode dominates
 PREFIX_PAIRS = 3  # prefix-cache check: fresh prefixes, each sent cold then warm
+MIN_PREFIX_TOKENS = 256  # its shared prefix: many KV blocks whatever the server's block size
 
 
 class Prober:
@@ -155,7 +156,11 @@ class Prober:
         for n in s.prompt_tokens:
             for _ in range(s.repeats):
                 await self.send(await self.prompt(n), n, "sweep")
-        p = s.prefix_tokens or s.prompt_tokens[-1]
+        # At least MIN_PREFIX_TOKENS: a prefix shorter than a server's KV block (16 tokens in
+        # vLLM) cannot be cached, and its "not reused" would be a false finding.
+        p = s.prefix_tokens or max(s.prompt_tokens[-1], MIN_PREFIX_TOKENS)
+        if self.max_len:
+            p = max(1, min(p, self.max_len - 16 - s.output_tokens - 1))
         # Several fresh prefixes, each sent cold then warm: the check compares medians, so one
         # request disturbed by the host cannot turn a working cache into a "not reused".
         for _ in range(PREFIX_PAIRS):
