@@ -135,6 +135,31 @@ def point(traces: list[Trace]) -> dict[str, Any]:
     return out
 
 
+def _spans(tokens: list[int]) -> bool:
+    """Whether prompt lengths are far enough apart to fit a cost per token: the longest at
+    least twice and 64 tokens past the shortest (1 and 2 tokens fitted -1 ms a token)."""
+    return len(tokens) >= 2 and max(tokens) >= 2 * min(tokens) and max(tokens) - min(tokens) >= 64
+
+
+def _ttft_fit(xs: list[int], ys: list[float]) -> list[float] | None:
+    """[intercept, ms per token, ms per token²] with neither cost negative (a prompt token
+    never saves time): the quadratic where it has both, else the better of a line and a pure
+    square, else None. Noise can bend a short sweep down or tilt it."""
+    shapes: list[list[float]] = []
+    if (full := fit_poly(xs, ys, 2) if len(set(xs)) >= 3 else None) and min(full[1:]) >= 0:
+        return full
+    if (line := fit_poly(xs, ys, 1)) and line[1] >= 0:
+        shapes.append([line[0], line[1], 0.0])
+    squares = [float(x) ** 2 for x in xs]
+    if (square := fit_poly(squares, ys, 1)) and square[1] >= 0:
+        shapes.append([square[0], 0.0, square[1]])
+
+    def residual(c: list[float]) -> float:
+        return sum((c[0] + c[1] * x + c[2] * x * x - y) ** 2 for x, y in zip(xs, ys, strict=True))
+
+    return min(shapes, key=residual) if shapes else None
+
+
 def analyze(
     traces: list[Trace],
     runtime: str,
@@ -169,13 +194,7 @@ def analyze(
     # TTFT against prompt tokens: intercept + linear + quadratic, in ms.
     xs = [p["prompt_tokens"] for p in usable]
     ys = [p["ttft_ms"] for p in usable]
-    fit = fit_poly(xs, ys, 2) if len(usable) >= 3 else None
-    if fit and fit[2] < 0:  # noise can bend a short sweep downwards; fall back to a line
-        line = fit_poly(xs, ys, 1)
-        fit = [line[0], line[1], 0.0] if line else None
-    if fit is None and len(usable) >= 2:
-        line = fit_poly(xs, ys, 1)
-        fit = [line[0], line[1], 0.0] if line else None
+    fit = _ttft_fit(xs, ys) if _spans(xs) else None
     result["ttft_fit"] = (
         None
         if fit is None
@@ -190,7 +209,7 @@ def analyze(
     result["decode_tok_s"] = decodes[0]["decode_tok_s"] if decodes else None
     slope = (
         fit_poly([p["prompt_tokens"] for p in decodes], [p["decode_tok_s"] for p in decodes], 1)
-        if len(decodes) >= 2
+        if len(decodes) >= 2 and _spans([p["prompt_tokens"] for p in decodes])
         else None
     )
     result["decode_slope_tok_s_per_1k_prompt"] = slope[1] * 1000 if slope else None
