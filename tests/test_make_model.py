@@ -225,6 +225,8 @@ def test_weights_deterministic_by_seed(tmp_path: Path, tiny_dirs: dict[str, Path
         ({"arch": "qwen2", "head_dim": 32}, "head_dim"),
         ({"sliding_window": 64}, "sliding window"),
         ({"hidden_layers": 3}, "override"),
+        # Refused before anything is written (it left a config without weights, after minutes)
+        ({"num_hidden_layers": 10**8}, "GB free"),
     ],
 )
 def test_bad_inputs_raise(tmp_path: Path, kwargs: dict, match: str) -> None:
@@ -291,3 +293,12 @@ def test_small_preset(tmp_path: Path) -> None:
         logits = model(torch.tensor([[1, 2, 3, 4]])).logits
     assert logits.shape == (1, 4, 16384) and torch.isfinite(logits.float()).all()
     assert len(transformers.AutoTokenizer.from_pretrained(path)) == 16384
+
+
+def test_a_path_that_cannot_be_a_checkpoint_directory_is_refused(tmp_path: Path) -> None:
+    file = tmp_path / "taken.json"
+    file.write_text("{}")
+    with pytest.raises(ValueError, match="is not a directory"):
+        mm.make_model(file)
+    with pytest.raises(ValueError, match="cannot create"):
+        mm.make_model(file / "below")

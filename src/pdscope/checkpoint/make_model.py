@@ -516,8 +516,26 @@ def make_model(
     """
     config = build_config(preset, arch, dtype, **overrides)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a directory")
     torch_dtype = DTYPES[dtype][0]
+    # Refused before anything is written: a shape too large for the disk would leave a
+    # config without its weights.
+    one, two = ({**config, "num_hidden_layers": n} for n in (1, 2))  # O(1) in the layers
+    per_layer = num_parameters(two) - num_parameters(one)
+    params = num_parameters(one) + per_layer * (config["num_hidden_layers"] - 1)
+    weight_bytes = params * torch_dtype.itemsize
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    if weight_bytes > free:
+        raise ValueError(
+            f"the weights would take {weight_bytes / 1e9:,.1f} GB; {existing} has "
+            f"{free / 1e9:,.1f} GB free"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"cannot create {out}: {exc.strerror or exc}") from None
 
     _write_json(out / "config.json", config)
     _write_json(

@@ -165,10 +165,15 @@ def file_workload(path: Path, n: int | None, default_output: int) -> list[Reques
             items = json.loads(text)
         except json.JSONDecodeError as exc:
             raise WorkloadError(f"{path} is not valid JSON: {exc}") from exc
-        for item in items:
-            turns = item.get("conversations") or []
+        for number, item in enumerate(items):
+            turns = item.get("conversations") if isinstance(item, dict) else None
+            if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+                raise WorkloadError(
+                    f"{path}: item {number} is not a ShareGPT record "
+                    "({'conversations': [{'from': 'human', 'value': ...}, ...]})"
+                )
             human = next((t.get("value") for t in turns if t.get("from") == "human"), None)
-            if human:
+            if isinstance(human, str) and human:
                 specs.append(RequestSpec(human, default_output))
     else:
         for number, line in enumerate(text.splitlines(), 1):
@@ -178,10 +183,19 @@ def file_workload(path: Path, n: int | None, default_output: int) -> list[Reques
                 item = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise WorkloadError(f"{path}:{number}: not JSON: {exc}") from exc
+            if not isinstance(item, dict):
+                raise WorkloadError(f"{path}:{number}: a line must be a JSON object")
             prompt = item.get("messages") or item.get("prompt")
             if not prompt:
                 raise WorkloadError(f"{path}:{number}: needs 'prompt' or 'messages'")
-            specs.append(RequestSpec(prompt, int(item.get("output_tokens") or default_output)))
+            if not isinstance(prompt, str | list):
+                raise WorkloadError(f"{path}:{number}: 'prompt' must be text, got {prompt!r}")
+            output = item.get("output_tokens") or default_output
+            if not isinstance(output, int) or output < 1:
+                raise WorkloadError(
+                    f"{path}:{number}: 'output_tokens' must be >= 1, got {output!r}"
+                )
+            specs.append(RequestSpec(prompt, output))
     if not specs:
         raise WorkloadError(f"{path} holds no prompts")
     if n is not None:

@@ -247,6 +247,8 @@ COMPARED = (
 def runs_of(result: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """Every run in a saved result, labelled by its load: a pdscope file holds one run or a
     series (`runs`); a vllm bench serve file is one run with its figures at the top level."""
+    if not isinstance(result, dict):
+        raise ValueError("not a bench result (a JSON object with runs)")
     runs = result.get("runs")
     if runs:
         return [(_load(run), run["summary"]) for run in runs]
