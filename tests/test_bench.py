@@ -220,6 +220,17 @@ def test_lengths_and_files(tmp_path: Path) -> None:
         bad = tmp_path / "bad.jsonl"
         bad.write_text('{"text": "x"}\n')
         file_workload(bad, None, 9)
+    # JSON of the wrong shape is one error naming the file (each was an AttributeError).
+    for text, needle in (
+        ("[1, 2]", "not a ShareGPT record"),
+        ('[{"conversations": "x"}]', "not a ShareGPT record"),
+        ('{"prompt": 123}', "'prompt' must be text"),
+        ('{"prompt": "x", "output_tokens": 0}', "'output_tokens' must be >= 1"),
+        ("[1]\n", "not a ShareGPT record"),
+    ):
+        bad.write_text(text)
+        with pytest.raises(WorkloadError, match=needle):
+            file_workload(bad, None, 9)
 
 
 def _trace(ttft: float, tokens: int = 3, gap: float = 0.01, error: str | None = None) -> Trace:

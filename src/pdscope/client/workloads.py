@@ -190,7 +190,8 @@ def file_workload(path: Path, n: int | None, default_output: int) -> list[Reques
                 raise WorkloadError(f"{path}:{number}: needs 'prompt' or 'messages'")
             if not isinstance(prompt, str | list):
                 raise WorkloadError(f"{path}:{number}: 'prompt' must be text, got {prompt!r}")
-            output = item.get("output_tokens") or default_output
+            output = item.get("output_tokens")
+            output = default_output if output is None else output
             if not isinstance(output, int) or output < 1:
                 raise WorkloadError(
                     f"{path}:{number}: 'output_tokens' must be >= 1, got {output!r}"
