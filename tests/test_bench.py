@@ -192,6 +192,13 @@ def test_arrival_schedule() -> None:
     assert LoadPlan().schedule(3) == [0.0, 0.0, 0.0]
     with pytest.raises(ValueError):
         LoadPlan(request_rate=0)
+    # A 2 s ramp to 4/s: 4 requests due by its end, then 4 a second. Each gap was drawn at the
+    # rate of the last arrival, from rate/100: the first averaged 25 s.
+    ramped = [LoadPlan(request_rate=4.0, ramp_up_s=2.0, seed=s).schedule(44) for s in range(200)]
+    by_ramp_end = sum(sum(t <= 2.0 for t in ts) for ts in ramped) / len(ramped)
+    assert by_ramp_end == pytest.approx(4.0, rel=0.15)
+    last = sorted(ts[-1] for ts in ramped)[len(ramped) // 2]
+    assert last == pytest.approx(2.0 + 40 / 4.0, rel=0.1)  # 40 more at 4/s after the ramp
 
 
 def test_lengths_and_files(tmp_path: Path) -> None:

@@ -45,14 +45,24 @@ class LoadPlan:
         if math.isinf(self.request_rate):
             return [0.0] * n
         rng = random.Random(self.seed)
-        times, t = [], 0.0
+        times, expected = [], 0.0
         for _ in range(n):
-            rate = self.request_rate
-            if self.ramp_up_s > 0 and t < self.ramp_up_s:
-                rate = max(rate * t / self.ramp_up_s, rate / 100)
-            t += rng.gammavariate(self.burstiness, 1 / (rate * self.burstiness))
-            times.append(t)
+            # Arrivals counted in expected requests (gaps of mean 1), then mapped to seconds
+            # through the rate's integral: exact for a ramp, where drawing each gap at the rate
+            # of the last arrival began at rate/100 and idled tens of seconds.
+            expected += rng.gammavariate(self.burstiness, 1 / self.burstiness)
+            times.append(self._seconds_at(expected))
         return times
+
+    def _seconds_at(self, expected: float) -> float:
+        """When ``expected`` requests are due: the rate climbs from 0 to its full value over
+        ``ramp_up_s`` (rate x ramp / 2 requests by its end), then holds."""
+        rate, ramp = self.request_rate, self.ramp_up_s
+        if ramp <= 0:
+            return expected / rate
+        if expected < rate * ramp / 2:
+            return math.sqrt(2 * ramp * expected / rate)
+        return ramp + (expected - rate * ramp / 2) / rate
 
 
 @dataclass
