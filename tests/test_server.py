@@ -14,7 +14,9 @@ import ollama
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from typer.testing import CliRunner
 
+from pdscope.cli import app as cli
 from tests.conftest import Server, start_server
 
 pytestmark = pytest.mark.slow
@@ -590,5 +592,10 @@ def test_api_key(tiny_model: Path, tmp_path: Path) -> None:
         assert bad.status_code == 401 and isinstance(bad.json()["error"], str)
         ok = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="s3cret", max_retries=0)
         assert ok.models.list().data[0].id == "tiny"
+        # probe says which: no key, or a key the server refused
+        for key, needle in ((None, "pass --api-key"), ("wrong", "refused the API key given")):
+            extra = ["--api-key", key] if key else []
+            result = CliRunner().invoke(cli, ["probe", srv.url, *extra])
+            assert result.exit_code == 1 and needle in " ".join(result.output.split())
     finally:
         srv.stop()

@@ -71,6 +71,8 @@ async def detect(
     owner = ""
     max_len = None
     if models_resp is not None and models_resp.status_code == 401:
+        if headers and "Authorization" in headers:
+            raise ProbeError(f"{base} refused the API key given (401 on /v1/models)")
         raise ProbeError(f"{base} requires an API key (401 on /v1/models): pass --api-key")
     if models_resp is not None and models_resp.status_code == 200:
         with contextlib.suppress(ValueError, KeyError, TypeError):
