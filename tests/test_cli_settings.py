@@ -85,6 +85,14 @@ def test_probe_settings_check_flags_and_default_to_the_local_ceiling() -> None:
         ProbeSettings.from_flags("http://x", "200", repeats=0)
     with pytest.raises(ValueError, match="--prompt-tokens"):
         ProbeSettings.from_flags("http://x", "a,b")
+    # The ceiling's facts are checked before the run (read, or ignored, after it before).
+    for flags, needle in (
+        ({"device": "nosuch"}, "nosuch"),
+        ({"device": "h100", "dtype": "foo"}, "foo"),
+        ({"plan_model": "llama-3.1-8b"}, "needs --device"),
+    ):
+        with pytest.raises(ValueError, match=needle):
+            ProbeSettings.from_flags("http://x", "200", **flags)
     with pytest.raises(ValueError, match="--prompt-tokens has an empty item"):
         ProbeSettings.from_flags("http://x", "1,,2")  # a typo, not 1,2
     with pytest.raises(ValueError, match="--request-rate has an empty item"):

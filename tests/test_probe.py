@@ -118,7 +118,7 @@ def test_probe_ollama_dialect(medium_server: Server) -> None:
     assert r["prefix_cache"]["best_warm_over_cold"] < 0.5
 
 
-def test_probe_cli_json_and_plot(medium_server: Server, tmp_path: Path) -> None:
+def test_probe_cli_json_and_plot(medium_server: Server, medium: Path, tmp_path: Path) -> None:
     out, png = tmp_path / "probe.json", tmp_path / "probe.png"
     result = CliRunner().invoke(
         cli,
@@ -140,7 +140,7 @@ def test_probe_cli_json_and_plot(medium_server: Server, tmp_path: Path) -> None:
             "--device",
             "a10g",
             "--plan-model",
-            str(medium_server.log.parent),
+            str(medium),  # the served checkpoint's config.json
         ],
     )
     assert result.exit_code == 0, result.output

@@ -79,7 +79,24 @@ class ProbeSettings:
             raise ValueError(f"--timeout must be positive, got {s.timeout_s}")
         if url is None:
             s.device = s.device or "local"
+        s._check_ceiling_flags()
         return s
+
+    def _check_ceiling_flags(self) -> None:
+        """The ceiling's facts, checked before the run (they were read, or ignored, after it)."""
+        from pdscope.specs import SpecError, get_device, get_weight_precision, load_model
+
+        if not self.device and (self.plan_model or self.dtype):
+            raise ValueError("--plan-model and --dtype set the ceiling, which needs --device")
+        try:
+            if self.device and self.device.lower() != "local":
+                get_device(self.device)
+            if self.plan_model:
+                load_model(self.plan_model)
+            if self.dtype:
+                get_weight_precision(self.dtype)
+        except SpecError as exc:
+            raise ValueError(str(exc)) from None
 
 
 BATCH_PROMPT_TOKENS = 64  # the batched-decode check's prompts: short, so decode dominates
