@@ -81,7 +81,7 @@ def test_prose_keeps_flags_whole() -> None:
 
 @pytest.mark.slow
 def test_probe_and_bench_output_at_80_columns(
-    medium_server: Server, monkeypatch: pytest.MonkeyPatch
+    medium_server: Server, medium: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import pdscope.cli
 
@@ -101,7 +101,7 @@ def test_probe_and_bench_output_at_80_columns(
             "--device",
             "a10g",
             "--plan-model",
-            str(medium_server.log.parent),
+            str(medium),  # the served checkpoint's config.json
         ],
     )
     assert probe.exit_code == 0, probe.output
