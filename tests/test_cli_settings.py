@@ -115,6 +115,16 @@ def test_bench_refuses_flags_that_would_run_something_else(flags: dict, needle: 
         _bench("http://x", **flags)
 
 
+def test_bench_refuses_a_workload_whose_every_prompt_is_past_the_context() -> None:
+    """10^8 tokens ran minutes building one prompt, then printed 'error: ' and nothing else."""
+    from pdscope.commands.bench import _refuse_what_cannot_fit
+
+    with pytest.raises(ValueError, match="server's context is 2,048"):
+        _refuse_what_cannot_fit(_bench("http://x", input_len="99999999"), 2048)
+    _refuse_what_cannot_fit(_bench("http://x", input_len="1000-100000"), 2048)  # some fit
+    _refuse_what_cannot_fit(_bench("http://x", input_len="99999999"), None)  # unknown context
+
+
 def test_a_length_of_zero_tokens_is_refused() -> None:
     from pdscope.client.workloads import Lengths, WorkloadError
 

@@ -491,7 +491,7 @@ def exit_on(code: int, *errors: type[Exception]) -> Iterator[None]:
     try:
         yield
     except errors as exc:
-        raise fail(str(exc), code) from None
+        raise fail(str(exc) or type(exc).__name__, code) from None
 
 
 def check_output(path: Path | None, option: str, figure: bool = False) -> None:

@@ -62,7 +62,8 @@ class PromptBuilder:
                     "add_special_tokens": False,
                 },
             )
-            r.raise_for_status()
+            if r.status_code != 200:  # the server's own reason, not httpx's boilerplate
+                raise ValueError(f"{self.url}/tokenize answered {r.status_code}: {r.text[:300]}")
             ids = r.json()["tokens"]
             if len(ids) >= tokens:
                 self.tokens_per_word = len(ids) / words

@@ -598,6 +598,7 @@ async def bench(
                 "cpus": os.cpu_count(),
             },
         }
+        _refuse_what_cannot_fit(s, runtime.max_model_len)
         b = Bench(s, client, runtime, model, state, on_progress, streams)
         state.metadata["exact_prompt_tokens"] = b.builder.use_tokenize
         state.metadata["seed"] = b.seed
@@ -606,6 +607,21 @@ async def bench(
         await b.calibrate()
         await b.series()
     return state.result()
+
+
+def _refuse_what_cannot_fit(s: BenchSettings, max_model_len: int | None) -> None:
+    """A random workload whose every prompt is past the server's context would only fail
+    (and building a prompt of 10^8 tokens takes minutes): refused before a request is sent.
+    Lengths that only sometimes exceed it stay, as failures the load test counts."""
+    if not max_model_len or s.workload != "random":
+        return
+    shortest = Lengths.parse(s.input_len, "--input-len")
+    low = shortest.a if shortest.kind != "normal" else 1
+    if low >= max_model_len:
+        raise ValueError(
+            f"--input-len {s.input_len}: every prompt is at least {int(low):,} tokens, and the "
+            f"server's context is {max_model_len:,}"
+        )
 
 
 def _settings(s: BenchSettings) -> dict[str, Any]:
