@@ -26,7 +26,7 @@ from pdscope.client.adapters import openai_body, run_ollama, run_openai, session
 from pdscope.client.trace import Chunk, Trace
 from pdscope.commands.probe import ProbeSettings, probe
 from pdscope.server.launch import free_port
-from tests.conftest import Server
+from tests.conftest import Server, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -116,6 +116,18 @@ def test_probe_ollama_dialect(medium_server: Server) -> None:
     assert "server_prompt_eval_ms" in sweep[0]  # the server's own view, shown beside ours
     # The prefix check reports the TTFT drop even without a cached-token count.
     assert r["prefix_cache"]["best_warm_over_cold"] < 0.5
+
+
+def test_every_check_fits_a_short_context(tiny_model: Path, tmp_path: Path) -> None:
+    """A server of 64 tokens: the context and batched checks' fixed 64-token prompts were sent
+    anyway and failed (10 HTTP 400s); every check now fits what the server can hold."""
+    srv = start_server(tiny_model, tmp_path, "--kv-cache-memory", "8MiB", "--max-model-len", "64")
+    try:
+        r = asyncio.run(probe(settings(srv.url, output_tokens=8, repeats=1, context_tokens=None)))
+    finally:
+        srv.stop()
+    assert not r["failures"] and r["partial"] is None and not r["unmeasured"]
+    assert all(t["prompt_tokens"] + t["output_tokens"] <= 64 for t in r["traces"])
 
 
 def test_probe_cli_json_and_plot(medium_server: Server, medium: Path, tmp_path: Path) -> None:

@@ -175,9 +175,9 @@ class Prober:
                 await self.send(await self.prompt(n), n, "sweep")
         # At least MIN_PREFIX_TOKENS: a prefix shorter than a server's KV block (16 tokens in
         # vLLM) cannot be cached, and its "not reused" would be a false finding.
-        p = s.prefix_tokens or max(s.prompt_tokens[-1], MIN_PREFIX_TOKENS)
-        if self.max_len:
-            p = max(1, min(p, self.max_len - 16 - s.output_tokens - 1))
+        p = s.prefix_tokens or max(
+            1, self.fitting(max(s.prompt_tokens[-1], MIN_PREFIX_TOKENS) + 16) - 16
+        )
         # Several fresh prefixes, each sent cold then warm: the check compares medians, so one
         # request disturbed by the host cannot turn a working cache into a "not reused".
         for _ in range(PREFIX_PAIRS):
@@ -186,13 +186,14 @@ class Prober:
                 tail = await self.prompt(16)
                 prompt = shared + tail if isinstance(shared, list) else f"{shared} {tail}"
                 await self.send(prompt, p + 16, label)
-        for label, n in (("context-short", 64), ("context-long", self.context_tokens)):
+        short = self.fitting(64)
+        for label, n in (("context-short", short), ("context-long", self.context_tokens)):
             for _ in range(2):
                 await self.send(await self.prompt(n), n, label, max_tokens=s.output_tokens)
         if s.batch_streams > 1:
             # Short fresh prompts sent together: after their prefills, every step decodes all
             # of them at once (what one stream's figures cannot show: the cost per sequence).
-            await self.batch(BATCH_PROMPT_TOKENS, "batch-decode")
+            await self.batch(self.fitting(BATCH_PROMPT_TOKENS), "batch-decode")
             if s.batch_context_tokens:
                 await self.batch(s.batch_context_tokens, "batch-decode-long")
 
@@ -213,6 +214,13 @@ class Prober:
     @property
     def max_len(self) -> int | None:
         return self.s.max_model_len or self.runtime.max_model_len
+
+    def fitting(self, prompt_tokens: int) -> int:
+        """A fixed check length, shortened where the server's context has less room (as
+        _cap_sweep sizes the sweep's)."""
+        if not self.max_len:
+            return prompt_tokens
+        return max(1, min(prompt_tokens, self.max_len - self.s.output_tokens - 32))
 
     def planned_requests(self) -> int:
         batch = self.s.batch_streams if self.s.batch_streams > 1 else 0
