@@ -53,7 +53,12 @@ from pdscope.analysis.bench import SLO, SLOError
 from pdscope.client.workloads import Lengths
 from pdscope.commands.cluster import ClusterSettings, Pool, PoolArgs, build_pools, simulate_cluster
 from pdscope.commands.flags import int_list
-from pdscope.commands.simulate import DEFAULT_MODEL, resolve_inputs
+from pdscope.commands.simulate import (
+    DEFAULT_DEVICE,
+    DEFAULT_MODEL,
+    SimulateSettings,
+    resolve_inputs,
+)
 from pdscope.engine.cluster import RunStopped
 from pdscope.engine.request import Request
 from pdscope.roofline import arithmetic as rf
@@ -403,6 +408,15 @@ def pareto(points: list[tuple[float, float, str]]) -> list[tuple[float, float, s
         if not front or gpu > front[-1][1]:
             front.append((user, gpu, label))
     return front
+
+
+def _device_name(s: SimulateSettings) -> str:
+    """The device a plan ran on, as the simulation resolved it when none was named."""
+    if s.device:
+        return s.device
+    if s.calibrate:
+        return "calibrated"
+    return DEFAULT_DEVICE if s.bandwidth_gb_s is None else "custom"
 
 
 def _int_tuple(text: str, flag: str) -> tuple[int, ...]:
@@ -761,8 +775,8 @@ def plan_capacity(
     all_runs = [f["runs"] for f in found] + [f.get("unit_runs", []) for f in found]
     return {
         "gpus": gpus,
-        "model": c.base.model,
-        "device": c.base.device,
+        "model": c.base.model or DEFAULT_MODEL,
+        "device": _device_name(c.base),
         "slo": slo.limits,
         "workload": {
             "input_len": c.base.input_len,

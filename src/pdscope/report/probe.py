@@ -135,7 +135,7 @@ def render_probe(r: dict[str, Any], console: Console) -> None:
     if served.get("params") or served.get("max_model_len"):
         console.print(
             f"served model {served.get('name')}: "
-            f"{_f((served.get('params') or 0) / 1e9 or None, '{:.3g}B parameters')}, context "
+            f"{_params(served.get('params'))}, context "
             f"{_f(served.get('max_model_len'), '{:,}')} tokens"
         )
 
@@ -224,3 +224,10 @@ def plot_probe(r: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _params(count: int | None) -> str:
+    """'8.03B parameters', or in millions below a billion ('0.000224B' read as nothing)."""
+    if not count:
+        return f"{_f(None)} parameters"
+    return f"{count / 1e9:.3g}B parameters" if count >= 1e9 else f"{count / 1e6:.3g}M parameters"
