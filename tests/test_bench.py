@@ -230,7 +230,7 @@ def test_lengths_and_files(tmp_path: Path) -> None:
     # JSON of the wrong shape is one error naming the file (each was an AttributeError).
     for text, needle in (
         ("[1, 2]", "not a ShareGPT record"),
-        ('[{"conversations": "x"}]', "not a ShareGPT record"),
+        ('[{"conversations": "x"}]', "holds no prompts"),
         ('{"prompt": 123}', "'prompt' must be text"),
         ('{"prompt": "x", "output_tokens": 0}', "'output_tokens' must be >= 1"),
         ("[1]\n", "not a ShareGPT record"),

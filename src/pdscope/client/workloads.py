@@ -166,12 +166,14 @@ def file_workload(path: Path, n: int | None, default_output: int) -> list[Reques
         except json.JSONDecodeError as exc:
             raise WorkloadError(f"{path} is not valid JSON: {exc}") from exc
         for number, item in enumerate(items):
-            turns = item.get("conversations") if isinstance(item, dict) else None
-            if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+            if not isinstance(item, dict):
                 raise WorkloadError(
                     f"{path}: item {number} is not a ShareGPT record "
                     "({'conversations': [{'from': 'human', 'value': ...}, ...]})"
                 )
+            # A record without a usable first human turn is skipped, as before.
+            turns = item.get("conversations")
+            turns = [t for t in turns if isinstance(t, dict)] if isinstance(turns, list) else []
             human = next((t.get("value") for t in turns if t.get("from") == "human"), None)
             if isinstance(human, str) and human:
                 specs.append(RequestSpec(human, default_output))
