@@ -499,7 +499,7 @@ def check_output(path: Path | None, option: str, figure: bool = False) -> None:
     or unwritable folder, a directory, or (``figure``) a format matplotlib cannot save."""
     if path is None:
         return
-    folder = path.parent if str(path.parent) else Path(".")
+    folder = path.parent  # Path("x.json").parent is Path(".")
     if path.is_dir():
         raise fail(f"{option} {path} is a directory, not a file")
     if not folder.is_dir():
