@@ -429,6 +429,33 @@ def test_capacity_search_by_rate() -> None:
     assert cap["stopped"].startswith("bracketed")
 
 
+def test_a_slow_drawn_schedule_is_not_a_server_falling_behind() -> None:
+    """16 Poisson arrivals at a nominal 1/s can be sent over ~27 s: served at 0.59/s, that
+    run kept up with what was sent. Judged against the nominal rate it "fell behind", and the
+    search reported 0.7/s on a server that held ~19/s."""
+
+    class Sparse(Bench):
+        def __init__(self) -> None:
+            self.s = BenchSettings(url="x", max_runs=12, request_rates=[1.0])
+            self.state = BenchState()
+
+        async def run(self, rate: float, concurrency: int | None) -> dict:
+            # The first run's draw is sparse: 16 sends over 27 s; later ones as nominal.
+            span_s = 27.0 if rate == 1.0 else 16 / rate
+            starts = [span_s * (i + 1) / 16 for i in range(16)]
+            served = 16 / (span_s + 0.05)
+            summary = {"p99_ttft_ms": 10.0 * rate, "failed": 0, "request_throughput": served}
+            run = {"summary": summary, "vllm": {"start_times": starts}}
+            self.state.runs.append(run)
+            return run
+
+    b = Sparse()
+    asyncio.run(b.find_capacity(SLO.parse("p99_ttft=100ms", aggregate=True)))
+    first = b.state.runs[0]
+    assert first["kept_up"] and first["meets_slo"]
+    assert b.state.capacity["max_rate_meeting_slo"] > 4  # it climbed past the sparse first run
+
+
 def test_capacity_is_never_above_the_served_rate() -> None:
     """A server that serves at most 80 requests/s, with runs too short for its queue to break
     the SLO: the old search answered "capacity 512 requests/s" after running out of runs. Now
