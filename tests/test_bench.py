@@ -430,9 +430,10 @@ def test_capacity_search_by_rate() -> None:
 
 
 def test_a_slow_drawn_schedule_is_not_a_server_falling_behind() -> None:
-    """16 Poisson arrivals at a nominal 1/s can be sent over ~27 s: served at 0.59/s, that
-    run kept up with what was sent. Judged against the nominal rate it "fell behind", and the
-    search reported 0.7/s on a server that held ~19/s."""
+    """16 Poisson arrivals at a nominal 1/s, served at 0.59/s (a helper's run), had been sent
+    over ~27 s (16 / 0.59, inferred, not measured): that run kept up with what was sent.
+    Judged against the nominal rate it "fell behind", and the search reported 0.7/s on a
+    server that held ~19/s."""
 
     class Sparse(Bench):
         def __init__(self) -> None:
