@@ -501,6 +501,31 @@ def test_a_run_where_every_request_failed_exits_1_with_the_reason(
 
 
 @pytest.mark.slow
+def test_prompts_past_the_context_are_failed_requests_not_a_stopped_bench(
+    medium_server: Server,
+) -> None:
+    """Some drawn prompts far past the 2,048-token context (tens of thousands of tokens, more
+    characters than the context can hold): /tokenize counts them, as vLLM's does, and each is
+    sent and counted as one failed request. /tokenize used to refuse such a text, and the
+    whole bench stopped at the first one."""
+    r = run(
+        BenchSettings(
+            url=medium_server.url,
+            num_prompts=10,
+            input_len="normal:2000:30000",
+            output_len="4",
+            concurrencies=[4],
+            seed=3,
+        )
+    )
+    lengths = r["input_lens"]
+    assert max(lengths) > 15_000, lengths  # over 67,584 characters: the old refusal
+    assert r["completed"] == sum(n + 4 <= 2048 for n in lengths) >= 1, lengths
+    assert r["failed"] == sum(n + 4 > 2048 for n in lengths) >= 1, lengths
+    assert all("maximum context length" in e for e in r["errors"] if e)
+
+
+@pytest.mark.slow
 def test_find_capacity_cli(medium_server: Server, tmp_path: Path) -> None:
     out = tmp_path / "cap.json"
     res = CliRunner().invoke(
