@@ -170,6 +170,41 @@ def test_probe_cli_json_and_plot(medium_server: Server, medium: Path, tmp_path: 
     assert "batched decode: 8 streams of 128 prompt tokens" in text
 
 
+def test_ctrl_c_keeps_what_was_measured(medium_server: Server, tmp_path: Path) -> None:
+    """Ctrl-C mid-probe: the requests that finished are analysed and written to --json, marked
+    partial, and the command exits 1 (it used to exit with a traceback and write nothing)."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.test_server import wait_for
+
+    out = tmp_path / "partial.json"
+    done = "vllm:e2e_request_latency_seconds_count"
+    before = wait_for(medium_server.url, lambda m: True)[done]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdscope.cli", "probe", medium_server.url,
+         "--prompt-tokens", "64,256", "--output-tokens", "600", "--repeats", "3",
+         "--json", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # see test_bench
+    )  # fmt: skip
+    # Stop once three requests have finished: ~24 of 600 tokens each are planned, minutes.
+    m = wait_for(medium_server.url, lambda m: m[done] >= before + 3 or proc.poll() is not None, 90)
+    assert m[done] >= before + 3, proc.communicate(timeout=60)[0] if proc.poll() is not None else m
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, output
+    data = json.loads(out.read_text())
+    assert data["partial"] == "interrupted (Ctrl-C)"
+    finished = [t for t in data["traces"] if t["error"] is None]
+    assert 3 <= len(finished) < 20, len(finished)
+    assert data["sweep"] and data["sweep"][0]["ttft_ms"] > 0  # analysed, not only stored
+    assert "partial results" in output
+
+
 def test_probe_errors(medium_server: Server) -> None:
     runner = CliRunner()
     port = free_port()  # nothing listens there

@@ -428,6 +428,13 @@ async def probe(
             await prober.run()
         except (httpx.HTTPError, aiohttp.ClientError, ProbeError, OSError) as exc:
             partial = f"stopped early: {type(exc).__name__}: {exc}"
+        except asyncio.CancelledError:
+            # Ctrl-C (asyncio.run cancels this task): what was measured is analysed and kept,
+            # marked partial, as bench keeps its finished requests. A second Ctrl-C still stops.
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            partial = "interrupted (Ctrl-C)"
         if local:
             readings.append(measure_bandwidth_gb_s())
         served = await _served_model(client, runtime, model, headers)
