@@ -10,7 +10,12 @@ import math
 import httpx
 import pytest
 
-from pdscope.analysis.server_metrics import build_report, histogram_quantile, report_of
+from pdscope.analysis.server_metrics import (
+    build_report,
+    histogram_quantile,
+    quantile_edge,
+    report_of,
+)
 from pdscope.client.server_metrics import (
     COUNTER_ROLES,
     HISTOGRAM_ROLES,
@@ -64,6 +69,31 @@ def test_histogram_quantile_empty_and_degenerate() -> None:
     assert histogram_quantile(0.0, [(0.1, 0.0), (0.2, 4.0), (INF, 4.0)]) == 0.0
     with pytest.raises(ValueError):
         histogram_quantile(1.5, BUCKETS)
+
+
+def test_a_quantile_in_the_first_or_the_last_bucket_is_known_only_by_its_bound() -> None:
+    # Rank 1 of 10 lies in (0, 0.1]: Prometheus interpolates 0.05; all that is known is < 0.1.
+    assert quantile_edge(0.1, BUCKETS) == ("below", 0.1)
+    assert quantile_edge(0.5, BUCKETS) is None  # between two bounds: interpolated as usual
+    assert quantile_edge(0.9, BUCKETS) == ("above", 0.4)  # rank 9 in +Inf
+    assert quantile_edge(0.5, [(0.0, 2.0), (1.0, 4.0), (INF, 4.0)]) is None  # a bound of 0
+    assert quantile_edge(0.5, []) is None
+
+
+def test_impossible_gauge_readings_are_left_out_with_a_warning() -> None:
+    first = parse_metrics(VLLM_TEXT)
+    last = parse_metrics(
+        vllm_text(**{"vllm:num_requests_waiting": -5, "vllm:kv_cache_usage_perc": 7.0})
+    )
+    first.t_s, last.t_s = 0.0, 1.0
+    runtime = detect_runtime(first)
+    assert runtime is not None
+    timeline = [timeline_point(s, runtime, 0.0) for s in (first, last)]
+    report = build_report(first, last, timeline, runtime)
+    assert (report.max_waiting, report.max_kv_usage) == (1.0, 0.25)  # the first scrape's
+    text = " ".join(report.warnings)
+    assert "vllm:num_requests_waiting read -5: a count of requests is never negative" in text
+    assert "vllm:kv_cache_usage_perc read 7: KV usage is a fraction within 0-1" in text
 
 
 # --- parsing and names --------------------------------------------------------------------------

@@ -94,10 +94,16 @@ def page() -> Iterator[PageServer]:
 
 
 def vllm_page(
-    ttft: dict[float, int], running: float = 0, waiting: float = 0, kv: float = 0.0, gen: int = 0
+    ttft: dict[float, int],
+    running: float = 0,
+    waiting: float = 0,
+    kv: float = 0.0,
+    gen: int = 0,
+    above: int = 0,
 ) -> str:
-    """A vLLM-named page: TTFT buckets given as {upper bound: cumulative count}, +Inf last."""
-    total = max(ttft.values(), default=0)
+    """A vLLM-named page: TTFT buckets given as {upper bound: cumulative count}, then +Inf with
+    `above` more."""
+    total = max(ttft.values(), default=0) + above
     lines = ["# TYPE vllm:time_to_first_token_seconds histogram"]
     for bound, count in sorted(ttft.items()):
         lines.append(
@@ -182,6 +188,35 @@ def test_old_scrapes_leave_the_window(page: PageServer) -> None:
     assert snaps[2].values["ttft_p50_ms"] is None
     assert "no TTFT observations" in snaps[2].missing["ttft_p50_ms"]
     assert snaps[2].scrapes_in_window == 2
+
+
+def test_edge_quantiles_and_impossible_gauges_are_not_shown_as_figures(page: PageServer) -> None:
+    """Every TTFT of the window under the first bound (0.1 s): Prometheus' p50 is 50 ms, the
+    bucket's middle, but the view says "< 100.0 ms". A p99 past the last bound reads "> 2.00 s".
+    A negative waiting count and a KV usage of 7 are a broken page: no figure, the reading
+    named instead."""
+    from rich.console import Console
+
+    settings = WatchSettings(url=page.url, window_s=60, interval_s=0.1)
+    low = [vllm_page({0.1: 0, 1.0: 0}), vllm_page({0.1: 10, 1.0: 10}, waiting=-5, kv=7.0)]
+    snap = ticks(settings, low, page.page)[1]
+    assert snap.values["ttft_p50_ms"] == pytest.approx(50.0)  # as Prometheus computes it
+    assert snap.edges["ttft_p50_ms"] == ["below", 100.0]
+    assert snap.values["waiting"] is None and snap.values["kv_usage"] is None
+    assert "read -5: a count of requests is never negative" in snap.missing["waiting"]
+    assert "read 7: KV usage is a fraction" in snap.missing["kv_usage"]
+    assert not [r for r in snap.rules if r["kind"] in ("capacity", "kv_full")]
+    high = [vllm_page({0.1: 0, 2.0: 0}), vllm_page({0.1: 0, 2.0: 96}, above=4)]
+    top = ticks(settings, high, page.page)[1]
+    assert top.edges["ttft_p99_ms"] == ["above", 2000.0]
+    views = []
+    for s in (snap, top):
+        console = Console(width=160, record=True)
+        console.print(render_watch(json.loads(json.dumps(s.to_dict()))))  # as --record keeps it
+        views.append(console.export_text())
+    assert "< 100.0 ms" in views[0] and "50.0 ms" not in views[0], views[0]
+    assert "read -5" in views[0] and "read 7" in views[0]  # the reason, in place of a figure
+    assert "> 2.00 s" in views[1], views[1]
 
 
 def test_server_restart_resets_the_window(page: PageServer) -> None:

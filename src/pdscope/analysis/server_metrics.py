@@ -19,6 +19,7 @@ from pdscope.client.server_metrics import (
     TimelinePoint,
     candidate_names,
     first_present,
+    gauge_problem,
 )
 
 QUANTILES = (0.5, 0.9, 0.99)
@@ -27,19 +28,11 @@ QUANTILES = (0.5, 0.9, 0.99)
 # --- histogram quantiles ------------------------------------------------------------------------
 
 
-def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
-    """The q-quantile (0 ≤ q ≤ 1) of a histogram, as Prometheus' ``histogram_quantile`` computes it.
-
-    `buckets` are cumulative (upper bound, count) pairs in any order, the +Inf bucket included;
-    the result is in the bounds' unit. Within the bucket holding the rank q·total the value is
-    interpolated linearly, the first bucket's lower bound being 0 (or its bound if that is ≤ 0).
-    A rank that falls in the +Inf bucket returns the largest finite bound. Buckets with the
-    same bound are added up, and counts are forced monotonic, as Prometheus does.
-
-    Returns None where Prometheus returns NaN: no +Inf bucket, fewer than two buckets, or no
-    observations. One deviation: where Prometheus divides 0/0 (q = 0 with an empty first
-    bucket) this returns the bucket's lower bound.
-    """
+def _locate(
+    q: float, buckets: list[tuple[float, float]]
+) -> tuple[list[float], list[float], int, float] | None:
+    """Bounds, monotonic cumulative counts, the index of the bucket holding rank q·total, and
+    the rank; None where Prometheus' ``histogram_quantile`` returns NaN."""
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"quantile must be within [0, 1], got {q}")
     merged: dict[float, float] = {}
@@ -61,6 +54,26 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | 
     rank = q * total
     # First finite bucket whose cumulative count reaches the rank; the +Inf bucket otherwise.
     b = next((i for i in range(len(counts) - 1) if counts[i] >= rank), len(counts) - 1)
+    return bounds, counts, b, rank
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """The q-quantile (0 ≤ q ≤ 1) of a histogram, as Prometheus' ``histogram_quantile`` computes it.
+
+    `buckets` are cumulative (upper bound, count) pairs in any order, the +Inf bucket included;
+    the result is in the bounds' unit. Within the bucket holding the rank q·total the value is
+    interpolated linearly, the first bucket's lower bound being 0 (or its bound if that is ≤ 0).
+    A rank that falls in the +Inf bucket returns the largest finite bound. Buckets with the
+    same bound are added up, and counts are forced monotonic, as Prometheus does.
+
+    Returns None where Prometheus returns NaN: no +Inf bucket, fewer than two buckets, or no
+    observations. One deviation: where Prometheus divides 0/0 (q = 0 with an empty first
+    bucket) this returns the bucket's lower bound.
+    """
+    found = _locate(q, buckets)
+    if found is None:
+        return None
+    bounds, counts, b, rank = found
     if b == len(counts) - 1:
         return bounds[-2]
     if b == 0 and bounds[0] <= 0:
@@ -75,6 +88,23 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | 
     return start + (end - start) * (rank / count)
 
 
+def quantile_edge(q: float, buckets: list[tuple[float, float]]) -> tuple[str, float] | None:
+    """Where the q-quantile is known only by one bound: ("below", the first bound) when its rank
+    falls in the first bucket, ("above", the largest finite bound) when it falls in +Inf; None
+    when it lies between two bounds or cannot be computed. `histogram_quantile` still gives
+    Prometheus' figure (the first bucket interpolated from 0, e.g. 5 ms for samples all under
+    10 ms), so a display can say "< 10 ms" instead."""
+    found = _locate(q, buckets)
+    if found is None:
+        return None
+    bounds, counts, b, _ = found
+    if b == len(counts) - 1:
+        return "above", bounds[-2]
+    if b == 0 and bounds[0] > 0:
+        return "below", bounds[0]
+    return None
+
+
 # --- the report ---------------------------------------------------------------------------------
 
 
@@ -84,8 +114,9 @@ class HistogramSummary:
 
     `name` is the histogram's base name on the server. Quantiles follow `histogram_quantile`, so
     they are only as fine as the server's buckets; `max_bound_ms` is the largest finite bound
-    (no quantile exceeds it). Quantiles and the mean are None when the run observed nothing or
-    the server exports no buckets (e.g. a summary).
+    (no quantile exceeds it). `edges` maps a quantile ("p50_ms") known only by one bound to
+    `quantile_edge`'s ["below" or "above", the bound in ms]. Quantiles and the mean are None
+    when the run observed nothing or the server exports no buckets (e.g. a summary).
     """
 
     name: str
@@ -95,6 +126,7 @@ class HistogramSummary:
     p90_ms: float | None
     p99_ms: float | None
     max_bound_ms: float | None
+    edges: dict[str, list[Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -105,6 +137,7 @@ class HistogramSummary:
             "p90_ms": self.p90_ms,
             "p99_ms": self.p99_ms,
             "max_bound_ms": self.max_bound_ms,
+            "edges": {k: list(v) for k, v in self.edges.items()},
         }
 
 
@@ -180,6 +213,10 @@ def histogram_summary(first: Snapshot, last: Snapshot, base: str) -> HistogramSu
     quantiles = {
         q: (None if (v := histogram_quantile(q, delta)) is None else v * 1e3) for q in QUANTILES
     }
+    edges: dict[str, list[Any]] = {}
+    for q in QUANTILES:
+        if (edge := quantile_edge(q, delta)) is not None:
+            edges[f"p{round(q * 100)}_ms"] = [edge[0], edge[1] * 1e3]
     return HistogramSummary(
         name=base,
         count=d_count,
@@ -188,6 +225,7 @@ def histogram_summary(first: Snapshot, last: Snapshot, base: str) -> HistogramSu
         p90_ms=quantiles[0.9],
         p99_ms=quantiles[0.99],
         max_bound_ms=max(finite) * 1e3 if finite else None,
+        edges=edges,
     )
 
 
@@ -237,11 +275,16 @@ def build_report(
         )
         if name:
             report.names[role] = name
-    for role, attr in (("waiting", "max_waiting"), ("running", "max_running")):
-        values = [getattr(p, role) for p in timeline if getattr(p, role) is not None]
-        setattr(report, attr, max(values) if values else None)
-    kv = [p.kv_usage for p in timeline if p.kv_usage is not None]
-    report.max_kv_usage = max(kv) if kv else None
+    for role in GAUGE_ROLES:
+        read = [v for p in timeline if (v := getattr(p, role)) is not None]
+        kept = [v for v in read if gauge_problem(role, v) is None]
+        if len(kept) < len(read):
+            bad = next(v for v in read if gauge_problem(role, v) is not None)
+            report.warnings.append(
+                f"{report.names.get(role, role)} {gauge_problem(role, bad)}; "
+                f"{len(read) - len(kept)} of {len(read)} scrapes left out of its maximum"
+            )
+        setattr(report, f"max_{role}", max(kept) if kept else None)
     for role in HISTOGRAM_ROLES:
         base = next(
             (n for n in candidate_names(runtime, role) if _histogram_present(last, n)), None

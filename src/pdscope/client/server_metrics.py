@@ -253,6 +253,19 @@ class TimelinePoint:
     kv_usage: float | None  # fraction of KV cache in use, 0-1
 
 
+def gauge_problem(role: str, value: float) -> str | None:
+    """Why a gauge's reading cannot be what its role means, or None. Request counts are never
+    negative; KV usage is a fraction 0-1 on every runtime read here (vLLM's
+    ``kv_cache_usage_perc`` too, despite its name), so 70 is a percentage or a broken server."""
+    if not math.isfinite(value):
+        return f"read {value:g}, not a number"
+    if role in ("running", "waiting") and value < 0:
+        return f"read {value:g}: a count of requests is never negative"
+    if role == "kv_usage" and not 0.0 <= value <= 1.0:
+        return f"read {value:g}: KV usage is a fraction within 0-1"
+    return None
+
+
 def first_present(snapshot: Snapshot, names: tuple[str, ...]) -> str | None:
     return next((n for n in names if snapshot.has(n)), None)
 

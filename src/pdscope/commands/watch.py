@@ -37,6 +37,7 @@ from pdscope.client.server_metrics import (
     Snapshot,
     candidate_names,
     detect_runtime,
+    gauge_problem,
 )
 
 # The figures watch shows, in display order, with the role (client/server_metrics.py) each is
@@ -124,6 +125,8 @@ class WatchSnapshot:
     missing: dict[str, str] = field(default_factory=dict)  # figure -> why it has no value
     absent: list[str] = field(default_factory=list)  # figures the server exports no series for
     names: dict[str, str] = field(default_factory=dict)  # figure -> series it was read from
+    # figure -> ["below"/"above", bound ms]: a quantile known only by a bucket bound
+    edges: dict[str, list[Any]] = field(default_factory=dict)
     rules: list[dict[str, str]] = field(default_factory=list)
     unreachable_since: str | None = None
     error: str | None = None
@@ -144,6 +147,7 @@ class WatchSnapshot:
             "missing": dict(self.missing),
             "absent": list(self.absent),
             "names": dict(self.names),
+            "edges": {k: list(v) for k, v in self.edges.items()},
             "rules": [dict(r) for r in self.rules],
             "unreachable_since": self.unreachable_since,
             "error": self.error,
@@ -332,9 +336,13 @@ class Watcher:
             values[figure] = None
             if absent(figure):
                 continue
-            values[figure], name = _gauge(last, runtime, figure)
+            value, name = _gauge(last, runtime, figure)
             if name:
                 names[figure] = name
+            if value is not None and (problem := gauge_problem(figure, value)):
+                missing[figure] = f"{name} {problem}"  # shown as why, never as a figure
+                continue
+            values[figure] = value
         two = len(window) >= 2 and span_s > 0
         why_one = "one scrape so far: the window needs two"
         for role, prefix in (("ttft", "ttft"), ("itl", "itl")):
@@ -363,6 +371,9 @@ class Watcher:
                 )
                 continue
             values[p50], values[p99] = summary.p50_ms, summary.p99_ms
+            for key, figure in (("p50_ms", p50), ("p99_ms", p99)):
+                if key in summary.edges:
+                    out.edges[figure] = summary.edges[key]
         for figure, role in (
             ("generation_tok_s", "generation_tokens"),
             ("prompt_tok_s", "prompt_tokens"),
@@ -413,8 +424,11 @@ class Watcher:
                 halves["ttft_p50_first_half_ms"] = _p50_ms(first, mid, base)
                 halves["ttft_p50_second_half_ms"] = _p50_ms(mid, last, base)
             running = [(s.t_s, _gauge(s, runtime, "running")[0]) for s in window]
-            a = [v for t, v in running if t <= mid.t_s and v is not None]
-            b = [v for t, v in running if t >= mid.t_s and v is not None]
+            running = [
+                (t, v) for t, v in running if v is not None and not gauge_problem("running", v)
+            ]
+            a = [v for t, v in running if t <= mid.t_s]
+            b = [v for t, v in running if t >= mid.t_s]
             halves["running_max_first_half"] = max(a) if a else None
             halves["running_max_second_half"] = max(b) if b else None
         return LiveFigures(

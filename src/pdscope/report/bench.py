@@ -10,6 +10,7 @@ from rich.table import Table
 
 from pdscope.report.fit import fit_figures
 from pdscope.report.units import fmt as _f
+from pdscope.report.units import fmt_quantile
 
 
 def render_bench(r: dict[str, Any], console: Console) -> None:
@@ -134,16 +135,17 @@ def render_bench(r: dict[str, Any], console: Console) -> None:
             _f(v.get("max_kv_usage"), "{:.0%}"),
             _f(deltas.get("preemptions"), "{:,.0f}"),
             _f(v.get("prefix_hit_rate"), "{:.0%}"),
-            _f((h.get("ttft") or {}).get("p50_ms")),
-            _f((h.get("ttft") or {}).get("p99_ms")),
-            _f((h.get("itl") or {}).get("p99_ms")),
+            _quantile(h.get("ttft"), "p50_ms"),
+            _quantile(h.get("ttft"), "p99_ms"),
+            _quantile(h.get("itl"), "p99_ms"),
         )
     if shown:
         console.print(fit_figures(server, console))
         console.print(
             "[dim]server TTFT starts when the server has the request and ends at the "
             "engine's first token; the client's adds the network and the client's "
-            "own scheduling. Histogram quantiles are interpolated within buckets.[/]"
+            "own scheduling. Histogram quantiles are interpolated within buckets; '<' or '>' "
+            "marks one known only by the first or the last bound.[/]"
         )
     else:
         reasons = {run["server"].get("reason") for run in r["runs"]}
@@ -215,6 +217,11 @@ def _prompt_mode(m: dict[str, Any]) -> str:
     if cal:
         return f"estimated, not calibrated ({cal.get('error')})"
     return "from the workload file" if str(m.get("workload", "")).startswith("file:") else "?"
+
+
+def _quantile(histogram: dict[str, Any] | None, key: str) -> str:
+    h = histogram or {}
+    return fmt_quantile(h.get(key), (h.get("edges") or {}).get(key))
 
 
 def _load(run: dict[str, Any]) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 def fmt_bytes(n: float | None) -> str:
     if n is None:
@@ -40,3 +42,14 @@ def fmt_rate(x: float | None, unit: str = "tok/s") -> str:
 def fmt(x: float | None, pattern: str = "{:,.1f}") -> str:
     """``pattern`` applied to a figure, or "-" when there is none."""
     return "-" if x is None else pattern.format(x)
+
+
+def fmt_quantile(
+    value: float | None, edge: list | None, show: Callable[[float | None], str] = fmt
+) -> str:
+    """A histogram quantile; one known only by a bucket bound (``edge``: ["below" or "above",
+    the bound], from `quantile_edge`) reads "< bound" or "> bound", not a number the buckets
+    cannot give."""
+    if value is None or not edge:
+        return show(value)
+    return ("< " if edge[0] == "below" else "> ") + show(edge[1])

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from pdscope.report.units import fmt_rate
+from pdscope.report.units import fmt_quantile, fmt_rate
 
 LABELS: dict[str, str] = {
     "ttft_p50_ms": "TTFT p50",
@@ -124,7 +125,11 @@ def render_watch(
         if figure in snap.get("absent", ()):
             table.add_row(label, Text("absent", style="dim"), "", Text(why, style="dim"))
             continue
-        shown = format_value(figure, value, snap["covered_s"])
+        shown = fmt_quantile(
+            value,
+            (snap.get("edges") or {}).get(figure),
+            partial(format_value, figure, window_s=snap["covered_s"]),
+        )
         table.add_row(
             label,
             shown,
