@@ -737,6 +737,34 @@ def test_compare_series_compares_every_run(tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "3 runs" in bad.output
 
 
+@pytest.mark.parametrize(
+    ("record", "reason"),
+    [
+        ({"completed": 8, "median_ttft_ms": -5.0}, "median_ttft_ms is -5.0, not a figure"),
+        ({"completed": 8, "p99_ttft_ms": math.inf}, "p99_ttft_ms is inf"),
+        ({"completed": 8, "request_throughput": "fast"}, "request_throughput is 'fast'"),
+        ({"completed": 8, "max_concurrency": 0}, "max_concurrency is 0"),
+        ({"runs": [{"max_concurrency": 2}]}, "run 1 has no summary"),
+        ({"runs": [5]}, "run 1 has no summary"),
+        ({"runs": {"a": 1}}, "'runs' is not a list"),
+    ],
+)
+def test_compare_refuses_figures_no_run_can_have(tmp_path: Path, record: dict, reason: str) -> None:
+    """A hand-edited or truncated file: one line naming the file and the figure, exit 2; it
+    printed "-inf" and negative ratios, or a KeyError's traceback."""
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"completed": 8, "median_ttft_ms": 5.0, "request_rate": "inf"}))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(record))
+    res = CliRunner().invoke(cli, ["bench", "compare", str(good), str(bad)])
+    assert res.exit_code == 2, res.output
+    text = " ".join(res.output.split())
+    assert "bad.json" in text and reason in text, text
+    assert "Traceback" not in res.output
+    ok = CliRunner().invoke(cli, ["bench", "compare", str(good), str(good)])
+    assert ok.exit_code == 0 and "all at once" in ok.output  # vllm bench serve's "inf"
+
+
 @pytest.mark.slow
 def test_without_a_tokenizer_prompts_are_calibrated(medium_server: Server) -> None:
     """Ollama's API has no tokenizer route: bench sizes text prompts on the server's own

@@ -854,10 +854,15 @@ def _bench_compare(files: list[Path] | None) -> None:
 
     if not files or len(files) != 2:
         raise fail("usage: pdscope bench compare A.json B.json")
+    runs = []
+    for f in files:
+        try:
+            runs.append(runs_of(json.loads(f.read_text())))
+        except (OSError, ValueError) as exc:
+            raise fail(f"cannot compare the saved runs: {f}: {exc}") from None
     try:
-        a, b = (runs_of(json.loads(f.read_text())) for f in files)
-        render_compare(a, b, (files[0].name, files[1].name), console)
-    except (OSError, ValueError) as exc:
+        render_compare(runs[0], runs[1], (files[0].name, files[1].name), console)
+    except ValueError as exc:
         raise fail(f"cannot compare the saved runs: {exc}") from None
 
 

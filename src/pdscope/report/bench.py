@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from rich import box
@@ -226,9 +227,9 @@ def _quantile(histogram: dict[str, Any] | None, key: str) -> str:
 
 def _load(run: dict[str, Any]) -> str:
     parts = []
-    if run["request_rate"] is not None:
+    if run.get("request_rate") not in (None, math.inf, "inf"):
         parts.append(f"{run['request_rate']:g}/s")
-    if run["max_concurrency"]:
+    if run.get("max_concurrency"):
         parts.append(f"c={run['max_concurrency']}")
     return " ".join(parts) or "all at once"
 
@@ -258,16 +259,36 @@ def runs_of(result: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         raise ValueError("not a bench result (a JSON object with runs)")
     runs = result.get("runs")
     if runs:
-        return [(_load(run), run["summary"]) for run in runs]
+        if not isinstance(runs, list):
+            raise ValueError("'runs' is not a list")
+        out = []
+        for i, run in enumerate(runs, 1):
+            if not isinstance(run, dict) or not isinstance(run.get("summary"), dict):
+                raise ValueError(f"run {i} has no summary")
+            out.append((_compared(run, i), run["summary"]))
+        return out
     if "completed" in result:
-        rate = result.get("request_rate")
-        conc = result.get("max_concurrency")
-        label = " ".join(
-            [f"{rate:g}/s" if isinstance(rate, int | float) else "all at once"]
-            + ([f"c={conc}"] if conc else [])
-        )
-        return [(label, result)]
+        return [(_compared(result, 1), result)]
     raise ValueError("no run in this file")
+
+
+def _compared(run: dict[str, Any], i: int) -> str:
+    """The run's label, once its compared figures are known to be figures: a number that is
+    negative, infinite or not a number would print as a ratio no run can have."""
+    figures = run.get("summary", run)
+    for key in COMPARED:
+        x = figures.get(key)
+        if x is None:
+            continue
+        if isinstance(x, bool) or not isinstance(x, int | float) or not 0 <= x < math.inf:
+            raise ValueError(f"run {i}: {key} is {x!r}, not a figure a run can have")
+    for key in ("request_rate", "max_concurrency"):
+        x = run.get(key)
+        if x is None or (key == "request_rate" and x == "inf"):  # vllm bench serve's "inf"
+            continue
+        if isinstance(x, bool) or not isinstance(x, int | float) or not x > 0:
+            raise ValueError(f"run {i}: {key} is {x!r}")
+    return _load(run)
 
 
 def render_compare(
