@@ -631,6 +631,37 @@ def test_idle_keepalive_closes_lose_no_request() -> None:
     assert summary["retried"] == len(retried)
 
 
+def test_a_pool_gone_wholly_stale_still_sends_the_request() -> None:
+    """Eight connections pooled, then a gap past the server's keep-alive timeout: all eight are
+    stale, and the next request meets them one by one before a new connection. It fails on
+    none of them (3 retries used to lose it), and says it was sent again."""
+    from pdscope.client.adapters import session
+    from pdscope.client.load import run_load
+    from pdscope.client.workloads import RequestSpec
+
+    async def go() -> tuple[list[Trace], IdleClosingServer]:
+        srv = IdleClosingServer(idle_s=0.05)
+        server = await asyncio.start_server(srv.handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        try:
+            async with session(timeout_s=10, limit=8) as c:
+                fill = LoadPlan(request_rate=math.inf, max_concurrency=8)
+                specs = [RequestSpec("x", 3, 4) for _ in range(8)]
+                await run_load(c, url, "openai-completions", "m", specs, fill)
+                await asyncio.sleep(0.3)  # every pooled connection is now past idle_s
+                one = [RequestSpec("x", 3, 4)]
+                result = await run_load(c, url, "openai-completions", "m", one, fill)
+        finally:
+            server.close()
+            await server.wait_closed()
+        return result.traces, srv
+
+    (trace,), srv = asyncio.run(go())
+    assert srv.closed_idle >= 4, srv.closed_idle  # more than the old 3 retries
+    assert trace.ok, trace.error
+    assert trace.retried and "reused keep-alive" in trace.retried
+
+
 # vllm bench serve's result keys (item 11): the arrays tools read, and the run's settings.
 VLLM_KEYS = (
     "backend",

@@ -132,10 +132,12 @@ async def _stream(
     A keep-alive connection the server closed while it sat idle in the pool fails the next
     request written on it before the server can have read it ("Can not write request body",
     "Server disconnected"). Only that case is sent again, on another connection, at most
-    `_STALE_RETRIES` times, and the trace says so in `retried`: it is not a server failure."""
-    for attempt in range(_STALE_RETRIES + 1):
+    once more than the pool can hold stale connections, and the trace says so in `retried`:
+    it is not a server failure."""
+    retries = _stale_retries(client)
+    for attempt in range(retries + 1):
         await _stream_once(client, url, body, headers, trace, parse, ending)
-        if not _stale_connection(trace) or attempt == _STALE_RETRIES:
+        if not _stale_connection(trace) or attempt == retries:
             return trace
         reason = trace.error
         trace.error, trace.status, trace.connected_s, trace.sent_s = None, None, None, None
@@ -144,8 +146,16 @@ async def _stream(
     return trace
 
 
-# Each retry discards one stale pooled connection, so a few cover a pool the server emptied.
-_STALE_RETRIES = 3
+# A failed pooled connection is discarded, so each retry meets one stale connection fewer:
+# after an idle gap longer than the server's keep-alive timeout every pooled connection is
+# stale, and a pool of N needs N retries to reach a new one (8 of 8 pooled were stale in a
+# loaded run of test_idle_keepalive_closes_lose_no_request, and 3 retries lost a request).
+_UNBOUNDED_POOL_RETRIES = 64
+
+
+def _stale_retries(client: aiohttp.ClientSession) -> int:
+    limit = getattr(client.connector, "limit", 0)
+    return (limit or _UNBOUNDED_POOL_RETRIES) + 1
 
 
 def _stale_connection(trace: Trace) -> bool:
