@@ -330,7 +330,9 @@ def run_cases(
         # A seed per case: bench draws prompts from it, and a server that saw a case's prompts
         # would serve the next case's from its prefix cache (a fresh simulation would not).
         seed = args.seed + 100 * index
-        load = [*case.load, "--num-prompts", str(prompts), "--seed", str(seed)]
+        load = [*case.load, "--seed", str(seed)]
+        if "long-prompt" not in case.load:  # its streams and arrivals set its own count
+            load += ["--num-prompts", str(prompts)]
         if case.rate_of_saturation is not None:
             if saturation_rps is None:
                 raise SystemExit(f"{case.name} needs random-c16 first (its capacity)")

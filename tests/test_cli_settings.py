@@ -189,3 +189,115 @@ def test_a_checkpoint_or_pool_that_cannot_load_is_one_error_line(
     result = CliRunner().invoke(app, ["serve", "--model", str(model), *extra])
     assert result.exit_code == 2, result.output
     assert needle in " ".join(result.output.split()) and "Traceback" not in result.output
+
+
+NOWHERE = "http://127.0.0.1:9"  # no server listens on port 9
+
+
+def test_a_load_flag_typed_at_its_default_is_still_the_load_asked_for() -> None:
+    """`bench --num-prompts 100` (the default's value, typed) on the embedded server runs 100
+    prompts: the short default load gives way to any load flag the user set, not only to one
+    off its default (it used to run 32 at concurrency 8)."""
+    typed = BenchSettings.from_flags(None, "inf", None, "50,99", None, False, None, load_given=True)
+    assert (typed.num_prompts, typed.concurrencies, typed.output_len) == (100, [None], "128")
+    untyped = BenchSettings.from_flags(
+        None, "inf", None, "50,99", None, False, None, load_given=False
+    )
+    assert (untyped.num_prompts, untyped.concurrencies) == (32, [8])
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["plan", "--all"], "--all has no effect without --compare"),
+        (["plan", "--compare", "--bandwidth", "5"], "--bandwidth has no effect with --compare"),
+        (["plan", "--list-models", "--model", "70b"], "--model has no effect with --list-devices"),
+        (["plan", "--list-models", "--list-devices"], "not both"),
+        (["plan", "--compare", "--device", "a10g"], "takes only 'local'"),
+        (["simulate", "--plot", "p.png"], "--plot has no effect without --plan-capacity"),
+        (["simulate", "--plan-tp", "3"], "--plan-tp has no effect without --plan-capacity"),
+        (["simulate", "--tp-link", "nvlink3"], "without --tensor-parallel-size above 1"),
+        (
+            ["simulate", "--kv-link-gb-s", "1"],
+            "--kv-link-gb-s has no effect without --disaggregate",
+        ),
+        (["simulate", "--router", "least-loaded"], "--router has no effect without more than one"),
+        (["simulate", "--no-step-jitter"], "--no-step-jitter has no effect without --calibrate"),
+        (["simulate", "--max-runs", "2"], "--max-runs has no effect without --find-capacity"),
+        (["simulate", "--tokenizer", "x"], "--tokenizer has no effect without a file: workload"),
+        (
+            [
+                "simulate",
+                "--plan-capacity",
+                "--gpus",
+                "2",
+                "--slo",
+                "p99_ttft=2s",
+                "--replicas",
+                "2",
+            ],
+            "--replicas has no effect with --plan-capacity",
+        ),
+        (
+            ["simulate", "--find-capacity", "--slo", "p99_ttft=2s", "--max-concurrency", "3"],
+            "--max-concurrency has no effect with --find-capacity",
+        ),
+        (["simulate", "--workload", "long-prompt", "--num-prompts", "5"], "--num-prompts has no"),
+        (["simulate", "--groups", "2"], "--groups has no effect without --workload shared-prefix"),
+        (["bench", "compare", "a.json", "b.json", "--num-prompts", "5"], "drop --num-prompts"),
+        (["bench", NOWHERE, "--sweep", "auto", "--max-concurrency", "3"], "--sweep auto"),
+        (["bench", NOWHERE, "--burstiness", "0.5"], "without a finite --request-rate"),
+        (["bench", NOWHERE, "--ramp-up", "5"], "--ramp-up has no effect without a"),
+        (["bench", NOWHERE, "--server-args", "--block-size 8"], "with a URL"),
+        (["bench", NOWHERE, "--input-len", "9", "--workload", "shared-prefix"], "--input-len"),
+        (["bench", NOWHERE, "--stream-output", "9"], "without --workload long-prompt"),
+        (
+            ["bench", NOWHERE, "--find-capacity", "--slo", "p99_ttft=2s", "--request-rate", "1,2"],
+            "searches from one --request-rate",
+        ),
+        (
+            ["probe", NOWHERE, "--batch-streams", "0", "--batch-context", "9"],
+            "--batch-context has no",
+        ),
+        (["probe", NOWHERE, "--batch-streams", "1"], "2 or more, or 0"),
+        (["watch", "--export", "grafana", "g"], "--export needs the server's URL"),
+        (["watch", NOWHERE, "--runtime", "sglang"], "--runtime has no effect without --export"),
+        (
+            ["watch", NOWHERE, "--export", "grafana", "g", "--once"],
+            "--once has no effect with --export",
+        ),
+        (["watch", "--report", "r.jsonl", "--window", "5"], "--window has no effect with --report"),
+        (["watch", NOWHERE, "--server-args", "--block-size 8"], "with a URL"),
+    ],
+)
+def test_an_option_that_would_have_no_effect_is_refused(args: list[str], needle: str) -> None:
+    """Each of these ran and exited 0 with the option ignored (nothing said so); none reaches
+    a server (port 9 has none) or writes a file."""
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert needle in " ".join(result.output.split()), result.output
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["plan", "--compare", "--all", "--json"],
+        ["plan", "--list-devices", "--json"],
+        ["simulate", "--num-prompts", "4", "--request-rate", "8", "--burstiness", "0.5"],
+        ["simulate", "--num-prompts", "4", "--replicas", "2", "--router", "least-loaded"],
+        ["simulate", "--num-prompts", "4", "--workload", "shared-prefix", "--groups", "2"],
+        [
+            "simulate",
+            "--num-prompts",
+            "4",
+            "--find-capacity",
+            "--slo",
+            "p99_ttft=2s",
+            "--max-runs",
+            "2",
+        ],
+    ],
+)
+def test_the_same_options_where_they_take_effect_are_accepted(args: list[str]) -> None:
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output

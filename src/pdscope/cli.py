@@ -182,7 +182,10 @@ ProbePromptTokens = Annotated[str, typer.Option(help="Sweep of prompt lengths in
 OutputTokens = Annotated[int, typer.Option(help="Output tokens per request.")]
 Repeats = Annotated[int, typer.Option(help="Requests per sweep point.")]
 BatchStreams = Annotated[
-    int, typer.Option(help="Streams sent at once for the batched-decode check (0 skips it).")
+    int,
+    typer.Option(
+        help="Streams sent at once for the batched-decode checks: 2 or more, or 0 to skip them."
+    ),
 ]
 BatchContext = Annotated[
     int,
@@ -194,7 +197,10 @@ BatchContext = Annotated[
 Timeout = Annotated[float, typer.Option(help="Seconds allowed per request.")]
 MaxModelLen = Annotated[
     int | None,
-    typer.Option(help="Cap for prompt + output when the server does not report one."),
+    typer.Option(
+        help="Cap for prompt + output, in place of the server's own (needed where the server "
+        "reports none)."
+    ),
 ]
 ProbeDevice = Annotated[
     str | None,
@@ -480,6 +486,62 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
+def given(ctx: typer.Context, *names: str) -> list[str]:
+    """The options among parameter ``names`` of the running command that the user set (on the
+    command line or through the environment), each as its flag."""
+    out = []
+    for p in ctx.command.params:
+        source = ctx.get_parameter_source(p.name) if p.name in names else None
+        if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"):
+            off = getattr(p, "secondary_opts", None) and not ctx.params.get(p.name)
+            out.append(max(p.secondary_opts if off else p.opts, key=len))  # --model, not -m
+    return out
+
+
+def given_except(ctx: typer.Context, *kept: str) -> list[str]:
+    """The options the user set other than ``kept`` (parameter names)."""
+    return given(ctx, *(p.name for p in ctx.command.params if p.name and p.name not in kept))
+
+
+def _no_effect(flags: list[str], where: str) -> typer.Exit:
+    verb = "has" if len(flags) == 1 else "have"
+    return fail(f"{', '.join(flags)} {verb} no effect {where}")
+
+
+def only_with(ctx: typer.Context, present: bool, needs: str, *names: str) -> None:
+    """Refuse options that take effect only with ``needs`` when it is absent: an option
+    ignored in silence lets its user believe it took effect."""
+    if not present and (extra := given(ctx, *names)):
+        raise _no_effect(extra, f"without {needs}")
+
+
+def not_with(ctx: typer.Context, present: bool, what: str, *names: str) -> None:
+    """Refuse options that ``what`` overrides or leaves unused, when it is present."""
+    if present and (extra := given(ctx, *names)):
+        raise _no_effect(extra, f"with {what}")
+
+
+# The options of each built-in workload; another workload ignores them.
+WORKLOAD_OPTIONS = {
+    "random": ("input_len",),
+    "shared-prefix": ("groups", "prefix_len", "suffix_len"),
+    "long-prompt": ("streams", "stream_output", "long_len", "long_rate"),
+}
+
+
+def check_workload_options(ctx: typer.Context, workload: str) -> None:
+    """bench's and simulate's workload options, refused where the workload ignores them."""
+    for name, options in WORKLOAD_OPTIONS.items():
+        only_with(ctx, workload == name, f"--workload {name}", *options)
+    not_with(
+        ctx,
+        workload == "long-prompt",
+        "--workload long-prompt (its streams and long prompts set their own lengths and "
+        "arrivals)",
+        "num_prompts", "output_len", "request_rate", "burstiness", "ramp_up",
+    )  # fmt: skip
+
+
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
@@ -567,6 +629,7 @@ def main() -> None:
 
 @app.command()
 def plan(
+    ctx: typer.Context,
     model: PlanModel = "8b",
     device: PlanDevice = None,
     dtype: PlanDtype = "bf16",
@@ -588,6 +651,25 @@ def plan(
     from pdscope.commands import plan as cmd
     from pdscope.report import plan as view
 
+    if list_devices and list_models:
+        raise fail("give --list-devices or --list-models, not both")
+    not_with(
+        ctx,
+        list_devices or list_models,
+        "--list-devices or --list-models (they list the catalog)",
+        *(
+            p.name
+            for p in ctx.command.params
+            if p.name not in ("as_json", "list_devices", "list_models")
+        ),
+    )
+    only_with(ctx, compare, "--compare", "all_devices")
+    not_with(
+        ctx,
+        compare,
+        "--compare (the article's table: each catalog device at its own figures)",
+        "bandwidth", "tflops", "memory", "gpu_memory_utilization", "prompt_tokens",
+    )  # fmt: skip
     with exit_on(2, SpecError):
         if list_devices or list_models:
             _list_catalog(list_devices, as_json)
@@ -706,6 +788,7 @@ def serve(**flags: Any) -> None:
 
 @app.command()
 def probe(
+    ctx: typer.Context,
     url: ProbeUrl = None,
     api: Api = "auto",
     model: ProbeModel = None,
@@ -738,6 +821,7 @@ def probe(
 
     check_output(json_file, "--json")
     check_output(plot, "--plot", figure=True)
+    only_with(ctx, batch_streams >= 2, "--batch-streams of 2 or more", "batch_context")
     with exit_on(2, ValueError):
         settings = ProbeSettings.from_flags(
             url, prompt_tokens, api=api, model=model, api_key=api_key,
@@ -780,6 +864,7 @@ def probe(
 
 @app.command()
 def bench(
+    ctx: typer.Context,
     url: BenchUrl = None,
     files: Files = None,
     api: Api = "auto",
@@ -819,21 +904,51 @@ def bench(
     from pdscope.report.bench import render_bench
 
     if url == "compare":
+        if extra := given_except(ctx, "url", "files"):
+            raise fail(f"bench compare takes two result files and no options; drop {extra[0]}")
         _bench_compare(files)
         return
     if files:
         raise fail(f"unexpected arguments: {' '.join(map(str, files))}")
     check_output(save_result, "--save-result")
     check_output(report, "--report")
+    not_with(ctx, url is not None, "a URL (they are the embedded server's flags)", "server_args")
+    check_workload_options(ctx, workload)
+    not_with(
+        ctx,
+        sweep == "auto",
+        "--sweep auto (it doubles the concurrency at rate inf)",
+        "request_rate", "max_concurrency", "find_capacity",
+    )  # fmt: skip
+    not_with(ctx, find_capacity, "--find-capacity (it chooses the concurrency)", "max_concurrency")
+    # The embedded server's short default load gives way to any load flag the user typed.
+    load = given(
+        ctx,
+        "num_prompts", "request_rate", "max_concurrency", "output_len", "duration", "sweep",
+        "find_capacity",
+    )  # fmt: skip
     with exit_on(2, ValueError):
         settings = BenchSettings.from_flags(
             url, request_rate, max_concurrency, percentiles, slo, find_capacity, sweep,
+            load_given=bool(load),
             api=api, model=model, api_key=api_key, workload=workload, num_prompts=num_prompts,
             input_len=input_len, output_len=output_len, groups=groups, prefix_len=prefix_len,
             suffix_len=suffix_len, streams=streams, stream_output=stream_output,
             long_len=long_len, long_rate=long_rate, burstiness=burstiness, duration_s=duration,
             warmup=warmup, ramp_up_s=ramp_up, seed=seed, timeout_s=timeout,
         )  # fmt: skip
+        if find_capacity and len(settings.request_rates) > 1:
+            raise ValueError(
+                f"--find-capacity searches from one --request-rate, got {request_rate!r}"
+            )
+    finite = [r for r in settings.request_rates if math.isfinite(r)]
+    only_with(
+        ctx,
+        bool(finite),
+        "a finite --request-rate (inf sends all at once)",
+        "burstiness",
+        "ramp_up",
+    )
     result = _run_bench(settings, url, server_args)
     with exit_on(1, OSError):
         write_result(result, save_result, report)
@@ -904,6 +1019,7 @@ def _run_bench(settings: BenchSettings, url: str | None, server_args: str) -> di
 
 @app.command()
 def simulate(
+    ctx: typer.Context,
     model: SimModel = None,
     device: SimDevice = None,
     calibrate: SimCalibrate = None,
@@ -984,6 +1100,11 @@ def simulate(
     check_output(save_result, "--save-result")
     check_output(report, "--report")
     check_output(plot, "--plot", figure=True)
+    _check_simulate_options(
+        ctx,
+        workload, calibrate, find_capacity, plan_capacity, tensor_parallel_size, disaggregate,
+        replicas, gpus,
+    )  # fmt: skip
     with exit_on(2, SpecError, ValueError):
         settings = SimulateSettings.from_flags(
             kv_cache_memory, model=model, device=device, calibrate=calibrate,
@@ -1038,8 +1159,55 @@ def simulate(
         raise fail(f"every simulated request of a run failed; the first: {error}", 1)
 
 
+def _check_simulate_options(
+    ctx: typer.Context,
+    workload: str,
+    calibrate: Path | None,
+    find_capacity: bool,
+    plan_capacity: bool,
+    tp: int,
+    disaggregate: str | None,
+    replicas: int | None,
+    gpus: int | None,
+) -> None:
+    """simulate's options that another option overrides or that need one absent."""
+    check_workload_options(ctx, workload)
+    only_with(ctx, workload.startswith("file:"), "a file: workload", "tokenizer")
+    only_with(ctx, calibrate is not None, "--calibrate", "calibrate_budget", "step_jitter")
+    not_with(
+        ctx, calibrate is not None, "--calibrate (the probe's fitted rates)", "bandwidth", "tflops"
+    )
+    only_with(ctx, find_capacity, "--find-capacity", "max_runs")
+    not_with(ctx, find_capacity, "--find-capacity (it chooses the concurrency)", "max_concurrency")
+    only_with(
+        ctx, plan_capacity, "--plan-capacity", "plot", "plan_budgets", "plan_tp", "plan_exhaustive"
+    )
+    not_with(
+        ctx,
+        plan_capacity,
+        "--plan-capacity (it chooses the shape, the budget and the rate; --gpus sets the size)",
+        "replicas", "tensor_parallel_size", "disaggregate", "prefill_args", "decode_args",
+        "max_num_batched_tokens", "request_rate", "max_concurrency", "find_capacity", "report",
+    )  # fmt: skip
+    only_with(
+        ctx,
+        tp > 1 or plan_capacity,
+        "--tensor-parallel-size above 1",
+        "tp_link", "tp_link_gb_s", "tp_link_latency_us",
+    )  # fmt: skip
+    only_with(
+        ctx,
+        disaggregate is not None or plan_capacity,
+        "--disaggregate P:D",
+        "kv_link_gb_s", "kv_link_latency_ms", "first_token",
+    )  # fmt: skip
+    several = (replicas or 1) > 1 or (gpus or 1) > tp or disaggregate is not None
+    only_with(ctx, several or plan_capacity, "more than one replica", "router")
+
+
 @app.command()
 def watch(
+    ctx: typer.Context,
     url: WatchUrl = None,
     window: Window = None,
     interval: Interval = 1.0,
@@ -1061,11 +1229,17 @@ def watch(
     from pdscope.report.watch import render_watch
 
     if report is not None:
+        if extra := given_except(ctx, "report"):
+            raise _no_effect(extra, "with --report (it draws a --record file)")
         _watch_page(report)
         return
+    only_with(ctx, export is not None, "--export", "runtime")
     if export is not None:
+        if extra := given_except(ctx, "export", "url", "runtime"):
+            raise _no_effect(extra, "with --export (it writes files for a Prometheus to scrape)")
         _watch_export(export, url, runtime)
         return
+    not_with(ctx, url is not None, "a URL (they are the embedded server's flags)", "server_args")
     with exit_on(2, ValueError):
         settings = cmd.WatchSettings(
             url=url or "",
@@ -1123,8 +1297,10 @@ def _watch_export(export: tuple[str, Path], url: str | None, runtime: str) -> No
     kind, directory = export
     if kind != "grafana":
         raise fail(f"--export takes 'grafana DIR', got {kind!r}")
+    if url is None:
+        raise fail("--export needs the server's URL: the target Prometheus scrapes")
     with exit_on(2, ValueError, OSError):
-        paths = export_grafana(directory, url or "http://127.0.0.1:8000", runtime)
+        paths = export_grafana(directory, url, runtime)
     for path in paths:
         console.print(f"wrote {path}")
 

@@ -91,10 +91,12 @@ class BenchSettings:
         slo: str | None,
         find_capacity: bool,
         sweep: str | None,
+        load_given: bool | None = None,
         **fields: Any,
     ) -> BenchSettings:
         """The CLI's flags, checked before any request is sent (a ``ValueError`` names the
-        flag). No URL: the embedded server, under a short default load unless one is given."""
+        flag). No URL: the embedded server, under a short default load unless one is given
+        (``load_given``: the CLI knows which flags were typed; else any flag off its default)."""
         s = cls(url=url or "", sweep_auto=sweep == "auto", **fields)
         if s.api != "auto" and s.api not in APIS:
             raise ValueError(f"--api must be auto or one of {', '.join(APIS)}, got {s.api!r}")
@@ -140,7 +142,11 @@ class BenchSettings:
         else:
             SLO.parse(slo)
             s.goodput_slo = slo
-        asked_for_load = max_concurrency or s.request_rates != [math.inf] or s.num_prompts != 100
+        asked_for_load = (
+            load_given
+            if load_given is not None
+            else max_concurrency or s.request_rates != [math.inf] or s.num_prompts != 100
+        )
         if url is None and not asked_for_load:
             s.num_prompts, s.concurrencies = 32, [8]  # a short default load
             s.output_len = "64" if s.output_len == "128" else s.output_len

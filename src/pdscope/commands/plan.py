@@ -239,7 +239,10 @@ def seed_table(
     """`plan --compare`: the article's six devices (every catalog device with ``all_devices``;
     plus this machine with ``device`` "local"), as rows and a title."""
     if device is not None and device.lower() != "local":
-        raise SpecError("--compare runs over the catalog; drop --device (or use --all)")
+        raise SpecError(
+            "--compare runs over the catalog's devices (--all: every one); --device there "
+            f"takes only 'local', to add this machine, got {device!r}"
+        )
     inputs = resolve(
         model=model,
         device=DEFAULT_DEVICE,

@@ -75,6 +75,8 @@ class ProbeSettings:
         at_least(
             0, ("--batch-streams", s.batch_streams), ("--batch-context", s.batch_context_tokens)
         )
+        if s.batch_streams == 1:  # one stream is the sweep's decode again, not a batch
+            raise ValueError("--batch-streams takes 2 or more, or 0 to skip the batched checks")
         if s.timeout_s <= 0:
             raise ValueError(f"--timeout must be positive, got {s.timeout_s}")
         if url is None:
@@ -231,6 +233,7 @@ class Prober:
 def _cap_sweep(s: ProbeSettings, max_len: int | None) -> list[str]:
     """Size every check to the server's context, so no request is sent that must fail."""
     notes = []
+    whose = "--max-model-len" if s.max_model_len else "the server's max length"
     if max_len:
         room = max_len - s.output_tokens - 32
         if room < 16:
@@ -240,18 +243,14 @@ def _cap_sweep(s: ProbeSettings, max_len: int | None) -> list[str]:
             )
         capped = sorted({min(n, room) for n in s.prompt_tokens if n > 0})
         if capped != sorted(s.prompt_tokens):
-            notes.append(
-                f"prompt lengths capped at {room} tokens by the server's max length {max_len}"
-            )
+            notes.append(f"prompt lengths capped at {room} tokens by {whose} {max_len}")
         s.prompt_tokens = capped
         if s.prefix_tokens:
             s.prefix_tokens = min(s.prefix_tokens, room - 16)
         elif s.prompt_tokens[-1] + 16 > room:
             s.prefix_tokens = room - 16
         if s.context_tokens and s.context_tokens > room:
-            notes.append(
-                f"context check capped at {room} tokens by the server's max length {max_len}"
-            )
+            notes.append(f"context check capped at {room} tokens by {whose} {max_len}")
             s.context_tokens = room
         if s.batch_context_tokens > room:
             s.batch_context_tokens = room
