@@ -505,9 +505,9 @@ def test_prompts_past_the_context_are_failed_requests_not_a_stopped_bench(
     medium_server: Server,
 ) -> None:
     """Some drawn prompts far past the 2,048-token context (tens of thousands of tokens, more
-    characters than the context can hold): /tokenize counts them, as vLLM's does, and each is
-    sent and counted as one failed request. /tokenize used to refuse such a text, and the
-    whole bench stopped at the first one."""
+    characters than the context can hold, which pdscope serve's /tokenize refuses by length
+    alone): each is sent as text and counted as one failed request, as a server that counts
+    it (vLLM) has bench do. The whole bench used to stop at the first one."""
     r = run(
         BenchSettings(
             url=medium_server.url,

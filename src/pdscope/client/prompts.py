@@ -23,6 +23,11 @@ def _words() -> tuple[str, ...]:
     return tuple(w for w in re.findall(r"[A-Za-z]{3,12}", text))
 
 
+class PromptTooLong(ValueError):
+    """/tokenize refused the text as longer than the server's context (pdscope serve refuses
+    one by its length alone; vLLM counts it)."""
+
+
 class PromptBuilder:
     def __init__(
         self,
@@ -62,6 +67,8 @@ class PromptBuilder:
                     "add_special_tokens": False,
                 },
             )
+            if r.status_code == 400 and "context" in r.text:
+                raise PromptTooLong(r.text[:300])
             if r.status_code != 200:  # the server's own reason, not httpx's boilerplate
                 raise ValueError(f"{self.url}/tokenize answered {r.status_code}: {r.text[:300]}")
             ids = r.json()["tokens"]

@@ -92,15 +92,11 @@ class ServerState:
             "model",
         )
 
-    async def encode(
-        self, text: str, param: str, add_special_tokens: bool = True, fit: bool = True
-    ) -> list[int]:
-        """Token ids of a client's text. With ``fit``, a text certainly too long for the context
-        is refused by its length alone (/tokenize passes False: like vLLM's, it counts any text
-        the body limit admits). A long text is split on a worker thread, so the streams in
-        flight keep their pace while it is tokenized."""
-        if fit:
-            self.refuse_overlong(text, param)
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a client's text. A text certainly too long for the context is refused
+        by its length alone; a long one is split on a worker thread, so the streams in flight
+        keep their pace while it is tokenized."""
+        self.refuse_overlong(text, param)
         tok = self.llm.tokenizer
         if len(text) < INLINE_TOKENIZE_CHARS:
             return tok.encode(text, add_special_tokens=add_special_tokens)
@@ -119,7 +115,7 @@ class ServerState:
             )
 
     async def chat_prompt(
-        self, messages: list[ChatMessage], add_generation_prompt: bool = True, fit: bool = True
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True
     ) -> list[int]:
         plain = [
             {
@@ -139,7 +135,7 @@ class ServerState:
             text = render() if chars < INLINE_TOKENIZE_CHARS else await asyncio.to_thread(render)
         except Exception as exc:
             raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
-        return await self.encode(text, "messages", add_special_tokens=False, fit=fit)
+        return await self.encode(text, "messages", add_special_tokens=False)
 
     @staticmethod
     def sampling(build: Callable[[], SamplingParams]) -> SamplingParams:

@@ -221,11 +221,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     s = state_of(request)
     s.check_model(body.model)
     if isinstance(body, TokenizeChat):
-        ids = await s.chat_prompt(body.messages, body.add_generation_prompt, fit=False)
+        ids = await s.chat_prompt(body.messages, body.add_generation_prompt)
     else:
-        ids = await s.encode(
-            body.prompt, "prompt", add_special_tokens=body.add_special_tokens, fit=False
-        )
+        ids = await s.encode(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
     return {"count": len(ids), "max_model_len": s.llm.max_model_len, "tokens": ids}
 
 
