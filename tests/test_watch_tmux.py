@@ -48,7 +48,8 @@ def _tmux(socket: str, *args: str) -> str:
 
 def _value(pane: str, label: str) -> str | None:
     """The 'now' cell of a figure's row, e.g. '3' for 'waiting   3  ▁▂▅  vllm:...'."""
-    m = re.search(rf"^{re.escape(label)}\s+(-|absent|[\d.,]+(?: \S+)?)", pane, re.MULTILINE)
+    # "< 10.0 ms": a quantile known only by its bucket's bound
+    m = re.search(rf"^{re.escape(label)}\s+(-|absent|[<>]? ?[\d.,]+(?: \S+)?)", pane, re.MULTILINE)
     return m.group(1) if m else None
 
 
