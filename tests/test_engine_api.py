@@ -242,6 +242,35 @@ def test_min_tokens_masks_every_stop_id(llm: LLM) -> None:
         assert token not in stop_ids
 
 
+def test_a_reader_that_falls_behind_holds_one_merged_output(tiny: Path) -> None:
+    """A consumer that reads nothing while 300 tokens are made finds one output holding all
+    300 new token ids and the whole text, not 300 queued outputs each carrying the text so far
+    (memory that grew with the square of the output behind a stalled client); a consumer that
+    reads as it goes sees every token once, in order."""
+    engine = LLMEngine(EngineArgs(model=str(tiny), kv_cache_memory="8MiB", max_model_len=512))
+    aengine = AsyncEngine(engine)
+    params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+
+    async def main() -> None:
+        stalled = await aengine.add(PROMPT, params)
+        while await aengine.call(engine.has_unfinished):  # the whole output made, unread
+            await asyncio.sleep(0.02)
+        outs = [out async for out in stalled]
+        assert len(outs) == 1 and outs[0].finished
+        assert len(outs[0].new_token_ids) == 300 and outs[0].new_token_ids == outs[0].token_ids
+        assert outs[0].text == engine.tokenizer.decode(outs[0].token_ids)
+        read: list[int] = []
+        async for out in aengine.generate(PROMPT, params):
+            read += out.new_token_ids
+            await asyncio.sleep(0.001 * (len(read) % 3))  # behind some steps, not others
+        assert read == outs[0].token_ids
+
+    try:
+        asyncio.run(main())
+    finally:
+        aengine.shutdown()
+
+
 def test_step_failure_fails_its_requests_and_the_engine_lives(tiny: Path) -> None:
     engine = LLMEngine(EngineArgs(model=str(tiny), kv_cache_memory="8MiB", max_model_len=512))
     aengine = AsyncEngine(engine)

@@ -38,7 +38,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue[tuple[Callable[[], None], Callable[[], None]]] = (
             queue.SimpleQueue()
         )
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, OutputSlot]] = {}
         self._wake = threading.Event()
         self._stopping = False
         self.error: BaseException | None = None
@@ -100,7 +100,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         arrival_s = time.perf_counter() if arrival_s is None else arrival_s
         request_id = request_id or uuid.uuid4().hex
-        outputs: asyncio.Queue = asyncio.Queue()
+        outputs = OutputSlot()
 
         def add() -> None:
             waiting = len(self.engine.scheduler.waiting)
@@ -156,13 +156,13 @@ class AsyncEngine:
                         continue
                     if out.finished:
                         del self._streams[out.request_id]
-                    stream[0].call_soon_threadsafe(stream[1].put_nowait, out)
+                    stream[0].call_soon_threadsafe(stream[1].put, out)
         except BaseException as exc:
             log.exception("engine loop crashed")
             self.error = exc
             dead = EngineDeadError(f"engine loop crashed: {exc!r}")
             for loop, outputs in self._streams.values():
-                loop.call_soon_threadsafe(outputs.put_nowait, dead)
+                loop.call_soon_threadsafe(outputs.put, dead)
             self._streams.clear()
         finally:
             self._stopping = True
@@ -177,7 +177,7 @@ class AsyncEngine:
             self._stopping = True
             dead = EngineDeadError("engine shut down")
             for loop, outputs in self._streams.values():
-                loop.call_soon_threadsafe(outputs.put_nowait, dead)
+                loop.call_soon_threadsafe(outputs.put, dead)
             self._streams.clear()
 
         self._inbox.put((stop, lambda: None))
@@ -185,11 +185,40 @@ class AsyncEngine:
         self._thread.join(timeout_s)
 
 
+class OutputSlot:
+    """One request's undelivered output: at most one, each later step merged into it (its new
+    token ids appended, the rest taken from the later step). Every output carries the whole
+    text so far, so a queue of them behind a client that reads slowly would grow with the
+    square of the output: ~0.5 GB for one stalled 20,000-token stream. The engine never waits
+    on a reader; an error, once put, stands. Used on the event loop's thread only."""
+
+    def __init__(self) -> None:
+        self._item: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        held = self._item
+        if isinstance(held, BaseException):
+            return
+        if held is not None and isinstance(item, RequestOutput):
+            held.new_token_ids.extend(item.new_token_ids)  # in place: no copy per step
+            item.new_token_ids = held.new_token_ids
+        self._item = item
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        await self._ready.wait()
+        item, self._item = self._item, None
+        self._ready.clear()
+        assert item is not None
+        return item
+
+
 class RequestStream:
     """One request's outputs as an async iterator. ``aclose`` before the end aborts it, whether
     or not iteration ever started, so no path leaves a request holding KV blocks."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, outputs: asyncio.Queue):
+    def __init__(self, engine: AsyncEngine, request_id: str, outputs: OutputSlot):
         self.engine = engine
         self.request_id = request_id
         self._outputs = outputs
