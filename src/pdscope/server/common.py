@@ -224,7 +224,8 @@ class TextDeltas:
 
 
 async def collect(stream: RequestStream, request: Request) -> RequestOutput:
-    """Run a non-streaming request to its end; a client that leaves aborts it."""
+    """Run a non-streaming request to its end; a client that leaves aborts it at once (it was
+    noticed by polling every 0.5 s, ~600 tokens of the tiny model made for nobody)."""
 
     async def last() -> RequestOutput:
         final = None
@@ -233,21 +234,25 @@ async def collect(stream: RequestStream, request: Request) -> RequestOutput:
         assert final is not None
         return final
 
-    task = asyncio.ensure_future(last())
+    async def gone() -> None:
+        # The body is read: the next message the server has for this request is its end.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, left = asyncio.ensure_future(last()), asyncio.ensure_future(gone())
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                out = task.result()
-                if out.error:  # this request alone failed inside the engine
-                    raise APIError(500, f"request failed: {out.error}", "InternalServerError")
-                return out
-            if await request.is_disconnected():
-                task.cancel()
-                raise APIError(499, "client disconnected")
+        await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            raise APIError(499, "client disconnected")
+        out = task.result()
+        if out.error:  # this request alone failed inside the engine
+            raise APIError(500, f"request failed: {out.error}", "InternalServerError")
+        return out
     except EngineDeadError as exc:
         raise APIError(503, str(exc), "ServiceUnavailableError") from exc
     finally:
+        left.cancel()
         await stream.aclose()
 
 
