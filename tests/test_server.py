@@ -441,7 +441,18 @@ def test_metrics_move_with_traffic(server: Server) -> None:
     assert buckets[:3] == [0.001, 0.005, 0.01] and buckets[-2] == 2560.0
 
 
+def finished_counts(m: dict[str, float]) -> tuple[float, float]:
+    """Requests in vLLM's finished-request series: the success total over every reason, and
+    the end-to-end latency histogram's count."""
+    total = sum(v for k, v in m.items() if k.startswith("vllm:request_success_total{"))
+    return total, m.get("vllm:e2e_request_latency_seconds_count", 0.0)
+
+
 def test_disconnect_aborts_and_frees_blocks(server: Server) -> None:
+    """A client that leaves mid-stream: its request is aborted and frees its blocks, long
+    before its 900 tokens, and (as vLLM does for a request its client aborted) it is counted
+    in no finished-request series, so it cannot pull e2e percentiles down."""
+    before = metrics(server.url)
     body = {
         "model": server.model,
         "prompt": PROMPT,
@@ -460,7 +471,9 @@ def test_disconnect_aborts_and_frees_blocks(server: Server) -> None:
             break
         time.sleep(0.1)
     assert m["vllm:kv_cache_usage_perc"] == 0 and m["vllm:num_requests_running"] == 0
-    assert m.get("vllm:request_success_total{finished_reason=abort}", 0) >= 1
+    made = m["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    assert 1 <= made < 900
+    assert finished_counts(m) == finished_counts(before)
 
 
 def test_200_concurrent_streams(server: Server) -> None:
@@ -544,6 +557,62 @@ def test_tiny_pool_preempts_and_queues(tiny_model: Path, tmp_path: Path) -> None
         assert m["vllm:kv_cache_usage_perc"] == 0
     finally:
         assert srv.stop() == 0  # SIGTERM: clean exit
+
+
+def test_sigterm_drains_then_aborts_within_the_shutdown_timeout(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """SIGTERM with four streams in flight and --shutdown-timeout 1: the two 40-token streams
+    finish ("length"), the two 2,000-token ones end with finish_reason "abort" and [DONE], and
+    the process exits 0 soon after the timeout. It used to wait for every stream without
+    limit (77 s for 16 streams of 4,000 tokens), and for ever behind a client not reading."""
+    import signal
+    import socket
+
+    srv = start_server(tiny_model, tmp_path, "--shutdown-timeout", "1", "--max-model-len", "2048")
+    stalled = socket.create_connection(("127.0.0.1", int(srv.url.rsplit(":", 1)[1])))
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    body = json.dumps({"prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True})
+    stalled.sendall(
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+        f"\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode()
+    )  # a client that never reads its stream
+    started = asyncio.Event()
+
+    async def stream(http: httpx.AsyncClient, max_tokens: int) -> tuple[str | None, int, bool]:
+        reason, pieces, done = None, 0, False
+        body = {"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        async with http.stream("POST", f"{srv.url}/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    choice = json.loads(line[6:])["choices"][0]
+                    pieces += 1
+                    reason = choice["finish_reason"] or reason
+                    started.set()
+        return reason, pieces, done
+
+    async def main() -> tuple[list[tuple[str | None, int, bool]], float]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            tasks = [asyncio.create_task(stream(http, n)) for n in (40, 40, 2000, 2000)]
+            await started.wait()
+            srv.process.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            results = await asyncio.gather(*tasks)
+            return results, t0
+
+    try:
+        results, t0 = asyncio.run(main())
+        code = srv.process.wait(timeout=60)
+        exited_s = time.monotonic() - t0
+    finally:
+        stalled.close()
+        srv.stop()
+    assert code == 0
+    assert [r[0] for r in results] == ["length", "length", "abort", "abort"], results
+    assert all(done for _, _, done in results)  # every stream ended properly
+    assert 0.8 < exited_s < 20, exited_s  # the timeout, then a prompt exit
 
 
 def test_max_queue_refuses_with_503(tiny_model: Path, tmp_path: Path) -> None:

@@ -42,6 +42,11 @@ class ServeSettings:
         "CPU threads for the engine's math (default: all cores). Fewer leaves cores to HTTP "
         "clients on the same machine.",
     )
+    shutdown_timeout: float = knob(
+        0.0,
+        "Seconds SIGTERM/SIGINT lets requests in flight finish before they are aborted "
+        "(0: at once, as vLLM's default). A second signal aborts them at once.",
+    )
 
     def __post_init__(self) -> None:
         """Refuse bad flags before the model loads (a ``ValueError`` names the flag)."""
@@ -55,6 +60,10 @@ class ServeSettings:
             )
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        if not 0 <= self.shutdown_timeout < float("inf"):
+            raise ValueError(
+                f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}"
+            )
 
     @property
     def max_request_body_bytes(self) -> int:
@@ -83,4 +92,5 @@ def serve(args: EngineArgs, s: ServeSettings) -> None:
         allowed_origins=names(s.allowed_origins),
         allowed_hosts=names(s.allowed_hosts),
         max_request_bytes=s.max_request_body_bytes,
+        shutdown_timeout_s=s.shutdown_timeout,
     )

@@ -133,6 +133,21 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> bool:
         return bool(await self.call(lambda: self._abort(request_id)))
 
+    def abort_all(self) -> None:
+        """From any thread: abort every request in the engine; each stream ends with a final
+        output, finish reason "abort" (a server shutting down)."""
+
+        def abort() -> None:
+            outputs = self.engine.abort_all()
+            for out in outputs:
+                stream = self._streams.pop(out.request_id, None)
+                if stream is not None:
+                    stream[0].call_soon_threadsafe(stream[1].put, out)
+            if outputs:
+                log.info("aborted %d requests in flight", len(outputs))
+
+        self._submit(abort)
+
     def _abort(self, request_id: str) -> bool:
         self._streams.pop(request_id, None)
         return self.engine.abort(request_id)

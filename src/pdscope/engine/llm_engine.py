@@ -250,8 +250,22 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return False
+        request.timeline.cancelled = True
         self._finish(request, "abort", time.perf_counter())
         return True
+
+    def abort_all(self) -> list[RequestOutput]:
+        """Stop every unfinished request (a server shutting down): a final output for each,
+        finish reason "abort", its text as far as it got."""
+        now = time.perf_counter()
+        outputs = []
+        for request in list(self.requests.values()):
+            if request.is_finished:
+                continue
+            self._finish(request, "abort", now)
+            text = request.output_text
+            outputs.append(RequestOutput(request.request_id, [], text, True, "abort", request))
+        return outputs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work

@@ -26,6 +26,9 @@ class RequestTimeline:
     token_s: list[float] = field(default_factory=list)
     finished_s: float | None = None
     finish_reason: str | None = None  # "stop", "length" or "abort"
+    # Aborted by its caller (a client that left), not by the engine: like vLLM, the server
+    # counts such a request in no finished-request metric (success total, e2e, queue...).
+    cancelled: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     preemptions: int = 0
 

@@ -205,6 +205,8 @@ class EngineMetrics:
 
     def on_finish(self, request: Request) -> None:
         t = request.timeline
+        if t.cancelled:  # vLLM drops a request its client aborted from these series too
+            return
         self._success.labels(self.model_name, t.finish_reason or "abort").inc()
         for hist, value in (
             (self.e2e, t.e2e_s),
@@ -304,6 +306,8 @@ class DashboardMetrics:
 
     def on_finish(self, request: Request) -> None:
         t = request.timeline
+        if t.cancelled:  # as in ServerMetrics.on_finish
+            return
         self.max_tokens.observe(request.params.max_tokens)
         self.max_generation.observe(request.params.max_tokens)
         if not t.token_s:  # aborted before its first token: no lengths or times to report
