@@ -559,17 +559,22 @@ def test_tiny_pool_preempts_and_queues(tiny_model: Path, tmp_path: Path) -> None
         assert srv.stop() == 0  # SIGTERM: clean exit
 
 
+@pytest.mark.parametrize("second_signal", [False, True], ids=["timeout", "second-signal"])
 def test_sigterm_drains_then_aborts_within_the_shutdown_timeout(
-    tiny_model: Path, tmp_path: Path
+    tiny_model: Path, tmp_path: Path, second_signal: bool
 ) -> None:
     """SIGTERM with four streams in flight and --shutdown-timeout 1: the two 40-token streams
     finish ("length"), the two 2,000-token ones end with finish_reason "abort" and [DONE], and
-    the process exits 0 soon after the timeout. It used to wait for every stream without
-    limit (77 s for 16 streams of 4,000 tokens), and for ever behind a client not reading."""
+    the process exits 0 soon after the timeout; a client that reads nothing holds nothing up.
+    With a 600 s timeout, a second SIGTERM ends the wait. It used to wait for every stream
+    without limit (77 s for 16 streams of 4,000 tokens), and a second SIGTERM did nothing."""
     import signal
     import socket
 
-    srv = start_server(tiny_model, tmp_path, "--shutdown-timeout", "1", "--max-model-len", "2048")
+    timeout = "600" if second_signal else "1"
+    srv = start_server(
+        tiny_model, tmp_path, "--shutdown-timeout", timeout, "--max-model-len", "2048"
+    )
     stalled = socket.create_connection(("127.0.0.1", int(srv.url.rsplit(":", 1)[1])))
     stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     body = json.dumps({"prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True})
@@ -599,6 +604,9 @@ def test_sigterm_drains_then_aborts_within_the_shutdown_timeout(
             await started.wait()
             srv.process.send_signal(signal.SIGTERM)
             t0 = time.monotonic()
+            if second_signal:
+                await asyncio.sleep(0.5)  # the short streams end meanwhile
+                srv.process.send_signal(signal.SIGTERM)
             results = await asyncio.gather(*tasks)
             return results, t0
 
@@ -612,7 +620,7 @@ def test_sigterm_drains_then_aborts_within_the_shutdown_timeout(
     assert code == 0
     assert [r[0] for r in results] == ["length", "length", "abort", "abort"], results
     assert all(done for _, _, done in results)  # every stream ended properly
-    assert 0.8 < exited_s < 20, exited_s  # the timeout, then a prompt exit
+    assert (0.4 if second_signal else 0.8) < exited_s < 20, exited_s  # then a prompt exit
 
 
 def test_max_queue_refuses_with_503(tiny_model: Path, tmp_path: Path) -> None:
