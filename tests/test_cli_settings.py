@@ -197,13 +197,19 @@ NOWHERE = "http://127.0.0.1:9"  # no server listens on port 9
 def test_a_load_flag_typed_at_its_default_is_still_the_load_asked_for() -> None:
     """`bench --num-prompts 100` (the default's value, typed) on the embedded server runs 100
     prompts: the short default load gives way to any load flag the user set, not only to one
-    off its default (it used to run 32 at concurrency 8)."""
-    typed = BenchSettings.from_flags(None, "inf", None, "50,99", None, False, None, load_given=True)
-    assert (typed.num_prompts, typed.concurrencies, typed.output_len) == (100, [None], "128")
-    untyped = BenchSettings.from_flags(
-        None, "inf", None, "50,99", None, False, None, load_given=False
+    off its default (it used to run 32 at concurrency 8). A typed --output-len 128 stays 128;
+    untyped, the short load's output is 64 tokens."""
+    flags = (None, "inf", None, "50,99", None, False, None)
+    asked = BenchSettings.from_flags(*flags, typed=frozenset({"num_prompts"}))
+    assert (asked.num_prompts, asked.concurrencies, asked.output_len) == (100, [None], "128")
+    short = BenchSettings.from_flags(*flags, typed=frozenset({"output_len"}))
+    assert (short.num_prompts, short.concurrencies, short.output_len) == (32, [8], "128")
+    none = BenchSettings.from_flags(*flags, typed=frozenset())
+    assert (none.num_prompts, none.concurrencies, none.output_len) == (32, [8], "64")
+    capacity = BenchSettings.from_flags(
+        None, "inf", None, "50,99", "p99_ttft=2s", True, None, typed=frozenset({"find_capacity"})
     )
-    assert (untyped.num_prompts, untyped.concurrencies) == (32, [8])
+    assert capacity.num_prompts == 100  # the search is a load asked for
 
 
 @pytest.mark.parametrize(

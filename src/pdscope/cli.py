@@ -486,13 +486,23 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def given(ctx: typer.Context, *names: str) -> list[str]:
-    """The options among parameter ``names`` of the running command that the user set (on the
-    command line or through the environment), each as its flag."""
+def typed(ctx: typer.Context) -> frozenset[str]:
+    """The parameters of the running command the user set (on the command line or through the
+    environment), by name; the rest took their defaults."""
     out = []
     for p in ctx.command.params:
-        source = ctx.get_parameter_source(p.name) if p.name in names else None
+        source = ctx.get_parameter_source(p.name) if p.name else None
         if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"):
+            out.append(p.name)
+    return frozenset(out)
+
+
+def given(ctx: typer.Context, *names: str) -> list[str]:
+    """The options among parameter ``names`` that the user set, each as its flag."""
+    out = []
+    chosen = typed(ctx)
+    for p in ctx.command.params:
+        if p.name in names and p.name in chosen:
             off = getattr(p, "secondary_opts", None) and not ctx.params.get(p.name)
             out.append(max(p.secondary_opts if off else p.opts, key=len))  # --model, not -m
     return out
@@ -921,16 +931,10 @@ def bench(
         "request_rate", "max_concurrency", "find_capacity",
     )  # fmt: skip
     not_with(ctx, find_capacity, "--find-capacity (it chooses the concurrency)", "max_concurrency")
-    # The embedded server's short default load gives way to any load flag the user typed.
-    load = given(
-        ctx,
-        "num_prompts", "request_rate", "max_concurrency", "output_len", "duration", "sweep",
-        "find_capacity",
-    )  # fmt: skip
     with exit_on(2, ValueError):
         settings = BenchSettings.from_flags(
             url, request_rate, max_concurrency, percentiles, slo, find_capacity, sweep,
-            load_given=bool(load),
+            typed=typed(ctx),
             api=api, model=model, api_key=api_key, workload=workload, num_prompts=num_prompts,
             input_len=input_len, output_len=output_len, groups=groups, prefix_len=prefix_len,
             suffix_len=suffix_len, streams=streams, stream_output=stream_output,

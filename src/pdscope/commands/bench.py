@@ -91,12 +91,13 @@ class BenchSettings:
         slo: str | None,
         find_capacity: bool,
         sweep: str | None,
-        load_given: bool | None = None,
+        typed: frozenset[str] | None = None,
         **fields: Any,
     ) -> BenchSettings:
         """The CLI's flags, checked before any request is sent (a ``ValueError`` names the
         flag). No URL: the embedded server, under a short default load unless one is given
-        (``load_given``: the CLI knows which flags were typed; else any flag off its default)."""
+        (``typed``: the flags the user typed, as the CLI knows them; else those off their
+        defaults count as given)."""
         s = cls(url=url or "", sweep_auto=sweep == "auto", **fields)
         if s.api != "auto" and s.api not in APIS:
             raise ValueError(f"--api must be auto or one of {', '.join(APIS)}, got {s.api!r}")
@@ -142,15 +143,28 @@ class BenchSettings:
         else:
             SLO.parse(slo)
             s.goodput_slo = slo
-        asked_for_load = (
-            load_given
-            if load_given is not None
-            else max_concurrency or s.request_rates != [math.inf] or s.num_prompts != 100
-        )
-        if url is None and not asked_for_load:
+        if typed is None:
+            typed = frozenset(
+                name
+                for name, off_default in (
+                    ("max_concurrency", bool(max_concurrency)),
+                    ("request_rate", s.request_rates != [math.inf]),
+                    ("num_prompts", s.num_prompts != 100),
+                    ("output_len", s.output_len != "128"),
+                )
+                if off_default
+            )
+        if url is None and not typed & LOAD_FLAGS:
             s.num_prompts, s.concurrencies = 32, [8]  # a short default load
-            s.output_len = "64" if s.output_len == "128" else s.output_len
+            if "output_len" not in typed:
+                s.output_len = "64"
         return s
+
+
+# The flags that choose the load; the embedded server's short default yields to any of them.
+LOAD_FLAGS = frozenset(
+    ("num_prompts", "request_rate", "max_concurrency", "duration", "sweep", "find_capacity")
+)
 
 
 @dataclass
