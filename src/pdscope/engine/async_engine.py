@@ -9,6 +9,7 @@ client never blocks a step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -41,6 +42,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, OutputSlot]] = {}
         self._wake = threading.Event()
         self._stopping = False
+        self._closing = False  # abort_all ran: a server shutting down admits nothing more
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="pdscope-engine", daemon=True)
         self._thread.start()
@@ -103,6 +105,8 @@ class AsyncEngine:
         outputs = OutputSlot()
 
         def add() -> None:
+            if self._closing:
+                raise EngineDeadError("the server is shutting down: no new requests")
             waiting = len(self.engine.scheduler.waiting)
             if self.max_queue is not None and waiting >= self.max_queue:
                 raise QueueFullError(
@@ -134,15 +138,16 @@ class AsyncEngine:
         return bool(await self.call(lambda: self._abort(request_id)))
 
     def abort_all(self) -> None:
-        """From any thread: abort every request in the engine; each stream ends with a final
-        output, finish reason "abort" (a server shutting down)."""
+        """From any thread: abort every request in the engine, each stream ending with a final
+        output, finish reason "abort", and admit no new one (a server shutting down)."""
 
         def abort() -> None:
+            self._closing = True
             outputs = self.engine.abort_all()
             for out in outputs:
                 stream = self._streams.pop(out.request_id, None)
                 if stream is not None:
-                    stream[0].call_soon_threadsafe(stream[1].put, out)
+                    _post(*stream, out)
             if outputs:
                 log.info("aborted %d requests in flight", len(outputs))
 
@@ -171,13 +176,13 @@ class AsyncEngine:
                         continue
                     if out.finished:
                         del self._streams[out.request_id]
-                    stream[0].call_soon_threadsafe(stream[1].put, out)
+                    _post(*stream, out)
         except BaseException as exc:
             log.exception("engine loop crashed")
             self.error = exc
             dead = EngineDeadError(f"engine loop crashed: {exc!r}")
             for loop, outputs in self._streams.values():
-                loop.call_soon_threadsafe(outputs.put, dead)
+                _post(loop, outputs, dead)
             self._streams.clear()
         finally:
             self._stopping = True
@@ -192,7 +197,7 @@ class AsyncEngine:
             self._stopping = True
             dead = EngineDeadError("engine shut down")
             for loop, outputs in self._streams.values():
-                loop.call_soon_threadsafe(outputs.put, dead)
+                _post(loop, outputs, dead)
             self._streams.clear()
 
         self._inbox.put((stop, lambda: None))
@@ -205,26 +210,34 @@ class OutputSlot:
     token ids appended, the rest taken from the later step). Every output carries the whole
     text so far, so a queue of them behind a client that reads slowly would grow with the
     square of the output: ~0.5 GB for one stalled 20,000-token stream. The engine never waits
-    on a reader; an error, once put, stands. Used on the event loop's thread only."""
+    on a reader; an error is delivered after the output held. Used on the event loop's
+    thread only."""
 
     def __init__(self) -> None:
-        self._item: RequestOutput | BaseException | None = None
+        self._item: RequestOutput | None = None
+        self._error: BaseException | None = None  # delivered after any output still held
         self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        held = self._item
-        if isinstance(held, BaseException):
-            return
-        if held is not None and isinstance(item, RequestOutput):
-            held.new_token_ids.extend(item.new_token_ids)  # in place: no copy per step
-            item.new_token_ids = held.new_token_ids
-        self._item = item
+        if isinstance(item, BaseException):
+            self._error = self._error or item
+        elif self._item is not None:
+            self._item.new_token_ids.extend(item.new_token_ids)  # in place: no copy per step
+            item.new_token_ids = self._item.new_token_ids
+            self._item = item
+        else:
+            self._item = item
         self._ready.set()
 
     async def get(self) -> RequestOutput | BaseException:
         await self._ready.wait()
-        item, self._item = self._item, None
-        self._ready.clear()
+        item: RequestOutput | BaseException | None = self._item
+        if item is not None:
+            self._item = None
+        else:
+            item = self._error  # stays: every later read gets it too
+        if self._item is None and self._error is None:
+            self._ready.clear()
         assert item is not None
         return item
 
@@ -258,6 +271,15 @@ class RequestStream:
             if self.engine.is_running:
                 rid = self.request_id
                 self.engine._submit(lambda: self.engine._abort(rid))
+
+
+def _post(
+    loop: asyncio.AbstractEventLoop, outputs: OutputSlot, item: RequestOutput | BaseException
+) -> None:
+    """Hand ``item`` to its stream's loop; a loop already closed (a server forced to exit)
+    has no reader left to tell."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(outputs.put, item)
 
 
 def _settle(future: asyncio.Future, result: object, exc: BaseException | None) -> None:

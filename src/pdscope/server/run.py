@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import socket
 from collections.abc import Iterator
 from types import FrameType
@@ -20,16 +21,28 @@ from pdscope.server.guard import DEFAULT_MAX_REQUEST_BYTES, GuardConfig
 log = logging.getLogger("pdscope.serve")
 
 
+# After the abort, how long a stream may still take to leave: one whose client stopped
+# reading waits in its send for ever, and uvicorn alone would wait for it for ever too.
+FORCE_AFTER_ABORT_S = 5.0
+
+
 class _Server(uvicorn.Server):
     """uvicorn, with vLLM's shutdown: on SIGTERM/SIGINT new connections are refused, requests
-    in flight get ``shutdown_timeout_s`` to finish, and then the engine aborts them, so every
-    stream ends with finish_reason "abort" and its connection closes. (uvicorn alone waited
-    for every stream without limit: 77 s for 16 streams of 4,000 tokens, and for ever behind a
-    client that stopped reading.) A second signal aborts them at once."""
+    in flight get ``shutdown_timeout_s`` to finish, and then the engine aborts them (and
+    admits no more), so every stream ends with finish_reason "abort" and its connection
+    closes. A stream still open FORCE_AFTER_ABORT_S later (a client that stopped reading) is
+    cancelled. A second signal aborts at once. (uvicorn alone waited for every stream without
+    limit: 77 s for 16 streams of 4,000 tokens, and for ever behind a client not reading.)"""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, shutdown_timeout_s: float):
+        config.timeout_graceful_shutdown = math.ceil(shutdown_timeout_s + FORCE_AFTER_ABORT_S)
         super().__init__(config)
         self.engine, self.shutdown_timeout_s = engine, shutdown_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -40,8 +53,10 @@ class _Server(uvicorn.Server):
             self._captured_signals.clear()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.should_exit:  # the second signal: stop waiting for streams
-            self._abort_in_flight()
+        if self.should_exit and self._loop is not None:
+            # The second signal: stop waiting for streams. Through the loop, not from here: a
+            # signal handler that took the engine's locks could find them held by this thread.
+            self._loop.call_soon_threadsafe(self._abort_in_flight)
         super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
