@@ -210,6 +210,8 @@ def test_a_load_flag_typed_at_its_default_is_still_the_load_asked_for() -> None:
         None, "inf", None, "50,99", "p99_ttft=2s", True, None, typed=frozenset({"find_capacity"})
     )
     assert capacity.num_prompts == 100  # the search is a load asked for
+    long = BenchSettings.from_flags(*flags, typed=frozenset({"workload"}), workload="long-prompt")
+    assert long.concurrencies == [None]  # its streams and long prompts run at once, uncapped
 
 
 @pytest.mark.parametrize(
@@ -222,7 +224,7 @@ def test_a_load_flag_typed_at_its_default_is_still_the_load_asked_for() -> None:
         (["plan", "--compare", "--device", "a10g"], "takes only 'local'"),
         (["simulate", "--plot", "p.png"], "--plot has no effect without --plan-capacity"),
         (["simulate", "--plan-tp", "3"], "--plan-tp has no effect without --plan-capacity"),
-        (["simulate", "--tp-link", "nvlink3"], "without --tensor-parallel-size above 1"),
+        (["simulate", "--tp-link", "nvlink3"], "without a tensor-parallel size above 1"),
         (
             ["simulate", "--kv-link-gb-s", "1"],
             "--kv-link-gb-s has no effect without --disaggregate",
@@ -292,6 +294,18 @@ def test_an_option_that_would_have_no_effect_is_refused(args: list[str], needle:
         ["simulate", "--num-prompts", "4", "--request-rate", "8", "--burstiness", "0.5"],
         ["simulate", "--num-prompts", "4", "--replicas", "2", "--router", "least-loaded"],
         ["simulate", "--num-prompts", "4", "--workload", "shared-prefix", "--groups", "2"],
+        # a pool's own tp= puts the TP link to use
+        [
+            "simulate",
+            "--num-prompts",
+            "4",
+            "--disaggregate",
+            "1:1",
+            "--prefill-args",
+            "tp=2",
+            "--tp-link",
+            "pcie4",
+        ],
         [
             "simulate",
             "--num-prompts",

@@ -1097,17 +1097,22 @@ def simulate(
 
     from pdscope.analysis.bench import nothing_completed
     from pdscope.commands import capacity
-    from pdscope.commands.cluster import ClusterSettings, simulate_any
+    from pdscope.commands.cluster import ClusterSettings, PoolArgs, simulate_any
     from pdscope.commands.simulate import SimulateSettings
     from pdscope.report.simulate import render_simulation, simulation_html
 
     check_output(save_result, "--save-result")
     check_output(report, "--report")
     check_output(plot, "--plot", figure=True)
+    with exit_on(2, SpecError):
+        pool_tp = [
+            PoolArgs.parse(text, flag).tensor_parallel_size or 1
+            for text, flag in ((prefill_args, "--prefill-args"), (decode_args, "--decode-args"))
+        ]
     _check_simulate_options(
         ctx,
-        workload, calibrate, find_capacity, plan_capacity, tensor_parallel_size, disaggregate,
-        replicas, gpus,
+        workload, calibrate, find_capacity, plan_capacity, max(tensor_parallel_size, *pool_tp),
+        disaggregate, replicas, gpus,
     )  # fmt: skip
     with exit_on(2, SpecError, ValueError):
         settings = SimulateSettings.from_flags(
@@ -1174,7 +1179,8 @@ def _check_simulate_options(
     replicas: int | None,
     gpus: int | None,
 ) -> None:
-    """simulate's options that another option overrides or that need one absent."""
+    """simulate's options that another option overrides or that need one absent (``tp``: the
+    largest tensor-parallel size of any pool)."""
     check_workload_options(ctx, workload)
     only_with(ctx, workload.startswith("file:"), "a file: workload", "tokenizer")
     only_with(ctx, calibrate is not None, "--calibrate", "calibrate_budget", "step_jitter")
@@ -1190,13 +1196,13 @@ def _check_simulate_options(
         ctx,
         plan_capacity,
         "--plan-capacity (it chooses the shape, the budget and the rate; --gpus sets the size)",
-        "replicas", "tensor_parallel_size", "disaggregate", "prefill_args", "decode_args",
-        "max_num_batched_tokens", "request_rate", "max_concurrency", "find_capacity", "report",
+        "replicas", "tensor_parallel_size", "disaggregate", "request_rate", "find_capacity",
+        "report",
     )  # fmt: skip
     only_with(
         ctx,
         tp > 1 or plan_capacity,
-        "--tensor-parallel-size above 1",
+        "a tensor-parallel size above 1 (-tp, or tp= in a pool's args)",
         "tp_link", "tp_link_gb_s", "tp_link_latency_us",
     )  # fmt: skip
     only_with(

@@ -154,7 +154,9 @@ class BenchSettings:
                 )
                 if off_default
             )
-        if url is None and not typed & LOAD_FLAGS:
+        # long-prompt sets its own load (its streams decode while long prompts arrive): capped
+        # at 8 at once, its long prompts queued behind its 8 streams and measured nothing.
+        if url is None and s.workload != "long-prompt" and not typed & LOAD_FLAGS:
             s.num_prompts, s.concurrencies = 32, [8]  # a short default load
             if "output_len" not in typed:
                 s.output_len = "64"
