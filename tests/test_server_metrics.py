@@ -155,6 +155,22 @@ def vllm_text(**values: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+def test_two_engines_kv_use_is_their_mean_and_their_requests_add_up() -> None:
+    """vLLM with data parallelism exports a gauge per engine: the requests add up, but two
+    pools each 60% full are 60% full, not 120% (which the plausibility check would then take
+    for a broken server)."""
+    text = VLLM_TEXT + "".join(
+        f'vllm:{name}{{engine="1",model_name="m"}} {value}\n'
+        for name, value in (("num_requests_running", 2), ("kv_cache_usage_perc", 0.25))
+    )
+    snap = parse_metrics(text)
+    runtime = detect_runtime(snap)
+    assert runtime is not None
+    point = timeline_point(snap, runtime, 0.0)
+    assert point.running == 5.0  # 3 on engine 0, 2 on engine 1
+    assert point.kv_usage == pytest.approx(0.25)  # both at 0.25
+
+
 def test_parse_vllm_drops_model_name_and_sums_label_sets() -> None:
     snap = parse_metrics(VLLM_TEXT)
     key = ("vllm:num_requests_running", frozenset({("engine", "0")}))

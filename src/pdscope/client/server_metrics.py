@@ -195,6 +195,11 @@ class Snapshot(Mapping[SampleKey, float]):
         values = [v for v in self._by_name.get(name, ()) if not math.isnan(v)]
         return math.fsum(values) if values else None
 
+    def mean(self, name: str) -> float | None:
+        """The mean of `name` over its label sets; None if absent. NaN values are skipped."""
+        values = [v for v in self._by_name.get(name, ()) if not math.isnan(v)]
+        return math.fsum(values) / len(values) if values else None
+
     def buckets(self, base: str) -> list[tuple[float, float]]:
         """Histogram `base`'s cumulative buckets [(upper bound, count)], summed over label sets.
 
@@ -270,12 +275,19 @@ def first_present(snapshot: Snapshot, names: tuple[str, ...]) -> str | None:
     return next((n for n in names if snapshot.has(n)), None)
 
 
+def gauge_reading(snapshot: Snapshot, role: str, name: str) -> float | None:
+    """A gauge role's value: request counts summed over label sets (models, data-parallel
+    engines); KV usage averaged, the fraction of all the pools in use (summed, two engines at
+    0.6 would read 1.2)."""
+    return snapshot.mean(name) if role == "kv_usage" else snapshot.total(name)
+
+
 def timeline_point(snapshot: Snapshot, runtime: str, t0_s: float) -> TimelinePoint:
     """The gauges of `snapshot`, its time made relative to `t0_s` (seconds)."""
     values: dict[str, float | None] = {}
     for role in GAUGE_ROLES:
         name = first_present(snapshot, candidate_names(runtime, role))
-        values[role] = snapshot.total(name) if name else None
+        values[role] = gauge_reading(snapshot, role, name) if name else None
     return TimelinePoint(t_s=snapshot.t_s - t0_s, **values)
 
 

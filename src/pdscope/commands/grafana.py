@@ -83,7 +83,11 @@ def panels() -> list[Panel]:
             "Fraction of the KV pool in use; near 1 with waiting rising, the pool is full.",
         ),
     ):
-        out.append(Panel(title, unit, doc, tuple(per_runtime(role, lambda n: f"sum({n})", role))))
+        # KV use averaged over engines and models (summed, two pools at 0.6 would read 1.2)
+        agg = "avg" if role == "kv_usage" else "sum"
+        out.append(
+            Panel(title, unit, doc, tuple(per_runtime(role, lambda n, a=agg: f"{a}({n})", role)))
+        )
     throughput = per_runtime(
         "prompt_tokens", lambda n: f"sum(rate({n}[{RATE}]))", "prompt tok/s"
     ) + per_runtime("generation_tokens", lambda n: f"sum(rate({n}[{RATE}]))", "generation tok/s")

@@ -38,6 +38,7 @@ from pdscope.client.server_metrics import (
     candidate_names,
     detect_runtime,
     gauge_problem,
+    gauge_reading,
 )
 
 # The figures watch shows, in display order, with the role (client/server_metrics.py) each is
@@ -161,7 +162,7 @@ def _now_iso() -> str:
 
 def _gauge(snapshot: Snapshot, runtime: str, role: str) -> tuple[float | None, str | None]:
     name = next((n for n in candidate_names(runtime, role) if snapshot.has(n)), None)
-    return (snapshot.total(name) if name else None), name
+    return (gauge_reading(snapshot, role, name) if name else None), name
 
 
 def _nearest(snapshots: list[Snapshot], t_s: float) -> Snapshot:
