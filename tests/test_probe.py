@@ -52,11 +52,13 @@ def test_probe_openai_dialect(medium_server: Server) -> None:
     assert [p["prompt_tokens"] for p in sweep] == [100, 400, 1400]  # exact, via /tokenize
     # Fastest repeats: on a shared 2-core machine one contended repeat can double a TTFT.
     assert sweep[-1]["ttft_ms_min"] > 2 * sweep[0]["ttft_ms_min"]  # prefill grows with the prompt
-    # Decode barely moves with the prompt: the longest prompt's best repeat is within 2.5x of
+    # Decode barely moves with the prompt: the longest prompt's best repeat is within 4x of
     # the shortest prompt's worst. (Bounds, not medians: on a shared 2-core machine one
     # contended repeat can halve a rate, and a client that falls behind and reads a whole
-    # stream at once can multiply one.)
-    assert sweep[-1]["decode_tok_s_max"] > sweep[0]["decode_tok_s_min"] / 2.5
+    # stream at once can multiply one. Four runs alone read 0.56-1.18; one in a loaded suite
+    # read over 2.5, both 1,400-token repeats at 386 tok/s. Decode that recomputed the whole
+    # context each step would do ~14x the work at 1,400 tokens as at 100.)
+    assert sweep[-1]["decode_tok_s_max"] > sweep[0]["decode_tok_s_min"] / 4
     pc = r["prefix_cache"]
     assert pc["pairs"] == 3 and pc["cached_tokens"] >= 1392
     # Fastest warm over fastest cold, as for the sweep: alone on the AMD EPYC the medians' ratio
@@ -278,6 +280,13 @@ def fake_app() -> FastAPI:
     async def cut() -> StreamingResponse:
         return sse([{"choices": [{"index": 0, "text": "x", "finish_reason": None}]}])
 
+    @app.post("/aborted/v1/completions")
+    async def aborted() -> StreamingResponse:
+        # A server shutting down (vLLM, pdscope serve): a clean end, finish_reason "abort".
+        x = {"choices": [{"index": 0, "text": "x", "finish_reason": None}]}
+        end = {"choices": [{"index": 0, "text": "", "finish_reason": "abort"}]}
+        return sse([x, x, end, "data: [DONE]\n\n"])
+
     @app.get("/lc/v1/models")
     async def lc_models() -> dict:
         return {"data": [{"id": "m", "owned_by": "llamacpp"}]}
@@ -496,6 +505,8 @@ def test_malformed_and_cut_streams_fake(fake: str) -> None:
     assert not bad.ok and "malformed" in bad.error and bad.ttft_s is None
     cut = run(f"{fake}/cut")
     assert not cut.ok and "before data: [DONE]" in cut.error and cut.e2e_s is None
+    aborted = run(f"{fake}/aborted")  # cut short by the server: a failure, not a short success
+    assert not aborted.ok and "finish_reason abort" in aborted.error
 
     async def ollama() -> Trace:
         async with session(timeout_s=10) as c:

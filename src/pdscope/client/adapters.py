@@ -209,6 +209,9 @@ async def _stream_once(
         trace.error = f"stream ended before {ending}"
     elif not trace.chunks:
         trace.error = "no generated content in the response"
+    elif trace.finish_reason == "abort":
+        # The server stopped it (vLLM and pdscope serve shutting down): cut short, not served.
+        trace.error = "the server aborted the request (finish_reason abort)"
     return trace
 
 

@@ -377,6 +377,8 @@ def ceilings_for(
 # Ollama's num_ctx when nothing says otherwise: 2,048 in releases before 0.6 (later ones serve
 # more), so checks sized to it fit every release.
 OLLAMA_DEFAULT_CONTEXT = 2048
+INTERRUPTED = "interrupted (Ctrl-C)"
+INTERRUPTED_LOOKUP_S = 3.0
 
 
 async def probe(
@@ -433,10 +435,15 @@ async def probe(
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()
-            partial = "interrupted (Ctrl-C)"
+            partial = INTERRUPTED
         if local:
             readings.append(measure_bandwidth_gb_s())
-        served = await _served_model(client, runtime, model, headers)
+        try:
+            # After Ctrl-C the user waits: two quick questions, not two of --timeout each.
+            limit_s = INTERRUPTED_LOOKUP_S if partial == INTERRUPTED else None
+            served = await asyncio.wait_for(_served_model(client, runtime, model, headers), limit_s)
+        except TimeoutError:
+            served = {"name": model, "max_model_len": runtime.max_model_len}
 
     root = served.get("root")
     ceilings, more = ceilings_for(s, s.output_tokens, root, readings)
