@@ -271,6 +271,42 @@ def test_a_reader_that_falls_behind_holds_one_merged_output(tiny: Path) -> None:
         aengine.shutdown()
 
 
+def test_abort_all_ends_every_stream_and_admits_nothing_after(tiny: Path) -> None:
+    """A server shutting down: every request in flight ends with finish reason "abort" and the
+    text it had, and a request that arrives afterwards (one still being tokenized) is refused
+    instead of running to its max_tokens."""
+    from pdscope.engine.async_engine import EngineDeadError, OutputSlot
+    from pdscope.engine.llm_engine import RequestOutput
+
+    engine = LLMEngine(EngineArgs(model=str(tiny), kv_cache_memory="8MiB", max_model_len=512))
+    aengine = AsyncEngine(engine)
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+
+    async def main() -> None:
+        streams = [await aengine.add(PROMPT, params) for _ in range(2)]
+        first = await streams[0].__anext__()
+        aengine.abort_all()
+        last = [[out async for out in s][-1] for s in streams]
+        assert all(out.finish_reason == "abort" and out.finished for out in last)
+        assert len(last[0].token_ids) < 400 and last[0].text.startswith(first.text)
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            await aengine.add(PROMPT, params)
+        assert await aengine.call(lambda: engine.pool.num_used_blocks) == 0
+
+        # An error put behind an undelivered output comes after it, not in its place.
+        slot = OutputSlot()
+        request = last[0].request
+        slot.put(RequestOutput("r", [1, 2], "ab", False, None, request))
+        slot.put(EngineDeadError("engine shut down"))
+        assert (await slot.get()).new_token_ids == [1, 2]
+        assert isinstance(await slot.get(), EngineDeadError)
+
+    try:
+        asyncio.run(main())
+    finally:
+        aengine.shutdown()
+
+
 def test_step_failure_fails_its_requests_and_the_engine_lives(tiny: Path) -> None:
     engine = LLMEngine(EngineArgs(model=str(tiny), kv_cache_memory="8MiB", max_model_len=512))
     aengine = AsyncEngine(engine)
