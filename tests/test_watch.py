@@ -217,6 +217,10 @@ def test_edge_quantiles_and_impossible_gauges_are_not_shown_as_figures(page: Pag
     assert "< 100.0 ms" in views[0] and "50.0 ms" not in views[0], views[0]
     assert "read -5" in views[0] and "read 7" in views[0]  # the reason, in place of a figure
     assert "> 2.00 s" in views[1], views[1]
+    from pdscope.report.watch_html import render_watch_html
+
+    page = render_watch_html([snap.to_dict(), top.to_dict()])  # edges drawn as markers
+    assert page.count("data:image/png;base64,") == 1
 
 
 def test_server_restart_resets_the_window(page: PageServer) -> None:

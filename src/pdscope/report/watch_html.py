@@ -57,8 +57,22 @@ def _figures(snaps: list[dict[str, Any]]) -> list[tuple[str, str]]:
         ("itl_p50_ms", "-"),
         ("itl_p99_ms", "--"),
     ):
-        axes[1].plot(t, [s.get(key) for s in snaps], style, label=key)
-    axes[1].set(ylabel="ms", yscale="log", title=f"Latency quantiles over a {window:g} s window")
+        # A quantile known only by a bucket bound is drawn at the bound, as a triangle pointing
+        # the way the true value lies (below the first bound, above the last), not on the line.
+        edges = [(s.get("edges") or {}).get(key) for s in snaps]
+        line = [None if e else s.get(key) for s, e in zip(snaps, edges, strict=True)]
+        (drawn,) = axes[1].plot(t, line, style, label=key)
+        for side, marker in (("below", "v"), ("above", "^")):
+            at = [(x, e[1]) for x, e in zip(t, edges, strict=True) if e and e[0] == side]
+            if at:
+                xs, ys = zip(*at, strict=True)
+                axes[1].plot(xs, ys, marker, color=drawn.get_color(), linestyle="none")
+    axes[1].set(
+        ylabel="ms",
+        yscale="log",
+        title=f"Latency quantiles over a {window:g} s window (triangles: only known to lie "
+        "below the first bucket bound or above the last)",
+    )
     for key in ("prompt_tok_s", "generation_tok_s"):
         axes[2].plot(t, [s.get(key) for s in snaps], label=key)
     axes[2].set(ylabel="tokens/s", xlabel="seconds into the watch", title="Token rates")
