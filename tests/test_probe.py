@@ -802,6 +802,9 @@ def test_noisy_machine_withholds_the_verdict() -> None:
     titles = [f["finding"] for f in noisy["findings"]]
     assert "The machine is noisy: no verdict on decode against the ceiling" in titles
     assert not any("Decode is" in t or "Decode reaches" in t for t in titles)
+    # Just over the 15% limit: shown as 15.1%, not as "15%" beside "(more than 15%)".
+    edge = analyze(_probe_traces([40.0, 41.0]), "pdscope", ceilings([20.0, 23.02]))
+    assert "(15.1% apart)" in edge["ceiling"]["noisy"][0], edge["ceiling"]["noisy"]
     jumpy = analyze(_probe_traces([30.0, 45.0]), "pdscope", ceilings([20.0, 20.5]))
     assert any("ranged 30.0–45.0" in n for n in jumpy["ceiling"]["noisy"])
     steady = analyze(_probe_traces([40.0, 41.0]), "pdscope", ceilings([20.0, 20.6]))

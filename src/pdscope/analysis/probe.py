@@ -396,6 +396,16 @@ def _why(by_label: dict[str, list[Trace]], *labels: str) -> str:
     return "no decode rate (each response came in one piece, or had under 2 tokens)"
 
 
+def _over_limit(spread: float) -> str:
+    """A spread over NOISE_LIMIT as a percentage with the decimals that show it over: 15.3%,
+    not "15%" beside "(more than 15%)"."""
+    for digits in range(3):
+        text = f"{spread:.{digits}%}"
+        if float(text.rstrip("%")) / 100 > NOISE_LIMIT:
+            return text
+    return f"{spread:.2%}"
+
+
 def _spread(values: list[float]) -> float | None:
     """max / min - 1: how far apart readings of one quantity are."""
     values = [v for v in values if v]
@@ -456,13 +466,13 @@ def _ceiling(
     if (out["bandwidth_spread"] or 0) > NOISE_LIMIT:
         noisy.append(
             f"bandwidth read {' and '.join(f'{g:.1f}' for g in readings)} GB/s before and "
-            f"after ({out['bandwidth_spread']:.0%} apart)"
+            f"after ({_over_limit(out['bandwidth_spread'])} apart)"
         )
     if (out["repeat_spread"] or 0) > NOISE_LIMIT and sweep_first:
         noisy.append(
             f"decode repeats at {sweep_first['prompt_tokens']} tokens ranged "
             f"{sweep_first['decode_tok_s_min']:.1f}–{sweep_first['decode_tok_s_max']:.1f} tok/s "
-            f"({out['repeat_spread']:.0%} apart)"
+            f"({_over_limit(out['repeat_spread'])} apart)"
         )
     out["noisy"] = noisy
     out["impossible"] = _impossible(out, result, c, served)
