@@ -510,9 +510,13 @@ def _impossible(
     return [f"{' and '.join(over)} is impossible; likely: " + "; or ".join(causes)]
 
 
-def _context_finding(c: dict[str, Any], add: Callable[[str, str, str, str], None]) -> None:
+def _context_finding(
+    c: dict[str, Any], add: Callable[[str, str, str, str], None], noisy: bool = False
+) -> None:
     """Decode at a long context against a short one, split into what the extra KV bytes
-    explain and the rest (attention compute, the kernel): on CPUs the rest is often most."""
+    explain and the rest (attention compute, the kernel): on CPUs the rest is often most.
+    The split is a verdict only where the repeats agree on it and the host held still
+    (``noisy``: the bandwidth or the repeats moved past the noise limit during the probe)."""
     ratio = c["long_over_short"]
     short, long = c["short"], c["long"]
     measured = (
@@ -543,7 +547,27 @@ def _context_finding(c: dict[str, Any], add: Callable[[str, str, str, str], None
         f"context against {split['weight_bytes'] / 1e6:,.0f} MB of weights) explain a fall to "
         f"{explained:.0%}"
     )
-    if remainder < 0.9:
+    # The remainder over the repeats: slowest long over fastest short, and the other way.
+    lo_hi = [
+        long.get(a) / short.get(b) / explained if long.get(a) and short.get(b) else remainder
+        for a, b in (
+            ("decode_tok_s_min", "decode_tok_s_max"),
+            ("decode_tok_s_max", "decode_tok_s_min"),
+        )
+    ]
+    if noisy or min(lo_hi) < 0.9 <= max(lo_hi):
+        why = (
+            "the machine was noisy during the probe"
+            if noisy
+            else f"the repeats put the remaining factor at {min(lo_hi):.2f}–{max(lo_hi):.2f}"
+        )
+        add(
+            "decode",
+            "Decode slows as context fills: no verdict on why",
+            f"{evidence}; {why}, so the run cannot tell the KV bytes from attention compute",
+            "run again on a quiet machine, or with more --repeats",
+        )
+    elif remainder < 0.9:
         add(
             "decode",
             "Decode slows with context far more than its KV bytes explain: attention compute "
@@ -594,7 +618,7 @@ def findings(r: dict[str, Any], runtime: str) -> list[dict[str, str]]:
                 "look at what every request pays: network, queueing, scheduling",
             )
     if r.get("context") and r["context"]["long_over_short"]:
-        _context_finding(r["context"], add)
+        _context_finding(r["context"], add, bool((r.get("ceiling") or {}).get("noisy")))
     pc = r.get("prefix_cache")
     if pc:
         cached = pc["cached_tokens"]
