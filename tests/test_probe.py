@@ -18,7 +18,7 @@ import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
-from fastapi.responses import StreamingResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from typer.testing import CliRunner
 
 from pdscope.cli import app as cli
@@ -280,6 +280,17 @@ def fake_app() -> FastAPI:
     async def cut() -> StreamingResponse:
         return sse([{"choices": [{"index": 0, "text": "x", "finish_reason": None}]}])
 
+    @app.post("/toknokey/tokenize")
+    async def toknokey() -> dict:
+        return {"count": 3}  # a 200 without the token ids
+
+    @app.get("/hitsinf/metrics")
+    async def hitsinf() -> PlainTextResponse:
+        return PlainTextResponse(
+            "# TYPE vllm:prefix_cache_hits counter\nvllm:prefix_cache_hits_total +Inf\n"
+            "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0\n"
+        )
+
     @app.post("/aborted/v1/completions")
     async def aborted() -> StreamingResponse:
         # A server shutting down (vLLM, pdscope serve): a clean end, finish_reason "abort".
@@ -484,6 +495,45 @@ def test_multi_token_chunks_fake(fake: str) -> None:
     assert len(samples) == 5
     assert sum(samples) == pytest.approx(t.chunks[-1].t_s - t.chunks[0].t_s)
     assert t.tpot_s == pytest.approx((t.chunks[-1].t_s - t.chunks[0].t_s) / 5)
+
+
+def test_odd_answers_are_one_line_or_no_value_fake(fake: str) -> None:
+    """A /tokenize 200 without token ids is one line (it was a KeyError traceback that lost a
+    probe's measurements); a prefix-hit counter at +Inf is no count (it crashed probe on
+    round(NaN)); a server's completion count under its content chunks is replaced by the
+    chunks (0 tokens for 16 chunks had bench report 0 tok/s)."""
+    import httpx
+
+    from pdscope.client.counters import PrefixHitCounter
+    from pdscope.client.prompts import PromptBuilder
+
+    async def main() -> tuple[str, float | None]:
+        async with httpx.AsyncClient() as client:
+            builder = PromptBuilder(client, f"{fake}/toknokey", "m", use_tokenize=True)
+            with pytest.raises(ValueError, match="without a list of 'tokens'") as caught:
+                await builder.ids(16)
+            counter = PrefixHitCounter(client, f"{fake}/hitsinf")
+            return str(caught.value), await counter.read()
+
+    message, hits = asyncio.run(main())
+    assert "\n" not in message and hits is None
+    trace = Trace("openai-completions", "u", "m", output_tokens=0, start_s=0.0, end_s=1.0)
+    trace.chunks = [Chunk(0.1 * i, "x") for i in range(1, 4)]
+    assert trace.n_output == 3
+    trace.output_tokens = 9  # more than the chunks: multi-token chunks, the server's count
+    assert trace.n_output == 9
+
+
+def test_a_prompt_count_no_tokenizer_gives_is_not_learned() -> None:
+    """A server that reports 1 prompt token for 25 words: learning from it grew a bench's
+    32-token prompts to 9 MB of text; such a count is left out, and counted."""
+    from pdscope.client.prompts import PromptBuilder
+
+    builder = PromptBuilder(None, "u", "m", use_tokenize=False)  # type: ignore[arg-type]
+    builder.calibrate(25, 1)
+    assert builder.tokens_per_word == 1.3 and builder.implausible == 1
+    builder.calibrate(25, 34)
+    assert builder.tokens_per_word == pytest.approx(34 / 25) and builder.calibrations == 1
 
 
 def test_itl_with_known_chunk_sizes() -> None:

@@ -9,6 +9,7 @@ nothing else is using the server meanwhile.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import httpx
@@ -47,7 +48,9 @@ class PrefixHitCounter:
             )
             if self.name is None:
                 return None
-        return snapshot.total(self.name)
+        value = snapshot.total(self.name)
+        # NaN or +Inf is no count: the cache state is unknown, as without the counter.
+        return value if value is not None and math.isfinite(value) else None
 
     @property
     def label(self) -> str:

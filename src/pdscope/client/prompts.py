@@ -23,6 +23,11 @@ def _words() -> tuple[str, ...]:
     return tuple(w for w in re.findall(r"[A-Za-z]{3,12}", text))
 
 
+# Tokens per word a real tokenizer can give for this builder's English words (BPE: ~1.3;
+# one byte per token: ~6): a server's count outside is not learned from.
+MIN_TOKENS_PER_WORD, MAX_TOKENS_PER_WORD = 0.25, 12.0
+
+
 class PromptTooLong(ValueError):
     """/tokenize refused the text as longer than the server's context (pdscope serve refuses
     one by its length alone; vLLM counts it)."""
@@ -43,6 +48,7 @@ class PromptBuilder:
         self.use_tokenize = use_tokenize
         self.tokenize_key = tokenize_key  # llama.cpp's /tokenize reads "content"
         self.calibrations = 0  # prompt counts from the server learned from so far
+        self.implausible = 0  # prompt counts left out: tokens per word no tokenizer gives
         self._reported = self._words = 0
         self.headers = headers
         self.rng = random.Random(seed)
@@ -71,7 +77,14 @@ class PromptBuilder:
                 raise PromptTooLong(r.text[:300])
             if r.status_code != 200:  # the server's own reason, not httpx's boilerplate
                 raise ValueError(f"{self.url}/tokenize answered {r.status_code}: {r.text[:300]}")
-            ids = r.json()["tokens"]
+            try:
+                ids = r.json()["tokens"]
+                if not isinstance(ids, list):
+                    raise TypeError
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(
+                    f"{self.url}/tokenize answered without a list of 'tokens': {r.text[:200]}"
+                ) from None
             if len(ids) >= tokens:
                 self.tokens_per_word = len(ids) / words
                 return ids[:tokens]
@@ -87,6 +100,11 @@ class PromptBuilder:
     def calibrate(self, words_sent: int, reported: int | None) -> None:
         """Learn tokens per word from a prompt's word count and the server's token count."""
         if reported and words_sent:
+            if not MIN_TOKENS_PER_WORD <= reported / words_sent <= MAX_TOKENS_PER_WORD:
+                # A count no tokenizer gives (1 token for 25 words): learning from it grew
+                # a 32-token prompt to 9 MB. Kept out, and counted for the report.
+                self.implausible += 1
+                return
             # Pooled over every prompt so far: one prompt's words can run ~10% above or below
             # the average in tokens, and a single sample would carry that into every prompt.
             self._reported += reported

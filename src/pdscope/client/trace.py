@@ -102,8 +102,9 @@ class Trace:
 
     @property
     def n_output(self) -> int | None:
-        """Output tokens: the server's count, else one per content chunk (labelled)."""
-        if self.output_tokens is not None:
+        """Output tokens: the server's count, else one per content chunk (labelled). A count
+        below the content chunks cannot be (each chunk holds a token at least): the chunks."""
+        if self.output_tokens is not None and self.output_tokens >= len(self.chunks):
             return self.output_tokens
         return len(self.chunks) if self.chunks else None
 

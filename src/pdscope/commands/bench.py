@@ -291,6 +291,11 @@ class Bench:
             record["reported"].append(trace.prompt_tokens)
             self.builder.calibrate(len(text.split()), trace.prompt_tokens)
         record["tokens_per_word"] = self.builder.tokens_per_word
+        if self.builder.implausible and not self.builder.calibrations:
+            record["error"] = (
+                f"the server's prompt counts ({', '.join(map(str, record['reported']))} for "
+                f"about {target} tokens of text) are no tokenizer's: not learned from"
+            )
         self.state.metadata["prompt_calibration"] = record
 
     async def run(self, rate: float, concurrency: int | None) -> dict[str, Any]:

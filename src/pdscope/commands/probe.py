@@ -427,7 +427,8 @@ async def probe(
         partial = None
         try:
             await prober.run()
-        except (httpx.HTTPError, aiohttp.ClientError, ProbeError, OSError) as exc:
+        except (httpx.HTTPError, aiohttp.ClientError, ProbeError, OSError, ValueError) as exc:
+            # ValueError: the server's /tokenize failed mid-run (the prompt builder's one line)
             partial = f"stopped early: {type(exc).__name__}: {exc}"
         except asyncio.CancelledError:
             # Ctrl-C (asyncio.run cancels this task): what was measured is analysed and kept,
