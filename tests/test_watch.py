@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -221,6 +222,23 @@ def test_edge_quantiles_and_impossible_gauges_are_not_shown_as_figures(page: Pag
 
     page = render_watch_html([snap.to_dict(), top.to_dict()])  # edges drawn as markers
     assert page.count("data:image/png;base64,") == 1
+
+
+@pytest.mark.parametrize(("gen", "shown"), [(math.nan, "read NaN"), (math.inf, "read inf")])
+def test_a_counter_that_is_not_a_count_has_no_rate(
+    page: PageServer, gen: float, shown: str
+) -> None:
+    """A generated-tokens counter at NaN gave a rate of 0.0 (NaN was read as absent, then as
+    0); at +Inf, NaN in the JSON. Neither is a rate: no figure, and the reading named."""
+    settings = WatchSettings(url=page.url, window_s=60, interval_s=0.1)
+    pages = [vllm_page({0.1: 0}, gen=100), vllm_page({0.1: 0}, gen=gen)]  # type: ignore[arg-type]
+    snap = ticks(settings, pages, page.page)[1]
+    assert snap.values["generation_tok_s"] is None
+    assert (
+        shown in snap.missing["generation_tok_s"]
+        and "not a count" in snap.missing["generation_tok_s"]
+    )
+    json.dumps(snap.to_dict(), allow_nan=False)  # valid JSON: no NaN
 
 
 def test_server_restart_resets_the_window(page: PageServer) -> None:

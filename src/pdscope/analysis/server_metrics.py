@@ -229,6 +229,20 @@ def histogram_summary(first: Snapshot, last: Snapshot, base: str) -> HistogramSu
     )
 
 
+def counter_delta(first: Snapshot, last: Snapshot, name: str) -> tuple[float, str | None]:
+    """A counter's increase between two scrapes (absent at the first: it started at 0), or
+    why there is none: a reading that is not a finite number (NaN reads as no value)."""
+    before, after = first.total(name), last.total(name)
+    if (
+        after is None
+        or not math.isfinite(after)
+        or (before is not None and not math.isfinite(before))
+    ):
+        shown = "NaN" if after is None else f"{after:g}"
+        return 0.0, f"read {shown}, not a count"
+    return after - (before or 0.0), None
+
+
 def build_report(
     first: Snapshot,
     last: Snapshot,
@@ -260,8 +274,11 @@ def build_report(
             report.deltas[role] = None
             continue
         report.names[role] = name
-        delta = (last.total(name) or 0.0) - (first.total(name) or 0.0)
-        if delta < 0:
+        delta, problem = counter_delta(first, last, name)
+        if problem is not None:
+            report.warnings.append(f"{name} {problem}")
+            report.deltas[role] = None
+        elif delta < 0:
             report.warnings.append(f"{name} went backwards ({delta:+g}): did the server restart?")
             report.deltas[role] = None
         else:
@@ -269,6 +286,11 @@ def build_report(
     queries, hits = report.deltas.get("prefix_queries"), report.deltas.get("prefix_hits")
     if queries and hits is not None:
         report.prefix_hit_rate = hits / queries
+        if hits > queries:  # more tokens found in the cache than looked up
+            report.warnings.append(
+                f"prefix-cache hits ({hits:g}) exceed queries ({queries:g}): no hit rate"
+            )
+            report.prefix_hit_rate = None
     for role in GAUGE_ROLES:
         name = first_present(last, candidate_names(runtime, role)) or first_present(
             first, candidate_names(runtime, role)

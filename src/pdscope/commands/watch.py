@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from pdscope.analysis.rules import LiveFigures, live_findings
-from pdscope.analysis.server_metrics import histogram_summary
+from pdscope.analysis.server_metrics import counter_delta, histogram_summary
 from pdscope.client.server_metrics import (
     MetricsSampler,
     ScrapeError,
@@ -340,6 +340,9 @@ class Watcher:
             value, name = _gauge(last, runtime, figure)
             if name:
                 names[figure] = name
+            if value is None and name:  # the series is there, every value NaN
+                missing[figure] = f"{name} read NaN"
+                continue
             if value is not None and (problem := gauge_problem(figure, value)):
                 missing[figure] = f"{name} {problem}"  # shown as why, never as a figure
                 continue
@@ -388,20 +391,31 @@ class Watcher:
             if not two:
                 missing[figure] = why_one
                 continue
-            delta = (last.total(name) or 0.0) - (first.total(name) or 0.0)
+            delta, problem = counter_delta(first, last, name)
+            if problem is not None:
+                missing[figure] = f"{name} {problem}"
+                continue
             values[figure] = delta if figure == "preemptions" else delta / span_s
         values["prefix_hit_rate"] = None
         if not absent("prefix_hit_rate"):
             hits = next(n for n in candidate_names(runtime, "prefix_hits") if last.has(n))
             queries = next(n for n in candidate_names(runtime, "prefix_queries") if last.has(n))
             names["prefix_hit_rate"] = f"{hits} / {queries}"
-            d_queries = (last.total(queries) or 0.0) - (first.total(queries) or 0.0)
+            d_queries, bad_queries = counter_delta(first, last, queries)
+            d_hits, bad_hits = counter_delta(first, last, hits)
             if not two:
                 missing["prefix_hit_rate"] = why_one
+            elif bad_queries or bad_hits:
+                missing["prefix_hit_rate"] = (
+                    f"{queries} {bad_queries}" if bad_queries else f"{hits} {bad_hits}"
+                )
             elif d_queries <= 0:
                 missing["prefix_hit_rate"] = f"no prompt tokens looked up in {span_s:.0f} s"
+            elif d_hits > d_queries:
+                missing["prefix_hit_rate"] = (
+                    f"hits ({d_hits:g}) exceed queries ({d_queries:g}) in {span_s:.0f} s"
+                )
             else:
-                d_hits = (last.total(hits) or 0.0) - (first.total(hits) or 0.0)
                 values["prefix_hit_rate"] = d_hits / d_queries
         out.rules = live_findings(
             self._live_figures(window, runtime, values), self.knob_runtime or runtime
