@@ -280,6 +280,10 @@ def fake_app() -> FastAPI:
     async def cut() -> StreamingResponse:
         return sse([{"choices": [{"index": 0, "text": "x", "finish_reason": None}]}])
 
+    @app.get("/nomodels/v1/models")
+    async def nomodels() -> dict:
+        return {"object": "list", "data": []}
+
     @app.post("/toknokey/tokenize")
     async def toknokey() -> dict:
         return {"count": 3}  # a 200 without the token ids
@@ -505,6 +509,7 @@ def test_odd_answers_are_one_line_or_no_value_fake(fake: str) -> None:
     import httpx
 
     from pdscope.client.counters import PrefixHitCounter
+    from pdscope.client.detect import ProbeError, Runtime, detect
     from pdscope.client.prompts import PromptBuilder
 
     async def main() -> tuple[str, float | None]:
@@ -517,6 +522,17 @@ def test_odd_answers_are_one_line_or_no_value_fake(fake: str) -> None:
 
     message, hits = asyncio.run(main())
     assert "\n" not in message and hits is None
+
+    async def listing() -> Runtime:
+        async with httpx.AsyncClient() as client:
+            return await detect(client, f"{fake}/nomodels")
+
+    # An empty model list is an OpenAI server that lists nothing, so --model gets past it (it
+    # was "no OpenAI-compatible API", which no flag could get past).
+    runtime = asyncio.run(listing())
+    with pytest.raises(ProbeError, match="lists no models; pass --model"):
+        runtime.pick_model(None)
+    assert runtime.pick_model("m") == "m"
     trace = Trace("openai-completions", "u", "m", output_tokens=0, start_s=0.0, end_s=1.0)
     trace.chunks = [Chunk(0.1 * i, "x") for i in range(1, 4)]
     assert trace.n_output == 3

@@ -68,6 +68,7 @@ async def detect(
     evidence: list[str] = []
     models_resp = await get("/v1/models")
     openai_models: list[str] = []
+    openai_listed = False  # /v1/models answered with a list, even an empty one
     owner = ""
     max_len = None
     if models_resp is not None and models_resp.status_code == 401:
@@ -78,6 +79,7 @@ async def detect(
         with contextlib.suppress(ValueError, KeyError, TypeError):
             data = models_resp.json()["data"]
             openai_models = [m["id"] for m in data]
+            openai_listed = isinstance(data, list)
             owner = str(data[0].get("owned_by", "")) if data else ""
             max_len = data[0].get("max_model_len") if data else None
         evidence.append(f"/v1/models lists {len(openai_models)} model(s)")
@@ -133,7 +135,7 @@ async def detect(
     ollama_native = tags is not None and tags.status_code == 200 and owner != "pdscope"
     if ollama_native and api == "auto":
         api = API_OLLAMA  # Ollama also serves /v1; its native API carries its own timings
-    if openai_models and api in ("auto", *OPENAI_APIS):
+    if openai_listed and api in ("auto", *OPENAI_APIS):
         if owner == "pdscope":
             name = "pdscope"
         elif is_llamacpp:
