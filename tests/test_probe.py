@@ -538,6 +538,10 @@ def test_odd_answers_are_one_line_or_no_value_fake(fake: str) -> None:
     assert trace.n_output == 3
     trace.output_tokens = 9  # more than the chunks: multi-token chunks, the server's count
     assert trace.n_output == 9
+    from pdscope.client.adapters import _error_text
+
+    page = b"<html>\n<body>\n  <h1>500 Internal Server Error</h1>\n</body></html>"
+    assert _error_text(page) == "<html> <body> <h1>500 Internal Server Error</h1> </body></html>"
 
 
 def test_a_prompt_count_no_tokenizer_gives_is_not_learned() -> None:

@@ -83,7 +83,8 @@ def _error_text(body: bytes) -> str:
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError):
-        return body[:200].decode(errors="replace")
+        # An HTML error page: its text on one line (newlines broke the failure lists).
+        return " ".join(body[:400].decode(errors="replace").split())[:200]
     error = data.get("error", data) if isinstance(data, dict) else data
     if isinstance(error, dict):
         return str(error.get("message", error))
