@@ -169,6 +169,14 @@ def test_two_engines_kv_use_is_their_mean_and_their_requests_add_up() -> None:
     point = timeline_point(snap, runtime, 0.0)
     assert point.running == 5.0  # 3 on engine 0, 2 on engine 1
     assert point.kv_usage == pytest.approx(0.25)  # both at 0.25
+    # Two models on one engine: their samples merge into one key (model_name is dropped), and
+    # KV use is still their mean, not 0.6 + 0.6.
+    two = parse_metrics(
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        'vllm:kv_cache_usage_perc{model_name="a",engine="0"} 0.6\n'
+        'vllm:kv_cache_usage_perc{model_name="b",engine="0"} 0.6\n'
+    )
+    assert two.mean("vllm:kv_cache_usage_perc") == pytest.approx(0.6)
 
 
 def test_parse_vllm_drops_model_name_and_sums_label_sets() -> None:

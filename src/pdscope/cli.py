@@ -1196,8 +1196,8 @@ def _check_simulate_options(
         ctx,
         plan_capacity,
         "--plan-capacity (it chooses the shape, the budget and the rate; --gpus sets the size)",
-        "replicas", "tensor_parallel_size", "disaggregate", "request_rate", "find_capacity",
-        "report",
+        "replicas", "tensor_parallel_size", "disaggregate", "prefill_args", "decode_args",
+        "request_rate", "find_capacity", "report",
     )  # fmt: skip
     only_with(
         ctx,

@@ -93,6 +93,8 @@ def failure_kind(error: str) -> str:
         return "truncated stream"
     if "no generated content" in error:
         return "no content"
+    if "finish_reason abort" in error:
+        return "aborted by the server"
     return error.split(":")[0][:40]
 
 

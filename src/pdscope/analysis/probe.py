@@ -403,7 +403,7 @@ def _over_limit(spread: float) -> str:
         text = f"{spread:.{digits}%}"
         if float(text.rstrip("%")) / 100 > NOISE_LIMIT:
             return text
-    return f"{spread:.2%}"
+    return f"over {NOISE_LIMIT:.0%}"
 
 
 def _spread(values: list[float]) -> float | None:
@@ -511,12 +511,12 @@ def _impossible(
 
 
 def _context_finding(
-    c: dict[str, Any], add: Callable[[str, str, str, str], None], noisy: bool = False
+    c: dict[str, Any], add: Callable[[str, str, str, str], None], noise: float = 0.0
 ) -> None:
     """Decode at a long context against a short one, split into what the extra KV bytes
     explain and the rest (attention compute, the kernel): on CPUs the rest is often most.
-    The split is a verdict only where the repeats agree on it and the host held still
-    (``noisy``: the bandwidth or the repeats moved past the noise limit during the probe)."""
+    The split is a verdict only where it holds over the repeats' range widened by ``noise``,
+    how far the host's bandwidth or the decode repeats moved during the probe (a fraction)."""
     ratio = c["long_over_short"]
     short, long = c["short"], c["long"]
     measured = (
@@ -555,12 +555,10 @@ def _context_finding(
             ("decode_tok_s_max", "decode_tok_s_min"),
         )
     ]
-    if noisy or min(lo_hi) < 0.9 <= max(lo_hi):
-        why = (
-            "the machine was noisy during the probe"
-            if noisy
-            else f"the repeats put the remaining factor at {min(lo_hi):.2f}–{max(lo_hi):.2f}"
-        )
+    low, high = min(lo_hi) / (1 + noise), max(lo_hi) * (1 + noise)
+    if low < 0.9 <= high:
+        moved = f", the host moving {noise:.0%} during the probe" if noise else ""
+        why = f"the repeats{moved} put the remaining factor at {low:.2f}–{high:.2f}"
         add(
             "decode",
             "Decode slows as context fills: no verdict on why",
@@ -618,7 +616,9 @@ def findings(r: dict[str, Any], runtime: str) -> list[dict[str, str]]:
                 "look at what every request pays: network, queueing, scheduling",
             )
     if r.get("context") and r["context"]["long_over_short"]:
-        _context_finding(r["context"], add, bool((r.get("ceiling") or {}).get("noisy")))
+        ceiling = r.get("ceiling") or {}
+        spreads = [ceiling.get("bandwidth_spread"), ceiling.get("repeat_spread")]
+        _context_finding(r["context"], add, max((x for x in spreads if x), default=0.0))
     pc = r.get("prefix_cache")
     if pc:
         cached = pc["cached_tokens"]

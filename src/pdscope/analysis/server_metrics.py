@@ -233,14 +233,16 @@ def counter_delta(first: Snapshot, last: Snapshot, name: str) -> tuple[float, st
     """A counter's increase between two scrapes (absent at the first: it started at 0), or
     why there is none: a reading that is not a finite number (NaN reads as no value)."""
     before, after = first.total(name), last.total(name)
-    if (
-        after is None
-        or not math.isfinite(after)
-        or (before is not None and not math.isfinite(before))
-    ):
-        shown = "NaN" if after is None else f"{after:g}"
-        return 0.0, f"read {shown}, not a count"
+    # total() skips NaN: a series present whose value is None read NaN, not "absent".
+    if first.has(name) and (before is None or not math.isfinite(before)):
+        return 0.0, f"read {_shown(before)} at the window's start, not a count"
+    if after is None or not math.isfinite(after):
+        return 0.0, f"read {_shown(after)}, not a count"
     return after - (before or 0.0), None
+
+
+def _shown(value: float | None) -> str:
+    return "NaN" if value is None else f"{value:g}"
 
 
 def build_report(

@@ -213,6 +213,9 @@ async def _stream_once(
     elif trace.finish_reason == "abort":
         # The server stopped it (vLLM and pdscope serve shutting down): cut short, not served.
         trace.error = "the server aborted the request (finish_reason abort)"
+    if trace.output_tokens is not None and trace.output_tokens < len(trace.chunks):
+        # Trace.n_output counts the chunks then: the label says so.
+        trace.token_source = f"chunks (the server counted {trace.output_tokens})"
     return trace
 
 

@@ -24,8 +24,9 @@ def _words() -> tuple[str, ...]:
 
 
 # Tokens per word a real tokenizer can give for this builder's English words (BPE: ~1.3;
-# one byte per token: ~6): a server's count outside is not learned from.
-MIN_TOKENS_PER_WORD, MAX_TOKENS_PER_WORD = 0.25, 12.0
+# one byte per token: ~6; a chat template's own tokens over a few words: tens): a server's
+# count outside is not learned from. Too few is what hurts: prompts grow without bound.
+MIN_TOKENS_PER_WORD, MAX_TOKENS_PER_WORD = 0.25, 100.0
 
 
 class PromptTooLong(ValueError):

@@ -163,6 +163,8 @@ class Snapshot(Mapping[SampleKey, float]):
 
     samples: dict[SampleKey, float] = field(default_factory=dict)
     t_s: float = 0.0
+    # Samples summed into each key (one per model_name); absent: one. `mean` divides by them.
+    merged: dict[SampleKey, int] = field(default_factory=dict)
 
     def __getitem__(self, key: SampleKey) -> float:
         return self.samples[key]
@@ -176,8 +178,11 @@ class Snapshot(Mapping[SampleKey, float]):
     def __post_init__(self) -> None:
         # Name -> values, so role lookups on every scrape don't walk every sample.
         self._by_name: dict[str, list[float]] = {}
-        for (name, _), value in self.samples.items():
-            self._by_name.setdefault(name, []).append(value)
+        self._raw: dict[str, int] = {}  # raw samples behind each name's values
+        for key, value in self.samples.items():
+            self._by_name.setdefault(key[0], []).append(value)
+            if not math.isnan(value):
+                self._raw[key[0]] = self._raw.get(key[0], 0) + self.merged.get(key, 1)
 
     def names(self) -> set[str]:
         """The distinct sample names in this scrape."""
@@ -198,7 +203,7 @@ class Snapshot(Mapping[SampleKey, float]):
     def mean(self, name: str) -> float | None:
         """The mean of `name` over its label sets; None if absent. NaN values are skipped."""
         values = [v for v in self._by_name.get(name, ()) if not math.isnan(v)]
-        return math.fsum(values) / len(values) if values else None
+        return math.fsum(values) / self._raw[name] if values else None
 
     def buckets(self, base: str) -> list[tuple[float, float]]:
         """Histogram `base`'s cumulative buckets [(upper bound, count)], summed over label sets.
@@ -223,12 +228,14 @@ def parse_metrics(text: str) -> Snapshot:
     Raises ValueError on text the parser rejects.
     """
     samples: dict[SampleKey, float] = {}
+    merged: dict[SampleKey, int] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             labels = frozenset((k, v) for k, v in sample.labels.items() if k not in _DROPPED_LABELS)
             key = (sample.name, labels)
             samples[key] = samples.get(key, 0.0) + float(sample.value)
-    return Snapshot(samples)
+            merged[key] = merged.get(key, 0) + 1
+    return Snapshot(samples, merged=merged)
 
 
 def detect_runtime(snapshot: Snapshot) -> str | None:

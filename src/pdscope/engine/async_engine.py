@@ -76,13 +76,13 @@ class AsyncEngine:
             try:
                 result = fn()
             except BaseException as exc:
-                loop.call_soon_threadsafe(_settle, future, None, exc)
+                _settle_from(loop, future, None, exc)
             else:
-                loop.call_soon_threadsafe(_settle, future, result, None)
+                _settle_from(loop, future, result, None)
 
         def dead() -> None:
             error = EngineDeadError(f"engine is not running: {self.error or 'shut down'}")
-            loop.call_soon_threadsafe(_settle, future, None, error)
+            _settle_from(loop, future, None, error)
 
         self._submit(run, dead)
         return await future
@@ -280,6 +280,17 @@ def _post(
     has no reader left to tell."""
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(outputs.put, item)
+
+
+def _settle_from(
+    loop: asyncio.AbstractEventLoop,
+    future: asyncio.Future,
+    result: object,
+    exc: BaseException | None,
+) -> None:
+    """Settle ``future`` on its loop from the engine thread; a closed loop has no caller left."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(_settle, future, result, exc)
 
 
 def _settle(future: asyncio.Future, result: object, exc: BaseException | None) -> None:

@@ -56,8 +56,15 @@ class _Server(uvicorn.Server):
         if self.should_exit and self._loop is not None:
             # The second signal: stop waiting for streams. Through the loop, not from here: a
             # signal handler that took the engine's locks could find them held by this thread.
-            self._loop.call_soon_threadsafe(self._abort_in_flight)
+            self._loop.call_soon_threadsafe(self._abort_now)
         super().handle_exit(sig, frame)
+
+    def _abort_now(self) -> None:
+        self._abort_in_flight()
+        # A stream that still cannot end (its client stopped reading) holds the exit no more
+        # than FORCE_AFTER_ABORT_S, whatever --shutdown-timeout said.
+        assert self._loop is not None
+        self._loop.call_later(FORCE_AFTER_ABORT_S, setattr, self, "force_exit", True)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         timer = asyncio.get_running_loop().call_later(
