@@ -76,13 +76,13 @@ class AsyncEngine:
             try:
                 result = fn()
             except BaseException as exc:
-                _settle_from(loop, future, None, exc)
+                _call_on(loop, _settle, future, None, exc)
             else:
-                _settle_from(loop, future, result, None)
+                _call_on(loop, _settle, future, result, None)
 
         def dead() -> None:
             error = EngineDeadError(f"engine is not running: {self.error or 'shut down'}")
-            _settle_from(loop, future, None, error)
+            _call_on(loop, _settle, future, None, error)
 
         self._submit(run, dead)
         return await future
@@ -147,7 +147,7 @@ class AsyncEngine:
             for out in outputs:
                 stream = self._streams.pop(out.request_id, None)
                 if stream is not None:
-                    _post(*stream, out)
+                    _call_on(stream[0], stream[1].put, out)
             if outputs:
                 log.info("aborted %d requests in flight", len(outputs))
 
@@ -176,13 +176,13 @@ class AsyncEngine:
                         continue
                     if out.finished:
                         del self._streams[out.request_id]
-                    _post(*stream, out)
+                    _call_on(stream[0], stream[1].put, out)
         except BaseException as exc:
             log.exception("engine loop crashed")
             self.error = exc
             dead = EngineDeadError(f"engine loop crashed: {exc!r}")
             for loop, outputs in self._streams.values():
-                _post(loop, outputs, dead)
+                _call_on(loop, outputs.put, dead)
             self._streams.clear()
         finally:
             self._stopping = True
@@ -197,7 +197,7 @@ class AsyncEngine:
             self._stopping = True
             dead = EngineDeadError("engine shut down")
             for loop, outputs in self._streams.values():
-                _post(loop, outputs, dead)
+                _call_on(loop, outputs.put, dead)
             self._streams.clear()
 
         self._inbox.put((stop, lambda: None))
@@ -273,24 +273,11 @@ class RequestStream:
                 self.engine._submit(lambda: self.engine._abort(rid))
 
 
-def _post(
-    loop: asyncio.AbstractEventLoop, outputs: OutputSlot, item: RequestOutput | BaseException
-) -> None:
-    """Hand ``item`` to its stream's loop; a loop already closed (a server forced to exit)
-    has no reader left to tell."""
+def _call_on(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: object) -> None:
+    """Run ``fn(*args)`` on ``loop``'s thread, from the engine thread; a loop already closed
+    (a server forced to exit) has no reader or caller left to tell."""
     with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(outputs.put, item)
-
-
-def _settle_from(
-    loop: asyncio.AbstractEventLoop,
-    future: asyncio.Future,
-    result: object,
-    exc: BaseException | None,
-) -> None:
-    """Settle ``future`` on its loop from the engine thread; a closed loop has no caller left."""
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(_settle, future, result, exc)
+        loop.call_soon_threadsafe(fn, *args)
 
 
 def _settle(future: asyncio.Future, result: object, exc: BaseException | None) -> None:
