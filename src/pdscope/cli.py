@@ -663,16 +663,9 @@ def plan(
 
     if list_devices and list_models:
         raise fail("give --list-devices or --list-models, not both")
-    not_with(
-        ctx,
-        list_devices or list_models,
-        "--list-devices or --list-models (they list the catalog)",
-        *(
-            p.name
-            for p in ctx.command.params
-            if p.name not in ("as_json", "list_devices", "list_models")
-        ),
-    )
+    listing = list_devices or list_models
+    if listing and (extra := given_except(ctx, "as_json", "list_devices", "list_models")):
+        raise _no_effect(extra, "with --list-devices or --list-models (they list the catalog)")
     only_with(ctx, compare, "--compare", "all_devices")
     not_with(
         ctx,
