@@ -9,6 +9,7 @@ client never blocks a step.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import queue
@@ -206,39 +207,42 @@ class AsyncEngine:
 
 
 class OutputSlot:
-    """One request's undelivered output: at most one, each later step merged into it (its new
-    token ids appended, the rest taken from the later step). Every output carries the whole
-    text so far, so a queue of them behind a client that reads slowly would grow with the
-    square of the output: ~0.5 GB for one stalled 20,000-token stream. The engine never waits
-    on a reader; an error is delivered after the output held. Used on the event loop's
-    thread only."""
+    """One request's undelivered outputs: one per step, as vLLM's own queue gives a reader
+    that keeps up, up to MAX_PENDING; past that each later step merges into the newest held
+    (its new token ids appended, the rest taken from the later step). Every output carries
+    the whole text so far, so an unbounded queue behind a client that stopped reading grew
+    with the square of the output: ~0.5 GB for one stalled 20,000-token stream. The engine
+    never waits on a reader; an error is delivered after the outputs held. Used on the event
+    loop's thread only."""
+
+    MAX_PENDING = 32
 
     def __init__(self) -> None:
-        self._item: RequestOutput | None = None
-        self._error: BaseException | None = None  # delivered after any output still held
+        self._items: collections.deque[RequestOutput] = collections.deque()
+        self._error: BaseException | None = None  # delivered after the outputs still held
         self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, BaseException):
             self._error = self._error or item
-        elif self._item is not None:
-            self._item.new_token_ids.extend(item.new_token_ids)  # in place: no copy per step
-            item.new_token_ids = self._item.new_token_ids
-            self._item = item
+        elif len(self._items) >= self.MAX_PENDING:
+            held = self._items[-1]
+            held.new_token_ids.extend(item.new_token_ids)  # in place: no copy per step
+            item.new_token_ids = held.new_token_ids
+            self._items[-1] = item
         else:
-            self._item = item
+            self._items.append(item)
         self._ready.set()
 
     async def get(self) -> RequestOutput | BaseException:
         await self._ready.wait()
-        item: RequestOutput | BaseException | None = self._item
-        if item is not None:
-            self._item = None
+        if self._items:
+            item: RequestOutput | BaseException = self._items.popleft()
         else:
+            assert self._error is not None
             item = self._error  # stays: every later read gets it too
-        if self._item is None and self._error is None:
+        if not self._items and self._error is None:
             self._ready.clear()
-        assert item is not None
         return item
 
 
