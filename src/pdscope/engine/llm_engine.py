@@ -257,15 +257,9 @@ class LLMEngine:
     def abort_all(self) -> list[RequestOutput]:
         """Stop every unfinished request (a server shutting down): a final output for each,
         finish reason "abort", its text as far as it got."""
-        now = time.perf_counter()
-        outputs = []
-        for request in list(self.requests.values()):
-            if request.is_finished:
-                continue
-            self._finish(request, "abort", now)
-            text = request.output_text
-            outputs.append(RequestOutput(request.request_id, [], text, True, "abort", request))
-        return outputs
+        return self._abort_with_outputs(
+            [r for r in self.requests.values() if not r.is_finished], None
+        )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
@@ -289,7 +283,7 @@ class LLMEngine:
         except Exception as exc:  # one bad step fails its requests; the engine keeps serving
             log.exception("step failed; aborting its %d requests", len(out.scheduled))
             failed = [e.request for e in out.scheduled]
-            return self._fail_step(failed, f"{type(exc).__name__}: {exc}")
+            return self._abort_with_outputs(failed, f"{type(exc).__name__}: {exc}")
         self.scheduler.update(out)
         end = time.perf_counter()
 
@@ -326,7 +320,9 @@ class LLMEngine:
             listener(record, [o.request for o in outputs])
         return outputs
 
-    def _fail_step(self, requests: list[Request], error: str) -> list[RequestOutput]:
+    def _abort_with_outputs(
+        self, requests: list[Request], error: str | None
+    ) -> list[RequestOutput]:
         now = time.perf_counter()
         outputs = []
         for request in requests:
