@@ -149,8 +149,9 @@ async def _stream(
 
 # A failed pooled connection is discarded, so each retry meets one stale connection fewer:
 # after an idle gap longer than the server's keep-alive timeout every pooled connection is
-# stale, and a pool of N needs N retries to reach a new one (8 of 8 pooled were stale in a
-# loaded run of test_idle_keepalive_closes_lose_no_request, and 3 retries lost a request).
+# stale, and a pool of N needs N retries to reach a new one (3 retries lost a request in a
+# loaded run of test_idle_keepalive_closes_lose_no_request; with 8 pooled connections all
+# stale, test_a_pool_gone_wholly_stale_still_sends_the_request fails on 3).
 _UNBOUNDED_POOL_RETRIES = 64
 
 

@@ -201,7 +201,8 @@ class Snapshot(Mapping[SampleKey, float]):
         return math.fsum(values) if values else None
 
     def mean(self, name: str) -> float | None:
-        """The mean of `name` over its label sets; None if absent. NaN values are skipped."""
+        """The mean of `name` over every sample the server sent, label sets merged by dropping
+        `model_name` included; None if absent. NaN values are skipped."""
         values = [v for v in self._by_name.get(name, ()) if not math.isnan(v)]
         return math.fsum(values) / self._raw[name] if values else None
 
