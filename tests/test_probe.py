@@ -22,7 +22,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from typer.testing import CliRunner
 
 from pdscope.cli import app as cli
-from pdscope.client.adapters import openai_body, run_ollama, run_openai, session
+from pdscope.client.adapters import CHUNKS_ONLY, openai_body, run_ollama, run_openai, session
 from pdscope.client.trace import Chunk, Trace
 from pdscope.commands.probe import ProbeSettings, probe
 from pdscope.server.launch import free_port
@@ -257,6 +257,18 @@ def fake_app() -> FastAPI:
         ]
         return sse([*words, LLAMACPP_FINAL, "data: [DONE]\n\n"])
 
+    @app.get("/nocounts/v1/models")
+    async def nocounts_models() -> dict:
+        return {"object": "list", "data": [{"id": "m", "object": "model"}]}
+
+    @app.post("/nocounts/v1/completions")
+    async def nocounts() -> StreamingResponse:
+        # A server that sends no usage and no timings: the tokens are the content chunks.
+        words = [
+            {"choices": [{"index": 0, "text": w, "finish_reason": None}]} for w in ["a", " b", " c"]
+        ]
+        return sse([*words, "data: [DONE]\n\n"], gap_s=0.005)
+
     @app.post("/multi/v1/completions")
     async def multi() -> StreamingResponse:
         # Three chunks carrying 2, 3 and 1 tokens; usage says 6.
@@ -489,6 +501,26 @@ def test_llamacpp_timings_fake(fake: str) -> None:
     assert t.ok and t.token_source == "llamacpp-timings"
     assert t.output_tokens == 6 and t.prompt_tokens == 100 and t.cached_tokens == 12
     assert t.server["llamacpp"]["prompt_ms"] == 41.5
+
+
+def test_bench_says_its_output_counts_are_the_chunks_fake(fake: str, tmp_path: Path) -> None:
+    """A server that sends no token counts: bench counts one token a content chunk, and says
+    so in its table's notes and its JSON (it said nothing; probe did, per request)."""
+    saved = tmp_path / "r.json"
+    result = CliRunner().invoke(
+        cli,
+        ["bench", f"{fake}/nocounts", "--num-prompts", "4", "--input-len", "8",
+         "--output-len", "3", "--warmup", "0", "--save-result", str(saved)],
+        env={"COLUMNS": "200"},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "4 of 4 requests counted one a content chunk (server sent no token counts: 4)" in (
+        " ".join(result.output.split())
+    )
+    run = json.loads(saved.read_text())
+    summary = run["runs"][0]["summary"] if "runs" in run else run["summary"]
+    assert summary["output_tokens_source"] == {CHUNKS_ONLY: 4}
+    assert summary["total_output_tokens"] == 12
 
 
 def test_multi_token_chunks_fake(fake: str) -> None:

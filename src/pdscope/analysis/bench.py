@@ -98,6 +98,13 @@ def failure_kind(error: str) -> str:
     return error.split(":")[0][:40]
 
 
+def _count_source(token_source: str) -> str:
+    """Trace.token_source with the server's own figure dropped, so requests group by source."""
+    if token_source.startswith("chunks (the server counted"):
+        return "chunks (the server counted fewer)"
+    return token_source
+
+
 def summarize(
     traces: list[Trace],
     duration_s: float,
@@ -161,6 +168,7 @@ def summarize(
         if reported
         else None
     )
+    out["output_tokens_source"] = dict(Counter(_count_source(t.token_source) for t in good))
     out["retried"] = sum(1 for t in traces if t.retried)
     lags = [t.lag_s for t in traces if t.lag_s is not None]
     lag = summary([v * 1e3 for v in lags], (50, 99))

@@ -29,6 +29,8 @@ OPENAI_APIS = (API_OPENAI_COMPLETIONS, API_OPENAI_CHAT)
 # The dialects probe and bench speak (their --api values besides "auto"): each has a runner
 # below that turns one response into a Trace, and detect.py recognises its server.
 APIS = (*OPENAI_APIS, API_OLLAMA)
+# Trace.token_source of a request whose server sent no token counts: one token a content chunk.
+CHUNKS_ONLY = "chunks (server sent no token counts)"
 
 
 def _trace_config() -> aiohttp.TraceConfig:
@@ -425,8 +427,12 @@ async def run_request(
     if api == API_OLLAMA:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             prompt = "\n".join(str(m.get("content", "")) for m in prompt)
-        return await run_ollama(
+        trace = await run_ollama(
             client, url, model, str(prompt), max_tokens, label, prompt_tokens_asked, headers=headers
         )
-    body = openai_body(api, model, prompt, max_tokens)
-    return await run_openai(client, url, api, body, label, prompt_tokens_asked, headers)
+    else:
+        body = openai_body(api, model, prompt, max_tokens)
+        trace = await run_openai(client, url, api, body, label, prompt_tokens_asked, headers)
+    if trace.error is None and trace.token_source == "none":
+        trace.token_source = CHUNKS_ONLY
+    return trace

@@ -156,8 +156,6 @@ class Prober:
         if trace.error is None and not self.exact_prompts and isinstance(prompt, str):
             words = len(prompt.split())
             self.builder.calibrate(words, trace.prompt_tokens)
-        if trace.error is None and trace.token_source == "none":
-            trace.token_source = "chunks (server sent no token counts)"
         hits_after = await counter.read() if counter else None
         if hits_before is not None and hits_after is not None and counter:
             delta = round(hits_after - hits_before)

@@ -75,6 +75,19 @@ def render_bench(r: dict[str, Any], console: Console) -> None:
                 else "sent unknown (the server reports no prompt counts)"
             )
         )
+        by_chunks = {
+            k: n for k, n in (run["summary"].get("output_tokens_source") or {}).items()
+            if k.startswith("chunks")
+        }  # fmt: skip
+        if by_chunks:
+            why = "; ".join(
+                f"{k.removeprefix('chunks ').strip('()')}: {n}" for k, n in by_chunks.items()
+            )
+            console.print(
+                f"[yellow]output tokens at {_load(run)}: {sum(by_chunks.values())} of "
+                f"{run['summary']['completed']} requests counted one a content chunk ({why}); "
+                "TPOT and tokens/s assume one token a chunk there[/]"
+            )
         for warning in run.get("warnings") or []:
             console.print(f"[yellow]warning at {_load(run)}:[/] {warning}")
         if run["summary"].get("retried"):
