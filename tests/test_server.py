@@ -411,8 +411,10 @@ def test_metrics_move_with_traffic(server: Server) -> None:
         "vllm:num_preemptions_total",
         "vllm:prompt_tokens_total",
         "vllm:generation_tokens_total",
+        "process_start_time_seconds",  # as vLLM's default registry: a reader sees restarts
     ):
         assert name in names, name
+    assert abs(before["process_start_time_seconds"] - time.time()) < 24 * 3600
     c = client(server)
     prefix = "A long shared system prompt about prefill and decode. " * 10
     for suffix in ("one", "two"):

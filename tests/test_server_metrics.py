@@ -12,6 +12,7 @@ import pytest
 
 from pdscope.analysis.server_metrics import (
     build_report,
+    dipped,
     histogram_quantile,
     quantile_edge,
     report_of,
@@ -257,6 +258,34 @@ def test_report_from_two_recorded_snapshots() -> None:
     # Not in the recorded text: absent roles read None, not 0.
     assert report.histograms["itl"] is None and report.histograms["e2e"] is None
     json.dumps(report.to_dict())  # JSON-ready
+
+
+def test_a_restart_between_scrapes_shows_no_delta_and_a_dipping_histogram_is_named() -> None:
+    """A server restarted between the first and last scrape whose counters have passed their
+    old values gave deltas of two processes as the run's (nothing read backwards); its process
+    start time now shows it. Buckets that dip below a lower bucket are named (Prometheus fixes
+    them silently)."""
+    start = "# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {}\n"
+    first = parse_metrics(VLLM_TEXT + start.format(1.7e9))
+    grown = vllm_text(**{"vllm:generation_tokens_total": 5000, "vllm:prompt_tokens_total": 9000})
+    runtime = detect_runtime(first)
+    assert runtime is not None
+    same = build_report(first, parse_metrics(grown + start.format(1.7e9)), [], runtime)
+    assert same.deltas["generation_tokens"] is not None and not same.warnings
+    moved = build_report(first, parse_metrics(grown + start.format(1.7e9 + 60)), [], runtime)
+    assert all(v is None for v in moved.deltas.values())
+    assert all(v is None for v in moved.histograms.values())
+    assert moved.warnings == [
+        "the server restarted (process_start_time_seconds moved by +60 s): no counter or "
+        "histogram of the run is shown"
+    ]
+    # 0.04's count below 0.02's: a dip of 3, and the report says so.
+    assert dipped([(0.02, 5.0), (0.04, 2.0), (0.1, 9.0), (math.inf, 9.0)]) == 3.0
+    assert dipped([(0.02, 5.0), (math.inf, 9.0)]) == 0.0
+    ttft = "vllm:time_to_first_token_seconds_bucket|"
+    dips = vllm_text(**{f"{ttft}0.04": 0, f"{ttft}0.1": 20, f"{ttft}+Inf": 20})
+    bad = build_report(first, parse_metrics(dips), [], runtime)
+    assert any("buckets are not cumulative" in w for w in bad.warnings), bad.warnings
 
 
 def test_older_vllm_names_are_used_and_newer_preferred() -> None:

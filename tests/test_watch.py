@@ -248,6 +248,22 @@ def test_server_restart_resets_the_window(page: PageServer) -> None:
     assert snaps[1].scrapes_in_window == 1
 
 
+def test_a_restart_whose_counters_passed_their_old_values_resets_the_window(
+    page: PageServer,
+) -> None:
+    """Counters that read higher after a restart looked like traffic; the process start time
+    moved, and says so."""
+    settings = WatchSettings(url=page.url, window_s=60, interval_s=0.1)
+    start = "# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {}\n"
+    pages = [
+        vllm_page({0.1: 5}, gen=50) + start.format(1.7e9),
+        vllm_page({0.1: 50}, gen=900) + start.format(1.7e9 + 30),
+    ]
+    snaps = ticks(settings, pages, page.page)
+    assert any("the server restarted" in e for e in snaps[1].events), snaps[1].events
+    assert snaps[1].scrapes_in_window == 1
+
+
 @pytest.mark.parametrize(
     ("text", "runtime", "absent"),
     [

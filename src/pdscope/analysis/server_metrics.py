@@ -127,6 +127,7 @@ class HistogramSummary:
     p99_ms: float | None
     max_bound_ms: float | None
     edges: dict[str, list[Any]] = field(default_factory=dict)
+    dip: float = 0.0  # `dipped` of the window's bucket counts: 0 for a well-formed histogram
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -226,7 +227,36 @@ def histogram_summary(first: Snapshot, last: Snapshot, base: str) -> HistogramSu
         p99_ms=quantiles[0.99],
         max_bound_ms=max(finite) * 1e3 if finite else None,
         edges=edges,
+        dip=dipped(delta),
     )
+
+
+# prometheus_client's process collector, in vLLM's and SGLang's /metrics and pdscope serve's.
+START_TIME = "process_start_time_seconds"
+
+
+def restarted(first: Snapshot, last: Snapshot) -> str | None:
+    """Why deltas between two scrapes mean nothing because the server restarted between them,
+    else None: its process start time moved. A restart whose counters already passed their old
+    values shows nothing else: they only ever read lower when fewer requests came since."""
+    before, after = first.total(START_TIME), last.total(START_TIME)
+    if before is None or after is None or abs(after - before) < 1.0:
+        return None
+    return f"the server restarted ({START_TIME} moved by {after - before:+.0f} s)"
+
+
+def dipped(buckets: list[tuple[float, float]]) -> float:
+    """How far a histogram's cumulative bucket counts fall below an earlier bucket's (0 when
+    they never do). A dip is no histogram a server should send; quantiles then take the
+    running maximum, as Prometheus' histogram_quantile does."""
+    merged: dict[float, float] = {}
+    for bound, count in buckets:
+        merged[bound] = merged.get(bound, 0.0) + count
+    running = worst = 0.0
+    for _, count in sorted(merged.items()):
+        worst = max(worst, running - count)
+        running = max(running, count)
+    return worst
 
 
 def counter_delta(first: Snapshot, last: Snapshot, name: str) -> tuple[float, str | None]:
@@ -269,6 +299,12 @@ def build_report(
         errors=list(errors or []),
         timeline=timeline,
     )
+    if (why := restarted(first, last)) is not None:
+        # Every delta spans two processes' counters: none is a figure of this run.
+        report.warnings.append(f"{why}: no counter or histogram of the run is shown")
+        report.deltas = {role: None for role in COUNTER_ROLES}
+        report.histograms = {role: None for role in HISTOGRAM_ROLES}
+        return report
     for role in COUNTER_ROLES:
         # Resolved on the last scrape: a counter created during the run started at 0.
         name = first_present(last, candidate_names(runtime, role))
@@ -321,8 +357,13 @@ def build_report(
         if summary.count < 0:
             report.warnings.append(f"{base} went backwards: did the server restart?")
             report.histograms[role] = None
-        else:
-            report.histograms[role] = summary
+            continue
+        report.histograms[role] = summary
+        if summary.dip:
+            report.warnings.append(
+                f"{base}'s buckets are not cumulative (one is {summary.dip:g} below a lower "
+                "bucket): its quantiles take the running maximum, as Prometheus does"
+            )
     return report
 
 

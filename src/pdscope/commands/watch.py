@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from pdscope.analysis.rules import LiveFigures, live_findings
-from pdscope.analysis.server_metrics import counter_delta, histogram_summary
+from pdscope.analysis.server_metrics import counter_delta, histogram_summary, restarted
 from pdscope.client.server_metrics import (
     MetricsSampler,
     ScrapeError,
@@ -229,9 +229,9 @@ class Watcher:
         self.runtime = runtime
         if self.knob_runtime is None:
             self.knob_runtime = await self._knob_runtime(runtime)
-        if self._window and self._went_backwards(self._window[-1], snapshot):
+        if self._window and (why := self._restart(self._window[-1], snapshot)):
             # A restarted server starts its counters again: deltas across it mean nothing.
-            self._events.append(f"counters went backwards at {_now_iso()}: server restarted")
+            self._events.append(f"{why} at {_now_iso()}")
             self._window.clear()
         self._window.append(snapshot)
         # Keep the newest scrape at or before the window's start as its base, so the deltas
@@ -256,14 +256,18 @@ class Watcher:
             return runtime  # not an OpenAI front, or not one we can read: vLLM's knobs
         return "pdscope" if "pdscope" in owners else runtime
 
-    def _went_backwards(self, before: Snapshot, after: Snapshot) -> bool:
+    def _restart(self, before: Snapshot, after: Snapshot) -> str | None:
+        """Why the server restarted between two scrapes (None: it did not, as far as either
+        shows): its process start time moved, or a counter went backwards."""
         assert self.runtime is not None
+        if (why := restarted(before, after)) is not None:
+            return why
         for role in _COUNTER_ROLES:
             for name in candidate_names(self.runtime, role):
                 a, b = before.total(name), after.total(name)
                 if a is not None and b is not None and b < a:
-                    return True
-        return False
+                    return "counters went backwards: server restarted"
+        return None
 
     def _unreachable(self, error: str) -> WatchSnapshot:
         if self._unreachable_since is None:

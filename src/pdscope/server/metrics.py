@@ -7,7 +7,7 @@ timeline (RequestTimeline, StepRecord) through the engine's listeners on its own
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from pdscope import __version__
 from pdscope.engine.llm_engine import LLMEngine
@@ -90,6 +90,9 @@ class EngineMetrics:
 
     def __init__(self, engine: LLMEngine, model_name: str):
         self.registry = CollectorRegistry()
+        # process_* as vLLM's default registry has them: a reader sees a restart by the start
+        # time (analysis/server_metrics.restarted), and the server's memory and CPU seconds.
+        ProcessCollector(registry=self.registry)
         r, labels = self.registry, ["model_name"]
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
