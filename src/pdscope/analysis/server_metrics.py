@@ -231,7 +231,7 @@ def histogram_summary(first: Snapshot, last: Snapshot, base: str) -> HistogramSu
     )
 
 
-# prometheus_client's process collector, in vLLM's and SGLang's /metrics and pdscope serve's.
+# prometheus_client's process collector: on vLLM's /metrics (0.32.0, recorded) and pdscope serve's.
 START_TIME = "process_start_time_seconds"
 
 
