@@ -296,6 +296,10 @@ def fake_app() -> FastAPI:
     async def nomodels() -> dict:
         return {"object": "list", "data": []}
 
+    @app.post("/nomodels/tokenize")
+    async def nomodels_tokenize() -> dict:
+        return {"tokens": [1, 2], "count": 2}
+
     @app.post("/toknokey/tokenize")
     async def toknokey() -> dict:
         return {"count": 3}  # a 200 without the token ids
@@ -565,6 +569,7 @@ def test_odd_answers_are_one_line_or_no_value_fake(fake: str) -> None:
     with pytest.raises(ProbeError, match="lists no models; pass --model"):
         runtime.pick_model(None)
     assert runtime.pick_model("m") == "m"
+    assert runtime.has_tokenize  # and its /tokenize is used (it was not tried: estimated prompts)
     trace = Trace("openai-completions", "u", "m", output_tokens=0, start_s=0.0, end_s=1.0)
     trace.chunks = [Chunk(0.1 * i, "x") for i in range(1, 4)]
     assert trace.n_output == 3

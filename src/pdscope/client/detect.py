@@ -100,7 +100,7 @@ async def detect(
         evidence.append(f"/metrics ({metric_runtime or 'unknown names'})")
     has_tokenize = False
     tokenize_key = "prompt"
-    if openai_models:
+    if openai_listed:  # an empty list too: --model names what the server does not list
         # vLLM/SGLang/pdscope read "prompt" and return {"tokens": [...]}. llama.cpp reads
         # "content" and answers 200 with no tokens to a "prompt": a tokenizer that tokenizes
         # nothing is no tokenizer, so each field is tried and the one that yields tokens kept.
