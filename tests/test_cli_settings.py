@@ -224,7 +224,24 @@ def test_a_load_flag_typed_at_its_default_is_still_the_load_asked_for() -> None:
         (["plan", "--compare", "--device", "a10g"], "takes only 'local'"),
         (["simulate", "--plot", "p.png"], "--plot has no effect without --plan-capacity"),
         (["simulate", "--plan-tp", "3"], "--plan-tp has no effect without --plan-capacity"),
-        (["simulate", "--tp-link", "nvlink3"], "without a tensor-parallel size above 1"),
+        (["simulate", "--tp-link", "nvlink3"], "without a pool at a tensor-parallel size above 1"),
+        (
+            # -tp 2 overridden by both pools' own tp=1: no pool uses the link
+            [
+                "simulate",
+                "-tp",
+                "2",
+                "--disaggregate",
+                "1:1",
+                "--prefill-args",
+                "tp=1",
+                "--decode-args",
+                "tp=1",
+                "--tp-link",
+                "nvlink3",
+            ],
+            "without a pool at a tensor-parallel size above 1",
+        ),
         (
             ["simulate", "--kv-link-gb-s", "1"],
             "--kv-link-gb-s has no effect without --disaggregate",

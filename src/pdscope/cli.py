@@ -1099,13 +1099,14 @@ def simulate(
     check_output(plot, "--plot", figure=True)
     with exit_on(2, SpecError):
         pool_tp = [
-            PoolArgs.parse(text, flag).tensor_parallel_size or 1
+            PoolArgs.parse(text, flag).tensor_parallel_size or tensor_parallel_size
             for text, flag in ((prefill_args, "--prefill-args"), (decode_args, "--decode-args"))
         ]
+    # Disaggregated, each pool runs its own tp= or else -tp: `-tp 2` with both at tp=1 has none.
+    largest_tp = max(pool_tp) if disaggregate is not None else tensor_parallel_size
     _check_simulate_options(
         ctx,
-        workload, calibrate, find_capacity, plan_capacity, max(tensor_parallel_size, *pool_tp),
-        disaggregate, replicas, gpus,
+        workload, calibrate, find_capacity, plan_capacity, largest_tp, disaggregate, replicas, gpus,
     )  # fmt: skip
     with exit_on(2, SpecError, ValueError):
         settings = SimulateSettings.from_flags(
@@ -1195,7 +1196,7 @@ def _check_simulate_options(
     only_with(
         ctx,
         tp > 1 or plan_capacity,
-        "a tensor-parallel size above 1 (-tp, or tp= in a pool's args)",
+        "a pool at a tensor-parallel size above 1 (-tp, or a pool's own tp=, which overrides -tp)",
         "tp_link", "tp_link_gb_s", "tp_link_latency_us",
     )  # fmt: skip
     only_with(
