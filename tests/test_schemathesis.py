@@ -69,4 +69,4 @@ def test_schemathesis_all_checks(short_context: Server, tmp_path: Path) -> None:
     )
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-6000:]
-    assert "Tested: 14" in out, out[-3000:]  # every operation, GET / among them
+    assert "Tested: 15" in out, out[-3000:]  # every operation, GET / among them

@@ -247,6 +247,9 @@ def test_ollama_counts_whole_prompt_when_cached(server: Server) -> None:
         ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "seed"),
         ("/v1/completions", {"prompt": "x", "stop": ""}, 400, "stop"),
         ("/v1/completions", {"prompt": "x", "logprobs": 5}, 400, "logprobs"),
+        # 0 asks for the sampled token's logprob (OpenAI, vLLM): refused, not answered null
+        ("/v1/completions", {"prompt": "x", "logprobs": 0}, 400, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens"),
         ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
         (
             "/v1/completions",
@@ -280,6 +283,8 @@ def test_openai_errors(server: Server, path: str, body, status: int, needle: str
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 2000}]},
          "messages"),
         ("/v1/completions", "{not json", None),
+        ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, "min_tokens"),
     ],
 )  # fmt: skip
 def test_openai_errors_name_the_field(server: Server, path: str, body, param: str | None) -> None:
@@ -299,7 +304,7 @@ def test_openai_errors_name_the_field(server: Server, path: str, body, param: st
         ("/api/generate", "{bad", 400),
         ("/api/generate", {"prompt": "hi"}, 400),
         ("/api/generate", {"model": "llama3", "prompt": "hi"}, 404),
-        ("/api/chat", {"model": "tiny", "messages": []}, 400),
+        ("/api/chat", {"model": "tiny", "messages": "hi"}, 400),
         (
             "/api/generate",
             '{"model": "tiny", "prompt": "hi", "options": {"temperature": 1e400}}',
@@ -333,6 +338,8 @@ def test_ollama_errors(server: Server, path: str, body, status: int) -> None:
             "'options.min_p'",
         ),
         ("/api/generate", {"options": {"num_ctx": "x"}}, {"options": {"num_ctx": 64}}, "num_ctx"),
+        # a context smaller than the prompt: Ollama cuts the prompt; refused here
+        ("/api/generate", {"options": {"num_ctx": 4}}, {"options": {"num_ctx": 4096}}, "num_ctx"),
         ("/api/chat", {"tools": [{"type": "function"}]}, {"tools": None}, "'tools'"),
         (
             "/api/chat",
@@ -383,7 +390,48 @@ def test_nulls_and_neutral_values_are_accepted(server: Server) -> None:
         },
     )
     assert r.status_code == 400 and "seed" in r.json()["error"]
+    # null for a boolean or an object reads as its default, as OpenAI's and Ollama's types take it
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        json={**body, "stream": None, "stream_options": None},
+        timeout=30,
+    )
+    assert r.status_code == 200 and r.json()["object"] == "text_completion", r.text
+    r = httpx.post(
+        f"{server.url}/api/generate",
+        json={"model": server.model, "prompt": "x", "stream": None, "raw": None, "options": None},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    lines = [json.loads(line) for line in r.text.splitlines()]
+    assert len(lines) >= 2 and lines[-1]["done"]  # null stream: streamed, Ollama's default
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_ollama_chat_without_messages_loads_and_num_ctx_bounds_the_output(server: Server) -> None:
+    """Ollama's ways a client loads a model and sizes its context: an empty message list
+    answers a done object with done_reason "load" (it was a 400); options.num_ctx caps the
+    output at the context's room (it was ignored), and num_predict 0 is no limit, as in
+    Ollama's runners (it gave one token)."""
+    o = ollama.Client(host=server.url)
+    loaded = o.chat(model=server.model, messages=[])
+    assert loaded.done and loaded.done_reason == "load" and loaded.message.content == ""
+    prompt = o.generate(model=server.model, prompt="Hi", options={"num_predict": 1})
+    room = 6
+    options = {"num_ctx": prompt.prompt_eval_count + room, "num_predict": 0, "temperature": 0}
+    capped = o.generate(model=server.model, prompt="Hi", options=options | {"stop": []})
+    assert capped.eval_count <= room
+    assert capped.eval_count == room or capped.done_reason == "stop"
+    unlimited = o.generate(model=server.model, prompt="Hi", options={"num_predict": 0})
+    assert unlimited.eval_count > 1 or unlimited.done_reason == "stop"
+
+
+def test_openai_retrieve_model(server: Server) -> None:
+    c = client(server)
+    card = c.models.retrieve(server.model)
+    assert card.id == server.model and card.owned_by == "pdscope"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        c.models.retrieve("gpt-4")
 
 
 def test_tokenize_roundtrip(server: Server) -> None:

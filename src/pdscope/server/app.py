@@ -93,7 +93,9 @@ def build_app(state: ServerState) -> Guard:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         problems = validation_problems(exc.errors())
-        param = next((where for where in problems if where), None)
+        # A model-level refusal (FieldError) names its field; pydantic's location cannot.
+        named = (getattr((e.get("ctx") or {}).get("error"), "param", None) for e in exc.errors())
+        param = next(filter(None, named), None) or next((w for w in problems if w), None)
         message = "invalid request: " + "; ".join(
             f"{where}: {msg}" if where else msg for where, msg in problems.items()
         )

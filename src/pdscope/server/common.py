@@ -142,8 +142,10 @@ class ServerState:
         """Sampling parameters from a request body; a bad combination is the client's 400."""
         try:
             return build()
-        except ValueError as exc:
-            raise APIError(400, f"invalid sampling parameters: {exc}") from exc
+        except ValueError as exc:  # a FieldError names its field
+            raise APIError(
+                400, f"invalid sampling parameters: {exc}", param=getattr(exc, "param", None)
+            ) from exc
 
     def max_tokens_for(
         self,

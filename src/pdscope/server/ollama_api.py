@@ -22,11 +22,20 @@ from fastapi.responses import StreamingResponse
 from pdscope import __version__
 from pdscope.engine.async_engine import EngineDeadError
 from pdscope.engine.llm_engine import RequestOutput
-from pdscope.server.common import Dialect, ServerState, TextDeltas, collect, ndjson, state_of
+from pdscope.server.common import (
+    APIError,
+    Dialect,
+    ServerState,
+    TextDeltas,
+    collect,
+    ndjson,
+    state_of,
+)
 from pdscope.server.protocol import (
     ChatMessage,
     OllamaChatRequest,
     OllamaGenerateRequest,
+    OllamaOptions,
     OllamaShowRequest,
 )
 
@@ -59,12 +68,23 @@ async def _respond(
     s: ServerState,
     request: Request,
     ids: list[int],
-    options: Any,
+    options: OllamaOptions,
     stream_it: bool,
     shape: str,
 ) -> Any:
     """Run a request and answer as Ollama does: NDJSON lines or one object."""
     limit = s.max_tokens_for(ids, None)
+    if options.num_ctx is not None and options.num_ctx < s.llm.max_model_len:
+        # The request's own context window. Ollama would cut such a prompt down to fit (and
+        # say so only in its log); a cut prompt is not the prompt sent, so it is refused.
+        if len(ids) >= options.num_ctx:
+            raise APIError(
+                400,
+                f"the prompt has {len(ids)} tokens, which options.num_ctx {options.num_ctx} "
+                "cannot hold (Ollama would drop its start to fit; pdscope does not)",
+                param="options.num_ctx",
+            )
+        limit = min(limit, options.num_ctx - len(ids))
     params = s.sampling(lambda: options.sampling(limit))
     stream = await s.start(request, ids, params, f"ollama-{uuid.uuid4().hex}")
 
@@ -123,15 +143,24 @@ async def generate(body: OllamaGenerateRequest, request: Request) -> Any:
         if body.system:
             messages.insert(0, ChatMessage(role="system", content=body.system))
         ids = await s.chat_prompt(messages)
-    return await _respond(s, request, ids, body.options, body.stream, "generate")
+    return await _respond(s, request, ids, body.run_options, body.streams, "generate")
 
 
 @router.post("/api/chat", response_model=None)
 async def chat(body: OllamaChatRequest, request: Request) -> Any:
     s = state_of(request)
     s.check_model(body.model)
+    if not body.messages:
+        # Ollama answers an empty message list by loading the model: a done object, no text.
+        return {
+            "model": s.model_name,
+            "created_at": _now(),
+            "message": {"role": "assistant", "content": ""},
+            "done": True,
+            "done_reason": "load",
+        }
     ids = await s.chat_prompt(body.messages)
-    return await _respond(s, request, ids, body.options, body.stream, "chat")
+    return await _respond(s, request, ids, body.run_options, body.streams, "chat")
 
 
 def _details(s: ServerState) -> dict[str, Any]:

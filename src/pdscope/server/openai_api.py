@@ -34,22 +34,32 @@ from pdscope.server.protocol import (
 router = APIRouter()
 
 
+def _card(s: ServerState) -> dict[str, Any]:
+    return {
+        "id": s.model_name,
+        "object": "model",
+        "created": s.created,
+        "owned_by": "pdscope",
+        "root": str(s.llm.path),
+        "max_model_len": s.llm.max_model_len,
+    }
+
+
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_card(state_of(request))]}
+
+
+@router.get("/v1/models/{model:path}")
+async def model(model: str, request: Request) -> dict[str, Any]:
+    """OpenAI's retrieve: the served model's card, or a 404 naming what is served."""
     s = state_of(request)
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": s.model_name,
-                "object": "model",
-                "created": s.created,
-                "owned_by": "pdscope",
-                "root": str(s.llm.path),
-                "max_model_len": s.llm.max_model_len,
-            }
-        ],
-    }
+    if model != s.model_name:  # exactly: a ":latest" name is Ollama's, not OpenAI's
+        raise APIError(
+            404, f"The model `{model}` does not exist; this server serves `{s.model_name}`.",
+            "NotFoundError", "model",
+        )  # fmt: skip
+    return _card(s)
 
 
 async def _completion_prompt(s: ServerState, prompt: Any) -> list[int]:

@@ -53,6 +53,8 @@ def _patch(schema: dict[str, Any], llm: LLMEngine, dialects: Sequence[Dialect]) 
             codes = ["401", "403", "500"]
             if method == "post":
                 codes += ["400", "404", "413", "415"]
+            elif "{model" in path:
+                codes.append("404")
             if path in stream_types:  # generating routes: the queue may be full
                 codes.append("503")
             for code in codes:

@@ -73,7 +73,7 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 # What torch.Generator.manual_seed accepts; the bounds go into the schema as exact integers.
@@ -85,7 +85,7 @@ Seed = Annotated[
 
 # OpenAI parameters pdscope does not implement, with the values that mean "not used".
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
+    "logprobs": (None, False),  # 0 still asks for the sampled token's logprob
     "top_logprobs": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
@@ -113,9 +113,14 @@ class _OpenAISampling(_Body):
     stop: NonEmptyText | list[NonEmptyText] | None = None
     stop_token_ids: IdList | None = None
     ignore_eos: bool = False
-    min_tokens: NonNegative = 0
+    # bounded in the schema as max_tokens is: never more than the context's room
+    min_tokens: Annotated[
+        int, Field(ge=0, json_schema_extra={"x-pdscope": "max-tokens"}), BeforeValidator(_integral)
+    ] = 0
     n: Annotated[Literal[1], BeforeValidator(_integral)] | None = None
-    stream: bool = False
+    stream: bool | None = False  # null: the default
+    # Without a stream it asks for nothing missing (a whole response carries its usage), so it
+    # is taken, where vLLM and OpenAI refuse it: a schema cannot say "only with stream: true".
     stream_options: StreamOptions | None = None
 
     @model_validator(mode="before")
@@ -144,8 +149,15 @@ class _OpenAISampling(_Body):
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
-            min_tokens=min(self.min_tokens, max_tokens),
+            min_tokens=self._min_tokens(max_tokens),
         )
+
+    def _min_tokens(self, max_tokens: int) -> int:
+        if self.min_tokens > max_tokens:  # vLLM refuses it too; it was cut to max_tokens
+            raise FieldError(
+                "min_tokens", f"min_tokens {self.min_tokens} is more than max_tokens {max_tokens}"
+            )
+        return self.min_tokens
 
     @property
     def include_usage(self) -> bool:
@@ -232,17 +244,34 @@ OLLAMA_UNSUPPORTED_OPTIONS: dict[str, tuple[Any, ...]] = {
 }
 
 
+class FieldError(ValueError):
+    """A refusal that names its field: the 400's ``param`` (a model-level check has none)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
+
+
 def _refuse(data: Any, unsupported: dict[str, tuple[Any, ...]], where: str) -> Any:
     if isinstance(data, dict):
         for key, neutral in unsupported.items():
-            if key in data and data[key] not in neutral:
-                raise ValueError(f"'{where}{key}' is not supported by pdscope (got {data[key]!r})")
+            # 0 == False in Python, but logprobs 0 asks for something and false does not
+            if key in data and not any(_same(data[key], n) for n in neutral):
+                raise FieldError(
+                    f"{where}{key}",
+                    f"'{where}{key}' is not supported by pdscope (got {data[key]!r})",
+                )
     return data
 
 
 class OllamaOptions(_Body):
     num_predict: Int | None = None
-    num_ctx: Int | None = None  # the context is the server's --max-model-len; typed, not used
+    # The request's context window, capped by the server's --max-model-len (ollama_api._respond).
+    num_ctx: Annotated[int, Field(ge=1), BeforeValidator(_integral)] | None = None
     temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
     seed: Seed | None = None
     stop: list[NonEmptyText] | None = None
@@ -250,10 +279,11 @@ class OllamaOptions(_Body):
     top_k: NonNegative | None = None
 
     def sampling(self, limit: int) -> SamplingParams:
-        # Ollama: num_predict -1 (or absent) means "until the context is full"; its default
-        # temperature is 0.8 and top_k 40, top_p 0.9.
+        # Ollama: num_predict -1 (or absent) means "until the context is full", and so does 0
+        # (its runners stop at the limit only when it is above 0); its default temperature is
+        # 0.8 and top_k 40, top_p 0.9.
         n = self.num_predict
-        max_tokens = limit if n is None or n < 0 else min(max(n, 1), limit)
+        max_tokens = limit if n is None or n <= 0 else min(n, limit)
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=0.8 if self.temperature is None else self.temperature,
@@ -279,20 +309,30 @@ class _OllamaBody(_Body):
         return _refuse(data, OLLAMA_UNSUPPORTED, "")
 
 
-class OllamaGenerateRequest(_OllamaBody):
+class _OllamaRun(_OllamaBody):
+    # null reads as absent, as Ollama's Go types take it: a stream, default options
+    stream: bool | None = True
+    options: OllamaOptions | None = None
+
+    @property
+    def streams(self) -> bool:
+        return self.stream is not False
+
+    @property
+    def run_options(self) -> OllamaOptions:
+        return self.options or OllamaOptions()
+
+
+class OllamaGenerateRequest(_OllamaRun):
     model: Text
     prompt: Text = ""
     system: Text | None = None
-    raw: bool = False
-    stream: bool = True
-    options: OllamaOptions = Field(default_factory=OllamaOptions)
+    raw: bool | None = False
 
 
-class OllamaChatRequest(_OllamaBody):
+class OllamaChatRequest(_OllamaRun):
     model: Text
-    messages: list[ChatMessage] = Field(min_length=1)
-    stream: bool = True
-    options: OllamaOptions = Field(default_factory=OllamaOptions)
+    messages: list[ChatMessage] = Field(default_factory=list)  # none: load the model
 
 
 class OllamaShowRequest(_Body):
