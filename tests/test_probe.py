@@ -120,6 +120,19 @@ def test_probe_ollama_dialect(medium_server: Server) -> None:
     assert r["prefix_cache"]["best_warm_over_cold"] < 0.5
 
 
+def test_ollamas_eval_rate_counts_the_gaps_between_its_tokens() -> None:
+    """Ollama starts eval_duration at its first token: 32 tokens 50 ms apart are 31 gaps,
+    20 tok/s, as the client's decode rate counts them; count/duration read 20.6 (32/31 fast)."""
+    from pdscope.analysis.probe import point
+
+    t = Trace("ollama", "u", "m", start_s=0.0, end_s=2.0, output_tokens=32, prompt_tokens=64)
+    t.chunks = [Chunk(0.4 + 0.05 * i, "x") for i in range(32)]
+    t.server["ollama"] = {"eval_count": 32, "eval_duration": round(31 * 0.05e9)}
+    p = point([t])
+    assert p["server_eval_tok_s"] == pytest.approx(20.0)
+    assert p["decode_tok_s"] == pytest.approx(20.0)  # the client's own, the same definition
+
+
 def test_every_check_fits_a_short_context(tiny_model: Path, tmp_path: Path) -> None:
     """A server of 64 tokens: the context and batched checks' fixed 64-token prompts were sent
     anyway and failed (10 HTTP 400s); every check now fits what the server can hold."""

@@ -122,8 +122,13 @@ def point(traces: list[Trace]) -> dict[str, Any]:
         out["server_prompt_eval_ms"] = median(
             [s["prompt_eval_duration"] / 1e6 for s in server if s.get("prompt_eval_duration")]
         )
+        # Ollama's eval_duration runs from its first token to its last (its runners start the
+        # clock at the first sampled token), so it spans eval_count - 1 gaps: count/duration
+        # (Ollama's own "eval rate") reads 32/31 fast at 32 tokens.
         evals = [
-            s["eval_count"] / (s["eval_duration"] / 1e9) for s in server if s.get("eval_duration")
+            (s["eval_count"] - 1) / (s["eval_duration"] / 1e9)
+            for s in server
+            if s.get("eval_duration") and (s.get("eval_count") or 0) >= 2
         ]
         out["server_eval_tok_s"] = median(evals)
     timings = [t.server.get("llamacpp") for t in good if t.server.get("llamacpp")]
