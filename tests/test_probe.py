@@ -805,6 +805,7 @@ def test_repeated_seed_on_the_embedded_server(medium_server: Server) -> None:
     first = asyncio.run(probe(settings(medium_server.url, seed=99, device="local", **kw)))
     assert all(p["cache_hits"] == 0 for p in first["sweep"]) and not first["unmeasured"]
     assert len(first["ceiling"]["bandwidth_readings_gb_s"]) == 2  # before and after
+    assert len(first["ceiling"]["tflops_readings"]) == 2 and first["ceiling"]["peak_tflops"] > 0
     assert first["served_model"]["params"] > 1e6 and first["context"]["bytes"]["weight_bytes"]
     warm = next(t for t in first["traces"] if t["label"] == "prefix-warm")
     assert warm["cached_source"] == "server-usage"
@@ -906,6 +907,30 @@ def test_impossible_results_get_no_verdict() -> None:
     titles = [f["finding"] for f in r["findings"]]
     assert "Faster than the hardware allows: no verdict on the ceiling" in titles
     assert not any("bandwidth ceiling" in t for t in titles)
+
+
+def test_a_matmul_rate_that_moved_withholds_the_prefill_verdict() -> None:
+    """Another tenant halved the machine's matmul rate between readings (0.215 then 0.40
+    TFLOP/s): a floor from the slow one put a real 400 ms prefill at 132% of it, "impossible;
+    likely the wrong device". Readings apart by more than the noise limit give no verdict on
+    prefill; steady ones keep the impossible verdict."""
+    from pdscope.analysis.probe import Ceilings, analyze
+
+    def ceilings(tflops: list[float]) -> Ceilings:
+        return Ceilings(
+            "this machine", lambda n: 1000.0, lambda n: 0.528 if n == 1000 else 0.01, "m", 1e8,
+            [20.0, 20.2], tflops, max(tflops),
+        )  # fmt: skip
+
+    moved = analyze(_probe_traces([40.0, 41.0]), "pdscope", ceilings([0.215, 0.40]))["ceiling"]
+    assert moved["prefill_pct_of_floor"] == pytest.approx(132, rel=0.01)
+    assert not moved["impossible"] and "0.215 and 0.400 TFLOP/s" in moved["compute_noisy"]
+    assert moved["tflops_readings"] == [0.215, 0.40] and moved["peak_tflops"] == 0.40
+    r = analyze(_probe_traces([40.0, 41.0]), "pdscope", ceilings([0.215, 0.40]))
+    titles = [f["finding"] for f in r["findings"]]
+    assert "The machine is noisy: no verdict on prefill against the compute floor" in titles
+    steady = analyze(_probe_traces([40.0, 41.0]), "pdscope", ceilings([0.39, 0.40]))["ceiling"]
+    assert steady["impossible"] and "132% of the compute floor" in steady["impossible"][0]
 
 
 def test_noisy_machine_withholds_the_verdict() -> None:

@@ -36,6 +36,9 @@ class Ceilings:
     # This machine's bandwidth read before and after the probe (device "local"); the ceiling
     # uses their mean. Empty for a catalog device.
     bandwidth_readings_gb_s: list[float] = field(default_factory=list)
+    # Its bf16 matmul rate read with them (TFLOP/s), and the peak the floor assumed.
+    tflops_readings: list[float] = field(default_factory=list)
+    peak_tflops: float | None = None
 
 
 @dataclass
@@ -427,6 +430,8 @@ def _ceiling(
         "model": c.model,
         "model_params": c.model_params,
         "bandwidth_readings_gb_s": readings,
+        "tflops_readings": c.tflops_readings,
+        "peak_tflops": c.peak_tflops,
         "points": [],
     }
     for p in result["sweep"]:
@@ -462,6 +467,7 @@ def _ceiling(
     out["prefill_pct_of_floor"] = timed[-1]["prefill_pct_of_floor"] if timed else None
     sweep_first = next((p for p in result["sweep"] if p["decode_tok_s"]), None)
     out["bandwidth_spread"] = _spread(readings)
+    out["compute_spread"] = _spread(c.tflops_readings)
     out["repeat_spread"] = (
         _spread([sweep_first["decode_tok_s_min"], sweep_first["decode_tok_s_max"]])
         if sweep_first
@@ -480,6 +486,13 @@ def _ceiling(
             f"({_over_limit(out['repeat_spread'])} apart)"
         )
     out["noisy"] = noisy
+    out["compute_noisy"] = None
+    if (out["compute_spread"] or 0) > NOISE_LIMIT:
+        # Kept apart from `noisy` (the decode verdict's): it only withholds the prefill verdict.
+        out["compute_noisy"] = (
+            f"the matmul rate read {' and '.join(f'{t:.3f}' for t in c.tflops_readings)} "
+            f"TFLOP/s before and after ({_over_limit(out['compute_spread'])} apart)"
+        )
     out["impossible"] = _impossible(out, result, c, served)
     return out
 
@@ -492,7 +505,7 @@ def _impossible(
     over = []
     if (out["decode_pct_of_ceiling"] or 0) > 100:
         over.append(f"decode at {out['decode_pct_of_ceiling']:.0f}% of the bandwidth ceiling")
-    if (out["prefill_pct_of_floor"] or 0) > 100:
+    if (out["prefill_pct_of_floor"] or 0) > 100 and not out.get("compute_noisy"):
         over.append(f"prefill at {out['prefill_pct_of_floor']:.0f}% of the compute floor")
     if not over:
         return []
@@ -726,7 +739,15 @@ def findings(r: dict[str, Any], runtime: str) -> list[dict[str, str]]:
                 f"more needs fewer bytes per token: {knob('quantize', runtime)}",
             )
     pct_floor = ceiling.get("prefill_pct_of_floor") if ceiling else None
-    if ceiling and pct_floor and not ceiling.get("impossible"):
+    if ceiling and pct_floor and ceiling.get("compute_noisy") and not ceiling.get("impossible"):
+        add(
+            "ttft",
+            "The machine is noisy: no verdict on prefill against the compute floor",
+            f"{pct_floor:.0f}% of the floor at the best reading, but {ceiling['compute_noisy']} "
+            f"(more than {NOISE_LIMIT:.0%})",
+            "run again on a quiet machine (nothing else using its cores)",
+        )
+    elif ceiling and pct_floor and not ceiling.get("impossible"):
         add(
             "ttft",
             "Prefill against the compute floor",

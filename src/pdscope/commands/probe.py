@@ -314,19 +314,27 @@ def model_bytes_for(s: ProbeSettings, root: str | None) -> ModelBytes | None:
     )
 
 
-def measure_bandwidth_gb_s() -> float:
-    """This machine's streaming read bandwidth now (probe takes one reading before its
-    requests and one after: decode verdicts on a shared machine need both)."""
+def measure_local() -> tuple[float, float]:
+    """This machine's streaming read bandwidth (GB/s) and bf16 matmul rate (TFLOP/s) now.
+    probe takes one reading before its requests and one after: on a shared machine another
+    tenant can halve either, and a verdict against the roofline needs both readings."""
     from pdscope.specs.local import measure
 
-    return measure(array_mib=256, repeats=3).bandwidth_gb_s
+    m = measure(array_mib=256, repeats=3)
+    return m.bandwidth_gb_s, m.matmul_tflops
 
 
 def ceilings_for(
-    s: ProbeSettings, output_tokens: int, root: str | None, readings_gb_s: list[float]
+    s: ProbeSettings,
+    output_tokens: int,
+    root: str | None,
+    readings_gb_s: list[float],
+    readings_tflops: list[float] | None = None,
 ) -> tuple[Ceilings | None, list[str]]:
     """The roofline for this model on the given device, when both are known. On this machine
-    ('local') the bandwidth is the mean of the readings taken around the probe."""
+    ('local') the bandwidth is the mean of the readings taken around the probe, and a bf16
+    model's peak FLOP/s the best of the bf16 matmul readings (another tenant only slows a
+    matmul: one slowed reading put a real prefill at 132% of the floor)."""
     if not s.device:
         return None, []
     from pdscope.commands.plan import resolve
@@ -338,9 +346,16 @@ def ceilings_for(
         return None, ["no model for the ceiling: pass --plan-model (a preset or config.json)"]
     local = s.device.lower() == "local"
     mean_gb_s = sum(readings_gb_s) / len(readings_gb_s) if local and readings_gb_s else None
+    tflops = list(readings_tflops or []) if local else []
+    dtype = _dtype_of(s, root)
     try:
         p = resolve(
-            model=model, device=s.device, dtype=_dtype_of(s, root), bandwidth_gb_s=mean_gb_s
+            model=model,
+            device=s.device,
+            dtype=dtype,
+            bandwidth_gb_s=mean_gb_s,
+            # the readings are bf16 matmuls: another dtype's peak is plan's own measurement
+            tflops=max(tflops) if tflops and dtype == "bf16" else None,
         )
     except SpecError as exc:
         return None, [f"no ceiling: {exc}"]
@@ -357,7 +372,13 @@ def ceilings_for(
         if not local
         else "this machine ("
         + " and ".join(f"{g:.1f}" for g in readings_gb_s)
-        + " GB/s measured before and after)"
+        + " GB/s"
+        + (
+            ", bf16 matmul " + " and ".join(f"{t:.3f}" for t in tflops) + " TFLOP/s"
+            if tflops
+            else ""
+        )
+        + " measured before and after)"
     )
     return (
         Ceilings(
@@ -367,6 +388,8 @@ def ceilings_for(
             model=p.model.name,
             model_params=p.model.total_params,
             bandwidth_readings_gb_s=list(readings_gb_s) if local else [],
+            tflops_readings=tflops,
+            peak_tflops=p.device.tflops_bf16,
         ),
         [],
     )
@@ -421,7 +444,7 @@ async def probe(
         if on_start:
             on_start(prober.planned_requests())
         local = (s.device or "").lower() == "local"
-        readings = [measure_bandwidth_gb_s()] if local else []
+        readings = [measure_local()] if local else []
         partial = None
         try:
             await prober.run()
@@ -436,7 +459,7 @@ async def probe(
                 task.uncancel()
             partial = INTERRUPTED
         if local:
-            readings.append(measure_bandwidth_gb_s())
+            readings.append(measure_local())
         try:
             # After Ctrl-C the user waits: two quick questions, not two of --timeout each.
             limit_s = INTERRUPTED_LOOKUP_S if partial == INTERRUPTED else None
@@ -445,7 +468,9 @@ async def probe(
             served = {"name": model, "max_model_len": runtime.max_model_len}
 
     root = served.get("root")
-    ceilings, more = ceilings_for(s, s.output_tokens, root, readings)
+    ceilings, more = ceilings_for(
+        s, s.output_tokens, root, [r[0] for r in readings], [r[1] for r in readings]
+    )
     notes += more
     result = analyze(
         prober.traces, runtime.name, ceilings, model_bytes_for(s, root), served_model=served
