@@ -814,6 +814,11 @@ def test_repeated_seed_on_the_embedded_server(medium_server: Server) -> None:
     }
     again = asyncio.run(probe(settings(medium_server.url, seed=99, **kw)))
     assert all(p["cache_hit"] for p in again["sweep"]) and again["unmeasured"]
+    # The cold request and the context check were served from the cache too, and say so (the
+    # cold one read as a cold start; the check as "no decode rate").
+    assert again["cold"]["cache_hit"] and not first["cold"]["cache_hit"]
+    context = next(u for u in again["unmeasured"] if u.startswith("context check"))
+    assert "hit the prefix cache" in context, again["unmeasured"]
 
 
 def _trace(label: str, prompt: int, ttft_s: float, tok_s: float, n: int = 9) -> Trace:
@@ -861,6 +866,13 @@ def test_prefix_check_survives_one_disturbed_send() -> None:
     assert pc["cold_ttft_ms"] == pytest.approx(34) and pc["warm_ttft_ms"] == pytest.approx(12)
     assert pc["warm_over_cold"] == pytest.approx(12 / 34)
     assert pc["best_warm_over_cold"] == pytest.approx(11 / 30)
+    # 1,016-token prompts are a 1,000-token prefix and a fresh 16: the prefix is named (it
+    # read "a repeated 1016-token prefix").
+    assert pc["prefix_tokens"] == 1000 and pc["prompt_tokens"] == 1016
+    works = next(
+        f for f in analyze(traces, "pdscope")["findings"] if f["finding"] == "Prefix caching works"
+    )
+    assert "a repeated 1000-token prefix" in works["evidence"]
     # One warm send that missed the cache shows in the count: the fewest, not the median.
     traces[-1].cached_tokens = 0
     assert analyze(traces, "pdscope")["prefix_cache"]["cached_tokens"] == 0

@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import httpx
 
-from pdscope.analysis.probe import Ceilings, ModelBytes, analyze
+from pdscope.analysis.probe import PREFIX_TAIL_TOKENS, Ceilings, ModelBytes, analyze
 from pdscope.client.adapters import (
     API_OLLAMA,
     API_OPENAI_CHAT,
@@ -175,17 +175,18 @@ class Prober:
                 await self.send(await self.prompt(n), n, "sweep")
         # At least MIN_PREFIX_TOKENS: a prefix shorter than a server's KV block (16 tokens in
         # vLLM) cannot be cached, and its "not reused" would be a false finding.
+        tail_n = PREFIX_TAIL_TOKENS
         p = s.prefix_tokens or max(
-            1, self.fitting(max(s.prompt_tokens[-1], MIN_PREFIX_TOKENS) + 16) - 16
+            1, self.fitting(max(s.prompt_tokens[-1], MIN_PREFIX_TOKENS) + tail_n) - tail_n
         )
         # Several fresh prefixes, each sent cold then warm: the check compares medians, so one
         # request disturbed by the host cannot turn a working cache into a "not reused".
         for _ in range(PREFIX_PAIRS):
             shared = await self.prompt(p)
             for label in ("prefix-cold", "prefix-warm"):
-                tail = await self.prompt(16)
+                tail = await self.prompt(tail_n)
                 prompt = shared + tail if isinstance(shared, list) else f"{shared} {tail}"
-                await self.send(prompt, p + 16, label)
+                await self.send(prompt, p + tail_n, label)
         short = self.fitting(64)
         for label, n in (("context-short", short), ("context-long", self.context_tokens)):
             for _ in range(2):

@@ -34,6 +34,12 @@ def render_probe(r: dict[str, Any], console: Console) -> None:
         console.print(
             f"cold request (not mixed in): TTFT {_f(c['ttft_ms'])} ms, decode "
             f"{_f(c['decode_tok_s'], '{:,.1f}')} tok/s"
+            + (
+                f" [yellow](not cold: {c['cached_tokens']:,} of {c['prompt_tokens']:,} prompt "
+                "tokens came from the prefix cache)[/]"
+                if c.get("cache_hit")
+                else ""
+            )
         )
 
     table = Table(
@@ -98,7 +104,8 @@ def render_probe(r: dict[str, Any], console: Console) -> None:
     pc = r.get("prefix_cache")
     if pc:
         console.print(
-            f"prefix cache: {pc['prompt_tokens']:,}-token prefix, TTFT "
+            f"prefix cache: {_f(pc.get('prefix_tokens'), '{:,}')}-token prefix (+ a fresh "
+            f"{pc.get('tail_tokens')}), TTFT "
             f"{_f(pc['cold_ttft_ms'])} → {_f(pc['warm_ttft_ms'])} ms "
             f"({pc['warm_over_cold']:.0%}), cached tokens reported: "
             f"{_f(pc['cached_tokens'])}"
