@@ -120,7 +120,7 @@ def test_probe_ollama_dialect(medium_server: Server) -> None:
     assert r["prefix_cache"]["best_warm_over_cold"] < 0.5
 
 
-def test_ollamas_eval_rate_counts_the_gaps_between_its_tokens() -> None:
+def test_server_decode_rates_count_the_gaps_between_tokens() -> None:
     """Ollama starts eval_duration at its first token: 32 tokens 50 ms apart are 31 gaps,
     20 tok/s, as the client's decode rate counts them; count/duration read 20.6 (32/31 fast)."""
     from pdscope.analysis.probe import point
@@ -131,6 +131,10 @@ def test_ollamas_eval_rate_counts_the_gaps_between_its_tokens() -> None:
     p = point([t])
     assert p["server_eval_tok_s"] == pytest.approx(20.0)
     assert p["decode_tok_s"] == pytest.approx(20.0)  # the client's own, the same definition
+    # llama.cpp's clock starts at its first token too (predicted_per_second 20.6 here)
+    del t.server["ollama"]
+    t.server["llamacpp"] = {"predicted_n": 32, "predicted_ms": 1550.0, "predicted_per_second": 20.6}
+    assert point([t])["server_predicted_tok_s"] == pytest.approx(20.0)
 
 
 def test_every_check_fits_a_short_context(tiny_model: Path, tmp_path: Path) -> None:

@@ -140,8 +140,14 @@ def point(traces: list[Trace]) -> dict[str, Any]:
     timings = [t.server.get("llamacpp") for t in good if t.server.get("llamacpp")]
     if timings:
         out["server_prompt_ms"] = median([x["prompt_ms"] for x in timings if "prompt_ms" in x])
+        # llama.cpp starts predicted_ms at its first token too, and its predicted_per_second
+        # is predicted_n over it: the gaps are one fewer, as with Ollama.
         out["server_predicted_tok_s"] = median(
-            [x["predicted_per_second"] for x in timings if "predicted_per_second" in x]
+            [
+                (x["predicted_n"] - 1) / (x["predicted_ms"] / 1e3)
+                for x in timings
+                if (x.get("predicted_n") or 0) >= 2 and x.get("predicted_ms")
+            ]
         )
     return out
 
