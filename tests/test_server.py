@@ -416,12 +416,20 @@ def test_ollama_chat_without_messages_loads_and_num_ctx_bounds_the_output(server
     o = ollama.Client(host=server.url)
     loaded = o.chat(model=server.model, messages=[])
     assert loaded.done and loaded.done_reason == "load" and loaded.message.content == ""
-    prompt = o.generate(model=server.model, prompt="Hi", options={"num_predict": 1})
     room = 6
-    options = {"num_ctx": prompt.prompt_eval_count + room, "num_predict": 0, "temperature": 0}
-    capped = o.generate(model=server.model, prompt="Hi", options=options | {"stop": []})
-    assert capped.eval_count <= room
-    assert capped.eval_count == room or capped.done_reason == "stop"
+    for text in ("Hi", "Tell me a story", "Once upon a time"):  # one that runs past `room`
+        full = o.generate(
+            model=server.model, prompt=text, options={"num_predict": room + 4, "temperature": 0}
+        )
+        if full.eval_count > room:
+            break
+    else:
+        pytest.fail("no prompt ran past 6 tokens")
+    options = {"num_ctx": full.prompt_eval_count + room, "num_predict": 0, "temperature": 0}
+    capped = o.generate(model=server.model, prompt=text, options=options)
+    assert capped.eval_count == room and capped.done_reason == "length"
+    null = httpx.post(f"{server.url}/api/chat", json={"model": server.model, "messages": None})
+    assert null.json()["done_reason"] == "load"  # null reads as none, as Ollama's Go decoding
     unlimited = o.generate(model=server.model, prompt="Hi", options={"num_predict": 0})
     assert unlimited.eval_count > 1 or unlimited.done_reason == "stop"
 
@@ -432,6 +440,10 @@ def test_openai_retrieve_model(server: Server) -> None:
     assert card.id == server.model and card.owned_by == "pdscope"
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         c.models.retrieve("gpt-4")
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve(f"{server.model}:latest")  # Ollama's alias is not OpenAI's name
+    listed = httpx.get(f"{server.url}/v1/models/").json()
+    assert listed["object"] == "list" and listed["data"][0]["id"] == server.model
 
 
 def test_tokenize_roundtrip(server: Server) -> None:

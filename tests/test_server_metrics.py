@@ -272,9 +272,12 @@ def test_a_restart_between_scrapes_shows_no_delta_and_a_dipping_histogram_is_nam
     assert runtime is not None
     same = build_report(first, parse_metrics(grown + start.format(1.7e9)), [], runtime)
     assert same.deltas["generation_tokens"] is not None and not same.warnings
-    moved = build_report(first, parse_metrics(grown + start.format(1.7e9 + 60)), [], runtime)
+    after = parse_metrics(grown + start.format(1.7e9 + 60))
+    timeline = [timeline_point(x, runtime, first.t_s) for x in (first, after)]
+    moved = build_report(first, after, timeline, runtime)
     assert all(v is None for v in moved.deltas.values())
     assert all(v is None for v in moved.histograms.values())
+    assert moved.max_running == 3.0  # gauges are read scrape by scrape: still figures
     assert moved.warnings == [
         "the server restarted (process_start_time_seconds moved by +60 s): no counter or "
         "histogram of the run is shown"

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdscope.analysis.stats import median, summary
+from pdscope.client.adapters import CHUNKS_OVER_COUNT
 from pdscope.client.trace import Trace
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -100,8 +101,8 @@ def failure_kind(error: str) -> str:
 
 def _count_source(token_source: str) -> str:
     """Trace.token_source with the server's own figure dropped, so requests group by source."""
-    if token_source.startswith("chunks (the server counted"):
-        return "chunks (the server counted fewer)"
+    if token_source.startswith(CHUNKS_OVER_COUNT):
+        return f"{CHUNKS_OVER_COUNT} fewer)"
     return token_source
 
 

@@ -28,6 +28,14 @@ QUANTILES = (0.5, 0.9, 0.99)
 # --- histogram quantiles ------------------------------------------------------------------------
 
 
+def _merged(buckets: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(bound, count) pairs with counts of one bound added up, by bound."""
+    merged: dict[float, float] = {}
+    for bound, count in buckets:
+        merged[bound] = merged.get(bound, 0.0) + count
+    return sorted(merged.items())
+
+
 def _locate(
     q: float, buckets: list[tuple[float, float]]
 ) -> tuple[list[float], list[float], int, float] | None:
@@ -35,10 +43,7 @@ def _locate(
     the rank; None where Prometheus' ``histogram_quantile`` returns NaN."""
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"quantile must be within [0, 1], got {q}")
-    merged: dict[float, float] = {}
-    for bound, count in buckets:
-        merged[bound] = merged.get(bound, 0.0) + count
-    ordered = sorted(merged.items())
+    ordered = _merged(buckets)
     if len(ordered) < 2 or not math.isinf(ordered[-1][0]) or ordered[-1][0] < 0:
         return None
     # Cumulative counts can dip when buckets are scraped non-atomically or summed from series
@@ -249,11 +254,8 @@ def dipped(buckets: list[tuple[float, float]]) -> float:
     """How far a histogram's cumulative bucket counts fall below an earlier bucket's (0 when
     they never do). A dip is no histogram a server should send; quantiles then take the
     running maximum, as Prometheus' histogram_quantile does."""
-    merged: dict[float, float] = {}
-    for bound, count in buckets:
-        merged[bound] = merged.get(bound, 0.0) + count
     running = worst = 0.0
-    for _, count in sorted(merged.items()):
+    for _, count in _merged(buckets):
         worst = max(worst, running - count)
         running = max(running, count)
     return worst
@@ -299,12 +301,11 @@ def build_report(
         errors=list(errors or []),
         timeline=timeline,
     )
-    if (why := restarted(first, last)) is not None:
-        # Every delta spans two processes' counters: none is a figure of this run.
-        report.warnings.append(f"{why}: no counter or histogram of the run is shown")
-        report.deltas = {role: None for role in COUNTER_ROLES}
-        report.histograms = {role: None for role in HISTOGRAM_ROLES}
-        return report
+    # A delta across a restart spans two processes' counters: no figure of this run. The
+    # gauges, read scrape by scrape, still are.
+    restart = restarted(first, last)
+    if restart is not None:
+        report.warnings.append(f"{restart}: no counter or histogram of the run is shown")
     for role in COUNTER_ROLES:
         # Resolved on the last scrape: a counter created during the run started at 0.
         name = first_present(last, candidate_names(runtime, role))
@@ -313,7 +314,9 @@ def build_report(
             continue
         report.names[role] = name
         delta, problem = counter_delta(first, last, name)
-        if problem is not None:
+        if restart is not None:
+            report.deltas[role] = None
+        elif problem is not None:
             report.warnings.append(f"{name} {problem}")
             report.deltas[role] = None
         elif delta < 0:
@@ -354,6 +357,9 @@ def build_report(
             continue
         report.names[role] = base
         summary = histogram_summary(first, last, base)
+        if restart is not None:
+            report.histograms[role] = None
+            continue
         if summary.count < 0:
             report.warnings.append(f"{base} went backwards: did the server restart?")
             report.histograms[role] = None

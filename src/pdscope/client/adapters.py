@@ -29,8 +29,10 @@ OPENAI_APIS = (API_OPENAI_COMPLETIONS, API_OPENAI_CHAT)
 # The dialects probe and bench speak (their --api values besides "auto"): each has a runner
 # below that turns one response into a Trace, and detect.py recognises its server.
 APIS = (*OPENAI_APIS, API_OLLAMA)
-# Trace.token_source of a request whose server sent no token counts: one token a content chunk.
+# Trace.token_source of a request whose server sent no token counts: one token a content chunk;
+# and the start of one whose server counted fewer tokens than content chunks.
 CHUNKS_ONLY = "chunks (server sent no token counts)"
+CHUNKS_OVER_COUNT = "chunks (the server counted"
 
 
 def _trace_config() -> aiohttp.TraceConfig:
@@ -218,7 +220,7 @@ async def _stream_once(
         trace.error = "the server aborted the request (finish_reason abort)"
     if trace.output_tokens is not None and trace.output_tokens < len(trace.chunks):
         # Trace.n_output counts the chunks then: the label says so.
-        trace.token_source = f"chunks (the server counted {trace.output_tokens})"
+        trace.token_source = f"{CHUNKS_OVER_COUNT} {trace.output_tokens})"
     return trace
 
 

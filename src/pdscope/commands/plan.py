@@ -47,6 +47,17 @@ def round_half_up(value: float) -> int:
     return math.floor(value + 0.5)
 
 
+def local_compute(dtype: str) -> str:
+    """The matmul type a measurement of this machine times for weights of ``dtype``: a float
+    type's own, else bf16 (quantized weights run their matmuls in bf16). Aliases count
+    (bfloat16, float32): "float32" timed bf16 matmuls for an fp32 model before."""
+    try:
+        name = get_weight_precision(dtype).name
+    except SpecError:
+        return "bf16"
+    return name if name in ("fp32", "bf16", "fp16") else "bf16"
+
+
 def resolve(
     model: str = DEFAULT_MODEL,
     device: str | None = DEFAULT_DEVICE,
@@ -76,8 +87,7 @@ def resolve(
     if device is not None and device.lower() == "local":
         from pdscope.specs.local import local_device
 
-        compute = dtype if dtype in ("fp32", "bf16", "fp16") else "bf16"
-        measured, measurement = local_device(compute)
+        measured, measurement = local_device(local_compute(weights.name))
         local = asdict(measurement)
         flags = resolve_device(  # the measurement, with any figure the flags override
             None,

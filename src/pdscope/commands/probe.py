@@ -315,13 +315,13 @@ def model_bytes_for(s: ProbeSettings, root: str | None) -> ModelBytes | None:
     )
 
 
-def measure_local() -> tuple[float, float]:
-    """This machine's streaming read bandwidth (GB/s) and bf16 matmul rate (TFLOP/s) now.
-    probe takes one reading before its requests and one after: on a shared machine another
-    tenant can halve either, and a verdict against the roofline needs both readings."""
+def measure_local(compute: str) -> tuple[float, float]:
+    """This machine's streaming read bandwidth (GB/s) and ``compute`` matmul rate (TFLOP/s)
+    now. probe takes one reading before its requests and one after: on a shared machine
+    another tenant can halve either, and a verdict against the roofline needs both."""
     from pdscope.specs.local import measure
 
-    m = measure(array_mib=256, repeats=3)
+    m = measure(compute, array_mib=256, repeats=3)
     return m.bandwidth_gb_s, m.matmul_tflops
 
 
@@ -333,12 +333,12 @@ def ceilings_for(
     readings_tflops: list[float] | None = None,
 ) -> tuple[Ceilings | None, list[str]]:
     """The roofline for this model on the given device, when both are known. On this machine
-    ('local') the bandwidth is the mean of the readings taken around the probe, and a bf16
-    model's peak FLOP/s the best of the bf16 matmul readings (another tenant only slows a
-    matmul: one slowed reading put a real prefill at 132% of the floor)."""
+    ('local') the bandwidth is the mean of the readings taken around the probe, and the peak
+    FLOP/s the best of the matmul readings, timed in the model's compute type (another tenant
+    only slows a matmul: one slowed reading put a real prefill at 132% of the floor)."""
     if not s.device:
         return None, []
-    from pdscope.commands.plan import resolve
+    from pdscope.commands.plan import local_compute, resolve
     from pdscope.roofline import arithmetic as rf
     from pdscope.specs import SpecError
 
@@ -355,8 +355,7 @@ def ceilings_for(
             device=s.device,
             dtype=dtype,
             bandwidth_gb_s=mean_gb_s,
-            # the readings are bf16 matmuls: another dtype's peak is plan's own measurement
-            tflops=max(tflops) if tflops and dtype == "bf16" else None,
+            tflops=max(tflops) if tflops else None,
         )
     except SpecError as exc:
         return None, [f"no ceiling: {exc}"]
@@ -375,7 +374,9 @@ def ceilings_for(
         + " and ".join(f"{g:.1f}" for g in readings_gb_s)
         + " GB/s"
         + (
-            ", bf16 matmul " + " and ".join(f"{t:.3f}" for t in tflops) + " TFLOP/s"
+            f", {local_compute(dtype)} matmul "
+            + " and ".join(f"{t:.3f}" for t in tflops)
+            + " TFLOP/s"
             if tflops
             else ""
         )
@@ -390,7 +391,9 @@ def ceilings_for(
             model_params=p.model.total_params,
             bandwidth_readings_gb_s=list(readings_gb_s) if local else [],
             tflops_readings=tflops,
-            peak_tflops=p.device.tflops_bf16,
+            peak_tflops=None
+            if (peak := p.device.peak_flops(p.weights.compute)) is None
+            else peak / 1e12,
         ),
         [],
     )
@@ -445,7 +448,15 @@ async def probe(
         if on_start:
             on_start(prober.planned_requests())
         local = (s.device or "").lower() == "local"
-        readings = [measure_local()] if local else []
+        compute = "bf16"
+        if local:
+            # The matmul readings are timed in the model's compute type, found from the served
+            # checkpoint's config (or --dtype) before the requests.
+            from pdscope.commands.plan import local_compute
+
+            before = await _served_model(client, runtime, model, headers)
+            compute = local_compute(_dtype_of(s, before.get("root")))
+        readings = [measure_local(compute)] if local else []
         partial = None
         try:
             await prober.run()
@@ -460,7 +471,7 @@ async def probe(
                 task.uncancel()
             partial = INTERRUPTED
         if local:
-            readings.append(measure_local())
+            readings.append(measure_local(compute))
         try:
             # After Ctrl-C the user waits: two quick questions, not two of --timeout each.
             limit_s = INTERRUPTED_LOOKUP_S if partial == INTERRUPTED else None

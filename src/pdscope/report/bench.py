@@ -155,6 +155,9 @@ def render_bench(r: dict[str, Any], console: Console) -> None:
         )
     if shown:
         console.print(fit_figures(server, console))
+        for run in r["runs"]:
+            for warning in run["server"].get("warnings") or []:
+                console.print(f"[yellow]server's view at {_load(run)}:[/] {warning}")
         console.print(
             "[dim]server TTFT starts when the server has the request and ends at the "
             "engine's first token; the client's adds the network and the client's "

@@ -81,9 +81,15 @@ class ServerState:
     def llm(self) -> LLMEngine:
         return self.engine.engine
 
-    def check_model(self, name: str | None) -> None:
-        """Requests may name the served model (Ollama clients may add ":latest") or omit it."""
-        if name in (None, "", self.model_name, f"{self.model_name}:latest"):
+    def check_model(self, name: str | None, exact: bool = False) -> None:
+        """Requests may name the served model (Ollama clients may add ":latest") or omit it;
+        ``exact``: only its own name (OpenAI's retrieve)."""
+        named = (
+            (self.model_name,)
+            if exact
+            else (None, "", self.model_name, f"{self.model_name}:latest")
+        )
+        if name in named:
             return
         raise APIError(
             404,

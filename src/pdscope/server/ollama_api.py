@@ -64,6 +64,12 @@ def final_counters(out: RequestOutput) -> dict[str, Any]:
     }
 
 
+def _piece(text: str, shape: str) -> dict[str, Any]:
+    if shape == "chat":
+        return {"message": {"role": "assistant", "content": text}}
+    return {"response": text}
+
+
 async def _respond(
     s: ServerState,
     request: Request,
@@ -75,13 +81,14 @@ async def _respond(
     """Run a request and answer as Ollama does: NDJSON lines or one object."""
     limit = s.max_tokens_for(ids, None)
     if options.num_ctx is not None and options.num_ctx < s.llm.max_model_len:
-        # The request's own context window. Ollama would cut such a prompt down to fit (and
-        # say so only in its log); a cut prompt is not the prompt sent, so it is refused.
+        # The request's own context window, which output stops at (as Ollama's does with
+        # shift: false; by default Ollama shifts its cache and goes on). A prompt longer than
+        # it Ollama would cut down to fit; a cut prompt is not the prompt sent: refused.
         if len(ids) >= options.num_ctx:
             raise APIError(
                 400,
-                f"the prompt has {len(ids)} tokens, which options.num_ctx {options.num_ctx} "
-                "cannot hold (Ollama would drop its start to fit; pdscope does not)",
+                f"the prompt has {len(ids)} tokens: options.num_ctx {options.num_ctx} leaves "
+                "no room for output (Ollama would drop the prompt's start; pdscope does not)",
                 param="options.num_ctx",
             )
         limit = min(limit, options.num_ctx - len(ids))
@@ -89,9 +96,7 @@ async def _respond(
     stream = await s.start(request, ids, params, f"ollama-{uuid.uuid4().hex}")
 
     def piece(text: str) -> dict[str, Any]:
-        if shape == "chat":
-            return {"message": {"role": "assistant", "content": text}}
-        return {"response": text}
+        return _piece(text, shape)
 
     if not stream_it:
         out = await collect(stream, request)
@@ -123,19 +128,24 @@ async def _respond(
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 
 
+def _loaded(s: ServerState, shape: str) -> dict[str, Any]:
+    """Ollama's answer to an empty prompt or message list, its way to load a model: a done
+    object with no text (the model here is always loaded)."""
+    return {
+        "model": s.model_name,
+        "created_at": _now(),
+        **_piece("", shape),
+        "done": True,
+        "done_reason": "load",
+    }
+
+
 @router.post("/api/generate", response_model=None)
 async def generate(body: OllamaGenerateRequest, request: Request) -> Any:
     s = state_of(request)
     s.check_model(body.model)
     if not body.prompt:
-        # Ollama answers an empty prompt by loading the model: a done object, no text.
-        return {
-            "model": s.model_name,
-            "created_at": _now(),
-            "response": "",
-            "done": True,
-            "done_reason": "load",
-        }
+        return _loaded(s, "generate")
     if body.raw:
         ids = await s.encode(body.prompt, "prompt")
     else:
@@ -151,14 +161,7 @@ async def chat(body: OllamaChatRequest, request: Request) -> Any:
     s = state_of(request)
     s.check_model(body.model)
     if not body.messages:
-        # Ollama answers an empty message list by loading the model: a done object, no text.
-        return {
-            "model": s.model_name,
-            "created_at": _now(),
-            "message": {"role": "assistant", "content": ""},
-            "done": True,
-            "done_reason": "load",
-        }
+        return _loaded(s, "chat")
     ids = await s.chat_prompt(body.messages)
     return await _respond(s, request, ids, body.run_options, body.streams, "chat")
 

@@ -54,11 +54,9 @@ async def models(request: Request) -> dict[str, Any]:
 async def model(model: str, request: Request) -> dict[str, Any]:
     """OpenAI's retrieve: the served model's card, or a 404 naming what is served."""
     s = state_of(request)
-    if model != s.model_name:  # exactly: a ":latest" name is Ollama's, not OpenAI's
-        raise APIError(
-            404, f"The model `{model}` does not exist; this server serves `{s.model_name}`.",
-            "NotFoundError", "model",
-        )  # fmt: skip
+    if not model:  # "/v1/models/": the list, as the redirect to /v1/models gave before
+        return await models(request)
+    s.check_model(model, exact=True)
     return _card(s)
 
 

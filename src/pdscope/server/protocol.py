@@ -73,7 +73,7 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: bool | None = False
+    include_usage: bool | None = True  # vLLM's default: {} asks for the usage chunk
 
 
 # What torch.Generator.manual_seed accepts; the bounds go into the schema as exact integers.
@@ -120,7 +120,8 @@ class _OpenAISampling(_Body):
     n: Annotated[Literal[1], BeforeValidator(_integral)] | None = None
     stream: bool | None = False  # null: the default
     # Without a stream it asks for nothing missing (a whole response carries its usage), so it
-    # is taken, where vLLM and OpenAI refuse it: a schema cannot say "only with stream: true".
+    # is taken, where vLLM and OpenAI refuse it: the published schema (and schemathesis with
+    # it) would call such a refusal of a schema-valid body a bug.
     stream_options: StreamOptions | None = None
 
     @model_validator(mode="before")
@@ -155,7 +156,9 @@ class _OpenAISampling(_Body):
     def _min_tokens(self, max_tokens: int) -> int:
         if self.min_tokens > max_tokens:  # vLLM refuses it too; it was cut to max_tokens
             raise FieldError(
-                "min_tokens", f"min_tokens {self.min_tokens} is more than max_tokens {max_tokens}"
+                "min_tokens",
+                f"min_tokens {self.min_tokens} is more than max_tokens {max_tokens} (the "
+                "output allowed: max_tokens as given, else the context's room)",
             )
         return self.min_tokens
 
@@ -279,9 +282,9 @@ class OllamaOptions(_Body):
     top_k: NonNegative | None = None
 
     def sampling(self, limit: int) -> SamplingParams:
-        # Ollama: num_predict -1 (or absent) means "until the context is full", and so does 0
-        # (its runners stop at the limit only when it is above 0); its default temperature is
-        # 0.8 and top_k 40, top_p 0.9.
+        # Ollama: num_predict -1 (or absent) and 0 set no limit (its runners stop at one only
+        # above 0); here output stops when the context is full, where Ollama shifts its cache
+        # and goes on unless shift is false. Its default temperature is 0.8, top_k 40, top_p 0.9.
         n = self.num_predict
         max_tokens = limit if n is None or n <= 0 else min(n, limit)
         return SamplingParams(
@@ -325,14 +328,14 @@ class _OllamaRun(_OllamaBody):
 
 class OllamaGenerateRequest(_OllamaRun):
     model: Text
-    prompt: Text = ""
+    prompt: Text | None = ""  # empty or null: load the model
     system: Text | None = None
     raw: bool | None = False
 
 
 class OllamaChatRequest(_OllamaRun):
     model: Text
-    messages: list[ChatMessage] = Field(default_factory=list)  # none: load the model
+    messages: list[ChatMessage] | None = None  # none, empty or null: load the model
 
 
 class OllamaShowRequest(_Body):
