@@ -65,7 +65,16 @@ def test_flags_change_what_they_name() -> None:
     assert prompt["prefill_flops"] > 2 * base["prefill_flops"]
     assert prompt["ttft_floor_s"] > 2 * base["ttft_floor_s"]
     int8 = run_json("--model", "llama-3.1-8b", "--dtype", "int8")
-    assert int8["weight_bytes"] == pytest.approx(base["weight_bytes"] / 2)
+    # the embedding and LM head (128,256 x 4,096 each) stay 16-bit, as int8/int4/fp8 checkpoints
+    # keep them: 6,979,588,096 B of layers + 2 x 1,050,673,152 B (it read half the bf16 bytes)
+    table = 128_256 * 4096
+    assert int8["weight_bytes"] == (8_030_261_248 - 2 * table) * 1 + 2 * table * 2
+    int4 = run_json("--model", "llama-3.1-8b", "--dtype", "int4", "--context", "1")
+    # a decode step reads 7,504,928,768 parameters: the LM head's 525,336,576 at 2 bytes, the
+    # rest at 4.125 bits (3.87 GB if the head were int4 too: a ceiling 20% high); one token of
+    # bf16 KV, 131,072 B
+    layers = 6_979_592_192 * 4.125 / 8
+    assert int4["decode_bytes_per_token"] == pytest.approx(layers + table * 2 + 131_072)
     fp8kv = run_json("--model", "llama-3.1-8b", "--kv-dtype", "fp8")
     assert fp8kv["kv_bytes_per_token"] == 65536
 

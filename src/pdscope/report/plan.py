@@ -25,11 +25,18 @@ def _kv_table(rows: list[tuple[str, str, str]], title: str) -> Table:
 def render_plan(r: dict[str, Any], console: Console) -> None:
     m, d = r["model"], r["device"]
     c, n = r["context_tokens"], r["prompt_tokens"]
-    params = fmt_count(m["total_params"])
+    params = f"{fmt_count(m['total_params'])} params"
     if m["moe"]:
-        params += f" total, {fmt_count(m['active_params'])} active"
+        # Cards differ: Mixtral's active count includes the embeddings, gpt-oss's leaves the
+        # input embedding out, which is what a token reads (a gathered row of it).
+        params += (
+            f": {fmt_count(m['active_params'])} active with the embeddings, "
+            f"{fmt_count(m['params_read_per_token'])} read a token;"
+        )
+    else:
+        params += ","
     head = (
-        f"[bold]{m['name']}[/] ({params} params, {m['num_layers']} layers) on "
+        f"[bold]{m['name']}[/] ({params} {m['num_layers']} layers) on "
         f"[bold]{d['label'] or d['name']}[/] ({d['bandwidth_gb_s']:,g} GB/s"
         + (f", {d['peak_tflops_used']:,g} TFLOP/s" if d["peak_tflops_used"] else "")
         + (f", {d['memory_gb']:,g} GB" if d["memory_gb"] else "")
@@ -163,13 +170,15 @@ def render_device_catalog(devices: list[Device], console: Console) -> None:
 
 def render_model_presets(specs: list[ModelSpec], console: Console) -> None:
     table = Table(title="Model presets", title_justify="left")
-    for col in ("name", "params", "active", "layers", "description"):
-        table.add_column(col, justify="right" if col in ("params", "active", "layers") else "left")
+    numbers = ("params", "active", "read/token", "layers")
+    for col in ("name", *numbers, "description"):
+        table.add_column(col, justify="right" if col in numbers else "left")
     for s in specs:
         table.add_row(
             s.name,
             f"{s.total_params / 1e9:.2f}B",
             f"{s.active_params / 1e9:.2f}B",
+            f"{s.params_read_per_token / 1e9:.2f}B",
             str(s.num_layers),
             s.description,
         )

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Protocol
 
-from pdscope.roofline.arithmetic import attention_pairs, params_touched
+from pdscope.roofline.arithmetic import attention_pairs, head_width, params_touched
 from pdscope.roofline.parallel import NO_TP, TensorParallel
 from pdscope.specs import KVPrecision, ModelSpec, SpecError, WeightPrecision
 
@@ -185,7 +185,7 @@ class CostModel:
     def lm_head_work(self, sampled: int) -> tuple[float, float]:
         """The output projection for ``sampled`` entries as (FLOPs, bytes): weights read once."""
         head = self.model.lm_head_params
-        return 2 * sampled * head, head * self.weights.bytes_per_weight
+        return 2 * sampled * head, head * head_width(self.model, self.weights)
 
     def linear_s(self, tokens: int) -> float:
         """The linear layers' time for a step of ``tokens`` tokens (as :meth:`step` prices it)."""

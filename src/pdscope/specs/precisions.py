@@ -16,10 +16,18 @@ class WeightPrecision:
     bits_per_weight: float  # effective, scales and block headers included
     note: str
     compute: str = "bf16"  # which peak FLOP/s figure prefill runs at
+    # The embedding's and LM head's bits where they stay unquantized (AWQ/GPTQ int4, int8 and
+    # fp8 checkpoints keep them 16-bit; vLLM does not quantize its LM head); None: as the rest
+    # (GGUF's figures are whole-file averages, those tensors included).
+    head_bits: float | None = None
 
     @property
     def bytes_per_weight(self) -> float:
         return self.bits_per_weight / 8
+
+    @property
+    def head_bytes_per_weight(self) -> float:
+        return (self.bits_per_weight if self.head_bits is None else self.head_bits) / 8
 
 
 @dataclass(frozen=True)
