@@ -264,6 +264,31 @@ def test_a_restart_whose_counters_passed_their_old_values_resets_the_window(
     assert snaps[1].scrapes_in_window == 1
 
 
+def test_once_keeps_the_events_of_its_whole_window(page: PageServer) -> None:
+    """`watch --once` returned only its last tick, whose events were empty: a restart inside
+    the window left no trace in its JSON."""
+    from pdscope.commands.watch import run
+
+    start = "# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {}\n"
+    page.page.text = vllm_page({0.1: 5}, gen=50) + start.format(1.7e9)
+    settings = WatchSettings(url=page.url, window_s=1.0, interval_s=0.1)
+    ticked: list[WatchSnapshot] = []
+
+    def on_snapshot(snap: WatchSnapshot, _: object) -> None:
+        ticked.append(snap)
+        if len(ticked) == 2:  # the server restarts early in the window
+            page.page.text = vllm_page({0.1: 1}, gen=900) + start.format(1.7e9 + 30)
+
+    last = asyncio.run(run(settings, on_snapshot, once=True))
+    assert last is not None and len(ticked) > 3
+    assert any("the server restarted" in e for e in last.events), last.events
+    # the recording's report lists it (it showed nothing of a restart between two scrapes)
+    from pdscope.report.watch_html import render_watch_html
+
+    page_html = render_watch_html([snap.to_dict() for snap in ticked])
+    assert page_html.count("the server restarted (process_start_time_seconds moved by +30 s)") == 1
+
+
 @pytest.mark.parametrize(
     ("text", "runtime", "absent"),
     [

@@ -471,7 +471,9 @@ async def run(
 ) -> WatchSnapshot | None:
     """Tick every `interval_s` until cancelled, handing each snapshot to `on_snapshot`.
 
-    With `once`, scrape for one window and return its last snapshot (also handed over).
+    With `once`, scrape for one window and return its last snapshot (also handed over),
+    carrying every event of the window: a restart or an outage inside it would otherwise be
+    told only by the tick that saw it.
     Raises NotPrometheusError when the page is not Prometheus text of a known runtime.
     """
     own = client is None
@@ -479,13 +481,17 @@ async def run(
     watcher = Watcher(settings, client)
     started_s = time.perf_counter()
     next_s = started_s
+    seen: list[str] = []
     try:
         while True:
             snapshot = await watcher.tick()
-            on_snapshot(snapshot, watcher)
+            seen += snapshot.events
             now = time.perf_counter()
             if once and now - started_s >= settings.window_s:
+                snapshot.events = seen
+                on_snapshot(snapshot, watcher)
                 return snapshot
+            on_snapshot(snapshot, watcher)
             # Fixed rate on the client clock; ticks missed during a slow scrape are skipped.
             next_s += settings.interval_s
             if next_s < now:

@@ -2,7 +2,8 @@
 
 The first plot is the server timeline exactly as `bench --report` draws it (running and waiting
 on the left axis, KV use on the right); below it the windowed TTFT and ITL quantiles and the
-token rates. Gaps where the server was unreachable stay gaps.
+token rates. Gaps where the server was unreachable stay gaps; each snapshot's events (a
+restart, a recovery) are a dashed line on every plot and a row of the events table.
 """
 
 from __future__ import annotations
@@ -31,6 +32,16 @@ def read_recording(path: Path) -> list[dict[str, Any]]:
     if not out:
         raise ValueError(f"{path} holds no snapshots")
     return out
+
+
+def _events(snaps: list[dict[str, Any]]) -> list[tuple[float, str]]:
+    """(seconds, event) as first recorded: a `--once` snapshot repeats its window's events
+    (each names its time, so a repeat is the same text)."""
+    seen: dict[str, float] = {}
+    for s in snaps:
+        for event in s.get("events") or []:
+            seen.setdefault(event, s["t_s"])
+    return [(t_s, event) for event, t_s in seen.items()]
 
 
 def _figures(snaps: list[dict[str, Any]]) -> list[tuple[str, str]]:
@@ -80,6 +91,10 @@ def _figures(snaps: list[dict[str, Any]]) -> list[tuple[str, str]]:
         a.grid(alpha=0.3)
     axes[1].legend(fontsize=8)
     axes[2].legend(fontsize=8)
+    # A restart leaves no gap when it falls between two scrapes: the line says one happened.
+    for t_s, _ in _events(snaps):
+        for a in axes:
+            a.axvline(t_s, color="tab:red", linestyle="--", linewidth=0.8, alpha=0.7)
     return [("Watch timeline", _png(fig))]
 
 
@@ -96,6 +111,13 @@ def render_watch_html(snaps: list[dict[str, Any]]) -> str:
             for finding, count in rules.items()
         )
         or "<tr><td>none held</td><td></td></tr>"
+    )
+    event_rows = (
+        "".join(
+            f"<tr><td>{t_s:.1f}</td><td>{html.escape(event)}</td></tr>"
+            for t_s, event in _events(snaps)
+        )
+        or "<tr><td></td><td>none</td></tr>"
     )
     plots = "".join(
         f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' "
@@ -118,6 +140,8 @@ img {{ max-width: 100%; }}
 <p>{meta}</p>
 <h2>Reading rules (snapshots in which each held)</h2>
 <table><tr><th>finding</th><th>snapshots</th></tr>{rule_rows}</table>
+<h2>Events (restarts, outages; dashed red lines below)</h2>
+<table><tr><th>seconds</th><th>event</th></tr>{event_rows}</table>
 {plots}
 </body></html>
 """
