@@ -234,6 +234,11 @@ def test_simulate_cli_writes_bench_shaped_json_that_bench_compare_reads(tmp_path
             ],
         )  # fmt: skip
         assert result.exit_code == 0, result.output
+        # no client, network or /metrics page in a simulation: bench's lines about them (0 ms
+        # connection setup, client lag, the server's histograms) are left out
+        text = " ".join(result.output.split())
+        assert "connection setup" not in text and "client lag" not in text
+        assert "/metrics" not in text and "The simulated engine's gauges" in text
         data = json.loads(path.read_text())
         assert data["simulated"] is True and data["metadata"]["device"] == "h100-sxm"
         assert data["failed"] == 0 and data["completed"] > 8

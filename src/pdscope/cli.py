@@ -1085,8 +1085,9 @@ def simulate(
 ) -> None:
     """Bench's workloads through pdscope's own scheduler on a roofline clock: latency and
     throughput for hardware you do not have, from one GPU to a disaggregated cluster. Against
-    the real engine, decode medians and throughput hold within 10% on this project's host;
-    TTFT and p99 do not yet (see docs/simulation.md, Validation)."""
+    the real engine on this project's shared 2-core hosts it has not met its validation
+    floors: decode medians and throughput within 10% in many cases, not all (at 4 streams a
+    fit from probe read TPOT 15-24% low); TTFT and p99 not yet (docs/simulation.md)."""
 
     from pdscope.analysis.bench import nothing_completed
     from pdscope.commands import capacity

@@ -15,7 +15,10 @@ from pdscope.report.units import fmt_quantile
 
 
 def render_bench(r: dict[str, Any], console: Console) -> None:
+    """bench's tables and notes; for `simulate`'s result (``simulated``) without the lines
+    about a client, a network or a /metrics page that a simulation does not have."""
     m = r["metadata"]
+    simulated = bool(r.get("simulated"))
     console.print(
         f"[bold]pdscope bench[/] {m['url']}: [bold]{m['runtime']}[/], model "
         f"[bold]{m['model']}[/], workload {m['workload']}, API {m['api']}, prompt "
@@ -69,7 +72,9 @@ def render_bench(r: dict[str, Any], console: Console) -> None:
         console.print(
             f"input tokens at {_load(run)}: asked {run.get('input_tokens_requested', '?')}, "
             + (
-                f"sent median {got['median']:,.0f} (range {got['min']:,}–{got['max']:,}, "
+                f"simulated median {got['median']:,.0f} (range {got['min']:,}–{got['max']:,})"
+                if got and simulated
+                else f"sent median {got['median']:,.0f} (range {got['min']:,}–{got['max']:,}, "
                 f"{got['source']})"
                 if got
                 else "sent unknown (the server reports no prompt counts)"
@@ -96,7 +101,7 @@ def render_bench(r: dict[str, Any], console: Console) -> None:
                 " after the server closed an idle keep-alive connection under them "
                 "(see requests[].retried)"
             )
-    for run in r["runs"]:
+    for run in [] if simulated else r["runs"]:  # no client, no connection: nothing measured
         sm = run["summary"]
         if sm.get("mean_setup_ms") is not None or sm.get("p99_close_ms") is not None:
             # The two places where vLLM's clocks would give other numbers (docs/metrics.md).
@@ -107,7 +112,7 @@ def render_bench(r: dict[str, Any], console: Console) -> None:
                 f"{_f(sm.get('p99_close_ms'), '{:,.1f}')} ms after the last content token "
                 "(outside E2E, as in vLLM)[/]"
             )
-    for run in r["runs"]:
+    for run in [] if simulated else r["runs"]:
         lag = run["summary"]["client_lag_ms"] or {}
         if run["request_rate"] is not None and lag.get("p99") is not None:
             # Open loop only: behind a concurrency cap, waiting is the point, not client lag.
@@ -117,7 +122,9 @@ def render_bench(r: dict[str, Any], console: Console) -> None:
             )
 
     server = Table(
-        title="Server's view (/metrics, sampled during each run; ms)",
+        title="The simulated engine's gauges and counters (read off its steps)"
+        if simulated
+        else "Server's view (/metrics, sampled during each run; ms)",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
@@ -155,15 +162,16 @@ def render_bench(r: dict[str, Any], console: Console) -> None:
         )
     if shown:
         console.print(fit_figures(server, console))
-        for run in r["runs"]:
+        for run in [] if simulated else r["runs"]:
             for warning in run["server"].get("warnings") or []:
                 console.print(f"[yellow]server's view at {_load(run)}:[/] {warning}")
-        console.print(
-            "[dim]server TTFT starts when the server has the request and ends at the "
-            "engine's first token; the client's adds the network and the client's "
-            "own scheduling. Histogram quantiles are interpolated within buckets; '<' or '>' "
-            "marks one known only by the first or the last bound.[/]"
-        )
+        if not simulated:
+            console.print(
+                "[dim]server TTFT starts when the server has the request and ends at the "
+                "engine's first token; the client's adds the network and the client's "
+                "own scheduling. Histogram quantiles are interpolated within buckets; '<' or "
+                "'>' marks one known only by the first or the last bound.[/]"
+            )
     else:
         reasons = {run["server"].get("reason") for run in r["runs"]}
         console.print(f"[dim]no server metrics: {', '.join(str(x) for x in reasons)}[/]")
