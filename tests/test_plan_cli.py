@@ -75,6 +75,27 @@ def test_flags_change_what_they_name() -> None:
     # bf16 KV, 131,072 B
     layers = 6_979_592_192 * 4.125 / 8
     assert int4["decode_bytes_per_token"] == pytest.approx(layers + table * 2 + 131_072)
+
+
+def test_a_checkpoint_that_ships_quantized_is_named(tmp_path: Path) -> None:
+    """DeepSeek-V3 ships fp8 and an AWQ checkpoint 4-bit weights under torch_dtype float16: a
+    bf16 count halves or quarters their decode ceiling unannounced. plan says what the
+    checkpoint's quantization_config holds, and probe counts a served one so."""
+    notes = run_json("--model", "deepseek-v3")["notes"]
+    assert any("ships quantized (fp8" in n and "--dtype fp8 counts it so" in n for n in notes)
+    assert not any(
+        "ships" in n for n in run_json("--model", "deepseek-v3", "--dtype", "fp8")["notes"]
+    )
+    gpt = run_json("--model", "gpt-oss-20b")["notes"]
+    assert any("(mxfp4, its quantization_config): no --dtype states it" in n for n in gpt)
+    from pdscope.commands.probe import ProbeSettings, _dtype_of
+    from pdscope.specs.models import _presets
+
+    config = {**_presets()["llama-3.2-1b"]["config"], "torch_dtype": "float16"}
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert _dtype_of(ProbeSettings(url="u"), str(tmp_path)) == "int4"  # it read fp16
+    assert _dtype_of(ProbeSettings(url="u", dtype="bf16"), str(tmp_path)) == "bf16"  # given
     fp8kv = run_json("--model", "llama-3.1-8b", "--kv-dtype", "fp8")
     assert fp8kv["kv_bytes_per_token"] == 65536
 

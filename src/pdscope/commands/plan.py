@@ -167,6 +167,17 @@ def plan(p: PlanInputs, max_batch_rows: int = 4096) -> dict[str, Any]:
         )
     if m.nominal_params is not None:
         notes.append("nominal model: weights counted as a round parameter figure")
+    if m.quantization is not None and w.name != m.shipped_dtype:
+        # A bf16 count of an fp8 or 4-bit checkpoint halves (or quarters) its decode ceiling.
+        how = (
+            f"--dtype {m.shipped_dtype} counts it so"
+            if m.shipped_dtype
+            else "no --dtype states it"
+        )
+        notes.append(
+            f"the checkpoint ships quantized ({m.quantization}, its quantization_config): {how}; "
+            f"these figures count every weight as {w.name}"
+        )
 
     compute_batch = rf.compute_bound_batch(m, d, w, kv, c)
     pool_batch = pool.max_concurrent_requests if pool is not None else None

@@ -282,9 +282,18 @@ async def _ollama_context(
 
 
 def _dtype_of(s: ProbeSettings, root: str | None) -> str:
+    """The weights' --dtype for the arithmetic: given, else the served checkpoint's own
+    quantization (an AWQ checkpoint's torch_dtype says float16 of 4-bit weights), else its
+    torch_dtype, else bf16."""
     if s.dtype:
         return s.dtype
     if root and (Path(root) / "config.json").is_file():
+        from pdscope.specs import SpecError
+        from pdscope.specs.models import load_model
+
+        with contextlib.suppress(SpecError):
+            if (shipped := load_model(root).shipped_dtype) is not None:
+                return shipped
         torch_dtype = read_config(Path(root)).get("torch_dtype")
         return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(torch_dtype, "bf16")
     return "bf16"

@@ -78,6 +78,23 @@ class ModelSpec:
     max_position_embeddings: int | None = None
     nominal_params: float | None = None  # a round figure that overrides the weight count
     description: str = ""
+    # The checkpoint's own quantization (config.json's quantization_config), as "method" or
+    # "method, N bits"; None for weights stored as torch_dtype says.
+    quantization: str | None = None
+
+    @property
+    def shipped_dtype(self) -> str | None:
+        """The --dtype that counts this checkpoint's weights as it ships them, where one does
+        (fp8; AWQ/GPTQ at 4 or 8 bits); None otherwise (unquantized, or a mix no --dtype
+        states, as gpt-oss's MXFP4 experts beside bf16 attention)."""
+        if self.quantization is None:
+            return None
+        method, _, bits = self.quantization.partition(", ")
+        if method in ("fp8", "fbgemm_fp8"):
+            return "fp8"
+        if method in ("awq", "gptq", "awq_marlin", "gptq_marlin") and bits in ("4 bits", "8 bits"):
+            return "int4" if bits == "4 bits" else "int8"
+        return None
 
     @property
     def num_layers(self) -> int:
@@ -318,7 +335,16 @@ def spec_from_config(
         max_position_embeddings=config.get("max_position_embeddings"),
         nominal_params=nominal_params,
         description=description,
+        quantization=_quantization(config),
     )
+
+
+def _quantization(config: dict[str, Any]) -> str | None:
+    q = config.get("quantization_config")
+    if not isinstance(q, dict) or not isinstance(q.get("quant_method"), str):
+        return None
+    bits = q.get("bits", q.get("w_bit"))
+    return q["quant_method"] + (f", {bits} bits" if isinstance(bits, int) else "")
 
 
 @cache
