@@ -170,9 +170,7 @@ def plan(p: PlanInputs, max_batch_rows: int = 4096) -> dict[str, Any]:
     if m.quantization is not None and w.name != m.shipped_dtype:
         # A bf16 count of an fp8 or 4-bit checkpoint halves (or quarters) its decode ceiling.
         how = (
-            f"--dtype {m.shipped_dtype} counts it so"
-            if m.shipped_dtype
-            else "no --dtype states it"
+            f"--dtype {m.shipped_dtype} counts it so" if m.shipped_dtype else "no --dtype states it"
         )
         notes.append(
             f"the checkpoint ships quantized ({m.quantization}, its quantization_config): {how}; "
