@@ -96,6 +96,26 @@ def test_a_checkpoint_that_ships_quantized_is_named(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert _dtype_of(ProbeSettings(url="u"), str(tmp_path)) == "int4"  # it read fp16
     assert _dtype_of(ProbeSettings(url="u", dtype="bf16"), str(tmp_path)) == "bf16"  # given
+    # --plan-model's quantization counts too (an Ollama server gives no checkpoint)
+    assert _dtype_of(ProbeSettings(url="u", plan_model="deepseek-v3"), None) == "fp8"
+    # compressed-tensors, vLLM's own format: each group's weights say their bits and type
+    for weights, dtype in (
+        ({"num_bits": 8, "type": "float"}, "fp8"),
+        ({"num_bits": 4, "type": "int"}, "int4"),
+    ):
+        groups = {"group_0": {"weights": weights}}
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "config_groups": groups,
+        }
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert _dtype_of(ProbeSettings(url="u"), str(tmp_path)) == dtype
+    config["quantization_config"] = {"quant_method": "AWQ", "bits": "4"}  # capitals, a string
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert _dtype_of(ProbeSettings(url="u"), str(tmp_path)) == "int4"
+    # plan says what it counted: int4 keeps the embedding and LM head 16-bit
+    gpt4 = run_json("--model", "gpt-oss-20b", "--dtype", "int4")["notes"]
+    assert any("count it as int4 (embedding and LM head 16-bit)" in n for n in gpt4), gpt4
     fp8kv = run_json("--model", "llama-3.1-8b", "--kv-dtype", "fp8")
     assert fp8kv["kv_bytes_per_token"] == 65536
 

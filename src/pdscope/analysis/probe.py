@@ -36,7 +36,8 @@ class Ceilings:
     # This machine's bandwidth read before and after the probe (device "local"); the ceiling
     # uses their mean. Empty for a catalog device.
     bandwidth_readings_gb_s: list[float] = field(default_factory=list)
-    # Its bf16 matmul rate read with them (TFLOP/s), and the peak the floor assumed.
+    # Its matmul rate read with them (TFLOP/s, in the model's compute type), and the peak
+    # the floor assumed.
     tflops_readings: list[float] = field(default_factory=list)
     peak_tflops: float | None = None
 

@@ -174,7 +174,8 @@ def plan(p: PlanInputs, max_batch_rows: int = 4096) -> dict[str, Any]:
         )
         notes.append(
             f"the checkpoint ships quantized ({m.quantization}, its quantization_config): {how}; "
-            f"these figures count every weight as {w.name}"
+            f"these figures count it as {w.name}"
+            + (" (embedding and LM head 16-bit)" if w.head_bits else "")
         )
 
     compute_batch = rf.compute_bound_batch(m, d, w, kv, c)

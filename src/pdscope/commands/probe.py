@@ -35,7 +35,7 @@ from pdscope.client.detect import ProbeError, Runtime, detect
 from pdscope.client.prompts import PromptBuilder
 from pdscope.client.trace import Trace
 from pdscope.commands.flags import at_least, int_list
-from pdscope.specs.models import read_config
+from pdscope.specs.models import ModelSpec, read_config
 
 
 @dataclass
@@ -282,21 +282,35 @@ async def _ollama_context(
 
 
 def _dtype_of(s: ProbeSettings, root: str | None) -> str:
-    """The weights' --dtype for the arithmetic: given, else the served checkpoint's own
-    quantization (an AWQ checkpoint's torch_dtype says float16 of 4-bit weights), else its
-    torch_dtype, else bf16."""
+    """The weights' --dtype for the arithmetic: given, else the quantization the plan model
+    (--plan-model, else the served checkpoint) ships with (an AWQ checkpoint's torch_dtype
+    says float16 of 4-bit weights; DeepSeek-V3's preset ships fp8), else the served
+    checkpoint's torch_dtype, else bf16."""
     if s.dtype:
         return s.dtype
+    if (shipped := _shipped(s.plan_model or root)) is not None:
+        return shipped
     if root and (Path(root) / "config.json").is_file():
-        from pdscope.specs import SpecError
-        from pdscope.specs.models import load_model
-
-        with contextlib.suppress(SpecError):
-            if (shipped := load_model(root).shipped_dtype) is not None:
-                return shipped
         torch_dtype = read_config(Path(root)).get("torch_dtype")
         return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(torch_dtype, "bf16")
     return "bf16"
+
+
+def _spec(name: str | None) -> ModelSpec | None:
+    if not name:
+        return None
+    from pdscope.specs import SpecError
+    from pdscope.specs.models import load_model
+
+    try:
+        return load_model(name)
+    except SpecError:
+        return None
+
+
+def _shipped(name: str | None) -> str | None:
+    spec = _spec(name)
+    return None if spec is None else spec.shipped_dtype
 
 
 def model_bytes_for(s: ProbeSettings, root: str | None) -> ModelBytes | None:
@@ -368,6 +382,12 @@ def ceilings_for(
         )
     except SpecError as exc:
         return None, [f"no ceiling: {exc}"]
+    notes = []
+    if p.model.quantization and not s.dtype and p.model.shipped_dtype is None:
+        notes.append(
+            f"the checkpoint ships quantized ({p.model.quantization}), which no --dtype states: "
+            f"the ceiling counts it as {dtype}; pass --dtype for a closer one"
+        )
 
     def decode(n: int) -> float:  # the mean context during the decode: prompt + half the output
         return rf.decode_ceiling_tok_s(p.model, p.device, p.weights, p.kv, n + output_tokens // 2)
@@ -404,7 +424,7 @@ def ceilings_for(
             if (peak := p.device.peak_flops(p.weights.compute)) is None
             else peak / 1e12,
         ),
-        [],
+        notes,
     )
 
 

@@ -132,6 +132,8 @@ class WatchSnapshot:
     unreachable_since: str | None = None
     error: str | None = None
     events: list[str] = field(default_factory=list)  # restarts, recoveries (this tick)
+    # `--once`: every event of its window (a restart early in it is not this tick's event)
+    window_events: list[str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -153,6 +155,7 @@ class WatchSnapshot:
             "unreachable_since": self.unreachable_since,
             "error": self.error,
             "events": list(self.events),
+            **({} if self.window_events is None else {"window_events": self.window_events}),
         }
 
 
@@ -488,7 +491,7 @@ async def run(
             seen += snapshot.events
             now = time.perf_counter()
             if once and now - started_s >= settings.window_s:
-                snapshot.events = seen
+                snapshot.window_events = seen
                 on_snapshot(snapshot, watcher)
                 return snapshot
             on_snapshot(snapshot, watcher)

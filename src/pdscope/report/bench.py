@@ -129,17 +129,9 @@ def render_bench(r: dict[str, Any], console: Console) -> None:
         box=box.SIMPLE_HEAD,
         pad_edge=False,
     )
-    for col in (
-        "load",
-        "running",
-        "waiting",
-        "KV use",
-        "preempt",
-        "prefix hit",
-        "TTFT50",
-        "TTFT99",
-        "ITL99",
-    ):
+    # A simulation has no latency histograms: its latencies are in the runs' table
+    quantiles = () if simulated else ("TTFT50", "TTFT99", "ITL99")
+    for col in ("load", "running", "waiting", "KV use", "preempt", "prefix hit", *quantiles):
         server.add_column(col, justify="right")
     shown = False
     for run in r["runs"]:
@@ -156,9 +148,15 @@ def render_bench(r: dict[str, Any], console: Console) -> None:
             _f(v.get("max_kv_usage"), "{:.0%}"),
             _f(deltas.get("preemptions"), "{:,.0f}"),
             _f(v.get("prefix_hit_rate"), "{:.0%}"),
-            _quantile(h.get("ttft"), "p50_ms"),
-            _quantile(h.get("ttft"), "p99_ms"),
-            _quantile(h.get("itl"), "p99_ms"),
+            *(
+                ()
+                if simulated
+                else (
+                    _quantile(h.get("ttft"), "p50_ms"),
+                    _quantile(h.get("ttft"), "p99_ms"),
+                    _quantile(h.get("itl"), "p99_ms"),
+                )
+            ),
         )
     if shown:
         console.print(fit_figures(server, console))

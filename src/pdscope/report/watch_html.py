@@ -34,16 +34,6 @@ def read_recording(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _events(snaps: list[dict[str, Any]]) -> list[tuple[float, str]]:
-    """(seconds, event) as first recorded: a `--once` snapshot repeats its window's events
-    (each names its time, so a repeat is the same text)."""
-    seen: dict[str, float] = {}
-    for s in snaps:
-        for event in s.get("events") or []:
-            seen.setdefault(event, s["t_s"])
-    return [(t_s, event) for event, t_s in seen.items()]
-
-
 def _figures(snaps: list[dict[str, Any]]) -> list[tuple[str, str]]:
     import matplotlib
 
@@ -92,9 +82,10 @@ def _figures(snaps: list[dict[str, Any]]) -> list[tuple[str, str]]:
     axes[1].legend(fontsize=8)
     axes[2].legend(fontsize=8)
     # A restart leaves no gap when it falls between two scrapes: the line says one happened.
-    for t_s, _ in _events(snaps):
-        for a in axes:
-            a.axvline(t_s, color="tab:red", linestyle="--", linewidth=0.8, alpha=0.7)
+    for s in snaps:
+        if s.get("events"):
+            for a in axes:
+                a.axvline(s["t_s"], color="tab:red", linestyle="--", linewidth=0.8, alpha=0.7)
     return [("Watch timeline", _png(fig))]
 
 
@@ -114,8 +105,9 @@ def render_watch_html(snaps: list[dict[str, Any]]) -> str:
     )
     event_rows = (
         "".join(
-            f"<tr><td>{t_s:.1f}</td><td>{html.escape(event)}</td></tr>"
-            for t_s, event in _events(snaps)
+            f"<tr><td>{s['t_s']:.1f}</td><td>{html.escape(event)}</td></tr>"
+            for s in snaps
+            for event in s.get("events") or []
         )
         or "<tr><td></td><td>none</td></tr>"
     )

@@ -42,8 +42,8 @@ def head_width(model: ModelSpec, weights: WeightPrecision) -> float:
 def read_bytes(model: ModelSpec, weights: WeightPrecision, params: float) -> float:
     """Bytes of a pass that reads ``params`` parameters, the LM head among them (every decode
     and prefill pass reads it): quantized int4/int8/fp8 checkpoints keep the head 16-bit. On
-    Llama-3.1-8B at int4 the head holds 0.53 B of its 8.03 B parameters and 23% of the bytes a
-    decode step reads. The embedding's gathered rows count at the layers' width (a row a
+    Llama-3.1-8B at int4 the head holds 0.53 B of its 8.03 B parameters and 23% of the weight
+    bytes a decode step reads. The embedding's gathered rows count at the layers' width (a row a
     token: too few to matter)."""
     head = model.lm_head_params
     return (params - head) * weights.bytes_per_weight + head * head_width(model, weights)

@@ -78,17 +78,30 @@ class ModelSpec:
     max_position_embeddings: int | None = None
     nominal_params: float | None = None  # a round figure that overrides the weight count
     description: str = ""
-    # The checkpoint's own quantization (config.json's quantization_config), as "method" or
-    # "method, N bits"; None for weights stored as torch_dtype says.
-    quantization: str | None = None
+    # The checkpoint's own quantization, from config.json's quantization_config: its method
+    # (lower case) and weight bits where the config states them; None: stored as torch_dtype.
+    quant_method: str | None = None
+    quant_bits: int | None = None
+    quant_float: bool = False  # compressed-tensors' weights "type": "float" (fp8, not int8)
+
+    @property
+    def quantization(self) -> str | None:
+        """The quantization as a reader sees it: "awq, 4 bits"; None when there is none."""
+        if self.quant_method is None:
+            return None
+        return self.quant_method + (f", {self.quant_bits} bits" if self.quant_bits else "")
 
     @property
     def shipped_dtype(self) -> str | None:
         """The --dtype that counts this checkpoint's weights as it ships them, where one does
-        (fp8; AWQ/GPTQ at 4 or 8 bits); None otherwise (unquantized, or a mix no --dtype
-        states, as gpt-oss's MXFP4 experts beside bf16 attention)."""
-        if self.quantization is None:
-            return None
+        (fp8; AWQ/GPTQ or compressed-tensors at 4 or 8 bits); None otherwise (unquantized, or a
+        scheme no --dtype states, as gpt-oss's MXFP4 experts beside bf16 attention)."""
+        method, bits = self.quant_method, self.quant_bits
+        if method in ("fp8", "fbgemm_fp8") or (method == "compressed-tensors" and self.quant_float):
+            return "fp8" if bits in (None, 8) else None
+        if method in ("awq", "gptq", "awq_marlin", "gptq_marlin", "compressed-tensors"):
+            return {4: "int4", 8: "int8"}.get(bits or 0)
+        return None
         method, _, bits = self.quantization.partition(", ")
         if method in ("fp8", "fbgemm_fp8"):
             return "fp8"
@@ -335,16 +348,33 @@ def spec_from_config(
         max_position_embeddings=config.get("max_position_embeddings"),
         nominal_params=nominal_params,
         description=description,
-        quantization=_quantization(config),
+        **_quantization(config),
     )
 
 
-def _quantization(config: dict[str, Any]) -> str | None:
+def _quantization(config: dict[str, Any]) -> dict[str, Any]:
+    """ModelSpec's quant_* fields from a config's quantization_config (empty without one).
+    AWQ/GPTQ give "bits" (or "w_bit"); compressed-tensors, vLLM's own format, gives each
+    group's weights' "num_bits" and "type"."""
     q = config.get("quantization_config")
     if not isinstance(q, dict) or not isinstance(q.get("quant_method"), str):
-        return None
-    bits = q.get("bits", q.get("w_bit"))
-    return q["quant_method"] + (f", {bits} bits" if isinstance(bits, int) else "")
+        return {}
+    bits: Any = q.get("bits", q.get("w_bit"))
+    is_float = False
+    groups = q.get("config_groups")
+    if isinstance(groups, dict):
+        weights = [g.get("weights") for g in groups.values() if isinstance(g, dict)]
+        weights = [w for w in weights if isinstance(w, dict)]
+        if weights:
+            bits = weights[0].get("num_bits")
+            is_float = weights[0].get("type") == "float"
+    if isinstance(bits, str) and bits.isdigit():
+        bits = int(bits)
+    return {
+        "quant_method": q["quant_method"].lower(),
+        "quant_bits": bits if isinstance(bits, int) and not isinstance(bits, bool) else None,
+        "quant_float": is_float,
+    }
 
 
 @cache
