@@ -225,6 +225,11 @@ def test_a_load_flag_typed_at_its_default_is_still_the_load_asked_for() -> None:
         (["simulate", "--plot", "p.png"], "--plot has no effect without --plan-capacity"),
         (["simulate", "--plan-tp", "3"], "--plan-tp has no effect without --plan-capacity"),
         (["simulate", "--tp-link", "nvlink3"], "without a pool at a tensor-parallel size above 1"),
+        (["simulate", "--burstiness", "2"], "--burstiness has no effect without a finite"),
+        (
+            ["simulate", "--kv-cache-memory", "1GiB", "--gpu-memory-utilization", "0.5"],
+            "--gpu-memory-utilization has no effect with --kv-cache-memory",
+        ),
         (
             # -tp 2 overridden by both pools' own tp=1: no pool uses the link
             [

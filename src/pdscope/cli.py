@@ -1128,6 +1128,18 @@ def simulate(
             max_concurrency=max_concurrency, seed=seed, slo=slo, tokenizer=tokenizer,
             find_capacity=find_capacity, max_runs=max_runs,
         )  # fmt: skip
+        only_with(
+            ctx,
+            math.isfinite(settings.request_rate) or find_capacity,
+            "a finite --request-rate (inf sends all at once)",
+            "burstiness",
+        )
+        not_with(
+            ctx,
+            kv_cache_memory is not None or calibrate is not None,
+            "--kv-cache-memory or --calibrate (they size the KV pool)",
+            "gpu_memory_utilization",
+        )
         cs = ClusterSettings.from_flags(
             settings, prefill_args, decode_args, prefill_device, decode_device, plan_capacity,
             replicas=replicas, router=router, tensor_parallel_size=tensor_parallel_size,
