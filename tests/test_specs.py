@@ -147,6 +147,14 @@ def test_bad_config_files(tmp_path) -> None:
         spec_from_config(bad, "bad")
 
 
+def test_a_path_that_is_not_there_says_so() -> None:
+    """A checkpoint path that does not exist was "unknown model './x/'", as for a misspelt
+    preset; it now says it is no directory or config.json."""
+    for path in ("./no-such-checkpoint/", "~/nowhere", "/tmp/pdscope-none/a/b"):
+        with pytest.raises(SpecError, match=r"neither a preset nor an existing config\.json"):
+            load_model(path)
+
+
 def test_unknown_model_names_closest() -> None:
     with pytest.raises(SpecError, match=r"closest: .*llama-3.1-8b"):
         load_model("lama-3.1-8b")

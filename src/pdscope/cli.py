@@ -151,7 +151,7 @@ ListModels = Annotated[
 # make-model
 Directory = Annotated[Path, typer.Argument(help="Where to write the checkpoint.")]
 Preset = Annotated[
-    str, typer.Option(help="tiny (tests, a few MB) or small (168M, the embedded default).")
+    str, typer.Option(help="tiny (tests, a few hundred KB) or small (168M, the embedded default).")
 ]
 Arch = Annotated[str, typer.Option(help="llama, mistral, qwen2 or qwen3.")]
 MakeDtype = Annotated[str, typer.Option(help="float32 or bfloat16.")]

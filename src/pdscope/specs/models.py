@@ -412,6 +412,16 @@ def load_model(name_or_path: str) -> ModelSpec:
         config = read_config(path)
         path = path / "config.json" if path.is_dir() else path
         return spec_from_config(config, name=path.parent.name or str(path), source=str(path))
+    # A path, not a Hugging Face id (org/name), which gets the closest presets below
+    if (
+        name_or_path.startswith((".", "~", "/"))
+        or name_or_path.endswith("/")
+        or name_or_path.count("/") > 1
+    ):
+        raise SpecError(
+            f"model {name_or_path!r} is neither a preset nor an existing config.json or "
+            "checkpoint directory (pdscope plan --list-models lists the presets)"
+        )
     raise unknown_name("model", name_or_path, list(_preset_index()))
 
 
