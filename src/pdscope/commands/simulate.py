@@ -494,7 +494,7 @@ def check_model_len(s: SimulateSettings, p: PlanInputs) -> None:
     if limit is not None and s.max_model_len > limit:
         raise SpecError(
             f"--max-model-len {s.max_model_len} exceeds {p.model.name}'s "
-            f"max_position_embeddings {limit}"
+            f"max_position_embeddings {limit}: pass --max-model-len {limit} or less"
         )
 
 
