@@ -132,6 +132,9 @@ def test_bad_engine_arguments(tiny: Path) -> None:
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
+    # on a CPU the pool is kv_cache_memory: a GPU share was accepted and changed nothing
+    with pytest.raises(ValueError, match="gpu_memory_utilization applies on CUDA only"):
+        LLM(model=str(tiny), gpu_memory_utilization=0.5, device="cpu")
 
 
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:

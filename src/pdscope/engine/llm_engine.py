@@ -177,6 +177,15 @@ class LLMEngine:
         return choice
 
     def _kv_budget_bytes(self) -> int:
+        # On a CPU the pool is kv_cache_memory: gpu_memory_utilization set away from its
+        # default would change nothing, so it is refused (as the CLI refuses such options).
+        if self.device.type != "cuda" and (
+            self.args.gpu_memory_utilization != EngineArgs().gpu_memory_utilization
+        ):
+            raise ValueError(
+                f"gpu_memory_utilization applies on CUDA only; on {self.device.type} the KV pool "
+                "is kv_cache_memory (--kv-cache-memory)"
+            )
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
