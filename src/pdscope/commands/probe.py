@@ -478,13 +478,14 @@ async def probe(
             on_start(prober.planned_requests())
         local = (s.device or "").lower() == "local"
         compute = "bf16"
+        served: dict[str, Any] | None = None
         if local:
             # The matmul readings are timed in the model's compute type, found from the served
             # checkpoint's config (or --dtype) before the requests.
             from pdscope.commands.plan import local_compute
 
-            before = await _served_model(client, runtime, model, headers)
-            compute = local_compute(_dtype_of(s, before.get("root")))
+            served = await _served_model(client, runtime, model, headers)
+            compute = local_compute(_dtype_of(s, served.get("root")))
         readings = [measure_local(compute)] if local else []
         partial = None
         try:
@@ -502,9 +503,13 @@ async def probe(
         if local:
             readings.append(measure_local(compute))
         try:
-            # After Ctrl-C the user waits: two quick questions, not two of --timeout each.
+            # Asked once: before the requests where the matmul readings needed it. After
+            # Ctrl-C the user waits: two quick questions, not two of --timeout each.
             limit_s = INTERRUPTED_LOOKUP_S if partial == INTERRUPTED else None
-            served = await asyncio.wait_for(_served_model(client, runtime, model, headers), limit_s)
+            if served is None:
+                served = await asyncio.wait_for(
+                    _served_model(client, runtime, model, headers), limit_s
+                )
         except TimeoutError:
             served = {"name": model, "max_model_len": runtime.max_model_len}
 
