@@ -199,10 +199,36 @@ def test_device_local_measures_this_machine() -> None:
     assert 1 < measured["read_gb_s"] < 1000
     assert 1 < measured["triad_gb_s"] < 1000
     assert 0.001 < measured["matmul_tflops"] < 1000
+    # bf16's peak is the faster of bf16 and float32 matmuls (an AVX2-only CPU: float32)
+    assert measured["matmul_computed_in"] in ("bfloat16", "float32")
     assert r["device"]["bandwidth_gb_s"] == pytest.approx(
         max(measured["read_gb_s"], measured["triad_gb_s"]), rel=0.01
     )
     assert r["decode_ceiling_tok_s"] > 0
+
+
+def test_a_matmul_path_slower_than_its_limit_is_timed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A matmul whose warm-up takes longer than MATMUL_SLOW_S (torch's bf16 fallback on an
+    AVX2-only CPU: ~13 s at 2,048) is not timed again, nor at the larger size: one call a
+    type. The rate is the warm-up's, and float32 stands in for bf16 where it was faster."""
+    import torch
+
+    from pdscope.specs import local
+
+    monkeypatch.setattr(local, "MATMUL_SLOW_S", 0.0)
+    calls: list[torch.dtype] = []
+    mm = torch.mm
+
+    def counted(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        calls.append(a.dtype)
+        return mm(a, b)
+
+    monkeypatch.setattr(torch, "mm", counted)
+    m = local.measure("bf16", array_mib=8, repeats=3)
+    assert calls == [torch.bfloat16, torch.float32]
+    assert m.matmul_tflops > 0 and m.matmul_computed_in in ("bfloat16", "float32")
+    note = local.computed_in_note(m)
+    assert ("float32" in note) == (m.matmul_computed_in == "float32")
 
 
 def test_make_model_command(tmp_path: Path) -> None:

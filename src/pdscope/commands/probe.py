@@ -338,14 +338,15 @@ def model_bytes_for(s: ProbeSettings, root: str | None) -> ModelBytes | None:
     )
 
 
-def measure_local(compute: str) -> tuple[float, float]:
-    """This machine's streaming read bandwidth (GB/s) and ``compute`` matmul rate (TFLOP/s)
+def measure_local(compute: str) -> tuple[float, float, str]:
+    """This machine's streaming read bandwidth (GB/s), ``compute`` matmul rate (TFLOP/s) and
+    the words saying it ran in float32 where that was faster (specs.local.computed_in_note),
     now. probe takes one reading before its requests and one after: on a shared machine
     another tenant can halve either, and a verdict against the roofline needs both."""
-    from pdscope.specs.local import measure
+    from pdscope.specs.local import computed_in_note, measure
 
     m = measure(compute, array_mib=256, repeats=3)
-    return m.bandwidth_gb_s, m.matmul_tflops
+    return m.bandwidth_gb_s, m.matmul_tflops, computed_in_note(m)
 
 
 def ceilings_for(
@@ -354,6 +355,7 @@ def ceilings_for(
     root: str | None,
     readings_gb_s: list[float],
     readings_tflops: list[float] | None = None,
+    computed_in: str = "",
 ) -> tuple[Ceilings | None, list[str]]:
     """The roofline for this model on the given device, when both are known. On this machine
     ('local') the bandwidth is the mean of the readings taken around the probe, and the peak
@@ -406,6 +408,7 @@ def ceilings_for(
             f", {local_compute(dtype)} matmul "
             + " and ".join(f"{t:.3f}" for t in tflops)
             + " TFLOP/s"
+            + computed_in
             if tflops
             else ""
         )
@@ -515,7 +518,12 @@ async def probe(
 
     root = served.get("root")
     ceilings, more = ceilings_for(
-        s, s.output_tokens, root, [r[0] for r in readings], [r[1] for r in readings]
+        s,
+        s.output_tokens,
+        root,
+        [r[0] for r in readings],
+        [r[1] for r in readings],
+        next((r[2] for r in readings if r[2]), ""),
     )
     notes += more
     result = analyze(

@@ -129,7 +129,13 @@ def render_plan(r: dict[str, Any], console: Console) -> None:
         lm = r["local_measurement"]
         parts.append(
             f"measured here: read {lm['read_gb_s']:.1f} GB/s, triad {lm['triad_gb_s']:.1f} "
-            f"GB/s, {lm['matmul_dtype']} matmul {lm['matmul_tflops']:.2f} TFLOP/s, "
+            f"GB/s, {lm['matmul_dtype']} matmul {lm['matmul_tflops']:.2f} TFLOP/s"
+            + (
+                f" (computed in {lm['matmul_computed_in']}: faster here)"
+                if lm.get("matmul_computed_in") == "float32" and lm["matmul_dtype"] != "fp32"
+                else ""
+            )
+            + ", "
             f"{lm['threads']} threads"
         )
     parts.extend(f"[yellow]note:[/] {note}" for note in r["notes"])

@@ -26,6 +26,10 @@ class LocalMeasurement:
     matmul_dtype: str
     threads: int
     array_bytes: int
+    # The type the matmul ran in: ``matmul_dtype``, or float32 where that ran a narrow type's
+    # matmul faster (an AVX2-only CPU runs torch's bf16 matmul ~100x slower than float32, and an
+    # engine there converts bf16 weights to compute in float32).
+    matmul_computed_in: str = ""
 
     @property
     def bandwidth_gb_s(self) -> float:
@@ -34,8 +38,9 @@ class LocalMeasurement:
         return max(self.read_gb_s, self.triad_gb_s)
 
 
-def _best_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up: page faults and thread-pool start are not bandwidth
+def _best_seconds(fn, repeats: int, warm: bool = True) -> float:
+    if warm:
+        fn()  # warm-up: page faults and thread-pool start are not bandwidth
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -66,6 +71,9 @@ def stream_gb_s(array_mib: int = 512, repeats: int = 5) -> tuple[float, float]:
 
 
 MATMUL_SIZES = (1024, 2048)  # square matmuls timed for the peak; the faster one counts
+# A size is tried only while the size before it ran in under this: a slow path (bf16 on an
+# AVX2-only CPU, ~1.3 GFLOP/s) would take minutes at 2,048, and its rate is known by then.
+MATMUL_SLOW_S = 0.25
 
 
 def measure(dtype: str = "bf16", array_mib: int = 512, repeats: int = 5) -> LocalMeasurement:
@@ -78,16 +86,12 @@ def measure(dtype: str = "bf16", array_mib: int = 512, repeats: int = 5) -> Loca
     threads = torch.get_num_threads()
     read_gb_s, triad_gb_s = stream_gb_s(array_mib, repeats)
 
-    torch_dtype = getattr(torch, _DTYPES[dtype])
-    # The best of two sizes: which one a CPU's matmul runs fastest at depends on its caches
-    # (AMX Xeon: 1.18 TFLOP/s at 1,024 against 0.67 at 2,048 one minute, 2.25 at 2,048 the
-    # next), and a peak taken at one size and one minute put a real prefill above the floor.
-    flops_s = 0.0
-    for size in MATMUL_SIZES:
-        x = torch.randn(size, size).to(torch_dtype)
-        y = torch.randn(size, size).to(torch_dtype)
-        mm_s = _best_seconds(lambda x=x, y=y: torch.mm(x, y), repeats)
-        flops_s = max(flops_s, 2 * size**3 / mm_s)
+    # A narrow type's matmul may run faster in float32 (converting costs O(n^2) against the
+    # product's O(n^3)), so its peak is the better of the two.
+    flops_s, computed_in = max(
+        (_matmul_flops_s(name, repeats), name)
+        for name in dict.fromkeys((_DTYPES[dtype], "float32"))
+    )
     return LocalMeasurement(
         read_gb_s=read_gb_s,
         triad_gb_s=triad_gb_s,
@@ -95,7 +99,29 @@ def measure(dtype: str = "bf16", array_mib: int = 512, repeats: int = 5) -> Loca
         matmul_dtype=dtype,
         threads=threads,
         array_bytes=array_mib * 1024 * 1024,
+        matmul_computed_in=computed_in,
     )
+
+
+def _matmul_flops_s(torch_dtype: str, repeats: int) -> float:
+    """The best FLOP/s of square ``torch_dtype`` matmuls over ``MATMUL_SIZES``."""
+    import torch
+
+    # The best of two sizes: which one a CPU's matmul runs fastest at depends on its caches
+    # (AMX Xeon: 1.18 TFLOP/s at 1,024 against 0.67 at 2,048 one minute, 2.25 at 2,048 the
+    # next), and a peak taken at one size and one minute put a real prefill above the floor.
+    flops_s = 0.0
+    for size in MATMUL_SIZES:
+        x = torch.randn(size, size).to(getattr(torch, torch_dtype))
+        y = torch.randn(size, size).to(getattr(torch, torch_dtype))
+        start = time.perf_counter()
+        torch.mm(x, y)  # the warm-up, timed: a path this slow is not repeated
+        warm_s = time.perf_counter() - start
+        if warm_s > MATMUL_SLOW_S:
+            return max(flops_s, 2 * size**3 / warm_s)
+        mm_s = _best_seconds(lambda x=x, y=y: torch.mm(x, y), repeats, warm=False)
+        flops_s = max(flops_s, 2 * size**3 / mm_s)
+    return flops_s
 
 
 def local_device(dtype: str = "bf16") -> tuple[Device, LocalMeasurement]:
@@ -116,10 +142,18 @@ def local_device(dtype: str = "bf16") -> tuple[Device, LocalMeasurement]:
         source=(
             f"measured here: read {m.read_gb_s:.1f} GB/s, triad {m.triad_gb_s:.1f} GB/s over "
             f"{m.array_bytes / 2**20:.0f} MiB arrays, {m.matmul_dtype} matmul "
-            f"{m.matmul_tflops:.2f} TFLOP/s, {m.threads} threads, best of runs"
+            f"{m.matmul_tflops:.2f} TFLOP/s{computed_in_note(m)}, {m.threads} threads, "
+            "best of runs"
         ),
     )
     return device, m
+
+
+def computed_in_note(m: LocalMeasurement) -> str:
+    """' (computed in float32: faster here)' where the narrow type's peak came from float32."""
+    if m.matmul_computed_in and m.matmul_computed_in != _DTYPES[m.matmul_dtype]:
+        return f" (computed in {m.matmul_computed_in}: faster here)"
+    return ""
 
 
 def cpu_model() -> str:
