@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from engine_bench import build_ops, machine_line
 from pdscope.checkpoint.make_model import default_cache_dir
 from pdscope.engine import native
-from pdscope.engine.model import on_huge_pages, pairs_copy
+from pdscope.engine.model import linear_widened, on_huge_pages, onednn_bf16, pairs_copy
 
 SHAPES = [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816)] * 12 + [(16384, 1024)]
 
@@ -51,9 +52,11 @@ def main() -> None:
     other = build_ops(args.ab_source) if args.ab_source else None
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=gen).to(torch.bfloat16) for o, i in SHAPES]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
-    # laid out for many rows, as the engine packs them under linear=c (PACKED_ROWS_WITH_C)
-    packed_many = [torch.ops.mkldnn._reorder_linear_weight(w, 2048) for w in weights]
+    # oneDNN's packed layouts where it has a bf16 path: for one row, and for many as the
+    # engine packs them under linear=c (PACKED_ROWS_WITH_C)
+    onednn = onednn_bf16()
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights if onednn]
+    packed_many = [torch.ops.mkldnn._reorder_linear_weight(w, 2048) for w in weights if onednn]
     pointwise = torch.ops.mkldnn._linear_pointwise.default
     huge = [on_huge_pages(w) for w in weights]
     # batch_linear=pairs: the pair-interleaved copies, on huge pages as the engine keeps them
@@ -67,16 +70,21 @@ def main() -> None:
     )
     for rows in args.rows:
         x = {i: torch.randn(rows, i, generator=gen).to(torch.bfloat16) for _, i in SHAPES}
-        paths = {
-            "plain": lambda x=x: [F.linear(x[w.shape[1]], w) for w in weights],
-            "packed": lambda x=x: [
+        paths: dict[str, Callable[[], object]] = {
+            "plain": lambda x=x: [F.linear(x[w.shape[1]], w) for w in weights]
+        }
+        if onednn:
+            paths["packed"] = lambda x=x: [
                 pointwise(x[w.shape[1]], p, None, "none", [], "")
                 for w, p in zip(weights, packed, strict=True)
-            ],
-            "packed2048": lambda x=x: [
+            ]
+            paths["packed2048"] = lambda x=x: [
                 pointwise(x[w.shape[1]], p, None, "none", [], "")
                 for w, p in zip(weights, packed_many, strict=True)
-            ],
+            ]
+        else:  # what several rows take there (matmul_math=float32)
+            paths["widened"] = lambda x=x: [linear_widened(x[w.shape[1]], w, None) for w in weights]
+        paths |= {
             "c": lambda x=x: [ops.linear(x[w.shape[1]], w) for w in weights],
             "c_many": lambda x=x: [ops.linear_many(x[w.shape[1]], w) for w in weights],
             "read": lambda: same_bytes.sum(),
@@ -106,36 +114,22 @@ def main() -> None:
         for name, ts in times.items():
             med = statistics.median(ts)
             cells.append(f"{name} {med * 1e3:6.2f} ({nbytes / med / 1e9:4.1f} GB/s)")
+        pairs_of = (
+            ("packed", "c"),
+            ("packed2048", "c_many"),
+            ("widened", "c_many"),
+            ("c_many", "c_many_huge"),
+            ("c_many_ab", "c_many"),
+            ("packed2048", "pairs"),
+            ("pairs", "pairs2"),
+        )
         ratios = [
-            statistics.median(p / c for p, c in zip(times[a], times[b], strict=True))
-            for a, b in (("packed", "c"), ("packed2048", "c_many"), ("c_many", "c_many_huge"))
-            + (("c_many_ab", "c_many"),)
+            f"{a} / {b} "
+            + f"{statistics.median(p / c for p, c in zip(times[a], times[b], strict=True)):.2f}"
+            for a, b in pairs_of
             if a in times and b in times
         ]
-        pairs_ratio = (
-            statistics.median(
-                p / c for p, c in zip(times["packed2048"], times["pairs"], strict=True)
-            )
-            if "pairs" in times
-            else None
-        )
-        print(
-            f"rows {rows:3}: "
-            + "  ".join(cells)
-            + "  packed / c {:.2f}, packed2048 / c_many {:.2f}".format(*ratios)
-            + (f", c_many / c_many_huge {ratios[2]:.2f}" if "c_many_huge" in times else "")
-            + (f", c_many_ab / c_many {ratios[-1]:.2f}" if other is not None else "")
-            + (f", packed2048 / pairs {pairs_ratio:.2f}" if pairs_ratio else "")
-            + (
-                ", pairs / pairs2 {:.2f}".format(
-                    statistics.median(
-                        a / b for a, b in zip(times["pairs"], times["pairs2"], strict=True)
-                    )
-                )
-                if "pairs2" in times
-                else ""
-            )
-        )
+        print(f"rows {rows:3}: " + "  ".join(cells) + "  " + ", ".join(ratios))
 
 
 if __name__ == "__main__":

@@ -46,6 +46,10 @@ BF16_PATHS = [
     "linear=packed,batch_linear=pairs,prefill_attention=c,decode_math=float32,decode_ops=c",
     # single rows through the copies as two streams a thread, batched rows too
     "linear=pairs2,batch_linear=pairs,prefill_attention=c,decode_math=native,decode_ops=c",
+    # every matmul of 12 rows or more widened to float32 (what an AVX2-only CPU runs), single
+    # rows through the C kernel
+    "linear=c,batch_linear=packed,matmul_math=float32,prefill_attention=sdpa,"
+    "decode_math=float32,decode_ops=c",
     # a prefill's matmuls split by rows over the threads (the 1,100-token chunk below)
     "linear=c,batch_linear=packed,prefill_linear=rows,prefill_attention=sdpa,"
     "decode_math=native,decode_ops=c",
@@ -257,6 +261,18 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
         return transposed(*args)  # type: ignore[arg-type]
 
     model_module.linear_transposed = counted  # restored below
+    # matmul_math: forced, else the rule (float32 where oneDNN has no bf16 path)
+    cpu_rule = model_module.widen_bf16(torch.bfloat16, torch.device("cpu"))
+    widen = paths.get("matmul_math", "float32" if cpu_rule else "native") == "float32"
+    assert all(m.widen == widen for m in linears)
+    widened_calls = [0]
+    widened = model_module.linear_widened
+
+    def counted_widened(*args: object) -> torch.Tensor:
+        widened_calls[0] += 1
+        return widened(*args)  # type: ignore[arg-type]
+
+    model_module.linear_widened = counted_widened
     team_calls = _count_calls(in_layers, "team", "run_on_team") if by_rows else [0]
     llm.engine.runner.capture_logits = True
     rng = random.Random(0)
@@ -265,6 +281,10 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
         out = llm.generate(prompt, GREEDY)[0]
     finally:
         model_module.linear_transposed = transposed
+        model_module.linear_widened = widened
+    # the prefill's matmuls where no other path takes them: not the 24-row chunks of a C
+    # batch path, nor the one 1,100-row chunk under the copies of prefill_linear
+    assert (widened_calls[0] > 0) == (widen and not many and not copied)
     # every matmul of the layers in the 1,100-row prefill, none in the decode steps
     assert team_calls[0] == (4 * len(model.layers) if by_rows else 0)
     unsplit = paths.get("prefill_linear") == "transposed"

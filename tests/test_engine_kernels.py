@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import platform
 import subprocess
 import sys
 import threading
@@ -102,6 +103,7 @@ def test_trial_picks_the_faster_candidate_and_caches_it(tmp_path: Path) -> None:
         "linear": "fixed",
         "batch_linear": "fixed",
         "prefill_linear": "fixed",
+        "matmul_math": "fixed",
         "prefill_attention": "measured",
         "decode_math": "fixed",
         "decode_ops": "fixed",
@@ -163,8 +165,8 @@ def test_engine_logs_applies_and_reports_its_choice(
     from pdscope.server.metrics import EngineMetrics
 
     forced = (
-        "linear=plain,batch_linear=packed,prefill_linear=onednn,prefill_attention=sdpa,"
-        "decode_math=native,decode_ops=torch,threads=free"
+        "linear=plain,batch_linear=packed,prefill_linear=onednn,matmul_math=float32,"
+        "prefill_attention=sdpa,decode_math=native,decode_ops=torch,threads=free"
     )
     with caplog.at_level("INFO", logger="pdscope.engine"):
         llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels=forced)
@@ -185,7 +187,8 @@ def test_engine_logs_applies_and_reports_its_choice(
     assert 'linear="plain"' in line and 'prefill_attention="sdpa"' in line
     assert 'decode_math="native"' in line and 'decode_ops="torch"' in line
     assert 'threads="free"' in line and 'batch_linear="packed"' in line
-    assert 'prefill_linear="onednn"' in line
+    assert 'prefill_linear="onednn"' in line and 'matmul_math="float32"' in line
+    assert all(m.widen for m in model.modules() if hasattr(m, "widen"))
     assert all(m.team is None and m.weight_t is None for m in model.modules() if hasattr(m, "team"))
     assert all(m.native_many is None for m in model.modules() if hasattr(m, "native_many"))
     assert line.endswith(" 1.0")
@@ -202,8 +205,8 @@ def test_auto_measures_every_path_that_has_two_candidates(
         expected.add("linear")
     if native.compiler():
         expected.add("decode_ops")
-        if can_pack(torch.bfloat16, torch.device("cpu")):
-            expected.add("batch_linear")
+        # oneDNN's packed weights, or where it has no bf16 path the widened matmul, against C
+        expected.add("batch_linear")
     # threads=bound is never chosen by a trial (it stalled a live server's streams): only forced
     assert choice.threads == "free" and choice.how["threads"] == "fixed"
     assert {p for p, how in choice.how.items() if how == "measured"} == expected
@@ -480,6 +483,7 @@ def test_a_float32_model_reports_the_paths_it_really_runs(tmp_path: Path) -> Non
         "linear": bool(native.compiler()),
         "batch_linear": False,  # bf16 only
         "prefill_linear": False,  # bf16 only
+        "matmul_math": False,  # a rule: float32 only for bf16 where oneDNN has no bf16 path
         "prefill_attention": False,
         "decode_math": False,
         "decode_ops": False,
@@ -780,22 +784,24 @@ def glue_ops(request: pytest.FixtureRequest, c_ops: native.NativeOps) -> Iterato
         c_ops.wide_glue = before
 
 
-@pytest.fixture(scope="module", params=["native", "portable"])
-def argmax_ops(
-    request: pytest.FixtureRequest,
-    c_ops: native.NativeOps,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> native.NativeOps:
-    """The engine's build (AVX-512 where the CPU has it) and one for x86-64-v3 (no AVX-512:
-    the scalar loops, as on a CPU without it)."""
-    if request.param == "native":
-        return c_ops
+@pytest.fixture(scope="module")
+def v3_ops(c_ops: native.NativeOps, tmp_path_factory: pytest.TempPathFactory) -> native.NativeOps:
+    """The C kernels built for x86-64-v3 (AVX2 and FMA, no AVX-512), as on an AVX2-only CPU."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64-v3 is an x86 target")
     cc = native.compiler()
     assert cc is not None
     target = tmp_path_factory.mktemp("native_v3") / "decode_ops.so"
     cmd = [cc, *native._FLAG_SETS[0], "-march=x86-64-v3", "-o", str(target)]
     subprocess.run([*cmd, str(native.SOURCE), "-lm"], check=True)
     return native.NativeOps(ctypes.CDLL(str(target)))
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def argmax_ops(request: pytest.FixtureRequest, c_ops: native.NativeOps) -> native.NativeOps:
+    """The engine's build (AVX-512 where the CPU has it) and one for x86-64-v3 (no AVX-512:
+    the scalar loops, as on a CPU without it)."""
+    return c_ops if request.param == "native" else request.getfixturevalue("v3_ops")
 
 
 @needs_cc
@@ -864,8 +870,9 @@ def test_c_silu_mul_matches_a_float64_reference(
 # 6: a full block of four x rows and a partial one; 33: two full 16-row tile groups and one row
 @pytest.mark.parametrize("rows", [1, 3, 6, 33])
 @pytest.mark.parametrize("kernel", ["linear", "linear_many"])  # batch_linear=c takes the second
+@pytest.mark.parametrize("build", ["engine", "x86-64-v3"])  # the second: bf16 through AVX2 FMAs
 def test_c_linear_matches_a_float64_reference(
-    c_ops: native.NativeOps, dtype: torch.dtype, rows: int, kernel: str
+    request: pytest.FixtureRequest, dtype: torch.dtype, rows: int, kernel: str, build: str
 ) -> None:
     """Shapes off every block size: 70 inputs (two full 32-wide steps and a masked tail), 37
     outputs (nine blocks of four and a partial one), and for the AMX tiles of linear_many
@@ -873,7 +880,10 @@ def test_c_linear_matches_a_float64_reference(
     inputs and 48 outputs (a 32-row weight block and a 16-row one), with and without a bias;
     bf16 results within one rounding of the float64 product, and no further from it than
     F.linear."""
-    linear = getattr(c_ops, kernel)
+    ops = request.getfixturevalue("c_ops" if build == "engine" else "v3_ops")
+    if build == "x86-64-v3":
+        assert ops.linear_isa == "avx2"
+    linear = getattr(ops, kernel)
     gen = torch.Generator().manual_seed(5)
     for inputs, outputs in ((70, 37), (96, 48)):
         x = torch.randn(rows, inputs, generator=gen).to(dtype)
@@ -1357,3 +1367,47 @@ def test_without_a_compiler_the_engine_keeps_the_pytorch_path(
         with pytest.raises(ValueError, match="threads=bound needs the C kernels"):
             LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels=f"{others},threads=bound")
         caplog.clear()
+
+
+def test_bf16_matmuls_widen_to_float32_where_onednn_has_no_bf16(tiny_bf16: Path) -> None:
+    """The rule, on whatever CPU runs this: matmul_math is float32 exactly where oneDNN cannot
+    pack and run a bf16 linear (an AVX2-only CPU), and a float32 model never widens."""
+    from pdscope.engine.model import onednn_bf16
+
+    llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB")
+    assert llm.engine.kernels.matmul_math == ("native" if onednn_bf16() else "float32")
+    assert llm.engine.kernels.how["matmul_math"] == "fixed"
+    fp32 = LLM(model=str(tiny_bf16), dtype="float32", kv_cache_memory="8MiB")
+    assert fp32.engine.kernels.matmul_math == "native"
+    model = fp32.engine.runner.model
+    assert not any(m.widen for m in model.modules() if hasattr(m, "widen"))
+
+
+@pytest.mark.parametrize("rows", [1, 11, 12, 40])
+def test_a_widened_linear_takes_float32_from_its_threshold(rows: int) -> None:
+    """Under matmul_math=float32 a bf16 Linear widens from WIDEN_MIN_ROWS rows: the same
+    function as F.linear, within one bf16 rounding, with float32 accumulation."""
+    from pdscope.engine import model as model_module
+    from pdscope.engine.model import WIDEN_MIN_ROWS, Linear
+
+    gen = torch.Generator().manual_seed(3)
+    layer = Linear(96, 40, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(40, 96, generator=gen) / 8)
+    layer.widen = True
+    x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+    calls = []
+    widened = model_module.linear_widened
+
+    def counted(*args: torch.Tensor | None) -> torch.Tensor:
+        calls.append(1)
+        return widened(*args)  # type: ignore[arg-type]
+
+    model_module.linear_widened = counted
+    try:
+        y = layer(x)
+    finally:
+        model_module.linear_widened = widened
+    assert len(calls) == (1 if rows >= WIDEN_MIN_ROWS else 0)
+    assert y.dtype == torch.bfloat16
+    _assert_as_close_as_f_linear(y, x, layer.weight.detach(), layer.bias.detach())

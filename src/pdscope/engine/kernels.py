@@ -11,7 +11,8 @@ Paths (every candidate computes the same function; tests pin each against transf
 
 * ``linear``: ``packed`` (weights pre-packed once in oneDNN's blocked layout), ``plain``
   (``F.linear``) or ``c`` (engine/native.py's kernel for single-row matmuls, reading the
-  weights as stored with AVX-512 BF16 dot products where the CPU has them; larger matmuls then
+  weights as stored with AVX-512 BF16 dot products where the CPU has them, else with AVX2
+  FMAs on the bf16 weights widened in registers; larger matmuls then
   take the packed weights). Only bf16 on CPU has a packed form; ``c`` needs a C compiler.
   ``amx`` takes single rows through AMX tiles instead, reading the weight as stored; ``pairs``
   through a pair-interleaved copy of every weight ([out / 16, in / 2, 16, 2]: one 64-byte
@@ -23,7 +24,8 @@ Paths (every candidate computes the same function; tests pin each against transf
 * ``batch_linear``: for matmuls of 2 to ``NATIVE_MANY_MAX_ROWS`` rows (a batched decode
   step): ``packed`` (whatever ``linear`` gives matmuls of several rows: the packed weights, or
   ``F.linear`` under ``linear=plain``), ``c`` (engine/native.py's many-row kernel: AMX tile
-  multiplies reading each weight block once for all rows, where the CPU and Linux allow them)
+  multiplies reading each weight block once for all rows, where the CPU and Linux allow them,
+  else ``linear``'s C kernel, four weight rows against up to three rows of x at a time)
   or ``pairs`` (the pair-interleaved copies of ``linear=pairs``, made for this path whatever
   ``linear`` is: tiles of up to 8 rows against 3 blocks of 16 outputs, in AVX-512 BF16; each
   row the same bits as alone). bf16 on CPU with the C kernels only; ``pairs`` offered while
@@ -45,6 +47,12 @@ Paths (every candidate computes the same function; tests pin each against transf
   same kernel with its products in AVX-512 BF16, for CPUs without AMX). ``amx`` only where the
   C kernels built with AMX and Linux grants the tiles, ``c`` where they built with AVX-512
   BF16; both for a bf16 model. CPU only; CUDA always takes SDPA.
+* ``matmul_math``: ``native`` (matmuls in the model dtype) or ``float32`` (a bf16 matmul of
+  ``WIDEN_MIN_ROWS`` rows or more that no C kernel takes is widened to float32 for the call:
+  weight, input and bias). Not a trial: a rule, ``float32`` for bf16 on a CPU where oneDNN has
+  no bf16 path (neither AVX-512 BW/VL/DQ nor AVX-NE-CONVERT: model.onednn_bf16), where torch's
+  bf16 matmul is a slow fallback. On an AVX2-only AMD EPYC, one layer of the small model at
+  512 rows: 566 ms in bf16 against 80 ms widened (20 and 145 GFLOP/s; docs/performance.md).
 * ``decode_math``: ``float32`` (small decode batches convert their context to float32 first)
   or ``native`` (the model dtype throughout). Only bf16 on CPU differs.
 * ``decode_ops``: ``torch`` (the PyTorch ops: the reference) or ``c`` (engine/native.py's C
@@ -81,6 +89,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "linear": ("packed", "plain", "c", "amx", "pairs", "pairs2"),
     "batch_linear": ("packed", "c", "pairs"),
     "prefill_linear": ("onednn", "transposed", "rows"),
+    "matmul_math": ("native", "float32"),
     "prefill_attention": ("blocked", "sdpa", "amx", "c"),
     "decode_math": ("float32", "native"),
     "decode_ops": ("torch", "c"),
@@ -100,7 +109,7 @@ PAIRS_LINEAR: dict[str, int] = dict(zip(("pairs", "pairs2"), PAIR_STREAMS, stric
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
-_TRIAL_VERSION = 18
+_TRIAL_VERSION = 20
 
 
 @dataclass(frozen=True)
@@ -110,6 +119,7 @@ class KernelChoice:
     linear: str = "packed"
     batch_linear: str = "packed"
     prefill_linear: str = "onednn"
+    matmul_math: str = "native"
     prefill_attention: str = "blocked"
     decode_math: str = "float32"
     decode_ops: str = "torch"

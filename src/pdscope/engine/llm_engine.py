@@ -16,7 +16,13 @@ from pdscope.engine.args import EngineArgs
 from pdscope.engine.block_pool import BlockPool
 from pdscope.engine.kernels import ON_C, KernelChoice, TrialShapes, choose, parse_kernels
 from pdscope.engine.loader import load_model, read_config, resolve_dtype
-from pdscope.engine.model import apply_kernels, can_pack, kernel_trials, thread_cpus
+from pdscope.engine.model import (
+    apply_kernels,
+    can_pack,
+    kernel_trials,
+    thread_cpus,
+    widen_bf16,
+)
 from pdscope.engine.request import Request
 from pdscope.engine.runner import ModelRunner
 from pdscope.engine.sampling_params import SamplingParams
@@ -156,6 +162,9 @@ class LLMEngine:
             "linear": "packed" if can_pack(self.dtype, self.device) else "plain",
             "batch_linear": "packed",  # as linear (float32, a GPU, or no C kernels)
             "prefill_linear": "onednn",  # as linear (float32, a GPU, or short chunks)
+            # a rule, not a trial: torch's bf16 matmul without oneDNN's bf16 path is a slow
+            # fallback (kernels.py says how slow)
+            "matmul_math": "float32" if widen_bf16(self.dtype, self.device) else "native",
             "prefill_attention": "blocked" if cpu else "sdpa",
             "decode_math": "float32" if cpu or self.dtype == torch.float32 else "native",
             "decode_ops": "torch",  # no C kernels here (a GPU, or no compiler)

@@ -11,6 +11,7 @@ then reads keys and values from the cache through each sequence's block table.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import mmap
 import operator
@@ -62,6 +63,10 @@ PACKED_ROWS_WITH_C = 2048
 # when chosen: torch.mm on a transposed copy of the weight, whole or with x's rows split over
 # the OpenMP team (see Linear). A decode batch stays below it, on linear's path.
 ROWS_SPLIT_MIN_ROWS = 512
+# Under matmul_math=float32, bf16 matmuls of at least this many rows (that no C kernel takes)
+# widen to float32. AVX2-only AMD EPYC, one layer of the small model, bf16 F.linear against
+# widened: 11.4 / 12.5 ms at 8 rows, 14.0 / 11.2 at 12, 19.0 / 12.8 at 16, 35.2 / 14.5 at 32.
+WIDEN_MIN_ROWS = 12
 # prefill_linear=transposed's copy of the layer weights, and linear=pairs' copy of every
 # weight, are each offered to the trial only while it takes at most this share of the memory
 # free at start-up.
@@ -304,6 +309,7 @@ class Linear(nn.Linear):
     native_many: NativeOps | None = None  # set by apply_kernels when batch_linear=c
     huge_pages: bool = False  # the weight was moved onto transparent huge pages
     team: NativeOps | None = None  # set by apply_kernels when prefill_linear=rows
+    widen: bool = False  # matmul_math=float32: bf16 matmuls of WIDEN_MIN_ROWS rows or more
     # [in, out] contiguous, what prefill matmuls multiply by under prefill_linear=transposed or
     # rows: oneDNN's matmul on it beat the packed weights at 2,000 rows on the AMX Xeon
     weight_t: torch.Tensor | None = None
@@ -419,10 +425,21 @@ class Linear(nn.Linear):
                 return linear_by_rows(x, weight_t, self.bias, self.team)
             if weight_t is not None:
                 return linear_transposed(x, weight_t, self.bias)
+        if self.widen and x.numel() >= WIDEN_MIN_ROWS * x.shape[-1]:
+            return linear_widened(x, self.weight, self.bias)
         packed = self.current_packed()
         if packed is not None:
             return _packed_linear(x, packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def linear_widened(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) in float32, the result back in x's dtype (``matmul_math=float32``):
+    float32 accumulation and one rounding, as a bf16 matmul's."""
+    wide_bias = None if bias is None else bias.float()
+    return F.linear(x.float(), weight.float(), wide_bias).to(x.dtype)
 
 
 def linear_transposed(
@@ -537,13 +554,33 @@ def pack_linears(model: nn.Module) -> int:
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
+    return device.type == "cpu" and dtype == torch.bfloat16 and onednn_bf16()
+
+
+def widen_bf16(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a bf16 model here computes its matmuls in float32 (``matmul_math=float32``): on
+    a CPU without oneDNN's bf16 path."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and not onednn_bf16()
+
+
+@functools.cache
+def onednn_bf16() -> bool:
+    """Whether oneDNN packs and runs a bf16 linear on this CPU. Its bf16 path needs AVX-512
+    (BW, VL, DQ) or AVX-NE-CONVERT: on an AVX2-only AMD EPYC the reorder raises. So one tiny
+    weight is packed and run once, rather than reading ISA flags a torch release may change."""
+    if not (
+        torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and _packed_linear is not None
-    )
+    ):
+        return False
+    weight = torch.ones(16, 32, dtype=torch.bfloat16)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        out = _packed_linear(torch.ones(1, 32, dtype=torch.bfloat16), packed, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return bool(torch.all(out == 32))
 
 
 class RMSNorm(nn.Module):
@@ -1333,6 +1370,7 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
                 and module is not model.lm_head
             )
             module.team = native if transposed and choice.prefill_linear == "rows" else None
+            module.widen = choice.matmul_math == "float32" and module.weight.dtype == torch.bfloat16
             if not transposed:
                 module.weight_t = None
                 module.hold_source("weight_t", made=False)
@@ -1373,7 +1411,8 @@ def kernel_trials(
       many-row C kernel, or the pair-interleaved copies (bf16 with AVX-512 BF16, while the
       copy fits). The packed candidate is always laid out for many rows (as under
       ``linear=c``), the fastest packed form at these rows, whatever ``linear`` chooses: C
-      must beat the best oneDNN can do to be chosen;
+      must beat the best oneDNN can do to be chosen. Where oneDNN has no bf16 path, that
+      candidate is the float32-widened matmul several rows take there (``matmul_math``);
     * prefill linear (bf16, chunks of at least ``ROWS_SPLIT_MIN_ROWS``): layer 0's matmuls at
       ``prefill_tokens`` rows, through the weights packed for many rows and through a
       transposed copy (offered only while that copy fits: ``transposed_copy_fits``);
@@ -1400,7 +1439,7 @@ def kernel_trials(
         trials["linear"] = lambda: _linear_trial(model, native)
     if dtype != torch.float32:
         trials["decode_math"] = lambda: _decode_math_trial(model)
-    if native is not None and can_pack(dtype, device):
+    if native is not None and (can_pack(dtype, device) or widen_bf16(dtype, device)):
         many = native
         trials["batch_linear"] = lambda: _batch_linear_trial(model, many)
     if (
@@ -1517,17 +1556,24 @@ def _batch_linear_trial(model: CausalLM, native: NativeOps) -> dict[str, Callabl
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     weight = model.embed_tokens.weight
     inputs = {m.in_features: _random((_BATCH_TRIAL_ROWS, m.in_features), weight) for m in linears}
-    # The packed candidate as the engine would lay it out for several rows.
-    packed = {
-        m: m.packed
-        if m.packed is not None and m.packed_rows > 1
-        else torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACKED_ROWS_WITH_C)
-        for m in linears
-    }
+    if can_pack(weight.dtype, weight.device):
+        # The packed candidate as the engine would lay it out for several rows.
+        packed = {
+            m: m.packed
+            if m.packed is not None and m.packed_rows > 1
+            else torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACKED_ROWS_WITH_C)
+            for m in linears
+        }
 
-    def run_packed() -> None:
-        for m in linears:
-            _packed_linear(inputs[m.in_features], packed[m], m.bias, "none", [], "")
+        def run_packed() -> None:
+            for m in linears:
+                _packed_linear(inputs[m.in_features], packed[m], m.bias, "none", [], "")
+
+    else:  # no oneDNN bf16 here: what several rows then run, widened to float32 (matmul_math)
+
+        def run_packed() -> None:
+            for m in linears:
+                linear_widened(inputs[m.in_features], m.weight, m.bias)
 
     def run_c() -> None:
         for m in linears:
@@ -1645,6 +1691,11 @@ def _prefill_trial(
         "blocked": lambda: attn._prefill_cpu(q, keys, values, 0),
         "sdpa": lambda: attn._prefill_sdpa(q, keys, values, 0),
     }
+    if widen_bf16(weight.dtype, weight.device):
+        # Its bmms run torch's slow bf16 fallback here: 74x SDPA's time on an AVX2-only AMD
+        # EPYC (2.93 s against 0.040 s a trial run at 2,048 tokens, 4 heads of 64), seconds
+        # of start-up for a choice already known.
+        del candidates["blocked"]
     # The C kernel only where it would run in the model: bf16 chunks, no window, a head size
     # it takes, tiles granted (amx) or AVX-512 BF16 built (c). Elsewhere it would time SDPA
     # under another name.

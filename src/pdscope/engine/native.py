@@ -359,8 +359,9 @@ class NativeOps:
     @property
     def linear_isa(self) -> str:
         """How :meth:`linear` computes bf16 dot products on this build: ``avx512_bf16``
-        (``vdpbf16ps``) or ``portable`` (a float32 loop)."""
-        return "avx512_bf16" if self.lib.linear_rows_isa() else "portable"
+        (``vdpbf16ps``), ``avx2`` (weights widened to float32 in registers, FMAs) or
+        ``portable`` (a float32 loop)."""
+        return {1: "avx512_bf16", 2: "avx2"}.get(self.lib.linear_rows_isa(), "portable")
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from pdscope import __version__
+from pdscope.engine.kernels import OPTIONS as KERNEL_PATHS
 from pdscope.engine.llm_engine import LLMEngine
 from pdscope.engine.request import Request
 from pdscope.engine.timeline import StepRecord
@@ -154,30 +155,10 @@ class EngineMetrics:
         Gauge(
             "pdscope:build_info",
             "Constant 1; the labels say what this engine runs on and which kernels it chose.",
-            [
-                "model_name",
-                "version",
-                "cpu",
-                "linear",
-                "batch_linear",
-                "prefill_linear",
-                "prefill_attention",
-                "decode_math",
-                "decode_ops",
-                "threads",
-            ],
+            ["model_name", "version", "cpu", *KERNEL_PATHS],
             registry=r,
         ).labels(
-            model_name,
-            __version__,
-            cpu_model(),
-            kernels.linear,
-            kernels.batch_linear,
-            kernels.prefill_linear,
-            kernels.prefill_attention,
-            kernels.decode_math,
-            kernels.decode_ops,
-            kernels.threads,
+            model_name, __version__, cpu_model(), *(getattr(kernels, p) for p in KERNEL_PATHS)
         ).set(1)
         self._pool = engine.pool
         self._seen = (0, 0, 0)  # prefix queries, hits, preemptions already counted

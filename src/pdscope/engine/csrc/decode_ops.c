@@ -947,6 +947,67 @@ static inline __attribute__((always_inline)) void dot_block_bf16(
 }
 #endif
 
+#if !defined(HAVE_DPBF16) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* AVX2 with FMA and no AVX-512 BF16 (an AVX2-only AMD EPYC): bf16 weights widened to float32 in
+ * registers (a bf16 is the high half of a float32), x widened once a call. The portable loop
+ * below widens every weight row into a buffer first and x again per row: it read the small
+ * model's weights at ~40% of the host's bandwidth at one row. */
+#define HAVE_AVX2_BF16 1
+
+static inline __m256 bf16x8_to_f32(const bf16 *p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* res[b * GEMV_ROWS + r] = dot(xf row b, w row r) for nr <= 4 weight rows and nb <= 3 rows
+ * of float32 xf: 12 accumulators and 4 weight registers, x read by the FMAs. */
+static inline __attribute__((always_inline)) void dot_block_avx2(
+    const float *xf, int64_t nb, const bf16 *w, int64_t nr, int64_t in, float *res) {
+    __m256 acc[3][GEMV_ROWS];
+    for (int b = 0; b < 3; b++)
+        for (int r = 0; r < GEMV_ROWS; r++) acc[b][r] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= in; k += 8) {
+        __m256 wv[GEMV_ROWS];
+        for (int r = 0; r < GEMV_ROWS; r++)
+            if (r < nr) wv[r] = bf16x8_to_f32(w + r * in + k);
+        for (int b = 0; b < 3; b++) {
+            if (b >= nb) break;
+            const __m256 xv = _mm256_loadu_ps(xf + b * in + k);
+            for (int r = 0; r < GEMV_ROWS; r++)
+                if (r < nr) acc[b][r] = _mm256_fmadd_ps(wv[r], xv, acc[b][r]);
+        }
+    }
+    for (int64_t b = 0; b < nb; b++)
+        for (int64_t r = 0; r < nr; r++) {
+            float tail = 0.0f;
+            for (int64_t i = k; i < in; i++) tail += bf16_to_f32(w[r * in + i]) * xf[b * in + i];
+            res[b * GEMV_ROWS + r] = sum8(acc[b][r]) + tail;
+        }
+}
+
+/* dot_block_avx2 over nb <= GEMV_COLS rows of xf: four rows as two passes of two. */
+static void dot_block_avx2_any(const float *xf, int64_t nb, const bf16 *w, int64_t nr, int64_t in,
+                               float *res) {
+    if (nr == GEMV_ROWS && nb == 1) {
+        dot_block_avx2(xf, 1, w, GEMV_ROWS, in, res); /* batch 1: every bound known */
+    } else if (nb <= 3) {
+        dot_block_avx2(xf, nb, w, nr, in, res);
+    } else {
+        dot_block_avx2(xf, 2, w, nr, in, res);
+        dot_block_avx2(xf + 2 * in, nb - 2, w, nr, in, res + 2 * GEMV_ROWS);
+    }
+}
+#endif
+
 /* The portable form: float32 math over either dtype. */
 static void dot_block_any(const void *x, int64_t nb, const void *w, int64_t nr, int64_t in,
                           int bf, float *res) {
@@ -963,10 +1024,13 @@ static void dot_block_any(const void *x, int64_t nb, const void *w, int64_t nr, 
     }
 }
 
-/* Whether linear_rows takes the AVX-512 BF16 instructions for bf16 (1) or the portable loop. */
+/* Whether linear_rows takes the AVX-512 BF16 instructions for bf16 (1), AVX2 with FMA (2) or
+ * the portable loop (0). */
 int linear_rows_isa(void) {
 #ifdef HAVE_DPBF16
     return 1;
+#elif defined(HAVE_AVX2_BF16)
+    return 2;
 #else
     return 0;
 #endif
@@ -978,6 +1042,15 @@ void linear_rows(const void *x, const void *w, const void *bias, void *y, int64_
     const size_t elem = bf ? sizeof(bf16) : sizeof(float);
     const int64_t blocks = (out + GEMV_ROWS - 1) / GEMV_ROWS;
     const int parallel = threads > 1 && out * in >= 65536;
+#ifdef HAVE_AVX2_BF16
+    /* x widened once, for every block's FMAs (at most 32 x 2,816 x 4 bytes in the engine) */
+    float *xf = NULL;
+    if (bf) {
+        xf = (float *)malloc((size_t)(rows * in) * sizeof(float));
+        if (xf)
+            for (int64_t i = 0; i < rows * in; i++) xf[i] = bf16_to_f32(((const bf16 *)x)[i]);
+    }
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
     for (int64_t blk = 0; blk < blocks; blk++) {
         const int64_t r0 = blk * GEMV_ROWS;
@@ -999,6 +1072,10 @@ void linear_rows(const void *x, const void *w, const void *bias, void *y, int64_
                 else if (nb == 3) dot_block_bf16(xh, 3, wh, GEMV_ROWS, in, res);
                 else dot_block_bf16(xh, GEMV_COLS, wh, GEMV_ROWS, in, res);
             } else
+#elif defined(HAVE_AVX2_BF16)
+            if (xf)
+                dot_block_avx2_any(xf + b0 * in, nb, (const bf16 *)wb, nr, in, res);
+            else
 #endif
                 dot_block_any(xb, nb, wb, nr, in, bf, res);
             for (int64_t b = 0; b < nb; b++) {
@@ -1008,6 +1085,9 @@ void linear_rows(const void *x, const void *w, const void *bias, void *y, int64_
             }
         }
     }
+#ifdef HAVE_AVX2_BF16
+    free(xf);
+#endif
 }
 
 /* ---- Thread placement. libgomp keeps one team of worker threads per thread that opens a
