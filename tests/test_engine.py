@@ -201,6 +201,8 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
         if "norm" in name:
             tensors[name] = (1 + 0.5 * torch.randn(t.shape, generator=gen)).to(t.dtype)
     save_file(tensors, weights_file, metadata={"format": "pt"})
+    import pdscope.engine.model as model_module
+
     paths = parse_kernels(kernels)
     many = paths["batch_linear"] in ("c", "pairs")
     c_linear = paths["linear"] in ("c", "amx", "pairs", "pairs2")
@@ -227,7 +229,13 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
     assert all((m.pairs is not None) == (pair_rows or many_pairs) for m in linears)
     assert all(m.pair_streams == (2 if paths["linear"] == "pairs2" else 8) for m in linears)
     assert all(m.many_pairs == many_pairs for m in linears)
-    assert all((m.native_many is not None) == many for m in linears)
+    # matmul_math=float32 with batch_linear=packed: rows below WIDEN_MIN_ROWS still take C
+    # (the C kernels load for every row here: each has a path on them)
+    cpu_rule = model_module.widen_bf16(torch.bfloat16, torch.device("cpu"))
+    widen = paths.get("matmul_math", "float32" if cpu_rule else "native") == "float32"
+    assert all((m.native_many is not None) == (many or widen) for m in linears)
+    below = model_module.WIDEN_MIN_ROWS - 1
+    assert all(m.many_max_rows == (32 if many or not widen else below) for m in linears)
     rows = 2048 if c_linear else 1  # packed for many rows where C takes one
     assert all(m.packed_rows == rows for m in linears if m.packed is not None)
     # amx or c: every layer's prefill takes the C kernel
@@ -251,7 +259,6 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
     assert all((m.team is not None) == by_rows for m in in_layers)
     assert all((m.weight_t is not None) == copied for m in in_layers)
     assert model.lm_head.team is None and model.lm_head.weight_t is None
-    import pdscope.engine.model as model_module
 
     plain_calls = [0]
     transposed = model_module.linear_transposed
@@ -261,9 +268,6 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
         return transposed(*args)  # type: ignore[arg-type]
 
     model_module.linear_transposed = counted  # restored below
-    # matmul_math: forced, else the rule (float32 where oneDNN has no bf16 path)
-    cpu_rule = model_module.widen_bf16(torch.bfloat16, torch.device("cpu"))
-    widen = paths.get("matmul_math", "float32" if cpu_rule else "native") == "float32"
     assert all(m.widen == widen for m in linears)
     widened_calls = [0]
     widened = model_module.linear_widened

@@ -307,6 +307,9 @@ class Linear(nn.Linear):
     native: NativeOps | None = None  # set by apply_kernels when the choice is linear=c or amx
     one_row_amx: bool = False  # linear=amx: single rows through the tile kernel
     native_many: NativeOps | None = None  # set by apply_kernels when batch_linear=c
+    # the most rows native_many takes: NATIVE_MANY_MAX_ROWS, or under matmul_math=float32 with
+    # batch_linear=packed, the rows below WIDEN_MIN_ROWS (neither widened nor oneDNN's there)
+    many_max_rows: int = NATIVE_MANY_MAX_ROWS
     huge_pages: bool = False  # the weight was moved onto transparent huge pages
     team: NativeOps | None = None  # set by apply_kernels when prefill_linear=rows
     widen: bool = False  # matmul_math=float32: bf16 matmuls of WIDEN_MIN_ROWS rows or more
@@ -412,7 +415,7 @@ class Linear(nn.Linear):
         if (
             self.native_many is not None
             and x.dim() == 2
-            and NATIVE_LINEAR_MAX_ROWS < x.shape[0] <= NATIVE_MANY_MAX_ROWS
+            and NATIVE_LINEAR_MAX_ROWS < x.shape[0] <= self.many_max_rows
         ):
             # batch_linear=pairs: the copy where the weight has one, else the many-row kernel
             pairs = self.current_pairs() if self.many_pairs else None
@@ -1135,9 +1138,7 @@ class CausalLM(nn.Module):
         # apply_kernels points every Linear at the same paths: the first one speaks for all.
         if first.native is not None and rows <= NATIVE_LINEAR_MAX_ROWS:
             step.many_rows = first.one_row_amx
-        elif (
-            first.native_many is not None and NATIVE_LINEAR_MAX_ROWS < rows <= NATIVE_MANY_MAX_ROWS
-        ):
+        elif first.native_many is not None and NATIVE_LINEAR_MAX_ROWS < rows <= first.many_max_rows:
             step.many_rows = True
         else:
             return None
@@ -1344,6 +1345,14 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             module.many_pairs = choice.batch_linear == "pairs"
             # batch_linear=pairs: weights without a copy take the many-row kernel
             module.native_many = native if choice.batch_linear in ("c", "pairs") else None
+            module.widen = choice.matmul_math == "float32" and module.weight.dtype == torch.bfloat16
+            module.many_max_rows = NATIVE_MANY_MAX_ROWS
+            if module.widen and module.native_many is None and native is not None:
+                # torch's bf16 matmul is the slow fallback here, and widening pays only from
+                # WIDEN_MIN_ROWS: fewer rows take C (the small model at 8 rows on an AVX2-only
+                # EPYC: C 47 ms, bf16 F.linear 127, widened 163)
+                module.native_many = native
+                module.many_max_rows = WIDEN_MIN_ROWS - 1
             streamed = module.native is not None or module.native_many is not None
             if streamed and not module.huge_pages:
                 # The C kernels stream this weight every decode step: moved, not copied (the
@@ -1370,7 +1379,6 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
                 and module is not model.lm_head
             )
             module.team = native if transposed and choice.prefill_linear == "rows" else None
-            module.widen = choice.matmul_math == "float32" and module.weight.dtype == torch.bfloat16
             if not transposed:
                 module.weight_t = None
                 module.hold_source("weight_t", made=False)
