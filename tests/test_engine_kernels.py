@@ -1411,3 +1411,22 @@ def test_a_widened_linear_takes_float32_from_its_threshold(rows: int) -> None:
     assert len(calls) == (1 if rows >= WIDEN_MIN_ROWS else 0)
     assert y.dtype == torch.bfloat16
     _assert_as_close_as_f_linear(y, x, layer.weight.detach(), layer.bias.detach())
+
+
+def test_a_widened_weight_is_widened_a_slice_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """linear_widened widens at most WIDEN_SLICE_ELEMENTS of the weight at once (an LM head
+    whole would be a float32 copy of hundreds of MB a step); the slices' outputs, bias and all,
+    are the whole float32 matmul's, rounded once per output."""
+    from pdscope.engine import model as model_module
+
+    gen = torch.Generator().manual_seed(4)
+    weight = (torch.randn(37, 96, generator=gen) / 8).to(torch.bfloat16)
+    bias = torch.randn(37, generator=gen).to(torch.bfloat16)
+    x = torch.randn(2, 13, 96, generator=gen).to(torch.bfloat16)
+    whole = torch.nn.functional.linear(x.float(), weight.float(), bias.float()).to(x.dtype)
+    monkeypatch.setattr(model_module, "WIDEN_SLICE_ELEMENTS", 96 * 5)  # slices of 5 rows
+    # within a bf16 rounding: a BLAS may block a 5-row product's sums unlike a 37-row one's
+    tol = {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(model_module.linear_widened(x, weight, bias), whole, **tol)
+    bare = torch.nn.functional.linear(x.float(), weight.float()).to(x.dtype)
+    torch.testing.assert_close(model_module.linear_widened(x, weight, None), bare, **tol)

@@ -67,6 +67,8 @@ ROWS_SPLIT_MIN_ROWS = 512
 # widen to float32. AVX2-only AMD EPYC, one layer of the small model, bf16 F.linear against
 # widened: 11.4 / 12.5 ms at 8 rows, 14.0 / 11.2 at 12, 19.0 / 12.8 at 16, 35.2 / 14.5 at 32.
 WIDEN_MIN_ROWS = 12
+# ... each weight widened at most this many elements at a time (64 MiB of float32)
+WIDEN_SLICE_ELEMENTS = 1 << 24
 # prefill_linear=transposed's copy of the layer weights, and linear=pairs' copy of every
 # weight, are each offered to the trial only while it takes at most this share of the memory
 # free at start-up.
@@ -441,8 +443,16 @@ def linear_widened(
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) in float32, the result back in x's dtype (``matmul_math=float32``):
     float32 accumulation and one rounding, as a bf16 matmul's."""
-    wide_bias = None if bias is None else bias.float()
-    return F.linear(x.float(), weight.float(), wide_bias).to(x.dtype)
+    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
+    wide_x = x.float()
+    # The weight widened a slice of output rows at a time: a whole LM head (152k x 896) would
+    # be a 545 MB float32 copy a step, beside a KV budget that does not count it.
+    step = max(1, WIDEN_SLICE_ELEMENTS // weight.shape[1])
+    for lo in range(0, weight.shape[0], step):
+        hi = min(lo + step, weight.shape[0])
+        wide_bias = None if bias is None else bias[lo:hi].float()
+        out[..., lo:hi] = F.linear(wide_x, weight[lo:hi].float(), wide_bias)
+    return out
 
 
 def linear_transposed(
@@ -577,11 +587,13 @@ def onednn_bf16() -> bool:
         and _packed_linear is not None
     ):
         return False
-    weight = torch.ones(16, 32, dtype=torch.bfloat16)
+    weight = torch.ones(16, 32, dtype=torch.bfloat16, device="cpu")
+    x = torch.ones(1, 32, dtype=torch.bfloat16, device="cpu")
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-        out = _packed_linear(torch.ones(1, 32, dtype=torch.bfloat16), packed, None, "none", [], "")
-    except RuntimeError:
+        out = _packed_linear(
+            x, torch.ops.mkldnn._reorder_linear_weight(weight, 1), None, "none", [], ""
+        )
+    except Exception:  # RuntimeError here; whatever a torch build raises, no packed path
         return False
     return bool(torch.all(out == 32))
 

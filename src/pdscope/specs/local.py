@@ -86,12 +86,10 @@ def measure(dtype: str = "bf16", array_mib: int = 512, repeats: int = 5) -> Loca
     threads = torch.get_num_threads()
     read_gb_s, triad_gb_s = stream_gb_s(array_mib, repeats)
 
-    # A narrow type's matmul may run faster in float32 (converting costs O(n^2) against the
-    # product's O(n^3)), so its peak is the better of the two.
-    flops_s, computed_in = max(
-        (_matmul_flops_s(name, repeats), name)
-        for name in dict.fromkeys((_DTYPES[dtype], "float32"))
-    )
+    # bf16 may run faster in float32 (converting costs O(n^2) against the product's O(n^3)),
+    # as an engine without a bf16 matmul computes it, so its peak is the better of the two.
+    types = (_DTYPES[dtype], "float32") if dtype == "bf16" else (_DTYPES[dtype],)
+    flops_s, computed_in = max((_matmul_flops_s(name, repeats), name) for name in types)
     return LocalMeasurement(
         read_gb_s=read_gb_s,
         triad_gb_s=triad_gb_s,
@@ -111,6 +109,8 @@ def _matmul_flops_s(torch_dtype: str, repeats: int) -> float:
     # (AMX Xeon: 1.18 TFLOP/s at 1,024 against 0.67 at 2,048 one minute, 2.25 at 2,048 the
     # next), and a peak taken at one size and one minute put a real prefill above the floor.
     flops_s = 0.0
+    small = torch.ones(64, 64, dtype=getattr(torch, torch_dtype))
+    torch.mm(small, small)  # the library's first-call set-up, kept out of the slow check
     for size in MATMUL_SIZES:
         x = torch.randn(size, size).to(getattr(torch, torch_dtype))
         y = torch.randn(size, size).to(getattr(torch, torch_dtype))

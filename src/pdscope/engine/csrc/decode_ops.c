@@ -976,7 +976,7 @@ static inline __attribute__((always_inline)) void dot_block_avx2(
         for (int r = 0; r < GEMV_ROWS; r++) acc[b][r] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 8 <= in; k += 8) {
-        __m256 wv[GEMV_ROWS];
+        __m256 wv[GEMV_ROWS] = {_mm256_setzero_ps()}; /* rows past nr are never read */
         for (int r = 0; r < GEMV_ROWS; r++)
             if (r < nr) wv[r] = bf16x8_to_f32(w + r * in + k);
         for (int b = 0; b < 3; b++) {
