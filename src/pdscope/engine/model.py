@@ -65,7 +65,8 @@ PACKED_ROWS_WITH_C = 2048
 ROWS_SPLIT_MIN_ROWS = 512
 # Under matmul_math=float32, bf16 matmuls of at least this many rows (that no C kernel takes)
 # widen to float32. AVX2-only AMD EPYC, one layer of the small model, bf16 F.linear against
-# widened: 11.4 / 12.5 ms at 8 rows, 14.0 / 11.2 at 12, 19.0 / 12.8 at 16, 35.2 / 14.5 at 32.
+# widened: 11.4 / 12.5 ms at 8 rows, 14.0 / 11.2 at 12, 19.0 / 12.8 at 16, 35.2 / 14.5 at 32
+# (interleaved in bench/widen_rows.py another time: level at 16, 16.7 / 18.6 at 12).
 WIDEN_MIN_ROWS = 12
 # ... each weight widened at most this many elements at a time (64 MiB of float32)
 WIDEN_SLICE_ELEMENTS = 1 << 24
