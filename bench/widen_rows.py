@@ -12,13 +12,13 @@ matmul is a slow fallback, and this table sets ``WIDEN_MIN_ROWS``.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import math
 
 import torch
 import torch.nn.functional as F
 
 from engine_bench import machine_line
+from pdscope.engine.kernels import median_times_s
 from pdscope.engine.model import linear_widened
 
 SHAPES = [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816)]
@@ -42,20 +42,10 @@ def main() -> None:
             "float32": lambda xf=xf: [F.linear(xf[w.shape[1]], w) for w in wide],
             "widened": lambda x=x: [linear_widened(x[w.shape[1]], w, None) for w in weights],
         }
-        times: dict[str, list[float]] = {name: [] for name in paths}
-        for fn in paths.values():
-            fn()
-        for _ in range(args.rounds):
-            for name, fn in paths.items():
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
+        # the engine's own trial timing: a warm-up each, then rounds interleaved
+        medians = median_times_s(paths, rounds=args.rounds, budget_s=math.inf)
         flop = sum(2 * rows * o * i for o, i in SHAPES)
-        cells = [
-            f"{name} {statistics.median(ts) * 1e3:8.2f} ({flop / statistics.median(ts) / 1e9:5.1f}"
-            " GFLOP/s)"
-            for name, ts in times.items()
-        ]
+        cells = [f"{k} {t * 1e3:8.2f} ({flop / t / 1e9:5.1f} GFLOP/s)" for k, t in medians.items()]
         print(f"rows {rows:4}: " + "  ".join(cells))
 
 
