@@ -10,6 +10,7 @@ from rich.table import Table
 
 from pdscope.report.units import fmt_bytes, fmt_count, fmt_rate, fmt_seconds
 from pdscope.specs import Device, ModelSpec
+from pdscope.specs.local import computed_in_note
 
 
 def _kv_table(rows: list[tuple[str, str, str]], title: str) -> Table:
@@ -130,13 +131,7 @@ def render_plan(r: dict[str, Any], console: Console) -> None:
         parts.append(
             f"measured here: read {lm['read_gb_s']:.1f} GB/s, triad {lm['triad_gb_s']:.1f} "
             f"GB/s, {lm['matmul_dtype']} matmul {lm['matmul_tflops']:.2f} TFLOP/s"
-            + (
-                f" (computed in {lm['matmul_computed_in']}: faster here)"
-                if lm.get("matmul_computed_in") == "float32" and lm["matmul_dtype"] != "fp32"
-                else ""
-            )
-            + ", "
-            f"{lm['threads']} threads"
+            f"{computed_in_note(lm)}, {lm['threads']} threads"
         )
     parts.extend(f"[yellow]note:[/] {note}" for note in r["notes"])
     console.print(Panel(Group(*parts), title="pdscope plan", expand=False))

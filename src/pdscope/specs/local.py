@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pdscope.specs.devices import Device
@@ -149,10 +149,13 @@ def local_device(dtype: str = "bf16") -> tuple[Device, LocalMeasurement]:
     return device, m
 
 
-def computed_in_note(m: LocalMeasurement) -> str:
-    """' (computed in float32: faster here)' where the narrow type's peak came from float32."""
-    if m.matmul_computed_in and m.matmul_computed_in != _DTYPES[m.matmul_dtype]:
-        return f" (computed in {m.matmul_computed_in}: faster here)"
+def computed_in_note(m: LocalMeasurement | dict[str, object]) -> str:
+    """' (computed in float32: faster here)' where the narrow type's peak came from float32;
+    ``m`` a measurement or its JSON form (plan's ``local_measurement``)."""
+    fields = m if isinstance(m, dict) else asdict(m)
+    dtype, computed_in = fields["matmul_dtype"], fields.get("matmul_computed_in")
+    if computed_in and computed_in != _DTYPES.get(str(dtype)):
+        return f" (computed in {computed_in}: faster here)"
     return ""
 
 
