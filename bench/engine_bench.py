@@ -87,9 +87,12 @@ def machine_line() -> str:
     )
 
 
-def build_ops(source: str | Path, *defines: str, what: str = "--ab-source") -> NativeOps:
+def build_ops(
+    source: str | Path, *defines: str, what: str = "--ab-source", march: str | None = None
+) -> NativeOps:
     """The engine's C kernels compiled from ``source`` with the engine's flags (and ``-D``
-    ``defines``) into a temporary library, loaded beside the engine's own build."""
+    ``defines``; ``-march`` set to ``march`` instead of native where given) into a temporary
+    library, loaded beside the engine's own build."""
     import ctypes
     import tempfile
 
@@ -100,6 +103,8 @@ def build_ops(source: str | Path, *defines: str, what: str = "--ab-source") -> N
         raise SystemExit(f"{what} needs a C compiler")
     target = Path(tempfile.mkdtemp(prefix="pdscope-ab-")) / "decode_ops_ab.so"
     flags = [f"-D{d}" for d in defines] + native._FLAG_SETS[0]
+    if march:
+        flags = [f"-march={march}" if f == "-march=native" else f for f in flags]
     subprocess.run([cc, *flags, "-o", str(target), str(source), "-lm"], check=True)
     return native.NativeOps(ctypes.CDLL(str(target)))
 

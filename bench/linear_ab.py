@@ -9,10 +9,15 @@ the many-row C kernel (``batch_linear=c``: AMX tiles where the CPU and Linux all
 ``c_many_huge`` the same over copies of the weights on transparent huge pages, as the engine
 keeps the weights its C kernels stream (where Linux offers them), and ``pairs`` the
 pair-interleaved copies (``linear=pairs`` at one row, ``batch_linear=pairs`` at more; with
-AVX-512 BF16), printed against ``packed2048``; at one row also ``pairs2``, the same copies read
-as two streams a thread (``linear=pairs2``), printed against ``pairs``.
+AVX-512 BF16; at one row in AVX2 too), printed against ``packed2048``; at one row also
+``pairs2``, the same copies read as two streams a thread (``linear=pairs2``), printed against
+``pairs``, and ``c / pairs2``.
 
     .venv/bin/python bench/linear_ab.py --rows 1 2 4 32 64
+
+``--march x86-64-v3`` runs every C path on the engine's kernels built for that target (AVX2 and
+FMA, no AVX-512) in place of this machine's build: the AVX2 kernels an AVX2-only CPU takes, on
+whatever CPU is at hand.
 
 ``--ab-source FILE`` adds ``c_many_ab``: the many-row kernel built from FILE (e.g. an earlier
 commit's ``decode_ops.c``, from ``git show REV:src/pdscope/engine/csrc/decode_ops.c``), so a
@@ -43,10 +48,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     parser.add_argument("--ab-source", help="also the many-row kernel built from this C file")
+    parser.add_argument("--march", help="the C kernels built for this gcc -march target instead")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    ops = native.load(default_cache_dir() / "native")
+    if args.march:
+        ops = build_ops(native.SOURCE, march=args.march, what="--march")
+    else:
+        ops = native.load(default_cache_dir() / "native")
     if ops is None:
         raise SystemExit("the C kernels did not build (a C compiler on PATH or in $CC)")
     other = build_ops(args.ab_source) if args.ab_source else None
@@ -59,13 +68,16 @@ def main() -> None:
     packed_many = [torch.ops.mkldnn._reorder_linear_weight(w, 2048) for w in weights if onednn]
     pointwise = torch.ops.mkldnn._linear_pointwise.default
     huge = [on_huge_pages(w) for w in weights]
-    # batch_linear=pairs: the pair-interleaved copies, on huge pages as the engine keeps them
-    pairs = [pairs_copy(w, ops) for w in weights] if ops.pairs_rows else None
+    # linear=pairs and batch_linear=pairs: the pair-interleaved copies, on huge pages as the
+    # engine keeps them (several rows only where the build has AVX-512 BF16)
+    pairs = [pairs_copy(w, ops) for w in weights] if ops.pairs else None
     nbytes = sum(w.numel() * 2 for w in weights)
     same_bytes = torch.ones(nbytes // 4)
     print(machine_line())
+    built = f" (built for {args.march})" if args.march else ""
     print(
-        f"C kernel: {ops.linear_isa}, many rows: {ops.linear_many_isa}; "
+        f"C kernel: {ops.linear_isa}, many rows: {ops.linear_many_isa}, "
+        f"pairs: {ops.pairs_isa or 'none'}{built}; "
         f"{nbytes / 1e6:.0f} MB of bf16 weights; ms per pass"
     )
     for rows in args.rows:
@@ -91,7 +103,7 @@ def main() -> None:
         }
         if all(h is not None for h in huge):  # every weight here fills a huge page or more
             paths["c_many_huge"] = lambda x=x: [ops.linear_many(x[h.shape[1]], h) for h in huge]
-        if pairs is not None:
+        if pairs is not None and (rows == 1 or ops.pairs_rows):
             paths["pairs"] = lambda x=x: [
                 ops.linear_pairs(x[w.shape[1]], p) for w, p in zip(weights, pairs, strict=True)
             ]
@@ -122,6 +134,7 @@ def main() -> None:
             ("c_many_ab", "c_many"),
             ("packed2048", "pairs"),
             ("pairs", "pairs2"),
+            ("c", "pairs2"),
         )
         ratios = [
             f"{a} / {b} "

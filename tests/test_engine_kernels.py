@@ -952,17 +952,27 @@ def test_amx_linear_matches_f_linear_on_odd_shapes(
 
 @needs_cc
 @pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("build", ["engine", "x86-64-v3"])  # the second: the AVX2 kernel
 def test_pairs_linear_matches_f_linear_whatever_the_threads(
-    c_ops: native.NativeOps, threads: int
+    request: pytest.FixtureRequest, threads: int, build: str
 ) -> None:
     """linear_pairs on pack_pairs copies against F.linear over the same bf16 tensors: block
     counts that leave the eight-stream loop a remainder (1, 3, 9, 65 blocks of 16) or none
     (16, 1,024 at the small model's LM head), inputs of one pair up to the down projection's
     2,816, with and without a bias. Each block sums its pairs in one order whichever loop runs
     it, so the bits are the same at any thread count and either stream count (8, or 2 for
-    linear=pairs2); and the copy is the documented layout."""
+    linear=pairs2); and the copy is the documented layout. The x86-64-v3 build takes one row
+    in AVX2 and refuses several by name."""
+    c_ops = request.getfixturevalue("c_ops" if build == "engine" else "v3_ops")
+    if build == "x86-64-v3":
+        assert c_ops.pairs_isa == "avx2" and not c_ops.pairs_rows
+        with pytest.raises(RuntimeError, match="one row only"):
+            c_ops.linear_pairs(
+                torch.zeros(2, 32, dtype=torch.bfloat16),
+                c_ops.pack_pairs(torch.zeros(16, 32, dtype=torch.bfloat16)),
+            )
     if not c_ops.pairs:
-        pytest.skip("this build of the C kernels lacks AVX-512 BF16")
+        pytest.skip("this build of the C kernels lacks AVX-512 BF16 and AVX2")
     gen = torch.Generator().manual_seed(11)
     shapes = ((16, 2), (48, 96), (144, 64), (256, 1024), (1040, 2816), (16384, 128))
     saved = torch.get_num_threads()
@@ -1430,3 +1440,63 @@ def test_a_widened_weight_is_widened_a_slice_at_a_time(monkeypatch: pytest.Monke
     torch.testing.assert_close(model_module.linear_widened(x, weight, bias), whole, **tol)
     bare = torch.nn.functional.linear(x.float(), weight.float()).to(x.dtype)
     torch.testing.assert_close(model_module.linear_widened(x, weight, None), bare, **tol)
+
+
+@needs_cc
+def test_avx2_pairs_are_offered_as_two_streams_and_the_one_call_step_reads_them(
+    tiny_bf16: Path, v3_ops: native.NativeOps
+) -> None:
+    """The x86-64-v3 build's pairs kernel (AVX2, one row; an AVX2-only CPU's): the linear trial
+    offers it as pairs2 alone (eight streams' accumulators do not fit AVX2's registers),
+    batch_linear=pairs is neither offered nor taken, and under linear=pairs2 the one-call decode
+    step gives the per-kernel path's logits bit for bit, where the per-kernel path did read the
+    copies (its calls are counted: in AVX2 the two sums differ too rarely to tell them apart by
+    the logits of a model this small)."""
+    from dataclasses import replace
+
+    from pdscope.engine import model as model_module
+
+    llm = LLM(
+        model=str(tiny_bf16),
+        kv_cache_memory="8MiB",
+        kernels="linear=c,batch_linear=packed,decode_ops=c",
+        enable_prefix_caching=False,
+    )
+    model = llm.engine.runner.model
+    trials = model_module.kernel_trials(model, 64, v3_ops)
+    offered = set(trials["linear"]())
+    assert "pairs2" in offered and "pairs" not in offered
+    assert "pairs" not in trials["batch_linear"]()
+    with pytest.raises(ValueError, match="batch_linear=pairs needs"):
+        apply_kernels(model, replace(llm.engine.kernels, batch_linear="pairs"), v3_ops)
+
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    runner = llm.engine.runner
+    runner.capture_logits = True
+
+    calls: list[int] = []
+    pairs_call = v3_ops.linear_pairs
+
+    def counted(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return pairs_call(x, *args, **kwargs)
+
+    def logits(fused: bool) -> list[torch.Tensor]:
+        apply_kernels(model, replace(llm.engine.kernels, linear="pairs2"), v3_ops)
+        model.fuse_decode = model.fuse_logits = fused
+        runner.captured = []
+        llm.generate([5, 6, 7], greedy)
+        return runner.captured
+
+    v3_ops.linear_pairs = counted  # type: ignore[method-assign]
+    try:
+        per_kernel = logits(False)
+    finally:
+        del v3_ops.linear_pairs
+    # the prefill's LM head on its last row, then 11 one-row steps of 4 matmuls a layer and the
+    # LM head, all through the copies
+    assert calls == [1] * (1 + 11 * (4 * len(model.layers) + 1))
+    one_call = logits(True)
+    assert model._decode_layers is not None and model._decode_layers[-1][1].pairs
+    assert len(one_call) == len(per_kernel) == 12
+    assert all(torch.equal(a, b) for a, b in zip(one_call, per_kernel, strict=True))

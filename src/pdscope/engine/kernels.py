@@ -18,9 +18,11 @@ Paths (every candidate computes the same function; tests pin each against transf
   through a pair-interleaved copy of every weight ([out / 16, in / 2, 16, 2]: one 64-byte
   load feeds 16 outputs), eight blocks of it read side by side per thread, so that each core
   keeps eight streams from memory going where ``amx`` and ``c`` keep one or a few (bf16 with
-  AVX-512 BF16; the copy is offered only while it takes at most a quarter of the memory).
-  ``pairs2`` reads the same copy as two streams a thread, the same bits: on the AMD EPYC two
-  read faster than eight; on the AMX Xeon eight read faster than one (two not measured there).
+  AVX-512 BF16, or in AVX2 FMAs with each 64-byte load split into its even and odd weights;
+  the copy is offered only while it takes at most a quarter of the memory). ``pairs2`` reads
+  the same copy as two streams a thread, the same bits: on the AMD EPYCs two read faster than
+  eight; on the AMX Xeon eight read faster than one (two not measured there). In AVX2 only
+  ``pairs2`` is offered: eight streams' accumulators spill out of its 16 registers.
 * ``batch_linear``: for matmuls of 2 to ``NATIVE_MANY_MAX_ROWS`` rows (a batched decode
   step): ``packed`` (whatever ``linear`` gives matmuls of several rows: the packed weights, or
   ``F.linear`` under ``linear=plain``), ``c`` (engine/native.py's many-row kernel: AMX tile
@@ -109,7 +111,7 @@ PAIRS_LINEAR: dict[str, int] = dict(zip(("pairs", "pairs2"), PAIR_STREAMS, stric
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
-_TRIAL_VERSION = 21
+_TRIAL_VERSION = 22
 
 
 @dataclass(frozen=True)

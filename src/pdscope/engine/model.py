@@ -1335,8 +1335,8 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
         )
     if choice.linear in PAIRS_LINEAR and (native is None or not native.pairs):
         raise ValueError(
-            f"linear={choice.linear} needs the C kernels built with AVX-512 BF16, which this "
-            "CPU or compiler does not give"
+            f"linear={choice.linear} needs the C kernels built with AVX-512 BF16 or AVX2, which "
+            "this CPU or compiler does not give"
         )
     if choice.batch_linear == "pairs" and (native is None or not native.pairs_rows):
         raise ValueError(
@@ -1537,7 +1537,10 @@ def _linear_trial(model: CausalLM, native: NativeOps | None) -> dict[str, Callab
             # weights without a copy take the C kernel; one set of copies for both counts
             copies = _pairs_copies(linears, ops)
             for name, streams in PAIRS_LINEAR.items():
-                candidates[name] = _pairs_candidate(copies, inputs, ops, ops.linear, streams)
+                # In AVX2, 8 streams' 32 accumulators do not fit the 16 registers: 0.80-0.95x
+                # the time of 2 streams (an AMD EPYC running the x86-64-v3 build), not measured
+                if ops.pairs_isa != "avx2" or streams == 2:
+                    candidates[name] = _pairs_candidate(copies, inputs, ops, ops.linear, streams)
     return candidates
 
 

@@ -289,15 +289,18 @@ class NativeOps:
             self.lib.decode_logits_scratch.restype = ctypes.c_int64
             self.lib.argmax_rows.argtypes = [_P, _I, _I, _P]
             self.lib.argmax_rows.restype = None
-        # newer still: one-row matmuls over pair-interleaved weight copies (linear=pairs)
-        self.pairs = hasattr(self.lib, "linear_pairs") and bool(self.lib.linear_pairs_isa())
+        # newer still: one-row matmuls over pair-interleaved weight copies (linear=pairs), in
+        # AVX-512 BF16 (1) or AVX2 (2, one row only)
+        pairs_isa = self.lib.linear_pairs_isa() if hasattr(self.lib, "linear_pairs") else 0
+        self.pairs = bool(pairs_isa)
+        self.pairs_isa = {1: "avx512_bf16", 2: "avx2"}.get(pairs_isa, "")
         if self.pairs:
             self.lib.pack_pairs.argtypes = [_P, _P, _I, _I, _C]
             self.lib.pack_pairs.restype = None
             self.lib.linear_pairs.argtypes = [_P] * 5 + [_I, _I, _C, _C]
             self.lib.linear_pairs.restype = ctypes.c_int
         # newer still: several rows through the same copies (batch_linear=pairs)
-        self.pairs_rows = self.pairs and hasattr(self.lib, "linear_pairs_rows")
+        self.pairs_rows = pairs_isa == 1 and hasattr(self.lib, "linear_pairs_rows")
         if self.pairs_rows:
             self.lib.linear_pairs_rows.argtypes = [_P] * 5 + [_I, _I, _I, _C, _C]
             self.lib.linear_pairs_rows.restype = ctypes.c_int
@@ -456,7 +459,10 @@ class NativeOps:
                 *args, rows, in_features, out_features, threads, streams
             )
         if not ran:
-            raise RuntimeError("linear_pairs: this build of the C kernels lacks AVX-512 BF16")
+            raise RuntimeError(
+                "linear_pairs: this build of the C kernels has no kernel for "
+                f"{rows} row{'s' if rows > 1 else ''} (several need AVX-512 BF16)"
+            )
         return y
 
     @staticmethod
@@ -666,7 +672,10 @@ class NativeOps:
         if status == -2:
             raise ValueError(f"decode_logits: a token id outside 0..{step.vocab - 1}")
         if status == -3:
-            raise RuntimeError("decode_logits: pairs is set but this build lacks AVX-512 BF16")
+            raise RuntimeError(
+                f"decode_logits: pairs is set but this build has no pairs kernel for {step.rows} "
+                "rows"
+            )
         if status != 0:
             raise MemoryError("decode_logits: a kernel found no memory for its scratch space")
         return logits, argmax

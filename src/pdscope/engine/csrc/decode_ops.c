@@ -2232,28 +2232,20 @@ void pack_pairs(const bf16 *w, bf16 *dst, int64_t in, int64_t out, int threads) 
                 memcpy(dst + ((b * pairs + k) * 16 + j) * 2, w + (b * 16 + j) * in + 2 * k, 4);
 }
 
-/* Whether linear_pairs can run here (the build has AVX-512 BF16). */
+/* Whether linear_pairs can run here: 1 with AVX-512 BF16 (one row, and several through
+ * linear_pairs_rows), 2 with AVX2 and FMA (one row only), 0 without either. */
 int linear_pairs_isa(void) {
 #ifdef HAVE_DPBF16
     return 1;
+#elif defined(HAVE_AVX2_BF16)
+    return 2;
 #else
     return 0;
 #endif
 }
 
-#ifdef HAVE_DPBF16
+#if defined(HAVE_DPBF16) || defined(HAVE_AVX2_BF16)
 #define PAIRS_STREAMS 8
-
-/* y's block b (16 outputs) from its float32 sums: + bias, rounded to bf16 once, stored, or
- * widened into yf as torch's .float() of the bf16 result would give it. */
-static inline void pairs_store(__m512 v, int64_t b, const bf16 *bias, bf16 *y, float *yf) {
-    if (bias) v = _mm512_add_ps(v, bf16x16_to_f32(bias + 16 * b));
-    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(v);
-    if (yf)
-        _mm512_storeu_si512(yf + 16 * b, _mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
-    else
-        _mm256_storeu_si256((__m256i *)(y + 16 * b), rounded);
-}
 
 /* This thread's share [lo, hi) of n items, split evenly in order over the team of the parallel
  * region it runs in (all of them outside one). */
@@ -2264,6 +2256,21 @@ static inline void thread_share(int64_t n, int64_t *lo, int64_t *hi) {
     *lo = n * id / team;
     *hi = n * (id + 1) / team;
 #endif
+}
+#endif
+
+#ifdef HAVE_DPBF16
+typedef bf16 pairs_x; /* x as pairs_streams reads it: bf16 pairs, broadcast to vdpbf16ps */
+
+/* y's block b (16 outputs) from its float32 sums: + bias, rounded to bf16 once, stored, or
+ * widened into yf as torch's .float() of the bf16 result would give it. */
+static inline void pairs_store(__m512 v, int64_t b, const bf16 *bias, bf16 *y, float *yf) {
+    if (bias) v = _mm512_add_ps(v, bf16x16_to_f32(bias + 16 * b));
+    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(v);
+    if (yf)
+        _mm512_storeu_si512(yf + 16 * b, _mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+    else
+        _mm256_storeu_si256((__m256i *)(y + 16 * b), rounded);
 }
 
 /* The blocks [lo, hi) of y from wp, read as S streams: S runs of the blocks side by side, each
@@ -2306,23 +2313,112 @@ static inline __attribute__((always_inline)) void pairs_streams(const bf16 *x, c
 #undef PAIRS_START
 }
 
+#endif /* HAVE_DPBF16 */
+
+#if defined(HAVE_AVX2_BF16)
+/* linear=pairs in AVX2 (an AVX2-only AMD EPYC, where one row read each weight row as one
+ * stream at about half the host's read rate): the same copy, the same S streams a thread. A
+ * pair k of a block is 64 bytes, two halves of 8 outputs, each output's two weights in 32 bits:
+ * a shift left by 16 gives w[.][2k] as float32 and a mask of the high half w[.][2k + 1], so 64
+ * bytes take 2 loads and 4 FMAs against x widened once, where dot_one_avx2 widened every 8
+ * weights on their own. Each output sums its even and its odd products in two accumulators, in
+ * order, added once at the end: the same bits whatever the streams or threads (another order
+ * than dot_one_avx2's, so linear=c and linear=pairs differ in the last bits here). */
+typedef float pairs_x; /* x as pairs_streams reads it: widened once a call */
+
+/* y's block b from its two halves' float32 sums: + bias, rounded to bf16 once, stored, or
+ * widened into yf. */
+static inline void pairs_store(__m256 lo, __m256 hi, int64_t b, const bf16 *bias, bf16 *y,
+                               float *yf) {
+    float v[16];
+    _mm256_storeu_ps(v, lo);
+    _mm256_storeu_ps(v + 8, hi);
+    for (int j = 0; j < 16; j++) {
+        const bf16 r = f32_to_bf16(bias ? v[j] + bf16_to_f32(bias[16 * b + j]) : v[j]);
+        if (yf) yf[16 * b + j] = bf16_to_f32(r);
+        else y[16 * b + j] = r;
+    }
+}
+
+/* Block b's pair k (at a) into its four accumulators: even and odd weights of outputs 0-7
+ * (c[0], c[1]) and 8-15 (c[2], c[3]). */
+static inline __attribute__((always_inline)) void pairs_fma(const bf16 *a, __m256 x0, __m256 x1,
+                                                            __m256 c[4]) {
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    for (int h = 0; h < 2; h++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(a + 16 * h));
+        c[2 * h] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), x0, c[2 * h]);
+        c[2 * h + 1] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, high)), x1,
+                                       c[2 * h + 1]);
+    }
+}
+
+/* The blocks [lo, hi) of y from wp as S streams, as the AVX-512 form below walks them. */
+static inline __attribute__((always_inline)) void pairs_streams(const float *x, const bf16 *wp,
+                                                                const bf16 *bias, bf16 *y,
+                                                                float *yf, int64_t in,
+                                                                int64_t lo, int64_t hi,
+                                                                const int S) {
+    const int64_t pairs = in / 2, block_elems = 16 * in;
+    const int64_t count = hi - lo, len = count / S;
+#define PAIRS_START(s) (lo + count * (s) / S)
+    for (int64_t i = 0; i < len; i++) {
+        const bf16 *a[PAIRS_STREAMS];
+        __m256 c[PAIRS_STREAMS][4];
+        for (int s = 0; s < S; s++) {
+            a[s] = wp + (PAIRS_START(s) + i) * block_elems;
+            for (int j = 0; j < 4; j++) c[s][j] = _mm256_setzero_ps();
+        }
+        for (int64_t k = 0; k < pairs; k++) {
+            const __m256 x0 = _mm256_broadcast_ss(x + 2 * k), x1 = _mm256_broadcast_ss(x + 2 * k + 1);
+#pragma GCC unroll 8
+            for (int s = 0; s < S; s++) pairs_fma(a[s] + 32 * k, x0, x1, c[s]);
+        }
+        for (int s = 0; s < S; s++)
+            pairs_store(_mm256_add_ps(c[s][0], c[s][1]), _mm256_add_ps(c[s][2], c[s][3]),
+                        PAIRS_START(s) + i, bias, y, yf);
+    }
+    for (int s = 0; s < S; s++)
+        for (int64_t b = PAIRS_START(s) + len; b < PAIRS_START(s + 1); b++) {
+            const bf16 *a = wp + b * block_elems;
+            __m256 c[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                           _mm256_setzero_ps()};
+            for (int64_t k = 0; k < pairs; k++)
+                pairs_fma(a + 32 * k, _mm256_broadcast_ss(x + 2 * k),
+                          _mm256_broadcast_ss(x + 2 * k + 1), c);
+            pairs_store(_mm256_add_ps(c[0], c[1]), _mm256_add_ps(c[2], c[3]), b, bias, y, yf);
+        }
+#undef PAIRS_START
+}
+#endif /* HAVE_AVX2_BF16 */
+
+#if defined(HAVE_DPBF16) || defined(HAVE_AVX2_BF16)
 /* One row, each thread's share of the blocks read as `streams` runs side by side: 2, or
- * PAIRS_STREAMS for any other value. Each block sums its pairs in order in one accumulator
- * either way: the same bits. */
+ * PAIRS_STREAMS for any other value. Each block sums its pairs in order either way: the same
+ * bits. */
 static void pairs_one_row(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, float *yf,
                           int64_t in, int64_t out, int threads, int streams) {
     const int64_t blocks = out / 16;
     const int parallel = threads > 1 && out * in >= 65536;
+#ifdef HAVE_DPBF16
+    const pairs_x *xs = x;
+#else
+    pairs_x xs[in]; /* widened once, for every thread */
+    for (int64_t i = 0; i < in; i++) xs[i] = bf16_to_f32(x[i]);
+#endif
 #pragma omp parallel num_threads(threads) if (parallel)
     {
         int64_t lo, hi;
         thread_share(blocks, &lo, &hi);
         if (streams == 2)
-            pairs_streams(x, wp, bias, y, yf, in, lo, hi, 2);
+            pairs_streams(xs, wp, bias, y, yf, in, lo, hi, 2);
         else
-            pairs_streams(x, wp, bias, y, yf, in, lo, hi, PAIRS_STREAMS);
+            pairs_streams(xs, wp, bias, y, yf, in, lo, hi, PAIRS_STREAMS);
     }
 }
+#endif
+
+#ifdef HAVE_DPBF16
 
 /* ---- Several rows through the same copies (batch_linear=pairs). A tile of R rows (at most 8)
  * and B blocks (48 outputs) keeps R x B float32 sums in registers: per pair k, B 64-byte
@@ -2457,17 +2553,20 @@ static void pairs_rows(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y,
 /* y [rows, out] = x [rows, in] @ w^T (+ bias) in bf16 from wp, w's pack_pairs copy; y bf16,
  * or when yf is set, float32 (the bf16 results widened) there instead. One row takes
  * linear_pairs' kernel (`streams` a thread: 2, else 8), several the row tiles above; each
- * row's result is the same bits either way. Returns 1 when it ran, 0 when this build lacks
- * AVX-512 BF16. */
+ * row's result is the same bits either way. Returns 1 when it ran, 0 when this build has no
+ * kernel for these rows (several need AVX-512 BF16, one AVX2 at least). */
 int linear_pairs_rows(const void *x, const void *wp, const void *bias, void *y, float *yf,
                       int64_t rows, int64_t in, int64_t out, int threads, int streams) {
-#ifdef HAVE_DPBF16
-    if (rows == 1)
+#if defined(HAVE_DPBF16) || defined(HAVE_AVX2_BF16)
+    if (rows == 1) {
         pairs_one_row((const bf16 *)x, (const bf16 *)wp, (const bf16 *)bias, (bf16 *)y, yf, in,
                       out, threads, streams);
-    else
-        pairs_rows((const bf16 *)x, (const bf16 *)wp, (const bf16 *)bias, (bf16 *)y, yf, rows,
-                   in, out, threads);
+        return 1;
+    }
+#endif
+#ifdef HAVE_DPBF16
+    pairs_rows((const bf16 *)x, (const bf16 *)wp, (const bf16 *)bias, (bf16 *)y, yf, rows, in,
+               out, threads);
     return 1;
 #else
     (void)x, (void)wp, (void)bias, (void)y, (void)yf, (void)rows, (void)in, (void)out,
@@ -2479,10 +2578,10 @@ int linear_pairs_rows(const void *x, const void *wp, const void *bias, void *y, 
 /* y [out] = x [in] @ w [out, in]^T (+ bias [out]) for one row of bf16, from wp, w's
  * pack_pairs copy; y bf16, or when yf is set, float32 (the bf16 result widened) there instead.
  * Each thread reads its share as `streams` runs side by side (2, else 8). Returns 1 when it
- * ran, 0 when this build lacks AVX-512 BF16. */
+ * ran, 0 when this build has neither AVX-512 BF16 nor AVX2. */
 int linear_pairs(const void *x, const void *wp, const void *bias, void *y, float *yf, int64_t in,
                  int64_t out, int threads, int streams) {
-#ifdef HAVE_DPBF16
+#if defined(HAVE_DPBF16) || defined(HAVE_AVX2_BF16)
     pairs_one_row((const bf16 *)x, (const bf16 *)wp, (const bf16 *)bias, (bf16 *)y, yf, in, out,
                   threads, streams);
     return 1;
@@ -2659,7 +2758,7 @@ int64_t decode_logits_scratch(const decode_step *s) {
  * logits leave the per-kernel path's bits (the bit-for-bit test in test_engine.py says so).
  * residual: as decode_layers', or NULL when `s->embed` is set (then it lives in scratch).
  * Returns 0, -1 as decode_layers, -2 when a token id lies outside the embedding, or -3 when
- * s->pairs is set in a build without AVX-512 BF16. */
+ * s->pairs is set in a build with no linear_pairs_rows kernel for s->rows. */
 int decode_logits(const decode_layer *layers, const decode_step *s, void *residual,
                   float *logits, void *scratch) {
     const int64_t elem = s->bf ? 2 : 4, row_bytes = s->hidden * elem;
