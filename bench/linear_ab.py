@@ -58,7 +58,7 @@ def main() -> None:
         ops = native.load(default_cache_dir() / "native")
     if ops is None:
         raise SystemExit("the C kernels did not build (a C compiler on PATH or in $CC)")
-    other = build_ops(args.ab_source) if args.ab_source else None
+    other = build_ops(args.ab_source, march=args.march) if args.ab_source else None
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=gen).to(torch.bfloat16) for o, i in SHAPES]
     # oneDNN's packed layouts where it has a bf16 path: for one row, and for many as the

@@ -49,7 +49,7 @@ def main() -> None:
     batch, ids = runner._native_decode_batch(out.scheduled)
     fused = model._fused_decode(1, runner.kv_caches, batch)
     if fused is None or model.native is None or not model.native.one_call_logits:
-        raise SystemExit("the one-call C decode step does not run here (needs AVX-512 BF16)")
+        raise SystemExit("the one-call C decode step does not run here")
     layers, step = fused
     native, embed = model.native, model.embed_tokens.weight
 

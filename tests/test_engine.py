@@ -77,14 +77,17 @@ def _amx_or_skip(kernels: str) -> dict[str, int]:
 
 def _pairs_or_skip(kernels: str) -> None:
     """For the linear=pairs and batch_linear=pairs rows (both hold the text "linear=pairs"):
-    skip where the C kernels lack AVX-512 BF16."""
+    skip where the C kernels lack the pairs kernels (several rows: AVX-512 BF16; one row:
+    AVX-512 BF16 or AVX2)."""
     if "linear=pairs" not in kernels:
         return
     from pdscope.checkpoint.make_model import default_cache_dir
     from pdscope.engine import native
 
     ops = native.load(default_cache_dir() / "native")
-    if ops is None or not ops.pairs or not ops.pairs_rows:
+    if ops is None or not ops.pairs:
+        pytest.skip("no AVX-512 BF16 or AVX2 in this build of the C kernels")
+    if "batch_linear=pairs" in kernels and not ops.pairs_rows:
         pytest.skip("no AVX-512 BF16 in this build of the C kernels")
 
 
@@ -750,8 +753,8 @@ def test_pairs_step_reads_each_weight_as_the_per_kernel_path_does(tmp_path: Path
     """Under linear=pairs a weight whose shape the copy does not take (here layer 0's qkv,
     (4 + 2) x 12 = 72 rows) keeps the C kernel on the weight as stored while the others read
     their copies: the one-call step does the same per weight, so its logits are the per-kernel
-    path's bits, and it does take the copies (the step says so; the logits are not
-    linear=c's)."""
+    path's bits, and it does take the copies (the step says so; with AVX-512 BF16 the logits
+    are not linear=c's)."""
     from pdscope.engine.model import apply_kernels
 
     _pairs_or_skip("linear=pairs")
@@ -779,6 +782,8 @@ def test_pairs_step_reads_each_weight_as_the_per_kernel_path_does(tmp_path: Path
     assert len(captured["one call"]) == len(captured["per-kernel"])
     for a, b in zip(captured["one call"], captured["per-kernel"], strict=True):
         assert torch.equal(a, b)
+    if model.native.pairs_isa != "avx512_bf16":
+        return  # in AVX2 the two sums' orders differ too rarely to show in a model this small
     apply_kernels(model, replace(llm.engine.kernels, linear="c"), model.native)
     runner.captured = []
     llm.generate([5, 6, 7], GREEDY)

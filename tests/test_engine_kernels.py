@@ -337,7 +337,7 @@ def test_pairs_are_offered_to_the_linear_trial_only_while_their_copy_fits(
     llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB")
     model = llm.engine.runner.model
     ops = native.load(tmp_path / "native")
-    if ops is None or not ops.pairs:
+    if ops is None or not ops.pairs_rows:  # AVX2's pairs: test_avx2_pairs_are_offered_...
         pytest.skip("no AVX-512 BF16 in this build of the C kernels")
     trials = model_module.kernel_trials(model, 64, ops)
     linear = trials["linear"]()
@@ -523,7 +523,7 @@ def test_the_decode_attention_prefetches_are_in_the_built_library(c_ops: native.
     engine's library held no prefetch of the tile after a block jump (shuffled tables were read
     at ~0.7x the time with it). Where the build has the AVX-512 BF16 kernels, the library holds
     that prefetcht1 and the prefetcht0 of a tile's K rows (which gcc had kept so far)."""
-    if not c_ops.lib.linear_pairs_isa():
+    if c_ops.pairs_isa != "avx512_bf16":
         pytest.skip("this build has no AVX-512 BF16 kernels, where the prefetches are")
     text = _disassembly(c_ops)
     assert "prefetcht0" in text and "prefetcht1" in text
@@ -1043,7 +1043,7 @@ def test_a_replacing_weight_gets_a_pairs_copy_where_the_one_before_took_none(
     from pdscope.engine.model import Linear
 
     if not c_ops.pairs:
-        pytest.skip("this build of the C kernels lacks AVX-512 BF16")
+        pytest.skip("this build of the C kernels lacks AVX-512 BF16 and AVX2")
     gen = torch.Generator().manual_seed(12)
     lin = Linear(64, 32, bias=False)
     lin.native, lin.one_row_pairs = c_ops, True

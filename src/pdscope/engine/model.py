@@ -1425,8 +1425,8 @@ def kernel_trials(
       trial streams from memory as a real step does: oneDNN packed (bf16 only), plain
       ``F.linear``, the C kernel (when ``native`` loaded), the many-row kernel's AMX tiles
       at one row (bf16, where Linux grants the tiles; 1.08x the C kernel on the AMX Xeon), and
-      the pair-interleaved copies (bf16 with AVX-512 BF16, offered only while that copy fits:
-      ``pairs_copy_fits``);
+      the pair-interleaved copies (bf16 with AVX-512 BF16, or AVX2 as ``pairs2`` only, offered
+      only while that copy fits: ``pairs_copy_fits``);
     * batch linear (bf16 with the C kernels): one step's matmuls at ``_BATCH_TRIAL_ROWS`` rows
       (a batched decode), through the weights as ``linear`` would run them (packed), the
       many-row C kernel, or the pair-interleaved copies (bf16 with AVX-512 BF16, while the
@@ -1537,8 +1537,9 @@ def _linear_trial(model: CausalLM, native: NativeOps | None) -> dict[str, Callab
             # weights without a copy take the C kernel; one set of copies for both counts
             copies = _pairs_copies(linears, ops)
             for name, streams in PAIRS_LINEAR.items():
-                # In AVX2, 8 streams' 32 accumulators do not fit the 16 registers: 0.80-0.95x
-                # the time of 2 streams (an AMD EPYC running the x86-64-v3 build), not measured
+                # In AVX2, 8 streams' 32 accumulators do not fit the 16 registers: they took
+                # 1.26-1.37x the time of 2 (bench/linear_ab.py --march x86-64-v3 on an AMD
+                # EPYC with AVX-512; the AVX2-only EPYC is unmeasured)
                 if ops.pairs_isa != "avx2" or streams == 2:
                     candidates[name] = _pairs_candidate(copies, inputs, ops, ops.linear, streams)
     return candidates

@@ -2219,8 +2219,9 @@ int prefill_attention_vec_paged(const bf16 *q, const bf16 *cache, bf16 *out, int
  *
  * The copy, [out / 16][in / 2][16][2]: block b, pair k holds w[16 b + j][2 k] and
  * w[16 b + j][2 k + 1] for j = 0..15, so one 64-byte load and one `vdpbf16ps` against x's pair
- * k, broadcast, adds to all 16 outputs of the block. Each block sums its pairs in order into one
- * float32 accumulator whichever branch runs it, so the result does not depend on the threads. */
+ * k, broadcast, adds to all 16 outputs of the block (in AVX2: two 32-byte loads and four FMAs,
+ * below). Each block sums its pairs in order whichever branch runs it, so the result does not
+ * depend on the threads. */
 
 /* dst [out / 16][in / 2][16][2] from w [out, in] (bf16; out a multiple of 16, in of 2). */
 void pack_pairs(const bf16 *w, bf16 *dst, int64_t in, int64_t out, int threads) {
@@ -2353,7 +2354,7 @@ static inline __attribute__((always_inline)) void pairs_fma(const bf16 *a, __m25
     }
 }
 
-/* The blocks [lo, hi) of y from wp as S streams, as the AVX-512 form below walks them. */
+/* The blocks [lo, hi) of y from wp as S streams, as the AVX-512 form above walks them. */
 static inline __attribute__((always_inline)) void pairs_streams(const float *x, const bf16 *wp,
                                                                 const bf16 *bias, bf16 *y,
                                                                 float *yf, int64_t in,
@@ -2403,7 +2404,7 @@ static void pairs_one_row(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 
 #ifdef HAVE_DPBF16
     const pairs_x *xs = x;
 #else
-    pairs_x xs[in]; /* widened once, for every thread */
+    pairs_x xs[in > 0 ? in : 1]; /* widened once, for every thread */
     for (int64_t i = 0; i < in; i++) xs[i] = bf16_to_f32(x[i]);
 #endif
 #pragma omp parallel num_threads(threads) if (parallel)
@@ -2778,7 +2779,8 @@ int decode_logits(const decode_layer *layers, const decode_step *s, void *residu
         if (step_linear(s, normed, s->lm_head, NULL, NULL, logits, s->hidden, s->vocab)) return -1;
     }
     /* step_linear's pairs branch, its output widened in place of stored (the caller sets
-     * pairs only where linear_pairs_isa() holds, so a 0 from it is an error here) */
+     * pairs only where linear_pairs_rows has a kernel for these rows: AVX-512 BF16 for
+     * several, so a 0 from it is an error here) */
     else if (s->pairs && s->lm_head_p) {
         if (!linear_pairs_rows(normed, s->lm_head_p, NULL, NULL, logits, s->rows, s->hidden,
                                s->vocab, (int)s->threads, (int)s->pair_streams))
