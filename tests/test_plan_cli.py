@@ -87,7 +87,9 @@ def test_a_checkpoint_that_ships_quantized_is_named(tmp_path: Path) -> None:
         "ships" in n for n in run_json("--model", "deepseek-v3", "--dtype", "fp8")["notes"]
     )
     gpt = run_json("--model", "gpt-oss-20b")["notes"]
-    assert any("(mxfp4, its quantization_config): no --dtype states it" in n for n in gpt)
+    assert any("(mxfp4, its quantization_config): --dtype mxfp4 counts it so" in n for n in gpt)
+    mx = run_json("--model", "gpt-oss-20b", "--dtype", "mxfp4")
+    assert not any("ships" in n for n in mx["notes"]) and mx["experts_only"]
     from pdscope.commands.probe import ProbeSettings, _dtype_of
     from pdscope.specs.models import _presets
 
@@ -98,6 +100,7 @@ def test_a_checkpoint_that_ships_quantized_is_named(tmp_path: Path) -> None:
     assert _dtype_of(ProbeSettings(url="u", dtype="bf16"), str(tmp_path)) == "bf16"  # given
     # --plan-model's quantization counts too (an Ollama server gives no checkpoint)
     assert _dtype_of(ProbeSettings(url="u", plan_model="deepseek-v3"), None) == "fp8"
+    assert _dtype_of(ProbeSettings(url="u", plan_model="gpt-oss-120b"), None) == "mxfp4"
     # compressed-tensors, vLLM's own format: each group's weights say their bits and type
     for weights, dtype in (
         ({"num_bits": 8, "type": "float"}, "fp8"),
@@ -156,6 +159,7 @@ def test_config_json_path(tmp_path: Path) -> None:
         (["--bandwidth", "0"], "--bandwidth"),
         (["--gpu-memory-utilization", "1.5"], "utilization"),
         (["--dtype", "int3"], "weight dtype"),
+        (["--model", "llama-3.1-8b", "--dtype", "mxfp4"], "has no\nexperts"),
         (["--prompt-tokens", "0"], "--prompt-tokens"),
     ],
 )

@@ -4,7 +4,7 @@ import pytest
 
 from pdscope.commands.plan import compare, round_half_up
 from pdscope.roofline import arithmetic as rf
-from pdscope.specs import get_device, get_kv_precision, get_weight_precision, load_model
+from pdscope.specs import SpecError, get_device, get_kv_precision, get_weight_precision, load_model
 
 BF16, INT8 = get_weight_precision("bf16"), get_weight_precision("int8")
 KV16 = get_kv_precision("bf16")
@@ -70,6 +70,27 @@ def test_sliding_window_caps_kv_growth() -> None:
     oss = load_model("gpt-oss-20b")  # window 128 on alternate layers
     grow = rf.kv_bytes_at_context(oss, KV16, 20_000) - rf.kv_bytes_at_context(oss, KV16, 10_000)
     assert grow == 10_000 * rf.kv_bytes_per_token(oss, KV16) // 2
+
+
+@pytest.mark.parametrize(("name", "gib"), [("gpt-oss-20b", 12.8), ("gpt-oss-120b", 60.8)])
+def test_mxfp4_counts_gpt_oss_as_its_model_card_does(name: str, gib: float) -> None:
+    """gpt-oss ships its routed experts in MXFP4 (17 bytes a block of 32 weights) and the rest
+    in bf16: its model card gives the checkpoints as 12.8 and 60.8 GiB. Every weight at 4.25
+    bits would read ~30% low on the 20b, every weight at 16 ~3.2x high."""
+    model, mx = load_model(name), get_weight_precision("mxfp4")
+    assert rf.weight_bytes(model, mx) / 2**30 == pytest.approx(gib, rel=0.005)
+    # one decode token reads its 4 experts a layer at 4.25 bits, everything else at 16
+    experts = sum(4 * layer.expert_params for layer in model.layers)
+    rest = model.params_read_per_token - experts
+    assert rf.read_bytes(model, mx) == pytest.approx(experts * 17 / 32 + rest * 2)
+    assert rf.read_bytes(model, mx) < 0.6 * rf.read_bytes(model, BF16)
+    # a batch hits more distinct experts: only the experts' bytes grow with it
+    grown = rf.read_bytes(model, mx, 64) - rf.read_bytes(model, mx)
+    touched = rf.params_touched(model, 64) - rf.params_touched(model, 1)
+    embedding_rows = 63 * model.hidden_size
+    assert grown == pytest.approx((touched - embedding_rows) * 17 / 32 + embedding_rows * 2)
+    with pytest.raises(SpecError, match=r"llama-3\.1-8b has no experts"):
+        rf.weight_bytes(load_model("llama-3.1-8b"), mx)
 
 
 def test_context_slows_decode() -> None:

@@ -190,6 +190,7 @@ def plan(p: PlanInputs, max_batch_rows: int = 4096) -> dict[str, Any]:
         **({"local_measurement": p.local} if p.local else {}),
         "dtype": w.name,
         "bits_per_weight": w.bits_per_weight,
+        "experts_only": w.experts_only,
         "dtype_note": w.note,
         "kv_dtype": kv.name,
         "context_tokens": c,

@@ -333,7 +333,7 @@ def model_bytes_for(s: ProbeSettings, root: str | None) -> ModelBytes | None:
     return ModelBytes(
         model=spec.name,
         params=spec.total_params,
-        weight_bytes=rf.read_bytes(spec, weights, spec.params_read_per_token),
+        weight_bytes=rf.read_bytes(spec, weights),
         kv_bytes=lambda n: float(rf.kv_bytes_at_context(spec, kv, max(n, 0))),
     )
 

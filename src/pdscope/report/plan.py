@@ -41,7 +41,9 @@ def render_plan(r: dict[str, Any], console: Console) -> None:
         f"[bold]{d['label'] or d['name']}[/] ({d['bandwidth_gb_s']:,g} GB/s"
         + (f", {d['peak_tflops_used']:,g} TFLOP/s" if d["peak_tflops_used"] else "")
         + (f", {d['memory_gb']:,g} GB" if d["memory_gb"] else "")
-        + f"); weights {r['dtype']} ({r['bits_per_weight']:g} bits), KV {r['kv_dtype']}"
+        + f"); weights {r['dtype']} ({r['bits_per_weight']:g} bits"
+        + (", experts only" if r.get("experts_only") else "")
+        + f"), KV {r['kv_dtype']}"
     )
     decode = _kv_table(
         [

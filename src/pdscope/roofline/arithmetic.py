@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 from pdscope.specs import Device, KVPrecision, ModelSpec, SpecError, WeightPrecision
+from pdscope.specs.models import LayerSpec
 
 
 def _check_tokens(label: str, tokens: int, minimum: int = 0) -> None:
@@ -22,40 +23,78 @@ def _check_tokens(label: str, tokens: int, minimum: int = 0) -> None:
 
 def weight_bytes(model: ModelSpec, weights: WeightPrecision) -> float:
     """Bytes of every stored weight: what the server holds in memory (the embedding and LM
-    head at their own width, :func:`read_bytes`)."""
+    head at their own width, :func:`read_bytes`). gpt-oss at mxfp4: 12.8 GiB (20b) and
+    60.8 GiB (120b), its model card's checkpoint sizes."""
     if model.nominal_params is not None:  # the seed article's model: every weight alike
         return model.total_params * weights.bytes_per_weight
     head = model.embedding_params + (0 if model.tie_word_embeddings else model.lm_head_params)
-    return (model.total_params - head) * weights.bytes_per_weight + head * head_width(
-        model, weights
+    return _body_bytes(model, weights, model.total_params - head, model.expert_params) + (
+        head * head_width(model, weights)
     )
 
 
 def head_width(model: ModelSpec, weights: WeightPrecision) -> float:
     """Bytes a weight of the embedding and LM head: 16-bit where quantization leaves them
-    (int4/int8/fp8); the rest's width for GGUF's averages and the seed article's model."""
+    (int4/int8/fp8/mxfp4); the rest's width for GGUF's averages and the seed article's model."""
     if model.nominal_params is not None:
         return weights.bytes_per_weight
     return weights.head_bytes_per_weight
 
 
-def read_bytes(model: ModelSpec, weights: WeightPrecision, params: float) -> float:
-    """Bytes of a pass that reads ``params`` parameters, the LM head among them (every decode
-    and prefill pass reads it): quantized int4/int8/fp8 checkpoints keep the head 16-bit. On
-    Llama-3.1-8B at int4 the head holds 0.53 B of its 8.03 B parameters and 23% of the weight
-    bytes a decode step reads. The embedding's gathered rows count at the layers' width (a row a
-    token: too few to matter)."""
+def _body_bytes(
+    model: ModelSpec, weights: WeightPrecision, params: float, expert_params: float
+) -> float:
+    """Bytes of ``params`` parameters outside the LM head, ``expert_params`` of them routed
+    experts' (a scheme that quantizes only the experts keeps the rest 16-bit)."""
+    if not weights.experts_only:
+        return params * weights.bytes_per_weight
+    if not model.is_moe:
+        raise SpecError(
+            f"--dtype {weights.name} quantizes only MoE experts' weights and {model.name} has "
+            "no experts: choose a precision that covers every linear layer (e.g. int4, fp8)"
+        )
+    return expert_params * weights.bytes_per_weight + (params - expert_params) * (
+        weights.rest_bytes_per_weight
+    )
+
+
+def read_bytes(model: ModelSpec, weights: WeightPrecision, tokens: int = 1) -> float:
+    """Bytes of weights one forward pass over ``tokens`` tokens reads (:func:`params_touched`),
+    the LM head among them (every decode and prefill pass reads it): quantized int4/int8/fp8
+    checkpoints keep the head 16-bit. On Llama-3.1-8B at int4 the head holds 0.53 B of its
+    8.03 B parameters and 23% of the weight bytes a decode step reads. The embedding's gathered
+    rows count at the layers' width (a row a token: too few to matter)."""
+    params = params_touched(model, tokens)
+    if model.nominal_params is not None:
+        return params * weights.bytes_per_weight
     head = model.lm_head_params
-    return (params - head) * weights.bytes_per_weight + head * head_width(model, weights)
+    body = _body_bytes(model, weights, params - head, expert_params_touched(model, tokens))
+    return body + head * head_width(model, weights)
+
+
+def _distinct_experts(layer: LayerSpec, tokens: int) -> float:
+    """Expected distinct experts ``tokens`` independently, uniformly routed tokens hit:
+    E * (1 - (1 - k/E)^tokens), k at one token, approaching E as the batch grows."""
+    k, experts = layer.experts_per_token, layer.num_experts
+    return experts * (1 - (1 - k / experts) ** tokens)
+
+
+def expert_params_touched(model: ModelSpec, tokens: int) -> float:
+    """The routed experts' parameters among :func:`params_touched` (0 for a dense model)."""
+    _check_tokens("tokens", tokens, minimum=1)
+    return sum(
+        _distinct_experts(layer, tokens) * layer.expert_params
+        for layer in model.layers
+        if layer.num_experts
+    )
 
 
 def params_touched(model: ModelSpec, tokens: int) -> float:
     """Distinct parameters read by one forward pass over ``tokens`` tokens.
 
-    Dense weights are read once however many tokens share the pass. For a MoE layer with E
-    experts and top-k routing, the expected number of distinct experts hit by ``tokens``
-    independently and uniformly routed tokens is E * (1 - (1 - k/E)^tokens): k at one token,
-    approaching E as the batch grows. An untied input embedding is gathered one row per token.
+    Dense weights are read once however many tokens share the pass. A MoE layer reads the
+    distinct experts its tokens hit (:func:`_distinct_experts`), not top-k per token. An untied
+    input embedding is gathered one row per token.
     """
     _check_tokens("tokens", tokens, minimum=1)
     if model.nominal_params is not None:
@@ -63,9 +102,9 @@ def params_touched(model: ModelSpec, tokens: int) -> float:
     total = model.params_read_per_token
     for layer in model.layers:
         if layer.num_experts:
-            k, experts = layer.experts_per_token, layer.num_experts
-            distinct = experts * (1 - (1 - k / experts) ** tokens)
-            total += (distinct - k) * layer.expert_params
+            total += (_distinct_experts(layer, tokens) - layer.experts_per_token) * (
+                layer.expert_params
+            )
     if not model.tie_word_embeddings:
         total += (min(tokens, model.vocab_size) - 1) * model.hidden_size
     return total
@@ -96,9 +135,7 @@ def decode_bytes_per_token(
     model: ModelSpec, weights: WeightPrecision, kv: KVPrecision, context_tokens: int
 ) -> float:
     """Bytes one batch-1 decode step reads: active weights plus the context's KV."""
-    return read_bytes(model, weights, model.params_read_per_token) + kv_bytes_at_context(
-        model, kv, context_tokens
-    )
+    return read_bytes(model, weights) + kv_bytes_at_context(model, kv, context_tokens)
 
 
 def decode_ceiling_tok_s(
@@ -211,7 +248,7 @@ def prefill_step(
 ) -> StepTime:
     """One whole-prompt prefill pass: its time is the compute-bound TTFT floor."""
     flops = prefill_flops(model, prompt_tokens).total
-    moved = read_bytes(model, weights, params_touched(model, prompt_tokens)) + kv_bytes_at_context(
+    moved = read_bytes(model, weights, prompt_tokens) + kv_bytes_at_context(
         model, kv, prompt_tokens
     )
     return _step(device, weights, moved, flops)
@@ -227,7 +264,7 @@ def decode_step(
 ) -> StepTime:
     """One decode step producing a token for each of ``batch`` sequences at a context."""
     _check_tokens("batch size", batch, minimum=1)
-    moved = read_bytes(model, weights, params_touched(model, batch)) + batch * kv_bytes_at_context(
+    moved = read_bytes(model, weights, batch) + batch * kv_bytes_at_context(
         model, kv, context_tokens
     )
     return _step(device, weights, moved, batch * decode_flops_per_token(model, context_tokens))

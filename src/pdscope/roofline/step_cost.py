@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Protocol
 
-from pdscope.roofline.arithmetic import attention_pairs, head_width, params_touched
+from pdscope.roofline.arithmetic import attention_pairs, head_width, read_bytes
 from pdscope.roofline.parallel import NO_TP, TensorParallel
 from pdscope.specs import KVPrecision, ModelSpec, SpecError, WeightPrecision
 
@@ -174,12 +174,10 @@ class CostModel:
 
     def linear_work(self, tokens: int) -> tuple[float, float]:
         """The decoder layers' matmuls for a step of ``tokens`` tokens as (FLOPs, bytes): the
-        weights are read once per step. params_touched counts the LM head (decode reads it);
+        weights are read once per step. read_bytes counts the LM head (decode reads it);
         it is charged to the LM head's own term."""
         model = self.model
-        layer_bytes = (params_touched(model, tokens) - model.lm_head_params) * (
-            self.weights.bytes_per_weight
-        )
+        layer_bytes = read_bytes(model, self.weights, tokens) - self.lm_head_work(0)[1]
         return 2 * tokens * model.matmul_params_per_token, layer_bytes
 
     def lm_head_work(self, sampled: int) -> tuple[float, float]:

@@ -94,19 +94,15 @@ class ModelSpec:
     @property
     def shipped_dtype(self) -> str | None:
         """The --dtype that counts this checkpoint's weights as it ships them, where one does
-        (fp8; AWQ/GPTQ or compressed-tensors at 4 or 8 bits); None otherwise (unquantized, or a
-        scheme no --dtype states, as gpt-oss's MXFP4 experts beside bf16 attention)."""
+        (fp8; AWQ/GPTQ or compressed-tensors at 4 or 8 bits; gpt-oss's MXFP4 experts beside bf16
+        attention); None otherwise (unquantized, or a scheme no --dtype states)."""
         method, bits = self.quant_method, self.quant_bits
         if method in ("fp8", "fbgemm_fp8") or (method == "compressed-tensors" and self.quant_float):
             return "fp8" if bits in (None, 8) else None
         if method in ("awq", "gptq", "awq_marlin", "gptq_marlin", "compressed-tensors"):
             return {4: "int4", 8: "int8"}.get(bits or 0)
-        return None
-        method, _, bits = self.quantization.partition(", ")
-        if method in ("fp8", "fbgemm_fp8"):
-            return "fp8"
-        if method in ("awq", "gptq", "awq_marlin", "gptq_marlin") and bits in ("4 bits", "8 bits"):
-            return "int4" if bits == "4 bits" else "int8"
+        if method == "mxfp4" and self.is_moe:
+            return "mxfp4"
         return None
 
     @property
@@ -156,6 +152,11 @@ class ModelSpec:
         if self.tie_word_embeddings:
             return self.active_params
         return self.active_params - self.embedding_params + self.hidden_size
+
+    @property
+    def expert_params(self) -> float:
+        """Parameters of every routed expert (what MXFP4 quantizes in gpt-oss)."""
+        return sum(layer.num_experts * layer.expert_params for layer in self.layers)
 
     @property
     def matmul_params_per_token(self) -> float:

@@ -20,6 +20,9 @@ class WeightPrecision:
     # fp8 checkpoints keep them 16-bit; vLLM does not quantize its LM head); None: as the rest
     # (GGUF's figures are whole-file averages, those tensors included).
     head_bits: float | None = None
+    # Only the MoE routed experts' weights are stored at bits_per_weight (gpt-oss's MXFP4); every
+    # other weight is at head_bits. A model without experts has nothing this scheme quantizes.
+    experts_only: bool = False
 
     @property
     def bytes_per_weight(self) -> float:
@@ -28,6 +31,11 @@ class WeightPrecision:
     @property
     def head_bytes_per_weight(self) -> float:
         return (self.bits_per_weight if self.head_bits is None else self.head_bits) / 8
+
+    @property
+    def rest_bytes_per_weight(self) -> float:
+        """Bytes a weight outside the routed experts and the embedding and LM head."""
+        return self.head_bytes_per_weight if self.experts_only else self.bytes_per_weight
 
 
 @dataclass(frozen=True)
