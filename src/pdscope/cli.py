@@ -77,8 +77,8 @@ PlanDevice = Annotated[
 PlanDtype = Annotated[
     str,
     typer.Option(
-        help="Weight precision: fp32, bf16, fp16, fp8, int8, int4, q8_0, q6_k, q5_k_m, q4_k_m, "
-        "q4_0.",
+        help="Weight precision: fp32, bf16, fp16, fp8, int8, int4, mxfp4 (MoE experts only, "
+        "as gpt-oss ships), q8_0, q6_k, q5_k_m, q4_k_m, q4_0.",
     ),
 ]
 KvDtype = Annotated[
