@@ -264,6 +264,39 @@ def test_a_restart_whose_counters_passed_their_old_values_resets_the_window(
     assert snaps[1].scrapes_in_window == 1
 
 
+def test_a_server_that_started_inside_the_window_counts_from_its_start(page: PageServer) -> None:
+    """After a restart the window held one scrape, so every rate and quantile read "one scrape
+    so far" until the next, and what the new process served before it was lost (a whole window
+    of it when watch itself was paused across the restart). Its counters started at 0 at its
+    process start time: deltas from there are exact. A server older than the window, or a page
+    without a start time, still needs two scrapes."""
+    import time
+
+    start = "# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {}\n"
+    settings = WatchSettings(url=page.url, window_s=60, interval_s=0.1)
+    old = vllm_page({0.1: 50}, gen=500) + start.format(time.time() - 600)
+    pages = [old, vllm_page({0.1: 4}, gen=40) + start.format(time.time() - 2.0)]
+    snaps = ticks(settings, pages, page.page)
+    assert "one scrape so far" in snaps[0].missing["ttft_p50_ms"]  # 600 s old: outside
+    after = snaps[1]
+    assert any("the server restarted" in e for e in after.events), after.events
+    assert after.scrapes_in_window == 2 and 2.0 <= after.covered_s < 4.0, after.covered_s
+    rate = after.values["generation_tok_s"]
+    assert rate is not None and rate == pytest.approx(40 / after.covered_s)
+    assert after.values["ttft_p50_ms"] is not None and after.values["ttft_p50_ms"] <= 100
+    # a fresh server at watch's first scrape: the same, from the first tick
+    first = ticks(
+        settings, [vllm_page({0.1: 4}, gen=30) + start.format(time.time() - 3.0)], page.page
+    )[0]
+    assert first.values["generation_tok_s"] == pytest.approx(30 / first.covered_s)
+    assert 3.0 <= first.covered_s < 5.0
+    # a start time ahead of this clock (skew) gives no base: no rate from a span of <= 0
+    ahead = ticks(
+        settings, [vllm_page({0.1: 4}, gen=30) + start.format(time.time() + 5)], page.page
+    )
+    assert "one scrape so far" in ahead[0].missing["generation_tok_s"]
+
+
 def test_once_keeps_the_events_of_its_whole_window(page: PageServer) -> None:
     """`watch --once` returned only its last tick, whose events were empty: a restart inside
     the window left no trace in its JSON."""

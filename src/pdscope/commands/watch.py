@@ -30,7 +30,12 @@ from typing import Any
 import httpx
 
 from pdscope.analysis.rules import LiveFigures, live_findings
-from pdscope.analysis.server_metrics import counter_delta, histogram_summary, restarted
+from pdscope.analysis.server_metrics import (
+    START_TIME,
+    counter_delta,
+    histogram_summary,
+    restarted,
+)
 from pdscope.client.server_metrics import (
     MetricsSampler,
     ScrapeError,
@@ -236,6 +241,8 @@ class Watcher:
             # A restarted server starts its counters again: deltas across it mean nothing.
             self._events.append(f"{why} at {_now_iso()}")
             self._window.clear()
+        if not self._window and (base := self._zero_base(snapshot)) is not None:
+            self._window.append(base)
         self._window.append(snapshot)
         # Keep the newest scrape at or before the window's start as its base, so the deltas
         # cover the whole window (after a pause in scraping too), never less.
@@ -258,6 +265,21 @@ class Watcher:
         except (httpx.HTTPError, ValueError, AttributeError):
             return runtime  # not an OpenAI front, or not one we can read: vLLM's knobs
         return "pdscope" if "pdscope" in owners else runtime
+
+    def _zero_base(self, snapshot: Snapshot) -> Snapshot | None:
+        """The scrape a server that started inside the window would have given at its start:
+        every counter and histogram at 0 (an empty page), at its process start time. Deltas
+        from it are exact, so a restart (seen or not) or a fresh server needs no second scrape
+        and loses nothing between its start and the first scrape. None where the page has no
+        start time, or the start lies outside the window (or ahead of this clock)."""
+        start_s = snapshot.total(START_TIME)
+        if start_s is None or not math.isfinite(start_s):
+            return None
+        # the scrape's wall-clock time, from its perf_counter stamp
+        age_s = time.time() - (time.perf_counter() - snapshot.t_s) - start_s
+        if not 0 < age_s <= self.settings.window_s:
+            return None
+        return Snapshot(t_s=snapshot.t_s - age_s)
 
     def _restart(self, before: Snapshot, after: Snapshot) -> str | None:
         """Why the server restarted between two scrapes (None: it did not, as far as either
