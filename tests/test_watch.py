@@ -323,6 +323,50 @@ def test_once_keeps_the_events_of_its_whole_window(page: PageServer) -> None:
     assert page_html.count("the server restarted (process_start_time_seconds moved by +30 s)") == 1
 
 
+def test_ctrl_c_during_once_prints_the_window_so_far_with_its_events(
+    page: PageServer, tmp_path: Path
+) -> None:
+    """Ctrl-C during `watch --once` printed the last tick as if the window had run, without the
+    window's events (a restart inside it vanished) and exited 0. It now prints the window so far
+    with every event seen, marked interrupted, and exits 1."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    start = "# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {}\n"
+    page.page.text = vllm_page({0.1: 5}, gen=50) + start.format(1.7e9)
+    record = tmp_path / "watch.jsonl"
+    args = [page.url, "--once", "--window", "60", "--interval", "0.2", "--json"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdscope.cli", "watch", *args, "--record", str(record)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # see test_bench
+    )
+
+    def lines() -> list[dict]:
+        text = record.read_text() if record.exists() else ""
+        return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
+
+    deadline = time.monotonic() + 60
+    while len(lines()) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    page.page.text = vllm_page({0.1: 1}, gen=900) + start.format(1.7e9 + 30)  # restarts
+    while len(lines()) < 5 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    last = json.loads(out)
+    assert last["interrupted"] is True
+    assert any("the server restarted" in e for e in last["window_events"]), last
+    assert not any("restarted" in e for e in last["events"])  # not the last tick's own event
+    assert "interrupted: the window ran" in err
+
+
 @pytest.mark.parametrize(
     ("text", "runtime", "absent"),
     [

@@ -1276,12 +1276,19 @@ def watch(
             exit_on(1, EmbeddedServerError),
             embedded_server(url, "watch", server_args, note) as settings.url,
         ):
-            last, watcher = _watch_live(settings, once, as_json, record_file)
+            last, watcher, interrupted = _watch_live(settings, once, as_json, record_file)
     finally:
         if record_file is not None:
             record_file.close()
     if once and not last:  # interrupted before the first scrape answered
         raise typer.Exit(1)
+    if once and interrupted:
+        # a window cut short: its figures cover covered_s, its events are those seen so far
+        last["interrupted"] = True
+        err_console.print(
+            f"interrupted: the window ran {last.get('covered_s', 0.0):.1f} s of "
+            f"{settings.window_s:g} s; the figures cover that"
+        )
     if once:
         if as_json:
             print_json(last)
@@ -1290,7 +1297,7 @@ def watch(
             console.print(render_watch(last, history_points, history_s=settings.history_s))
     if record is not None:
         err_console.print(f"recorded to {record}")
-    if once and not last.get("reachable"):
+    if once and (interrupted or not last.get("reachable")):
         raise typer.Exit(1)
 
 
@@ -1324,9 +1331,10 @@ def _watch_export(export: tuple[str, Path], url: str | None, runtime: str) -> No
 
 def _watch_live(
     settings: WatchSettings, once: bool, as_json: bool, record_file: typing.TextIO | None
-) -> tuple[dict[str, Any], Watcher | None]:
+) -> tuple[dict[str, Any], Watcher | None, bool]:
     """Scrape until Ctrl-C (or one window with ``once``), showing every snapshot: the live
-    view, a JSON line, and a line in the record file. Returns the last snapshot and watcher."""
+    view, a JSON line, and a line in the record file. Returns the last snapshot, the watcher
+    and whether Ctrl-C ended it."""
     import asyncio
 
     from rich.live import Live
@@ -1357,12 +1365,13 @@ def _watch_live(
             sys.stdout.write(json.dumps(data) + "\n")
             sys.stdout.flush()
 
+    interrupted = False
     try:
         if live is not None:
             live.start()
         asyncio.run(cmd.run(settings, show, once=once))
     except KeyboardInterrupt:
-        pass  # Ctrl-C is how a live watch ends; the record is already on disk
+        interrupted = True  # how a live watch ends; the record is already on disk
     except cmd.NotPrometheusError as exc:
         if live is not None:
             live.stop()
@@ -1371,7 +1380,7 @@ def _watch_live(
     finally:
         if live is not None:
             live.stop()
-    return last, (watchers[0] if watchers else None)
+    return last, (watchers[0] if watchers else None), interrupted
 
 
 if __name__ == "__main__":

@@ -512,8 +512,10 @@ async def run(
             snapshot = await watcher.tick()
             seen += snapshot.events
             now = time.perf_counter()
+            if once:
+                # every tick carries the window's events so far: one cut short by Ctrl-C too
+                snapshot.window_events = list(seen)
             if once and now - started_s >= settings.window_s:
-                snapshot.window_events = seen
                 on_snapshot(snapshot, watcher)
                 return snapshot
             on_snapshot(snapshot, watcher)
