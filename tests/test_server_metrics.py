@@ -352,6 +352,44 @@ llamacpp:requests_deferred 0
 """
 
 
+def llamacpp_page(computed: int, cached: int, predicted: int) -> str:
+    """The counters of a current llama-server's /metrics (recorded from the build `make
+    llamacpp` makes: prompt tokens computed and reused from the slots' cache apart)."""
+    return (
+        "# TYPE llamacpp:prompt_tokens_total counter\n"
+        f"llamacpp:prompt_tokens_total {computed}\n"
+        "# TYPE llamacpp:prompt_tokens_cached_total counter\n"
+        f"llamacpp:prompt_tokens_cached_total {cached}\n"
+        "# TYPE llamacpp:tokens_predicted_total counter\n"
+        f"llamacpp:tokens_predicted_total {predicted}\n"
+        "# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 1\n"
+        "# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred 0\n"
+    )
+
+
+def test_llamacpp_prompt_tokens_and_hit_rate_count_its_cached_tokens_too() -> None:
+    """llama.cpp's prompt_tokens_total leaves out the prompt tokens its slots reused from their
+    cache: read alone it said a run of 4,096 prompt tokens, 1,000 of them cached, was 3,096,
+    and there was no hit rate. Current builds count the cached ones apart, and the two add up
+    to the prompt; builds without that counter read the computed ones, as before."""
+    first, last = (
+        parse_metrics(llamacpp_page(33119, 5899, 3832)),
+        parse_metrics(llamacpp_page(33119 + 3096, 5899 + 1000, 3832 + 1024)),
+    )
+    report = build_report(first, last, [], "llama.cpp")
+    assert report.deltas["prompt_tokens"] == 4096 and report.deltas["generation_tokens"] == 1024
+    assert report.prefix_hit_rate == pytest.approx(1000 / 4096)
+    assert report.names["prompt_tokens"] == (
+        "llamacpp:prompt_tokens_total + llamacpp:prompt_tokens_cached_total"
+    )
+    older = build_report(
+        parse_metrics(LLAMACPP_TEXT), parse_metrics(LLAMACPP_TEXT), [], "llama.cpp"
+    )
+    assert older.names["prompt_tokens"] == "llamacpp:prompt_tokens_total"
+    assert older.deltas["prompt_tokens"] == 0 and older.prefix_hit_rate is None
+    assert "prefix_hits" not in older.names  # absent there, not 0
+
+
 @pytest.mark.parametrize(
     ("text", "runtime", "gauges"),
     [

@@ -105,17 +105,24 @@ RUNTIME_NAMES: dict[str, dict[str, str]] = {
         "e2e": "tgi_request_duration",
         "queue": "tgi_request_queue_duration",
     },
-    # Checked against llama.cpp's server README. llama.cpp has no latency histograms and no
-    # prefix-cache or preemption counters.
+    # Checked against llama.cpp's server README and a real llama-server (`make llamacpp`).
+    # llama.cpp has no latency histograms and no preemption counter. Its prompt_tokens_total
+    # counts the prompt tokens it computed, leaving out those its slots reused from their
+    # cache, which current builds count in prompt_tokens_cached_total: their sum is every
+    # prompt token (vLLM's prompt count), and the cached share its prefix-cache hit rate.
     "llama.cpp": {
         "running": "llamacpp:requests_processing",
         "waiting": "llamacpp:requests_deferred",
         # Exported by older builds only; current builds lack it, and the role then reads None.
         "kv_usage": "llamacpp:kv_cache_usage_ratio",
-        "prompt_tokens": "llamacpp:prompt_tokens_total",
+        "prefix_hits": "llamacpp:prompt_tokens_cached_total",
+        "prefix_queries": "llamacpp:prompt_tokens_total + llamacpp:prompt_tokens_cached_total",
+        "prompt_tokens": "llamacpp:prompt_tokens_total + llamacpp:prompt_tokens_cached_total",
         "generation_tokens": "llamacpp:tokens_predicted_total",
     },
 }
+# Joins the names of counters a role reads as one sum (Snapshot.total).
+SUM = " + "
 
 # Names earlier releases used for a role, tried in order after RUNTIME_NAMES' name. Never summed
 # with it: versions that export both (deprecation periods) export the same figure twice.
@@ -128,6 +135,8 @@ OLDER_NAMES: dict[str, dict[str, tuple[str, ...]]] = {
         "itl": ("vllm:time_per_output_token_seconds",),
     },
     "sglang": {"itl": ("sglang:time_per_output_token_seconds",)},
+    # builds without the cached-token counter: the tokens computed are all it counts
+    "llama.cpp": {"prompt_tokens": ("llamacpp:prompt_tokens_total",)},
 }
 OLDER_NAMES["pdscope"] = OLDER_NAMES["vllm"]
 
@@ -189,14 +198,19 @@ class Snapshot(Mapping[SampleKey, float]):
         return set(self._by_name)
 
     def has(self, name: str) -> bool:
-        """Whether any sample is called `name`."""
-        return name in self._by_name
+        """Whether any sample is called `name` (every one of a sum's names, see `total`)."""
+        return all(part in self._by_name for part in name.split(SUM))
 
     def total(self, name: str) -> float | None:
         """The sum of `name` over all its label sets (models, finish reasons, ...); None if absent.
 
-        NaN values (Prometheus' "no data") are skipped.
+        NaN values (Prometheus' "no data") are skipped. A name "a + b" (`SUM`) reads the sum
+        of counters a and b, None unless both are there: a figure a server splits in two
+        (llama.cpp's prompt tokens, processed and taken from its cache).
         """
+        if SUM in name:
+            parts = [self.total(part) for part in name.split(SUM)]
+            return None if None in parts else math.fsum(parts)  # type: ignore[arg-type]
         values = [v for v in self._by_name.get(name, ()) if not math.isnan(v)]
         return math.fsum(values) if values else None
 

@@ -37,6 +37,7 @@ from pdscope.analysis.server_metrics import (
     restarted,
 )
 from pdscope.client.server_metrics import (
+    SUM,
     MetricsSampler,
     ScrapeError,
     Snapshot,
@@ -429,7 +430,9 @@ class Watcher:
         if not absent("prefix_hit_rate"):
             hits = next(n for n in candidate_names(runtime, "prefix_hits") if last.has(n))
             queries = next(n for n in candidate_names(runtime, "prefix_queries") if last.has(n))
-            names["prefix_hit_rate"] = f"{hits} / {queries}"
+            names["prefix_hit_rate"] = f"{hits} / " + (
+                f"({queries})" if SUM in queries else queries
+            )
             d_queries, bad_queries = counter_delta(first, last, queries)
             d_hits, bad_hits = counter_delta(first, last, hits)
             if not two:
