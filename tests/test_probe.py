@@ -337,7 +337,9 @@ def fake_app() -> FastAPI:
 
     @app.get("/lc/v1/models")
     async def lc_models() -> dict:
-        return {"data": [{"id": "m", "owned_by": "llamacpp"}]}
+        # meta as a real llama-server (make llamacpp) describes the GGUF it loaded
+        meta = {"n_ctx": 4096, "n_params": 168846336, "size": 337743872, "ftype": "BF16"}
+        return {"data": [{"id": "m", "owned_by": "llamacpp", "meta": meta}]}
 
     @app.post("/lc/tokenize")
     async def lc_tokenize() -> dict:
@@ -679,6 +681,25 @@ def test_llamacpp_detection_fake(fake: str) -> None:
 
     rt = asyncio.run(go())
     assert rt.name == "llama.cpp" and not rt.has_tokenize and rt.max_model_len == 4096
+
+
+def test_llamacpp_describes_the_gguf_it_serves_fake(fake: str) -> None:
+    """probe showed "- parameters" for a llama.cpp server, which states its model's
+    parameters, the tensors' bytes and their type in /v1/models' meta."""
+    from pdscope.client.detect import detect
+    from pdscope.commands.probe import _served_model
+
+    async def go() -> dict:
+        async with httpx.AsyncClient() as c:
+            return await _served_model(c, await detect(c, f"{fake}/lc"), "m", None)
+
+    assert asyncio.run(go()) == {
+        "name": "m",
+        "max_model_len": 4096,
+        "params": 168846336.0,
+        "weight_bytes": 337743872.0,
+        "weights_type": "BF16",
+    }
 
 
 def test_llamacpp_tokenize_content_field_fake(fake: str) -> None:

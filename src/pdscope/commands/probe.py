@@ -567,11 +567,17 @@ async def probe(
     }
 
 
+def _positive(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
 async def _served_model(
     client: httpx.AsyncClient, runtime: Runtime, model: str, headers: dict[str, str] | None
 ) -> dict[str, Any]:
     """What the server says about the model it serves: name, context, parameter count where it
-    exposes one, and a local checkpoint directory (pdscope and vLLM give `root`)."""
+    exposes one (Ollama's /api/show, llama.cpp's /v1/models meta, a checkpoint's config), the
+    weights' bytes and type where it says (llama.cpp), and a local checkpoint directory
+    (pdscope and vLLM give `root`)."""
     out: dict[str, Any] = {"name": model, "max_model_len": runtime.max_model_len}
     if runtime.api == API_OLLAMA or runtime.name in ("ollama", "pdscope"):
         try:
@@ -589,6 +595,14 @@ async def _served_model(
         except (httpx.HTTPError, ValueError, KeyError):
             data = []
         entry = next((m for m in data if m.get("id") == model), data[0] if data else {})
+        # llama.cpp describes the GGUF it loaded: parameters, the tensors' bytes, their type
+        meta = entry.get("meta") if isinstance(entry.get("meta"), dict) else {}
+        if _positive(meta.get("n_params")):
+            out["params"] = float(meta["n_params"])
+        if _positive(meta.get("size")):
+            out["weight_bytes"] = float(meta["size"])
+            if isinstance(meta.get("ftype"), str):
+                out["weights_type"] = meta["ftype"]
         root = entry.get("root")
         if root and Path(root, "config.json").is_file():
             out["root"] = root

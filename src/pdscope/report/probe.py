@@ -142,8 +142,15 @@ def render_probe(r: dict[str, Any], console: Console) -> None:
     if served.get("params") or served.get("max_model_len"):
         console.print(
             f"served model {served.get('name')}: "
-            f"{_params(served.get('params'))}, context "
-            f"{_f(served.get('max_model_len'), '{:,}')} tokens"
+            f"{_params(served.get('params'))}, "
+            + (
+                f"{served['weight_bytes'] / 1e9:.3g} GB of weights"
+                + (f" ({served['weights_type']})" if served.get("weights_type") else "")
+                + ", "
+                if served.get("weight_bytes")
+                else ""
+            )
+            + f"context {_f(served.get('max_model_len'), '{:,}')} tokens"
         )
 
     findings = Table(title="Findings", title_justify="left", show_lines=True)
