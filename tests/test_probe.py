@@ -1,8 +1,10 @@
 """`pdscope probe`: the client adapters and the whole procedure over real HTTP.
 
 The embedded server (`pdscope serve`) answers in both dialects. What cannot run here is replaced
-by recorded-response fakes, each labelled as such: a llama.cpp server's `timings`, a server that
-sends multi-token chunks, malformed streams and a stream that stops mid-way.
+by recorded-response fakes, each labelled as such: a server that sends multi-token chunks,
+malformed streams and a stream that stops mid-way; and llama.cpp's `timings`, detection and
+/v1/models meta, recorded so they run on every machine. A real llama-server runs in
+tests/test_llamacpp_peer.py where `make llamacpp` has built one.
 """
 
 from __future__ import annotations
@@ -237,7 +239,7 @@ def test_probe_errors(medium_server: Server) -> None:
     assert r.exit_code == 2
 
 
-# --- recorded-response fakes (servers that cannot run here) ---------------------------------
+# --- recorded-response fakes (behaviours no real server here shows on demand) -------------
 
 LLAMACPP_FINAL = {
     "choices": [{"index": 0, "text": "", "finish_reason": "length"}],

