@@ -149,6 +149,10 @@ def test_bench_counts_what_llamacpp_counted(llamacpp_url: str) -> None:
     after = counters(llamacpp_url)
     assert r["metadata"]["runtime"] == "llama.cpp" and r["metadata"]["exact_prompt_tokens"]
     assert r["completed"] + r["failed"] == 12 and r["completed"] >= 10, r["failures"]
+    # llama-server closes each connection after a streamed response, keep-alive header or
+    # not: 2-6 of 16 requests were written on a closed one and sent again before bench opened
+    # a connection per request there
+    assert r["retried"] == 0
     assert all(f["error"] == "no generated content in the response" for f in r["failures"])
     assert r["total_output_tokens"] == r["completed"] * 16  # llama.cpp's own counts
     server = r["runs"][0]["server"]

@@ -318,7 +318,13 @@ class Bench:
         try:
             # A pool bounded to the run's concurrency (vllm bench serve's connector does the
             # same): no idle surplus connections for the server's keep-alive timer to close.
-            async with adapter_session(s.timeout_s, limit=concurrency or 0) as streams:
+            # llama-server answers "Keep-Alive: timeout=5" but closes the connection after each
+            # streamed response (the build `make llamacpp` makes), so a reused one fails its
+            # next write: there a new connection per request, as every client gets anyway.
+            fresh = self.runtime.name == "llama.cpp"
+            async with adapter_session(
+                s.timeout_s, fresh_connections=fresh, limit=concurrency or 0
+            ) as streams:
                 load = await run_load(
                     streams,
                     self.runtime.url,

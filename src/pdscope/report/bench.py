@@ -98,7 +98,7 @@ def render_bench(r: dict[str, Any], console: Console) -> None:
         if run["summary"].get("retried"):
             console.print(
                 f"[yellow]{run['summary']['retried']} request(s) at {_load(run)} were sent again[/]"
-                " after the server closed an idle keep-alive connection under them "
+                " after the server had closed the keep-alive connection they were written on "
                 "(see requests[].retried)"
             )
     for run in [] if simulated else r["runs"]:  # no client, no connection: nothing measured
