@@ -194,3 +194,18 @@ def test_watch_reads_llamacpps_metrics(llamacpp_url: str) -> None:
     assert snap["generation_tok_s"] > 0 and snap["prompt_tok_s"] > 0
     # the same prompt again and again: its slot reuses all but the last token
     assert snap["prefix_hit_rate"] is not None and snap["prefix_hit_rate"] > 0.5
+
+
+def test_a_second_run_with_the_same_seed_is_told_apart(llamacpp_url: str) -> None:
+    """The same --seed twice sends the same prompts: llama.cpp's slots still hold them, and the
+    second run's TTFT is no prefill. Its counters say so, and bench warns."""
+    settings = BenchSettings(
+        url=llamacpp_url, num_prompts=SLOTS, input_len="256", output_len="8",
+        concurrencies=[SLOTS], seed=11,
+    )  # fmt: skip
+    first = asyncio.run(bench(settings, BenchState()))
+    second = asyncio.run(bench(settings, BenchState()))
+    assert first["runs"][0]["server"]["prefix_hit_rate"] < 0.1
+    assert not any("prefix cache" in w for w in first["runs"][0]["warnings"])
+    assert second["runs"][0]["server"]["prefix_hit_rate"] > 0.9
+    assert any("came from the prefix cache" in w for w in second["runs"][0]["warnings"])
