@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 from pdscope.cli import app
 from pdscope.commands.bench import BenchSettings, BenchState, bench
 from pdscope.commands.probe import ProbeSettings, probe
+from pdscope.roofline import arithmetic as rf
 from pdscope.server.launch import free_port
 from pdscope.specs.models import load_model
 
@@ -85,7 +86,9 @@ def counters(url: str) -> dict[str, float]:
     }
 
 
-def test_probe_reads_llamacpp_as_it_reads_itself(llamacpp_url: str, medium: Path) -> None:
+def test_probe_reads_llamacpp_as_it_reads_itself(
+    llamacpp_url: str, medium: Path, gguf: Path
+) -> None:
     r = asyncio.run(
         probe(
             ProbeSettings(
@@ -108,6 +111,13 @@ def test_probe_reads_llamacpp_as_it_reads_itself(llamacpp_url: str, medium: Path
     params = load_model(str(medium)).total_params
     assert served["params"] == params and served["weights_type"] == "BF16"
     assert served["weight_bytes"] == pytest.approx(2 * params, rel=0.01)  # norms kept f32
+    # the GGUF it loaded (/props model_path) is plan's model: its bytes, counted from the
+    # file's tensors, are llama.cpp's to the byte
+    assert served["root"] == str(gguf)
+    spec = load_model(served["root"])
+    assert rf.weight_bytes(spec, spec.file_weights) == pytest.approx(
+        served["weight_bytes"], rel=1e-12
+    )
     # A random-weight model can emit tokens whose bytes never form a character: no content
     # reaches the client, so there is no first token to time and the request counts as failed
     # (as against vLLM, tests/test_vllm_peer.py), never as a time. Nothing else may fail.

@@ -75,10 +75,11 @@ PlanDevice = Annotated[
     ),
 ]
 PlanDtype = Annotated[
-    str,
+    str | None,
     typer.Option(
         help="Weight precision: fp32, bf16, fp16, fp8, int8, int4, mxfp4 (MoE experts only, "
-        "as gpt-oss ships), q8_0, q6_k, q5_k_m, q4_k_m, q4_0.",
+        "as gpt-oss ships), q8_0, q6_k, q5_k_m, q4_k_m, q4_0. Default: a GGUF model's own "
+        "(its tensors' bytes), else bf16.",
     ),
 ]
 KvDtype = Annotated[
@@ -376,7 +377,7 @@ SimStepJitter = Annotated[
         "scattered (mean kept; seeded).",
     ),
 ]
-SimDtype = Annotated[str, typer.Option(help="Weight precision, as plan.")]
+SimDtype = Annotated[str | None, typer.Option(help="Weight precision, as plan.")]
 SimKvDtype = Annotated[str | None, typer.Option(help="KV cache precision, as plan.")]
 SimBandwidth = Annotated[float | None, typer.Option(help="Peak GB/s (overrides the device's).")]
 SimTflops = Annotated[float | None, typer.Option(help="Peak dense TFLOP/s (overrides).")]
@@ -642,7 +643,7 @@ def plan(
     ctx: typer.Context,
     model: PlanModel = "8b",
     device: PlanDevice = None,
-    dtype: PlanDtype = "bf16",
+    dtype: PlanDtype = None,
     kv_dtype: KvDtype = None,
     context: Context = None,
     prompt_tokens: PlanPromptTokens = 2000,
@@ -1022,7 +1023,7 @@ def simulate(
     calibrate: SimCalibrate = None,
     calibrate_budget: SimCalibrateBudget = 2048,
     step_jitter: SimStepJitter = True,
-    dtype: SimDtype = "bf16",
+    dtype: SimDtype = None,
     kv_dtype: SimKvDtype = None,
     bandwidth: SimBandwidth = None,
     tflops: SimTflops = None,

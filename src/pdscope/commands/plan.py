@@ -51,17 +51,26 @@ def local_compute(dtype: str) -> str:
     """The matmul type a measurement of this machine times for weights of ``dtype``: a float
     type's own, else bf16 (quantized weights run their matmuls in bf16). Aliases count
     (bfloat16, float32): "float32" timed bf16 matmuls for an fp32 model before."""
+    gguf = {"gguf f32": "fp32", "gguf f16": "fp16", "gguf bf16": "bf16"}  # a GGUF's own
     try:
-        name = get_weight_precision(dtype).name
+        name = gguf.get(dtype) or get_weight_precision(dtype).name
     except SpecError:
         return "bf16"
     return name if name in ("fp32", "bf16", "fp16") else "bf16"
 
 
+def weights_for(spec: ModelSpec, dtype: str | None) -> WeightPrecision:
+    """The widths plan counts: --dtype's where given, else a GGUF's own (its tensors' bytes),
+    else bf16."""
+    if dtype is None:
+        return spec.file_weights or get_weight_precision("bf16")
+    return get_weight_precision(dtype)
+
+
 def resolve(
     model: str = DEFAULT_MODEL,
     device: str | None = DEFAULT_DEVICE,
-    dtype: str = "bf16",
+    dtype: str | None = None,
     kv_dtype: str | None = None,
     context_tokens: int = DEFAULT_CONTEXT,
     prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
@@ -77,12 +86,12 @@ def resolve(
         raise SpecError(f"--prompt-tokens must be a positive number of tokens, got {prompt_tokens}")
     if not 0 < gpu_memory_utilization <= 1:
         raise SpecError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
-    weights = get_weight_precision(dtype)
+    spec = load_model(model)
+    weights = weights_for(spec, dtype)
     # KV follows the weights' float type; quantized weights keep a 16-bit cache, as servers do.
     kv = get_kv_precision(
         kv_dtype or (weights.name if weights.name in ("fp32", "bf16", "fp16") else "bf16")
     )
-    spec = load_model(model)
     local = None
     if device is not None and device.lower() == "local":
         from pdscope.specs.local import local_device
@@ -251,7 +260,7 @@ def compare(
 def seed_table(
     model: str,
     device: str | None,
-    dtype: str,
+    dtype: str | None,
     kv_dtype: str | None,
     context_tokens: int | None,
     prompt_tokens: int,

@@ -281,15 +281,19 @@ async def _ollama_context(
     return None, ""
 
 
-def _dtype_of(s: ProbeSettings, root: str | None) -> str:
+def _dtype_of(s: ProbeSettings, root: str | None) -> str | None:
     """The weights' --dtype for the arithmetic: given, else the quantization the plan model
     (--plan-model, else the served checkpoint) ships with (an AWQ checkpoint's torch_dtype
-    says float16 of 4-bit weights; DeepSeek-V3's preset ships fp8), else the served
-    checkpoint's torch_dtype, else bf16."""
+    says float16 of 4-bit weights; DeepSeek-V3's preset ships fp8), else None for a GGUF (its
+    tensors' own bytes, plan.weights_for), else the served checkpoint's torch_dtype, else
+    bf16."""
     if s.dtype:
         return s.dtype
-    if (shipped := _shipped(s.plan_model or root)) is not None:
-        return shipped
+    spec = _spec(s.plan_model or root)
+    if spec is not None and spec.shipped_dtype is not None:
+        return spec.shipped_dtype
+    if spec is not None and spec.file_weights is not None:
+        return None
     if root and (Path(root) / "config.json").is_file():
         torch_dtype = read_config(Path(root)).get("torch_dtype")
         return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(torch_dtype, "bf16")
@@ -308,25 +312,21 @@ def _spec(name: str | None) -> ModelSpec | None:
         return None
 
 
-def _shipped(name: str | None) -> str | None:
-    spec = _spec(name)
-    return None if spec is None else spec.shipped_dtype
-
-
 def model_bytes_for(s: ProbeSettings, root: str | None) -> ModelBytes | None:
     """What one decode step reads for the plan model (or the served checkpoint): needs no
     device, so the context check can be split into bytes and the rest on any server."""
+    from pdscope.commands.plan import weights_for
     from pdscope.roofline import arithmetic as rf
     from pdscope.specs import SpecError
     from pdscope.specs.models import load_model
-    from pdscope.specs.precisions import get_kv_precision, get_weight_precision
+    from pdscope.specs.precisions import get_kv_precision
 
     name = s.plan_model or root
     if not name:
         return None
     try:
         spec = load_model(name)
-        weights = get_weight_precision(_dtype_of(s, root))
+        weights = weights_for(spec, _dtype_of(s, root))
         kv = get_kv_precision(weights.name if weights.name in ("fp32", "bf16", "fp16") else "bf16")
     except SpecError:
         return None
@@ -405,7 +405,7 @@ def ceilings_for(
         + " and ".join(f"{g:.1f}" for g in readings_gb_s)
         + " GB/s"
         + (
-            f", {local_compute(dtype)} matmul "
+            f", {local_compute(p.weights.name)} matmul "
             + " and ".join(f"{t:.3f}" for t in tflops)
             + " TFLOP/s"
             + computed_in
@@ -488,7 +488,7 @@ async def probe(
             from pdscope.commands.plan import local_compute
 
             served = await _served_model(client, runtime, model, headers)
-            compute = local_compute(_dtype_of(s, served.get("root")))
+            compute = local_compute(_dtype_of(s, served.get("root")) or "bf16")
         readings = [measure_local(compute)] if local else []
         partial = None
         try:
@@ -567,6 +567,20 @@ async def probe(
     }
 
 
+async def _llamacpp_model_path(
+    client: httpx.AsyncClient, url: str, headers: dict[str, str] | None
+) -> str | None:
+    """The GGUF file a llama.cpp server loaded (/props model_path), where this machine can read
+    it: plan's arithmetic then counts its tensors' own bytes, no --plan-model needed."""
+    from pdscope.specs.gguf import is_gguf
+
+    try:
+        path = (await client.get(f"{url}/props", headers=headers)).json().get("model_path")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return path if isinstance(path, str) and is_gguf(Path(path)) else None
+
+
 def _positive(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
 
@@ -604,7 +618,11 @@ async def _served_model(
             if isinstance(meta.get("ftype"), str):
                 out["weights_type"] = meta["ftype"]
         root = entry.get("root")
-        if root and Path(root, "config.json").is_file():
+        if runtime.name == "llama.cpp":  # the GGUF it loaded, readable where it runs here
+            root = await _llamacpp_model_path(client, runtime.url, headers)
+            if root:
+                out["root"] = root
+        elif root and Path(root, "config.json").is_file():
             out["root"] = root
             if "params" not in out:
                 from pdscope.specs import SpecError

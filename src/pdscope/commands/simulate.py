@@ -77,7 +77,7 @@ class SimulateSettings:
     # the probed server's max_num_batched_tokens: its prompts over it prefilled in several steps
     calibrate_budget: int = 2048
     step_jitter: bool = True  # with --calibrate: the probe's step-time scatter
-    dtype: str = "bf16"
+    dtype: str | None = None  # None: a GGUF model's own widths, else bf16 (as plan)
     kv_dtype: str | None = None
     bandwidth_gb_s: float | None = None
     tflops: float | None = None

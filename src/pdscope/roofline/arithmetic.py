@@ -27,10 +27,16 @@ def weight_bytes(model: ModelSpec, weights: WeightPrecision) -> float:
     60.8 GiB (120b), its model card's checkpoint sizes."""
     if model.nominal_params is not None:  # the seed article's model: every weight alike
         return model.total_params * weights.bytes_per_weight
-    head = model.embedding_params + (0 if model.tie_word_embeddings else model.lm_head_params)
-    return _body_bytes(model, weights, model.total_params - head, model.expert_params) + (
-        head * head_width(model, weights)
+    embedding = model.embedding_params
+    head = 0 if model.tie_word_embeddings else model.lm_head_params
+    body = _body_bytes(model, weights, model.total_params - embedding - head, model.expert_params)
+    # tied, the one table is the LM head too: read at the head's width every token
+    width = (
+        head_width(model, weights)
+        if model.tie_word_embeddings
+        else weights.embedding_bytes_per_weight
     )
+    return body + embedding * width + head * head_width(model, weights)
 
 
 def head_width(model: ModelSpec, weights: WeightPrecision) -> float:

@@ -9,7 +9,7 @@ caps that growth. The roofline module turns these counts into bytes, FLOPs and s
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -18,6 +18,8 @@ from typing import Any
 from pdscope.specs.architectures import has_qkv_bias, num_kv_heads
 from pdscope.specs.architectures import head_dim as config_head_dim
 from pdscope.specs.errors import SpecError, unknown_name
+from pdscope.specs.gguf import is_gguf, read_gguf
+from pdscope.specs.precisions import WeightPrecision
 
 # model_type values whose config omits tie_word_embeddings but whose HF class ties by default.
 _TIED_BY_DEFAULT = {"gemma", "gemma2", "gemma3_text"}
@@ -83,6 +85,9 @@ class ModelSpec:
     quant_method: str | None = None
     quant_bits: int | None = None
     quant_float: bool = False  # compressed-tensors' weights "type": "float" (fp8, not int8)
+    # A GGUF's own widths, from the bytes its tensors take (specs/gguf.py): what plan counts
+    # where no --dtype is given. None for a config.json or a preset.
+    file_weights: WeightPrecision | None = None
 
     @property
     def quantization(self) -> str | None:
@@ -397,7 +402,8 @@ def _preset_index() -> dict[str, str]:
 
 
 def load_model(name_or_path: str) -> ModelSpec:
-    """A preset by name or alias, or a ``config.json`` file, or a checkpoint directory."""
+    """A preset by name or alias, a ``config.json`` file, a checkpoint directory, or a GGUF file
+    (llama.cpp's and Ollama's format: its shape from its metadata, :mod:`pdscope.specs.gguf`)."""
     key = _preset_index().get(name_or_path.lower())
     if key is not None:
         entry = _presets()[key]
@@ -409,6 +415,10 @@ def load_model(name_or_path: str) -> ModelSpec:
             description=entry.get("description", ""),
         )
     path = Path(name_or_path).expanduser()
+    if path.is_file() and is_gguf(path):
+        found = read_gguf(path)
+        spec = spec_from_config(found.config, name=path.stem, source=str(path))
+        return replace(spec, file_weights=found.weights)
     if path.is_dir() or path.is_file():
         config = read_config(path)
         path = path / "config.json" if path.is_dir() else path

@@ -23,6 +23,9 @@ class WeightPrecision:
     # Only the MoE routed experts' weights are stored at bits_per_weight (gpt-oss's MXFP4); every
     # other weight is at head_bits. A model without experts has nothing this scheme quantizes.
     experts_only: bool = False
+    # The input embedding's bits where they differ from the LM head's (a GGUF's token_embd is
+    # often quantized further than its output tensor); None: as the head.
+    embedding_bits: float | None = None
 
     @property
     def bytes_per_weight(self) -> float:
@@ -31,6 +34,14 @@ class WeightPrecision:
     @property
     def head_bytes_per_weight(self) -> float:
         return (self.bits_per_weight if self.head_bits is None else self.head_bits) / 8
+
+    @property
+    def embedding_bytes_per_weight(self) -> float:
+        return (
+            self.embedding_bits / 8
+            if self.embedding_bits is not None
+            else self.head_bytes_per_weight
+        )
 
     @property
     def rest_bytes_per_weight(self) -> float:

@@ -1,0 +1,139 @@
+"""A GGUF file (llama.cpp's and Ollama's format) as plan's arithmetic reads it.
+
+The model's shape comes from the file's metadata, mapped onto the Hugging Face config fields
+:func:`~pdscope.specs.models.spec_from_config` reads; the weights' widths come from the bytes
+its tensors actually occupy, not from a quantization's nominal average (Q4_K_M's mix of Q4_K and
+Q6_K differs from model to model). Only the header is read: the file is memory-mapped by the
+`gguf` library, the tensors' data never touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdscope.specs.errors import SpecError
+from pdscope.specs.precisions import WeightPrecision
+
+# GGUF architecture -> the config's model_type whose parameter count matches its tensors.
+MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+}
+EMBEDDING, LM_HEAD = "token_embd.weight", "output.weight"
+
+
+@dataclass(frozen=True)
+class GgufFile:
+    """What a GGUF holds: a config for the model's shape, and each part's bytes and values."""
+
+    config: dict[str, Any]
+    file_type: str  # the dominant tensor type, as llama.cpp names it ("Q4_K", "BF16", ...)
+    body_bytes: int  # every tensor but the embedding and the LM head
+    body_elements: int
+    embedding_bytes: int
+    embedding_elements: int
+    head_bytes: int  # the LM head, or the embedding where they are tied
+    head_elements: int
+
+    @property
+    def weights(self) -> WeightPrecision:
+        """The file's own widths: the layers' mean bits per weight and the head's and the
+        embedding's, each from the bytes its tensors occupy."""
+        return WeightPrecision(
+            name=f"gguf {self.file_type.lower()}",
+            bits_per_weight=8 * self.body_bytes / self.body_elements,
+            note=(
+                f"as stored in the GGUF: {self.file_type} mostly, {self.total_bytes / 1e9:.3g} GB "
+                "in all, each part at the bits its tensors take"
+            ),
+            head_bits=8 * self.head_bytes / self.head_elements,
+            embedding_bits=8 * self.embedding_bytes / self.embedding_elements,
+        )
+
+    @property
+    def total_bytes(self) -> int:
+        tied = self.config.get("tie_word_embeddings")
+        return self.body_bytes + self.embedding_bytes + (0 if tied else self.head_bytes)
+
+
+def is_gguf(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def read_gguf(path: Path) -> GgufFile:
+    """The model in a GGUF file; SpecError naming what is missing or not understood."""
+    from gguf import GGUFReader  # the format's own reader, from llama.cpp's gguf-py
+
+    try:
+        reader = GGUFReader(path)
+    except (OSError, ValueError) as exc:
+        raise SpecError(f"cannot read {path} as GGUF: {exc}") from None
+
+    def field(key: str) -> Any:
+        found = reader.get_field(key)
+        return None if found is None else found.contents()
+
+    arch = field("general.architecture")
+    model_type = MODEL_TYPES.get(str(arch))
+    if model_type is None:
+        raise SpecError(
+            f"{path}: GGUF architecture {arch!r} is not one plan maps "
+            f"({', '.join(MODEL_TYPES)}); pass a preset or config.json with --model instead"
+        )
+    tensors = {t.name: t for t in reader.tensors}
+    if EMBEDDING not in tensors:
+        raise SpecError(f"{path}: no {EMBEDDING} tensor")
+    embedding = tensors[EMBEDDING]
+    head = tensors.get(LM_HEAD, embedding)
+    tokens = reader.get_field("tokenizer.ggml.tokens")
+    config: dict[str, Any] = {
+        "model_type": model_type,
+        "hidden_size": field(f"{arch}.embedding_length"),
+        "num_hidden_layers": field(f"{arch}.block_count"),
+        "intermediate_size": field(f"{arch}.feed_forward_length"),
+        "num_attention_heads": field(f"{arch}.attention.head_count"),
+        "num_key_value_heads": field(f"{arch}.attention.head_count_kv"),
+        "head_dim": field(f"{arch}.attention.key_length"),
+        "max_position_embeddings": field(f"{arch}.context_length"),
+        # the embedding's rows: the vocabulary the model computes over
+        "vocab_size": int(embedding.n_elements) // int(field(f"{arch}.embedding_length") or 1),
+        "tie_word_embeddings": LM_HEAD not in tensors,
+        "num_experts": field(f"{arch}.expert_count"),
+        "num_local_experts": field(f"{arch}.expert_count"),
+        "num_experts_per_tok": field(f"{arch}.expert_used_count"),
+        "moe_intermediate_size": field(f"{arch}.expert_feed_forward_length"),
+        "shared_expert_intermediate_size": field(f"{arch}.expert_shared_feed_forward_length"),
+    }
+    if isinstance(config["num_key_value_heads"], list):  # per-layer counts: not one shape
+        raise SpecError(f"{path}: KV heads differ by layer, which plan does not model")
+    config = {k: v for k, v in config.items() if v is not None}
+    if tokens is None and config["vocab_size"] < 1:
+        raise SpecError(f"{path}: no vocabulary size")
+    by_type: dict[str, int] = {}
+    body_bytes = body_elements = 0
+    for name, t in tensors.items():
+        by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_bytes)
+        if name not in (EMBEDDING, LM_HEAD):
+            body_bytes += int(t.n_bytes)
+            body_elements += int(t.n_elements)
+    if not body_elements:
+        raise SpecError(f"{path}: no layer tensors")
+    return GgufFile(
+        config=config,
+        file_type=max(by_type, key=lambda k: by_type[k]),
+        body_bytes=body_bytes,
+        body_elements=body_elements,
+        embedding_bytes=int(embedding.n_bytes),
+        embedding_elements=int(embedding.n_elements),
+        head_bytes=int(head.n_bytes),
+        head_elements=int(head.n_elements),
+    )

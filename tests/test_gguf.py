@@ -1,0 +1,137 @@
+"""plan (and probe, and simulate) on a GGUF file: the model's shape from its metadata, the
+weights' bytes from its tensors. The files are written here with the `gguf` library, with the
+K-quant mix llama.cpp's Q4_K_M uses; tests/test_llamacpp_peer.py checks the count against a real
+llama-server's account of the file it loaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from pdscope.cli import app
+from pdscope.roofline import arithmetic as rf
+from pdscope.specs import SpecError, get_kv_precision, get_weight_precision, load_model
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = 256, 2, 4, 2, 512, 512
+runner = CliRunner()
+
+
+def write_gguf(path: Path, arch: str = "llama", tied: bool = False) -> int:
+    """A llama-shaped GGUF with Q4_K_M's mix (Q4_K layers and embedding, Q6_K ffn_down and LM
+    head, f32 norms); returns the bytes its tensors take."""
+    import gguf
+
+    q = gguf.GGMLQuantizationType
+    rng = np.random.default_rng(0)  # the f32 norms' values
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(2048)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_file_type(q.Q4_K)
+    head_dim = HIDDEN // HEADS
+    shapes = {
+        "token_embd.weight": ((VOCAB, HIDDEN), q.Q4_K),
+        "output_norm.weight": ((HIDDEN,), q.F32),
+    }
+    if not tied:
+        shapes["output.weight"] = ((VOCAB, HIDDEN), q.Q6_K)
+    for i in range(LAYERS):
+        b = f"blk.{i}."
+        shapes |= {
+            b + "attn_norm.weight": ((HIDDEN,), q.F32),
+            b + "attn_q.weight": ((HIDDEN, HIDDEN), q.Q4_K),
+            b + "attn_k.weight": ((KV_HEADS * head_dim, HIDDEN), q.Q4_K),
+            b + "attn_v.weight": ((KV_HEADS * head_dim, HIDDEN), q.Q6_K),
+            b + "attn_output.weight": ((HIDDEN, HIDDEN), q.Q4_K),
+            b + "ffn_norm.weight": ((HIDDEN,), q.F32),
+            b + "ffn_gate.weight": ((FFN, HIDDEN), q.Q4_K),
+            b + "ffn_up.weight": ((FFN, HIDDEN), q.Q4_K),
+            b + "ffn_down.weight": ((HIDDEN, FFN), q.Q6_K),
+        }
+    total = 0
+    for name, (shape, qtype) in shapes.items():
+        data = rng.standard_normal(shape, dtype=np.float32)
+        if qtype == q.F32:
+            writer.add_tensor(name, data)
+            total += data.nbytes
+        else:  # the blocks' bytes are what is counted, not their values
+            packed = np.zeros(gguf.quants.quant_shape_to_byte_shape(shape, qtype), np.uint8)
+            writer.add_tensor(name, packed, raw_dtype=qtype)
+            total += packed.nbytes
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return total
+
+
+@pytest.fixture(scope="module")
+def q4km(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    path = tmp_path_factory.mktemp("gguf") / "tiny-q4_k_m.gguf"
+    return path, write_gguf(path)
+
+
+def test_a_gguf_is_counted_by_its_tensors_bytes(q4km: tuple[Path, int]) -> None:
+    """Q4_K_M is a mix whose average depends on the model (plan's q4_k_m preset, 4.85 bits, is a
+    7-8B Llama's): read from the file, the weights are the bytes its tensors take, exactly."""
+    path, tensor_bytes = q4km
+    spec = load_model(str(path))
+    assert (spec.num_layers, spec.hidden_size, spec.vocab_size) == (LAYERS, HIDDEN, VOCAB)
+    assert not spec.tie_word_embeddings and spec.max_position_embeddings == 2048
+    w = spec.file_weights
+    assert w is not None and w.name == "gguf q4_k"
+    assert rf.weight_bytes(spec, w) == pytest.approx(tensor_bytes, rel=1e-12)
+    assert tensor_bytes < path.stat().st_size < tensor_bytes + 64 * 1024  # + header, padding
+    # the LM head (Q6_K, 6.5625 bits) and the embedding (Q4_K, 4.5) at their own widths
+    assert w.head_bits == pytest.approx(6.5625) and w.embedding_bits == pytest.approx(4.5)
+    assert 4.5 < w.bits_per_weight < 6.5625  # the layers' Q4_K and Q6_K, mixed
+    # a decode token reads the layers and the head, and one row of the embedding
+    head = spec.lm_head_params * 6.5625 / 8
+    assert rf.read_bytes(spec, w) == pytest.approx(
+        (spec.params_read_per_token - spec.lm_head_params) * w.bits_per_weight / 8 + head
+    )
+    kv = rf.kv_bytes_per_token(spec, get_kv_precision("fp16"))
+    assert kv == 2 * LAYERS * KV_HEADS * (HIDDEN // HEADS) * 2
+
+
+def test_plan_takes_a_gguf_and_its_own_widths_unless_told(q4km: tuple[Path, int]) -> None:
+    path, tensor_bytes = q4km
+    result = runner.invoke(app, ["plan", "--model", str(path), "--device", "h100", "--json"])
+    assert result.exit_code == 0, result.output
+    r = json.loads(result.stdout)
+    assert r["dtype"] == "gguf q4_k" and r["weight_bytes"] == pytest.approx(tensor_bytes)
+    assert "as stored in the GGUF" in r["dtype_note"]
+    told = runner.invoke(app, ["plan", "--model", str(path), "--dtype", "bf16", "--json"])
+    assert told.exit_code == 0, told.output
+    spec = load_model(str(path))
+    bf16 = json.loads(told.stdout)["weight_bytes"]
+    assert bf16 == pytest.approx(rf.weight_bytes(spec, get_weight_precision("bf16")))
+    assert bf16 > 2.5 * tensor_bytes
+
+
+def test_a_tied_gguf_reads_its_embedding_as_the_head(tmp_path: Path) -> None:
+    path = tmp_path / "tied.gguf"
+    tensor_bytes = write_gguf(path, tied=True)
+    spec = load_model(str(path))
+    assert spec.tie_word_embeddings
+    assert rf.weight_bytes(spec, spec.file_weights) == pytest.approx(tensor_bytes, rel=1e-12)
+
+
+def test_a_gguf_plan_cannot_map_is_refused_by_name(tmp_path: Path) -> None:
+    path = tmp_path / "other.gguf"
+    write_gguf(path, arch="rwkv6")
+    with pytest.raises(SpecError, match="GGUF architecture 'rwkv6' is not one plan maps"):
+        load_model(str(path))
+    result = runner.invoke(app, ["plan", "--model", str(path)])
+    assert result.exit_code == 2 and "rwkv6" in result.output
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 20)
+    result = runner.invoke(app, ["plan", "--model", str(broken)])
+    assert result.exit_code == 2 and "cannot read" in result.output
