@@ -90,6 +90,8 @@ def test_probe_settings_check_flags_and_default_to_the_local_ceiling() -> None:
         ({"device": "nosuch"}, "nosuch"),
         ({"device": "h100", "dtype": "foo"}, "foo"),
         ({"plan_model": "llama-3.1-8b"}, "needs --device"),
+        # before: refused only after the whole run, as a traceback with no --json written
+        ({"device": "h100", "plan_model": "llama-3.1-8b", "dtype": "mxfp4"}, "has no experts"),
     ):
         with pytest.raises(ValueError, match=needle):
             ProbeSettings.from_flags("http://x", "200", **flags)

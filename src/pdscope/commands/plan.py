@@ -88,6 +88,7 @@ def resolve(
         raise SpecError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
     spec = load_model(model)
     weights = weights_for(spec, dtype)
+    rf.check_weights(spec, weights)
     # KV follows the weights' float type; quantized weights keep a 16-bit cache, as servers do.
     kv = get_kv_precision(
         kv_dtype or (weights.name if weights.name in ("fp32", "bf16", "fp16") else "bf16")
@@ -184,7 +185,13 @@ def plan(p: PlanInputs, max_batch_rows: int = 4096) -> dict[str, Any]:
         notes.append(
             f"the checkpoint ships quantized ({m.quantization}, its quantization_config): {how}; "
             f"these figures count it as {w.name}"
-            + (" (embedding and LM head 16-bit)" if w.head_bits else "")
+            + (
+                " (everything but the routed experts 16-bit)"
+                if w.experts_only
+                else " (embedding and LM head 16-bit)"
+                if w.head_bits
+                else ""
+            )
         )
 
     compute_batch = rf.compute_bound_batch(m, d, w, kv, c)

@@ -93,10 +93,12 @@ class ProbeSettings:
         try:
             if self.device and self.device.lower() != "local":
                 get_device(self.device)
-            if self.plan_model:
-                load_model(self.plan_model)
-            if self.dtype:
-                get_weight_precision(self.dtype)
+            spec = load_model(self.plan_model) if self.plan_model else None
+            weights = get_weight_precision(self.dtype) if self.dtype else None
+            if spec is not None and weights is not None:
+                from pdscope.roofline.arithmetic import check_weights
+
+                check_weights(spec, weights)
         except SpecError as exc:
             raise ValueError(str(exc)) from None
 
@@ -328,12 +330,13 @@ def model_bytes_for(s: ProbeSettings, root: str | None) -> ModelBytes | None:
         spec = load_model(name)
         weights = weights_for(spec, _dtype_of(s, root))
         kv = get_kv_precision(weights.name if weights.name in ("fp32", "bf16", "fp16") else "bf16")
+        read = rf.read_bytes(spec, weights)  # refuses a --dtype the model cannot take
     except SpecError:
         return None
     return ModelBytes(
         model=spec.name,
         params=spec.total_params,
-        weight_bytes=rf.read_bytes(spec, weights),
+        weight_bytes=read,
         kv_bytes=lambda n: float(rf.kv_bytes_at_context(spec, kv, max(n, 0))),
     )
 

@@ -21,10 +21,21 @@ def _check_tokens(label: str, tokens: int, minimum: int = 0) -> None:
 # --- weights -------------------------------------------------------------------------------
 
 
+def check_weights(model: ModelSpec, weights: WeightPrecision) -> None:
+    """SpecError where the precision cannot describe the model: a scheme that quantizes only
+    MoE experts (mxfp4) on a model without any, the seed article's round model included."""
+    if weights.experts_only and (model.nominal_params is not None or not model.is_moe):
+        raise SpecError(
+            f"--dtype {weights.name} quantizes only MoE experts' weights and {model.name} has "
+            "no experts: choose a precision that covers every linear layer (e.g. int4, fp8)"
+        )
+
+
 def weight_bytes(model: ModelSpec, weights: WeightPrecision) -> float:
     """Bytes of every stored weight: what the server holds in memory (the embedding and LM
     head at their own width, :func:`read_bytes`). gpt-oss at mxfp4: 12.8 GiB (20b) and
     60.8 GiB (120b), its model card's checkpoint sizes."""
+    check_weights(model, weights)
     if model.nominal_params is not None:  # the seed article's model: every weight alike
         return model.total_params * weights.bytes_per_weight
     embedding = model.embedding_params
@@ -54,11 +65,6 @@ def _body_bytes(
     experts' (a scheme that quantizes only the experts keeps the rest 16-bit)."""
     if not weights.experts_only:
         return params * weights.bytes_per_weight
-    if not model.is_moe:
-        raise SpecError(
-            f"--dtype {weights.name} quantizes only MoE experts' weights and {model.name} has "
-            "no experts: choose a precision that covers every linear layer (e.g. int4, fp8)"
-        )
     return expert_params * weights.bytes_per_weight + (params - expert_params) * (
         weights.rest_bytes_per_weight
     )
@@ -70,6 +76,7 @@ def read_bytes(model: ModelSpec, weights: WeightPrecision, tokens: int = 1) -> f
     checkpoints keep the head 16-bit. On Llama-3.1-8B at int4 the head holds 0.53 B of its
     8.03 B parameters and 23% of the weight bytes a decode step reads. The embedding's gathered
     rows count at the layers' width (a row a token: too few to matter)."""
+    check_weights(model, weights)
     params = params_touched(model, tokens)
     if model.nominal_params is not None:
         return params * weights.bytes_per_weight

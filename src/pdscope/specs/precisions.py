@@ -27,6 +27,10 @@ class WeightPrecision:
     # often quantized further than its output tensor); None: as the head.
     embedding_bits: float | None = None
 
+    def __post_init__(self) -> None:
+        if self.experts_only and self.head_bits is None:
+            raise ValueError(f"weight precision {self.name}: experts_only needs head_bits")
+
     @property
     def bytes_per_weight(self) -> float:
         return self.bits_per_weight / 8
