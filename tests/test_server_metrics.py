@@ -382,6 +382,9 @@ def test_llamacpp_prompt_tokens_and_hit_rate_count_its_cached_tokens_too() -> No
     assert report.names["prompt_tokens"] == (
         "llamacpp:prompt_tokens_total + llamacpp:prompt_tokens_cached_total"
     )
+    # a part absent at the first scrape started at 0: the sum's delta is not the whole total
+    fresh = build_report(parse_metrics(LLAMACPP_TEXT), last, [], "llama.cpp")
+    assert fresh.deltas["prompt_tokens"] == (33119 + 3096 - 33065) + (5899 + 1000)
     older = build_report(
         parse_metrics(LLAMACPP_TEXT), parse_metrics(LLAMACPP_TEXT), [], "llama.cpp"
     )

@@ -269,33 +269,38 @@ def test_a_server_that_started_inside_the_window_counts_from_its_start(page: Pag
     """After a restart the window held one scrape, so every rate and quantile read "one scrape
     so far" until the next, and what the new process served before it was lost (a whole window
     of it when watch itself was paused across the restart). Its counters started at 0 at its
-    process start time: deltas from there are exact. A server older than the window, or a page
-    without a start time, still needs two scrapes."""
+    process start time: deltas from there are exact to within that time's second. A server
+    older than the window, or younger than MIN_BASE_AGE_S (where that second is a large share
+    of the span), or a page without a start time, still needs two scrapes."""
     import time
+
+    from pdscope.commands.watch import MIN_BASE_AGE_S
 
     start = "# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {}\n"
     settings = WatchSettings(url=page.url, window_s=60, interval_s=0.1)
+    age = MIN_BASE_AGE_S + 10
     old = vllm_page({0.1: 50}, gen=500) + start.format(time.time() - 600)
-    pages = [old, vllm_page({0.1: 4}, gen=40) + start.format(time.time() - 2.0)]
+    pages = [old, vllm_page({0.1: 4}, gen=400) + start.format(time.time() - age)]
     snaps = ticks(settings, pages, page.page)
     assert "one scrape so far" in snaps[0].missing["ttft_p50_ms"]  # 600 s old: outside
     after = snaps[1]
     assert any("the server restarted" in e for e in after.events), after.events
-    assert after.scrapes_in_window == 2 and 2.0 <= after.covered_s < 4.0, after.covered_s
+    assert after.scrapes_in_window == 1  # the base is no scrape watch made
+    assert age <= after.covered_s < age + 2.0, after.covered_s
     rate = after.values["generation_tok_s"]
-    assert rate is not None and rate == pytest.approx(40 / after.covered_s)
+    assert rate is not None and rate == pytest.approx(400 / after.covered_s)
     assert after.values["ttft_p50_ms"] is not None and after.values["ttft_p50_ms"] <= 100
     # a fresh server at watch's first scrape: the same, from the first tick
-    first = ticks(
-        settings, [vllm_page({0.1: 4}, gen=30) + start.format(time.time() - 3.0)], page.page
-    )[0]
-    assert first.values["generation_tok_s"] == pytest.approx(30 / first.covered_s)
-    assert 3.0 <= first.covered_s < 5.0
-    # a start time ahead of this clock (skew) gives no base: no rate from a span of <= 0
-    ahead = ticks(
-        settings, [vllm_page({0.1: 4}, gen=30) + start.format(time.time() + 5)], page.page
-    )
-    assert "one scrape so far" in ahead[0].missing["generation_tok_s"]
+    page_at = vllm_page({0.1: 4}, gen=300) + start.format(time.time() - age)
+    first = ticks(settings, [page_at], page.page)[0]
+    assert first.values["generation_tok_s"] == pytest.approx(300 / first.covered_s)
+    # too young for its start time's second, or ahead of this clock: no base
+    for offset in (-MIN_BASE_AGE_S / 4, 5.0):
+        young = vllm_page({0.1: 4}, gen=30) + start.format(time.time() + offset)
+        assert (
+            "one scrape so far"
+            in ticks(settings, [young], page.page)[0].missing["generation_tok_s"]
+        )
 
 
 def test_once_keeps_the_events_of_its_whole_window(page: PageServer) -> None:
@@ -365,7 +370,7 @@ def test_ctrl_c_during_once_prints_the_window_so_far_with_its_events(
     assert last["interrupted"] is True
     assert any("the server restarted" in e for e in last["window_events"]), last
     assert not any("restarted" in e for e in last["events"])  # not the last tick's own event
-    assert "interrupted: the window ran" in err
+    assert "s into the 60 s window; the figures cover" in err
 
 
 @pytest.mark.parametrize(

@@ -1287,8 +1287,8 @@ def watch(
         # a window cut short: its figures cover covered_s, its events are those seen so far
         last["interrupted"] = True
         err_console.print(
-            f"interrupted: the window ran {last.get('covered_s', 0.0):.1f} s of "
-            f"{settings.window_s:g} s; the figures cover that"
+            f"interrupted {last.get('t_s', 0.0):.1f} s into the {settings.window_s:g} s window; "
+            f"the figures cover {last.get('covered_s', 0.0):.1f} s"
         )
     if once:
         if as_json:

@@ -14,6 +14,7 @@ from pdscope.client.server_metrics import (
     COUNTER_ROLES,
     GAUGE_ROLES,
     HISTOGRAM_ROLES,
+    SUM,
     ScrapedRun,
     Snapshot,
     TimelinePoint,
@@ -263,7 +264,12 @@ def dipped(buckets: list[tuple[float, float]]) -> float:
 
 def counter_delta(first: Snapshot, last: Snapshot, name: str) -> tuple[float, str | None]:
     """A counter's increase between two scrapes (absent at the first: it started at 0), or
-    why there is none: a reading that is not a finite number (NaN reads as no value)."""
+    why there is none: a reading that is not a finite number (NaN reads as no value). A sum of
+    counters ("a + b") increases by the sum of theirs, each from its own start."""
+    if SUM in name:
+        deltas = [counter_delta(first, last, part) for part in name.split(SUM)]
+        problem = next((why for _, why in deltas if why is not None), None)
+        return (0.0, problem) if problem else (math.fsum(d for d, _ in deltas), None)
     before, after = first.total(name), last.total(name)
     # total() skips NaN: a series present whose value is None read NaN, not "absent".
     if first.has(name) and (before is None or not math.isfinite(before)):

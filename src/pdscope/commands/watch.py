@@ -90,6 +90,12 @@ _ROLE_WORDS = {
 _COUNTER_ROLES = ("generation_tokens", "prompt_tokens", "preemptions", "prefix_hits")
 
 
+# The youngest server counted from its start time: prometheus_client gives that time to the
+# second (from /proc's boot time), and a client on another host reads it on another clock, so a
+# base younger than this could be a large share of the span it opens.
+MIN_BASE_AGE_S = 20.0
+
+
 class NotPrometheusError(RuntimeError):
     """The URL answers, but not with Prometheus metrics of a known runtime."""
 
@@ -207,6 +213,7 @@ class Watcher:
         # The last few events, for a view that should show a recovery for longer than a tick.
         self.recent_events: deque[str] = deque(maxlen=3)
         self._started_s = time.perf_counter()
+        self._base: Snapshot | None = None  # the zero base at the server's start, if any
 
     async def tick(self) -> WatchSnapshot:
         """One scrape and the snapshot it gives. Raises NotPrometheusError on a foreign page."""
@@ -244,6 +251,7 @@ class Watcher:
             self._window.clear()
         if not self._window and (base := self._zero_base(snapshot)) is not None:
             self._window.append(base)
+            self._base = base
         self._window.append(snapshot)
         # Keep the newest scrape at or before the window's start as its base, so the deltas
         # cover the whole window (after a pause in scraping too), never less.
@@ -270,15 +278,16 @@ class Watcher:
     def _zero_base(self, snapshot: Snapshot) -> Snapshot | None:
         """The scrape a server that started inside the window would have given at its start:
         every counter and histogram at 0 (an empty page), at its process start time. Deltas
-        from it are exact, so a restart (seen or not) or a fresh server needs no second scrape
-        and loses nothing between its start and the first scrape. None where the page has no
-        start time, or the start lies outside the window (or ahead of this clock)."""
+        from it are exact to within the start time's second, so a restart (seen or not) or a
+        fresh server needs no second scrape and loses nothing between its start and the first
+        scrape. None where the page has no start time, or the start lies outside the window or
+        less than MIN_BASE_AGE_S ago."""
         start_s = snapshot.total(START_TIME)
         if start_s is None or not math.isfinite(start_s):
             return None
         # the scrape's wall-clock time, from its perf_counter stamp
         age_s = time.time() - (time.perf_counter() - snapshot.t_s) - start_s
-        if not 0 < age_s <= self.settings.window_s:
+        if not MIN_BASE_AGE_S <= age_s <= self.settings.window_s:
             return None
         return Snapshot(t_s=snapshot.t_s - age_s)
 
@@ -325,6 +334,11 @@ class Watcher:
         while self.history and self.history[0][0] < t_s - self.settings.history_s:
             self.history.popleft()
 
+    def _scrapes(self, window: list[Snapshot]) -> list[Snapshot]:
+        """The window's real scrapes, without a zero base standing in for the server's start
+        (its halves and its scrape count are those watch saw)."""
+        return window[1:] if window and window[0] is self._base else window
+
     def _compute(self, window: list[Snapshot], runtime: str) -> WatchSnapshot:
         first, last = window[0], window[-1]
         span_s = last.t_s - first.t_s
@@ -337,7 +351,7 @@ class Watcher:
             knobs_for=self.knob_runtime,
             window_s=self.settings.window_s,
             covered_s=span_s,
-            scrapes_in_window=len(window),
+            scrapes_in_window=len(self._scrapes(window)),
             events=self._take_events(),
         )
         values, missing, names = out.values, out.missing, out.names
@@ -450,7 +464,8 @@ class Watcher:
             else:
                 values["prefix_hit_rate"] = d_hits / d_queries
         out.rules = live_findings(
-            self._live_figures(window, runtime, values), self.knob_runtime or runtime
+            self._live_figures(self._scrapes(window), runtime, values),
+            self.knob_runtime or runtime,
         )
         return out
 
