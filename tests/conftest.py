@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from pdscope.server.launch import ServerProcess
@@ -74,3 +81,70 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     )
     yield srv
     srv.stop()
+
+
+@contextlib.contextmanager
+def peer_server(
+    name: str,
+    cmd: list[str],
+    url: str,
+    log: Path,
+    timeout_s: float,
+    env: dict | None = None,
+    health: str = "/health",
+) -> Iterator[str]:
+    """Another program's server (vLLM, llama.cpp, Prometheus) as a child process: yields
+    ``url`` once ``health`` answers 200, fails the test with its log's tail if it exits or
+    never answers, and stops it after (SIGTERM, then SIGKILL)."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}{health}", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.3)
+        else:
+            pytest.fail(f"{name} did not start:\n{log.read_text()[-3000:]}")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def watch_once_under_load(
+    url: str,
+    body: dict[str, Any],
+    window_s: float = 4,
+    interval_s: float = 0.5,
+    extra: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """`pdscope watch URL --once --json` (and ``extra`` flags) while a thread sends ``body`` to
+    /v1/completions one request after another; the snapshot it printed."""
+    from typer.testing import CliRunner
+
+    from pdscope.cli import app
+
+    stop = threading.Event()
+
+    def load() -> None:
+        for _ in range(200):
+            if stop.is_set():
+                return
+            httpx.post(f"{url}/v1/completions", json=body, timeout=120).raise_for_status()
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    args = ["watch", url, "--once", "--json", "--window", f"{window_s:g}"]
+    try:
+        result = CliRunner().invoke(app, [*args, "--interval", f"{interval_s:g}", *extra])
+    finally:
+        stop.set()
+        thread.join()
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)

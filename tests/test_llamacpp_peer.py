@@ -9,25 +9,20 @@ figure is checked against what llama.cpp says of itself: its per-request timings
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from typer.testing import CliRunner
 
-from pdscope.cli import app
 from pdscope.commands.bench import BenchSettings, BenchState, bench
 from pdscope.commands.probe import ProbeSettings, probe
 from pdscope.roofline import arithmetic as rf
 from pdscope.server.launch import free_port
 from pdscope.specs.models import load_model
+from tests.conftest import peer_server, watch_once_under_load
 
 TREE = Path(__file__).resolve().parents[1] / ".llamacpp"
 SERVER = TREE / "bin" / "llama-server"
@@ -55,26 +50,10 @@ def llamacpp_url(gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     log = tmp_path_factory.mktemp("logs") / "llama-server.log"
     args = ["-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--metrics"]
     args += ["-np", str(SLOTS), "-c", str(SLOTS * SLOT_CONTEXT), "-t", "2", "-a", "medium"]
-    with log.open("w") as out:
-        proc = subprocess.Popen([str(SERVER), *args], stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    try:
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.3)
-        else:
-            pytest.fail(f"llama-server did not start:\n{log.read_text()[-3000:]}")
+    with peer_server(
+        "llama-server", [str(SERVER), *args], f"http://127.0.0.1:{port}", log, 120
+    ) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def counters(url: str) -> dict[str, float]:
@@ -178,25 +157,9 @@ def test_bench_counts_what_llamacpp_counted(llamacpp_url: str) -> None:
 
 
 def test_watch_reads_llamacpps_metrics(llamacpp_url: str) -> None:
-    stop = threading.Event()
-
-    def load() -> None:  # one request after another, sharing a prefix, while the watch runs
-        body = {"prompt": "A shared opening sentence, then more. " * 8, "max_tokens": 32}
-        for _ in range(200):
-            if stop.is_set():
-                return
-            httpx.post(f"{llamacpp_url}/v1/completions", json=body, timeout=60).raise_for_status()
-
-    thread = threading.Thread(target=load)
-    thread.start()
-    args = ["watch", llamacpp_url, "--once", "--json", "--window", "4", "--interval", "0.5"]
-    try:
-        result = CliRunner().invoke(app, args)
-    finally:
-        stop.set()
-        thread.join()
-    assert result.exit_code == 0, result.output
-    snap = json.loads(result.stdout)
+    # one request after another, sharing a prefix, while the watch runs
+    body = {"prompt": "A shared opening sentence, then more. " * 8, "max_tokens": 32}
+    snap = watch_once_under_load(llamacpp_url, body)
     assert snap["runtime"] == "llama.cpp"
     # what llama.cpp does not export is absent with the reason; the rest has values
     assert set(snap["absent"]) == {

@@ -7,18 +7,15 @@ Marked `vllm` and left out of `make test` (vLLM takes a minute or more to start 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from pdscope.commands.probe import ProbeSettings, probe
 from pdscope.server.launch import free_port
+from tests.conftest import peer_server
 
 VLLM = Path(__file__).resolve().parents[1] / ".venv-peers" / "bin" / "vllm"
 
@@ -35,45 +32,10 @@ def vllm_url(medium: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     port = free_port()
     log = tmp_path_factory.mktemp("logs") / "vllm.log"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [
-                str(VLLM),
-                "serve",
-                str(model),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--dtype",
-                "bfloat16",
-                "--max-model-len",
-                "2048",
-                "--served-model-name",
-                "llama",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    try:
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(1)
-        else:
-            pytest.fail(f"vLLM did not start:\n{log.read_text()[-3000:]}")
+    cmd = [str(VLLM), "serve", str(model), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--dtype", "bfloat16", "--max-model-len", "2048", "--served-model-name", "llama"]
+    with peer_server("vLLM", cmd, f"http://127.0.0.1:{port}", log, 600, env) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def test_probe_real_vllm(vllm_url: str) -> None:

@@ -35,7 +35,7 @@ from pdscope.commands.watch import (
 )
 from pdscope.report.watch import render_watch, sparkline
 from pdscope.server.launch import free_port
-from tests.conftest import Server
+from tests.conftest import Server, watch_once_under_load
 from tests.test_server_metrics import LLAMACPP_TEXT, SGLANG_TEXT, TGI_TEXT
 
 runner = CliRunner()
@@ -572,25 +572,8 @@ def test_once_json_and_record_against_pdscope_serve(server: Server, tmp_path: Pa
     record = tmp_path / "watch.jsonl"
     record.write_text("")  # --record appends to what is there
 
-    stop = threading.Event()
-
-    def load() -> None:  # requests one after another for as long as the watch runs
-        body = {"model": server.model, "prompt": "Hello there", "max_tokens": 16}
-        for _ in range(500):
-            if stop.is_set():
-                return
-            httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).raise_for_status()
-
-    thread = threading.Thread(target=load)
-    thread.start()
-    args = ["watch", server.url, "--once", "--json", "--window", "2", "--interval", "0.25"]
-    try:
-        result = runner.invoke(app, [*args, "--record", str(record)])
-    finally:
-        stop.set()
-        thread.join()
-    assert result.exit_code == 0, result.output
-    snap = json.loads(result.stdout)
+    body = {"model": server.model, "prompt": "Hello there", "max_tokens": 16}
+    snap = watch_once_under_load(server.url, body, 2, 0.25, ("--record", str(record)))
     assert snap["reachable"] and snap["runtime"] == "vllm" and snap["knobs_for"] == "pdscope"
     assert snap["absent"] == []  # pdscope serve exports every figure watch shows
     for figure in ("running", "waiting", "kv_usage", "generation_tok_s", "preemptions"):

@@ -9,7 +9,6 @@ bench's client-side p99 within the histogram's bucket resolution.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import subprocess
@@ -24,7 +23,7 @@ import pytest
 from pdscope.commands.grafana import DASHBOARD_RUNTIMES, export_grafana, prometheus_config
 from pdscope.server.launch import free_port
 from pdscope.server.metrics import TTFT_BUCKETS
-from tests.conftest import Server
+from tests.conftest import Server, peer_server
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = [
@@ -50,35 +49,10 @@ def prometheus(server: Server, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "prometheus.log"
     assert PROMETHEUS is not None
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [
-                PROMETHEUS,
-                f"--config.file={config}",
-                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.3)
-        else:
-            pytest.fail(f"prometheus did not become ready:\n{log.read_text()[-3000:]}")
+    cmd = [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}"]
+    cmd.append(f"--web.listen-address=127.0.0.1:{port}")
+    with peer_server("prometheus", cmd, url, log, 30, health="/-/ready"):
         yield url, export
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _query(url: str, expr: str, at_s: float) -> list[dict]:
