@@ -584,6 +584,20 @@ async def _llamacpp_model_path(
     return path if isinstance(path, str) and is_gguf(Path(path)) else None
 
 
+def _modelfile_gguf(modelfile: object) -> str | None:
+    """The GGUF file an Ollama modelfile's FROM line names (Ollama's /api/show gives the blob's
+    path there), where this machine can read it."""
+    from pdscope.specs.gguf import is_gguf
+
+    if not isinstance(modelfile, str):
+        return None
+    for line in modelfile.splitlines():
+        word, _, rest = line.strip().partition(" ")
+        if word.upper() == "FROM" and is_gguf(Path(rest.strip()).expanduser()):
+            return rest.strip()
+    return None
+
+
 def _positive(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
 
@@ -593,17 +607,21 @@ async def _served_model(
 ) -> dict[str, Any]:
     """What the server says about the model it serves: name, context, parameter count where it
     exposes one (Ollama's /api/show, llama.cpp's /v1/models meta, a checkpoint's config), the
-    weights' bytes and type where it says (llama.cpp), and a local checkpoint directory
-    (pdscope and vLLM give `root`)."""
+    weights' bytes and type where it says (llama.cpp), and a local checkpoint (`root`: the
+    directory pdscope and vLLM give, the GGUF file llama.cpp's /props and Ollama's modelfile
+    name, where this machine can read it)."""
     out: dict[str, Any] = {"name": model, "max_model_len": runtime.max_model_len}
     if runtime.api == API_OLLAMA or runtime.name in ("ollama", "pdscope"):
         try:
             show = await client.post(
                 f"{runtime.url}/api/show", json={"model": model}, headers=headers
             )
-            info = show.json().get("model_info") or {} if show.status_code == 200 else {}
+            body = show.json() if show.status_code == 200 else {}
+            info = body.get("model_info") or {}
             if isinstance(info.get("general.parameter_count"), int | float):
                 out["params"] = float(info["general.parameter_count"])
+            if runtime.name == "ollama" and (blob := _modelfile_gguf(body.get("modelfile"))):
+                out["root"] = blob  # the GGUF blob it loaded, where this machine can read it
         except (httpx.HTTPError, ValueError, AttributeError):
             pass
     if runtime.api != API_OLLAMA:
