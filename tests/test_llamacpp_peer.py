@@ -183,3 +183,29 @@ def test_a_second_run_with_the_same_seed_is_told_apart(llamacpp_url: str) -> Non
     assert not any("prefix cache" in w for w in first["runs"][0]["warnings"])
     assert second["runs"][0]["server"]["prefix_hit_rate"] > 0.9
     assert any("came from the prefix cache" in w for w in second["runs"][0]["warnings"])
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_a_converted_gguf_reads_as_its_checkpoint(arch: str, tmp_path: Path) -> None:
+    """llama.cpp's converter writes the checkpoint's every weight into the GGUF: plan's reading
+    of the GGUF (its metadata, its tensors) gives the model plan reads from config.json, and
+    its weight bytes are the tensors' (llama.cpp's own `size`), for each architecture the
+    converter and make-model share (qkv biases in qwen2, q/k norms in qwen3)."""
+    from gguf import GGUFReader
+
+    from pdscope.checkpoint.make_model import make_model
+    from pdscope.specs import get_kv_precision
+
+    model = make_model(tmp_path / arch, "tiny", arch=arch, num_hidden_layers=2)
+    out = tmp_path / f"{arch}.gguf"
+    convert = [sys.executable, str(Path(__file__).with_name("to_gguf.py")), str(TREE / "src")]
+    done = subprocess.run([*convert, str(model), str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from_gguf, from_config = load_model(str(out)), load_model(str(model))
+    assert from_gguf.total_params == from_config.total_params
+    kv = get_kv_precision("bf16")
+    assert rf.kv_bytes_per_token(from_gguf, kv) == rf.kv_bytes_per_token(from_config, kv)
+    tensors = GGUFReader(out).tensors
+    assert sum(int(t.n_elements) for t in tensors) == from_gguf.total_params
+    tensor_bytes = sum(int(t.n_bytes) for t in tensors)
+    assert rf.weight_bytes(from_gguf, from_gguf.file_weights) == pytest.approx(tensor_bytes)
