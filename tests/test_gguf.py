@@ -6,6 +6,7 @@ llama-server's account of the file it loaded."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -198,3 +199,78 @@ def test_probe_takes_the_gguf_an_ollama_server_names(q4km: tuple[Path, int]) -> 
     told = model_bytes_for(ProbeSettings(url=url, device="h100", dtype="bf16"), found["root"])
     assert told is not None
     assert told.weight_bytes == pytest.approx(rf.read_bytes(spec, get_weight_precision("bf16")))
+
+
+def test_a_moe_gguf_reads_its_experts_and_the_rest_at_their_own_widths(tmp_path: Path) -> None:
+    """A token reads k of E experts but every attention weight: where the two are stored
+    differently (gpt-oss's MXFP4 experts beside bf16 attention), one mean width for the layers
+    puts the read of a token far off. The experts' tensors (*_exps) and the rest are counted
+    apart."""
+    import gguf
+
+    q = gguf.GGMLQuantizationType
+    experts, used, moe_ffn, hidden, heads, kv_heads, vocab = 8, 2, 256, 256, 4, 2, 512
+    head_dim = hidden // heads
+    path = tmp_path / "moe.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(4 * hidden)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(used)
+    writer.add_expert_feed_forward_length(moe_ffn)
+    shapes = {
+        "token_embd.weight": ((vocab, hidden), q.BF16),
+        "output_norm.weight": ((hidden,), q.F32),
+        "output.weight": ((vocab, hidden), q.BF16),
+    }
+    for i in range(LAYERS):
+        b = f"blk.{i}."
+        shapes |= {
+            b + "attn_norm.weight": ((hidden,), q.F32),
+            b + "attn_q.weight": ((heads * head_dim, hidden), q.BF16),
+            b + "attn_k.weight": ((kv_heads * head_dim, hidden), q.BF16),
+            b + "attn_v.weight": ((kv_heads * head_dim, hidden), q.BF16),
+            b + "attn_output.weight": ((hidden, heads * head_dim), q.BF16),
+            b + "attn_q_norm.weight": ((head_dim,), q.F32),
+            b + "attn_k_norm.weight": ((head_dim,), q.F32),
+            b + "ffn_norm.weight": ((hidden,), q.F32),
+            b + "ffn_gate_inp.weight": ((experts, hidden), q.F32),
+            b + "ffn_gate_exps.weight": ((experts, moe_ffn, hidden), q.MXFP4),
+            b + "ffn_up_exps.weight": ((experts, moe_ffn, hidden), q.MXFP4),
+            b + "ffn_down_exps.weight": ((experts, hidden, moe_ffn), q.MXFP4),
+        }
+    sizes: dict[str, int] = {}
+    for name, (shape, qtype) in shapes.items():
+        packed = np.zeros(gguf.quants.quant_shape_to_byte_shape(shape, qtype), np.uint8)
+        writer.add_tensor(name, packed, raw_dtype=qtype)
+        sizes[name] = packed.nbytes
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    spec = load_model(str(path))
+    w = spec.file_weights
+    assert spec.is_moe and w is not None
+    assert w.bits_per_weight == pytest.approx(4.25) and w.rest_bits is not None
+    assert rf.weight_bytes(spec, w) == pytest.approx(sum(sizes.values()), rel=1e-12)
+    # one token: every non-expert layer tensor, k of E of each expert tensor, the LM head, and
+    # one embedding row (counted at the layers' rest width, as plan counts a gathered row)
+    exps = sum(v for k, v in sizes.items() if "_exps." in k)
+    rest = sum(v for k, v in sizes.items() if k.startswith("blk.") and "_exps." not in k)
+    rest += sizes["output_norm.weight"]
+    expected = rest + exps * used / experts + sizes["output.weight"] + hidden * w.rest_bits / 8
+    assert rf.read_bytes(spec, w) == pytest.approx(expected, rel=1e-9)
+    # one mean width for all the layers put that read over a quarter lower (the LM head,
+    # counted apart in both, is most of this small model's read)
+    mean = replace(
+        w,
+        bits_per_weight=8 * (exps + rest) / (spec.total_params - 2 * vocab * hidden),
+        rest_bits=None,
+    )
+    assert rf.read_bytes(spec, mean) < 0.8 * expected

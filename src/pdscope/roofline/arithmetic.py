@@ -63,7 +63,7 @@ def _body_bytes(
 ) -> float:
     """Bytes of ``params`` parameters outside the LM head, ``expert_params`` of them routed
     experts' (a scheme that quantizes only the experts keeps the rest 16-bit)."""
-    if not weights.experts_only:
+    if weights.rest_bits is None:
         return params * weights.bytes_per_weight
     return expert_params * weights.bytes_per_weight + (params - expert_params) * (
         weights.rest_bytes_per_weight

@@ -35,6 +35,8 @@ class GgufFile:
     file_type: str  # the dominant tensor type, as llama.cpp names it ("Q4_K", "BF16", ...)
     body_bytes: int  # every tensor but the embedding and the LM head
     body_elements: int
+    expert_bytes: int  # the routed experts' tensors among them (*_exps), 0 for a dense model
+    expert_elements: int
     embedding_bytes: int
     embedding_elements: int
     head_bytes: int  # the LM head, or the embedding where they are tied
@@ -42,11 +44,21 @@ class GgufFile:
 
     @property
     def weights(self) -> WeightPrecision:
-        """The file's own widths: the layers' mean bits per weight and the head's and the
-        embedding's, each from the bytes its tensors occupy."""
+        """The file's own widths, each from the bytes its tensors occupy: the layers' mean bits
+        per weight (a MoE's routed experts' and the rest's apart: a token reads only some
+        experts, and every attention weight), the head's and the embedding's."""
+        moe = self.expert_elements > 0 and self.expert_elements < self.body_elements
+        rest_bytes = self.body_bytes - self.expert_bytes
+        rest_elements = self.body_elements - self.expert_elements
         return WeightPrecision(
             name=f"gguf {self.file_type.lower()}",
-            bits_per_weight=8 * self.body_bytes / self.body_elements,
+            bits_per_weight=8
+            * (
+                self.expert_bytes / self.expert_elements
+                if moe
+                else self.body_bytes / self.body_elements
+            ),
+            rest_bits=8 * rest_bytes / rest_elements if moe else None,
             note=(
                 f"as stored in the GGUF: {self.file_type} mostly, {self.total_bytes / 1e9:.3g} GB "
                 "in all, each part at the bits its tensors take"
@@ -119,12 +131,15 @@ def read_gguf(path: Path) -> GgufFile:
     if tokens is None and config["vocab_size"] < 1:
         raise SpecError(f"{path}: no vocabulary size")
     by_type: dict[str, int] = {}
-    body_bytes = body_elements = 0
+    body_bytes = body_elements = expert_bytes = expert_elements = 0
     for name, t in tensors.items():
         by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_bytes)
         if name not in (EMBEDDING, LM_HEAD):
             body_bytes += int(t.n_bytes)
             body_elements += int(t.n_elements)
+        if "_exps." in name:  # ffn_{gate,up,down}_exps: every routed expert's one tensor
+            expert_bytes += int(t.n_bytes)
+            expert_elements += int(t.n_elements)
     if not body_elements:
         raise SpecError(f"{path}: no layer tensors")
     return GgufFile(
@@ -132,6 +147,8 @@ def read_gguf(path: Path) -> GgufFile:
         file_type=max(by_type, key=lambda k: by_type[k]),
         body_bytes=body_bytes,
         body_elements=body_elements,
+        expert_bytes=expert_bytes,
+        expert_elements=expert_elements,
         embedding_bytes=int(embedding.n_bytes),
         embedding_elements=int(embedding.n_elements),
         head_bytes=int(head.n_bytes),

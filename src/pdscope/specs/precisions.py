@@ -20,16 +20,20 @@ class WeightPrecision:
     # fp8 checkpoints keep them 16-bit; vLLM does not quantize its LM head); None: as the rest
     # (GGUF's figures are whole-file averages, those tensors included).
     head_bits: float | None = None
-    # Only the MoE routed experts' weights are stored at bits_per_weight (gpt-oss's MXFP4); every
-    # other weight is at head_bits. A model without experts has nothing this scheme quantizes.
+    # The bits of the weights outside the MoE routed experts (and the embedding and LM head)
+    # where they differ from the experts' bits_per_weight: gpt-oss's MXFP4 experts beside bf16
+    # attention, or a MoE GGUF's tensors as stored. None: every weight alike.
+    rest_bits: float | None = None
+    # A scheme that quantizes only the routed experts (mxfp4): a model without any has nothing
+    # it describes, and is refused (roofline.arithmetic.check_weights).
     experts_only: bool = False
     # The input embedding's bits where they differ from the LM head's (a GGUF's token_embd is
     # often quantized further than its output tensor); None: as the head.
     embedding_bits: float | None = None
 
     def __post_init__(self) -> None:
-        if self.experts_only and self.head_bits is None:
-            raise ValueError(f"weight precision {self.name}: experts_only needs head_bits")
+        if self.experts_only and self.rest_bits is None:
+            raise ValueError(f"weight precision {self.name}: experts_only needs rest_bits")
 
     @property
     def bytes_per_weight(self) -> float:
@@ -50,7 +54,7 @@ class WeightPrecision:
     @property
     def rest_bytes_per_weight(self) -> float:
         """Bytes a weight outside the routed experts and the embedding and LM head."""
-        return self.head_bytes_per_weight if self.experts_only else self.bytes_per_weight
+        return (self.bits_per_weight if self.rest_bits is None else self.rest_bits) / 8
 
 
 @dataclass(frozen=True)
