@@ -21,7 +21,13 @@ HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = 256, 2, 4, 2, 512, 512
 runner = CliRunner()
 
 
-def write_gguf(path: Path, arch: str = "llama", tied: bool = False) -> int:
+def write_gguf(
+    path: Path,
+    arch: str = "llama",
+    tied: bool = False,
+    ffn_meta: int | list[int] = FFN,
+    split_count: int | None = None,
+) -> int:
     """A llama-shaped GGUF with Q4_K_M's mix (Q4_K layers and embedding, Q6_K ffn_down and LM
     head, f32 norms); returns the bytes its tensors take."""
     import gguf
@@ -32,7 +38,9 @@ def write_gguf(path: Path, arch: str = "llama", tied: bool = False) -> int:
     writer.add_block_count(LAYERS)
     writer.add_context_length(2048)
     writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
+    writer.add_feed_forward_length(ffn_meta)
+    if split_count is not None:
+        writer.add_uint16("split.count", split_count)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_file_type(q.Q4_K)
@@ -132,10 +140,30 @@ def test_a_gguf_plan_cannot_map_is_refused_by_name(tmp_path: Path) -> None:
         load_model(str(path))
     result = runner.invoke(app, ["plan", "--model", str(path)])
     assert result.exit_code == 2 and "rwkv6" in result.output
-    broken = tmp_path / "broken.gguf"
-    broken.write_bytes(b"GGUF" + b"\0" * 20)
-    result = runner.invoke(app, ["plan", "--model", str(broken)])
-    assert result.exit_code == 2 and "cannot read" in result.output
+    # truncated anywhere, a header fails inside gguf in several ways (IndexError too): each a
+    # clear refusal, never a traceback
+    whole = tmp_path / "whole.gguf"
+    write_gguf(whole)
+    for cut in (4, 24, 40, 200, 1000, whole.stat().st_size // 2):
+        broken = tmp_path / f"broken-{cut}.gguf"
+        broken.write_bytes(whole.read_bytes()[:cut])
+        result = runner.invoke(app, ["plan", "--model", str(broken)])
+        assert result.exit_code == 2 and "cannot read" in result.output, (cut, result.output)
+    # shapes plan cannot read right are refused by name, not counted wrong
+    cases = {
+        "split": ({"split_count": 3}, "one part of a split GGUF"),
+        "layers": ({"ffn_meta": [FFN, 2 * FFN]}, "feed_forward_length differs by layer"),
+        "mismatch": ({"ffn_meta": 2 * FFN}, "its tensors hold"),
+    }
+    for name, (kwargs, needle) in cases.items():
+        path = tmp_path / f"{name}.gguf"
+        write_gguf(path, **kwargs)  # type: ignore[arg-type]
+        result = runner.invoke(app, ["plan", "--model", str(path)])
+        assert result.exit_code == 2 and needle in " ".join(result.output.split()), result.output
+    # a per-layer array whose entries agree is that one value
+    same = tmp_path / "same.gguf"
+    write_gguf(same, ffn_meta=[FFN, FFN])
+    assert load_model(str(same)).layers[0].mlp_params == 3 * HIDDEN * FFN
 
 
 def test_probe_takes_the_gguf_an_ollama_server_names(q4km: tuple[Path, int]) -> None:
@@ -274,3 +302,17 @@ def test_a_moe_gguf_reads_its_experts_and_the_rest_at_their_own_widths(tmp_path:
         rest_bits=None,
     )
     assert rf.read_bytes(spec, mean) < 0.8 * expected
+
+
+def test_a_served_gguf_path_counts_only_if_it_holds_what_the_server_loaded(
+    q4km: tuple[Path, int],
+) -> None:
+    """llama.cpp's /props names its model's path on its own machine: a file at that path here
+    is its model only if it holds the bytes the server says it loaded."""
+    from pdscope.commands.probe import _same_file
+
+    path, tensor_bytes = q4km
+    assert _same_file(str(path), float(tensor_bytes))
+    assert not _same_file(str(path), float(tensor_bytes + 1))
+    assert not _same_file(str(path), None)
+    assert not _same_file(str(path.with_name("absent.gguf")), float(tensor_bytes))

@@ -302,6 +302,16 @@ def _dtype_of(s: ProbeSettings, root: str | None) -> str | None:
     return "bf16"
 
 
+def _weights_name(s: ProbeSettings, root: str | None) -> str:
+    """The precision the ceiling counts (as ceilings_for resolves it), by name: what the local
+    matmul is timed in."""
+    from pdscope.commands.plan import weights_for
+
+    dtype = _dtype_of(s, root)
+    spec = _spec(s.plan_model or root)
+    return weights_for(spec, dtype).name if spec is not None else (dtype or "bf16")
+
+
 def _spec(name: str | None) -> ModelSpec | None:
     if not name:
         return None
@@ -491,7 +501,7 @@ async def probe(
             from pdscope.commands.plan import local_compute
 
             served = await _served_model(client, runtime, model, headers)
-            compute = local_compute(_dtype_of(s, served.get("root")) or "bf16")
+            compute = local_compute(_weights_name(s, served.get("root")))
         readings = [measure_local(compute)] if local else []
         partial = None
         try:
@@ -584,6 +594,18 @@ async def _llamacpp_model_path(
     return path if isinstance(path, str) and is_gguf(Path(path)) else None
 
 
+def _same_file(path: str, weight_bytes: float | None) -> bool:
+    """Whether the GGUF at ``path`` on this machine holds the tensors the server says it loaded
+    (a remote server's path can name another file here)."""
+    from pdscope.specs import SpecError
+    from pdscope.specs.gguf import read_gguf
+
+    try:
+        return weight_bytes is not None and read_gguf(Path(path)).total_bytes == weight_bytes
+    except (SpecError, OSError):
+        return False
+
+
 def _modelfile_gguf(modelfile: object) -> str | None:
     """The GGUF file an Ollama modelfile's FROM line names (Ollama's /api/show gives the blob's
     path there), where this machine can read it."""
@@ -641,7 +663,7 @@ async def _served_model(
         root = entry.get("root")
         if runtime.name == "llama.cpp":  # the GGUF it loaded, readable where it runs here
             root = await _llamacpp_model_path(client, runtime.url, headers)
-            if root:
+            if root and _same_file(root, out.get("weight_bytes")):
                 out["root"] = root
         elif root and Path(root, "config.json").is_file():
             out["root"] = root

@@ -10,6 +10,7 @@ Q6_K differs from model to model). Only the header is read: the file is memory-m
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,8 @@ class GgufFile:
     """What a GGUF holds: a config for the model's shape, and each part's bytes and values."""
 
     config: dict[str, Any]
+    name: str  # general.name, else the file's stem
+    elements: int  # every tensor's values: the parameters the metadata must account for
     file_type: str  # the dominant tensor type, as llama.cpp names it ("Q4_K", "BF16", ...)
     body_bytes: int  # every tensor but the embedding and the LM head
     body_elements: int
@@ -82,17 +85,46 @@ def is_gguf(path: Path) -> bool:
 
 
 def read_gguf(path: Path) -> GgufFile:
-    """The model in a GGUF file; SpecError naming what is missing or not understood."""
+    """The model in a GGUF file; SpecError naming what is missing or not understood. Cached
+    per file version: parsing a header with a large vocabulary takes seconds."""
+    stat = path.stat()
+    return _read_gguf(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=8)
+def _read_gguf(path: Path, size: int, mtime_ns: int) -> GgufFile:
+    try:
+        return _parse(path)
+    except SpecError:
+        raise
+    except Exception as exc:  # a truncated or corrupt header fails in many ways inside gguf
+        raise SpecError(f"cannot read {path} as GGUF: {type(exc).__name__}: {exc}") from None
+
+
+def _one(path: Path, key: str, value: Any) -> Any:
+    """A metadata value plan needs as one number: a per-layer array whose entries agree gives
+    that entry; one whose entries differ is a shape plan does not model."""
+    if not isinstance(value, list):
+        return value
+    if value and all(v == value[0] for v in value):
+        return value[0]
+    raise SpecError(f"{path}: {key} differs by layer, which plan does not model")
+
+
+def _parse(path: Path) -> GgufFile:
     from gguf import GGUFReader  # the format's own reader, from llama.cpp's gguf-py
 
-    try:
-        reader = GGUFReader(path)
-    except (OSError, ValueError) as exc:
-        raise SpecError(f"cannot read {path} as GGUF: {exc}") from None
+    reader = GGUFReader(path)
 
     def field(key: str) -> Any:
         found = reader.get_field(key)
-        return None if found is None else found.contents()
+        return None if found is None else _one(path, key, found.contents())
+
+    if (field("split.count") or 1) > 1:
+        raise SpecError(
+            f"{path} is one part of a split GGUF ({field('split.count')} files): plan reads a "
+            "whole file; merge it (llama-gguf-split --merge) or pass its config.json"
+        )
 
     arch = field("general.architecture")
     model_type = MODEL_TYPES.get(str(arch))
@@ -106,7 +138,6 @@ def read_gguf(path: Path) -> GgufFile:
         raise SpecError(f"{path}: no {EMBEDDING} tensor")
     embedding = tensors[EMBEDDING]
     head = tensors.get(LM_HEAD, embedding)
-    tokens = reader.get_field("tokenizer.ggml.tokens")
     config: dict[str, Any] = {
         "model_type": model_type,
         "hidden_size": field(f"{arch}.embedding_length"),
@@ -119,17 +150,14 @@ def read_gguf(path: Path) -> GgufFile:
         # the embedding's rows: the vocabulary the model computes over
         "vocab_size": int(embedding.n_elements) // int(field(f"{arch}.embedding_length") or 1),
         "tie_word_embeddings": LM_HEAD not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors or None,
         "num_experts": field(f"{arch}.expert_count"),
         "num_local_experts": field(f"{arch}.expert_count"),
         "num_experts_per_tok": field(f"{arch}.expert_used_count"),
         "moe_intermediate_size": field(f"{arch}.expert_feed_forward_length"),
         "shared_expert_intermediate_size": field(f"{arch}.expert_shared_feed_forward_length"),
     }
-    if isinstance(config["num_key_value_heads"], list):  # per-layer counts: not one shape
-        raise SpecError(f"{path}: KV heads differ by layer, which plan does not model")
     config = {k: v for k, v in config.items() if v is not None}
-    if tokens is None and config["vocab_size"] < 1:
-        raise SpecError(f"{path}: no vocabulary size")
     by_type: dict[str, int] = {}
     body_bytes = body_elements = expert_bytes = expert_elements = 0
     for name, t in tensors.items():
@@ -144,6 +172,8 @@ def read_gguf(path: Path) -> GgufFile:
         raise SpecError(f"{path}: no layer tensors")
     return GgufFile(
         config=config,
+        name=str(field("general.name") or path.stem),
+        elements=sum(int(t.n_elements) for t in tensors.values()),
         file_type=max(by_type, key=lambda k: by_type[k]),
         body_bytes=body_bytes,
         body_elements=body_elements,

@@ -417,7 +417,15 @@ def load_model(name_or_path: str) -> ModelSpec:
     path = Path(name_or_path).expanduser()
     if path.is_file() and is_gguf(path):
         found = read_gguf(path)
-        spec = spec_from_config(found.config, name=path.stem, source=str(path))
+        spec = spec_from_config(found.config, name=found.name, source=str(path))
+        # The metadata must account for the tensors: a key llama.cpp treats as optional (an
+        # expert width, biases it infers from the tensors) would otherwise size it wrong.
+        if abs(spec.total_params - found.elements) > 1e-3 * found.elements:
+            raise SpecError(
+                f"{path}: its metadata describes {spec.total_params:,.0f} parameters and its "
+                f"tensors hold {found.elements:,}: plan cannot read this file's shape; pass "
+                "the model's config.json with --model"
+            )
         return replace(spec, file_weights=found.weights)
     if path.is_dir() or path.is_file():
         config = read_config(path)
