@@ -106,6 +106,13 @@ def test_a_gguf_is_counted_by_its_tensors_bytes(q4km: tuple[Path, int]) -> None:
     assert rf.read_bytes(spec, w) == pytest.approx(
         (spec.params_read_per_token - spec.lm_head_params) * w.bits_per_weight / 8 + head
     )
+    # this machine's matmul is timed in the type the file computes in: bf16 for quantized
+    # weights, a float file's own type (it was bf16 for an f16 file, labelled fp16)
+    from pdscope.commands.plan import local_compute
+    from pdscope.specs.gguf import read_gguf
+
+    assert local_compute(w) == "bf16"
+    assert local_compute(replace(read_gguf(path), file_type="F16").weights) == "fp16"
     kv = rf.kv_bytes_per_token(spec, get_kv_precision("fp16"))
     assert kv == 2 * LAYERS * KV_HEADS * (HIDDEN // HEADS) * 2
 

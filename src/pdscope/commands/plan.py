@@ -47,16 +47,12 @@ def round_half_up(value: float) -> int:
     return math.floor(value + 0.5)
 
 
-def local_compute(dtype: str) -> str:
-    """The matmul type a measurement of this machine times for weights of ``dtype``: a float
-    type's own, else bf16 (quantized weights run their matmuls in bf16). Aliases count
-    (bfloat16, float32): "float32" timed bf16 matmuls for an fp32 model before."""
-    gguf = {"gguf f32": "fp32", "gguf f16": "fp16", "gguf bf16": "bf16"}  # a GGUF's own
-    try:
-        name = gguf.get(dtype) or get_weight_precision(dtype).name
-    except SpecError:
-        return "bf16"
-    return name if name in ("fp32", "bf16", "fp16") else "bf16"
+def local_compute(weights: WeightPrecision) -> str:
+    """The matmul type a measurement of this machine times for these weights: a float type's
+    own (fp32, fp16, bf16, or a GGUF of such tensors, by its compute type), else bf16
+    (quantized weights run their matmuls in bf16)."""
+    floats = ("fp32", "bf16", "fp16")
+    return next((t for t in (weights.name, weights.compute) if t in floats), "bf16")
 
 
 def weights_for(spec: ModelSpec, dtype: str | None) -> WeightPrecision:
@@ -97,7 +93,7 @@ def resolve(
     if device is not None and device.lower() == "local":
         from pdscope.specs.local import local_device
 
-        measured, measurement = local_device(local_compute(weights.name))
+        measured, measurement = local_device(local_compute(weights))
         local = asdict(measurement)
         flags = resolve_device(  # the measurement, with any figure the flags override
             None,

@@ -36,6 +36,7 @@ from pdscope.client.prompts import PromptBuilder
 from pdscope.client.trace import Trace
 from pdscope.commands.flags import at_least, int_list
 from pdscope.specs.models import ModelSpec, read_config
+from pdscope.specs.precisions import WeightPrecision
 
 
 @dataclass
@@ -302,14 +303,15 @@ def _dtype_of(s: ProbeSettings, root: str | None) -> str | None:
     return "bf16"
 
 
-def _weights_name(s: ProbeSettings, root: str | None) -> str:
-    """The precision the ceiling counts (as ceilings_for resolves it), by name: what the local
-    matmul is timed in."""
+def _weights(s: ProbeSettings, root: str | None) -> WeightPrecision:
+    """The precision the ceiling counts (as ceilings_for resolves it): what the local matmul
+    is timed in."""
     from pdscope.commands.plan import weights_for
+    from pdscope.specs.precisions import get_weight_precision
 
     dtype = _dtype_of(s, root)
     spec = _spec(s.plan_model or root)
-    return weights_for(spec, dtype).name if spec is not None else (dtype or "bf16")
+    return weights_for(spec, dtype) if spec is not None else get_weight_precision(dtype or "bf16")
 
 
 def _spec(name: str | None) -> ModelSpec | None:
@@ -418,7 +420,7 @@ def ceilings_for(
         + " and ".join(f"{g:.1f}" for g in readings_gb_s)
         + " GB/s"
         + (
-            f", {local_compute(p.weights.name)} matmul "
+            f", {local_compute(p.weights)} matmul "
             + " and ".join(f"{t:.3f}" for t in tflops)
             + " TFLOP/s"
             + computed_in
@@ -501,7 +503,7 @@ async def probe(
             from pdscope.commands.plan import local_compute
 
             served = await _served_model(client, runtime, model, headers)
-            compute = local_compute(_weights_name(s, served.get("root")))
+            compute = local_compute(_weights(s, served.get("root")))
         readings = [measure_local(compute)] if local else []
         partial = None
         try:

@@ -67,6 +67,7 @@ class GgufFile:
                 "in all, each part at the bits its tensors take"
             ),
             head_bits=8 * self.head_bytes / self.head_elements,
+            compute={"F32": "fp32", "F16": "fp16"}.get(self.file_type, "bf16"),
             embedding_bits=8 * self.embedding_bytes / self.embedding_elements,
         )
 
