@@ -89,6 +89,58 @@ def test_gpt_oss_active_excludes_input_embedding(name: str, active_b: float) -> 
     assert abs(spec.params_read_per_token - active_b * 1e9) / (active_b * 1e9) < 0.01
 
 
+def test_gpt_oss_counts_to_the_parameter() -> None:
+    """The model cards' exact counts (Hugging Face's safetensors total, which Ollama's
+    /api/show repeats): every bias (attention's, the experts' gate_up and down, the router's)
+    and the attention sinks."""
+    assert load_model("gpt-oss-20b").total_params == 20_914_757_184
+    assert load_model("gpt-oss-120b").total_params == 116_829_156_672
+
+
+# google/gemma-3-1b-it's config.json: no layer_types, a sliding_window_pattern instead.
+GEMMA3_1B = {
+    "model_type": "gemma3_text",
+    "hidden_size": 1152,
+    "intermediate_size": 6912,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "vocab_size": 262144,
+    "max_position_embeddings": 32768,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+}
+
+
+def test_gemma3_windows_five_layers_in_six() -> None:
+    """Gemma 3's global layers are every sixth (5, 11, ...): the rest attend over the window,
+    so at 32k tokens its KV is about a sixth of what full attention in every layer holds. Read
+    as one window on every layer, plan put it at 1/64 of that."""
+    spec = spec_from_config(GEMMA3_1B, "gemma-3-1b")
+    assert spec.total_params == 999_885_952  # the model card's count
+    assert [i for i, layer in enumerate(spec.layers) if layer.window is None] == [5, 11, 17, 23]
+    # the pattern's default, as transformers and llama.cpp take it, and an explicit list agree
+    no_pattern = {k: v for k, v in GEMMA3_1B.items() if k != "sliding_window_pattern"}
+    kinds = [
+        "full_attention" if layer.window is None else "sliding_attention" for layer in spec.layers
+    ]
+    for config in (no_pattern, {**no_pattern, "layer_types": kinds}):
+        assert [x.window for x in spec_from_config(config, "g").layers] == [
+            x.window for x in spec.layers
+        ]
+    kv = get_kv_precision("bf16")
+    from pdscope.roofline.arithmetic import kv_bytes_at_context
+
+    per_layer = 2 * 256 * 2  # K and V, one KV head of 256, two bytes
+    held = 4 * 32768 + 22 * 512
+    assert kv_bytes_at_context(spec, kv, 32768) == per_layer * held
+    # a multimodal config's language model is read as its own type (four norms a layer, q/k
+    # norms): the outer "gemma3" counted it as a plain decoder
+    wrapped = {"model_type": "gemma3", "text_config": GEMMA3_1B}
+    assert spec_from_config(wrapped, "gemma-3").total_params == spec.total_params
+
+
 def test_tied_embeddings_are_counted_once() -> None:
     tied = load_model("llama-3.2-1b")
     untied_config = {

@@ -23,9 +23,11 @@ from pdscope.specs.precisions import WeightPrecision
 
 # model_type values whose config omits tie_word_embeddings but whose HF class ties by default.
 _TIED_BY_DEFAULT = {"gemma", "gemma2", "gemma3_text"}
-# model_types that interleave sliding-window and full layers (even layer indices slide) when the
-# config has no explicit layer_types list.
-_ALTERNATING_WINDOW = {"gemma2", "gpt_oss"}
+# model_types that interleave sliding-window and full layers when the config lists neither
+# layer_types nor sliding_window_pattern: of every n layers, the last attends in full (Gemma 2
+# and gpt-oss alternate; Gemma 3 has five local layers to one global). transformers and
+# llama.cpp place them alike.
+_WINDOW_PATTERN = {"gemma2": 2, "gpt_oss": 2, "gemma3_text": 6}
 
 
 @dataclass(frozen=True)
@@ -214,8 +216,9 @@ def _layer_windows(config: dict[str, Any], num_layers: int, model_type: str) -> 
                 f"config.json: 'layer_types' has {len(layer_types)} entries for {num_layers} layers"
             )
         return [window if kind == "sliding_attention" else None for kind in layer_types]
-    if model_type in _ALTERNATING_WINDOW:
-        return [window if i % 2 == 0 else None for i in range(num_layers)]
+    pattern = config.get("sliding_window_pattern") or _WINDOW_PATTERN.get(model_type)
+    if pattern:
+        return [window if (i + 1) % int(pattern) else None for i in range(num_layers)]
     if config.get("use_sliding_window") and config.get("max_window_layers") is not None:
         # Qwen2: layers at index >= max_window_layers use the window.
         first = int(config["max_window_layers"])
@@ -235,7 +238,10 @@ def spec_from_config(
     Raises :class:`SpecError` naming the missing field when the arithmetic needs one.
     """
     if "text_config" in config and "num_hidden_layers" not in config:
-        config = {**config["text_config"], "model_type": config.get("model_type", "")}
+        # A multimodal model's language model, by its own type where it states one (Gemma 3's
+        # text_config is a "gemma3_text": its norms, q/k norms and windows are that type's).
+        text = config["text_config"]
+        config = {**text, "model_type": text.get("model_type") or config.get("model_type", "")}
     model_type = str(config.get("model_type", ""))
     hidden = _positive_int(config, "hidden_size", source, "weight and FLOP counts")
     num_layers = _positive_int(config, "num_hidden_layers", source, "weight and KV counts")
@@ -315,9 +321,10 @@ def spec_from_config(
             if not moe_inter:
                 raise SpecError(f"{source} lacks 'moe_intermediate_size', needed for expert size")
             expert = 3 * hidden * moe_inter
-            if model_type == "gpt_oss":
-                expert += 3 * moe_inter  # gate_up and down biases
             router = hidden * routed
+            if model_type == "gpt_oss":
+                expert += 2 * moe_inter + hidden  # gate_up's and down's biases
+                router += routed  # and the router's
             always = shared * expert + (3 * hidden * shared_inter + hidden if shared_inter else 0)
             mlp_params = routed * expert + always + router
             mlp_active = top_k * expert + always + router
