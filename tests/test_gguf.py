@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,6 +22,31 @@ HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = 256, 2, 4, 2, 512, 512
 runner = CliRunner()
 
 
+def write_file(path: Path, arch: str, meta: dict[str, Any], shapes: dict[str, Any]) -> dict:
+    """A GGUF of these metadata keys ("{arch}" in a key is the architecture) and tensors
+    (name: (shape, type), all zeros: their bytes are counted, not their values); returns each
+    tensor's bytes."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in meta.items():
+        key = key.format(arch=arch)
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        else:
+            writer.add_uint32(key, value)
+    sizes = {}
+    for name, (shape, qtype) in shapes.items():
+        packed = np.zeros(gguf.quants.quant_shape_to_byte_shape(shape, qtype), np.uint8)
+        writer.add_tensor(name, packed, raw_dtype=qtype)
+        sizes[name] = packed.nbytes
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return sizes
+
+
 def write_gguf(
     path: Path,
     arch: str = "llama",
@@ -30,20 +56,19 @@ def write_gguf(
 ) -> int:
     """A llama-shaped GGUF with Q4_K_M's mix (Q4_K layers and embedding, Q6_K ffn_down and LM
     head, f32 norms); returns the bytes its tensors take."""
-    import gguf
+    from gguf import GGMLQuantizationType as q
 
-    q = gguf.GGMLQuantizationType
-    rng = np.random.default_rng(0)  # the f32 norms' values
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(2048)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(ffn_meta)
+    meta: dict[str, Any] = {
+        "{arch}.block_count": LAYERS,
+        "{arch}.context_length": 2048,
+        "{arch}.embedding_length": HIDDEN,
+        "{arch}.feed_forward_length": ffn_meta,
+        "{arch}.attention.head_count": HEADS,
+        "{arch}.attention.head_count_kv": KV_HEADS,
+        "general.file_type": q.Q4_K,
+    }
     if split_count is not None:
-        writer.add_uint16("split.count", split_count)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_file_type(q.Q4_K)
+        meta["split.count"] = split_count
     head_dim = HIDDEN // HEADS
     shapes = {
         "token_embd.weight": ((VOCAB, HIDDEN), q.Q4_K),
@@ -64,21 +89,7 @@ def write_gguf(
             b + "ffn_up.weight": ((FFN, HIDDEN), q.Q4_K),
             b + "ffn_down.weight": ((HIDDEN, FFN), q.Q6_K),
         }
-    total = 0
-    for name, (shape, qtype) in shapes.items():
-        data = rng.standard_normal(shape, dtype=np.float32)
-        if qtype == q.F32:
-            writer.add_tensor(name, data)
-            total += data.nbytes
-        else:  # the blocks' bytes are what is counted, not their values
-            packed = np.zeros(gguf.quants.quant_shape_to_byte_shape(shape, qtype), np.uint8)
-            writer.add_tensor(name, packed, raw_dtype=qtype)
-            total += packed.nbytes
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return total
+    return sum(write_file(path, arch, meta, shapes).values())
 
 
 @pytest.fixture(scope="module")
@@ -241,23 +252,23 @@ def test_a_moe_gguf_reads_its_experts_and_the_rest_at_their_own_widths(tmp_path:
     differently (gpt-oss's MXFP4 experts beside bf16 attention), one mean width for the layers
     puts the read of a token far off. The experts' tensors (*_exps) and the rest are counted
     apart."""
-    import gguf
+    from gguf import GGMLQuantizationType as q
 
-    q = gguf.GGMLQuantizationType
     experts, used, moe_ffn, hidden, heads, kv_heads, vocab = 8, 2, 256, 256, 4, 2, 512
     head_dim = hidden // heads
     path = tmp_path / "moe.gguf"
-    writer = gguf.GGUFWriter(str(path), "qwen3moe")
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(4096)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(4 * hidden)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_key_length(head_dim)
-    writer.add_expert_count(experts)
-    writer.add_expert_used_count(used)
-    writer.add_expert_feed_forward_length(moe_ffn)
+    meta = {
+        "{arch}.block_count": LAYERS,
+        "{arch}.context_length": 4096,
+        "{arch}.embedding_length": hidden,
+        "{arch}.feed_forward_length": 4 * hidden,
+        "{arch}.attention.head_count": heads,
+        "{arch}.attention.head_count_kv": kv_heads,
+        "{arch}.attention.key_length": head_dim,
+        "{arch}.expert_count": experts,
+        "{arch}.expert_used_count": used,
+        "{arch}.expert_feed_forward_length": moe_ffn,
+    }
     shapes = {
         "token_embd.weight": ((vocab, hidden), q.BF16),
         "output_norm.weight": ((hidden,), q.F32),
@@ -279,15 +290,7 @@ def test_a_moe_gguf_reads_its_experts_and_the_rest_at_their_own_widths(tmp_path:
             b + "ffn_up_exps.weight": ((experts, moe_ffn, hidden), q.MXFP4),
             b + "ffn_down_exps.weight": ((experts, hidden, moe_ffn), q.MXFP4),
         }
-    sizes: dict[str, int] = {}
-    for name, (shape, qtype) in shapes.items():
-        packed = np.zeros(gguf.quants.quant_shape_to_byte_shape(shape, qtype), np.uint8)
-        writer.add_tensor(name, packed, raw_dtype=qtype)
-        sizes[name] = packed.nbytes
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    sizes = write_file(path, "qwen3moe", meta, shapes)
 
     spec = load_model(str(path))
     w = spec.file_weights
@@ -323,3 +326,187 @@ def test_a_served_gguf_path_counts_only_if_it_holds_what_the_server_loaded(
     assert not _same_file(str(path), float(tensor_bytes + 1))
     assert not _same_file(str(path), None)
     assert not _same_file(str(path.with_name("absent.gguf")), float(tensor_bytes))
+
+
+def gemma3_shapes(layers: int, tower: bool) -> dict[str, Any]:
+    """Gemma 3's tensors as Ollama's converter names them (q/k norms, four norms a layer, tied
+    head), with its vision encoder ("v.*") and projector ("mm.*") in the same file."""
+    from gguf import GGMLQuantizationType as q
+
+    head_dim = 64
+    shapes: dict[str, Any] = {
+        "token_embd.weight": ((VOCAB, HIDDEN), q.Q6_K),
+        "output_norm.weight": ((HIDDEN,), q.F32),
+    }
+    for i in range(layers):
+        b = f"blk.{i}."
+        shapes |= {
+            b + "attn_q.weight": ((HEADS * head_dim, HIDDEN), q.Q4_K),
+            b + "attn_k.weight": ((KV_HEADS * head_dim, HIDDEN), q.Q4_K),
+            b + "attn_v.weight": ((KV_HEADS * head_dim, HIDDEN), q.Q6_K),
+            b + "attn_output.weight": ((HIDDEN, HEADS * head_dim), q.Q4_K),
+            b + "attn_q_norm.weight": ((head_dim,), q.F32),
+            b + "attn_k_norm.weight": ((head_dim,), q.F32),
+            b + "ffn_gate.weight": ((FFN, HIDDEN), q.Q4_K),
+            b + "ffn_up.weight": ((FFN, HIDDEN), q.Q4_K),
+            b + "ffn_down.weight": ((HIDDEN, FFN), q.Q6_K),
+        }
+        for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+            shapes[f"{b}{norm}.weight"] = ((HIDDEN,), q.F32)
+    if tower:
+        shapes |= {
+            "v.patch_embd.weight": ((HIDDEN, 3 * 14 * 14), q.F16),
+            "v.blk.0.attn_q.weight": ((HIDDEN, HIDDEN), q.F16),
+            "v.blk.0.ffn_up.weight": ((FFN, HIDDEN), q.F16),
+            "mm.mm_input_projection.weight": ((HIDDEN, HIDDEN), q.F16),
+        }
+    return shapes
+
+
+def gemma3_config(layers: int, **window: Any) -> dict[str, Any]:
+    """The same model as Hugging Face's config.json states it."""
+    return {
+        "model_type": "gemma3_text",
+        "hidden_size": HIDDEN,
+        "intermediate_size": FFN,
+        "num_hidden_layers": layers,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": 64,
+        "vocab_size": VOCAB,
+        **window,
+    }
+
+
+def test_a_gemma3_gguf_windows_five_layers_in_six_and_leaves_its_vision_tower_out(
+    tmp_path: Path,
+) -> None:
+    """Gemma 3 attends over a window in five layers of every six: its KV at long context is a
+    fraction of a full-attention model's. The layers come from the file's pattern (Ollama writes
+    one flag a layer) or, as llama.cpp reads a file without one, five in six; without a window
+    length, no layer slides. Ollama packs the vision encoder into the same file: a text token
+    does not read it, so it is left out of the weights and said in the note."""
+    from pdscope.specs.models import spec_from_config
+
+    layers = 7
+    flags = [(i + 1) % 6 != 0 for i in range(layers)]
+    meta: dict[str, Any] = {
+        "{arch}.block_count": layers,
+        "{arch}.context_length": 32768,
+        "{arch}.embedding_length": HIDDEN,
+        "{arch}.feed_forward_length": FFN,
+        "{arch}.attention.head_count": HEADS,
+        "{arch}.attention.head_count_kv": KV_HEADS,
+        "{arch}.attention.key_length": 64,
+        "{arch}.attention.sliding_window": 512,
+    }
+    cases = {
+        "flags": {**meta, "{arch}.attention.sliding_window_pattern": flags},
+        "default": meta,
+        "none": {k: v for k, v in meta.items() if "sliding_window" not in k},
+    }
+    specs = {}
+    for name, case in cases.items():
+        path = tmp_path / f"gemma3-{name}.gguf"
+        sizes = write_file(path, "gemma3", case, gemma3_shapes(layers, tower=True))
+        specs[name] = load_model(str(path))
+    windows = [512, 512, 512, 512, 512, None, 512]
+    assert [layer.window for layer in specs["flags"].layers] == windows
+    assert [layer.window for layer in specs["default"].layers] == windows
+    assert all(layer.window is None for layer in specs["none"].layers)
+    # the same shape as from config.json: parameters, and the KV a 32k context holds
+    config = spec_from_config(gemma3_config(layers, sliding_window=512), "gemma3")
+    spec, kv = specs["flags"], get_kv_precision("bf16")
+    assert spec.total_params == config.total_params and spec.tie_word_embeddings
+    assert rf.kv_bytes_at_context(spec, kv, 32768) == rf.kv_bytes_at_context(config, kv, 32768)
+    assert rf.kv_bytes_at_context(spec, kv, 32768) < 0.2 * rf.kv_bytes_at_context(
+        specs["none"], kv, 32768
+    )
+    # the weights are the language model's tensors; the vision tower's are named in the note
+    tower = sum(v for k, v in sizes.items() if k.startswith(("v.", "mm.")))
+    w = spec.file_weights
+    assert w is not None and tower > 0
+    assert rf.weight_bytes(spec, w) == pytest.approx(sum(sizes.values()) - tower, rel=1e-12)
+    assert f"{tower / 1e9:.3g} GB of a vision or audio tower" in w.note
+
+
+def test_an_ollama_gpt_oss_gguf_reads_as_the_model_card_counts_it(tmp_path: Path) -> None:
+    """Ollama's own converter names gpt-oss "gptoss", fuses q/k/v (with their biases) and gate
+    with up in OpenAI's layout, and keeps the experts in MXFP4: read as the config counts it
+    (biases of attention, experts and router, attention sinks), windows on every other layer."""
+    from gguf import GGMLQuantizationType as q
+
+    from pdscope.specs.models import spec_from_config
+
+    experts, used, inter, head_dim = 4, 2, 256, 64
+    qkv = (HEADS + 2 * KV_HEADS) * head_dim
+    meta: dict[str, Any] = {
+        "{arch}.block_count": LAYERS,
+        "{arch}.context_length": 131072,
+        "{arch}.embedding_length": HIDDEN,
+        "{arch}.feed_forward_length": inter,
+        "{arch}.expert_count": experts,
+        "{arch}.expert_used_count": used,
+        "{arch}.attention.head_count": HEADS,
+        "{arch}.attention.head_count_kv": KV_HEADS,
+        "{arch}.attention.key_length": head_dim,
+        "{arch}.attention.sliding_window": 128,
+    }
+    shapes: dict[str, Any] = {
+        "token_embd.weight": ((VOCAB, HIDDEN), q.BF16),
+        "output_norm.weight": ((HIDDEN,), q.F32),
+        "output.weight": ((VOCAB, HIDDEN), q.BF16),
+    }
+    for i in range(LAYERS):
+        b = f"blk.{i}."
+        shapes |= {
+            b + "attn_norm.weight": ((HIDDEN,), q.F32),
+            b + "attn_qkv.weight": ((qkv, HIDDEN), q.BF16),
+            b + "attn_qkv.bias": ((qkv,), q.F32),
+            b + "attn_out.weight": ((HIDDEN, HEADS * head_dim), q.BF16),
+            b + "attn_out.bias": ((HIDDEN,), q.F32),
+            b + "attn_sinks.weight": ((HEADS,), q.F32),
+            b + "ffn_norm.weight": ((HIDDEN,), q.F32),
+            b + "ffn_gate_inp.weight": ((experts, HIDDEN), q.F32),
+            b + "ffn_gate_inp.bias": ((experts,), q.F32),
+            b + "ffn_gate_up_exps.weight": ((experts, 2 * inter, HIDDEN), q.MXFP4),
+            b + "ffn_gate_up_exps.bias": ((experts, 2 * inter), q.F32),
+            b + "ffn_down_exps.weight": ((experts, HIDDEN, inter), q.MXFP4),
+            b + "ffn_down_exps.bias": ((experts, HIDDEN), q.F32),
+        }
+    path = tmp_path / "gptoss.gguf"
+    sizes = write_file(path, "gptoss", meta, shapes)
+    spec = load_model(str(path))
+    config = spec_from_config(
+        {
+            "model_type": "gpt_oss",
+            "hidden_size": HIDDEN,
+            "intermediate_size": inter,
+            "num_hidden_layers": LAYERS,
+            "num_attention_heads": HEADS,
+            "num_key_value_heads": KV_HEADS,
+            "head_dim": head_dim,
+            "num_local_experts": experts,
+            "num_experts_per_tok": used,
+            "vocab_size": VOCAB,
+            "sliding_window": 128,
+            "attention_bias": True,
+            "tie_word_embeddings": False,
+        },
+        "gpt-oss",
+    )
+    # exactly: the 0.1% check would let a bias or two through, the count does not
+    assert (
+        spec.total_params
+        == config.total_params
+        == sum(int(np.prod(shape)) for shape, _ in shapes.values())
+    )
+    assert [layer.window for layer in spec.layers] == [128, None]
+    w = spec.file_weights
+    # the experts at their bytes: MXFP4's 4.25 bits and their f32 biases, which a token reads
+    # k of E of too
+    exps = [k for k in shapes if "_exps." in k]
+    elements = sum(int(np.prod(shapes[k][0])) for k in exps)
+    assert w is not None and 4.25 < w.bits_per_weight < 4.5
+    assert w.bits_per_weight == pytest.approx(8 * sum(sizes[k] for k in exps) / elements)
+    assert rf.weight_bytes(spec, w) == pytest.approx(sum(sizes.values()), rel=1e-12)

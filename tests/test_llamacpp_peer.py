@@ -209,3 +209,82 @@ def test_a_converted_gguf_reads_as_its_checkpoint(arch: str, tmp_path: Path) -> 
     assert sum(int(t.n_elements) for t in tensors) == from_gguf.total_params
     tensor_bytes = sum(int(t.n_bytes) for t in tensors)
     assert rf.weight_bytes(from_gguf, from_gguf.file_weights) == pytest.approx(tensor_bytes)
+
+
+# Architectures plan reads from a GGUF that the engine does not run (so make-model does not
+# make them): tiny random checkpoints written with transformers. Windows short enough that a
+# layer pattern shows in a few layers.
+FOREIGN = {
+    "gemma2": ("Gemma2", {"num_hidden_layers": 4, "sliding_window": 64}),
+    "gemma3": ("Gemma3Text", {"num_hidden_layers": 7, "sliding_window": 64}),
+    "phi3": ("Phi3", {"num_hidden_layers": 2, "head_dim": None, "pad_token_id": 0}),
+    "gpt_oss": (
+        "GptOss",
+        {"num_hidden_layers": 4, "sliding_window": 64, "num_local_experts": 4},
+    ),
+}
+
+
+def foreign_checkpoint(arch: str, out: Path, tokenizer: Path) -> Path:
+    """A tiny random checkpoint of ``arch`` with pdscope's test tokenizer."""
+    import json
+    import shutil
+
+    import torch
+    import transformers
+
+    prefix, extra = FOREIGN[arch]
+    tokens = json.loads((tokenizer / "tokenizer.json").read_text())
+    shape = {
+        "vocab_size": len(tokens["model"]["vocab"]) + len(tokens["added_tokens"]),
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 4096,
+        **extra,
+    }
+    config = getattr(transformers, f"{prefix}Config")(
+        **{k: v for k, v in shape.items() if v is not None}
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{prefix.removesuffix('Text')}ForCausalLM")(config)
+    model.to(torch.bfloat16).save_pretrained(out)
+    shutil.copy(tokenizer / "tokenizer.json", out / "tokenizer.json")
+    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    return out
+
+
+@pytest.mark.parametrize("arch", sorted(FOREIGN))
+def test_a_foreign_gguf_reads_as_its_config_and_as_llamacpp_counts_it(
+    arch: str, tiny_model: Path, tmp_path: Path
+) -> None:
+    """Gemma 2 and 3, Phi-3 and gpt-oss, converted by llama.cpp's converter: plan's reading of
+    the GGUF gives the model it reads from config.json (parameters, which layers slide, the KV
+    held at long context), and llama-server, loading the file, counts the same parameters and
+    bytes (Phi-3 aside: its loader wants Phi-3's own vocabulary, which this tokenizer is not)."""
+    from pdscope.specs import get_kv_precision
+
+    model = foreign_checkpoint(arch, tmp_path / arch, tiny_model)
+    out = tmp_path / f"{arch}.gguf"
+    convert = [sys.executable, str(Path(__file__).with_name("to_gguf.py")), str(TREE / "src")]
+    done = subprocess.run([*convert, str(model), str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from_gguf, from_config = load_model(str(out)), load_model(str(model))
+    assert from_gguf.total_params == from_config.total_params
+    assert [x.window for x in from_gguf.layers] == [x.window for x in from_config.layers]
+    assert any(x.window for x in from_gguf.layers) == (arch != "phi3")
+    kv = get_kv_precision("bf16")
+    assert rf.kv_bytes_at_context(from_gguf, kv, 4096) == rf.kv_bytes_at_context(
+        from_config, kv, 4096
+    )
+    if arch == "phi3":
+        return
+    port = free_port()
+    args = ["-m", str(out), "--host", "127.0.0.1", "--port", str(port), "-c", "512", "-t", "2"]
+    url = f"http://127.0.0.1:{port}"
+    with peer_server("llama-server", [str(SERVER), *args], url, tmp_path / "log", 60):
+        meta = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["meta"]
+    assert meta["n_params"] == from_gguf.total_params
+    assert meta["size"] == pytest.approx(rf.weight_bytes(from_gguf, from_gguf.file_weights))

@@ -24,8 +24,22 @@ MODEL_TYPES = {
     "qwen3": "qwen3",
     "qwen2moe": "qwen2_moe",
     "qwen3moe": "qwen3_moe",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+    "phi3": "phi3",
+    "gpt-oss": "gpt_oss",
+    "gptoss": "gpt_oss",  # Ollama's own converter's name for it
 }
+# How llama.cpp windows each architecture's attention where the file states no pattern: of
+# every n layers the last attends in full (its load_swa_pattern defaults). Gemma 2 windows
+# 4,096 tokens where the file gives no length; the others window only where it gives one.
+# Phi-3's window llama.cpp switches off, so there its KV grows with the whole context.
+WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2, "gptoss": 2}
+DEFAULT_WINDOW = {"gemma2": 4096}
 EMBEDDING, LM_HEAD = "token_embd.weight", "output.weight"
+# Tensors of another tower packed into the same file (Ollama's Gemma 3 carries its vision
+# encoder, "v.*", and projector, "mm.*"): not the language model a token's decode reads.
+TOWER_PREFIXES = ("v.", "mm.", "a.")
 
 
 @dataclass(frozen=True)
@@ -44,6 +58,7 @@ class GgufFile:
     embedding_elements: int
     head_bytes: int  # the LM head, or the embedding where they are tied
     head_elements: int
+    tower_bytes: int = 0  # another tower's tensors in the file (vision, audio): not counted
 
     @property
     def weights(self) -> WeightPrecision:
@@ -65,6 +80,12 @@ class GgufFile:
             note=(
                 f"as stored in the GGUF: {self.file_type} mostly, {self.total_bytes / 1e9:.3g} GB "
                 "in all, each part at the bits its tensors take"
+                + (
+                    f" (and {self.tower_bytes / 1e9:.3g} GB of a vision or audio tower, not "
+                    "counted: a text token does not read it)"
+                    if self.tower_bytes
+                    else ""
+                )
             ),
             head_bits=8 * self.head_bytes / self.head_elements,
             compute={"F32": "fp32", "F16": "fp16"}.get(self.file_type, "bf16"),
@@ -134,7 +155,8 @@ def _parse(path: Path) -> GgufFile:
             f"{path}: GGUF architecture {arch!r} is not one plan maps "
             f"({', '.join(MODEL_TYPES)}); pass a preset or config.json with --model instead"
         )
-    tensors = {t.name: t for t in reader.tensors}
+    towers = [t for t in reader.tensors if t.name.startswith(TOWER_PREFIXES)]
+    tensors = {t.name: t for t in reader.tensors if not t.name.startswith(TOWER_PREFIXES)}
     if EMBEDDING not in tensors:
         raise SpecError(f"{path}: no {EMBEDDING} tensor")
     embedding = tensors[EMBEDDING]
@@ -151,13 +173,16 @@ def _parse(path: Path) -> GgufFile:
         # the embedding's rows: the vocabulary the model computes over
         "vocab_size": int(embedding.n_elements) // int(field(f"{arch}.embedding_length") or 1),
         "tie_word_embeddings": LM_HEAD not in tensors,
-        "attention_bias": "blk.0.attn_q.bias" in tensors or None,
+        # q/k/v biases, apart or fused (Ollama's gpt-oss from OpenAI's own checkpoint)
+        "attention_bias": bool({"blk.0.attn_q.bias", "blk.0.attn_qkv.bias"} & tensors.keys())
+        or None,
         "num_experts": field(f"{arch}.expert_count"),
         "num_local_experts": field(f"{arch}.expert_count"),
         "num_experts_per_tok": field(f"{arch}.expert_used_count"),
         "moe_intermediate_size": field(f"{arch}.expert_feed_forward_length"),
         "shared_expert_intermediate_size": field(f"{arch}.expert_shared_feed_forward_length"),
     }
+    config |= _windows(reader, str(arch), int(config["num_hidden_layers"] or 0))
     config = {k: v for k, v in config.items() if v is not None}
     by_type: dict[str, int] = {}
     body_bytes = body_elements = expert_bytes = expert_elements = 0
@@ -184,4 +209,26 @@ def _parse(path: Path) -> GgufFile:
         embedding_elements=int(embedding.n_elements),
         head_bytes=int(head.n_bytes),
         head_elements=int(head.n_elements),
+        tower_bytes=sum(int(t.n_bytes) for t in towers),
     )
+
+
+def _windows(reader: Any, arch: str, layers: int) -> dict[str, Any]:
+    """The attention window and the layers it applies to, as llama.cpp reads them: the
+    pattern as a per-layer array of flags, or as n (of every n layers the last attends in
+    full), or the architecture's default n."""
+    length = reader.get_field(f"{arch}.attention.sliding_window")
+    window = int(length.contents()) if length is not None else DEFAULT_WINDOW.get(arch, 0)
+    if not window or arch not in WINDOW_PATTERN:
+        return {}
+    pattern = reader.get_field(f"{arch}.attention.sliding_window_pattern")
+    value = WINDOW_PATTERN[arch] if pattern is None else pattern.contents()
+    slides = (
+        [bool(v) for v in value]
+        if isinstance(value, list)
+        else [(i + 1) % int(value) != 0 for i in range(layers)]
+    )
+    if len(slides) != layers:
+        raise SpecError(f"sliding_window_pattern has {len(slides)} entries for {layers} layers")
+    kinds = ["sliding_attention" if s else "full_attention" for s in slides]
+    return {"sliding_window": window, "layer_types": kinds}
