@@ -340,14 +340,30 @@ def test_calibrated_simulation_tracks_the_real_engine_end_to_end(tiny_model, tmp
     """One small validation case end to end (bench/validate_simulator.py runs the full set):
     probe a real server, calibrate from its JSON, then bench and simulate the same workload.
     On a shared 2-core host the bounds are loose (a factor of 2.5, 5 for decode): they catch a
-    broken fit or a unit error, not a 10% drift, which the validation table records."""
+    broken fit or a unit error, not a 10% drift, which the validation table records.
+
+    The workload is benched twice, before and after the probe, and the simulation is held to
+    the run it is nearer. This bench takes about 0.09 s (AMD EPYC, 2 cores), so a stall of the
+    host under half a second cuts its output throughput five-fold: in session 22 the test
+    failed now and then in full-suite runs with the simulated throughput 5-7x the measured
+    while the medians (TTFT, TPOT), which a stall barely moves, held. A stall in both runs,
+    or a wrong fit, still fails."""
     from tests.conftest import start_server
 
     server = start_server(tiny_model, tmp_path, "--kv-cache-memory", "32MiB")
-    probe_file, real_file, sim_file = (tmp_path / f"{n}.json" for n in ("probe", "real", "sim"))
+    probe_file, sim_file = tmp_path / "probe.json", tmp_path / "sim.json"
+    real_files = [tmp_path / f"real-{n}.json" for n in (1, 2)]
     runner = CliRunner()
     load = ["--input-len", "64", "--output-len", "32", "--num-prompts", "12", "--seed", "3"]
+
+    def run_bench(out: Path) -> None:
+        benched = runner.invoke(
+            app, ["bench", server.url, *load, "--max-concurrency", "4", "--save-result", str(out)]
+        )
+        assert benched.exit_code == 0, benched.output
+
     try:
+        run_bench(real_files[0])
         probed = runner.invoke(
             app,
             [
@@ -356,12 +372,7 @@ def test_calibrated_simulation_tracks_the_real_engine_end_to_end(tiny_model, tmp
             ],
         )  # fmt: skip
         assert probe_file.is_file(), probed.output
-        benched = runner.invoke(
-            app,
-            ["bench", server.url, *load, "--max-concurrency", "4", "--save-result",
-             str(real_file)],
-        )  # fmt: skip
-        assert benched.exit_code == 0, benched.output
+        run_bench(real_files[1])
     finally:
         server.stop()
     max_len = json.loads(probe_file.read_text())["runtime"]["max_model_len"]
@@ -374,8 +385,9 @@ def test_calibrated_simulation_tracks_the_real_engine_end_to_end(tiny_model, tmp
         ],
     )  # fmt: skip
     assert simulated.exit_code == 0, simulated.output
-    real, sim = (json.loads(f.read_text()) for f in (real_file, sim_file))
-    assert sim["completed"] == real["completed"] == 12
+    reals = [json.loads(f.read_text()) for f in real_files]
+    sim = json.loads(sim_file.read_text())
+    assert sim["completed"] == reals[0]["completed"] == reals[1]["completed"] == 12
     assert sim["metadata"]["calibration"]["residuals"]
     # The decode figures get a factor of 5: the tiny model's decode step is mostly per-step
     # overhead, and on the AMD EPYC four runs of this test alone fitted a simulated TPOT of
@@ -388,9 +400,10 @@ def test_calibrated_simulation_tracks_the_real_engine_end_to_end(tiny_model, tmp
     # bursts by a loaded client could shrink to a few hundredths. A failure prints the fit,
     # the scatter and the probe's residuals.
     for key, factor in (("median_tpot_ms", 5), ("median_ttft_ms", 2.5), ("output_throughput", 5)):
-        assert 1 / factor < sim[key] / real[key] < factor, (
+        ratios = [sim[key] / real[key] for real in reals]
+        assert any(1 / factor < r < factor for r in ratios), (
             key,
             sim[key],
-            real[key],
+            [real[key] for real in reals],
             json.dumps(sim["metadata"]["calibration"]),
         )
