@@ -1061,3 +1061,28 @@ def test_probe_cli_records_the_seed_fake(fake: str, tmp_path: Path) -> None:
     # The CLI's console keeps the width it was created with (another test may have set 80
     # columns first), so the line may wrap: compare with whitespace folded.
     assert "seed 31337 (given)" in " ".join(result.output.split())
+
+
+def test_weights_already_at_four_bits_are_not_told_to_quantize() -> None:
+    """A Q4_K_M GGUF at 55% of the bandwidth ceiling was told "more needs fewer bytes per
+    token: use a Q4_K_M / Q5_K_M GGUF". Weights at a 4-bit format's width get no advice to
+    quantize (near the ceiling: a smaller model or more bandwidth; below it: unpacking them is
+    compute, so the threads), and the evidence says their width; wider ones still get it."""
+    from pdscope.analysis.probe import Ceilings, analyze
+
+    def decode_advice(bits: float, ceiling_tok_s: float) -> tuple[str, str]:
+        c = Ceilings(
+            "this machine", lambda n: ceiling_tok_s, lambda n: None, "m", 1e8, [40.0, 40.4],
+            weight_bits=bits,
+        )  # fmt: skip
+        r = analyze(_probe_traces([40.0, 41.0]), "llama.cpp", c)
+        (f,) = [f for f in r["findings"] if "bandwidth ceiling" in f["finding"]]
+        return f["evidence"], f["action"]
+
+    for ceiling_tok_s in (50.0, 70.0):  # 80% and 57% of it
+        evidence, advice = decode_advice(4.9, ceiling_tok_s)
+        assert "already 4.9 bits each" in evidence and "Q4_K_M" not in advice
+        evidence, advice = decode_advice(16.0, ceiling_tok_s)
+        assert "bits each" not in evidence and "use a Q4_K_M / Q5_K_M GGUF" in advice
+    assert "-t threads" in decode_advice(4.9, 70.0)[1]
+    assert decode_advice(4.9, 50.0)[1] == "a smaller model, or more memory bandwidth"

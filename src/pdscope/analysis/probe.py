@@ -40,6 +40,9 @@ class Ceilings:
     # the floor assumed.
     tflops_readings: list[float] = field(default_factory=list)
     peak_tflops: float | None = None
+    # The weights' width the ceiling counted (a MoE's experts', a GGUF's layers' mean): advice
+    # to quantize is empty for weights already at a 4-bit format's few bits.
+    weight_bits: float | None = None
 
 
 @dataclass
@@ -442,6 +445,10 @@ def _spread(values: list[float]) -> float | None:
     return max(values) / min(values) - 1 if len(values) >= 2 else None
 
 
+# A weight width at or under this is a 4-bit format already (Q4_K_M, AWQ, MXFP4, int4).
+LIGHT_WEIGHT_BITS = 5.0
+
+
 def _ceiling(
     result: dict[str, Any], c: Ceilings, served: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -454,6 +461,7 @@ def _ceiling(
         "bandwidth_readings_gb_s": readings,
         "tflops_readings": c.tflops_readings,
         "peak_tflops": c.peak_tflops,
+        "weight_bits": c.weight_bits,
         "points": [],
     }
     for p in result["sweep"]:
@@ -748,13 +756,23 @@ def findings(r: dict[str, Any], runtime: str) -> list[dict[str, str]]:
             f"{pct:.0f}% of the bandwidth ceiling on {ceiling['device']} (margin "
             f"{low:.0f}–{high:.0f}% over repeats and bandwidth readings)"
         )
+        bits = ceiling.get("weight_bits")
+        # Weights already at a 4-bit format's width (Q4_K_M is 4.9 bits a weight, AWQ 4.25):
+        # quantizing further costs quality, and on a few CPU cores unpacking them is compute
+        # that holds decode below the bytes' ceiling (docs/metrics.md: llama.cpp decoded a
+        # Q4_K_M GGUF at 45-58% of it where the same model in BF16 reached 66-90%).
+        light = bits is not None and bits <= LIGHT_WEIGHT_BITS
+        if light:
+            evidence += f"; the weights are already {bits:.1f} bits each"
         if pct >= 70:
             add(
                 "decode",
                 "Decode is near the bandwidth ceiling: the hardware is the limit",
                 evidence,
-                f"fewer bytes per token: {knob('quantize', runtime)}; or a smaller model, or "
-                "more memory bandwidth",
+                "a smaller model, or more memory bandwidth"
+                if light
+                else f"fewer bytes per token: {knob('quantize', runtime)}; or a smaller model, "
+                "or more memory bandwidth",
             )
         elif pct < 50:
             add(
@@ -762,6 +780,14 @@ def findings(r: dict[str, Any], runtime: str) -> list[dict[str, str]]:
                 "Decode is far below the bandwidth ceiling: look at the serving stack",
                 evidence,
                 knob("stack", runtime),
+            )
+        elif light:
+            add(
+                "decode",
+                "Decode reaches a fair share of the bandwidth ceiling",
+                evidence,
+                "fewer bits barely help: unpacking quantized weights is compute on each token; "
+                + knob("stack", runtime),
             )
         else:
             add(

@@ -441,6 +441,7 @@ def ceilings_for(
             peak_tflops=None
             if (peak := p.device.peak_flops(p.weights.compute)) is None
             else peak / 1e12,
+            weight_bits=p.weights.bits_per_weight,
         ),
         notes,
     )
