@@ -328,9 +328,10 @@ def test_a_served_gguf_path_counts_only_if_it_holds_what_the_server_loaded(
     assert not _same_file(str(path.with_name("absent.gguf")), float(tensor_bytes))
 
 
-def gemma3_shapes(layers: int, tower: bool) -> dict[str, Any]:
+def gemma3_shapes(layers: int, tower: bool, qk_norm: bool = True) -> dict[str, Any]:
     """Gemma 3's tensors as Ollama's converter names them (q/k norms, four norms a layer, tied
-    head), with its vision encoder ("v.*") and projector ("mm.*") in the same file."""
+    head), with its vision encoder ("v.*") and projector ("mm.*") in the same file; without
+    the q/k norms, Gemma 2's."""
     from gguf import GGMLQuantizationType as q
 
     head_dim = 64
@@ -345,14 +346,15 @@ def gemma3_shapes(layers: int, tower: bool) -> dict[str, Any]:
             b + "attn_k.weight": ((KV_HEADS * head_dim, HIDDEN), q.Q4_K),
             b + "attn_v.weight": ((KV_HEADS * head_dim, HIDDEN), q.Q6_K),
             b + "attn_output.weight": ((HIDDEN, HEADS * head_dim), q.Q4_K),
-            b + "attn_q_norm.weight": ((head_dim,), q.F32),
-            b + "attn_k_norm.weight": ((head_dim,), q.F32),
             b + "ffn_gate.weight": ((FFN, HIDDEN), q.Q4_K),
             b + "ffn_up.weight": ((FFN, HIDDEN), q.Q4_K),
             b + "ffn_down.weight": ((HIDDEN, FFN), q.Q6_K),
         }
         for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
             shapes[f"{b}{norm}.weight"] = ((HIDDEN,), q.F32)
+        if qk_norm:
+            shapes[b + "attn_q_norm.weight"] = ((head_dim,), q.F32)
+            shapes[b + "attn_k_norm.weight"] = ((head_dim,), q.F32)
     if tower:
         shapes |= {
             "v.patch_embd.weight": ((HIDDEN, 3 * 14 * 14), q.F16),
@@ -510,3 +512,95 @@ def test_an_ollama_gpt_oss_gguf_reads_as_the_model_card_counts_it(tmp_path: Path
     assert w is not None and 4.25 < w.bits_per_weight < 4.5
     assert w.bits_per_weight == pytest.approx(8 * sum(sizes[k] for k in exps) / elements)
     assert rf.weight_bytes(spec, w) == pytest.approx(sum(sizes.values()), rel=1e-12)
+
+
+def gemma_meta(layers: int, **keys: Any) -> dict[str, Any]:
+    return {
+        "{arch}.block_count": layers,
+        "{arch}.context_length": 8192,
+        "{arch}.embedding_length": HIDDEN,
+        "{arch}.feed_forward_length": FFN,
+        "{arch}.attention.head_count": HEADS,
+        "{arch}.attention.head_count_kv": KV_HEADS,
+        "{arch}.attention.key_length": 64,
+        **{f"{{arch}}.attention.{k}": v for k, v in keys.items()},
+    }
+
+
+W, F = 512, None  # a windowed layer, a full one
+WINDOW_CASES = {
+    # Gemma 2 windows 4,096 tokens on every other layer where the file gives no length
+    "gemma2 default": ("gemma2", {}, [4096, F, 4096, F]),
+    "gemma3 pattern 2": ("gemma3", {"sliding_window": W, "sliding_window_pattern": 2}, [W, F] * 2),
+    # 0, as llama.cpp reads it: every layer slides
+    "gemma3 pattern 0": ("gemma3", {"sliding_window": W, "sliding_window_pattern": 0}, [W] * 4),
+    "gemma3 one length a layer": ("gemma3", {"sliding_window": [W] * 4}, [W, W, W, W]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WINDOW_CASES))
+def test_window_patterns_read_as_llamacpp_reads_them(case: str, tmp_path: Path) -> None:
+    arch, keys, windows = WINDOW_CASES[case]
+    path = tmp_path / "w.gguf"
+    write_file(path, arch, gemma_meta(4, **keys), gemma3_shapes(4, False, arch == "gemma3"))
+    assert [layer.window for layer in load_model(str(path)).layers] == windows
+
+
+def test_window_patterns_plan_cannot_read_are_refused_by_name(tmp_path: Path) -> None:
+    cases = {
+        "short": ({"sliding_window_pattern": [True, False]}, "'layer_types' has 2 entries"),
+        "lengths": ({"sliding_window": [W, W, 2 * W, W]}, "sliding_window differs by layer"),
+    }
+    for name, (keys, needle) in cases.items():
+        path = tmp_path / f"{name}.gguf"
+        write_file(
+            path, "gemma3", gemma_meta(4, **{"sliding_window": W, **keys}), gemma3_shapes(4, False)
+        )
+        result = runner.invoke(app, ["plan", "--model", str(path)])
+        out = " ".join(result.output.split())
+        assert result.exit_code == 2 and needle in out and str(path) in out, result.output
+
+
+def test_phi3s_window_is_off_in_a_gguf_as_llamacpp_runs_it(tmp_path: Path) -> None:
+    """Phi-3-mini's config.json has a 2,047-token window on every layer; llama.cpp switches
+    Phi-3's window off, so a GGUF it serves holds the whole context's KV. Fused q/k/v and
+    gate/up count as the config's separate ones."""
+    from gguf import GGMLQuantizationType as q
+
+    from pdscope.specs.models import spec_from_config
+
+    shapes: dict[str, Any] = {
+        "token_embd.weight": ((VOCAB, HIDDEN), q.BF16),
+        "output_norm.weight": ((HIDDEN,), q.F32),
+        "output.weight": ((VOCAB, HIDDEN), q.BF16),
+    }
+    head_dim = HIDDEN // HEADS
+    for i in range(LAYERS):
+        b = f"blk.{i}."
+        shapes |= {
+            b + "attn_norm.weight": ((HIDDEN,), q.F32),
+            b + "attn_qkv.weight": (((HEADS + 2 * KV_HEADS) * head_dim, HIDDEN), q.BF16),
+            b + "attn_output.weight": ((HIDDEN, HIDDEN), q.BF16),
+            b + "ffn_norm.weight": ((HIDDEN,), q.F32),
+            b + "ffn_up.weight": ((2 * FFN, HIDDEN), q.BF16),
+            b + "ffn_down.weight": ((HIDDEN, FFN), q.BF16),
+        }
+    path = tmp_path / "phi3.gguf"
+    meta = {k: v for k, v in gemma_meta(LAYERS, sliding_window=2047).items() if "key_len" not in k}
+    write_file(path, "phi3", meta, shapes)
+    spec = load_model(str(path))
+    assert all(layer.window is None for layer in spec.layers)
+    config = {
+        "model_type": "phi3",
+        "hidden_size": HIDDEN,
+        "intermediate_size": FFN,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "vocab_size": VOCAB,
+        "sliding_window": 2047,
+        "tie_word_embeddings": False,
+    }
+    from_config = spec_from_config(config, "phi-3")
+    assert spec.total_params == from_config.total_params
+    assert all(layer.window == 2047 for layer in from_config.layers)

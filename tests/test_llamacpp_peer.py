@@ -217,7 +217,10 @@ def test_a_converted_gguf_reads_as_its_checkpoint(arch: str, tmp_path: Path) -> 
 FOREIGN = {
     "gemma2": ("Gemma2", {"num_hidden_layers": 4, "sliding_window": 64}),
     "gemma3": ("Gemma3Text", {"num_hidden_layers": 7, "sliding_window": 64}),
-    "phi3": ("Phi3", {"num_hidden_layers": 2, "head_dim": None, "pad_token_id": 0}),
+    "phi3": (
+        "Phi3",
+        {"num_hidden_layers": 2, "head_dim": None, "pad_token_id": 0, "sliding_window": 64},
+    ),
     "gpt_oss": (
         "GptOss",
         {"num_hidden_layers": 4, "sliding_window": 64, "num_local_experts": 4},
@@ -262,8 +265,9 @@ def test_a_foreign_gguf_reads_as_its_config_and_as_llamacpp_counts_it(
 ) -> None:
     """Gemma 2 and 3, Phi-3 and gpt-oss, converted by llama.cpp's converter: plan's reading of
     the GGUF gives the model it reads from config.json (parameters, which layers slide, the KV
-    held at long context), and llama-server, loading the file, counts the same parameters and
-    bytes (Phi-3 aside: its loader wants Phi-3's own vocabulary, which this tokenizer is not)."""
+    held at long context; but Phi-3's window, which llama.cpp switches off), and llama-server,
+    loading the file, counts the same parameters and bytes (Phi-3 aside: its loader wants
+    Phi-3's own vocabulary, which this tokenizer is not)."""
 
     model = foreign_checkpoint(arch, tmp_path / arch, tiny_model)
     out = tmp_path / f"{arch}.gguf"
@@ -272,14 +276,15 @@ def test_a_foreign_gguf_reads_as_its_config_and_as_llamacpp_counts_it(
     assert done.returncode == 0, done.stderr[-3000:]
     from_gguf, from_config = load_model(str(out)), load_model(str(model))
     assert from_gguf.total_params == from_config.total_params
-    assert [x.window for x in from_gguf.layers] == [x.window for x in from_config.layers]
-    assert any(x.window for x in from_gguf.layers) == (arch != "phi3")
     kv = get_kv_precision("bf16")
-    assert rf.kv_bytes_at_context(from_gguf, kv, 4096) == rf.kv_bytes_at_context(
-        from_config, kv, 4096
-    )
+    held = [rf.kv_bytes_at_context(spec, kv, 4096) for spec in (from_gguf, from_config)]
     if arch == "phi3":
+        assert all(x.window is None for x in from_gguf.layers)
+        assert all(x.window == 64 for x in from_config.layers)
+        assert held[0] == 4096 / 64 * held[1]
         return
+    assert [x.window for x in from_gguf.layers] == [x.window for x in from_config.layers]
+    assert any(x.window for x in from_gguf.layers) and held[0] == held[1]
     port = free_port()
     args = ["-m", str(out), "--host", "127.0.0.1", "--port", str(port), "-c", "512", "-t", "2"]
     url = f"http://127.0.0.1:{port}"

@@ -139,6 +139,8 @@ def test_gemma3_windows_five_layers_in_six() -> None:
     # norms): the outer "gemma3" counted it as a plain decoder
     wrapped = {"model_type": "gemma3", "text_config": GEMMA3_1B}
     assert spec_from_config(wrapped, "gemma-3").total_params == spec.total_params
+    with pytest.raises(SpecError, match="'sliding_window_pattern' must be a whole number"):
+        spec_from_config({**GEMMA3_1B, "sliding_window_pattern": [True, False]}, "g")
 
 
 def test_tied_embeddings_are_counted_once() -> None:

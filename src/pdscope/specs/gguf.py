@@ -9,6 +9,7 @@ Q6_K differs from model to model). Only the header is read: the file is memory-m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -30,11 +31,12 @@ MODEL_TYPES = {
     "gpt-oss": "gpt_oss",
     "gptoss": "gpt_oss",  # Ollama's own converter's name for it
 }
-# How llama.cpp windows each architecture's attention where the file states no pattern: of
-# every n layers the last attends in full (its load_swa_pattern defaults). Gemma 2 windows
-# 4,096 tokens where the file gives no length; the others window only where it gives one.
-# Phi-3's window llama.cpp switches off, so there its KV grows with the whole context.
-WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2, "gptoss": 2}
+# Architectures whose attention llama.cpp windows on some layers (its load_swa_pattern): which
+# layers, from the file's pattern, else from the model type's default (specs.models: of every
+# n layers the last attends in full, the n transformers uses too). Gemma 2 windows 4,096 tokens
+# where the file gives no length; the others only where it gives one. Phi-3's window llama.cpp
+# switches off, so there its KV grows with the whole context.
+WINDOWED = {"gemma2", "gemma3", "gpt-oss", "gptoss"}
 DEFAULT_WINDOW = {"gemma2": 4096}
 EMBEDDING, LM_HEAD = "token_embd.weight", "output.weight"
 # Tensors of another tower packed into the same file (Ollama's Gemma 3 carries its vision
@@ -182,7 +184,7 @@ def _parse(path: Path) -> GgufFile:
         "moe_intermediate_size": field(f"{arch}.expert_feed_forward_length"),
         "shared_expert_intermediate_size": field(f"{arch}.expert_shared_feed_forward_length"),
     }
-    config |= _windows(reader, str(arch), int(config["num_hidden_layers"] or 0))
+    config |= _windows(path, reader, str(arch), field)
     config = {k: v for k, v in config.items() if v is not None}
     by_type: dict[str, int] = {}
     body_bytes = body_elements = expert_bytes = expert_elements = 0
@@ -213,22 +215,21 @@ def _parse(path: Path) -> GgufFile:
     )
 
 
-def _windows(reader: Any, arch: str, layers: int) -> dict[str, Any]:
-    """The attention window and the layers it applies to, as llama.cpp reads them: the
-    pattern as a per-layer array of flags, or as n (of every n layers the last attends in
-    full), or the architecture's default n."""
-    length = reader.get_field(f"{arch}.attention.sliding_window")
-    window = int(length.contents()) if length is not None else DEFAULT_WINDOW.get(arch, 0)
-    if not window or arch not in WINDOW_PATTERN:
+def _windows(path: Path, reader: Any, arch: str, field: Callable[[str], Any]) -> dict[str, Any]:
+    """The window and the layers it applies to as config fields, as llama.cpp reads them: the
+    file's pattern as one flag a layer (Ollama writes these) or as n, else the default."""
+    window = field(f"{arch}.attention.sliding_window") if arch in WINDOWED else None
+    if window is None:
+        window = DEFAULT_WINDOW.get(arch)
+    if not window:
         return {}
-    pattern = reader.get_field(f"{arch}.attention.sliding_window_pattern")
-    value = WINDOW_PATTERN[arch] if pattern is None else pattern.contents()
-    slides = (
-        [bool(v) for v in value]
-        if isinstance(value, list)
-        else [(i + 1) % int(value) != 0 for i in range(layers)]
-    )
-    if len(slides) != layers:
-        raise SpecError(f"sliding_window_pattern has {len(slides)} entries for {layers} layers")
-    kinds = ["sliding_attention" if s else "full_attention" for s in slides]
-    return {"sliding_window": window, "layer_types": kinds}
+    out: dict[str, Any] = {"sliding_window": int(window)}
+    found = reader.get_field(f"{arch}.attention.sliding_window_pattern")
+    pattern = None if found is None else found.contents()
+    if isinstance(pattern, list):
+        if not all(isinstance(v, bool | int) for v in pattern):
+            raise SpecError(f"{path}: sliding_window_pattern is not one flag a layer")
+        out["layer_types"] = ["sliding_attention" if v else "full_attention" for v in pattern]
+    elif pattern is not None:
+        out["sliding_window_pattern"] = pattern
+    return out

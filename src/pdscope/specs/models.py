@@ -205,7 +205,9 @@ def _positive_int(config: dict[str, Any], key: str, source: str, purpose: str) -
     return value
 
 
-def _layer_windows(config: dict[str, Any], num_layers: int, model_type: str) -> list[int | None]:
+def _layer_windows(
+    config: dict[str, Any], num_layers: int, model_type: str, source: str
+) -> list[int | None]:
     window = config.get("sliding_window")
     if not window or config.get("use_sliding_window") is False:
         return [None] * num_layers
@@ -213,12 +215,19 @@ def _layer_windows(config: dict[str, Any], num_layers: int, model_type: str) -> 
     if layer_types:
         if len(layer_types) != num_layers:
             raise SpecError(
-                f"config.json: 'layer_types' has {len(layer_types)} entries for {num_layers} layers"
+                f"{source}: 'layer_types' has {len(layer_types)} entries for {num_layers} layers"
             )
         return [window if kind == "sliding_attention" else None for kind in layer_types]
-    pattern = config.get("sliding_window_pattern") or _WINDOW_PATTERN.get(model_type)
-    if pattern:
-        return [window if (i + 1) % int(pattern) else None for i in range(num_layers)]
+    pattern = config.get("sliding_window_pattern")
+    if pattern is None:
+        pattern = _WINDOW_PATTERN.get(model_type)
+    if pattern is not None:
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 0:
+            raise SpecError(
+                f"{source}: 'sliding_window_pattern' must be a whole number, got {pattern!r}"
+            )
+        # 0, as llama.cpp reads it: every layer slides (transformers has no meaning for it)
+        return [window if not pattern or (i + 1) % pattern else None for i in range(num_layers)]
     if config.get("use_sliding_window") and config.get("max_window_layers") is not None:
         # Qwen2: layers at index >= max_window_layers use the window.
         first = int(config["max_window_layers"])
@@ -257,7 +266,7 @@ def spec_from_config(
     tie = config.get("tie_word_embeddings")
     if tie is None:
         tie = model_type in _TIED_BY_DEFAULT
-    windows = _layer_windows(config, num_layers, model_type)
+    windows = _layer_windows(config, num_layers, model_type, source)
     norms_per_layer = 4 if model_type.startswith("gemma2") or model_type == "gemma3_text" else 2
 
     # Attention.
