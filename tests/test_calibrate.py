@@ -3,6 +3,7 @@ the simulator itself with known parameters, so the fit has a right answer to rec
 engine's calibration is checked end to end by bench/validate_simulator.py."""
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -342,9 +343,10 @@ def test_calibrated_simulation_tracks_the_real_engine_end_to_end(tiny_model, tmp
     On a shared 2-core host the bounds are loose (a factor of 2.5, 5 for decode): they catch a
     broken fit or a unit error, not a 10% drift, which the validation table records.
 
-    The workload is benched twice, before and after the probe, and the simulation is held to
-    the run it is nearer. This bench takes about 0.09 s (AMD EPYC, 2 cores), so a stall of the
-    host under half a second cuts its output throughput five-fold: in session 22 the test
+    The workload is benched twice, before and after the probe, and the simulation is held, on
+    every figure, to the run whose output throughput it is nearer. This bench takes about
+    0.09 s (AMD EPYC, 2 cores), so a stall of the host under half a second cuts its output
+    throughput five-fold: in session 22 the test
     failed now and then in full-suite runs with the simulated throughput 5-7x the measured
     while the medians (TTFT, TPOT), which a stall barely moves, held. A stall in both runs,
     or a wrong fit, still fails."""
@@ -399,11 +401,13 @@ def test_calibrated_simulation_tracks_the_real_engine_end_to_end(tiny_model, tmp
     # test_one_disturbed_request_does_not_rescale_every_step), which one request read in
     # bursts by a loaded client could shrink to a few hundredths. A failure prints the fit,
     # the scatter and the probe's residuals.
+    real = min(
+        reals, key=lambda r: abs(math.log(sim["output_throughput"] / r["output_throughput"]))
+    )
     for key, factor in (("median_tpot_ms", 5), ("median_ttft_ms", 2.5), ("output_throughput", 5)):
-        ratios = [sim[key] / real[key] for real in reals]
-        assert any(1 / factor < r < factor for r in ratios), (
+        assert 1 / factor < sim[key] / real[key] < factor, (
             key,
             sim[key],
-            [real[key] for real in reals],
+            [r[key] for r in reals],
             json.dumps(sim["metadata"]["calibration"]),
         )
