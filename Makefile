@@ -74,7 +74,7 @@ $(LLAMACPP_BUILT): | $(STAMP)
 		$(LLAMACPP)/build/bin/llama-quantize $(LLAMACPP)/bin/
 	touch $@
 # A build made before llama-quantize was asked for gets it from the same build tree (seconds).
-$(LLAMACPP)/bin/llama-quantize: $(LLAMACPP_BUILT)
+$(LLAMACPP)/bin/llama-quantize: | $(LLAMACPP_BUILT)
 	PATH="$(CURDIR)/$(BIN):$$PATH" cmake --build $(LLAMACPP)/build --target llama-quantize \
 		-j$$(nproc)
 	cp $(LLAMACPP)/build/bin/llama-quantize $(LLAMACPP)/bin/

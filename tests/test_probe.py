@@ -1086,3 +1086,6 @@ def test_weights_already_at_four_bits_are_not_told_to_quantize() -> None:
         assert "bits each" not in evidence and "use a Q4_K_M / Q5_K_M GGUF" in advice
     assert "-t threads" in decode_advice(4.9, 70.0)[1]
     assert decode_advice(4.9, 50.0)[1] == "a smaller model, or more memory bandwidth"
+    # a Q5_K_M (5.7 bits) is as light; a Q6_K (6.56) is still told of Q4_K_M
+    assert "Q4_K_M" not in decode_advice(5.7, 70.0)[1]
+    assert "use a Q4_K_M / Q5_K_M GGUF" in decode_advice(6.56, 70.0)[1]

@@ -445,8 +445,10 @@ def _spread(values: list[float]) -> float | None:
     return max(values) / min(values) - 1 if len(values) >= 2 else None
 
 
-# A weight width at or under this is a 4-bit format already (Q4_K_M, AWQ, MXFP4, int4).
-LIGHT_WEIGHT_BITS = 5.0
+# A weight width at or under this is a 4- or 5-bit format already (Q4_K_M is 4.9 bits a weight,
+# more where rows K-quants cannot take fall back to Q5_0/Q8_0; Q5_K_M 5.7; AWQ, MXFP4 4.25),
+# not Q6_K (6.56) or Q8_0 (8.5), which a Q4_K_M would still halve.
+LIGHT_WEIGHT_BITS = 6.0
 
 
 def _ceiling(
@@ -757,10 +759,10 @@ def findings(r: dict[str, Any], runtime: str) -> list[dict[str, str]]:
             f"{low:.0f}–{high:.0f}% over repeats and bandwidth readings)"
         )
         bits = ceiling.get("weight_bits")
-        # Weights already at a 4-bit format's width (Q4_K_M is 4.9 bits a weight, AWQ 4.25):
-        # quantizing further costs quality, and on a few CPU cores unpacking them is compute
-        # that holds decode below the bytes' ceiling (docs/metrics.md: llama.cpp decoded a
-        # Q4_K_M GGUF at 45-58% of it where the same model in BF16 reached 66-90%).
+        # Weights already at a 4- or 5-bit width: quantizing further costs quality, and on a
+        # few CPU cores unpacking them is compute that holds decode below the bytes' ceiling
+        # (docs/metrics.md: llama.cpp decoded a Q4_K_M GGUF at 45-58% of it where the same
+        # model in BF16 reached 66-90%).
         light = bits is not None and bits <= LIGHT_WEIGHT_BITS
         if light:
             evidence += f"; the weights are already {bits:.1f} bits each"
@@ -786,8 +788,8 @@ def findings(r: dict[str, Any], runtime: str) -> list[dict[str, str]]:
                 "decode",
                 "Decode reaches a fair share of the bandwidth ceiling",
                 evidence,
-                "fewer bits barely help: unpacking quantized weights is compute on each token; "
-                + knob("stack", runtime),
+                "fewer bits barely help: the rest of the step is not the weights' bytes (on a "
+                "CPU, unpacking them is compute on every token); " + knob("stack", runtime),
             )
         else:
             add(
