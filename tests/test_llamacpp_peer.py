@@ -9,6 +9,7 @@ figure is checked against what llama.cpp says of itself: its per-request timings
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -287,11 +288,16 @@ def test_a_foreign_gguf_reads_as_its_config_and_as_llamacpp_counts_it(
     assert any(x.window for x in from_gguf.layers) and held[0] == held[1]
     port = free_port()
     args = ["-m", str(out), "--host", "127.0.0.1", "--port", str(port), "-c", "512", "-t", "2"]
-    url = f"http://127.0.0.1:{port}"
-    with peer_server("llama-server", [str(SERVER), *args], url, tmp_path / "log", 60):
+    url, log = f"http://127.0.0.1:{port}", tmp_path / "log"
+    with peer_server("llama-server", [str(SERVER), *args, "-lv", "4"], url, log, 60):
         meta = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["meta"]
     assert meta["n_params"] == from_gguf.total_params
     assert meta["size"] == pytest.approx(rf.weight_bytes(from_gguf, from_gguf.file_weights))
+    # its KV caches: one for the full-attention layers, one for the windowed, each saying its
+    # layers ("creating non-SWA KV cache" ... "(512 cells, 1 layers, ..."), as plan places them
+    caches = re.findall(r"creating\s+(non-SWA|SWA) KV cache.*?(\d+) layers", log.read_text(), re.S)
+    full = sum(x.window is None for x in from_gguf.layers)
+    assert dict(caches) == {"non-SWA": str(full), "SWA": str(len(from_gguf.layers) - full)}
 
 
 QUANTIZE = TREE / "bin" / "llama-quantize"
