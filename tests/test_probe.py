@@ -931,6 +931,12 @@ def test_the_ttft_fit_never_has_a_negative_cost_and_needs_a_span() -> None:
     # Falling TTFT (a disturbed host) fits nothing rather than a negative cost.
     assert _ttft_fit([100, 1000], [50.0, 40.0]) is None
     assert _ttft_fit(xs, [10.0, 20.0, 40.0, 80.0]) is not None  # a clean rise still fits
+    # Two lengths from llama.cpp, bent up by attention's square: a line through them started
+    # at -19.9 ms. No cost is negative, the fixed one included, and both points still fit.
+    fit = _ttft_fit([200, 1000], [132.0, 738.0])
+    assert fit is not None and min(fit) >= 0
+    for x, y in ((200, 132.0), (1000, 738.0)):
+        assert fit[0] + fit[1] * x + fit[2] * x * x == pytest.approx(y)
 
 
 def test_impossible_results_get_no_verdict() -> None:
