@@ -190,6 +190,48 @@ def test_async_streaming_concurrency_and_abort(tiny: Path) -> None:
     assert not aengine.is_running
 
 
+def test_the_server_builds_its_engine_on_the_thread_that_steps_it(tiny: Path) -> None:
+    """GNU OpenMP gives each thread that starts a parallel region its own team; with two teams
+    in a 2-core process (the engine loaded on the main thread, stepped on another) every
+    barrier of a step slept in the kernel and served decode steps took 30-60% longer than in
+    process. The server's engine is built, warmed and stepped on one thread, and a build that
+    fails raises its own error to the caller."""
+    import threading
+
+    from pdscope.server import run
+
+    seen: dict[str, str] = {}
+
+    class Recorded(LLMEngine):
+        def __init__(self, args: EngineArgs) -> None:
+            seen["built"] = threading.current_thread().name
+            super().__init__(args)
+
+        def step(self):  # type: ignore[no-untyped-def]
+            seen["stepped"] = threading.current_thread().name
+            return super().step()
+
+    args = EngineArgs(model=str(tiny), kv_cache_memory="8MiB", max_model_len=512)
+    original, run.LLMEngine = run.LLMEngine, Recorded  # type: ignore[misc]
+    try:
+        aengine = run.start_engine(args, None)
+        try:
+
+            async def one() -> None:
+                async for _ in aengine.generate(PROMPT, SamplingParams(max_tokens=3)):
+                    pass
+
+            asyncio.run(one())
+        finally:
+            aengine.shutdown()
+        with pytest.raises(FileNotFoundError):
+            run.start_engine(EngineArgs(model=str(tiny / "absent")), None)
+    finally:
+        run.LLMEngine = original  # type: ignore[misc]
+    assert seen == {"built": "pdscope-engine", "stepped": "pdscope-engine"}
+    assert threading.main_thread().name != "pdscope-engine"
+
+
 def test_one_failing_request_fails_alone(tiny: Path) -> None:
     engine = LLMEngine(EngineArgs(model=str(tiny), kv_cache_memory="8MiB", max_model_len=512))
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)

@@ -4,6 +4,14 @@ receive each request's outputs as they are produced.
 Every touch of engine state happens on the engine thread: callers submit closures to an inbox
 that the loop drains between steps, so the scheduler and pool need no locks, and a slow HTTP
 client never blocks a step.
+
+Given a function that builds the engine, the thread builds it too (the server's way), so one
+thread runs every torch op and C kernel of the process. GNU OpenMP gives each thread that
+starts a parallel region its own team of workers; once a process's teams hold more threads
+than it has CPUs, every worker stops spinning at a barrier after ~1,000 spins and sleeps in the
+kernel, and each of a step's many barriers pays a wake-up. Loaded on the main thread and
+stepped on this one, a 2-core server's decode steps took 30-60% longer than the same engine's
+in process (docs/performance.md, "One OpenMP team").
 """
 
 from __future__ import annotations
@@ -33,8 +41,11 @@ class QueueFullError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queue: int | None = None):
-        self.engine = engine
+    def __init__(
+        self, engine: LLMEngine | Callable[[], LLMEngine], max_queue: int | None = None
+    ) -> None:
+        """``engine``: the engine, or a function that builds it on the engine thread (returns
+        once it is built; what the build raised is raised here)."""
         self.max_queue = max_queue
         # (work, on_dead): on_dead settles the caller if the loop stops before running work.
         self._inbox: queue.SimpleQueue[tuple[Callable[[], None], Callable[[], None]]] = (
@@ -45,8 +56,31 @@ class AsyncEngine:
         self._stopping = False
         self._closing = False  # abort_all ran: a server shutting down admits nothing more
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="pdscope-engine", daemon=True)
+        if isinstance(engine, LLMEngine):
+            self.engine = engine
+            self._thread = threading.Thread(target=self._loop, name="pdscope-engine", daemon=True)
+            self._thread.start()
+            return
+        built: list[LLMEngine | BaseException] = []
+
+        def build_then_loop() -> None:
+            try:
+                self.engine = engine()  # before the loop reads it
+            except BaseException as exc:
+                built.append(exc)
+                return
+            built.append(self.engine)
+            self._loop()
+
+        self._thread = threading.Thread(target=build_then_loop, name="pdscope-engine", daemon=True)
         self._thread.start()
+        while not built and self._thread.is_alive():
+            self._thread.join(0.05)
+        if not built:
+            raise EngineDeadError("the engine thread ended before the engine was built")
+        if isinstance(built[0], BaseException):
+            self._thread.join()
+            raise built[0]
 
     @property
     def is_running(self) -> bool:

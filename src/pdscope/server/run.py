@@ -81,7 +81,9 @@ class _Server(uvicorn.Server):
 
 
 def start_engine(args: EngineArgs, max_queue: int | None) -> AsyncEngine:
-    engine = LLMEngine(args)
+    # Built on the thread that steps it: one OpenMP team in the process (async_engine.py).
+    running = AsyncEngine(lambda: LLMEngine(args), max_queue)
+    engine = running.engine
     tokens = engine.pool.num_blocks * engine.pool.block_size
     log.info("model %s on %s, %s", engine.path, engine.device, str(engine.dtype).split(".")[-1])
     log.info(engine.pool_summary)
@@ -90,7 +92,7 @@ def start_engine(args: EngineArgs, max_queue: int | None) -> AsyncEngine:
         engine.max_model_len,
         tokens / engine.max_model_len,
     )
-    return AsyncEngine(engine, max_queue)
+    return running
 
 
 def serve(
