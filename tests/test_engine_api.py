@@ -193,9 +193,9 @@ def test_async_streaming_concurrency_and_abort(tiny: Path) -> None:
 def test_the_server_builds_its_engine_on_the_thread_that_steps_it(tiny: Path) -> None:
     """GNU OpenMP gives each thread that starts a parallel region its own team; with two teams
     in a 2-core process (the engine loaded on the main thread, stepped on another) every
-    barrier of a step slept in the kernel and served decode steps took 30-60% longer than in
-    process. The server's engine is built, warmed and stepped on one thread, and a build that
-    fails raises its own error to the caller."""
+    barrier of a step slept in the kernel and served batch-1 decode took 1.1-1.3x the TPOT
+    it has in process. The server's engine is built, warmed and stepped on one thread, and a
+    build that fails raises its own error to the caller."""
     import threading
 
     from pdscope.server import run

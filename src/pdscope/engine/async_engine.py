@@ -10,8 +10,9 @@ thread runs every torch op and C kernel of the process. GNU OpenMP gives each th
 starts a parallel region its own team of workers; once a process's teams hold more threads
 than it has CPUs, every worker stops spinning at a barrier after ~1,000 spins and sleeps in the
 kernel, and each of a step's many barriers pays a wake-up. Loaded on the main thread and
-stepped on this one, a 2-core server's decode steps took 30-60% longer than the same engine's
-in process (docs/performance.md, "One OpenMP team").
+stepped on this one, a 2-core server's batch-1 decode took 1.1-1.3x the TPOT of the same engine
+in process (docs/performance.md, "One OpenMP team"; libgomp's do_spin counts down its
+throttled spin whenever the managed threads outnumber the CPUs).
 """
 
 from __future__ import annotations
