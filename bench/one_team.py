@@ -1,5 +1,5 @@
-"""Batch-1 decode in process and behind the server's AsyncEngine: does the server keep the
-engine's speed?
+"""Batch-1 decode in process and behind the server's AsyncEngine (the layer between the HTTP
+routes and the engine): does it keep the engine's speed?
 
 GNU OpenMP gives each thread that starts a parallel region its own team of workers. Once a
 process's teams hold more threads than it has CPUs, every worker stops spinning at a barrier

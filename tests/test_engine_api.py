@@ -190,7 +190,9 @@ def test_async_streaming_concurrency_and_abort(tiny: Path) -> None:
     assert not aengine.is_running
 
 
-def test_the_server_builds_its_engine_on_the_thread_that_steps_it(tiny: Path) -> None:
+def test_the_server_builds_its_engine_on_the_thread_that_steps_it(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """GNU OpenMP gives each thread that starts a parallel region its own team; with two teams
     in a 2-core process (the engine loaded on the main thread, stepped on another) every
     barrier of a step slept in the kernel and served batch-1 decode took 1.1-1.3x the TPOT
@@ -200,36 +202,34 @@ def test_the_server_builds_its_engine_on_the_thread_that_steps_it(tiny: Path) ->
 
     from pdscope.server import run
 
-    seen: dict[str, str] = {}
+    built: set[int] = set()
+    stepped: set[int] = set()
 
     class Recorded(LLMEngine):
         def __init__(self, args: EngineArgs) -> None:
-            seen["built"] = threading.current_thread().name
+            built.add(threading.get_ident())
             super().__init__(args)
 
         def step(self):  # type: ignore[no-untyped-def]
-            seen["stepped"] = threading.current_thread().name
+            stepped.add(threading.get_ident())
             return super().step()
 
+    monkeypatch.setattr(run, "LLMEngine", Recorded)
     args = EngineArgs(model=str(tiny), kv_cache_memory="8MiB", max_model_len=512)
-    original, run.LLMEngine = run.LLMEngine, Recorded  # type: ignore[misc]
+    aengine = run.start_engine(args, None)
     try:
-        aengine = run.start_engine(args, None)
-        try:
 
-            async def one() -> None:
-                async for _ in aengine.generate(PROMPT, SamplingParams(max_tokens=3)):
-                    pass
+        async def one() -> None:
+            async for _ in aengine.generate(PROMPT, SamplingParams(max_tokens=3)):
+                pass
 
-            asyncio.run(one())
-        finally:
-            aengine.shutdown()
-        with pytest.raises(FileNotFoundError):
-            run.start_engine(EngineArgs(model=str(tiny / "absent")), None)
+        asyncio.run(one())
     finally:
-        run.LLMEngine = original  # type: ignore[misc]
-    assert seen == {"built": "pdscope-engine", "stepped": "pdscope-engine"}
-    assert threading.main_thread().name != "pdscope-engine"
+        aengine.shutdown()
+    assert built == stepped == {aengine._thread.ident}
+    assert threading.get_ident() not in built
+    with pytest.raises(FileNotFoundError):
+        run.start_engine(EngineArgs(model=str(tiny / "absent")), None)
 
 
 def test_one_failing_request_fails_alone(tiny: Path) -> None:
@@ -400,3 +400,33 @@ def test_qwen_sliding_window_is_refused(tmp_path: Path) -> None:
     path = make_model(tmp_path / "q", "tiny", arch="qwen2", dtype="float32", sliding_window=8)
     with pytest.raises(ValueError, match="sliding-window"):
         LLM(model=str(path))
+
+
+def test_serve_sets_a_short_openmp_spin_before_torch_loads_unless_told() -> None:
+    """libgomp reads GOMP_SPINCOUNT once, when torch loads it: `pdscope serve` sets its short
+    count before anything imports torch (a fresh process, as the CLI starts), and leaves a
+    count or wait policy the user gave alone."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import os, sys, types\n"
+        "import pdscope.commands.serve as s\n"
+        "seen = {}\n"
+        "def fake(*a, **k): seen['spin'] = os.environ.get('GOMP_SPINCOUNT'); "
+        "seen['torch'] = 'torch' in sys.modules\n"
+        "r = types.ModuleType('pdscope.server.run')  # the server, not loaded: no torch\n"
+        "r.serve = fake\n"
+        "sys.modules['pdscope.server.run'] = r\n"
+        "s.serve(s.EngineArgs(), s.ServeSettings())\n"
+        "print(seen['spin'], seen['torch'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    for extra, expected in (({}, "1000"), ({"GOMP_SPINCOUNT": "5"}, "5")):
+        done = subprocess.run(
+            [sys.executable, "-c", script], env={**env, **extra}, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        spin, torch_loaded = done.stdout.split()
+        assert spin == expected and torch_loaded == "False", done.stdout

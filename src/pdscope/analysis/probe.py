@@ -173,25 +173,27 @@ def _ttft_fit(xs: list[int], ys: list[float]) -> list[float] | None:
     explains the points no better than their mean (a falling sweep). A line through 132 ms at
     200 tokens and 738 ms at 1,000 (llama.cpp; attention's square bends it up) gave
     "-19.9 ms + 0.758 ms x N"."""
-    x = np.asarray(xs, dtype=float)
     y = np.asarray(ys, dtype=float)
+    scale = float(max(xs)) or 1.0  # x in units of the longest prompt: columns of like size
+    x = np.asarray(xs, dtype=float) / scale
     columns = np.stack([np.ones_like(x), x, x * x], axis=1)
-    best: tuple[float, float, list[float]] | None = None
+    fits: list[tuple[float, np.ndarray]] = []
     for keep in itertools.product((True, False), repeat=3):
         if not any(keep) or np.linalg.matrix_rank(columns[:, list(keep)]) < sum(keep):
             continue
         found, *_ = np.linalg.lstsq(columns[:, list(keep)], y, rcond=None)
         coef = np.zeros(3)
         coef[list(keep)] = found
-        if (coef < 0).any() or not coef[1:].any():
-            continue
-        residual = float(((columns @ coef - y) ** 2).sum())
-        key = (round(residual, 9), float(coef[0]))
-        if best is None or key < best[:2]:
-            best = (*key, [float(c) for c in coef])
-    if best is None or best[0] >= float(((y - y.mean()) ** 2).sum()):
+        if (coef >= 0).all() and coef[1:].any():
+            fits.append((float(((columns @ coef - y) ** 2).sum()), coef))
+    if not fits:
+        return None
+    least = min(r for r, _ in fits)
+    if least >= float(((y - y.mean()) ** 2).sum()):
         return None  # no better than a constant: the sweep falls, or is all noise
-    return best[2]
+    tie = 1e-9 * float((y * y).sum())
+    _, coef = min((f for f in fits if f[0] <= least + tie), key=lambda f: f[1][0])
+    return [float(coef[0]), float(coef[1]) / scale, float(coef[2]) / scale**2]
 
 
 def analyze(

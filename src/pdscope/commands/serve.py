@@ -73,9 +73,27 @@ class ServeSettings:
             raise ValueError(f"--max-request-bytes: {exc}") from None
 
 
+# How long GNU OpenMP's workers spin before they sleep (GOMP_SPINCOUNT), for a server that has
+# not been told (nor OMP_WAIT_POLICY): libgomp's own default, ~300,000 spins, keeps the workers
+# spinning through the engine's Python between steps and between its kernels, taking the
+# cores the server's HTTP loop and, on a small machine, its clients need. Measured on a 2-core
+# AMD EPYC (docs/performance.md, "One OpenMP team"): at the default a probe beside the server
+# could no longer read 8 streams as one batch and bench at 8 streams gained 1.3x over 1 instead
+# of 1.5x or more; at 1,000 (what libgomp itself counts when its threads outnumber the CPUs)
+# batch-1 decode took 9.0-10.0 ms a token against 7.3-8.9 at the default, and 10.5-11.9 before
+# the server kept one OpenMP team.
+SERVER_SPIN_COUNT = "1000"
+
+
 def serve(args: EngineArgs, s: ServeSettings) -> None:
     """Load the engine and serve until SIGINT/SIGTERM. A ``ValueError`` or
     ``FileNotFoundError`` means the engine could not be built from ``args``."""
+    import os
+    import sys
+
+    told = {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & os.environ.keys()
+    if not told and "torch" not in sys.modules:  # libgomp reads it once, loaded with torch
+        os.environ["GOMP_SPINCOUNT"] = SERVER_SPIN_COUNT
     if s.threads is not None:
         import torch
 

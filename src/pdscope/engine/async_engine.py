@@ -75,13 +75,18 @@ class AsyncEngine:
 
         self._thread = threading.Thread(target=build_then_loop, name="pdscope-engine", daemon=True)
         self._thread.start()
-        while not built and self._thread.is_alive():
-            self._thread.join(0.05)
+        try:
+            while not built and self._thread.is_alive():
+                self._thread.join(0.05)  # in steps, so Ctrl-C still reaches this thread
+        except BaseException:
+            self._stopping = True  # the loop ends as soon as the build returns
+            raise
         if not built:
             raise EngineDeadError("the engine thread ended before the engine was built")
         if isinstance(built[0], BaseException):
+            error = built.pop()  # no reference from here to the failed build's frames
             self._thread.join()
-            raise built[0]
+            raise error
 
     @property
     def is_running(self) -> bool:
