@@ -411,3 +411,27 @@ def test_calibrated_simulation_tracks_the_real_engine_end_to_end(tiny_model, tmp
             [r[key] for r in reals],
             json.dumps(sim["metadata"]["calibration"]),
         )
+
+
+def test_a_decode_read_in_bursts_is_left_out_of_the_fit() -> None:
+    """A client too loaded to keep up read a stream's tokens together at its end: the span its
+    gaps add up to shrank to nothing, so its TPOT read ~0.04 ms where the steps took 0.7, and
+    the fit, taking the steps to cost nothing, simulated a TPOT a twentieth of the real one
+    (a clean-clone CI run of the end-to-end test). Such a decode is left out of the fit."""
+    probe = json.loads((DATA / "probe-small-xeon-1thread.json").read_text())
+    budget = 2048
+    before = {o.label for o in observations(probe, budget) if o.kind == "decode"}
+    sweep = [t for t in probe["traces"] if t["label"] == "sweep" and t.get("chunks")]
+    label = sweep[0]["label"]
+    prompt = sweep[0]["prompt_tokens"] or sweep[0]["prompt_tokens_asked"]
+    for t in (t for t in sweep if (t["prompt_tokens"] or t["prompt_tokens_asked"]) == prompt):
+        chunks = t["chunks"]
+        for chunk in chunks[1:]:  # every token after the first arrives with the last
+            chunk["t_s"] = chunks[-1]["t_s"] - 1e-6
+    traces = [Trace.from_dict(t) for t in probe["traces"]]
+    from pdscope.analysis.calibrate import read_in_bursts
+
+    assert sum(read_in_bursts(t) for t in traces if t.label == label) >= 1
+    after = {o.label for o in observations(probe, budget) if o.kind == "decode"}
+    (gone,) = before - after  # that point's decode, and only it: the others still fit
+    assert gone.startswith(f"{label} decode at ") and after < before

@@ -128,6 +128,19 @@ BURST_GAP = 0.1
 BURSTY_SHARE = 0.25  # of a request's gaps: read in bursts, left out of the scatter
 
 
+def read_in_bursts(t: Trace) -> bool:
+    """Whether a client read this stream in bursts (a quarter of its gaps or more under a
+    tenth of its mean gap, which no step is): its gaps, and the span they add up to, measure
+    the client. Its first tokens waited in the client while its last came in time, so its
+    TPOT reads short: a tiny model's probe read so gave ~0.04 ms a token where its steps took
+    0.7, and the fit took the steps to cost nothing. Fewer than 8 gaps cannot tell."""
+    gaps = t.itl_samples_s()
+    if len(gaps) < 8:
+        return False
+    mean_gap = sum(gaps) / len(gaps)
+    return mean_gap > 0 and sum(g < BURST_GAP * mean_gap for g in gaps) >= BURSTY_SHARE * len(gaps)
+
+
 def step_jitter(probe: dict[str, Any]) -> StepJitter | None:
     """The probe's step-time scatter (see :class:`StepJitter`); None without a decode of at
     least 8 gaps read steadily. The cold request is left out: its first steps pay one-off
@@ -141,11 +154,10 @@ def step_jitter(probe: dict[str, Any]) -> StepJitter | None:
         mean_gap = sum(gaps) / len(gaps) if len(gaps) >= 8 else 0.0
         if not mean_gap > 0:
             continue
-        request = [g / mean_gap for g in gaps]
-        if sum(r < BURST_GAP for r in request) >= BURSTY_SHARE * len(request):
+        if read_in_bursts(t):
             bursty += 1
             continue
-        ratios += request
+        ratios += [g / mean_gap for g in gaps]
     if not ratios:
         return None
     return StepJitter(tuple(sorted(ratios)), bursty)
@@ -197,8 +209,9 @@ def prefill_steps(prompt: int, cached: int, budget: int) -> tuple[tuple[WorkEntr
 def observations(probe: dict[str, Any], budget: int) -> list[Observation]:
     """What a saved probe measured, as steps and seconds. ``budget`` is the server's
     max_num_batched_tokens (a prompt over it prefills in several steps). Failed requests, the
-    cold request (model load, first-use work) and prefix hits the server did not count are left
-    out; repeats of one point give one observation, their median."""
+    cold request (model load, first-use work), prefix hits the server did not count and the
+    decode of a stream read in bursts (:func:`read_in_bursts`) are left out; repeats of one
+    point give one observation, their median."""
     traces = [Trace.from_dict(t) for t in probe.get("traces") or []]
     prefill: dict[tuple[str, int, int], list[float]] = defaultdict(list)
     decode: dict[tuple[str, int], list[float]] = defaultdict(list)
@@ -218,7 +231,7 @@ def observations(probe: dict[str, Any], budget: int) -> list[Observation]:
         if t.ttft_s is not None:
             prefill[(t.label, prompt, cached or 0)].append(t.ttft_s)
         n = t.n_output
-        if t.tpot_s is not None and n and n >= 2:
+        if t.tpot_s is not None and n and n >= 2 and not read_in_bursts(t):
             # Decode steps run at contexts prompt+1 .. prompt+n-1; the cost is linear in the
             # context, so the middle one prices their mean.
             decode[(t.label, prompt + n // 2)].append(t.tpot_s)
