@@ -37,13 +37,17 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def gguf(medium: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("gguf") / "medium.gguf"
+def to_gguf(model: Path, out: Path) -> Path:
+    """``model`` converted by llama.cpp's own converter (tests/to_gguf.py) to ``out``."""
     convert = [sys.executable, str(Path(__file__).with_name("to_gguf.py")), str(TREE / "src")]
-    done = subprocess.run([*convert, str(medium), str(out)], capture_output=True, text=True)
+    done = subprocess.run([*convert, str(model), str(out)], capture_output=True, text=True)
     assert done.returncode == 0 and out.exists(), done.stderr[-3000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def gguf(medium: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return to_gguf(medium, tmp_path_factory.mktemp("gguf") / "medium.gguf")
 
 
 @pytest.fixture(scope="module")
@@ -198,10 +202,7 @@ def test_a_converted_gguf_reads_as_its_checkpoint(arch: str, tmp_path: Path) -> 
     from pdscope.checkpoint.make_model import make_model
 
     model = make_model(tmp_path / arch, "tiny", arch=arch, num_hidden_layers=2)
-    out = tmp_path / f"{arch}.gguf"
-    convert = [sys.executable, str(Path(__file__).with_name("to_gguf.py")), str(TREE / "src")]
-    done = subprocess.run([*convert, str(model), str(out)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    out = to_gguf(model, tmp_path / f"{arch}.gguf")
     from_gguf, from_config = load_model(str(out)), load_model(str(model))
     assert from_gguf.total_params == from_config.total_params
     kv = get_kv_precision("bf16")
@@ -271,10 +272,7 @@ def test_a_foreign_gguf_reads_as_its_config_and_as_llamacpp_counts_it(
     Phi-3's own vocabulary, which this tokenizer is not)."""
 
     model = foreign_checkpoint(arch, tmp_path / arch, tiny_model)
-    out = tmp_path / f"{arch}.gguf"
-    convert = [sys.executable, str(Path(__file__).with_name("to_gguf.py")), str(TREE / "src")]
-    done = subprocess.run([*convert, str(model), str(out)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    out = to_gguf(model, tmp_path / f"{arch}.gguf")
     from_gguf, from_config = load_model(str(out)), load_model(str(model))
     assert from_gguf.total_params == from_config.total_params
     kv = get_kv_precision("bf16")
