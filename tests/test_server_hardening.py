@@ -23,7 +23,7 @@ from tests.test_server import finished_counts, metrics, wait_for
 
 KEY = "s3cret"
 JSON = {"Content-Type": "application/json"}
-LONG = 2000  # output tokens: seconds of the tiny model, far longer than any check
+LONG = 2000  # output tokens: 0.6-0.8 s of the tiny model on a fast 2-core EPYC, longer elsewhere
 WINDOWS = 3  # rounds of big requests, each against a stream of its own (the check takes the best)
 
 
@@ -235,24 +235,29 @@ def _rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-# Reads one stream and prints "arrival gap" per chunk. A process of its own: a thread here
-# would share the test's GIL while it sends 12 MB, and the stall measured would be ours.
+# Reads streams one after another until it is stopped and prints "arrival gap" per chunk (a
+# next request's first chunk counts from the last one's end). One stream is not enough: on a
+# fast host the tiny model wrote LONG tokens in 0.6-0.8 s, over before the big requests were
+# sent, and CI read no chunk while they ran. A process of its own: a thread here would share
+# the test's GIL while it sends 12 MB, and the stall measured would be ours.
 STREAM_READER = r"""
 import sys, time, httpx
 body = {"prompt": "hi", "max_tokens": int(sys.argv[2]), "ignore_eos": True, "stream": True}
-with httpx.stream("POST", sys.argv[1] + "/v1/completions", json=body, timeout=120) as r:
-    last = time.perf_counter()
-    for _ in r.iter_lines():
-        now = time.perf_counter()
-        print(f"{now:.6f} {now - last:.6f}", flush=True)
-        last = now
+last = time.perf_counter()
+with httpx.Client(timeout=120) as client:
+    for _ in range(1000):
+        with client.stream("POST", sys.argv[1] + "/v1/completions", json=body) as r:
+            for _ in r.iter_lines():
+                now = time.perf_counter()
+                print(f"{now:.6f} {now - last:.6f}", flush=True)
+                last = now
 """
 
 
 def _stall_windows(
     client: httpx.Client, url: str, attacks: list[tuple[str, bytes, int]], tmp_path: Path
 ) -> list[tuple[float, float]]:
-    """Per window: (worst gap while ``attacks`` ran, worst gap before them) of a stream of
+    """Per window: (worst gap while ``attacks`` ran, worst gap before them) of streams of
     its own, read by a process of its own."""
     results = []
     for window in range(WINDOWS):
