@@ -429,9 +429,8 @@ def test_a_decode_read_in_bursts_is_left_out_of_the_fit() -> None:
         for chunk in chunks[1:]:  # every token after the first arrives with the last
             chunk["t_s"] = chunks[-1]["t_s"] - 1e-6
     traces = [Trace.from_dict(t) for t in probe["traces"]]
-    from pdscope.analysis.calibrate import read_in_bursts
 
-    assert sum(read_in_bursts(t) for t in traces if t.label == label) >= 1
+    assert sum(t.read_in_bursts for t in traces if t.label == label) >= 1
     after = {o.label for o in observations(probe, budget) if o.kind == "decode"}
     (gone,) = before - after  # that point's decode, and only it: the others still fit
     assert gone.startswith(f"{label} decode at ") and after < before

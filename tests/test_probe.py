@@ -10,17 +10,18 @@ tests/test_llamacpp_peer.py where `make llamacpp` has built one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import uvicorn
-from fastapi import FastAPI
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from typer.testing import CliRunner
 
 from pdscope.cli import app as cli
@@ -163,7 +164,7 @@ def test_probe_cli_json_and_plot(medium_server: Server, medium: Path, tmp_path: 
             "--repeats",
             "1",
             "--output-tokens",
-            "8",
+            "16",
             "--batch-context",
             "128",
             "--json",
@@ -496,20 +497,27 @@ def add_ollama_fake(app: FastAPI, base: str) -> None:
         return StreamingResponse(gen(), media_type="application/x-ndjson")
 
 
-@pytest.fixture(scope="module")
-def fake() -> Iterator[str]:
+@contextlib.contextmanager
+def serving(app: FastAPI) -> Iterator[str]:
+    """``app`` on a free loopback port, served from a thread; yields its URL."""
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(fake_app(), host="127.0.0.1", port=port, log_level="warning")
-    )
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[str]:
+    with serving(fake_app()) as url:
+        yield url
 
 
 def run(url: str) -> Trace:
@@ -612,6 +620,21 @@ def test_a_prompt_count_no_tokenizer_gives_is_not_learned() -> None:
     assert builder.tokens_per_word == 1.3 and builder.implausible == 1
     builder.calibrate(25, 34)
     assert builder.tokens_per_word == pytest.approx(34 / 25) and builder.calibrations == 1
+
+
+def test_prompts_drawn_aside_leave_the_seeded_sequence_as_it_was() -> None:
+    """A probe's resends draw aside: a seeded run's own prompts stay the seed's, whether or
+    not a response came whole and was sent again (what a repeated --seed relies on)."""
+    from pdscope.client.prompts import PromptBuilder
+
+    plain, resent = (PromptBuilder(None, "u", "m", False, seed=7) for _ in range(2))  # type: ignore[arg-type]
+    first = [plain.text(40) for _ in range(3)]
+    assert resent.text(40) == first[0]
+    with resent.aside():
+        extra = resent.text(40)
+        resent.tokens_per_word = 2.5  # as ids() learns from /tokenize
+    assert extra not in first and resent.tokens_per_word == 1.3
+    assert [resent.text(40) for _ in range(2)] == first[1:]
 
 
 def test_itl_with_known_chunk_sizes() -> None:
@@ -1095,3 +1118,72 @@ def test_weights_already_at_four_bits_are_not_told_to_quantize() -> None:
     # a Q5_K_M (5.7 bits) is as light; a Q6_K (6.56) is still told of Q4_K_M
     assert "Q4_K_M" not in decode_advice(5.7, 70.0)[1]
     assert "use a Q4_K_M / Q5_K_M GGUF" in decode_advice(6.56, 70.0)[1]
+
+
+def buffering_proxy(upstream: str, whole: int) -> FastAPI:
+    """A reverse proxy in front of a real server that hands its first ``whole`` streamed
+    generations to the client in one piece, as nginx does with proxy_buffering on; the rest
+    it relays as they come. Everything else it forwards as it is."""
+    app = FastAPI()
+    left = [whole]
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def forward(request: Request, path: str) -> Response:
+        body = await request.body()
+        url = f"{upstream}/{path}" + (f"?{request.url.query}" if request.url.query else "")
+        headers = {
+            k: v for k, v in request.headers.items() if k in ("content-type", "authorization")
+        }
+        streamed = request.method == "POST" and path.endswith(("completions", "generate", "chat"))
+        streamed = streamed and json.loads(body).get("stream", path.startswith("api/")) is True
+        if streamed and left[0] == 0:
+
+            async def relay() -> AsyncIterator[bytes]:
+                async with (
+                    httpx.AsyncClient(timeout=60) as client,
+                    client.stream("POST", url, content=body, headers=headers) as r,
+                ):
+                    async for piece in r.aiter_raw():
+                        yield piece
+
+            return StreamingResponse(relay(), media_type="text/event-stream")
+        if streamed:
+            left[0] -= 1
+        async with httpx.AsyncClient(timeout=60) as client:
+            r = await client.request(request.method, url, content=body, headers=headers)
+        return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+
+    return app
+
+
+def test_a_decode_read_whole_is_sent_again_fresh(medium_server: Server) -> None:
+    """Behind a proxy that buffers the first two streams (the cold request and the first
+    decode check), that check is sent again with a fresh prompt and every figure is measured;
+    the unread response is kept, labelled, and named in a note. Behind one that buffers every
+    stream, the resends stop at RESENDS and the decode checks are left unmeasured."""
+    from pdscope.commands.probe import RESENDS, UNREAD
+
+    kw = {"prompt_tokens": [100, 400], "repeats": 1, "output_tokens": 32, "batch_streams": 0}
+    with serving(buffering_proxy(medium_server.url, whole=2)) as url:
+        r = asyncio.run(probe(settings(url, **kw)))
+    traces = [Trace.from_dict(t) for t in r["traces"]]
+    assert traces[0].label == "cold" and not traces[0].streamed  # reported apart, not resent
+    unread = [t for t in traces if t.label.endswith(UNREAD)]
+    # The first is the buffered one; a relay through a Python proxy on two busy cores can
+    # also hand over a later stream in bursts now and then, and that is resent too.
+    first = unread[0]
+    assert first.label == "sweep" + UNREAD and first.prompt_tokens == 100
+    assert first.ok and not first.streamed and len(unread) <= RESENDS
+    assert all(
+        t.label.removesuffix(UNREAD) in ("sweep", "context-short", "context-long") for t in unread
+    )
+    assert not r["unmeasured"], r["unmeasured"]
+    assert all(p["decode_tok_s"] for p in r["sweep"]) and r["context"]["long_over_short"]
+    assert any(n.startswith(f"{len(unread)} response(s) whose decode") for n in r["notes"])
+    assert [t.prompt_tokens for t in traces if t.label == "sweep"] == [100, 400]
+
+    with serving(buffering_proxy(medium_server.url, whole=10_000)) as url:
+        r = asyncio.run(probe(settings(url, **kw)))
+    traces = [Trace.from_dict(t) for t in r["traces"]]
+    assert sum(t.label.endswith(UNREAD) for t in traces) == RESENDS
+    assert any(u.startswith("context check") for u in r["unmeasured"]), r["unmeasured"]

@@ -123,22 +123,6 @@ class StepJitter:
 
 # Single-stream decodes of a probe: every gap is one step carrying one decode.
 _SINGLE_LABELS = ("sweep", "prefix-cold", "prefix-warm", "context-short", "context-long")
-# A gap under this share of its request's mean gap is tokens read at once, not a step.
-BURST_GAP = 0.1
-BURSTY_SHARE = 0.25  # of a request's gaps: read in bursts, left out of the scatter
-
-
-def read_in_bursts(t: Trace) -> bool:
-    """Whether a client read this stream in bursts (a quarter of its gaps or more under a
-    tenth of its mean gap, which no step is): its gaps, and the span they add up to, measure
-    the client. Its first tokens waited in the client while its last came in time, so its
-    TPOT reads short: a tiny model's probe read so gave ~0.04 ms a token where its steps took
-    0.7, and the fit took the steps to cost nothing. Fewer than 8 gaps cannot tell."""
-    gaps = t.itl_samples_s()
-    if len(gaps) < 8:
-        return False
-    mean_gap = sum(gaps) / len(gaps)
-    return mean_gap > 0 and sum(g < BURST_GAP * mean_gap for g in gaps) >= BURSTY_SHARE * len(gaps)
 
 
 def step_jitter(probe: dict[str, Any]) -> StepJitter | None:
@@ -154,7 +138,7 @@ def step_jitter(probe: dict[str, Any]) -> StepJitter | None:
         mean_gap = sum(gaps) / len(gaps) if len(gaps) >= 8 else 0.0
         if not mean_gap > 0:
             continue
-        if read_in_bursts(t):
+        if t.read_in_bursts:
             bursty += 1
             continue
         ratios += [g / mean_gap for g in gaps]
@@ -210,7 +194,7 @@ def observations(probe: dict[str, Any], budget: int) -> list[Observation]:
     """What a saved probe measured, as steps and seconds. ``budget`` is the server's
     max_num_batched_tokens (a prompt over it prefills in several steps). Failed requests, the
     cold request (model load, first-use work), prefix hits the server did not count and the
-    decode of a stream read in bursts (:func:`read_in_bursts`) are left out; repeats of one
+    decode of a stream read in bursts (:attr:`Trace.read_in_bursts`) are left out; repeats of one
     point give one observation, their median."""
     traces = [Trace.from_dict(t) for t in probe.get("traces") or []]
     prefill: dict[tuple[str, int, int], list[float]] = defaultdict(list)
@@ -231,7 +215,7 @@ def observations(probe: dict[str, Any], budget: int) -> list[Observation]:
         if t.ttft_s is not None:
             prefill[(t.label, prompt, cached or 0)].append(t.ttft_s)
         n = t.n_output
-        if t.tpot_s is not None and n and n >= 2 and not read_in_bursts(t):
+        if t.tpot_s is not None and n and n >= 2 and not t.read_in_bursts:
             # Decode steps run at contexts prompt+1 .. prompt+n-1; the cost is linear in the
             # context, so the middle one prices their mean.
             decode[(t.label, prompt + n // 2)].append(t.tpot_s)

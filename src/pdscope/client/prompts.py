@@ -8,8 +8,10 @@ which is what every figure uses.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
+from collections.abc import Iterator
 from functools import cache
 
 import httpx
@@ -53,7 +55,20 @@ class PromptBuilder:
         self._reported = self._words = 0
         self.headers = headers
         self.rng = random.Random(seed)
+        self._aside_rng = random.Random(f"{seed}/aside")
         self.tokens_per_word = 1.3  # updated from the server's counts
+
+    @contextlib.contextmanager
+    def aside(self) -> Iterator[None]:
+        """Prompts drawn inside come from a stream of their own and leave the builder as it
+        was, so the prompts drawn outside are the ones the seed gives whatever was drawn
+        aside (a probe's resends, which one run makes and the next may not)."""
+        rng, per_word = self.rng, self.tokens_per_word
+        self.rng = self._aside_rng
+        try:
+            yield
+        finally:
+            self.rng, self.tokens_per_word = rng, per_word
 
     def _text(self, words: int) -> str:
         vocab = _words()

@@ -11,6 +11,10 @@ from typing import Any
 
 from pdscope.engine.timeline import RequestTimeline
 
+# A gap under this share of its request's mean gap is tokens read at once, not a step.
+BURST_GAP = 0.1
+BURSTY_SHARE = 0.25  # of a request's gaps: read in bursts (Trace.read_in_bursts)
+
 
 @dataclass
 class Chunk:
@@ -127,6 +131,20 @@ class Trace:
     def decode_tok_s(self) -> float | None:
         tpot = self.tpot_s
         return None if not tpot else 1 / tpot
+
+    @property
+    def read_in_bursts(self) -> bool:
+        """Whether the client read this stream in bursts (a quarter of its gaps or more under
+        a tenth of its mean gap, which no step is): its gaps, and the span they add up to,
+        measure the client. Its first tokens waited in the client while its last came in time,
+        so its TPOT reads short: a tiny model's probe read so gave ~0.04 ms a token where its
+        steps took 0.7. Fewer than 8 gaps cannot tell."""
+        gaps = self.itl_samples_s()
+        if len(gaps) < 8:
+            return False
+        mean_gap = sum(gaps) / len(gaps)
+        short = sum(g < BURST_GAP * mean_gap for g in gaps)
+        return mean_gap > 0 and short >= BURSTY_SHARE * len(gaps)
 
     def itl_samples_s(self) -> list[float]:
         """Per-token inter-token latencies: a gap that delivered k tokens counts k times at

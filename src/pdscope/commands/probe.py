@@ -21,7 +21,13 @@ from typing import Any
 import aiohttp
 import httpx
 
-from pdscope.analysis.probe import PREFIX_TAIL_TOKENS, Ceilings, ModelBytes, analyze
+from pdscope.analysis.probe import (
+    PREFIX_TAIL_TOKENS,
+    Ceilings,
+    ModelBytes,
+    analyze,
+    cache_hit,
+)
 from pdscope.client.adapters import (
     API_OLLAMA,
     API_OPENAI_CHAT,
@@ -107,6 +113,11 @@ class ProbeSettings:
 BATCH_PROMPT_TOKENS = 64  # the batched-decode check's prompts: short, so decode dominates
 PREFIX_PAIRS = 3  # prefix-cache check: fresh prefixes, each sent cold then warm
 MIN_PREFIX_TOKENS = 256  # its shared prefix: many KV blocks whatever the server's block size
+# A decode check whose response could not be read (it came whole, or in bursts) is sent again
+# with a fresh prompt, this many times in a run at most: a server that never streams (behind
+# a buffering proxy) costs a few requests more, not every check thrice.
+RESENDS = 4
+UNREAD = "-unread"  # label suffix of a response left out for a resend, kept in the traces
 
 
 class Prober:
@@ -129,6 +140,7 @@ class Prober:
             client, runtime.url, model, exact, self.headers, seed, runtime.tokenize_key
         )
         self.traces: list[Trace] = []
+        self.resends_left = RESENDS
         self.counter = (
             PrefixHitCounter(client, runtime.url, self.headers) if runtime.has_metrics else None
         )
@@ -147,7 +159,9 @@ class Prober:
         label: str,
         max_tokens: int | None = None,
         count_hits: bool = True,
+        learn: bool = True,
     ) -> Trace:
+        """``learn``: the prompt builder learns tokens per word from the server's count."""
         out = max_tokens or self.s.output_tokens
         # The hit counter is read before and after: only meaningful for one request at a time.
         counter = self.counter if count_hits else None
@@ -156,7 +170,7 @@ class Prober:
             self.streams, self.runtime.url, self.api, self.model, prompt, out, label, asked,
             self.headers,
         )  # fmt: skip
-        if trace.error is None and not self.exact_prompts and isinstance(prompt, str):
+        if learn and trace.error is None and not self.exact_prompts and isinstance(prompt, str):
             words = len(prompt.split())
             self.builder.calibrate(words, trace.prompt_tokens)
         hits_after = await counter.read() if counter else None
@@ -170,12 +184,31 @@ class Prober:
         self.tick(label)
         return trace
 
+    async def decode_check(self, tokens: int, label: str) -> Trace:
+        """One fresh prompt whose decode is measured. A response that answered with tokens to
+        time but whose decode could not be read (it reached the client whole, or in bursts:
+        on a busy host a fast server's 8-token answer can arrive so) is relabelled ``label +
+        UNREAD`` and the check sent again with a fresh prompt while resends are left."""
+        trace = await self.send(await self.prompt(tokens), tokens, label)
+        while True:
+            # A cache hit is left out of the figures for that already; a resend would only
+            # draw a prompt a repeated --seed's earlier run never sent.
+            unread = trace.ok and (trace.n_output or 0) >= 2 and not cache_hit(trace)
+            unread = unread and (trace.decode_tok_s is None or trace.read_in_bursts)
+            if not unread or self.resends_left == 0:
+                return trace
+            self.resends_left -= 1
+            trace.label = label + UNREAD
+            with self.builder.aside():  # a repeated --seed still sends this run's prompts
+                prompt = await self.prompt(tokens)
+            trace = await self.send(prompt, tokens, label, learn=False)
+
     async def run(self) -> None:
         s = self.s
         await self.send(await self.prompt(s.prompt_tokens[0]), s.prompt_tokens[0], "cold")
         for n in s.prompt_tokens:
             for _ in range(s.repeats):
-                await self.send(await self.prompt(n), n, "sweep")
+                await self.decode_check(n, "sweep")
         # At least MIN_PREFIX_TOKENS: a prefix shorter than a server's KV block (16 tokens in
         # vLLM) cannot be cached, and its "not reused" would be a false finding.
         tail_n = PREFIX_TAIL_TOKENS
@@ -193,7 +226,7 @@ class Prober:
         short = self.fitting(64)
         for label, n in (("context-short", short), ("context-long", self.context_tokens)):
             for _ in range(2):
-                await self.send(await self.prompt(n), n, label, max_tokens=s.output_tokens)
+                await self.decode_check(n, label)
         if s.batch_streams > 1:
             # Short fresh prompts sent together: after their prefills, every step decodes all
             # of them at once (what one stream's figures cannot show: the cost per sequence).
@@ -545,6 +578,14 @@ async def probe(
     result = analyze(
         prober.traces, runtime.name, ceilings, model_bytes_for(s, root), served_model=served
     )
+    unread = [t for t in prober.traces if t.label.endswith(UNREAD)]
+    if unread:
+        whole = sum(t.decode_tok_s is None for t in unread)
+        notes.append(
+            f"{len(unread)} response(s) whose decode could not be read ({whole} came whole, "
+            f"{len(unread) - whole} in bursts) were sent again with fresh prompts; kept in the "
+            f"traces labelled '*{UNREAD}', left out of every figure"
+        )
     if prober.traces and all(t.cached_source is None for t in prober.traces if t.ok):
         notes.append(
             "the server reports no cached-token count and has no prefix-hit counter: a cache "
