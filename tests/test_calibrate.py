@@ -2,6 +2,7 @@
 the simulator itself with known parameters, so the fit has a right answer to recover; the real
 engine's calibration is checked end to end by bench/validate_simulator.py."""
 
+import copy
 import json
 import math
 from dataclasses import replace
@@ -434,3 +435,22 @@ def test_a_decode_read_in_bursts_is_left_out_of_the_fit() -> None:
     after = {o.label for o in observations(probe, budget) if o.kind == "decode"}
     (gone,) = before - after  # that point's decode, and only it: the others still fit
     assert gone.startswith(f"{label} decode at ") and after < before
+
+
+def test_a_response_probe_resent_is_left_out_of_the_fit() -> None:
+    """A response probe could not read and sent again (`<label>-unread`) adds no observation:
+    read whole, its TTFT is the whole response's time. The fit is the one its resend alone
+    gives."""
+    from pdscope.client.trace import UNREAD
+
+    probe = json.loads((DATA / "probe-small-xeon-1thread.json").read_text())
+    budget = 2048
+    before = observations(probe, budget)
+    sweep = next(t for t in probe["traces"] if t["label"] == "sweep" and t.get("chunks"))
+    unread = copy.deepcopy(sweep)
+    unread["label"] = "sweep" + UNREAD
+    for chunk in unread["chunks"]:  # one network read: TTFT is the whole response's time
+        chunk["t_s"] = unread["chunks"][-1]["t_s"]
+    probe["traces"].append(unread)
+    assert observations(probe, budget) == before
+    assert step_jitter(probe) == step_jitter({**probe, "traces": probe["traces"][:-1]})

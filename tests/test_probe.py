@@ -48,7 +48,18 @@ def settings(url: str, **kw) -> ProbeSettings:
 
 
 def test_probe_openai_dialect(medium_server: Server) -> None:
+    from tests.test_server import metrics
+
+    def small_steps(m: dict[str, float]) -> float:
+        """Steps the server ran carrying 2 to 8 tokens: decodes of several streams."""
+        return (
+            m["vllm:iteration_tokens_total_bucket{le=8.0}"]
+            - m["vllm:iteration_tokens_total_bucket{le=1.0}"]
+        )
+
+    before = metrics(medium_server.url)
     r = asyncio.run(probe(settings(medium_server.url)))
+    after = metrics(medium_server.url)
     assert r["runtime"]["name"] == "pdscope" and r["runtime"]["api"] == "openai-completions"
     assert r["settings"]["exact_prompt_tokens"]
     sweep = r["sweep"]
@@ -72,15 +83,16 @@ def test_probe_openai_dialect(medium_server: Server) -> None:
     assert "Prefix caching works" in kinds
     assert not r["failures"] and r["partial"] is None
     # The batched-decode check: 8 short prompts at once, decoding together (most of the time),
-    # one step for all of them costing well under 8 single-stream steps. (Not "more than
-    # one": on a shared 2-core host the single-stream figure, taken earlier, can be the slower.)
-    # Under 6, not 4: on the AMD EPYC this read 2.7 in three runs alone and 4.4 in one
-    # full-suite run (the host's phase, most likely: the ratio divides figures taken apart
-    # in time). Stepping the streams one at a time reads ~8 and fails; batching only ~2 at
-    # a time would read ~4 and now passes.
+    # and the server's own step histogram agrees that its steps carried several decodes (the
+    # only steps of 2 to 8 tokens in this probe: every prompt is 64 tokens or more). A step's
+    # cost over one stream's is not bounded here: with this model a step costs ~0.2-0.3 ms,
+    # about what the server's HTTP loop spends on a token of one stream, so 8 streams' ITL
+    # is mostly that per-token work and read 2.4-8.7x one stream's (AMD EPYC, three probes in
+    # a row, alone); the bound of 6 failed a clean-clone CI run (7.5) and a local run (11.2).
     batch = r["batch_decode"]
     assert batch["streams"] == 8 and batch["concurrency"] > 4
-    assert 0 < batch["step_over_one_stream"] < 6
+    assert batch["step_over_one_stream"] > 0
+    assert small_steps(after) - small_steps(before) >= 10, small_steps(after) - small_steps(before)
     # The same 8 at long context: the steps where most of them decode together (their prefills
     # are staggered by the server's token budget), at the prompt plus the decode's middle.
     long = r["batch_decode_long"]
@@ -1156,24 +1168,29 @@ def buffering_proxy(upstream: str, whole: int) -> FastAPI:
     return app
 
 
-def test_a_decode_read_whole_is_sent_again_fresh(medium_server: Server) -> None:
+def test_a_decode_read_whole_is_sent_again_fresh(
+    medium_server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Behind a proxy that buffers the first two streams (the cold request and the first
     decode check), that check is sent again with a fresh prompt and every figure is measured;
     the unread response is kept, labelled, and named in a note. Behind one that buffers every
     stream, the resends stop at RESENDS and the decode checks are left unmeasured."""
-    from pdscope.commands.probe import RESENDS, UNREAD
+    from pdscope.client.trace import UNREAD
+    from pdscope.commands.probe import RESENDS
 
     kw = {"prompt_tokens": [100, 400], "repeats": 1, "output_tokens": 32, "batch_streams": 0}
+    # Room for more resends than the one by design: the relay shares this process's GIL and
+    # two busy cores, and can hand over a later stream in bursts now and then.
+    monkeypatch.setattr("pdscope.commands.probe.RESENDS", 20)
     with serving(buffering_proxy(medium_server.url, whole=2)) as url:
         r = asyncio.run(probe(settings(url, **kw)))
     traces = [Trace.from_dict(t) for t in r["traces"]]
     assert traces[0].label == "cold" and not traces[0].streamed  # reported apart, not resent
     unread = [t for t in traces if t.label.endswith(UNREAD)]
-    # The first is the buffered one; a relay through a Python proxy on two busy cores can
-    # also hand over a later stream in bursts now and then, and that is resent too.
-    first = unread[0]
+    first = unread[0]  # the buffered one; any later are streams the relay handed in bursts
     assert first.label == "sweep" + UNREAD and first.prompt_tokens == 100
-    assert first.ok and not first.streamed and len(unread) <= RESENDS
+    assert first.ok and not first.streamed
+    assert all(not t.streamed or t.read_in_bursts for t in unread)
     assert all(
         t.label.removesuffix(UNREAD) in ("sweep", "context-short", "context-long") for t in unread
     )
@@ -1182,8 +1199,13 @@ def test_a_decode_read_whole_is_sent_again_fresh(medium_server: Server) -> None:
     assert any(n.startswith(f"{len(unread)} response(s) whose decode") for n in r["notes"])
     assert [t.prompt_tokens for t in traces if t.label == "sweep"] == [100, 400]
 
+    monkeypatch.setattr("pdscope.commands.probe.RESENDS", RESENDS)
     with serving(buffering_proxy(medium_server.url, whole=10_000)) as url:
         r = asyncio.run(probe(settings(url, **kw)))
     traces = [Trace.from_dict(t) for t in r["traces"]]
     assert sum(t.label.endswith(UNREAD) for t in traces) == RESENDS
+    # past the resends, each decode check's one answer is kept as it came, and counted
+    kept = [t for t in traces if t.label in ("sweep", "context-short", "context-long")]
+    assert len(kept) == 6 and not any(t.streamed for t in kept)
+    assert any(n.startswith("6 more response(s)") for n in r["notes"]), r["notes"]
     assert any(u.startswith("context check") for u in r["unmeasured"]), r["unmeasured"]

@@ -29,7 +29,7 @@ import numpy as np
 
 from pdscope.analysis.probe import joint_decode
 from pdscope.analysis.stats import median
-from pdscope.client.trace import Trace
+from pdscope.client.trace import UNREAD, Trace
 from pdscope.roofline.step_cost import CostModel, CostParams
 from pdscope.specs import SpecError
 
@@ -132,7 +132,7 @@ def step_jitter(probe: dict[str, Any]) -> StepJitter | None:
     ratios: list[float] = []
     bursty = 0
     for t in (Trace.from_dict(d) for d in probe.get("traces") or []):
-        if not t.ok or t.label not in _SINGLE_LABELS:
+        if not t.ok or t.label.removesuffix(UNREAD) not in _SINGLE_LABELS:
             continue
         gaps = t.itl_samples_s()
         mean_gap = sum(gaps) / len(gaps) if len(gaps) >= 8 else 0.0
@@ -201,8 +201,8 @@ def observations(probe: dict[str, Any], budget: int) -> list[Observation]:
     decode: dict[tuple[str, int], list[float]] = defaultdict(list)
     batch: dict[str, list[Trace]] = defaultdict(list)
     for t in traces:
-        if not t.ok or t.label == "cold":
-            continue
+        if not t.ok or t.label == "cold" or t.label.endswith(UNREAD):
+            continue  # an unread one's TTFT waited in the client with its tokens
         if t.label in BATCH_LABELS:
             batch[t.label].append(t)
             continue

@@ -55,14 +55,15 @@ class PromptBuilder:
         self._reported = self._words = 0
         self.headers = headers
         self.rng = random.Random(seed)
-        self._aside_rng = random.Random(f"{seed}/aside")
+        self._aside_rng = random.Random()  # fresh every run, seed or not: never a repeat
         self.tokens_per_word = 1.3  # updated from the server's counts
 
     @contextlib.contextmanager
     def aside(self) -> Iterator[None]:
         """Prompts drawn inside come from a stream of their own and leave the builder as it
         was, so the prompts drawn outside are the ones the seed gives whatever was drawn
-        aside (a probe's resends, which one run makes and the next may not)."""
+        aside (a probe's resends, which one run makes and the next may not). One draw at a
+        time: the builder's state is swapped, so no other prompt may be drawn meanwhile."""
         rng, per_word = self.rng, self.tokens_per_word
         self.rng = self._aside_rng
         try:

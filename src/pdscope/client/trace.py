@@ -14,6 +14,9 @@ from pdscope.engine.timeline import RequestTimeline
 # A gap under this share of its request's mean gap is tokens read at once, not a step.
 BURST_GAP = 0.1
 BURSTY_SHARE = 0.25  # of a request's gaps: read in bursts (Trace.read_in_bursts)
+# Label suffix of a probe response whose decode could not be read and that was sent again: kept
+# in the traces, left out of every figure and fit.
+UNREAD = "-unread"
 
 
 @dataclass

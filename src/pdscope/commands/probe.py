@@ -39,7 +39,7 @@ from pdscope.client.adapters import session as adapter_session
 from pdscope.client.counters import PrefixHitCounter
 from pdscope.client.detect import ProbeError, Runtime, detect
 from pdscope.client.prompts import PromptBuilder
-from pdscope.client.trace import Trace
+from pdscope.client.trace import UNREAD, Trace
 from pdscope.commands.flags import at_least, int_list
 from pdscope.specs.models import ModelSpec, read_config
 from pdscope.specs.precisions import WeightPrecision
@@ -117,7 +117,6 @@ MIN_PREFIX_TOKENS = 256  # its shared prefix: many KV blocks whatever the server
 # with a fresh prompt, this many times in a run at most: a server that never streams (behind
 # a buffering proxy) costs a few requests more, not every check thrice.
 RESENDS = 4
-UNREAD = "-unread"  # label suffix of a response left out for a resend, kept in the traces
 
 
 class Prober:
@@ -141,6 +140,8 @@ class Prober:
         )
         self.traces: list[Trace] = []
         self.resends_left = RESENDS
+        self.kept_unread = 0  # unread responses kept as they came: no resend was left
+        self.on_total: Callable[[int], None] | None = None  # told the requests planned, anew
         self.counter = (
             PrefixHitCounter(client, runtime.url, self.headers) if runtime.has_metrics else None
         )
@@ -188,20 +189,28 @@ class Prober:
         """One fresh prompt whose decode is measured. A response that answered with tokens to
         time but whose decode could not be read (it reached the client whole, or in bursts:
         on a busy host a fast server's 8-token answer can arrive so) is relabelled ``label +
-        UNREAD`` and the check sent again with a fresh prompt while resends are left."""
+        UNREAD`` and the check sent again with a fresh prompt while resends are left; past
+        them it is kept as it came, and counted."""
         trace = await self.send(await self.prompt(tokens), tokens, label)
         while True:
             # A cache hit is left out of the figures for that already; a resend would only
             # draw a prompt a repeated --seed's earlier run never sent.
             unread = trace.ok and (trace.n_output or 0) >= 2 and not cache_hit(trace)
             unread = unread and (trace.decode_tok_s is None or trace.read_in_bursts)
-            if not unread or self.resends_left == 0:
+            if not unread:
+                return trace
+            if self.resends_left == 0:
+                self.kept_unread += 1
                 return trace
             self.resends_left -= 1
-            trace.label = label + UNREAD
+            if self.on_total:
+                self.on_total(self.planned_requests())
             with self.builder.aside():  # a repeated --seed still sends this run's prompts
                 prompt = await self.prompt(tokens)
-            trace = await self.send(prompt, tokens, label, learn=False)
+            resent = await self.send(prompt, tokens, label, learn=False)
+            # Relabelled once its resend is in: a resend cut short (Ctrl-C, an error) leaves
+            # the check this answer.
+            trace.label, trace = label + UNREAD, resent
 
     async def run(self) -> None:
         s = self.s
@@ -262,7 +271,10 @@ class Prober:
     def planned_requests(self) -> int:
         batch = self.s.batch_streams if self.s.batch_streams > 1 else 0
         batch *= 2 if self.s.batch_context_tokens else 1
-        return 1 + len(self.s.prompt_tokens) * self.s.repeats + 2 * PREFIX_PAIRS + 4 + batch
+        resent = RESENDS - self.resends_left
+        return (
+            1 + len(self.s.prompt_tokens) * self.s.repeats + 2 * PREFIX_PAIRS + 4 + batch + resent
+        )
 
 
 def _cap_sweep(s: ProbeSettings, max_len: int | None) -> list[str]:
@@ -528,6 +540,7 @@ async def probe(
             )
         if on_start:
             on_start(prober.planned_requests())
+            prober.on_total = on_start
         local = (s.device or "").lower() == "local"
         compute = "bf16"
         served: dict[str, Any] | None = None
@@ -585,6 +598,11 @@ async def probe(
             f"{len(unread)} response(s) whose decode could not be read ({whole} came whole, "
             f"{len(unread) - whole} in bursts) were sent again with fresh prompts; kept in the "
             f"traces labelled '*{UNREAD}', left out of every figure"
+        )
+    if prober.kept_unread:
+        notes.append(
+            f"{prober.kept_unread} more response(s) whose decode could not be read were kept as "
+            f"they came ({RESENDS} resends a run): their decode figures read the client"
         )
     if prober.traces and all(t.cached_source is None for t in prober.traces if t.ok):
         notes.append(
