@@ -139,7 +139,7 @@ class Prober:
             client, runtime.url, model, exact, self.headers, seed, runtime.tokenize_key
         )
         self.traces: list[Trace] = []
-        self.resends_left = RESENDS
+        self.resent = 0  # decode checks sent again, RESENDS at most
         self.kept_unread = 0  # unread responses kept as they came: no resend was left
         self.on_total: Callable[[int], None] | None = None  # told the requests planned, anew
         self.counter = (
@@ -199,10 +199,10 @@ class Prober:
             unread = unread and (trace.decode_tok_s is None or trace.read_in_bursts)
             if not unread:
                 return trace
-            if self.resends_left == 0:
+            if self.resent >= RESENDS:
                 self.kept_unread += 1
                 return trace
-            self.resends_left -= 1
+            self.resent += 1
             if self.on_total:
                 self.on_total(self.planned_requests())
             with self.builder.aside():  # a repeated --seed still sends this run's prompts
@@ -271,10 +271,8 @@ class Prober:
     def planned_requests(self) -> int:
         batch = self.s.batch_streams if self.s.batch_streams > 1 else 0
         batch *= 2 if self.s.batch_context_tokens else 1
-        resent = RESENDS - self.resends_left
-        return (
-            1 + len(self.s.prompt_tokens) * self.s.repeats + 2 * PREFIX_PAIRS + 4 + batch + resent
-        )
+        sweep = len(self.s.prompt_tokens) * self.s.repeats
+        return 1 + sweep + 2 * PREFIX_PAIRS + 4 + batch + self.resent
 
 
 def _cap_sweep(s: ProbeSettings, max_len: int | None) -> list[str]:
