@@ -453,4 +453,11 @@ def test_a_response_probe_resent_is_left_out_of_the_fit() -> None:
         chunk["t_s"] = unread["chunks"][-1]["t_s"]
     probe["traces"].append(unread)
     assert observations(probe, budget) == before
-    assert step_jitter(probe) == step_jitter({**probe, "traces": probe["traces"][:-1]})
+    # one read in bursts and resent counts among the bursty the step scatter left out
+    jitter = step_jitter(probe)
+    for chunk in unread["chunks"][1:-1]:  # the first token in time, the rest with the last
+        chunk["t_s"] = unread["chunks"][-1]["t_s"] - 1e-6
+    unread["chunks"][0]["t_s"] = sweep["chunks"][0]["t_s"]
+    bursty = step_jitter(probe)
+    assert jitter is not None and bursty is not None
+    assert bursty.bursty == jitter.bursty + 1 and bursty.ratios == jitter.ratios
