@@ -653,6 +653,69 @@ def test_one_call_decode_step_is_the_per_kernel_path_bit_for_bit(
 
 
 @pytest.mark.parametrize(
+    ("dtype", "kernels"),
+    [
+        ("float32", "linear=c,prefill_attention=sdpa,decode_ops=c"),
+        ("bfloat16", "linear=c,batch_linear=c,prefill_attention=sdpa,decode_ops=c"),
+        ("bfloat16", "linear=pairs2,batch_linear=pairs,prefill_attention=sdpa,decode_ops=c"),
+    ],
+)
+def test_the_one_call_step_shares_every_kernel_over_its_team_bit_for_bit(
+    tmp_path: Path, dtype: str, kernels: str
+) -> None:
+    """At 2 threads the one-call step runs inside one OpenMP region, each thread taking its
+    share of every kernel between barriers of its own. The model is sized so that the shares
+    are real: every matmul splits (out x in >= 65,536), one KV head and a 1,100-token prompt
+    cut batch-1 attention into context parts merged after a barrier, and 17 rows of a 16,384
+    vocabulary widen the bf16 logits and take each row's argmax in parallel. The logits, and
+    the greedy tokens the fused argmax picks, are the per-kernel path's bits."""
+    from pdscope.engine import native
+
+    _pairs_or_skip(kernels)
+    path = make_model(
+        tmp_path / "wide", "tiny", dtype=dtype, hidden_size=256, intermediate_size=704,
+        num_attention_heads=4, num_key_value_heads=1, vocab_size=16384,
+    )  # fmt: skip
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM(
+            model=str(path), dtype=dtype, kv_cache_memory="32MiB", block_size=16,
+            kernels=kernels, enable_prefix_caching=False,
+        )  # fmt: skip
+        model = llm.engine.runner.model
+        ops = model.native
+        assert isinstance(ops, native.NativeOps)
+        rng = torch.Generator().manual_seed(0)
+        long = torch.randint(10, 16000, (1100,), generator=rng).tolist()
+        batch = [torch.randint(10, 16000, (5 + i,), generator=rng).tolist() for i in range(17)]
+        runs: dict[bool, tuple[list[torch.Tensor], list[list[int]]]] = {}
+        for fused in (False, True):
+            model.fuse_decode = model.fuse_logits = fused
+            before = ops.team_steps
+            llm.engine.runner.capture_logits = True
+            llm.engine.runner.captured = []
+            llm.generate([long], GREEDY)
+            llm.generate(batch, GREEDY)
+            captured = llm.engine.runner.captured
+            llm.engine.runner.capture_logits = False
+            tokens = [o.token_ids for o in llm.generate([long, *batch], GREEDY)]
+            steps = ops.team_steps - before
+            # the long prompt's decode steps and the batch's (a few rows take the one call
+            # where batch_linear is C or pairs), and the mixed call's decode-only steps; or none
+            one = GREEDY.max_tokens - 1
+            least = one * (2 if "batch_linear" in kernels else 1)
+            assert (least <= steps <= 3 * one) if fused else steps == 0
+            runs[fused] = (captured, tokens)
+    finally:
+        torch.set_num_threads(saved)
+    (per_kernel, tokens), (one_call, fused_tokens) = runs[False], runs[True]
+    assert len(one_call) == len(per_kernel) == 2 * GREEDY.max_tokens  # prefill rows too
+    assert all(torch.equal(a, b) for a, b in zip(one_call, per_kernel, strict=True))
+    assert fused_tokens == tokens
+
+
+@pytest.mark.parametrize(
     ("kernels", "rows"), [("linear=pairs", 1), ("linear=packed,batch_linear=pairs", 3)]
 )
 def test_pairs_copies_follow_a_replaced_weight_and_are_dropped_with_the_path(

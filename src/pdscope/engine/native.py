@@ -280,6 +280,9 @@ class NativeOps:
             self.lib.decode_layers.restype = ctypes.c_int
             self.lib.decode_layers_scratch.argtypes = [ctypes.POINTER(DecodeStep)]
             self.lib.decode_layers_scratch.restype = ctypes.c_int64
+            if hasattr(self.lib, "decode_team_steps"):
+                self.lib.decode_team_steps.argtypes = []
+                self.lib.decode_team_steps.restype = ctypes.c_int64
         # newer still: the LM head in the same call (decode_logits)
         self.one_call_logits = self.one_call and hasattr(self.lib, "decode_logits")
         if self.one_call_logits:
@@ -358,6 +361,14 @@ class NativeOps:
         if errors:
             raise errors[0]
         return shares
+
+    @property
+    def team_steps(self) -> int:
+        """One-call decode steps this library has run on a team of two threads or more (every
+        kernel of the step inside one OpenMP region); 0 from a build without the count."""
+        if not self.one_call or not hasattr(self.lib, "decode_team_steps"):
+            return 0
+        return int(self.lib.decode_team_steps())
 
     @property
     def linear_isa(self) -> str:

@@ -21,6 +21,100 @@
 
 typedef uint16_t bf16;
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* ---- A decode step's team. decode_layers and decode_logits run a whole step inside one
+ * OpenMP region: every thread calls each kernel in turn, takes its share of the kernel's work
+ * and waits for the others at a barrier of our own, which spins (yielding the CPU after a
+ * while) instead of sleeping. Each kernel opening its own region, as it does when called
+ * alone, cost a step ~110 fork-joins, and where libgomp's workers sleep soon after a region
+ * ends (GOMP_SPINCOUNT=1000, what `pdscope serve` sets so that idle workers leave the cores
+ * to the HTTP loop between steps) each one paid a kernel wake-up. Inside a step the threads
+ * now spin; between steps libgomp's own policy still sends them to sleep. */
+typedef struct {
+    int arrived, generation; /* the barrier (GCC __atomic builtins) */
+    int64_t ticket;          /* dynamic work items handed out this step */
+    int failed;              /* a thread could not allocate its scratch memory */
+    float *att_parts;        /* paged_decode_attention's parts, sized by decode_layers_scratch */
+} team_state;
+
+typedef struct {
+    int id, n;
+    team_state *state;
+    int64_t ticket_base; /* the first ticket of the next dynamic loop: the same on every thread */
+} team_member;
+
+static __thread team_member *step_member; /* set while this thread runs in a step's team */
+
+static void team_barrier(const team_member *m) {
+    if (m->n == 1) return;
+    team_state *t = m->state;
+    const int gen = __atomic_load_n(&t->generation, __ATOMIC_ACQUIRE);
+    if (__atomic_add_fetch(&t->arrived, 1, __ATOMIC_ACQ_REL) == m->n) {
+        __atomic_store_n(&t->arrived, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&t->generation, gen + 1, __ATOMIC_RELEASE);
+        return;
+    }
+    /* A step's waits are short (one kernel's imbalance); past ~20 us the other thread is
+     * likely off its CPU, so give this one to whatever the scheduler has waiting. */
+    for (int spins = 0; __atomic_load_n(&t->generation, __ATOMIC_ACQUIRE) == gen; spins++) {
+        if (spins < 4096) {
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+        } else {
+            sched_yield();
+        }
+    }
+}
+
+/* This thread's share [lo, hi) of n items, split evenly in order over its team: the step's
+ * (all on thread 0 when the kernel runs serially, `parallel` 0), or else the OpenMP region's
+ * it runs in (all of them outside one). */
+static inline void thread_share(int64_t n, int64_t *lo, int64_t *hi) {
+    *lo = 0, *hi = n;
+    const team_member *m = step_member;
+    if (m) {
+        *lo = n * m->id / m->n;
+        *hi = n * (m->id + 1) / m->n;
+        return;
+    }
+#ifdef _OPENMP
+    const int64_t id = omp_get_thread_num(), team = omp_get_num_threads();
+    *lo = n * id / team;
+    *hi = n * (id + 1) / team;
+#endif
+}
+
+/* CALL (which reads lo and hi) over this thread's share of n items. Inside a step's team every
+ * thread runs its share, then waits for the rest; a serial kernel (`parallel` 0) runs on
+ * thread 0 alone. Called alone the kernel opens its own region, one thread when serial. A
+ * share's items are computed independently, so the bits do not depend on the split. */
+#define FOR_SHARE(n, parallel, threads, CALL) \
+    do { \
+        const team_member *m_ = step_member; \
+        const int par_ = (parallel), threads_ = (threads); \
+        (void)threads_; \
+        if (m_) { \
+            if (par_ || m_->id == 0) { \
+                int64_t lo, hi; \
+                if (par_) thread_share((n), &lo, &hi); \
+                else lo = 0, hi = (n); \
+                CALL; \
+            } \
+            team_barrier(m_); \
+        } else { \
+            _Pragma("omp parallel num_threads(threads_) if (par_)") \
+            { \
+                int64_t lo, hi; \
+                thread_share((n), &lo, &hi); \
+                CALL; \
+            } \
+        } \
+    } while (0)
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define HAVE_DPBF16 1 /* vdpbf16ps: pairs of bf16 products summed into float32 */
@@ -609,6 +703,62 @@ static void merge_parts(const float *parts_base, int64_t parts, int64_t group, i
  * Work is split over (sequence, kv head, context part): a long context with few sequences is
  * cut into parts attended in parallel and merged by their max and sum (flash decoding).
  * Returns 0, or -1 when its scratch memory could not be allocated. */
+/* Work item w of paged_decode_attention: (sequence, kv head, context part). With `scratch`
+ * the part's running max, sum and unnormalised sums go there for the merge; without, the item
+ * is the whole context and writes its output rows itself. */
+static void attend_item(const void *q, const void *kv, void *out, const int64_t *tables,
+                        const int64_t *bounds, int64_t heads, int64_t kv_heads, int64_t dim,
+                        int64_t slots, int64_t block_size, int64_t table_width, float scale,
+                        int bf, int64_t parts, int64_t width, float *scratch, int64_t w) {
+    const int64_t group = heads / kv_heads;
+    const int64_t d = w / (kv_heads * parts), h = (w / parts) % kv_heads, part = w % parts;
+    const int64_t lo0 = bounds[2 * d], hi0 = bounds[2 * d + 1];
+    int64_t lo = lo0 + part * width, hi = lo + width;
+    hi = hi < hi0 ? hi : hi0;
+    float own[scratch ? 1 : group * (dim + 2)];
+    float *m = scratch ? scratch + w * group * (dim + 2) : own, *l = m + group, *acc = l + group;
+    float qf[group * dim];
+    load_f32(q, (d * heads + h * group) * dim, group * dim, qf, bf);
+    for (int64_t i = 0; i < group * dim; i++) qf[i] *= scale;
+    if (lo < hi) {
+        attend_range(qf, group, dim, kv, kv_heads, slots, h, tables + d * table_width,
+                     block_size, lo, hi, bf, m, l, acc,
+                     bf ? (const bf16 *)q + (d * heads + h * group) * dim : NULL, scale);
+    } else {
+        for (int64_t g = 0; g < group; g++) m[g] = -INFINITY, l[g] = 0.0f;
+    }
+    if (!scratch) merge_parts(m, 1, group, dim, out, d * heads + h * group, bf);
+}
+
+/* Items [lo, hi) of the merge: each (sequence, kv head)'s parts merged into its output rows. */
+static void merge_items(const float *scratch, int64_t parts, int64_t heads, int64_t kv_heads,
+                        int64_t dim, void *out, int bf, int64_t lo, int64_t hi) {
+    const int64_t group = heads / kv_heads;
+    for (int64_t it = lo; it < hi; it++)
+        merge_parts(scratch + it * parts * group * (dim + 2), parts, group, dim, out,
+                    (it / kv_heads) * heads + (it % kv_heads) * group, bf);
+}
+
+/* The most parts paged_decode_attention cuts `items` (sequence, kv head) pairs into at
+ * `threads`: items * parts < 4 * threads where there is more than one part. */
+static int64_t attention_parts(int64_t items, int64_t longest, int threads) {
+    int64_t parts = 1;
+    if (threads > 1 && items < 2 * threads) {
+        parts = (2 * threads + items - 1) / items;
+        const int64_t most = longest / 256;
+        parts = parts < most ? parts : most;
+        parts = parts < 1 ? 1 : parts;
+    }
+    return parts;
+}
+
+/* Decode attention for `seqs` sequences, one query token each, read straight from the paged
+ * cache through each sequence's block table: no gather copy, no padding, no mask.
+ *   q [seqs, heads, dim], out [seqs, heads, dim] (model dtype)
+ *   tables [seqs, table_width] int64 block ids; bounds [seqs, 2] int64: keys [lo, hi) attended
+ * Work is split over (sequence, kv head, context part): a long context with few sequences is
+ * cut into parts attended in parallel and merged by their max and sum (flash decoding).
+ * Returns 0, or -1 when its scratch memory could not be allocated. */
 int paged_decode_attention(const void *q, const void *kv, void *out, const int64_t *tables,
                            const int64_t *bounds, int64_t seqs, int64_t heads, int64_t kv_heads,
                            int64_t dim, int64_t slots, int64_t block_size, int64_t table_width,
@@ -621,53 +771,51 @@ int paged_decode_attention(const void *q, const void *kv, void *out, const int64
         total += len;
     }
     /* Parts: enough work items for every thread, none shorter than 256 keys. */
-    int64_t parts = 1, items = seqs * kv_heads;
-    if (threads > 1 && items < 2 * threads) {
-        parts = (2 * threads + items - 1) / items;
-        int64_t most = longest / 256;
-        parts = parts < most ? parts : most;
-        parts = parts < 1 ? 1 : parts;
-    }
-    const int64_t width = (longest + parts - 1) / parts;
+    const int64_t items = seqs * kv_heads, parts = attention_parts(items, longest, threads);
+    const int64_t width = (longest + parts - 1) / parts, work = items * parts;
+    team_member *tm = step_member;
     /* One part an item (one thread, two items a thread or more, or fewer than 512 keys):
      * each item writes its rows where it is attended, from scratch on its thread's stack. A
      * batch-32 step's 128 items a layer otherwise shared a malloc past glibc's mmap threshold
-     * (an mmap, its page faults and a munmap every layer) and a merge run on one thread. */
+     * (an mmap, its page faults and a munmap every layer) and a merge run on one thread. In a
+     * step's team the parts go in the step's scratch. */
     float *scratch = NULL;
     if (parts > 1) {
-        scratch = malloc((size_t)(items * parts * group * (dim + 2)) * sizeof(float));
+        scratch = tm ? tm->state->att_parts
+                     : malloc((size_t)(work * group * (dim + 2)) * sizeof(float));
         if (!scratch) return -1;
     }
     /* Below ~512 key rows a parallel region costs about what it saves. On an AMD EPYC at 2
      * threads, 2,400 rows took 0.62 of their one-thread time and 512 rows 0.85
      * (bench/decode_attention_ab.py --ab-source); the bound was 8,192 rows before. */
     const int parallel = threads > 1 && total * kv_heads >= 512;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (parallel)
-    for (int64_t w = 0; w < items * parts; w++) {
-        const int64_t d = w / (kv_heads * parts), h = (w / parts) % kv_heads, part = w % parts;
-        const int64_t lo0 = bounds[2 * d], hi0 = bounds[2 * d + 1];
-        int64_t lo = lo0 + part * width, hi = lo + width;
-        hi = hi < hi0 ? hi : hi0;
-        float own[scratch ? 1 : group * (dim + 2)];
-        float *m = scratch ? scratch + w * group * (dim + 2) : own, *l = m + group,
-              *acc = l + group;
-        float qf[group * dim];
-        load_f32(q, (d * heads + h * group) * dim, group * dim, qf, bf);
-        for (int64_t i = 0; i < group * dim; i++) qf[i] *= scale;
-        if (lo < hi) {
-            attend_range(qf, group, dim, kv, kv_heads, slots, h, tables + d * table_width,
-                         block_size, lo, hi, bf, m, l, acc,
-                         bf ? (const bf16 *)q + (d * heads + h * group) * dim : NULL, scale);
-        } else {
-            for (int64_t g = 0; g < group; g++) m[g] = -INFINITY, l[g] = 0.0f;
+#define ATTEND_ITEM(w) \
+    attend_item(q, kv, out, tables, bounds, heads, kv_heads, dim, slots, block_size, \
+                table_width, scale, bf, parts, width, scratch, w)
+    if (tm) {
+        /* Items handed out in turn, as schedule(dynamic, 1) does: each thread takes tickets
+         * until one falls past the work, so the loop uses work + n tickets in all. */
+        if (parallel) {
+            for (;;) {
+                const int64_t w =
+                    __atomic_fetch_add(&tm->state->ticket, 1, __ATOMIC_RELAXED) - tm->ticket_base;
+                if (w >= work) break;
+                ATTEND_ITEM(w);
+            }
+            tm->ticket_base += work + tm->n;
+        } else if (tm->id == 0) {
+            for (int64_t w = 0; w < work; w++) ATTEND_ITEM(w);
         }
-        if (!scratch) merge_parts(m, 1, group, dim, out, d * heads + h * group, bf);
+        team_barrier(tm);
+        if (scratch) FOR_SHARE(items, parallel, threads,
+                               merge_items(scratch, parts, heads, kv_heads, dim, out, bf, lo, hi));
+        return 0;
     }
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (parallel)
+    for (int64_t w = 0; w < work; w++) ATTEND_ITEM(w);
+#undef ATTEND_ITEM
     if (!scratch) return 0;
-    /* Merge each (sequence, kv head)'s parts and write the output rows. */
-    for (int64_t it = 0; it < items; it++)
-        merge_parts(scratch + it * parts * group * (dim + 2), parts, group, dim, out,
-                    (it / kv_heads) * heads + (it % kv_heads) * group, bf);
+    merge_items(scratch, parts, heads, kv_heads, dim, out, bf, 0, items);
     free(scratch);
     return 0;
 }
@@ -692,16 +840,14 @@ static inline void rms_row(float *x, int64_t n, const void *w, float eps, int bf
  * V written into their cache slots, rotated q written to q_out [tokens, heads, dim].
  * One call replaces the slices, norms, rope ops and two index_copy_ of the PyTorch path.
  * heads_major: q_out is [heads, tokens, dim] instead (qkv_rope_store_heads, below). */
-static void rope_store(const void *qkv, void *q_out, void *kv, const int64_t *positions,
+static void rope_range(const void *qkv, void *q_out, void *kv, const int64_t *positions,
                        const int64_t *slot_mapping, const float *cos_table,
                        const float *sin_table, const void *q_norm, const void *k_norm, float eps,
                        int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,
-                       int64_t slots, int bf, int threads, int heads_major) {
+                       int64_t slots, int bf, int heads_major, int64_t lo, int64_t hi) {
     const int64_t width = (heads + 2 * kv_heads) * dim, half = dim / 2;
     const size_t elem = bf ? sizeof(bf16) : sizeof(float);
-    const int parallel = threads > 1 && tokens * width >= 65536;
-#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
-    for (int64_t t = 0; t < tokens; t++) {
+    for (int64_t t = lo; t < hi; t++) {
         const float *c = cos_table + positions[t] * dim, *s = sin_table + positions[t] * dim;
         const int64_t slot = slot_mapping[t];
         float x[dim], y[dim];
@@ -726,6 +872,18 @@ static void rope_store(const void *qkv, void *q_out, void *kv, const int64_t *po
     }
 }
 
+static void rope_store(const void *qkv, void *q_out, void *kv, const int64_t *positions,
+                       const int64_t *slot_mapping, const float *cos_table,
+                       const float *sin_table, const void *q_norm, const void *k_norm, float eps,
+                       int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,
+                       int64_t slots, int bf, int threads, int heads_major) {
+    const int parallel = threads > 1 && tokens * (heads + 2 * kv_heads) * dim >= 65536;
+    FOR_SHARE(tokens, parallel, threads,
+              rope_range(qkv, q_out, kv, positions, slot_mapping, cos_table, sin_table, q_norm,
+                         k_norm, eps, tokens, heads, kv_heads, dim, slots, bf, heads_major, lo,
+                         hi));
+}
+
 void qkv_rope_store(const void *qkv, void *q_out, void *kv, const int64_t *positions,
                     const int64_t *slot_mapping, const float *cos_table,
                     const float *sin_table, const void *q_norm, const void *k_norm, float eps,
@@ -738,11 +896,9 @@ void qkv_rope_store(const void *qkv, void *q_out, void *kv, const int64_t *posit
 /* out = rms_norm(x) * w over rows of n; with `residual` non-NULL, first residual += x (rounded
  * to the model dtype, as PyTorch's `x + h` is) and the sum is normalized: the residual add and
  * the next norm of a decoder layer in one pass. */
-void rms_norm(const void *x, void *residual, const void *w, void *out, int64_t rows, int64_t n,
-              float eps, int bf, int threads) {
-    const int parallel = threads > 1 && rows * n >= 65536;
-#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
-    for (int64_t r = 0; r < rows; r++) {
+static void rms_norm_range(const void *x, void *residual, const void *w, void *out, int64_t n,
+                           float eps, int bf, int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; r++) {
         float row[n];
         load_f32(x, r * n, n, row, bf);
         if (residual) {
@@ -757,14 +913,19 @@ void rms_norm(const void *x, void *residual, const void *w, void *out, int64_t r
     }
 }
 
+void rms_norm(const void *x, void *residual, const void *w, void *out, int64_t rows, int64_t n,
+              float eps, int bf, int threads) {
+    const int parallel = threads > 1 && rows * n >= 65536;
+    FOR_SHARE(rows, parallel, threads, rms_norm_range(x, residual, w, out, n, eps, bf, lo, hi));
+}
+
 /* out [rows, n] = silu(gate) * up, from gate_up [rows, 2n] (the fused projection's output:
  * gate in the first half of each row, up in the second). silu(x) = x * sigmoid(x), with the
  * exponential taken of -|x| only, so exp_nonpositive covers it; one rounding at the end where
  * PyTorch's silu then mul_ round twice. */
-void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int bf, int threads) {
-    const int parallel = threads > 1 && rows * n >= 65536;
-#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
-    for (int64_t r = 0; r < rows; r++) {
+static void silu_mul_range(const void *gate_up, void *out, int64_t n, int bf, int64_t lo,
+                           int64_t hi) {
+    for (int64_t r = lo; r < hi; r++) {
         for (int64_t i0 = 0; i0 < n; i0 += 256) { /* fixed-size pieces: gcc vectorizes these */
             const int64_t m = n - i0 < 256 ? n - i0 : 256;
             float g[256], u[256];
@@ -789,6 +950,11 @@ void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int bf, i
             store_f32(out, r * n + i0, m, g, bf);
         }
     }
+}
+
+void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int bf, int threads) {
+    const int parallel = threads > 1 && rows * n >= 65536;
+    FOR_SHARE(rows, parallel, threads, silu_mul_range(gate_up, out, n, bf, lo, hi));
 }
 
 /* ---- The prefill glue at full AVX-512 width, bf16 only. The loops above go through float
@@ -842,12 +1008,10 @@ int prefill_glue_isa(void) {
 
 /* rms_norm for bf16: out = rms_norm(x) * w; with `residual`, first residual += x (rounded to
  * bf16) and the rounded sum is normalized. A no-op where prefill_glue_isa() is 0. */
-void rms_norm_bf16(const bf16 *x, bf16 *residual, const bf16 *w, bf16 *out, int64_t rows,
-                   int64_t n, float eps, int threads) {
 #ifdef HAVE_DPBF16
-    const int parallel = threads > 1 && rows * n >= 65536;
-#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
-    for (int64_t r = 0; r < rows; r++) {
+static void rms_norm_bf16_range(const bf16 *x, bf16 *residual, const bf16 *w, bf16 *out,
+                                int64_t n, float eps, int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; r++) {
         const bf16 *xr = x + r * n;
         bf16 *res = residual ? residual + r * n : NULL, *o = out + r * n;
         __m512 ss = _mm512_setzero_ps();
@@ -869,6 +1033,14 @@ void rms_norm_bf16(const bf16 *x, bf16 *residual, const bf16 *w, bf16 *out, int6
             store16_bf16(o + i, _mm512_mul_ps(v, load16_bf16(w + i, m)), m);
         }
     }
+}
+#endif
+
+void rms_norm_bf16(const bf16 *x, bf16 *residual, const bf16 *w, bf16 *out, int64_t rows,
+                   int64_t n, float eps, int threads) {
+#ifdef HAVE_DPBF16
+    const int parallel = threads > 1 && rows * n >= 65536;
+    FOR_SHARE(rows, parallel, threads, rms_norm_bf16_range(x, residual, w, out, n, eps, lo, hi));
 #else
     (void)x, (void)residual, (void)w, (void)out, (void)rows, (void)n, (void)eps, (void)threads;
 #endif
@@ -876,11 +1048,10 @@ void rms_norm_bf16(const bf16 *x, bf16 *residual, const bf16 *w, bf16 *out, int6
 
 /* silu_mul for bf16: out [rows, n] = silu(gate) * up from gate_up [rows, 2n], one rounding.
  * A no-op where prefill_glue_isa() is 0. */
-void silu_mul_bf16(const bf16 *gate_up, bf16 *out, int64_t rows, int64_t n, int threads) {
 #ifdef HAVE_DPBF16
-    const int parallel = threads > 1 && rows * n >= 65536;
-#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
-    for (int64_t r = 0; r < rows; r++) {
+static void silu_mul_bf16_range(const bf16 *gate_up, bf16 *out, int64_t n, int64_t lo,
+                                int64_t hi) {
+    for (int64_t r = lo; r < hi; r++) {
         const bf16 *g = gate_up + r * 2 * n, *u = g + n;
         bf16 *o = out + r * n;
         for (int64_t i = 0; i < n; i += 16) {
@@ -893,6 +1064,13 @@ void silu_mul_bf16(const bf16 *gate_up, bf16 *out, int64_t rows, int64_t n, int 
             store16_bf16(o + i, _mm512_mul_ps(_mm512_mul_ps(x, sig), load16_bf16(u + i, m)), m);
         }
     }
+}
+#endif
+
+void silu_mul_bf16(const bf16 *gate_up, bf16 *out, int64_t rows, int64_t n, int threads) {
+#ifdef HAVE_DPBF16
+    const int parallel = threads > 1 && rows * n >= 65536;
+    FOR_SHARE(rows, parallel, threads, silu_mul_bf16_range(gate_up, out, n, lo, hi));
 #else
     (void)gate_up, (void)out, (void)rows, (void)n, (void)threads;
 #endif
@@ -1055,23 +1233,13 @@ int linear_rows_isa(void) {
 #endif
 }
 
-/* y [rows, out] = x [rows, in] @ w [out, in]^T (+ bias [out]), all in the model dtype. */
-void linear_rows(const void *x, const void *w, const void *bias, void *y, int64_t rows,
-                 int64_t in, int64_t out, int bf, int threads) {
+/* Blocks [lo, hi) of linear_rows' output; xf: x widened to float32, or NULL. */
+static void linear_rows_range(const void *x, const void *w, const void *bias, void *y,
+                              int64_t rows, int64_t in, int64_t out, int bf, const float *xf,
+                              int64_t lo, int64_t hi) {
     const size_t elem = bf ? sizeof(bf16) : sizeof(float);
-    const int64_t blocks = (out + GEMV_ROWS - 1) / GEMV_ROWS;
-    const int parallel = threads > 1 && out * in >= 65536;
-#ifdef HAVE_AVX2_BF16
-    /* x widened once, for every block's FMAs (at most 32 x 2,816 x 4 bytes in the engine) */
-    float *xf = NULL;
-    if (bf) {
-        xf = (float *)malloc((size_t)(rows * in) * sizeof(float));
-        if (xf)
-            for (int64_t i = 0; i < rows * in; i++) xf[i] = bf16_to_f32(((const bf16 *)x)[i]);
-    }
-#endif
-#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
-    for (int64_t blk = 0; blk < blocks; blk++) {
+    (void)xf;
+    for (int64_t blk = lo; blk < hi; blk++) {
         const int64_t r0 = blk * GEMV_ROWS;
         const int64_t nr = out - r0 < GEMV_ROWS ? out - r0 : GEMV_ROWS;
         const char *wb = (const char *)w + (size_t)(r0 * in) * elem;
@@ -1104,9 +1272,26 @@ void linear_rows(const void *x, const void *w, const void *bias, void *y, int64_
             }
         }
     }
+}
+
+/* y [rows, out] = x [rows, in] @ w [out, in]^T (+ bias [out]), all in the model dtype. */
+void linear_rows(const void *x, const void *w, const void *bias, void *y, int64_t rows,
+                 int64_t in, int64_t out, int bf, int threads) {
+    const int64_t blocks = (out + GEMV_ROWS - 1) / GEMV_ROWS;
+    const int parallel = threads > 1 && out * in >= 65536;
+    float *xf = NULL;
 #ifdef HAVE_AVX2_BF16
-    free(xf);
+    /* x widened once, for every block's FMAs (at most 32 x 2,816 x 4 bytes in the engine; in
+     * a step's team once per thread) */
+    if (bf) {
+        xf = (float *)malloc((size_t)(rows * in) * sizeof(float));
+        if (xf)
+            for (int64_t i = 0; i < rows * in; i++) xf[i] = bf16_to_f32(((const bf16 *)x)[i]);
+    }
 #endif
+    FOR_SHARE(blocks, parallel, threads,
+              linear_rows_range(x, w, bias, y, rows, in, out, bf, xf, lo, hi));
+    free(xf);
 }
 
 /* ---- Thread placement. libgomp keeps one team of worker threads per thread that opens a
@@ -1114,9 +1299,6 @@ void linear_rows(const void *x, const void *w, const void *bias, void *y, int64_
  * that team pins every OpenMP region of the engine's steps (vLLM pins its CPU workers the
  * same way). With `bind` 1, thread i of a team of `threads` runs only on cpus[i % n]; with 0,
  * every thread may run on any of cpus[0..n). Returns how many threads were placed. */
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 /* Whether this build runs its kernels on OpenMP threads (1) or on the caller's thread alone
  * (0: the compiler took no -fopenmp). */
 int built_with_openmp(void) {
@@ -1440,11 +1622,9 @@ int linear_many_rows_amx(void) {
  * order, so there is no copy of x to allocate and repack and no gather of C (the many-row path
  * below pays both per call; measured 1.04x on the small model's one-row pass). Two A tiles, two
  * independent accumulators, per 32-row block. */
-static void amx_one_row(const bf16 *x, const bf16 *w, const void *bias, bf16 *y, float *yf,
-                        int64_t in, int64_t out, int threads) {
-    const int64_t blocks = (out + 31) / 32, wstride = in * (int64_t)sizeof(bf16);
-    const int parallel = threads > 1 && out * in >= 65536;
-#pragma omp parallel num_threads(threads) if (parallel)
+static void amx_one_row_range(const bf16 *x, const bf16 *w, const void *bias, bf16 *y,
+                              float *yf, int64_t in, int64_t out, int64_t lo, int64_t hi) {
+    const int64_t wstride = in * (int64_t)sizeof(bf16);
     {
         struct amx_config cfg;
         memset(&cfg, 0, sizeof cfg);
@@ -1453,8 +1633,7 @@ static void amx_one_row(const bf16 *x, const bf16 *w, const void *bias, bf16 *y,
         cfg.colsb[4] = cfg.colsb[5] = 64;               /* A: 16 weight rows x 32 bf16 */
         cfg.rows[0] = cfg.rows[2] = cfg.rows[4] = cfg.rows[5] = cfg.rows[6] = 16;
         _tile_loadconfig(&cfg);
-#pragma omp for schedule(static)
-        for (int64_t blk = 0; blk < blocks; blk++) {
+        for (int64_t blk = lo; blk < hi; blk++) {
             const int64_t r0 = blk * 32;
             const int na = out - r0 >= 32 ? 2 : 1;
             const bf16 *a = w + r0 * in;
@@ -1492,6 +1671,13 @@ static void amx_one_row(const bf16 *x, const bf16 *w, const void *bias, bf16 *y,
         _tile_release();
     }
 }
+
+static void amx_one_row(const bf16 *x, const bf16 *w, const void *bias, bf16 *y, float *yf,
+                        int64_t in, int64_t out, int threads) {
+    const int parallel = threads > 1 && out * in >= 65536;
+    FOR_SHARE((out + 31) / 32, parallel, threads,
+              amx_one_row_range(x, w, bias, y, yf, in, out, lo, hi));
+}
 #endif
 
 #ifdef HAVE_AMX
@@ -1513,6 +1699,24 @@ static uint32_t *x_pairs_scratch(size_t n) {
 }
 #endif
 
+#ifdef HAVE_AMX
+/* 32-row weight blocks [lo, hi) of linear_many_rows' tile path, against x's pair copy xp. */
+static void amx_rows_range(const bf16 *w, const uint32_t *xp, const void *bias, bf16 *y,
+                           int64_t rows, int64_t in, int64_t out, int64_t groups, int64_t lo,
+                           int64_t hi) {
+    amx_configure();
+    for (int64_t blk = lo; blk < hi; blk++) {
+        const int64_t r0 = blk * 32;
+        const int na = out - r0 >= 32 ? 2 : 1;
+        for (int64_t j0 = 0; j0 < groups; j0 += 2) {
+            const int nj = groups - j0 >= 2 ? 2 : 1;
+            amx_block(w, (const bf16 *)xp, bias, y, rows, in, out, r0, na, j0, nj);
+        }
+    }
+    _tile_release();
+}
+#endif
+
 /* y [rows, out] = x [rows, in] @ w [out, in]^T (+ bias [out]) for a few dozen rows: AMX tiles
  * for bf16 where the CPU, compiler and kernel allow and the shapes fit (in a multiple of 32,
  * out of 16), linear_rows otherwise. Returns 1 when it took the tiles, 0 when not, -1 when
@@ -1526,8 +1730,15 @@ int linear_many_rows(const void *x, const void *w, const void *bias, void *y, in
     }
     if (bf && rows > 0 && in % 32 == 0 && out % 16 == 0 && amx_usable()) {
         const int64_t groups = (rows + 15) / 16, pairs = in / 2;
-        uint32_t *xp = x_pairs_scratch((size_t)(groups * pairs * 16));
-        if (!xp) return -1;
+        uint32_t *xp = x_pairs_scratch((size_t)(groups * pairs * 16)); /* a step's: per thread */
+        const int parallel = threads > 1 && out * in >= 65536;
+        if (!xp) {
+            if (!step_member) return -1;
+            /* the team's other threads go on to this kernel's barrier: meet them there */
+            __atomic_store_n(&step_member->state->failed, 1, __ATOMIC_RELAXED);
+            FOR_SHARE((int64_t)0, parallel, threads, (void)lo);
+            return 1;
+        }
         const uint32_t *x32 = (const uint32_t *)x;
         for (int64_t j = 0; j < groups; j++) { /* 64 contiguous bytes written per pair index */
             const int64_t live = rows - j * 16 < 16 ? rows - j * 16 : 16;
@@ -1538,23 +1749,9 @@ int linear_many_rows(const void *x, const void *w, const void *bias, void *y, in
                 for (int64_t n = live; n < 16; n++) dst[kk * 16 + n] = 0;
             }
         }
-        const int64_t blocks = (out + 31) / 32;
-        const int parallel = threads > 1 && out * in >= 65536;
-#pragma omp parallel num_threads(threads) if (parallel)
-        {
-            amx_configure();
-#pragma omp for schedule(static)
-            for (int64_t blk = 0; blk < blocks; blk++) {
-                const int64_t r0 = blk * 32;
-                const int na = out - r0 >= 32 ? 2 : 1;
-                for (int64_t j0 = 0; j0 < groups; j0 += 2) {
-                    const int nj = groups - j0 >= 2 ? 2 : 1;
-                    amx_block((const bf16 *)w, (const bf16 *)xp, bias, (bf16 *)y, rows, in, out,
-                              r0, na, j0, nj);
-                }
-            }
-            _tile_release();
-        }
+        FOR_SHARE((out + 31) / 32, parallel, threads,
+                  amx_rows_range((const bf16 *)w, xp, bias, (bf16 *)y, rows, in, out, groups,
+                                 lo, hi));
         return 1;
     }
 #endif
@@ -2248,16 +2445,6 @@ int linear_pairs_isa(void) {
 #if defined(HAVE_DPBF16) || defined(HAVE_AVX2_BF16)
 #define PAIRS_STREAMS 8
 
-/* This thread's share [lo, hi) of n items, split evenly in order over the team of the parallel
- * region it runs in (all of them outside one). */
-static inline void thread_share(int64_t n, int64_t *lo, int64_t *hi) {
-    *lo = 0, *hi = n;
-#ifdef _OPENMP
-    const int64_t id = omp_get_thread_num(), team = omp_get_num_threads();
-    *lo = n * id / team;
-    *hi = n * (id + 1) / team;
-#endif
-}
 #endif
 
 #ifdef HAVE_DPBF16
@@ -2407,15 +2594,11 @@ static void pairs_one_row(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 
     pairs_x xs[in > 0 ? in : 1]; /* widened once, for every thread */
     for (int64_t i = 0; i < in; i++) xs[i] = bf16_to_f32(x[i]);
 #endif
-#pragma omp parallel num_threads(threads) if (parallel)
-    {
-        int64_t lo, hi;
-        thread_share(blocks, &lo, &hi);
-        if (streams == 2)
-            pairs_streams(xs, wp, bias, y, yf, in, lo, hi, 2);
-        else
-            pairs_streams(xs, wp, bias, y, yf, in, lo, hi, PAIRS_STREAMS);
-    }
+    if (streams == 2)
+        FOR_SHARE(blocks, parallel, threads, pairs_streams(xs, wp, bias, y, yf, in, lo, hi, 2));
+    else
+        FOR_SHARE(blocks, parallel, threads,
+                  pairs_streams(xs, wp, bias, y, yf, in, lo, hi, PAIRS_STREAMS));
 }
 #endif
 
@@ -2531,23 +2714,25 @@ static inline __attribute__((always_inline)) void pairs_group(const bf16 *x, con
 #undef PF_HI
 }
 
+/* Blocks [lo, hi) of pairs_rows' output: groups of PAIRS_TILE_BLOCKS, then single blocks. */
+static void pairs_rows_range(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y,
+                             float *yf, int64_t rows, int64_t in, int64_t out, int64_t lo,
+                             int64_t hi) {
+    int64_t b = lo;
+    for (; b + PAIRS_TILE_BLOCKS <= hi; b += PAIRS_TILE_BLOCKS) {
+        int64_t next = hi - b - PAIRS_TILE_BLOCKS;
+        next = next < PAIRS_TILE_BLOCKS ? next : PAIRS_TILE_BLOCKS;
+        pairs_group(x, wp, bias, y, yf, rows, in, out, b, PAIRS_TILE_BLOCKS,
+                    rows >= PAIRS_PREFETCH_ROWS ? next : 0);
+    }
+    for (; b < hi; b++) pairs_group(x, wp, bias, y, yf, rows, in, out, b, 1, 0);
+}
+
 static void pairs_rows(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, float *yf,
                        int64_t rows, int64_t in, int64_t out, int threads) {
-    const int64_t blocks = out / 16;
     const int parallel = threads > 1 && rows * out * in >= 65536;
-#pragma omp parallel num_threads(threads) if (parallel)
-    {
-        int64_t lo, hi;
-        thread_share(blocks, &lo, &hi);
-        int64_t b = lo;
-        for (; b + PAIRS_TILE_BLOCKS <= hi; b += PAIRS_TILE_BLOCKS) {
-            int64_t next = hi - b - PAIRS_TILE_BLOCKS;
-            next = next < PAIRS_TILE_BLOCKS ? next : PAIRS_TILE_BLOCKS;
-            pairs_group(x, wp, bias, y, yf, rows, in, out, b, PAIRS_TILE_BLOCKS,
-                        rows >= PAIRS_PREFETCH_ROWS ? next : 0);
-        }
-        for (; b < hi; b++) pairs_group(x, wp, bias, y, yf, rows, in, out, b, 1, 0);
-    }
+    FOR_SHARE(out / 16, parallel, threads,
+              pairs_rows_range(x, wp, bias, y, yf, rows, in, out, lo, hi));
 }
 #endif
 
@@ -2663,13 +2848,56 @@ static int step_linear(const decode_step *s, const void *x, const void *w, const
 /* residual [rows, hidden]: the embedded tokens, updated in place; out [rows, hidden]: the
  * final norm's output; scratch: decode_layers_scratch(s) bytes. Returns 0, or -1 when a
  * kernel could not allocate its scratch memory. */
-int64_t decode_layers_scratch(const decode_step *s) {
+static int64_t layer_buffers_bytes(const decode_step *s) {
     const int64_t qkv = (s->heads + 2 * s->kv_heads) * s->dim, q = s->heads * s->dim;
-    return s->rows * (qkv + 2 * q + 2 * s->hidden + 3 * s->inter) * (s->bf ? 2 : 4);
+    const int64_t bytes = s->rows * (qkv + 2 * q + 2 * s->hidden + 3 * s->inter) * (s->bf ? 2 : 4);
+    return (bytes + 63) / 64 * 64;
 }
 
-int decode_layers(const decode_layer *layers, const decode_step *s, void *residual, void *out,
-                  void *scratch) {
+/* The layer buffers, then paged_decode_attention's parts for a step's team (attention_parts:
+ * fewer than 4 * threads items' worth). */
+int64_t decode_layers_scratch(const decode_step *s) {
+    const int64_t group = s->heads / s->kv_heads;
+    return layer_buffers_bytes(s) +
+           4 * (s->threads > 1 ? s->threads : 1) * group * (s->dim + 2) * (int64_t)sizeof(float);
+}
+
+/* Steps run on a team of two threads or more, since the library loaded (for tests). */
+static int64_t team_steps;
+int64_t decode_team_steps(void) { return __atomic_load_n(&team_steps, __ATOMIC_RELAXED); }
+
+typedef int (*step_body)(const decode_layer *layers, const decode_step *s, void *residual,
+                         void *out, void *scratch);
+
+/* body(...) on a team of s->threads (see team_state), every thread running the whole step
+ * and its share of each kernel; the result is thread 0's, or -1 where a thread failed. */
+static int run_step(step_body body, const decode_layer *layers, const decode_step *s,
+                    void *residual, void *out, void *scratch) {
+#ifdef _OPENMP
+    if (s->threads > 1 && !omp_in_parallel()) {
+        team_state state;
+        memset(&state, 0, sizeof state);
+        state.att_parts = (float *)((char *)scratch + layer_buffers_bytes(s));
+        int result = 0;
+#pragma omp parallel num_threads((int)s->threads)
+        {
+            team_member me = {omp_get_thread_num(), omp_get_num_threads(), &state, 0};
+            step_member = &me;
+            const int r = body(layers, s, residual, out, scratch);
+            step_member = NULL;
+            if (me.id == 0) result = r;
+            if (me.id == 0 && me.n > 1) __atomic_add_fetch(&team_steps, 1, __ATOMIC_RELAXED);
+        }
+        return __atomic_load_n(&state.failed, __ATOMIC_RELAXED) ? -1 : result;
+    }
+#endif
+    return body(layers, s, residual, out, scratch);
+}
+
+/* Every branch below returns the same on every thread of a step's team: a thread that
+ * returned early would leave the others waiting at the next kernel's barrier. */
+static int layers_body(const decode_layer *layers, const decode_step *s, void *residual,
+                       void *out, void *scratch) {
     const int64_t elem = s->bf ? 2 : 4, rows = s->rows;
     const int64_t qkv_width = (s->heads + 2 * s->kv_heads) * s->dim, q_width = s->heads * s->dim;
     char *qkv = scratch, *q = qkv + rows * qkv_width * elem, *att = q + rows * q_width * elem,
@@ -2699,6 +2927,11 @@ int decode_layers(const decode_layer *layers, const decode_step *s, void *residu
         step_norm(s, o, residual, last ? s->final_norm : layers[i + 1].input_norm, last ? out : h);
     }
     return 0;
+}
+
+int decode_layers(const decode_layer *layers, const decode_step *s, void *residual, void *out,
+                  void *scratch) {
+    return run_step(layers_body, layers, s, residual, out, scratch);
 }
 
 /* out[r] = the index of row r's largest value in x [rows, n] as torch.argmax gives it: the
@@ -2760,21 +2993,33 @@ int64_t decode_logits_scratch(const decode_step *s) {
  * residual: as decode_layers', or NULL when `s->embed` is set (then it lives in scratch).
  * Returns 0, -1 as decode_layers, -2 when a token id lies outside the embedding, or -3 when
  * s->pairs is set in a build with no linear_pairs_rows kernel for s->rows. */
-int decode_logits(const decode_layer *layers, const decode_step *s, void *residual,
-                  float *logits, void *scratch) {
+static void embed_rows(const decode_step *s, void *residual, int64_t row_bytes, int64_t lo,
+                       int64_t hi) {
+    for (int64_t r = lo; r < hi; r++)
+        memcpy((char *)residual + r * row_bytes, (const char *)s->embed + s->ids[r] * row_bytes,
+               (size_t)row_bytes);
+}
+
+static void widen_bf16(const bf16 *src, float *dst, int64_t lo, int64_t hi) {
+#pragma omp simd
+    for (int64_t i = lo; i < hi; i++) dst[i] = bf16_to_f32(src[i]);
+}
+
+static int logits_body(const decode_layer *layers, const decode_step *s, void *residual,
+                       void *out, void *scratch) {
+    float *logits = out;
     const int64_t elem = s->bf ? 2 : 4, row_bytes = s->hidden * elem;
+    const int threads = (int)s->threads;
     char *normed = (char *)scratch + decode_layers_scratch(s);
     char *embedded = normed + s->rows * row_bytes;
     bf16 *rounded = (bf16 *)(embedded + s->rows * row_bytes);
     if (s->embed) {
         if (!residual) residual = embedded;
-        for (int64_t r = 0; r < s->rows; r++) {
+        for (int64_t r = 0; r < s->rows; r++)
             if (s->ids[r] < 0 || s->ids[r] >= s->vocab) return -2;
-            memcpy((char *)residual + r * row_bytes,
-                   (const char *)s->embed + s->ids[r] * row_bytes, (size_t)row_bytes);
-        }
+        FOR_SHARE(s->rows, 0, threads, embed_rows(s, residual, row_bytes, lo, hi));
     }
-    if (decode_layers(layers, s, residual, normed, scratch)) return -1;
+    if (layers_body(layers, s, residual, normed, scratch)) return -1;
     if (!s->bf) {
         if (step_linear(s, normed, s->lm_head, NULL, NULL, logits, s->hidden, s->vocab)) return -1;
     }
@@ -2783,7 +3028,7 @@ int decode_logits(const decode_layer *layers, const decode_step *s, void *residu
      * several, so a 0 from it is an error here) */
     else if (s->pairs && s->lm_head_p) {
         if (!linear_pairs_rows(normed, s->lm_head_p, NULL, NULL, logits, s->rows, s->hidden,
-                               s->vocab, (int)s->threads, (int)s->pair_streams))
+                               s->vocab, threads, (int)s->pair_streams))
             return -3;
     }
 #ifdef HAVE_AMX
@@ -2791,14 +3036,20 @@ int decode_logits(const decode_layer *layers, const decode_step *s, void *residu
     else if (s->many_rows && s->rows == 1 && s->hidden % 32 == 0 && s->vocab % 16 == 0 &&
              amx_usable())
         amx_one_row((const bf16 *)normed, s->lm_head, NULL, NULL, logits, s->hidden, s->vocab,
-                    (int)s->threads);
+                    threads);
 #endif
     else {
         if (step_linear(s, normed, s->lm_head, NULL, NULL, rounded, s->hidden, s->vocab)) return -1;
         const int64_t n = s->rows * s->vocab;
-#pragma omp parallel for simd num_threads((int)s->threads) schedule(static) if (n >= 262144)
-        for (int64_t i = 0; i < n; i++) logits[i] = bf16_to_f32(rounded[i]);
+        FOR_SHARE(n, threads > 1 && n >= 262144, threads, widen_bf16(rounded, logits, lo, hi));
     }
-    if (s->argmax) argmax_rows(logits, s->rows, s->vocab, s->argmax);
+    if (s->argmax)
+        FOR_SHARE(s->rows, threads > 1 && s->rows > 1, threads,
+                  argmax_rows(logits + lo * s->vocab, hi - lo, s->vocab, s->argmax + lo));
     return 0;
+}
+
+int decode_logits(const decode_layer *layers, const decode_step *s, void *residual,
+                  float *logits, void *scratch) {
+    return run_step(logits_body, layers, s, residual, logits, scratch);
 }
