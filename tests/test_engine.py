@@ -660,14 +660,17 @@ def test_one_call_decode_step_is_the_per_kernel_path_bit_for_bit(
         ("bfloat16", "linear=pairs2,batch_linear=pairs,prefill_attention=sdpa,decode_ops=c"),
     ],
 )
+# 4 threads on a 2-CPU host: the team outnumbers its CPUs, so its barriers sleep soon
+@pytest.mark.parametrize("threads", [2, 4])
 def test_the_one_call_step_shares_every_kernel_over_its_team_bit_for_bit(
-    tmp_path: Path, dtype: str, kernels: str
+    tmp_path: Path, dtype: str, kernels: str, threads: int
 ) -> None:
-    """At 2 threads the one-call step runs inside one OpenMP region, each thread taking its
-    share of every kernel between barriers of its own. The model is sized so that the shares
-    are real: every matmul splits (out x in >= 65,536), one KV head and a 1,100-token prompt
-    cut batch-1 attention into context parts merged after a barrier, and 17 rows of a 16,384
-    vocabulary widen the bf16 logits and take each row's argmax in parallel. The logits, and
+    """With 2 threads or more the one-call step runs inside one OpenMP region, each thread
+    taking its share of every kernel between barriers of its own. The model is sized so that
+    the shares are real: every matmul splits (out x in >= 65,536), one KV head and a
+    1,100-token prompt cut batch-1 attention into context parts merged after a barrier, and
+    17 rows of a 16,384 vocabulary widen the bf16 logits and take each row's argmax in
+    parallel. The logits, and
     the greedy tokens the fused argmax picks, are the per-kernel path's bits."""
     from pdscope.engine import native
 
@@ -677,7 +680,7 @@ def test_the_one_call_step_shares_every_kernel_over_its_team_bit_for_bit(
         num_attention_heads=4, num_key_value_heads=1, vocab_size=16384,
     )  # fmt: skip
     saved = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     try:
         llm = LLM(
             model=str(path), dtype=dtype, kv_cache_memory="32MiB", block_size=16,

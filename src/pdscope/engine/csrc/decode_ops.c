@@ -13,11 +13,15 @@
  * both share one OpenMP thread pool.
  */
 #define _GNU_SOURCE /* sched_setaffinity */
+#include <limits.h>
+#include <linux/futex.h>
 #include <math.h>
 #include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 typedef uint16_t bf16;
 
@@ -32,12 +36,16 @@ typedef uint16_t bf16;
  * alone, cost a step ~110 fork-joins, and where libgomp's workers sleep soon after a region
  * ends (GOMP_SPINCOUNT=1000, what `pdscope serve` sets so that idle workers leave the cores
  * to the HTTP loop between steps) each one paid a kernel wake-up. Inside a step the threads
- * now spin; between steps libgomp's own policy still sends them to sleep. */
+ * now spin, and sleep only after a long wait; between steps libgomp's own policy still sends
+ * them to sleep. The fields each threads write apart sit on cache lines apart. */
 typedef struct {
-    int arrived, generation; /* the barrier (GCC __atomic builtins) */
-    int64_t ticket;          /* dynamic work items handed out this step */
-    int failed;              /* a thread could not allocate its scratch memory */
-    float *att_parts;        /* paged_decode_attention's parts, sized by decode_layers_scratch */
+    _Alignas(64) int arrived;    /* the barrier (GCC __atomic builtins) */
+    _Alignas(64) int generation; /* a futex word too */
+    int sleepers;                /* threads in futex_wait on generation */
+    int spins;                   /* pauses before a waiter sleeps */
+    _Alignas(64) int64_t ticket; /* dynamic work items handed out this step */
+    int failed;                  /* a thread could not allocate its scratch memory */
+    float *att_parts; /* paged_decode_attention's parts, sized by decode_layers_scratch */
 } team_state;
 
 typedef struct {
@@ -54,19 +62,26 @@ static void team_barrier(const team_member *m) {
     const int gen = __atomic_load_n(&t->generation, __ATOMIC_ACQUIRE);
     if (__atomic_add_fetch(&t->arrived, 1, __ATOMIC_ACQ_REL) == m->n) {
         __atomic_store_n(&t->arrived, 0, __ATOMIC_RELAXED);
-        __atomic_store_n(&t->generation, gen + 1, __ATOMIC_RELEASE);
+        /* seq_cst both here and at a sleeper's count: either this sees the sleeper, or the
+         * sleeper's futex_wait sees the new generation and returns at once */
+        __atomic_store_n(&t->generation, gen + 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&t->sleepers, __ATOMIC_SEQ_CST))
+            syscall(SYS_futex, &t->generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
         return;
     }
-    /* A step's waits are short (one kernel's imbalance); past ~20 us the other thread is
-     * likely off its CPU, so give this one to whatever the scheduler has waiting. */
+    /* A step's waits are short (one kernel's imbalance): spin. A long one means another
+     * thread is off its CPU (more threads than CPUs, or a busy host): sleep, leaving it
+     * this CPU. */
     for (int spins = 0; __atomic_load_n(&t->generation, __ATOMIC_ACQUIRE) == gen; spins++) {
-        if (spins < 4096) {
+        if (spins < t->spins) {
 #if defined(__x86_64__) || defined(__i386__)
             __builtin_ia32_pause();
 #endif
-        } else {
-            sched_yield();
+            continue;
         }
+        __atomic_add_fetch(&t->sleepers, 1, __ATOMIC_SEQ_CST);
+        syscall(SYS_futex, &t->generation, FUTEX_WAIT_PRIVATE, gen, NULL, NULL, 0);
+        __atomic_sub_fetch(&t->sleepers, 1, __ATOMIC_SEQ_CST);
     }
 }
 
@@ -696,13 +711,6 @@ static void merge_parts(const float *parts_base, int64_t parts, int64_t group, i
     }
 }
 
-/* Decode attention for `seqs` sequences, one query token each, read straight from the paged
- * cache through each sequence's block table: no gather copy, no padding, no mask.
- *   q [seqs, heads, dim], out [seqs, heads, dim] (model dtype)
- *   tables [seqs, table_width] int64 block ids; bounds [seqs, 2] int64: keys [lo, hi) attended
- * Work is split over (sequence, kv head, context part): a long context with few sequences is
- * cut into parts attended in parallel and merged by their max and sum (flash decoding).
- * Returns 0, or -1 when its scratch memory could not be allocated. */
 /* Work item w of paged_decode_attention: (sequence, kv head, context part). With `scratch`
  * the part's running max, sum and unnormalised sums go there for the merge; without, the item
  * is the whole context and writes its output rows itself. */
@@ -1282,8 +1290,8 @@ void linear_rows(const void *x, const void *w, const void *bias, void *y, int64_
     float *xf = NULL;
 #ifdef HAVE_AVX2_BF16
     /* x widened once, for every block's FMAs (at most 32 x 2,816 x 4 bytes in the engine; in
-     * a step's team once per thread) */
-    if (bf) {
+     * a step's team once per thread that takes a share) */
+    if (bf && (parallel || !step_member || step_member->id == 0)) {
         xf = (float *)malloc((size_t)(rows * in) * sizeof(float));
         if (xf)
             for (int64_t i = 0; i < rows * in; i++) xf[i] = bf16_to_f32(((const bf16 *)x)[i]);
@@ -1730,8 +1738,14 @@ int linear_many_rows(const void *x, const void *w, const void *bias, void *y, in
     }
     if (bf && rows > 0 && in % 32 == 0 && out % 16 == 0 && amx_usable()) {
         const int64_t groups = (rows + 15) / 16, pairs = in / 2;
-        uint32_t *xp = x_pairs_scratch((size_t)(groups * pairs * 16)); /* a step's: per thread */
         const int parallel = threads > 1 && out * in >= 65536;
+        /* in a step's team a copy per thread that takes a share (thread 0 alone if serial) */
+        const int idle = step_member && !parallel && step_member->id != 0;
+        uint32_t *xp = idle ? NULL : x_pairs_scratch((size_t)(groups * pairs * 16));
+        if (idle) {
+            FOR_SHARE((int64_t)0, parallel, threads, (void)lo);
+            return 1;
+        }
         if (!xp) {
             if (!step_member) return -1;
             /* the team's other threads go on to this kernel's barrier: meet them there */
@@ -2878,6 +2892,16 @@ static int run_step(step_body body, const decode_layer *layers, const decode_ste
         team_state state;
         memset(&state, 0, sizeof state);
         state.att_parts = (float *)((char *)scratch + layer_buffers_bytes(s));
+        /* ~4,000 pauses (some tens of microseconds; a step's kernels take 10-100 us each),
+         * or a few where the team outnumbers the CPUs it may run on, as libgomp does */
+        cpu_set_t allowed;
+        const int cpus = sched_getaffinity(0, sizeof allowed, &allowed) == 0
+                             ? CPU_COUNT(&allowed)
+                             : (int)s->threads;
+        state.spins = s->threads > cpus ? 64 : 4096;
+#ifdef HAVE_AMX
+        (void)amx_usable(); /* asked once, here: every thread then sees the same answer */
+#endif
         int result = 0;
 #pragma omp parallel num_threads((int)s->threads)
         {
