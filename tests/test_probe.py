@@ -908,7 +908,8 @@ def test_a_short_response_read_in_bursts_is_told_from_a_steady_one() -> None:
     came one after another in reads microseconds apart (an 8-token answer at 113,670 tok/s
     in a CI run, where no gap stood out from a mean they all share), or the first tokens held
     back with the rest of a 6-token answer. Steady steps of a tiny model (0.2 ms) are not a
-    burst, nor is one slow step among them, and 3 gaps are too few to judge."""
+    burst, nor is one slow step among them, nor two tokens in one read mid-stream (the span
+    from first to last token, which TPOT reads, is whole), and 3 gaps are too few to judge."""
 
     def answer(gaps_s: list[float]) -> Trace:
         t = _trace("context-short", 64, 0.05, 1000.0, n=len(gaps_s) + 1)
@@ -916,11 +917,12 @@ def test_a_short_response_read_in_bursts_is_told_from_a_steady_one() -> None:
         t.end_s = t.chunks[-1].t_s
         return t
 
-    assert answer([9e-6] * 7).read_in_bursts  # 113,670 tok/s
+    assert answer([61e-6 / 7] * 7).read_in_bursts  # 113,636 tok/s
     assert answer([0.0, 0.0, 0.0, 0.0, 4e-3]).read_in_bursts  # tokens 1-5 held back
     assert answer([3e-3, 0.0, 0.0, 0.0, 0.0]).read_in_bursts  # the last 5 in one read
     assert not answer([2e-4] * 7).read_in_bursts
     assert not answer([2e-4, 2e-4, 6e-4, 2e-4, 2e-4]).read_in_bursts
+    assert not answer([5e-3, 0.0, 5e-3, 5e-3]).read_in_bursts
     assert not answer([1e-6] * 3).read_in_bursts
 
 

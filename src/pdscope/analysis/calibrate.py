@@ -86,9 +86,9 @@ class StepJitter:
     Each request is its own scale, so a stall in one request adds one large ratio and shrinks
     only its own request's others. Scaled by its median gap and then rescaled to mean 1 over
     the whole probe, a request read in bursts gave ratios in the thousands, and the rescaling
-    shrank every other step twenty-fold. A request read in bursts (``bursty``: a quarter of
-    its gaps or more under a tenth of its mean gap, which no step is) measures the client,
-    not the server's steps, and is left out."""
+    shrank every other step twenty-fold. A request read in bursts (``bursty``:
+    :attr:`Trace.read_in_bursts`) measures the client, not the server's steps, and is left
+    out."""
 
     ratios: tuple[float, ...]  # sorted ascending, mean 1
     bursty: int = 0  # requests left out
@@ -123,19 +123,20 @@ class StepJitter:
 
 # Single-stream decodes of a probe: every gap is one step carrying one decode.
 _SINGLE_LABELS = ("sweep", "prefix-cold", "prefix-warm", "context-short", "context-long")
+SCATTER_MIN_GAPS = 8  # a request's gaps the scatter takes: fewer scale by too rough a mean
 
 
 def step_jitter(probe: dict[str, Any]) -> StepJitter | None:
     """The probe's step-time scatter (see :class:`StepJitter`); None without a decode of at
-    least 8 gaps read steadily. The cold request is left out: its first steps pay one-off
-    work."""
+    least ``SCATTER_MIN_GAPS`` gaps read steadily. The cold request is left out: its first
+    steps pay one-off work."""
     ratios: list[float] = []
     bursty = 0
     for t in (Trace.from_dict(d) for d in probe.get("traces") or []):
         if not t.ok or t.label.removesuffix(UNREAD) not in _SINGLE_LABELS:
             continue
         gaps = t.itl_samples_s()
-        mean_gap = sum(gaps) / len(gaps) if len(gaps) >= 8 else 0.0
+        mean_gap = sum(gaps) / len(gaps) if len(gaps) >= SCATTER_MIN_GAPS else 0.0
         if not mean_gap > 0:
             continue
         if t.read_in_bursts:

@@ -14,10 +14,13 @@ from pdscope.engine.timeline import RequestTimeline
 # A gap under this share of its request's mean gap is tokens read at once, not a step.
 BURST_GAP = 0.1
 # Nor is one under this, whatever the mean: two reads this close carried tokens that waited
-# for each other (no server's decode step and response write take under ~0.1 ms a token).
+# for each other, not steps (a decode step and its response write take longer; a speculative
+# decoder's accepted tokens, sent as events microseconds apart, count as a burst too: their
+# arrival times are not steps either).
 BURST_FLOOR_S = 20e-6
 BURSTY_SHARE = 0.25  # of a request's gaps: read in bursts (Trace.read_in_bursts)
 BURST_MIN_GAPS = 4  # fewer cannot tell a burst from a step's jitter
+BURST_MIN_SHORT = 2  # nor can one short gap: two tokens in one read mid-stream leave TPOT whole
 # Label suffix of a probe response whose decode could not be read and that was sent again: kept
 # in the traces, left out of every figure and fit.
 UNREAD = "-unread"
@@ -141,18 +144,20 @@ class Trace:
 
     @property
     def read_in_bursts(self) -> bool:
-        """Whether the client read this stream in bursts (a quarter of its gaps or more under
-        a tenth of its mean gap, or under 20 us, which no step is): its gaps, and the span they
-        add up to, measure the client. Its first tokens waited in the client while its last
-        came in time, so its TPOT reads short: a tiny model's probe read so gave ~0.04 ms a
-        token where its steps took 0.7. An 8-token response that came in 61 us over several
-        reads read 113,670 tok/s in a CI run: its 7 gaps were too few for the rule then, and
-        gaps all that short stand out from no mean. Fewer than 4 gaps cannot tell."""
+        """Whether the client read this stream in bursts (a quarter of its gaps or more, and two
+        at least, under a tenth of its mean gap or under 20 us, which no step is): its gaps,
+        and the span they add up to, measure the client. Its first tokens waited in the client
+        while its last came in time, so its TPOT reads short: a tiny model's probe read so
+        gave ~0.04 ms a token where its steps took 0.7. An 8-token response that came in 61 us
+        over several reads read 113,670 tok/s in a CI run: its 7 gaps were too few for the
+        rule then, and gaps all that short stand out from no mean. Fewer than 4 gaps cannot
+        tell."""
         gaps = self.itl_samples_s()
         if len(gaps) < BURST_MIN_GAPS:
             return False
         short_s = max(BURST_GAP * sum(gaps) / len(gaps), BURST_FLOOR_S)
-        return sum(g < short_s for g in gaps) >= BURSTY_SHARE * len(gaps)
+        short = sum(g < short_s for g in gaps)
+        return short >= max(BURST_MIN_SHORT, BURSTY_SHARE * len(gaps))
 
     def itl_samples_s(self) -> list[float]:
         """Per-token inter-token latencies: a gap that delivered k tokens counts k times at

@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -31,13 +32,13 @@ typedef uint16_t bf16;
 
 /* ---- A decode step's team. decode_layers and decode_logits run a whole step inside one
  * OpenMP region: every thread calls each kernel in turn, takes its share of the kernel's work
- * and waits for the others at a barrier of our own, which spins (yielding the CPU after a
- * while) instead of sleeping. Each kernel opening its own region, as it does when called
+ * and waits for the others at a barrier of our own, which spins at least as long as libgomp is
+ * told to and then sleeps on a futex. Each kernel opening its own region, as it does when called
  * alone, cost a step ~110 fork-joins, and where libgomp's workers sleep soon after a region
  * ends (GOMP_SPINCOUNT=1000, what `pdscope serve` sets so that idle workers leave the cores
  * to the HTTP loop between steps) each one paid a kernel wake-up. Inside a step the threads
  * now spin, and sleep only after a long wait; between steps libgomp's own policy still sends
- * them to sleep. The fields each threads write apart sit on cache lines apart. */
+ * them to sleep. Fields that different threads write sit on cache lines apart. */
 typedef struct {
     _Alignas(64) int arrived;    /* the barrier (GCC __atomic builtins) */
     _Alignas(64) int generation; /* a futex word too */
@@ -2605,8 +2606,10 @@ static void pairs_one_row(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 
 #ifdef HAVE_DPBF16
     const pairs_x *xs = x;
 #else
-    pairs_x xs[in > 0 ? in : 1]; /* widened once, for every thread */
-    for (int64_t i = 0; i < in; i++) xs[i] = bf16_to_f32(x[i]);
+    pairs_x xs[in > 0 ? in : 1]; /* widened once, for every thread; in a step's team, on each
+                                  * thread that takes a share */
+    if (parallel || !step_member || step_member->id == 0)
+        for (int64_t i = 0; i < in; i++) xs[i] = bf16_to_f32(x[i]);
 #endif
     if (streams == 2)
         FOR_SHARE(blocks, parallel, threads, pairs_streams(xs, wp, bias, y, yf, in, lo, hi, 2));
@@ -2859,9 +2862,6 @@ static int step_linear(const decode_step *s, const void *x, const void *w, const
     return 0;
 }
 
-/* residual [rows, hidden]: the embedded tokens, updated in place; out [rows, hidden]: the
- * final norm's output; scratch: decode_layers_scratch(s) bytes. Returns 0, or -1 when a
- * kernel could not allocate its scratch memory. */
 static int64_t layer_buffers_bytes(const decode_step *s) {
     const int64_t qkv = (s->heads + 2 * s->kv_heads) * s->dim, q = s->heads * s->dim;
     const int64_t bytes = s->rows * (qkv + 2 * q + 2 * s->hidden + 3 * s->inter) * (s->bf ? 2 : 4);
@@ -2875,6 +2875,41 @@ int64_t decode_layers_scratch(const decode_step *s) {
     return layer_buffers_bytes(s) +
            4 * (s->threads > 1 ? s->threads : 1) * group * (s->dim + 2) * (int64_t)sizeof(float);
 }
+
+#ifdef _OPENMP
+/* Pauses a step's barrier spins before it sleeps: as many as libgomp's workers spin at its
+ * barriers (GOMP_SPINCOUNT, else OMP_WAIT_POLICY=ACTIVE: without end, else its ~300,000),
+ * and never under 1,000 (~20 us on an AMD EPYC; libgomp's own count where its threads
+ * outnumber the CPUs), so that GOMP_SPINCOUNT=0 or OMP_WAIT_POLICY=PASSIVE leaves the workers
+ * asleep between steps but not between a step's kernels. Not more than a server's short count
+ * (GOMP_SPINCOUNT=1000, what `pdscope serve` sets): a floor of 4,096 (~90 us) spun longer
+ * than the server asks of libgomp, on CPUs its HTTP loop and colocated clients need (a
+ * clean-clone CI run with it read a tiny model's 8 streams at 0.83x the output rate of 1,
+ * where the test wants 1.5x). Read once: libgomp reads them once too. */
+static int barrier_spins(void) {
+    static int spins = -1;
+    int cached = __atomic_load_n(&spins, __ATOMIC_RELAXED);
+    if (cached >= 0) return cached;
+    long long told = 300000;
+    const char *count = getenv("GOMP_SPINCOUNT"), *policy = getenv("OMP_WAIT_POLICY");
+    if (count && *count) {
+        char *end;
+        told = strtoll(count, &end, 10);
+        static const char units[] = "kMGT"; /* libgomp's suffixes: powers of 1,000 */
+        const char *unit = *end ? strchr(units, *end) : NULL;
+        for (long i = 0; unit && i <= unit - units && told < INT_MAX; i++) told *= 1000;
+        if (strncasecmp(count, "infinite", 8) == 0 || strncasecmp(count, "infinity", 8) == 0)
+            told = INT_MAX;
+    } else if (policy && strncasecmp(policy, "active", 6) == 0) {
+        told = INT_MAX;
+    } else if (policy && strncasecmp(policy, "passive", 7) == 0) {
+        told = 0;
+    }
+    cached = told < 1000 ? 1000 : told > INT_MAX ? INT_MAX : (int)told;
+    __atomic_store_n(&spins, cached, __ATOMIC_RELAXED);
+    return cached;
+}
+#endif
 
 /* Steps run on a team of two threads or more, since the library loaded (for tests). */
 static int64_t team_steps;
@@ -2892,13 +2927,9 @@ static int run_step(step_body body, const decode_layer *layers, const decode_ste
         team_state state;
         memset(&state, 0, sizeof state);
         state.att_parts = (float *)((char *)scratch + layer_buffers_bytes(s));
-        /* ~4,000 pauses (some tens of microseconds; a step's kernels take 10-100 us each),
-         * or a few where the team outnumbers the CPUs it may run on, as libgomp does */
-        cpu_set_t allowed;
-        const int cpus = sched_getaffinity(0, sizeof allowed, &allowed) == 0
-                             ? CPU_COUNT(&allowed)
-                             : (int)s->threads;
-        state.spins = s->threads > cpus ? 64 : 4096;
+        /* libgomp's own count where the team outnumbers the process's CPUs (omp_get_num_procs:
+         * the calling thread alone may be pinned to one), the step's otherwise */
+        state.spins = s->threads > omp_get_num_procs() ? 1000 : barrier_spins();
 #ifdef HAVE_AMX
         (void)amx_usable(); /* asked once, here: every thread then sees the same answer */
 #endif
@@ -2953,6 +2984,9 @@ static int layers_body(const decode_layer *layers, const decode_step *s, void *r
     return 0;
 }
 
+/* residual [rows, hidden]: the embedded tokens, updated in place; out [rows, hidden]: the
+ * final norm's output; scratch: decode_layers_scratch(s) bytes. Returns 0, or -1 when a
+ * kernel could not allocate its scratch memory. */
 int decode_layers(const decode_layer *layers, const decode_step *s, void *residual, void *out,
                   void *scratch) {
     return run_step(layers_body, layers, s, residual, out, scratch);
