@@ -42,8 +42,9 @@ typedef uint16_t bf16;
 typedef struct {
     _Alignas(64) int arrived;    /* the barrier (GCC __atomic builtins) */
     _Alignas(64) int generation; /* a futex word too */
-    int sleepers;                /* threads in futex_wait on generation */
+    int sleepers;                /* threads in futex_wait on generation or released */
     int spins;                   /* pauses before a waiter sleeps */
+    _Alignas(64) int released;   /* serial kernels thread 0 has finished (a futex word) */
     _Alignas(64) int64_t ticket; /* dynamic work items handed out this step */
     int failed;                  /* a thread could not allocate its scratch memory */
     float *att_parts; /* paged_decode_attention's parts, sized by decode_layers_scratch */
@@ -53,27 +54,16 @@ typedef struct {
     int id, n;
     team_state *state;
     int64_t ticket_base; /* the first ticket of the next dynamic loop: the same on every thread */
+    int serial;          /* serial kernels this thread has passed */
 } team_member;
 
 static __thread team_member *step_member; /* set while this thread runs in a step's team */
 
-static void team_barrier(const team_member *m) {
-    if (m->n == 1) return;
-    team_state *t = m->state;
-    const int gen = __atomic_load_n(&t->generation, __ATOMIC_ACQUIRE);
-    if (__atomic_add_fetch(&t->arrived, 1, __ATOMIC_ACQ_REL) == m->n) {
-        __atomic_store_n(&t->arrived, 0, __ATOMIC_RELAXED);
-        /* seq_cst both here and at a sleeper's count: either this sees the sleeper, or the
-         * sleeper's futex_wait sees the new generation and returns at once */
-        __atomic_store_n(&t->generation, gen + 1, __ATOMIC_SEQ_CST);
-        if (__atomic_load_n(&t->sleepers, __ATOMIC_SEQ_CST))
-            syscall(SYS_futex, &t->generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
-        return;
-    }
-    /* A step's waits are short (one kernel's imbalance): spin. A long one means another
-     * thread is off its CPU (more threads than CPUs, or a busy host): sleep, leaving it
-     * this CPU. */
-    for (int spins = 0; __atomic_load_n(&t->generation, __ATOMIC_ACQUIRE) == gen; spins++) {
+/* Waits until *word >= target: spins, then sleeps on the futex word (see team_wake). */
+static void team_wait(team_state *t, int *word, int target) {
+    for (int spins = 0;; spins++) {
+        const int now = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+        if (now >= target) return;
         if (spins < t->spins) {
 #if defined(__x86_64__) || defined(__i386__)
             __builtin_ia32_pause();
@@ -81,9 +71,43 @@ static void team_barrier(const team_member *m) {
             continue;
         }
         __atomic_add_fetch(&t->sleepers, 1, __ATOMIC_SEQ_CST);
-        syscall(SYS_futex, &t->generation, FUTEX_WAIT_PRIVATE, gen, NULL, NULL, 0);
+        syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, now, NULL, NULL, 0);
         __atomic_sub_fetch(&t->sleepers, 1, __ATOMIC_SEQ_CST);
     }
+}
+
+/* *word = value, waking its sleepers. seq_cst both here and at a sleeper's count: either
+ * this sees the sleeper, or the sleeper's futex_wait sees the new value and returns. */
+static void team_wake(team_state *t, int *word, int value) {
+    __atomic_store_n(word, value, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&t->sleepers, __ATOMIC_SEQ_CST))
+        syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+/* Every thread of the team waits here for the rest. A step's waits are short (one kernel's
+ * imbalance), so they spin; a long one means another thread is off its CPU (more threads
+ * than CPUs, or a busy host), so the waiter sleeps, leaving it this CPU. */
+static void team_barrier(const team_member *m) {
+    if (m->n == 1) return;
+    team_state *t = m->state;
+    const int gen = __atomic_load_n(&t->generation, __ATOMIC_ACQUIRE);
+    if (__atomic_add_fetch(&t->arrived, 1, __ATOMIC_ACQ_REL) == m->n) {
+        __atomic_store_n(&t->arrived, 0, __ATOMIC_RELAXED);
+        team_wake(t, &t->generation, gen + 1);
+        return;
+    }
+    team_wait(t, &t->generation, gen + 1);
+}
+
+/* The end of a kernel thread 0 ran alone: it goes straight on, and the others wait until it
+ * is done, for the next kernel reads what it wrote. Thread 0 never waits for threads with
+ * nothing to do, so a kernel too small to split needs no other thread on a CPU, as it did
+ * when run outside the team. */
+static void team_serial_done(team_member *m) {
+    if (m->n == 1) return;
+    m->serial++;
+    if (m->id == 0) team_wake(m->state, &m->state->released, m->serial);
+    else team_wait(m->state, &m->state->released, m->serial);
 }
 
 /* This thread's share [lo, hi) of n items, split evenly in order over its team: the step's
@@ -110,7 +134,7 @@ static inline void thread_share(int64_t n, int64_t *lo, int64_t *hi) {
  * share's items are computed independently, so the bits do not depend on the split. */
 #define FOR_SHARE(n, parallel, threads, CALL) \
     do { \
-        const team_member *m_ = step_member; \
+        team_member *m_ = step_member; \
         const int par_ = (parallel), threads_ = (threads); \
         (void)threads_; \
         if (m_) { \
@@ -120,7 +144,8 @@ static inline void thread_share(int64_t n, int64_t *lo, int64_t *hi) {
                 else lo = 0, hi = (n); \
                 CALL; \
             } \
-            team_barrier(m_); \
+            if (par_) team_barrier(m_); \
+            else team_serial_done(m_); \
         } else { \
             _Pragma("omp parallel num_threads(threads_) if (par_)") \
             { \
@@ -812,10 +837,12 @@ int paged_decode_attention(const void *q, const void *kv, void *out, const int64
                 ATTEND_ITEM(w);
             }
             tm->ticket_base += work + tm->n;
-        } else if (tm->id == 0) {
-            for (int64_t w = 0; w < work; w++) ATTEND_ITEM(w);
+            team_barrier(tm);
+        } else {
+            if (tm->id == 0)
+                for (int64_t w = 0; w < work; w++) ATTEND_ITEM(w);
+            team_serial_done(tm);
         }
-        team_barrier(tm);
         if (scratch) FOR_SHARE(items, parallel, threads,
                                merge_items(scratch, parts, heads, kv_heads, dim, out, bf, lo, hi));
         return 0;
