@@ -666,18 +666,19 @@ def test_the_one_call_step_shares_every_kernel_over_its_team_bit_for_bit(
     tmp_path: Path, dtype: str, kernels: str, threads: int
 ) -> None:
     """With 2 threads or more the one-call step runs inside one OpenMP region, each thread
-    taking its share of every kernel between barriers of its own. The model is sized so that
-    the shares are real: every matmul splits (out x in >= 65,536), one KV head and a
+    taking its share of every kernel between barriers of its own. The model is sized to take
+    a team (2.75 M matmul weights a layer; under 2 M a step keeps a region per kernel) and so
+    that the shares are real: every matmul splits (out x in >= 65,536), one KV head and a
     1,100-token prompt cut batch-1 attention into context parts merged after a barrier, and
     17 rows of a 16,384 vocabulary widen the bf16 logits and take each row's argmax in
-    parallel. The logits, and
-    the greedy tokens the fused argmax picks, are the per-kernel path's bits."""
+    parallel. The logits, and the greedy tokens the fused argmax picks, are the per-kernel
+    path's bits."""
     from pdscope.engine import native
 
     _pairs_or_skip(kernels)
     path = make_model(
-        tmp_path / "wide", "tiny", dtype=dtype, hidden_size=256, intermediate_size=704,
-        num_attention_heads=4, num_key_value_heads=1, vocab_size=16384,
+        tmp_path / "wide", "tiny", dtype=dtype, hidden_size=512, intermediate_size=1408,
+        num_attention_heads=8, num_key_value_heads=1, vocab_size=16384,
     )  # fmt: skip
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -716,6 +717,30 @@ def test_the_one_call_step_shares_every_kernel_over_its_team_bit_for_bit(
     assert len(one_call) == len(per_kernel) == 2 * GREEDY.max_tokens  # prefill rows too
     assert all(torch.equal(a, b) for a, b in zip(one_call, per_kernel, strict=True))
     assert fused_tokens == tokens
+
+
+def test_a_tiny_models_step_keeps_a_region_per_kernel(tmp_path: Path) -> None:
+    """Under 2 M matmul weights a layer (the tiny preset: 46 K) the one-call step runs no team:
+    its kernels take microseconds, and a step would wait at its barriers more than it works."""
+    from pdscope.engine import native
+
+    path = make_model(tmp_path / "tiny", "tiny", dtype="float32")
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM(
+            model=str(path), dtype="float32", kv_cache_memory="8MiB",
+            kernels="linear=c,prefill_attention=sdpa,decode_ops=c",
+        )  # fmt: skip
+        model = llm.engine.runner.model
+        assert isinstance(model.native, native.NativeOps)
+        calls = _count_calls([model], "native", "decode_logits")
+        before = model.native.team_steps
+        llm.generate([[5, 6, 7]], GREEDY)
+        assert calls[0] == GREEDY.max_tokens - 1  # the one call ran, on no team
+        assert model.native.team_steps == before
+    finally:
+        torch.set_num_threads(saved)
 
 
 @pytest.mark.parametrize(

@@ -83,8 +83,8 @@ class ServeSettings:
 # batch-1 decode took 9.0-10.0 ms a token against 7.3-8.9 at the default, and 10.5-11.9 before
 # the server kept one OpenMP team. The one-call decode step now runs in one region whose
 # barriers spin as long as this count says ("A decode step in one OpenMP region"), so a
-# decode step pays a wake-up only at its start: in process at 1,000, 1.03-1.16x the speed of
-# the step whose every kernel was a region.
+# decode step pays a wake-up only at its start (in process at 1,000, 0.94-1.16x the speed of
+# the step whose every kernel was a region: within this host's noise; at 0, ~1.3x).
 SERVER_SPIN_COUNT = "1000"
 
 

@@ -2945,12 +2945,25 @@ int64_t decode_team_steps(void) { return __atomic_load_n(&team_steps, __ATOMIC_R
 typedef int (*step_body)(const decode_layer *layers, const decode_step *s, void *residual,
                          void *out, void *scratch);
 
+/* A layer's matmul weights (elements) below which a step runs its kernels each in its own
+ * region, as outside a team: ~2 MB of bf16 weights a layer and less (the test models, the
+ * smallest checkpoints) make kernels of a few microseconds, and a step then waits at its
+ * barriers more than it works. The tiny test model (0.74 M a layer) in a team read 8 streams
+ * at 1.0-1.14x the output rate of 1 in three clean-clone CI runs, where the server that ran
+ * its kernels each in a region read 1.5x and more (2.1-9.5x run alone, either way). */
+#define TEAM_MIN_LAYER_WEIGHTS (2 << 20)
+
+static int64_t layer_weights(const decode_step *s) {
+    const int64_t qkv = (s->heads + 2 * s->kv_heads) * s->dim, q = s->heads * s->dim;
+    return s->hidden * (qkv + q + 3 * s->inter);
+}
+
 /* body(...) on a team of s->threads (see team_state), every thread running the whole step
  * and its share of each kernel; the result is thread 0's, or -1 where a thread failed. */
 static int run_step(step_body body, const decode_layer *layers, const decode_step *s,
                     void *residual, void *out, void *scratch) {
 #ifdef _OPENMP
-    if (s->threads > 1 && !omp_in_parallel()) {
+    if (s->threads > 1 && !omp_in_parallel() && layer_weights(s) >= TEAM_MIN_LAYER_WEIGHTS) {
         team_state state;
         memset(&state, 0, sizeof state);
         state.att_parts = (float *)((char *)scratch + layer_buffers_bytes(s));
