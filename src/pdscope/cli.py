@@ -22,6 +22,7 @@ from rich.console import Console
 
 from pdscope.commands.serve import ServeSettings
 from pdscope.engine.args import EngineArgs
+from pdscope.heap import freeze_startup_heap
 from pdscope.specs import SpecError
 
 if TYPE_CHECKING:
@@ -844,6 +845,7 @@ def probe(
         embedded_server(url, "probe", announce=note) as settings.url,
         bar,
     ):
+        freeze_startup_heap()  # a collector's pause here would read as server latency
         result = asyncio.run(
             run_probe(
                 settings,
@@ -1009,6 +1011,7 @@ def _run_bench(settings: BenchSettings, url: str | None, server_args: str) -> di
             embedded_server(url, "bench", server_args, note) as settings.url,
             bar,
         ):
+            freeze_startup_heap()  # a collector's pause here would read as server latency
             return asyncio.run(run_bench(settings, state, progress))
     except KeyboardInterrupt:
         state.partial = state.partial or "interrupted (Ctrl-C)"
