@@ -1,7 +1,7 @@
 """The garbage collector's pauses inside `pdscope serve`, with its start-up heap frozen (what
 serve does, pdscope/heap.py) and without.
 
-Each round starts one server of each variant in turn (the order shuffled), sends it
+Each round starts one server of each variant in turn (the order alternating), sends it
 ``--runs`` short `pdscope bench` runs one after another (the calibration test's workload: 12
 prompts of 64 tokens, 32 out, 4 at a time; a run takes ~0.1 s on the tiny model), and
 records, through a ``gc.callbacks`` hook in the server, every collection that held the GIL
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import random
 import statistics
 import subprocess
 import sys
@@ -56,7 +55,7 @@ def server(variant: str, serve_args: list[str]) -> None:
 
 
 def one_server(variant: str, model: str, port: int, runs: int, out: Path) -> dict[str, object]:
-    args = ["--model", model, "--port", str(port), "--kv-cache-memory", "32MiB"]
+    args = ["--model", model, "--port", str(port), "--kv-cache-memory", "256MiB"]
     log = (out / f"{variant.replace(' ', '-')}.log").open("w+")
     proc = subprocess.Popen(
         [sys.executable, __file__, "--server", variant, "--", *args],
@@ -71,7 +70,9 @@ def one_server(variant: str, model: str, port: int, runs: int, out: Path) -> dic
             except httpx.HTTPError:
                 pass
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited {proc.returncode}: see {log.name}")
+                log.seek(0)
+                tail = "".join(log.readlines()[-5:])
+                raise RuntimeError(f"server exited {proc.returncode}:\n{tail}")
             time.sleep(0.2)
         else:
             raise RuntimeError(f"server did not start: see {log.name}")
@@ -125,12 +126,10 @@ def main() -> None:
 
     print(machine_line())
     print(f"model {a.model}, {a.runs} bench runs a server, pauses over {PAUSE_MIN_S * 1e3:.0f} ms")
-    rng = random.Random(1)
     rows: dict[str, list[dict[str, object]]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="gc-pause-") as tmp:
         for r in range(a.rounds):
-            order = list(VARIANTS)
-            rng.shuffle(order)
+            order = list(VARIANTS)[:: 1 if r % 2 else -1]  # ABBA: neither always goes first
             for variant in order:
                 row = one_server(variant, a.model, a.port, a.runs, Path(tmp))
                 rows[variant].append(row)
