@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
+import platform
 import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
 
 from pdscope.server.launch import ServerProcess
 from pdscope.server.launch import start_server as _start
+
+if TYPE_CHECKING:
+    from pdscope.engine.native import NativeOps
 
 Server = ServerProcess
 
@@ -41,6 +46,23 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def start_server(model: Path, log_dir: Path, *args: str, name: str = "tiny") -> Server:
     return _start(model, log_dir / "server.log", *args, name=name, timeout_s=90)
+
+
+@pytest.fixture(scope="session")
+def v3_ops(tmp_path_factory: pytest.TempPathFactory) -> NativeOps:
+    """The engine's C kernels built for x86-64-v3 (AVX2 and FMA, no AVX-512), as an AVX2-only
+    CPU builds them: on an AVX-512 machine they run the AVX2 paths that CPU would."""
+    from pdscope.engine import native
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64-v3 is an x86 target")
+    cc = native.compiler()
+    if cc is None:
+        pytest.skip("no C compiler on this machine")
+    target = tmp_path_factory.mktemp("native_v3") / "decode_ops.so"
+    cmd = [cc, *native._FLAG_SETS[0], "-march=x86-64-v3", "-o", str(target)]
+    subprocess.run([*cmd, str(native.SOURCE), "-lm"], check=True)
+    return native.NativeOps(ctypes.CDLL(str(target)))
 
 
 @pytest.fixture(scope="session")

@@ -662,8 +662,17 @@ def test_one_call_decode_step_is_the_per_kernel_path_bit_for_bit(
 )
 # 4 threads on a 2-CPU host: the team outnumbers its CPUs, so its barriers sleep soon
 @pytest.mark.parametrize("threads", [2, 4])
+# x86-64-v3: the kernels an AVX2-only CPU builds (each thread that takes a share of a bf16
+# matmul widens x itself; pairs2 in AVX2), run here on the AVX-512 machine's cores
+@pytest.mark.parametrize("build", ["engine", "x86-64-v3"])
 def test_the_one_call_step_shares_every_kernel_over_its_team_bit_for_bit(
-    tmp_path: Path, dtype: str, kernels: str, threads: int
+    tmp_path: Path,
+    dtype: str,
+    kernels: str,
+    threads: int,
+    build: str,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With 2 threads or more the one-call step runs inside one OpenMP region, each thread
     taking its share of every kernel between barriers of its own. The model is sized to take
@@ -672,9 +681,16 @@ def test_the_one_call_step_shares_every_kernel_over_its_team_bit_for_bit(
     1,100-token prompt cut batch-1 attention into context parts merged after a barrier, and
     17 rows of a 16,384 vocabulary widen the bf16 logits and take each row's argmax in
     parallel. The logits, and the greedy tokens the fused argmax picks, are the per-kernel
-    path's bits."""
+    path's bits, in the engine's build and in the one an AVX2-only CPU makes."""
     from pdscope.engine import native
 
+    v3 = None
+    if build == "x86-64-v3":
+        v3 = request.getfixturevalue("v3_ops")
+        monkeypatch.setattr(native, "load", lambda cache_dir: v3)
+        monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path / "cache"))  # its own trial outcomes
+        # the pairs copies at several rows are AVX-512 BF16 only; single rows have an AVX2 form
+        kernels = kernels.replace("batch_linear=pairs", "batch_linear=c")
     _pairs_or_skip(kernels)
     path = make_model(
         tmp_path / "wide", "tiny", dtype=dtype, hidden_size=512, intermediate_size=1408,
@@ -690,6 +706,7 @@ def test_the_one_call_step_shares_every_kernel_over_its_team_bit_for_bit(
         model = llm.engine.runner.model
         ops = model.native
         assert isinstance(ops, native.NativeOps)
+        assert v3 is None or ops is v3
         rng = torch.Generator().manual_seed(0)
         long = torch.randint(10, 16000, (1100,), generator=rng).tolist()
         batch = [torch.randint(10, 16000, (5 + i,), generator=rng).tolist() for i in range(17)]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import platform
 import subprocess
 import sys
 import threading
@@ -782,19 +781,6 @@ def glue_ops(request: pytest.FixtureRequest, c_ops: native.NativeOps) -> Iterato
         yield c_ops
     finally:
         c_ops.wide_glue = before
-
-
-@pytest.fixture(scope="module")
-def v3_ops(c_ops: native.NativeOps, tmp_path_factory: pytest.TempPathFactory) -> native.NativeOps:
-    """The C kernels built for x86-64-v3 (AVX2 and FMA, no AVX-512), as on an AVX2-only CPU."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86-64-v3 is an x86 target")
-    cc = native.compiler()
-    assert cc is not None
-    target = tmp_path_factory.mktemp("native_v3") / "decode_ops.so"
-    cmd = [cc, *native._FLAG_SETS[0], "-march=x86-64-v3", "-o", str(target)]
-    subprocess.run([*cmd, str(native.SOURCE), "-lm"], check=True)
-    return native.NativeOps(ctypes.CDLL(str(target)))
 
 
 @pytest.fixture(scope="module", params=["native", "portable"])
