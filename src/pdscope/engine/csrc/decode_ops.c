@@ -2889,8 +2889,12 @@ static int step_linear(const decode_step *s, const void *x, const void *w, const
     return 0;
 }
 
+/* A layer's fused q/k/v projection width, and q's (elements a row). */
+static int64_t qkv_width(const decode_step *s) { return (s->heads + 2 * s->kv_heads) * s->dim; }
+static int64_t q_width(const decode_step *s) { return s->heads * s->dim; }
+
 static int64_t layer_buffers_bytes(const decode_step *s) {
-    const int64_t qkv = (s->heads + 2 * s->kv_heads) * s->dim, q = s->heads * s->dim;
+    const int64_t qkv = qkv_width(s), q = q_width(s);
     const int64_t bytes = s->rows * (qkv + 2 * q + 2 * s->hidden + 3 * s->inter) * (s->bf ? 2 : 4);
     return (bytes + 63) / 64 * 64;
 }
@@ -2954,8 +2958,7 @@ typedef int (*step_body)(const decode_layer *layers, const decode_step *s, void 
 #define TEAM_MIN_LAYER_WEIGHTS (2 << 20)
 
 static int64_t layer_weights(const decode_step *s) {
-    const int64_t qkv = (s->heads + 2 * s->kv_heads) * s->dim, q = s->heads * s->dim;
-    return s->hidden * (qkv + q + 3 * s->inter);
+    return s->hidden * (qkv_width(s) + q_width(s) + 3 * s->inter);
 }
 
 /* body(...) on a team of s->threads (see team_state), every thread running the whole step
@@ -2994,15 +2997,15 @@ static int run_step(step_body body, const decode_layer *layers, const decode_ste
 static int layers_body(const decode_layer *layers, const decode_step *s, void *residual,
                        void *out, void *scratch) {
     const int64_t elem = s->bf ? 2 : 4, rows = s->rows;
-    const int64_t qkv_width = (s->heads + 2 * s->kv_heads) * s->dim, q_width = s->heads * s->dim;
-    char *qkv = scratch, *q = qkv + rows * qkv_width * elem, *att = q + rows * q_width * elem,
-         *h = att + rows * q_width * elem, *o = h + rows * s->hidden * elem,
+    const int64_t qkv_n = qkv_width(s), q_n = q_width(s);
+    char *qkv = scratch, *q = qkv + rows * qkv_n * elem, *att = q + rows * q_n * elem,
+         *h = att + rows * q_n * elem, *o = h + rows * s->hidden * elem,
          *gate_up = o + rows * s->hidden * elem, *act = gate_up + rows * 2 * s->inter * elem;
     const int bf = (int)s->bf, threads = (int)s->threads;
     step_norm(s, residual, NULL, layers[0].input_norm, h);
     for (int64_t i = 0; i < s->layers; i++) {
         const decode_layer *l = layers + i;
-        if (step_linear(s, h, l->qkv_w, l->qkv_p, l->qkv_b, qkv, s->hidden, qkv_width)) return -1;
+        if (step_linear(s, h, l->qkv_w, l->qkv_p, l->qkv_b, qkv, s->hidden, qkv_n)) return -1;
         qkv_rope_store(qkv, q, l->kv, s->positions, s->slot_mapping, s->cos_table, s->sin_table,
                        l->q_norm, l->k_norm, (float)s->qk_eps, rows, s->heads, s->kv_heads,
                        s->dim, s->slots, bf, threads);
@@ -3010,7 +3013,7 @@ static int layers_body(const decode_layer *layers, const decode_step *s, void *r
                                    s->kv_heads, s->dim, s->slots, s->block_size, s->table_width,
                                    (float)s->scale, bf, threads))
             return -1;
-        if (step_linear(s, att, l->o_w, l->o_p, NULL, o, q_width, s->hidden)) return -1;
+        if (step_linear(s, att, l->o_w, l->o_p, NULL, o, q_n, s->hidden)) return -1;
         step_norm(s, o, residual, l->post_norm, h);
         if (step_linear(s, h, l->gate_up_w, l->gate_up_p, NULL, gate_up, s->hidden, 2 * s->inter)) return -1;
         if (s->wide_glue && bf)
