@@ -54,6 +54,16 @@ DASHBOARD_FAMILIES = (
     "vllm:num_preemptions",
     "vllm:request_num_preemptions",
 )
+# What vLLM's default Prometheus registry adds about the process: its start (a restart), its
+# memory and CPU, the garbage collector's runs by generation, and the Python it runs on.
+PROCESS_FAMILIES = (
+    "process_start_time_seconds",
+    "process_resident_memory_bytes",
+    "process_cpu_seconds",
+    "python_gc_collections",
+    "python_gc_objects_collected",
+    "python_info",
+)
 # vLLM labels every series with its engine index; pdscope has one engine and no such label.
 # Dashboards select by model_name, which both export.
 NOT_EXPORTED_LABELS = {"engine"}
@@ -101,7 +111,7 @@ def test_fixture_is_vllm_0_32() -> None:
     assert "vLLM 0.32.0" in text.splitlines()[0]
     vllm = families(text)
     assert len(vllm) >= 90
-    for name in DASHBOARD_FAMILIES:
+    for name in DASHBOARD_FAMILIES + PROCESS_FAMILIES:
         assert name in vllm, name
 
 
@@ -113,7 +123,7 @@ def test_pdscope_serve_exports_vllms_dashboard_series(vllm_shaped_server: Server
     ours = families(httpx.get(f"{srv.url}/metrics", timeout=10).text)
     vllm = families(FIXTURE.read_text())
     problems = []
-    for name in DASHBOARD_FAMILIES:
+    for name in DASHBOARD_FAMILIES + PROCESS_FAMILIES:
         theirs = vllm[name]
         mine = ours.get(name)
         if mine is None:

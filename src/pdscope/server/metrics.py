@@ -7,7 +7,15 @@ timeline (RequestTimeline, StepRecord) through the engine's listeners on its own
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 
 from pdscope import __version__
 from pdscope.engine.kernels import OPTIONS as KERNEL_PATHS
@@ -91,9 +99,12 @@ class EngineMetrics:
 
     def __init__(self, engine: LLMEngine, model_name: str):
         self.registry = CollectorRegistry()
-        # process_* as vLLM's default registry has them: a reader sees a restart by the start
-        # time (analysis/server_metrics.restarted), and the server's memory and CPU seconds.
+        # process_*, python_gc_* and python_info as vLLM's default registry has them: a reader
+        # sees a restart by the start time (analysis/server_metrics.restarted), the server's
+        # memory and CPU seconds, and how often the garbage collector ran (pdscope/heap.py).
         ProcessCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
         r, labels = self.registry, ["model_name"]
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
