@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
 from pathlib import Path
@@ -158,6 +159,7 @@ def test_cli_save_and_compare(medium_server: Server, tmp_path: Path) -> None:
             ],
         )
         assert res.exit_code == 0, res.output
+        assert gc.get_freeze_count() == 0  # frozen while it ran, this process's heap after
         paths.append(out)
         data = json.loads(out.read_text())
         assert data["completed"] == 8 and data["metadata"]["pdscope_version"]
@@ -166,6 +168,19 @@ def test_cli_save_and_compare(medium_server: Server, tmp_path: Path) -> None:
         assert "<table>" in page and "p99_itl_ms" in page
     res = runner.invoke(cli, ["bench", "compare", *map(str, paths)])
     assert res.exit_code == 0 and "output_throughput" in res.output and "x" in res.output
+
+
+def test_a_measuring_command_freezes_the_heap_only_while_it_runs() -> None:
+    """bench and probe freeze the heap they start with, so a full collection during the run
+    does not walk it (a pause there reads as server latency), and hand it back after: they
+    may run inside a caller's process whose objects must stay collectable."""
+    from pdscope.heap import startup_heap_frozen
+
+    assert gc.get_freeze_count() == 0
+    with startup_heap_frozen():
+        inside = gc.get_freeze_count()
+    assert inside > 10_000  # this process's modules and objects, at the least
+    assert gc.get_freeze_count() == 0
 
 
 def test_cli_rejects_bad_flags() -> None:

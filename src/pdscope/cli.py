@@ -22,7 +22,7 @@ from rich.console import Console
 
 from pdscope.commands.serve import ServeSettings
 from pdscope.engine.args import EngineArgs
-from pdscope.heap import freeze_startup_heap
+from pdscope.heap import startup_heap_frozen
 from pdscope.specs import SpecError
 
 if TYPE_CHECKING:
@@ -844,8 +844,8 @@ def probe(
         exit_on(1, ProbeError, EmbeddedServerError),
         embedded_server(url, "probe", announce=note) as settings.url,
         bar,
+        startup_heap_frozen(),  # a collector's pause here would read as server latency
     ):
-        freeze_startup_heap()  # a collector's pause here would read as server latency
         result = asyncio.run(
             run_probe(
                 settings,
@@ -1010,8 +1010,8 @@ def _run_bench(settings: BenchSettings, url: str | None, server_args: str) -> di
             exit_on(1, ProbeError, ValueError, httpx.HTTPError, EmbeddedServerError),
             embedded_server(url, "bench", server_args, note) as settings.url,
             bar,
+            startup_heap_frozen(),  # a collector's pause here would read as server latency
         ):
-            freeze_startup_heap()  # a collector's pause here would read as server latency
             return asyncio.run(run_bench(settings, state, progress))
     except KeyboardInterrupt:
         state.partial = state.partial or "interrupted (Ctrl-C)"

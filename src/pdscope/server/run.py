@@ -46,11 +46,13 @@ class _Server(uvicorn.Server):
         await super().serve(sockets)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        # The engine, the app and uvicorn's protocols (config.load) are loaded by now: what is
+        # alive stays alive, and a full collection that walked it stalled every stream
+        # (pdscope/heap.py). Frozen before the sockets listen, so no request waits for it.
+        if not self.should_exit:
+            frozen, took_s = freeze_startup_heap()
+            log.info("froze the start-up heap: %d objects in %.0f ms", frozen, took_s * 1e3)
         await super().startup(sockets)
-        # The engine, the app and uvicorn are all loaded now: what is alive stays alive, and a
-        # full collection that walked it stalled every stream (pdscope/heap.py).
-        frozen, took_s = freeze_startup_heap()
-        log.info("froze the start-up heap: %d objects in %.0f ms", frozen, took_s * 1e3)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
