@@ -405,7 +405,7 @@ def test_calibrated_simulation_tracks_the_real_engine_end_to_end(tiny_model, tmp
     # bursts by a loaded client could shrink to a few hundredths. A failure prints the fit,
     # the scatter and the probe's residuals.
     for key, factor in (("median_tpot_ms", 5), ("median_ttft_ms", 2.5), ("output_throughput", 5)):
-        real = min(reals, key=lambda r, key=key: abs(math.log(sim[key] / r[key])))
+        real = min(reals, key=lambda run: abs(math.log(sim[key] / run[key])))
         assert 1 / factor < sim[key] / real[key] < factor, (
             key,
             sim[key],

@@ -59,9 +59,13 @@ DASHBOARD_FAMILIES = (
 PROCESS_FAMILIES = (
     "process_start_time_seconds",
     "process_resident_memory_bytes",
+    "process_virtual_memory_bytes",
     "process_cpu_seconds",
+    "process_open_fds",
+    "process_max_fds",
     "python_gc_collections",
     "python_gc_objects_collected",
+    "python_gc_objects_uncollectable",
     "python_info",
 )
 # vLLM labels every series with its engine index; pdscope has one engine and no such label.
