@@ -118,7 +118,7 @@ class ServerRow:
 
 def one_server(variant: str, model: str, port: int, runs: int, out: Path) -> ServerRow:
     args = ["--model", model, "--port", str(port), "--kv-cache-memory", "256MiB"]
-    with (out / f"{variant.replace(' ', '-')}.log").open("w+") as log:
+    with (out / f"{variant}.log").open("w+") as log:
         proc = subprocess.Popen(
             [sys.executable, __file__, "--server", variant, "--", *args],
             stdout=log, stderr=subprocess.STDOUT, text=True,

@@ -136,6 +136,7 @@ def test_overload_failures_are_counted_not_averaged(medium: Path, tmp_path: Path
 @pytest.mark.slow
 def test_cli_save_and_compare(medium_server: Server, tmp_path: Path) -> None:
     runner = CliRunner()
+    frozen = gc.get_freeze_count()
     paths = []
     for c in ("1", "4"):
         out = tmp_path / f"c{c}.json"
@@ -159,7 +160,7 @@ def test_cli_save_and_compare(medium_server: Server, tmp_path: Path) -> None:
             ],
         )
         assert res.exit_code == 0, res.output
-        assert gc.get_freeze_count() == 0  # frozen while it ran, this process's heap after
+        assert gc.get_freeze_count() == frozen  # frozen while it ran, handed back after
         paths.append(out)
         data = json.loads(out.read_text())
         assert data["completed"] == 8 and data["metadata"]["pdscope_version"]
@@ -176,11 +177,45 @@ def test_a_measuring_command_freezes_the_heap_only_while_it_runs() -> None:
     may run inside a caller's process whose objects must stay collectable."""
     from pdscope.heap import startup_heap_frozen
 
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == 0, "something in this pytest process froze the heap"
     with startup_heap_frozen():
         inside = gc.get_freeze_count()
     assert inside > 10_000  # this process's modules and objects, at the least
     assert gc.get_freeze_count() == 0
+    with pytest.raises(KeyboardInterrupt), startup_heap_frozen():
+        raise KeyboardInterrupt
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # a caller's own freeze is left as it was
+    try:
+        frozen = gc.get_freeze_count()
+        with startup_heap_frozen():
+            pass
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
+@pytest.mark.parametrize("command", ["bench", "probe"])
+def test_bench_and_probe_run_with_the_heap_frozen(
+    command: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The commands' measured part (asyncio.run) runs with the heap frozen, and a run that
+    ends in an error (here at once, before any request) hands it back."""
+    from pdscope.client.detect import ProbeError
+
+    seen: list[int] = []
+
+    def measured(coro: object) -> object:
+        coro.close()  # type: ignore[attr-defined]
+        seen.append(gc.get_freeze_count())
+        raise ProbeError("stopped by the test")
+
+    before = gc.get_freeze_count()
+    monkeypatch.setattr(asyncio, "run", measured)
+    res = CliRunner().invoke(cli, [command, "http://127.0.0.1:9"])
+    assert res.exit_code == 1 and "stopped by the test" in res.output, res.output
+    assert len(seen) == 1 and seen[0] > before + 10_000
+    assert gc.get_freeze_count() == before
 
 
 def test_cli_rejects_bad_flags() -> None:

@@ -572,9 +572,9 @@ def test_200_concurrent_streams(server: Server) -> None:
 def test_the_start_up_heap_is_frozen(server: Server) -> None:
     """A full collection walked the ~340,000 objects the server holds once started (torch, the
     model, FastAPI), all alive for good, with the GIL held: ~200 ms in which every stream
-    stalled, whenever one fell (bench/gc_pause.py). serve collects and
-    freezes them once the engine and the app are built and before uvicorn listens, and says
-    how many: the bulk of its heap, not a few."""
+    stalled, whenever one fell (bench/gc_pause.py). serve collects and freezes them once the
+    engine and the app are built and before uvicorn listens, and says how many: the bulk of
+    its heap, not a few."""
     log = server.log.read_text().splitlines()
 
     def first(text: str) -> int:

@@ -2,11 +2,11 @@
 
 A full collection walks every tracked object. After start-up a server holds ~340,000 of them
 (torch, the model's modules, FastAPI, tokenizers) and nearly all live as long as the process,
-yet each full collection walked them again: ~200-250 ms with the GIL held (AMD EPYC family 26,
-bench/gc_pause.py), in which every stream stalled. A measuring client holds ~70,000, and a
-pause there is read as server latency. ``gc.freeze()`` moves what is alive into a permanent
-generation that collections skip; what is allocated later is still collected as before. vLLM
-freezes its heap the same way once its server has started.
+yet each full collection walked them again: ~190-250 ms with the GIL held (AMD EPYC family
+26, CPython 3.11; bench/gc_pause.py), in which every stream stalled. A measuring client holds
+~70,000 at start, and a pause there is read as server latency. ``gc.freeze()`` moves what is
+alive into a permanent generation that collections skip; what is allocated later is still
+collected as before. vLLM freezes its heap the same way once its server has started.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ def startup_heap_frozen() -> Iterator[None]:
     if gc.get_freeze_count():
         yield
         return
-    gc.collect()
-    gc.freeze()
-    try:
+    try:  # an interrupt between the freeze and the block must not leave the heap frozen
+        gc.collect()
+        gc.freeze()
         yield
     finally:
         gc.unfreeze()

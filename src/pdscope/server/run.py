@@ -52,7 +52,8 @@ class _Server(uvicorn.Server):
         if not self.should_exit:
             frozen, took_s = freeze_startup_heap()
             log.info("froze the start-up heap: %d objects in %.0f ms", frozen, took_s * 1e3)
-        await super().startup(sockets)
+        if not self.should_exit:  # a signal during the freeze: exit without listening
+            await super().startup(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
