@@ -38,8 +38,7 @@ def startup_heap_frozen() -> Iterator[None]:
         yield
         return
     try:  # an interrupt between the freeze and the block must not leave the heap frozen
-        gc.collect()
-        gc.freeze()
+        freeze_startup_heap()
         yield
     finally:
         gc.unfreeze()
