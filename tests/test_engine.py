@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import generate_latest
 
 from pdscope import LLM, SamplingParams
 from pdscope.checkpoint.make_model import make_model
@@ -758,6 +759,88 @@ def test_a_tiny_models_step_keeps_a_region_per_kernel(tmp_path: Path) -> None:
         assert model.native.team_steps == before
     finally:
         torch.set_num_threads(saved)
+
+
+ONE_CALL_KERNELS = "linear=c,batch_linear=c,prefill_attention=sdpa,decode_ops=c"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_engine_checks_its_one_call_step_at_load(
+    tmp_path: Path, threads: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At load the engine steps its model once through the one C call and once through a call
+    per kernel, at batch 1 and 17, and keeps the one call where the bits agree. On a model
+    sized to take a team (2.75 M matmul weights a layer) at 2 threads the check's one-call
+    steps run on the team, so a CPU whose team branches no test here runs (AMX tiles) is
+    checked before it serves."""
+    from pdscope.checkpoint.make_model import default_cache_dir
+    from pdscope.engine import native
+    from pdscope.server.metrics import EngineMetrics
+
+    ops = native.load(default_cache_dir() / "native")  # the library the engine loads
+    assert ops is not None
+    path = make_model(
+        tmp_path / "wide", "tiny", dtype="bfloat16", hidden_size=512, intermediate_size=1408,
+        num_attention_heads=8, num_key_value_heads=1, vocab_size=16384,
+    )  # fmt: skip
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        before = ops.team_steps
+        with caplog.at_level("INFO", logger="pdscope.engine"):
+            llm = LLM(model=str(path), kv_cache_memory="32MiB", kernels=ONE_CALL_KERNELS)
+        teamed = ops.team_steps - before
+    finally:
+        torch.set_num_threads(saved)
+    assert llm.engine.decode_step == "one_call" and llm.engine.runner.model.fuse_decode
+    said = f"the per-kernel path's bits at batch 1 and 17, {threads} threads"
+    assert any(said in r.getMessage() for r in caplog.records)
+    assert teamed == (2 if threads > 1 else 0)  # one step a batch size
+    text = generate_latest(EngineMetrics(llm.engine, "wide").registry).decode()
+    assert 'decode_step="one_call"' in text
+
+
+@pytest.mark.parametrize("fault", ["one ulp", "raises"])
+def test_a_one_call_step_that_disagrees_is_switched_off(
+    tmp_path: Path, fault: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where the one call's logits differ from the per-kernel path's (here by one ulp in one
+    logit at batch 17) or the call raises (here at batch 1), the engine warns, naming the
+    batch, keeps a call per kernel, and says so in /metrics; it then decodes the same tokens as
+    an engine whose one call agrees. No CPU here has such a fault, so it is put in by wrapping
+    the one call while the engine loads."""
+    from pdscope.engine import native
+    from pdscope.server.metrics import EngineMetrics
+
+    path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
+    prompts = [[5, 6, 7], [8, 9, 10, 11], *([[12, 13]] * 15)]
+    good = LLM(model=str(path), kv_cache_memory="8MiB", kernels=ONE_CALL_KERNELS)
+    assert good.engine.decode_step == "one_call"
+    expected = [o.token_ids for o in good.generate(prompts, GREEDY)]
+    one_call = native.NativeOps.decode_logits
+
+    def faulty(self: native.NativeOps, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, greedy = one_call(self, *args)
+        if fault == "raises" and logits.shape[0] == 1:
+            raise RuntimeError("a fault put in")
+        if fault == "one ulp" and logits.shape[0] == 17:
+            logits[3, 7] = torch.nextafter(logits[3, 7], torch.tensor(float("inf")))
+        return logits, greedy
+
+    monkeypatch.setattr(native.NativeOps, "decode_logits", faulty)
+    with caplog.at_level("WARNING", logger="pdscope.engine"):
+        llm = LLM(model=str(path), kv_cache_memory="8MiB", kernels=ONE_CALL_KERNELS)
+    monkeypatch.undo()
+    assert llm.engine.decode_step == "per_kernel_mismatch"
+    assert not llm.engine.runner.model.fuse_decode
+    said = "at batch 1 (RuntimeError: a fault put in)" if fault == "raises" else "at batch 17,"
+    assert any(said in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    model = llm.engine.runner.model
+    calls = _count_calls([model], "native", "decode_logits")
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert calls[0] == 0  # every decode step ran a call per kernel
+    text = generate_latest(EngineMetrics(llm.engine, "m").registry).decode()
+    assert 'decode_step="per_kernel_mismatch"' in text
 
 
 @pytest.mark.parametrize(

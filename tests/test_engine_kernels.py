@@ -187,6 +187,7 @@ def test_engine_logs_applies_and_reports_its_choice(
     assert 'decode_math="native"' in line and 'decode_ops="torch"' in line
     assert 'threads="free"' in line and 'batch_linear="packed"' in line
     assert 'prefill_linear="onednn"' in line and 'matmul_math="float32"' in line
+    assert 'decode_step="per_kernel"' in line  # decode_ops=torch: no one C call
     assert all(m.widen for m in model.modules() if hasattr(m, "widen"))
     assert all(m.team is None and m.weight_t is None for m in model.modules() if hasattr(m, "team"))
     assert all(m.native_many is None for m in model.modules() if hasattr(m, "native_many"))

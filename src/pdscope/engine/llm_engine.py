@@ -27,6 +27,7 @@ from pdscope.engine.request import Request
 from pdscope.engine.runner import ModelRunner
 from pdscope.engine.sampling_params import SamplingParams
 from pdscope.engine.scheduler import Scheduler, SchedulerConfig
+from pdscope.engine.step_check import check_one_call
 from pdscope.engine.timeline import RequestTimeline, StepRecord
 from pdscope.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdscope.specs.local import cpu_model
@@ -88,6 +89,7 @@ class LLMEngine:
             )
         self.kernels = self._choose_kernels(forced_kernels)
         log.info("kernels on %s: %s", cpu_model(), self.kernels.summary())
+        self.decode_step = self._check_decode_step()
         block_bytes = ModelRunner.kv_bytes_per_block(config, args.block_size, self.dtype)
         self.kv_cache_bytes = self._kv_budget_bytes()
         num_blocks = self.kv_cache_bytes // block_bytes
@@ -184,6 +186,32 @@ class LLMEngine:
         apply_kernels(self.model, choice, ops)
         self._native = ops
         return choice
+
+    def _check_decode_step(self) -> str:
+        """How a decodes-only step under the C kernels runs here: ``one_call`` where the one C
+        call gave a call per kernel's bits at load (step_check), ``per_kernel`` where no step
+        takes the one call, ``per_kernel_mismatch`` where it did not agree, and is switched off."""
+        start = time.perf_counter()
+        check = check_one_call(self.model)
+        ms = (time.perf_counter() - start) * 1e3
+        if not check.agrees:
+            return "per_kernel"
+        if check.passed:
+            batches = " and ".join(map(str, check.agrees))
+            log.info(
+                "one-call decode step: the per-kernel path's bits at batch %s, %d threads "
+                "(checked in %.0f ms)", batches, torch.get_num_threads(), ms,
+            )  # fmt: skip
+            return "one_call"
+        self.model.fuse_decode = False
+        wrong = [f"batch {r}" + (f" ({check.errors[r]})" if r in check.errors else "")
+                 for r, ok in check.agrees.items() if not ok]  # fmt: skip
+        log.warning(
+            "one-call decode step: differs from the per-kernel path on %s at %s, %d threads; "
+            "decode keeps a call per kernel (slower, same results). Please report this CPU.",
+            cpu_model(), ", ".join(wrong), torch.get_num_threads(),
+        )  # fmt: skip
+        return "per_kernel_mismatch"
 
     def _kv_budget_bytes(self) -> int:
         # On a CPU the pool is kv_cache_memory: gpu_memory_utilization set away from its

@@ -161,15 +161,20 @@ class EngineMetrics:
         self.waiting.set_function(lambda: len(engine.scheduler.waiting))
         self.kv_usage.set_function(lambda: engine.pool.usage)
         self.model_name = model_name
-        # Which kernel each machine-dependent engine path took on this CPU (engine/kernels.py).
+        # Which kernel each machine-dependent engine path took on this CPU (engine/kernels.py),
+        # and how a decode step runs on them (engine/step_check.py).
         kernels = engine.kernels
         Gauge(
             "pdscope:build_info",
             "Constant 1; the labels say what this engine runs on and which kernels it chose.",
-            ["model_name", "version", "cpu", *KERNEL_PATHS],
+            ["model_name", "version", "cpu", *KERNEL_PATHS, "decode_step"],
             registry=r,
         ).labels(
-            model_name, __version__, cpu_model(), *(getattr(kernels, p) for p in KERNEL_PATHS)
+            model_name,
+            __version__,
+            cpu_model(),
+            *(getattr(kernels, p) for p in KERNEL_PATHS),
+            engine.decode_step,
         ).set(1)
         self._pool = engine.pool
         self._seen = (0, 0, 0)  # prefix queries, hits, preemptions already counted
