@@ -762,61 +762,98 @@ def test_a_tiny_models_step_keeps_a_region_per_kernel(tmp_path: Path) -> None:
 
 
 ONE_CALL_KERNELS = "linear=c,batch_linear=c,prefill_attention=sdpa,decode_ops=c"
+CHECKED = "batch 1 at 600 keys, batch 1 at 32 keys, batch 5 at 48 keys, batch 17 at 48 keys"
 
 
+@pytest.fixture
+def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache of the test's own (no pass of the one-call check recorded), over the C kernels
+    this process already built."""
+    from pdscope.checkpoint.make_model import default_cache_dir
+    from pdscope.engine import native
+
+    ops = native.load(default_cache_dir() / "native")
+    assert ops is not None
+    monkeypatch.setattr(native, "load", lambda cache_dir: ops)
+    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("kernels", [ONE_CALL_KERNELS])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_engine_checks_its_one_call_step_at_load(
-    tmp_path: Path, threads: int, caplog: pytest.LogCaptureFixture
-) -> None:
-    """At load the engine steps its model once through the one C call and once through a call
-    per kernel, at batch 1 and 17, and keeps the one call where the bits agree. On a model
-    sized to take a team (2.75 M matmul weights a layer) at 2 threads the check's one-call
-    steps run on the team, so a CPU whose team branches no test here runs (AMX tiles) is
-    checked before it serves."""
-    from pdscope.checkpoint.make_model import default_cache_dir
+    tmp_path: Path, kernels: str, threads: int, own_cache: None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """At load the engine steps its model through the one C call and through a call per
+    kernel, at batch 1 (600 keys and 32), 5 and 17, and keeps the one call where the logits,
+    argmax and K/V writes agree bit for bit. On a model sized to take a team (2.75 M matmul
+    weights a layer) at 2 threads the check's one-call steps run on the team, so a CPU whose
+    team branches no test here runs (AMX tiles) is checked before it serves. A pass is cached:
+    the next load of the same shapes steps nothing."""
     from pdscope.engine import native
     from pdscope.server.metrics import EngineMetrics
 
-    ops = native.load(default_cache_dir() / "native")  # the library the engine loads
-    assert ops is not None
     path = make_model(
         tmp_path / "wide", "tiny", dtype="bfloat16", hidden_size=512, intermediate_size=1408,
         num_attention_heads=8, num_key_value_heads=1, vocab_size=16384,
     )  # fmt: skip
+    ops = native.load(tmp_path)
+    assert ops is not None
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
+    teamed = []
     try:
-        before = ops.team_steps
-        with caplog.at_level("INFO", logger="pdscope.engine"):
-            llm = LLM(model=str(path), kv_cache_memory="32MiB", kernels=ONE_CALL_KERNELS)
-        teamed = ops.team_steps - before
+        for _ in range(2):
+            before = ops.team_steps
+            with caplog.at_level("INFO", logger="pdscope.engine"):
+                llm = LLM(model=str(path), kv_cache_memory="32MiB", kernels=kernels)
+            teamed.append(ops.team_steps - before)
+            assert llm.engine.decode_step == "one_call" and llm.engine.runner.model.fuse_decode
     finally:
         torch.set_num_threads(saved)
-    assert llm.engine.decode_step == "one_call" and llm.engine.runner.model.fuse_decode
-    said = f"the per-kernel path's bits at batch 1 and 17, {threads} threads"
-    assert any(said in r.getMessage() for r in caplog.records)
-    assert teamed == (2 if threads > 1 else 0)  # one step a batch size
+    said = [r.getMessage() for r in caplog.records if "one-call decode step" in r.getMessage()]
+    on = f"{threads} thread{'s' if threads > 1 else ''}"
+    assert said[0].endswith(f"bits at {CHECKED}, {on}" + said[0][said[0].rindex(" (") :])
+    assert "checked in" in said[0] and said[1].endswith("(a pass cached)")
+    assert teamed == [4 if threads > 1 else 0, 0]  # one step a shape, then none
     text = generate_latest(EngineMetrics(llm.engine, "wide").registry).decode()
     assert 'decode_step="one_call"' in text
 
 
+def test_the_one_call_check_compares_bits_not_values() -> None:
+    """NaN matches NaN and -0 differs from +0, as bits do (torch.equal says the opposite of
+    both), in the logits and in the K/V a step writes; the argmax is the logits'."""
+    from pdscope.engine.step_check import _differences
+
+    logits = torch.tensor([[0.0, float("nan"), 1.0], [2.0, 3.0, 1.0]])
+    kv = [torch.randn(2, 1, 4, 8).to(torch.bfloat16) for _ in range(2)]
+    greedy = torch.tensor([1, 1])  # torch.argmax takes a NaN as the largest
+    assert _differences(logits, logits.clone(), greedy, kv, [t.clone() for t in kv]) == ""
+    signed, flipped = logits.clone(), [t.clone() for t in kv]
+    signed[1, 2] = -1.0
+    signed[0, 0] = -0.0
+    flipped[1][0, 0, 2, 3] = -flipped[1][0, 0, 2, 3]
+    said = _differences(signed, logits, torch.tensor([1, 0]), flipped, kv)
+    assert said == "2 of 6 logits, the argmax in 1 of 2 rows, the K/V written in 1 of 2 layers"
+
+
+@pytest.mark.parametrize("kernels", [ONE_CALL_KERNELS])
 @pytest.mark.parametrize("fault", ["one ulp", "raises"])
 def test_a_one_call_step_that_disagrees_is_switched_off(
-    tmp_path: Path, fault: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+    tmp_path: Path, kernels: str, fault: str, own_cache: None,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
     """Where the one call's logits differ from the per-kernel path's (here by one ulp in one
-    logit at batch 17) or the call raises (here at batch 1), the engine warns, naming the
-    batch, keeps a call per kernel, and says so in /metrics; it then decodes the same tokens as
-    an engine whose one call agrees. No CPU here has such a fault, so it is put in by wrapping
-    the one call while the engine loads."""
+    logit at batch 17) or the call raises (here at batch 1), the engine warns, naming the step
+    and the difference, keeps a call per kernel, and says so in /metrics; it then decodes the
+    same tokens as an engine whose one call agrees. No CPU here has such a fault, so it is put
+    in by wrapping the one call while the engine loads. A failed check is not cached: the
+    next load checks again."""
     from pdscope.engine import native
     from pdscope.server.metrics import EngineMetrics
 
     path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
     prompts = [[5, 6, 7], [8, 9, 10, 11], *([[12, 13]] * 15)]
-    good = LLM(model=str(path), kv_cache_memory="8MiB", kernels=ONE_CALL_KERNELS)
-    assert good.engine.decode_step == "one_call"
-    expected = [o.token_ids for o in good.generate(prompts, GREEDY)]
     one_call = native.NativeOps.decode_logits
 
     def faulty(self: native.NativeOps, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -827,16 +864,24 @@ def test_a_one_call_step_that_disagrees_is_switched_off(
             logits[3, 7] = torch.nextafter(logits[3, 7], torch.tensor(float("inf")))
         return logits, greedy
 
-    monkeypatch.setattr(native.NativeOps, "decode_logits", faulty)
-    with caplog.at_level("WARNING", logger="pdscope.engine"):
-        llm = LLM(model=str(path), kv_cache_memory="8MiB", kernels=ONE_CALL_KERNELS)
-    monkeypatch.undo()
+    with monkeypatch.context() as patch, caplog.at_level("INFO", logger="pdscope.engine"):
+        patch.setattr(native.NativeOps, "decode_logits", faulty)
+        llm = LLM(model=str(path), kv_cache_memory="8MiB", kernels=kernels)
     assert llm.engine.decode_step == "per_kernel_mismatch"
     assert not llm.engine.runner.model.fuse_decode
-    said = "at batch 1 (RuntimeError: a fault put in)" if fault == "raises" else "at batch 17,"
+    said = (
+        "batch 1 at 600 keys: RuntimeError: a fault put in; batch 1 at 32 keys: RuntimeError"
+        if fault == "raises"
+        else "batch 17 at 48 keys: 1 of 17408 logits; decode keeps a call per kernel"
+    )
     assert any(said in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
-    model = llm.engine.runner.model
-    calls = _count_calls([model], "native", "decode_logits")
+    caplog.clear()
+    with caplog.at_level("INFO", logger="pdscope.engine"):
+        good = LLM(model=str(path), kv_cache_memory="8MiB", kernels=kernels)
+    assert good.engine.decode_step == "one_call"
+    assert any("checked in" in r.getMessage() for r in caplog.records)
+    expected = [o.token_ids for o in good.generate(prompts, GREEDY)]
+    calls = _count_calls([llm.engine.runner.model], "native", "decode_logits")
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
     assert calls[0] == 0  # every decode step ran a call per kernel
     text = generate_latest(EngineMetrics(llm.engine, "m").registry).decode()

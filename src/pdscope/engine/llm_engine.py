@@ -7,8 +7,9 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -34,6 +35,9 @@ from pdscope.specs.local import cpu_model
 from pdscope.specs.sizes import parse_bytes
 
 log = logging.getLogger(__name__)
+
+#: How a decodes-only step on the C kernels runs (LLMEngine.decode_step, /metrics' build_info).
+DecodeStep = Literal["one_call", "per_kernel", "per_kernel_mismatch"]
 
 
 @dataclass
@@ -89,7 +93,7 @@ class LLMEngine:
             )
         self.kernels = self._choose_kernels(forced_kernels)
         log.info("kernels on %s: %s", cpu_model(), self.kernels.summary())
-        self.decode_step = self._check_decode_step()
+        self.decode_step: DecodeStep = self._check_decode_step()
         block_bytes = ModelRunner.kv_bytes_per_block(config, args.block_size, self.dtype)
         self.kv_cache_bytes = self._kv_budget_bytes()
         num_blocks = self.kv_cache_bytes // block_bytes
@@ -187,29 +191,41 @@ class LLMEngine:
         self._native = ops
         return choice
 
-    def _check_decode_step(self) -> str:
+    def _check_decode_step(self) -> DecodeStep:
         """How a decodes-only step under the C kernels runs here: ``one_call`` where the one C
-        call gave a call per kernel's bits at load (step_check), ``per_kernel`` where no step
-        takes the one call, ``per_kernel_mismatch`` where it did not agree, and is switched off."""
+        call gave a call per kernel's bits at load (engine/step_check.py), ``per_kernel`` where
+        no step takes the one call, ``per_kernel_mismatch`` where it did not agree and is off."""
+        from pdscope.checkpoint.make_model import default_cache_dir
+
+        choice = {k: v for k, v in asdict(self.kernels).items() if k not in ("how", "trial_s")}
         start = time.perf_counter()
-        check = check_one_call(self.model)
+        check = check_one_call(
+            self.model, self.args.block_size, {"kernels": choice, "dtype": str(self.dtype)},
+            default_cache_dir() / "step_check",
+        )  # fmt: skip
         ms = (time.perf_counter() - start) * 1e3
+        threads = torch.get_num_threads()
+        on = f"{threads} thread{'s' if threads != 1 else ''}"
+        if check.unchecked:
+            log.warning(
+                "one-call decode step: not checked at %s, where the per-kernel path raised",
+                "; ".join(f"{k} ({v})" for k, v in check.unchecked.items()),
+            )
         if not check.agrees:
-            return "per_kernel"
+            return "one_call" if check.unchecked else "per_kernel"
         if check.passed:
-            batches = " and ".join(map(str, check.agrees))
             log.info(
-                "one-call decode step: the per-kernel path's bits at batch %s, %d threads "
-                "(checked in %.0f ms)", batches, torch.get_num_threads(), ms,
+                "one-call decode step: the per-kernel path's bits at %s, %s (%s)",
+                ", ".join(check.agrees), on,
+                "a pass cached" if check.cached else f"checked in {ms:.0f} ms",
             )  # fmt: skip
             return "one_call"
         self.model.fuse_decode = False
-        wrong = [f"batch {r}" + (f" ({check.errors[r]})" if r in check.errors else "")
-                 for r, ok in check.agrees.items() if not ok]  # fmt: skip
         log.warning(
-            "one-call decode step: differs from the per-kernel path on %s at %s, %d threads; "
-            "decode keeps a call per kernel (slower, same results). Please report this CPU.",
-            cpu_model(), ", ".join(wrong), torch.get_num_threads(),
+            "one-call decode step: differs from the per-kernel path on %s, %s: %s; decode "
+            "keeps a call per kernel (slower, the same results). Please report this CPU.",
+            cpu_model(), on,
+            "; ".join(f"{k}: {v}" for k, v in check.differences.items()),
         )  # fmt: skip
         return "per_kernel_mismatch"
 

@@ -4,94 +4,202 @@ A decodes-only step under the C kernels runs the embedding, every layer, the LM 
 argmax in one C call (``decode_logits``), with two threads or more inside one OpenMP team whose
 threads each take a share of every kernel. Its branches differ by CPU (AVX-512 BF16, AVX2, AMX
 tiles), and the tests run only the ones of the CPU they run on. The one call is built to give
-the per-kernel path's bits exactly (the shares split independent items only), so a single
-step through both, on the model's own weights, tells whether it does on this CPU. Where it
-does not, the engine keeps a call per kernel: slower, never wrong.
+the per-kernel path's bits exactly (the shares split independent items only), so a few steps
+through both, on the model's own weights, tell whether it does on this CPU: a check at a few
+shapes, not a proof. Where it does not, the engine keeps a call per kernel: slower, never wrong.
+A pass is cached per CPU, library build, thread count, model shapes and kernel choice, so that
+a large model pays the check's steps once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from pdscope.engine.model import AttentionBatch, CausalLM, Linear
 
-# Rows the check steps: batch 1 (the one-row matmuls), and 17 (two groups of 16 rows, the last
-# short) where batched decode matmuls take the many-row C kernels.
-CHECK_ROWS = (1, 17)
-# Keys each sequence attends to: batch 1 long enough that a few KV heads over many threads cut
-# its attention into context parts merged after a barrier; a batch short.
-_CONTEXT = {1: 600, 17: 48}
-_BLOCK = 16
+# (rows, keys a sequence attends to) of each step checked: batch 1 over keys enough that few
+# KV heads on many threads cut its attention into context parts merged after a barrier, and
+# over few (the team's serial attention: thread 0 alone); batches of 5 (the pairs tiles' short
+# tails) and 17 (two groups of 16 rows, the last short) where batched matmuls take the C
+# kernels, cut to the most rows those take where fewer.
+CHECK_STEPS = ((1, 600), (1, 32), (5, 48), (17, 48))
+_CHECK_VERSION = 1
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass
 class StepCheck:
-    """What the check found: for each row count it stepped, whether the one call gave the
-    per-kernel path's logits bit for bit and their argmax (``agrees``), and what the one call
-    raised where it raised (``errors``). Empty where no step takes the one call here."""
+    """For each step checked ("batch R at K keys"), whether the one call gave the per-kernel
+    path's logits, argmax and K/V writes bit for bit (``agrees``), and how it did not where
+    not (``differences``); ``cached`` where a pass was read from the cache. Empty where no step
+    takes the one call here."""
 
-    agrees: dict[int, bool]
-    errors: dict[int, str]
+    agrees: dict[str, bool] = field(default_factory=dict)
+    differences: dict[str, str] = field(default_factory=dict)
+    unchecked: dict[str, str] = field(default_factory=dict)  # the per-kernel path raised
+    cached: bool = False
 
     @property
     def passed(self) -> bool:
-        return all(self.agrees.values())
+        return bool(self.agrees) and all(self.agrees.values())
 
 
-def check_one_call(model: CausalLM) -> StepCheck:
-    """Step the model once through the one C call and once through a call per kernel, at each
-    of ``CHECK_ROWS`` that takes the one call, over random caches, and compare. Leaves the
-    model as it found it."""
-    check = StepCheck({}, {})
+def check_one_call(
+    model: CausalLM, block_size: int = 16, cache_key: dict[str, object] | None = None,
+    cache_dir: Path | None = None,
+) -> StepCheck:  # fmt: skip
+    """Step the model through the one C call and through a call per kernel at each of
+    ``CHECK_STEPS`` the one call takes, over random caches of ``block_size``-token blocks, and
+    compare; leaves the model as it found it. With ``cache_dir``, a pass is recorded there under
+    ``cache_key`` (what else the outcome depends on: the kernel choice, the dtype) and read back
+    instead of stepping."""
     native = model.native
     if native is None or not native.one_call:
-        return check
+        return StepCheck()
+    cache_file = _cache_file(model, block_size, cache_key, cache_dir)
+    if cache_file is not None and cache_file.is_file():
+        try:
+            agrees = json.loads(cache_file.read_text())["agrees"]
+            return StepCheck(agrees={str(k): True for k in agrees}, cached=True)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # a damaged record is checked again and rewritten
+    check = _check(model, block_size)
+    if check.passed and cache_file is not None:
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps({"agrees": list(check.agrees)}))
+            tmp.replace(cache_file)
+        except OSError:
+            pass  # a read-only cache costs the check at each load, nothing else
+    return check
+
+
+def _cache_file(
+    model: CausalLM, block_size: int, key: dict[str, object] | None, cache_dir: Path | None
+) -> Path | None:
+    native = model.native
+    if cache_dir is None or native is None:
+        return None
+    from pdscope.engine.kernels import cpu_flags
+    from pdscope.specs.local import cpu_model
+
+    c = model.config
+    parts = {
+        "check": _CHECK_VERSION,
+        "cpu": cpu_model(),
+        "flags": cpu_flags(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "library": Path(getattr(native.lib, "_name", "")).name,  # named by source and build
+        "shapes": (c.hidden_size, c.intermediate_size, c.vocab_size, c.num_layers),
+        "heads": (c.num_heads, c.num_kv_heads, c.head_dim),
+        "block_size": block_size,
+        **(key or {}),
+    }
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return cache_dir / f"{hashlib.blake2b(text.encode(), digest_size=10).hexdigest()}.json"
+
+
+def _check(model: CausalLM, block_size: int) -> StepCheck:
+    check = StepCheck()
     first = next(m for m in model.modules() if isinstance(m, Linear))
     saved = (model.fuse_decode, model.fuse_logits, model._decode_layers)
     gen = torch.Generator().manual_seed(0)
+    seen: set[tuple[int, int]] = set()
     try:
-        for rows in CHECK_ROWS:
-            if rows > 1 and first.native_many is None:
+        for asked, keys in CHECK_STEPS:
+            if asked > 1 and first.native_many is None:
                 continue  # batches take oneDNN here, outside the one call
-            rows = min(rows, first.many_max_rows) if rows > 1 else rows
-            batch, ids, caches = _step(model, rows, gen)
+            rows = min(asked, first.many_max_rows) if asked > 1 else 1
+            if (rows, keys) in seen:
+                continue
+            seen.add((rows, keys))
+            label = f"batch {rows} at {keys} keys"
+            batch, ids, caches = _step(model, rows, keys, block_size, gen)
             model.fuse_decode = model.fuse_logits = True
-            if model._fused_decode(rows, caches, batch) is None:
+            try:
+                if model._fused_decode(rows, caches, batch) is None:
+                    continue  # this step leaves the one call (a row count on oneDNN)
+            except (RuntimeError, ValueError, MemoryError) as e:
+                check.agrees[label], check.differences[label] = False, f"{type(e).__name__}: {e}"
                 continue
             model.fuse_decode = model.fuse_logits = False
-            reference, _ = model.decode_logits(ids, [c.clone() for c in caches], batch)
+            ref_caches = [c.clone() for c in caches]
+            try:
+                reference, _ = model.decode_logits(ids, ref_caches, batch)
+            except (RuntimeError, ValueError, MemoryError) as e:
+                check.unchecked[label] = f"{type(e).__name__}: {e}"
+                continue
             model.fuse_decode = model.fuse_logits = True
             try:
                 logits, greedy = model.decode_logits(ids, caches, batch)
             except (RuntimeError, ValueError, MemoryError) as e:
-                check.agrees[rows], check.errors[rows] = False, f"{type(e).__name__}: {e}"
+                check.agrees[label], check.differences[label] = False, f"{type(e).__name__}: {e}"
                 continue
-            check.agrees[rows] = torch.equal(logits, reference) and (
-                greedy is None or torch.equal(greedy, reference.argmax(-1))
-            )
+            differs = _differences(logits, reference, greedy, caches, ref_caches)
+            check.agrees[label] = not differs
+            if differs:
+                check.differences[label] = differs
     finally:
         model.fuse_decode, model.fuse_logits, model._decode_layers = saved
     return check
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit: NaN where NaN, -0 apart from +0 (torch.equal is neither)."""
+    bits = _BITS[a.element_size()]
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(bits), b.view(bits))
+
+
+def _differences(
+    logits: torch.Tensor,
+    reference: torch.Tensor,
+    greedy: torch.Tensor | None,
+    caches: list[torch.Tensor],
+    ref_caches: list[torch.Tensor],
+) -> str:
+    """What differs between the one call's step and the per-kernel one ('' where nothing)."""
+    said = []
+    if not _same_bits(logits, reference):
+        if logits.shape == reference.shape and logits.dtype == reference.dtype:
+            bits = _BITS[logits.element_size()]
+            n = int((logits.view(bits) != reference.view(bits)).sum())
+            said.append(f"{n} of {reference.numel()} logits")
+        else:
+            said.append(f"the logits' shape or type ({tuple(logits.shape)}, {logits.dtype})")
+    if greedy is not None and not torch.equal(greedy, reference.argmax(-1)):
+        wrong = int((greedy != reference.argmax(-1)).sum())
+        said.append(f"the argmax in {wrong} of {greedy.numel()} rows")
+    layers = sum(not _same_bits(a, b) for a, b in zip(caches, ref_caches, strict=True))
+    if layers:
+        said.append(f"the K/V written in {layers} of {len(caches)} layers")
+    return ", ".join(said)
+
+
 def _step(
-    model: CausalLM, rows: int, gen: torch.Generator
+    model: CausalLM, rows: int, keys: int, block_size: int, gen: torch.Generator
 ) -> tuple[AttentionBatch, torch.Tensor, list[torch.Tensor]]:
     """A decodes-only step of ``rows`` sequences, each on blocks of its own with random keys and
     values, decoding its last position: the batch, the token ids and the caches."""
     c, weight = model.config, model.embed_tokens.weight
     dev = weight.device
-    context = max(1, min(_CONTEXT.get(rows, 48), model.rope_cos.shape[0]))
-    blocks = -(-context // _BLOCK)
-    shape = (2, c.num_kv_heads, rows * blocks * _BLOCK, c.head_dim)
+    context = max(1, min(keys, model.rope_cos.shape[0]))
+    blocks = -(-context // block_size)
+    shape = (2, c.num_kv_heads, rows * blocks * block_size, c.head_dim)
     caches = [torch.randn(shape, generator=gen).to(weight.dtype) for _ in model.layers]
     tables = torch.arange(rows * blocks, device=dev).view(rows, blocks)
     last = context - 1
     batch = AttentionBatch(
-        tables[:, last // _BLOCK] * _BLOCK + last % _BLOCK,
-        _BLOCK,
+        tables[:, last // block_size] * block_size + last % block_size,
+        block_size,
         rows,
         None,
         (0, 0),
