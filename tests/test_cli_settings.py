@@ -345,3 +345,75 @@ def test_an_option_that_would_have_no_effect_is_refused(args: list[str], needle:
 def test_the_same_options_where_they_take_effect_are_accepted(args: list[str]) -> None:
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("command", ["bench", "probe", "watch"])
+@pytest.mark.parametrize(
+    ("url", "needle"),
+    [
+        ("http://127.0.0.1:99999", "port 99999 is outside 1-65535"),
+        ("http://256.1.1.1:80", "Invalid IPv4 address"),
+        ("http://[::1", "is not a server URL"),
+        ("notaurl", "give http://HOST:PORT"),
+        ("ftp://127.0.0.1", "give http://HOST:PORT"),
+    ],
+)
+def test_a_url_no_request_could_reach_is_refused_at_once(
+    command: str, url: str, needle: str
+) -> None:
+    """These raised a traceback from the HTTP client (a port past 65535, an impossible IPv4
+    address, an unclosed bracket), or, for watch, waited out its whole window."""
+    res = CliRunner().invoke(app, [command, url, *(["--once"] if command == "watch" else [])])
+    assert res.exit_code == 2 and needle in res.output, res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit)
+
+
+def test_what_the_user_typed_is_printed_as_typed() -> None:
+    """Brackets and colons in a name are text: '[/]' crashed rich's markup parser, '[v2]' was
+    dropped from the message, and ':100:' printed as an emoji."""
+    from pdscope.cli import err_console
+
+    for name in ("x[/]", "my[v2]/config.json"):
+        res = CliRunner().invoke(app, ["plan", "--model", name])
+        assert res.exit_code == 2 and f"unknown model '{name}'" in res.output, res.output
+    with err_console.capture() as seen:
+        err_console.print("asked normal:100:5")
+    assert seen.get().strip() == "asked normal:100:5"
+
+
+def test_an_output_file_that_cannot_be_written_is_refused_before_the_run(tmp_path: Path) -> None:
+    """A folder's mode bits do not say whether a file can be made in it (/proc, as root);
+    a folder that is a file was called missing."""
+    (tmp_path / "a_file").write_text("")
+    cases = [([tmp_path / "a_file" / "x.json"], "is not a folder")]
+    if Path("/proc/self").is_dir():
+        cases.append(([Path("/proc/x.json")], "cannot be written"))
+    for (path,), needle in cases:
+        res = CliRunner().invoke(app, ["bench", "http://127.0.0.1:9", "--save-result", str(path)])
+        assert res.exit_code == 2 and needle in " ".join(res.output.split()), res.output
+    kept = tmp_path / "kept.json"
+    kept.write_text("the last run")
+    res = CliRunner().invoke(app, ["bench", "http://127.0.0.1:9", "--save-result", str(kept)])
+    assert res.exit_code == 1 and "cannot connect" in res.output  # checked, and then the run
+    assert kept.read_text() == "the last run"  # the check appends nothing, truncates nothing
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "kept.json"]
+
+
+def test_a_write_that_fails_after_the_run_names_its_option_and_loses_only_itself(
+    tmp_path: Path,
+) -> None:
+    from pdscope.cli import err_console, write_outputs
+
+    def refused(path: Path) -> None:
+        raise OSError(28, "No space left on device")
+
+    with err_console.capture() as seen:
+        written = write_outputs(
+            ("--json", tmp_path / "a.json", refused),
+            ("--plot", tmp_path / "b.txt", lambda p: p.write_text("b")),
+            ("--report", None, refused),
+        )
+    said = " ".join(seen.get().split())  # the console wraps long paths
+    assert not written
+    assert f"cannot write --json {tmp_path / 'a.json'}: [Errno 28] No space left" in said
+    assert (tmp_path / "b.txt").read_text() == "b"

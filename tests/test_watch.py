@@ -418,7 +418,7 @@ def test_other_runtimes_and_absent_series(
     [
         ("<html><body>It works!</body></html>", 200, "not Prometheus text"),
         ("# TYPE up gauge\nup 1\n", 200, "no series of a known runtime"),
-        ("not found", 404, "exposes no /metrics"),
+        ("not found", 404, "no /metrics there"),
     ],
 )
 def test_a_page_that_is_not_a_runtimes_metrics_ends_the_watch(

@@ -10,7 +10,6 @@ import dataclasses
 import inspect
 import json
 import math
-import os
 import sys
 import typing
 from collections.abc import Callable, Iterator
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from pdscope.commands.serve import ServeSettings
 from pdscope.engine.args import EngineArgs
@@ -40,8 +40,9 @@ app = typer.Typer(
     # 80-column terminal; this one wraps the help text and never shortens a flag.
     rich_markup_mode=None,
 )
-console = Console()
-err_console = Console(stderr=True)
+# No emoji codes: ":100:" in a user's "normal:100:5" is a number, not an emoji.
+console = Console(emoji=False)
+err_console = Console(stderr=True, emoji=False)
 
 
 # Workload flags that bench and simulate share: one definition, one help text.
@@ -483,8 +484,13 @@ SimPlanExhaustive = Annotated[
 ]
 
 
+def error_line(message: str) -> None:
+    # the message quotes what the user typed: brackets in it are text, not markup
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+
+
 def fail(message: str, code: int = 2) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    error_line(message)
     return typer.Exit(code)
 
 
@@ -568,6 +574,24 @@ def exit_on(code: int, *errors: type[Exception]) -> Iterator[None]:
         raise fail(str(exc) or type(exc).__name__, code) from None
 
 
+def check_url(url: str | None) -> None:
+    """Refuse a server URL no request could reach, before anything runs: one line, exit 2."""
+    if url is None:
+        return
+    import httpx
+
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise fail(f"{url!r} is not a server URL: {exc}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise fail(
+            f"{url!r} is not a server URL: give http://HOST:PORT, e.g. http://127.0.0.1:8000"
+        )
+    if parsed.port is not None and not 0 < parsed.port < 65536:
+        raise fail(f"{url!r}: port {parsed.port} is outside 1-65535")
+
+
 def check_output(path: Path | None, option: str, figure: bool = False) -> None:
     """Refuse an output file that cannot be written before the run, not after it: a missing
     or unwritable folder, a directory, or (``figure``) a format matplotlib cannot save."""
@@ -577,9 +601,18 @@ def check_output(path: Path | None, option: str, figure: bool = False) -> None:
     if path.is_dir():
         raise fail(f"{option} {path} is a directory, not a file")
     if not folder.is_dir():
-        raise fail(f"{option} {path}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise fail(f"{option} {path}: not writable")
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise fail(f"{option} {path}: {folder} {what}")
+    # Opened as the run will write it (appending, so nothing is lost yet): a folder's mode
+    # bits do not tell, e.g. /proc or a read-only mount under root.
+    existed = path.exists()
+    try:
+        with path.open("a"):
+            pass
+    except OSError as exc:
+        raise fail(f"{option} {path}: cannot be written ({exc.strerror or exc})") from None
+    if not existed:
+        path.unlink(missing_ok=True)
     if figure:
         from matplotlib.figure import Figure
 
@@ -592,14 +625,40 @@ def note(message: str) -> None:
     err_console.print(message, highlight=False)
 
 
-def write_result(result: dict[str, Any], save_result: Path | None, report: Path | None) -> None:
-    """bench's files: the result JSON, and the HTML page when there are runs."""
-    if save_result is not None:
-        save_result.write_text(json.dumps(result, indent=2))
-    if report is not None and result["runs"]:
-        from pdscope.report.bench_html import render_html
+def write_outputs(
+    *outputs: tuple[str, Path | None, Callable[[Path], object]], announce: bool = True
+) -> bool:
+    """Write each (option, path, writer) with a path, after the results are shown: a write
+    that fails then loses a file, not the run. Says what it wrote (with ``announce``), and
+    names the option of what it could not; False if any failed (the command then exits 1)."""
+    written = True
+    for option, path, write in outputs:
+        if path is None:
+            continue
+        try:
+            write(path)
+        except (OSError, ValueError) as exc:
+            error_line(f"cannot write {option} {path}: {exc}")
+            written = False
+        else:
+            if announce:
+                console.print(f"wrote {escape(str(path))}", highlight=False)
+    return written
 
-        report.write_text(render_html(result))
+
+def json_writer(data: object) -> Callable[[Path], object]:
+    return lambda path: path.write_text(json.dumps(data, indent=2))
+
+
+def bench_outputs(result: dict[str, Any], save_result: Path | None, report: Path | None) -> bool:
+    """bench's files: the result JSON, and the HTML page when there are runs."""
+    from pdscope.report.bench_html import render_html
+
+    return write_outputs(
+        ("--save-result", save_result, json_writer(result)),
+        ("--report", report if result["runs"] else None,
+         lambda p: p.write_text(render_html(result))),
+    )  # fmt: skip
 
 
 def flags_from(*classes: type) -> Callable[[Callable[..., None]], Callable[..., None]]:
@@ -824,6 +883,7 @@ def probe(
     from pdscope.commands.probe import probe as run_probe
     from pdscope.report.probe import plot_probe, render_probe
 
+    check_url(url)
     check_output(json_file, "--json")
     check_output(plot, "--plot", figure=True)
     only_with(ctx, batch_streams >= 2, "--batch-streams of 2 or more", "batch_context")
@@ -853,18 +913,14 @@ def probe(
                 tick=lambda label: bar.update(task, advance=1, description=label),
             )
         )
-    with exit_on(1, OSError):
-        if json_file:
-            json_file.write_text(json.dumps(result, indent=2))
-        if plot:
-            plot_probe(result, plot)
     render_probe(result, console)
-    for path in (json_file, plot):
-        if path:
-            console.print(f"wrote {path}")
+    written = write_outputs(
+        ("--json", json_file, json_writer(result)),
+        ("--plot", plot, lambda p: plot_probe(result, p)),
+    )
     # Any failed request or part left unmeasured fails the command: a script reading only the
     # exit code must not take a half-made measurement for a whole one.
-    if result["partial"] or result["failures"] or result["unmeasured"]:
+    if result["partial"] or result["failures"] or result["unmeasured"] or not written:
         raise typer.Exit(1)
 
 
@@ -916,6 +972,7 @@ def bench(
         return
     if files:
         raise fail(f"unexpected arguments: {' '.join(map(str, files))}")
+    check_url(url)
     check_output(save_result, "--save-result")
     check_output(report, "--report")
     not_with(ctx, url is not None, "a URL (they are the embedded server's flags)", "server_args")
@@ -950,16 +1007,12 @@ def bench(
         "ramp_up",
     )
     result = _run_bench(settings, url, server_args)
-    with exit_on(1, OSError):
-        write_result(result, save_result, report)
     if result["runs"]:
         render_bench(result, console)
-    for path in (save_result, report):
-        if path:
-            console.print(f"wrote {path}")
+    written = bench_outputs(result, save_result, report)
     if (error := nothing_completed(result)) is not None:
         raise fail(f"every request of a run failed; the first: {error}", 1)
-    if result["partial"] or not result["runs"]:
+    if result["partial"] or not result["runs"] or not written:
         raise typer.Exit(1)
 
 
@@ -1161,13 +1214,6 @@ def simulate(
             )
         else:
             out = simulate_any(cs)
-    with exit_on(1, OSError):
-        if save_result is not None:
-            save_result.write_text(json.dumps(out, indent=2))
-        if plan_capacity and plot is not None:
-            capacity.plot_plan(out, plot)
-        if not plan_capacity and report is not None:
-            report.write_text(simulation_html(out))
     if as_json:
         print_json(out)
     elif plan_capacity:
@@ -1175,8 +1221,17 @@ def simulate(
             console.print(line)
     else:
         render_simulation(out, console)
+    written = write_outputs(
+        ("--save-result", save_result, json_writer(out)),
+        ("--plot", plot if plan_capacity else None, lambda p: capacity.plot_plan(out, p)),
+        ("--report", report if not plan_capacity else None,
+         lambda p: p.write_text(simulation_html(out))),
+        announce=False,  # stdout may be the JSON itself
+    )  # fmt: skip
     if not plan_capacity and (error := nothing_completed(out)) is not None:
         raise fail(f"every simulated request of a run failed; the first: {error}", 1)
+    if not written:
+        raise typer.Exit(1)
 
 
 def _check_simulate_options(
@@ -1254,6 +1309,7 @@ def watch(
             raise _no_effect(extra, "with --report (it draws a --record file)")
         _watch_page(report)
         return
+    check_url(url)
     only_with(ctx, export is not None, "--export", "runtime")
     if export is not None:
         if extra := given_except(ctx, "export", "url", "runtime"):

@@ -224,7 +224,8 @@ class Watcher:
                 raise NotPrometheusError(f"{self.url} is not Prometheus text: {exc}") from None
             if exc.status == 404:
                 raise NotPrometheusError(
-                    f"{self.url} answered 404: this server exposes no /metrics"
+                    f"{self.url} answered 404: no /metrics there (give the server's base "
+                    "URL, e.g. http://127.0.0.1:8000, or its /metrics URL)"
                 ) from None
             return self._unreachable(str(exc))
         runtime = detect_runtime(snapshot)
