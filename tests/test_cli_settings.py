@@ -417,3 +417,24 @@ def test_a_write_that_fails_after_the_run_names_its_option_and_loses_only_itself
     assert not written
     assert f"cannot write --json {tmp_path / 'a.json'}: [Errno 28] No space left" in said
     assert (tmp_path / "b.txt").read_text() == "b"
+
+
+def test_probes_long_context_check_leaves_room_for_its_output() -> None:
+    """With --output-tokens 600 on a 2,048-token server the long check sent 1,536-token prompts
+    asking for 600 more: HTTP 400 twice, the check unmeasured, exit 1."""
+    from pdscope.client.detect import Runtime
+    from pdscope.commands.probe import Prober
+
+    prober = Prober.__new__(Prober)  # the property reads the settings and the runtime alone
+    prober.runtime = Runtime("http://x", "vllm", "openai-completions", ["m"], max_model_len=2048)
+    for output in (6, 600, 1500):
+        prober.s = ProbeSettings.from_flags("http://x", "64", output_tokens=output)
+        assert 0 < prober.context_tokens <= 2048 - output
+    assert prober.context_tokens < 1536  # the 0.75 of the context it took before
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_probe_refuses_a_max_model_len_below_one(value: int) -> None:
+    """0 was taken as unset, and -1 printed as 'the server's context of -1 tokens'."""
+    res = CliRunner().invoke(app, ["probe", "http://127.0.0.1:9", "--max-model-len", str(value)])
+    assert res.exit_code == 2 and f"--max-model-len must be >= 1, got {value}" in res.output

@@ -86,6 +86,8 @@ class ProbeSettings:
             raise ValueError("--batch-streams takes 2 or more, or 0 to skip the batched checks")
         if s.timeout_s <= 0:
             raise ValueError(f"--timeout must be positive, got {s.timeout_s}")
+        if s.max_model_len is not None:
+            at_least(1, ("--max-model-len", s.max_model_len))
         if url is None:
             s.device = s.device or "local"
         s._check_ceiling_flags()
@@ -255,7 +257,8 @@ class Prober:
         if self.s.context_tokens:
             return self.s.context_tokens
         limit = self.max_len or 4096
-        return min(8192, int(limit * 0.75))
+        # with room for the check's output, as every other check's prompt has
+        return self.fitting(min(8192, int(limit * 0.75)))
 
     @property
     def max_len(self) -> int | None:
@@ -283,7 +286,7 @@ def _cap_sweep(s: ProbeSettings, max_len: int | None) -> list[str]:
         room = max_len - s.output_tokens - 32
         if room < 16:
             raise ProbeError(
-                f"the server's context of {max_len} tokens leaves no room for a prompt with "
+                f"{whose} of {max_len} tokens leaves no room for a prompt with "
                 f"{s.output_tokens} output tokens: lower --output-tokens"
             )
         capped = sorted({min(n, room) for n in s.prompt_tokens if n > 0})
