@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,10 @@ def test_probe_settings_check_flags_and_default_to_the_local_ceiling() -> None:
         ({"warmup": -1}, "--warmup must be >= 0"),
         ({"ramp_up_s": -2}, "--ramp-up must be >= 0"),
         ({"long_len": 0}, "--long-len must be >= 1"),
+        ({"burstiness": 0}, "--burstiness must be > 0"),
+        # read before the run, so a bad length exits 2 as a bad flag (it was a failed run, 1)
+        ({"input_len": "0"}, "--input-len must be at least 1"),
+        ({"output_len": "-1"}, "--output-len: cannot read '-1'"),
     ],
 )
 def test_bench_refuses_flags_that_would_run_something_else(flags: dict, needle: str) -> None:
@@ -125,6 +130,33 @@ def test_bench_refuses_a_workload_whose_every_prompt_is_past_the_context() -> No
         _refuse_what_cannot_fit(_bench("http://x", input_len="99999999"), 2048)
     _refuse_what_cannot_fit(_bench("http://x", input_len="1000-100000"), 2048)  # some fit
     _refuse_what_cannot_fit(_bench("http://x", input_len="99999999"), None)  # unknown context
+
+
+@pytest.mark.parametrize("runtime", ["vllm", "pdscope", "ollama"])
+def test_bench_refuses_requests_whose_output_cannot_fit_where_the_runtime_refuses_them(
+    runtime: str,
+) -> None:
+    """--output-len 5000 on a 2,048-token vLLM or pdscope server: every request came back 400
+    (Ollama and llama.cpp shift the context or stop at it, so there the output does not
+    count); a --long-len past the context failed every long prompt."""
+    from pdscope.commands.bench import _refuse_what_cannot_fit
+
+    refuses = runtime != "ollama"
+    cases = [
+        ({"input_len": "100", "output_len": "5000"}, "100 + 5,000 tokens", refuses),
+        ({"input_len": "1000", "output_len": "1000-2100"}, "", False),  # some fit
+        ({"input_len": "1500", "output_len": "normal:600:10"}, "", False),  # clipped at 1
+        ({"workload": "long-prompt", "long_len": 5000, "duration_s": 1}, "--long-len 5000", True),
+        ({"workload": "long-prompt", "stream_output": 2100, "duration_s": 1},
+         "--stream-output 2100", refuses),
+    ]  # fmt: skip
+    for flags, needle, refused in cases:
+        settings = _bench("http://x", **flags)
+        if refused:
+            with pytest.raises(ValueError, match=re.escape(needle)):
+                _refuse_what_cannot_fit(settings, 2048, runtime)
+        else:
+            _refuse_what_cannot_fit(settings, 2048, runtime)
 
 
 def test_a_length_of_zero_tokens_is_refused() -> None:

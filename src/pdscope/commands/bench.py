@@ -117,6 +117,11 @@ class BenchSettings:
             ("--stream-output", s.stream_output),
         )
         at_least(0, ("--warmup", s.warmup), ("--ramp-up", s.ramp_up_s))
+        if not s.burstiness > 0:
+            raise ValueError(f"--burstiness must be > 0, got {s.burstiness}")
+        # read here, so that a bad length is a bad flag (exit 2), not a failed run
+        Lengths.parse(s.input_len, "--input-len")
+        Lengths.parse(s.output_len, "--output-len")
         # Zero would mean no limit or no load, never what was asked for.
         for flag, value in (("--timeout", s.timeout_s), ("--duration", s.duration_s)):
             if value is not None and not value > 0:
@@ -636,7 +641,7 @@ async def bench(
                 "cpus": os.cpu_count(),
             },
         }
-        _refuse_what_cannot_fit(s, runtime.max_model_len)
+        _refuse_what_cannot_fit(s, runtime.max_model_len, runtime.name)
         b = Bench(s, client, runtime, model, state, on_progress, streams)
         state.metadata["exact_prompt_tokens"] = b.builder.use_tokenize
         state.metadata["seed"] = b.seed
@@ -653,19 +658,48 @@ def _sent_rate(run: dict[str, Any]) -> float | None:
     return len(starts) / max(starts) if len(starts) > 1 and max(starts) > 0 else None
 
 
-def _refuse_what_cannot_fit(s: BenchSettings, max_model_len: int | None) -> None:
-    """A random workload whose every prompt is past the server's context would only fail
-    (and building a prompt of 10^8 tokens takes minutes): refused before a request is sent.
-    Lengths that only sometimes exceed it stay, as failures the load test counts."""
-    if not max_model_len or s.workload != "random":
+# Runtimes that answer HTTP 400 to a request whose prompt and output together pass the
+# context (Ollama and llama.cpp shift the context or stop at it instead).
+REFUSE_PAST_CONTEXT = frozenset(("vllm", "sglang", "tgi", "pdscope"))
+
+
+def _refuse_what_cannot_fit(s: BenchSettings, max_model_len: int | None, runtime: str = "") -> None:
+    """A workload whose every request is past the server's context would only fail (and
+    building a prompt of 10^8 tokens takes minutes): refused before a request is sent. The
+    output counts where the runtime refuses a prompt and output past its context. Lengths
+    that only sometimes exceed it stay, as failures the load test counts."""
+    if not max_model_len:
         return
-    shortest = Lengths.parse(s.input_len, "--input-len")
-    low = shortest.a if shortest.kind != "normal" else 1
-    if low >= max_model_len:
-        raise ValueError(
-            f"--input-len {s.input_len}: every prompt is at least {int(low):,} tokens, and the "
-            f"server's context is {max_model_len:,}"
-        )
+    output_counts = runtime in REFUSE_PAST_CONTEXT
+    why = f"the server's context is {max_model_len:,}"
+    if output_counts:
+        why += f", and {runtime} refuses a request whose prompt and output pass it"
+    if s.workload == "random":
+        prompt, output = _least(s.input_len, "--input-len"), _least(s.output_len, "--output-len")
+        if prompt >= max_model_len:
+            raise ValueError(
+                f"--input-len {s.input_len}: every prompt is at least {prompt:,} tokens, and "
+                f"the server's context is {max_model_len:,}"
+            )
+        if output_counts and prompt + output > max_model_len:
+            raise ValueError(
+                f"--input-len {s.input_len} and --output-len {s.output_len}: every request is "
+                f"at least {prompt:,} + {output:,} tokens; {why}"
+            )
+    elif s.workload == "long-prompt":
+        if s.long_len >= max_model_len:
+            raise ValueError(f"--long-len {s.long_len}: every long prompt is past it; {why}")
+        if output_counts and 32 + s.stream_output > max_model_len:
+            raise ValueError(
+                f"--stream-output {s.stream_output}: every stream (32 prompt tokens and its "
+                f"output) is past it; {why}"
+            )
+
+
+def _least(text: str, flag: str) -> int:
+    """The fewest tokens a length flag draws (a normal draw is clipped at 1)."""
+    lengths = Lengths.parse(text, flag)
+    return int(lengths.a) if lengths.kind != "normal" else 1
 
 
 def _settings(s: BenchSettings) -> dict[str, Any]:
