@@ -18,6 +18,7 @@ import numpy as np
 from pdscope.analysis.rules import knob  # one knob table, shared with watch
 from pdscope.analysis.stats import fit_poly, median
 from pdscope.client.trace import Trace
+from pdscope.report.units import fmt_bytes
 
 # How a trace's cached-token count was obtained, in words.
 _SOURCES = {
@@ -65,6 +66,8 @@ class ModelBytes:
 # Readings or repeats further apart than this (max / min - 1) make a verdict a coin toss: two
 # identical runs on a shared 2-core machine have landed on both sides of a threshold.
 NOISE_LIMIT = 0.15
+# A context slowdown within this factor of what its KV bytes predict (either way) is the bytes'.
+BYTES_TOLERANCE = 0.9
 
 
 def _ok(traces: list[Trace]) -> list[Trace]:
@@ -218,7 +221,10 @@ def analyze(
     result["cold"] = (
         {
             "ttft_ms": _ms(cold[0].ttft_s),
-            "decode_tok_s": cold[0].decode_tok_s,
+            # read in bursts, its decode measures the client (the sweep resends such a
+            # response; a resent cold request would not be cold)
+            "decode_tok_s": None if cold[0].read_in_bursts else cold[0].decode_tok_s,
+            "read_in_bursts": cold[0].read_in_bursts,
             "prompt_tokens": _prompt_tokens(cold[0]),
             "cached_tokens": cold[0].cached_tokens,
             "cache_hit": cache_hit(cold[0]),  # a repeated --seed: not cold at all
@@ -400,6 +406,12 @@ def batch_decode(
         # host) the largest group's median was 23x one stream's step, all gaps' was not.
         "itl_ms": _ms(median([x for t in traces for x in t.itl_samples_s()])),
         "tpot_ms": _ms(median(tpot)),
+        # Streams the client read in bursts: their gaps measure the client, and pull the
+        # median gap (itl_ms) down.
+        "bursty_streams": sum(t.read_in_bursts for t in traces),
+        # The median gap against one stream's mean step (its TPOT, from the context check's
+        # requests sent alone at another moment): below 1 is noise or the client, never a
+        # batched step cheaper than one stream's.
         "step_over_one_stream": None,
     }
     if one_stream and one_stream.get("decode_tok_s") and out["itl_ms"]:
@@ -611,8 +623,8 @@ def _context_finding(
     explained = split["explained_long_over_short"]
     remainder = ratio / explained
     evidence = (
-        f"{measured}; the extra KV bytes ({split['kv_bytes_long'] / 1e6:,.1f} MB at the long "
-        f"context against {split['weight_bytes'] / 1e6:,.0f} MB of weights) explain a fall to "
+        f"{measured}; the extra KV bytes ({fmt_bytes(split['kv_bytes_long'])} at the long "
+        f"context against {fmt_bytes(split['weight_bytes'])} of weights) predict a fall to "
         f"{explained:.0%}"
     )
     # The remainder over the repeats: slowest long over fastest short, and the other way.
@@ -624,16 +636,23 @@ def _context_finding(
         )
     ]
     low, high = min(lo_hi) / (1 + noise), max(lo_hi) * (1 + noise)
-    if low < 0.9 <= high:
-        moved = f", the host moving {noise:.0%} during the probe" if noise else ""
-        why = f"the repeats{moved} put the remaining factor at {low:.2f}–{high:.2f}"
+    # The bytes explain the fall where the remainder lies within BYTES_TOLERANCE of 1 either
+    # way: below, the steps cost more than their bytes (attention compute, the kernel); above,
+    # less (the bytes over-predict: fixed per-step costs, not bandwidth, set the step).
+    below, above = BYTES_TOLERANCE, 1 / BYTES_TOLERANCE
+    moved = f", the host moving {noise:.0%} during the probe" if noise else ""
+    why = f"the repeats{moved} put the remaining factor at {low:.2f}–{high:.2f}"
+    if low < below <= high or low <= above < high:
+        rivals = (["attention compute"] if low < below else []) + (
+            ["fixed per-step costs (steps not bandwidth-bound)"] if high > above else []
+        )
         add(
             "decode",
             "Decode slows as context fills: no verdict on why",
-            f"{evidence}; {why}, so the run cannot tell the KV bytes from attention compute",
+            f"{evidence}; {why}, so the run cannot tell the KV bytes from {' or '.join(rivals)}",
             "run again on a quiet machine, or with more --repeats",
         )
-    elif remainder < 0.9:
+    elif remainder < below:
         add(
             "decode",
             "Decode slows with context far more than its KV bytes explain: attention compute "
@@ -642,6 +661,17 @@ def _context_finding(
             "cost, not bandwidth",
             "a faster decode-attention kernel (or backend) for this device; shorter contexts "
             "help, more bandwidth or a quantized KV cache barely will",
+        )
+    elif remainder > above:
+        add(
+            "decode",
+            "Decode slows with context less than its KV bytes predict: it is not "
+            "bandwidth-bound at this size",
+            f"{evidence}, yet it kept {ratio:.0%} ({remainder:.2f}x the rate the bytes "
+            "predict): the bytes a step reads do not set its time; fixed per-step costs (the "
+            "serving loop, kernel launches, sampling) take much of each step",
+            "cut per-step costs in the serving stack; a quantized KV cache or more bandwidth "
+            "barely helps at this size",
         )
     else:
         add(
