@@ -919,3 +919,114 @@ def test_e2e_ends_at_the_last_content_token() -> None:
     assert s["mean_e2el_ms"] == pytest.approx(300)
     assert s["mean_close_ms"] == pytest.approx(1696) and s["mean_setup_ms"] == pytest.approx(4)
     assert s["request_goodput"] is None  # vLLM's key, null without an SLO
+
+
+def test_a_run_shorter_than_the_scrape_interval_shows_no_gauges() -> None:
+    """A 0.3 s run scraped every 0.5 s had only the idle scrapes before and after its load,
+    and the server's view read "running 0  waiting 0  KV use 0%". Its gauges read "-" now
+    with the reason, a run with a scrape inside its load shows that scrape's, and the
+    counters of both still cover the run."""
+    import io
+
+    from rich.console import Console
+
+    from pdscope.analysis.server_metrics import build_report
+    from pdscope.client.server_metrics import detect_runtime, parse_metrics, timeline_point
+    from pdscope.report.bench import render_bench
+
+    gauges = '# TYPE vllm:{0} gauge\nvllm:{0}{{model_name="m"}} {1}\n'
+
+    def scrape(t_s: float, running: int, waiting: int, kv: float, tokens: int):
+        text = (
+            gauges.format("num_requests_running", running)
+            + gauges.format("num_requests_waiting", waiting)
+            + gauges.format("kv_cache_usage_perc", kv)
+            + "# TYPE vllm:generation_tokens_total counter\n"
+            + f'vllm:generation_tokens_total{{model_name="m"}} {tokens}\n'
+        )
+        snap = parse_metrics(text)
+        snap.t_s = t_s
+        return snap
+
+    def shown(*snaps) -> tuple[str, dict]:
+        runtime = detect_runtime(snaps[0])
+        assert runtime == "vllm"
+        timeline = [timeline_point(s, runtime, 0.0) for s in snaps]
+        server = build_report(snaps[0], snaps[-1], timeline, runtime, interval_s=0.5).to_dict()
+        t = Trace(
+            "openai-completions", "u", "m", start_s=0.0, end_s=0.3, output_tokens=3,
+            chunks=[Chunk(0.1, "a"), Chunk(0.2, "b"), Chunk(0.3, "c")],
+        )  # fmt: skip
+        run_ = {
+            "request_rate": None,
+            "max_concurrency": 1,
+            "summary": summarize([t], 0.3),
+            "server": server,
+        }
+        r = {
+            "metadata": {"url": "u", "runtime": "pdscope", "model": "m", "workload": "random",
+                         "api": "openai-completions", "exact_prompt_tokens": True},
+            "runs": [run_],
+        }  # fmt: skip
+        out = io.StringIO()
+        render_bench(r, Console(file=out, width=200))
+        return out.getvalue(), server
+
+    text, server = shown(scrape(0.0, 0, 0, 0.0, 100), scrape(0.35, 0, 0, 0.0, 103))
+    assert server["load_scrapes"] == 0 and server["max_running"] is None
+    assert server["deltas"]["generation_tokens"] == 3
+    view = text.split("Server's view")[1].splitlines()
+    row = next(x for x in view if x.strip().startswith("c=1"))
+    assert row.split()[1:4] == ["-", "-", "-"], text
+    assert "too short to sample" in text and "every 0.5 s" in text
+    text, server = shown(
+        scrape(0.0, 0, 0, 0.0, 100), scrape(0.5, 2, 1, 0.12, 101), scrape(0.9, 0, 0, 0.0, 103)
+    )
+    assert (server["max_running"], server["max_waiting"], server["max_kv_usage"]) == (2, 1, 0.12)
+    assert "too short to sample" not in text
+
+
+def test_requests_read_in_bursts_are_counted_and_said() -> None:
+    """A request whose first tokens waited in the client read TPOT 0.0136 ms (73,000 tok/s)
+    in an audit's run, averaged in without a word. It stays in the figures, as vllm bench
+    serve keeps it, but is counted and named."""
+    import io
+
+    from rich.console import Console
+
+    from pdscope.report.bench import render_bench
+
+    steady = _trace(0.1, tokens=8, gap=0.005)
+    held = Trace(
+        "openai-completions", "u", "m", start_s=0.0, end_s=0.2, output_tokens=6,
+        chunks=[Chunk(0.2, "x")] * 5 + [Chunk(0.2004, "y")],
+    )  # fmt: skip
+    assert held.read_in_bursts and not steady.read_in_bursts
+    summary = summarize([steady, held, _trace(0.1, error="HTTP 500: boom")], 1.0)
+    assert summary["read_in_bursts"] == 1
+    run_ = {"request_rate": None, "max_concurrency": 2, "summary": summary,
+            "server": {"available": False}}  # fmt: skip
+    r = {
+        "metadata": {"url": "u", "runtime": "vllm", "model": "m", "workload": "random",
+                     "api": "openai-completions", "exact_prompt_tokens": True},
+        "runs": [run_],
+    }  # fmt: skip
+    out = io.StringIO()
+    render_bench(r, Console(file=out, width=200))
+    assert "1 of 2 requests at c=2 were read by the client in bursts" in out.getvalue()
+    assert "read by the client in bursts" not in _rendered_without_bursts(r)
+
+
+def _rendered_without_bursts(r: dict) -> str:
+    import copy
+    import io
+
+    from rich.console import Console
+
+    from pdscope.report.bench import render_bench
+
+    quiet = copy.deepcopy(r)
+    quiet["runs"][0]["summary"]["read_in_bursts"] = 0
+    out = io.StringIO()
+    render_bench(quiet, Console(file=out, width=200))
+    return out.getvalue()

@@ -81,6 +81,14 @@ def test_a_quantile_in_the_first_or_the_last_bucket_is_known_only_by_its_bound()
     assert quantile_edge(0.5, []) is None
 
 
+# The gauges of a server with nothing to do.
+IDLE = {
+    "vllm:num_requests_running": 0,
+    "vllm:num_requests_waiting": 0,
+    "vllm:kv_cache_usage_perc": 0.0,
+}
+
+
 def test_impossible_gauge_readings_are_left_out_with_a_warning() -> None:
     first = parse_metrics(VLLM_TEXT)
     last = parse_metrics(
@@ -89,12 +97,49 @@ def test_impossible_gauge_readings_are_left_out_with_a_warning() -> None:
     first.t_s, last.t_s = 0.0, 1.0
     runtime = detect_runtime(first)
     assert runtime is not None
-    timeline = [timeline_point(s, runtime, 0.0) for s in (first, last)]
-    report = build_report(first, last, timeline, runtime)
-    assert (report.max_waiting, report.max_kv_usage) == (1.0, 0.25)  # the first scrape's
+    idle = parse_metrics(vllm_text(**IDLE))
+    # Two scrapes inside the load, between the idle ones before and after it.
+    timeline = [timeline_point(s, runtime, 0.0) for s in (idle, first, last, idle)]
+    report = build_report(idle, idle, timeline, runtime)
+    assert (report.max_waiting, report.max_kv_usage) == (1.0, 0.25)  # the good scrape's
     text = " ".join(report.warnings)
     assert "vllm:num_requests_waiting read -5: a count of requests is never negative" in text
     assert "vllm:kv_cache_usage_perc read 7: KV usage is a fraction within 0-1" in text
+    assert "1 of 2 scrapes left out of its maximum" in text
+
+
+def test_gauges_are_read_inside_the_load_and_a_short_run_has_none() -> None:
+    """The first scrape comes before the first request and the final one after the last
+    response: a run shorter than the scrape interval has only those two, idle, and showed
+    "running 0  waiting 0  KV use 0%" as its view; its gauges are None now (too short to
+    sample) while its counters still cover it. A busy scrape before the load (a previous run
+    still draining) is no figure of this run; a failed final scrape leaves the last point
+    one taken during the load."""
+    idle = parse_metrics(vllm_text(**IDLE))
+    done = parse_metrics(vllm_text(**IDLE, **{"vllm:generation_tokens_total": 756}))
+    idle.t_s, done.t_s = 0.0, 0.3
+    runtime = detect_runtime(idle)
+    assert runtime is not None
+    short = build_report(
+        idle, done, [timeline_point(s, runtime, 0.0) for s in (idle, done)], runtime
+    )
+    assert short.load_scrapes == 0
+    assert (short.max_running, short.max_waiting, short.max_kv_usage) == (None, None, None)
+    assert short.deltas["generation_tokens"] == 256.0
+    assert short.to_dict()["load_scrapes"] == 0
+
+    busy = parse_metrics(VLLM_TEXT)  # running 3, waiting 1, KV 25%
+    leftover = parse_metrics(vllm_text(**{**IDLE, "vllm:num_requests_running": 7}))
+    points = [timeline_point(s, runtime, 0.0) for s in (leftover, busy, idle)]
+    report = build_report(leftover, idle, points, runtime)
+    assert report.load_scrapes == 1
+    assert (report.max_running, report.max_waiting, report.max_kv_usage) == (3.0, 1.0, 0.25)
+
+    cut = [timeline_point(s, runtime, 0.0) for s in (idle, busy)]
+    failed = build_report(idle, busy, cut, runtime, errors=["final scrape: GET x: HTTP 503"])
+    assert failed.load_scrapes == 1 and failed.max_running == 3.0
+    # No timeline at all: nothing known of the load.
+    assert build_report(idle, done, [], runtime).load_scrapes is None
 
 
 # --- parsing and names --------------------------------------------------------------------------
@@ -234,10 +279,13 @@ def test_report_from_two_recorded_snapshots() -> None:
     last.t_s = 102.5
     runtime = detect_runtime(first)
     assert runtime is not None
-    timeline = [timeline_point(s, runtime, first.t_s) for s in (first, last)]
+    during = parse_metrics(VLLM_TEXT)  # a scrape inside the load
+    during.t_s = 101.0
+    timeline = [timeline_point(s, runtime, first.t_s) for s in (first, during, last)]
     report = build_report(first, last, timeline, runtime)
     assert report.duration_s == 2.5
-    assert [p.t_s for p in timeline] == [0.0, 2.5]
+    assert [p.t_s for p in timeline] == [0.0, 1.0, 2.5]
+    assert report.load_scrapes == 1
     assert report.deltas == {
         "prefix_hits": 200.0,
         "prefix_queries": 800.0,
@@ -273,7 +321,7 @@ def test_a_restart_between_scrapes_shows_no_delta_and_a_dipping_histogram_is_nam
     same = build_report(first, parse_metrics(grown + start.format(1.7e9)), [], runtime)
     assert same.deltas["generation_tokens"] is not None and not same.warnings
     after = parse_metrics(grown + start.format(1.7e9 + 60))
-    timeline = [timeline_point(x, runtime, first.t_s) for x in (first, after)]
+    timeline = [timeline_point(x, runtime, first.t_s) for x in (first, after, after)]
     moved = build_report(first, after, timeline, runtime)
     assert all(v is None for v in moved.deltas.values())
     assert all(v is None for v in moved.histograms.values())

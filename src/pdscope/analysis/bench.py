@@ -171,6 +171,9 @@ def summarize(
     )
     out["output_tokens_source"] = dict(Counter(_count_source(t.token_source) for t in good))
     out["retried"] = sum(1 for t in traces if t.retried)
+    # Kept in the figures, as vllm bench serve keeps them, but counted: such a request's first
+    # tokens waited in the client, so its TPOT and gaps measure the client, not the server.
+    out["read_in_bursts"] = sum(1 for t in good if t.read_in_bursts)
     lags = [t.lag_s for t in traces if t.lag_s is not None]
     lag = summary([v * 1e3 for v in lags], (50, 99))
     out["client_lag_ms"] = {"mean": lag.get("mean"), "p99": lag.get("p99"), "max": lag.get("max")}

@@ -156,7 +156,11 @@ class MetricsReport:
     and the figures are empty. `deltas` maps each counter role to final − first (tokens,
     requests), None where the runtime lacks the role or the counter went backwards (a server
     restart). `prefix_hit_rate` is Δhits / Δqueries over the run (prompt tokens), None without
-    queries. Maxima are over every scrape, first and final included.
+    queries. The gauges' maxima are over the scrapes inside the load (`load_scrapes` of them,
+    see `inside_load`): the first scrape comes before the first request and the final one after
+    the last response, both idle. A run shorter than the scrape interval has none: its maxima
+    are None (too short to sample), while its counters and histograms, first to final scrape,
+    still cover it. `load_scrapes` is None where no timeline was given.
     """
 
     available: bool
@@ -175,6 +179,7 @@ class MetricsReport:
     max_waiting: float | None = None
     max_running: float | None = None
     max_kv_usage: float | None = None
+    load_scrapes: int | None = None
     histograms: dict[str, HistogramSummary | None] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
@@ -197,6 +202,7 @@ class MetricsReport:
             "max_waiting": self.max_waiting,
             "max_running": self.max_running,
             "max_kv_usage": self.max_kv_usage,
+            "load_scrapes": self.load_scrapes,
             "histograms": {k: (h.to_dict() if h else None) for k, h in self.histograms.items()},
             "warnings": list(self.warnings),
         }
@@ -279,6 +285,23 @@ def counter_delta(first: Snapshot, last: Snapshot, name: str) -> tuple[float, st
     return after - (before or 0.0), None
 
 
+# How `MetricsSampler.stop` names a final scrape that failed (the last point is then one taken
+# during the load).
+FINAL_SCRAPE_FAILED = "final scrape:"
+
+
+def inside_load(
+    timeline: list[TimelinePoint], errors: list[str] | None = None
+) -> list[TimelinePoint]:
+    """The timeline's points scraped while the load ran. The sampler scrapes once before the
+    first request (the first point) and once after the last response (the last point, unless
+    that scrape failed, which its errors say); every point between them is inside the load."""
+    if len(timeline) < 2:
+        return []
+    final_failed = any(e.startswith(FINAL_SCRAPE_FAILED) for e in errors or [])
+    return timeline[1:] if final_failed else timeline[1:-1]
+
+
 def _shown(value: float | None) -> str:
     return "NaN" if value is None else f"{value:g}"
 
@@ -344,8 +367,10 @@ def build_report(
         )
         if name:
             report.names[role] = name
+    load = inside_load(timeline, errors)
+    report.load_scrapes = len(load) if timeline else None
     for role in GAUGE_ROLES:
-        read = [v for p in timeline if (v := getattr(p, role)) is not None]
+        read = [v for p in load if (v := getattr(p, role)) is not None]
         kept = [v for v in read if gauge_problem(role, v) is None]
         if len(kept) < len(read):
             bad = next(v for v in read if gauge_problem(role, v) is not None)

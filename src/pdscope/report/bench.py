@@ -101,6 +101,14 @@ def render_bench(r: dict[str, Any], console: Console) -> None:
                 " after the server had closed the keep-alive connection they were written on "
                 "(see requests[].retried)"
             )
+        if bursty := run["summary"].get("read_in_bursts"):
+            console.print(
+                f"[yellow]{bursty} of {run['summary']['completed']} requests at {_load(run)} "
+                "were read by the client in bursts[/] (their first tokens waited in this "
+                "process): their TPOT and gaps measure the client, not the server, and are in "
+                "the figures above as vllm bench serve keeps them; the server's own ITL is in "
+                "its view below"
+            )
     for run in [] if simulated else r["runs"]:  # no client, no connection: nothing measured
         sm = run["summary"]
         if sm.get("mean_setup_ms") is not None or sm.get("p99_close_ms") is not None:
@@ -161,7 +169,15 @@ def render_bench(r: dict[str, Any], console: Console) -> None:
     if shown:
         console.print(fit_figures(server, console))
         for run in [] if simulated else r["runs"]:
-            for warning in run["server"].get("warnings") or []:
+            v = run["server"]
+            if v.get("available") and v.get("load_scrapes") == 0:
+                console.print(
+                    f"[yellow]server's view at {_load(run)}:[/] running, waiting and KV use "
+                    "'-': the run was too short to sample (no scrape fell inside the load, "
+                    f"scraped every {v.get('interval_s') or 0:g} s, only the idle ones before "
+                    "and after it); its counters and histograms still cover it"
+                )
+            for warning in v.get("warnings") or []:
                 console.print(f"[yellow]server's view at {_load(run)}:[/] {warning}")
         if not simulated:
             console.print(
