@@ -288,6 +288,9 @@ def test_lengths_and_files(tmp_path: Path) -> None:
         bad.write_text(text)
         with pytest.raises(WorkloadError, match=needle):
             file_workload(bad, None, 9)
+    bad.write_bytes(b"\xff\xfe\x00binary")  # named, not a bare codec error
+    with pytest.raises(WorkloadError, match=f"cannot read workload file {bad}: 'utf-8' codec"):
+        file_workload(bad, None, 9)
 
 
 def _trace(ttft: float, tokens: int = 3, gap: float = 0.01, error: str | None = None) -> Trace:
@@ -543,7 +546,10 @@ def test_a_run_where_every_request_failed_exits_1_with_the_reason(
 ) -> None:
     out = tmp_path / "failed.json"
     args = ["bench", medium_server.url, "--num-prompts", "3", "--warmup", "0", "--input-len", "16"]
-    res = CliRunner().invoke(cli, [*args, "--output-len", "5000", "--save-result", str(out)])
+    # normal draws are clipped at 1, so no flag refuses this up front: the server does
+    res = CliRunner().invoke(
+        cli, [*args, "--output-len", "normal:5000:10", "--save-result", str(out)]
+    )
     assert res.exit_code == 1, res.output
     assert "every request of a run failed" in res.output
     assert "maximum context length" in " ".join(res.output.split())  # the server's reason
@@ -1030,3 +1036,30 @@ def _rendered_without_bursts(r: dict) -> str:
     out = io.StringIO()
     render_bench(quiet, Console(file=out, width=200))
     return out.getvalue()
+
+
+def test_a_request_past_its_timeout_says_which_limit() -> None:
+    """It read 'timeout: TimeoutError', with no limit named. A server that takes the request
+    and never answers, on 127.0.0.1."""
+    from pdscope.client.adapters import openai_body, run_openai, session
+
+    async def main() -> str | None:
+        async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read(1000)
+            await asyncio.sleep(5)
+            writer.close()
+
+        server = await asyncio.start_server(hold, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            async with session(timeout_s=0.3) as client:
+                body = openai_body("openai-completions", "m", "hi", 4)
+                trace = await run_openai(
+                    client, f"http://127.0.0.1:{port}", "openai-completions", body
+                )
+        finally:
+            server.close()
+        return trace.error
+
+    error = asyncio.run(main())
+    assert error == "timeout: no whole answer within 0.3 s (--timeout)"
