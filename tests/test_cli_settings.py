@@ -38,6 +38,7 @@ def test_every_engine_knob_with_help_is_a_serve_flag() -> None:
     ("args", "needle"),
     [
         (["--port", "70000"], "--port must be 0-65535"),
+        (["--host", "999.1.1.1"], "--host 999.1.1.1: no address to bind"),
         (["--max-queue", "-1"], "--max-queue must be >= 0"),
         (["--max-request-bytes", "100"], "--max-request-bytes must be at least 1KiB"),
         (["--max-request-bytes", "lots"], "--max-request-bytes:"),

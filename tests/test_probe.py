@@ -794,6 +794,15 @@ def fast_settings(url: str, **kw) -> ProbeSettings:
     return ProbeSettings(url=url, **{**base, **kw})
 
 
+def test_a_max_model_len_above_the_servers_is_said_fake(fake: str) -> None:
+    """--max-model-len 100000 over a server that reports 2,048 sized 8,192-token prompts to the
+    flag with no word, and they came back 400."""
+    r = asyncio.run(probe(fast_settings(f"{fake}/vllm", max_model_len=8192, prompt_tokens=[64])))
+    assert any("--max-model-len 8,192 is above the 4,096 tokens" in n for n in r["notes"])
+    r = asyncio.run(probe(fast_settings(f"{fake}/vllm", max_model_len=2048, prompt_tokens=[64])))
+    assert not any("--max-model-len" in n for n in r["notes"])
+
+
 def test_vllm_hits_read_from_its_counter_fake(fake: str) -> None:
     """vLLM leaves cached tokens out of usage: probe reads vllm:prefix_cache_hits around each
     request instead (issue 10, item 2)."""

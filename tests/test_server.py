@@ -284,6 +284,7 @@ def test_openai_errors(server: Server, path: str, body, status: int, needle: str
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 2000}]},
          "messages"),
         ("/v1/completions", "{not json", None),
+        ("/v1/chat/completions", "", None),
         ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, "min_tokens"),
     ],
@@ -295,7 +296,9 @@ def test_openai_errors_name_the_field(server: Server, path: str, body, param: st
     )
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == param, error
-    if param is None:  # where the JSON breaks, not a path into it
+    if not body:  # it read "invalid request: Field required", naming nothing
+        assert error["message"] == "invalid request: no request body: send a JSON object"
+    elif param is None:  # where the JSON breaks, not a path into it
         assert "not valid JSON" in error["message"] and "at character 1" in error["message"]
 
 

@@ -176,6 +176,17 @@ def _stale_connection(trace: Trace) -> bool:
     )
 
 
+def _timeout_text(exc: TimeoutError, limits: aiohttp.ClientTimeout) -> str:
+    """Which limit a request ran past, in seconds: the error a reader can act on."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return f"timeout: no connection within {limits.connect or limits.total:g} s"
+    if isinstance(exc, aiohttp.SocketTimeoutError) and limits.sock_read:
+        return f"timeout: the server sent nothing for {limits.sock_read:g} s"
+    if limits.total:
+        return f"timeout: no whole answer within {limits.total:g} s (--timeout)"
+    return f"timeout: {type(exc).__name__}"
+
+
 async def _stream_once(
     client: aiohttp.ClientSession,
     url: str,
@@ -206,7 +217,7 @@ async def _stream_once(
                 async for _ in r.content.iter_any():
                     pass
     except TimeoutError as exc:
-        trace.error = f"timeout: {type(exc).__name__}"
+        trace.error = _timeout_text(exc, client.timeout)
         return trace
     except aiohttp.ClientError as exc:
         trace.error = f"{type(exc).__name__}: {exc}"

@@ -162,8 +162,8 @@ def file_workload(path: Path, n: int | None, default_output: int) -> list[Reques
     JSON list (``conversations`` of ``{from, value}``: the first human turn is the prompt, the
     following gpt turn's length in words sets nothing: ``default_output`` is used)."""
     try:
-        text = path.read_text()
-    except OSError as exc:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
         raise WorkloadError(f"cannot read workload file {path}: {exc}") from exc
     specs: list[RequestSpec] = []
     stripped = text.lstrip()

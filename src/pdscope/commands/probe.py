@@ -531,6 +531,12 @@ async def probe(
                 )
             else:
                 runtime.evidence.append(f"{source} {runtime.max_model_len}")
+        if s.max_model_len and runtime.max_model_len and s.max_model_len > runtime.max_model_len:
+            notes.append(
+                f"--max-model-len {s.max_model_len:,} is above the {runtime.max_model_len:,} "
+                "tokens the server reports: checks are sized to the flag, and a request past "
+                "the server's context may fail"
+            )
         notes += _cap_sweep(s, s.max_model_len or runtime.max_model_len)
         seed = s.seed if s.seed is not None else secrets.randbelow(2**31)
         prober = Prober(s, client, runtime, model, tick, streams, seed)

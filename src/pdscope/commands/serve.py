@@ -6,6 +6,7 @@ flags. As there, a field with a ``help`` is a flag, so the CLI lists each one on
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 from pdscope.commands.flags import names
@@ -52,6 +53,12 @@ class ServeSettings:
         """Refuse bad flags before the model loads (a ``ValueError`` names the flag)."""
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be 0-65535, got {self.port}")
+        try:  # uvicorn's own failure names no host: "[Errno -2] Name or service not known"
+            socket.getaddrinfo(self.host, None)
+        except (OSError, UnicodeError) as exc:
+            raise ValueError(
+                f"--host {self.host}: no address to bind ({getattr(exc, 'strerror', None) or exc})"
+            ) from None
         if self.max_queue is not None and self.max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.max_request_body_bytes < MIN_REQUEST_BYTES:

@@ -44,6 +44,9 @@ def validation_problems(errors: Sequence[Any]) -> dict[str, str]:
                 {"msg": f"the body is not valid JSON: {detail} (at character {at})"}
             )
             continue
+        if err.get("type") == "missing" and tuple(err.get("loc", ())) == ("body",):
+            by_field.setdefault("", []).append({"msg": "no request body: send a JSON object"})
+            continue
         where = ".".join(str(p) for p in err.get("loc", ()) if _is_field_step(p))
         by_field.setdefault(where, []).append(err)
     problems = {}
