@@ -251,3 +251,15 @@ def test_make_model_command(tmp_path: Path) -> None:
     assert plan["model"]["num_layers"] == 3
     bad = runner.invoke(app, ["make-model", str(tmp_path / "x"), "--arch", "gpt2"])
     assert bad.exit_code == 2 and "gpt2" in bad.output
+
+
+def test_weights_that_do_not_fit_are_said_first_and_the_pool_is_none() -> None:
+    """A 70B model in bf16 on a 24 GB card printed 'KV pool -117.91 GB' and its decode ceiling
+    as a plain figure, the misfit only in a note at the bottom."""
+    result = runner.invoke(app, ["plan", "--model", "llama-3.1-70b", "--device", "rtx-4090"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.replace("│", " ").split())
+    assert text.index("do not fit 90% of this device's 24 GB") < text.index("decode ceiling")
+    assert "KV pool none the weights need" in text and "-1" not in text
+    fits = runner.invoke(app, ["plan", "--model", "llama-3.1-8b", "--device", "h100"])
+    assert "do not fit" not in fits.output and "KV pool none" not in fits.output

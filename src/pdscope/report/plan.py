@@ -12,6 +12,9 @@ from pdscope.report.units import fmt_bytes, fmt_count, fmt_rate, fmt_seconds
 from pdscope.specs import Device, ModelSpec
 from pdscope.specs.local import computed_in_note
 
+# What bounds a step when the device's figures are known (else the bound says what is missing).
+BOUNDS = ("compute", "memory")
+
 
 def _kv_table(rows: list[tuple[str, str, str]], title: str) -> Table:
     table = Table(title=title, title_justify="left", show_header=False, box=None, pad_edge=False)
@@ -45,6 +48,8 @@ def render_plan(r: dict[str, Any], console: Console) -> None:
         + (", experts only" if r.get("experts_only") else "")
         + f"), KV {r['kv_dtype']}"
     )
+    pool = r["kv_pool_bytes"]
+    short_by = -pool if pool is not None and pool <= 0 else None  # the weights do not fit
     decode = _kv_table(
         [
             ("weights", fmt_bytes(r["weight_bytes"]), r["dtype_note"]),
@@ -77,8 +82,10 @@ def render_plan(r: dict[str, Any], console: Console) -> None:
             ("KV per request", fmt_bytes(r["kv_bytes_at_context"]), f"at {c:,} tokens"),
             (
                 "KV pool",
-                fmt_bytes(r["kv_pool_bytes"]),
-                f"{r['gpu_memory_utilization']:.0%} of memory minus weights",
+                "none" if short_by is not None else fmt_bytes(r["kv_pool_bytes"]),
+                f"the weights need {fmt_bytes(short_by)} more"
+                if short_by is not None
+                else f"{r['gpu_memory_utilization']:.0%} of memory minus weights",
             ),
             ("pool tokens", fmt_count(r["kv_pool_tokens"]), "at the full-attention rate"),
             (
@@ -95,7 +102,11 @@ def render_plan(r: dict[str, Any], console: Console) -> None:
             ("prefill FLOPs", fmt_count(r["prefill_flops"], "FLOP"), f"{n:,}-token prompt"),
             ("  linear (matmuls)", fmt_count(r["prefill_flops_linear"], "FLOP"), "grows with N"),
             ("  attention", fmt_count(r["prefill_flops_attention"], "FLOP"), "grows with N²"),
-            ("TTFT floor", fmt_seconds(r["ttft_floor_s"]), f"{r['ttft_floor_bound']}-bound"),
+            (
+                "TTFT floor",
+                fmt_seconds(r["ttft_floor_s"]),
+                f"{bound}-bound" if (bound := r["ttft_floor_bound"]) in BOUNDS else bound,
+            ),
             ("prefill ceiling", fmt_rate(r["prefill_ceiling_tok_s"]), "prompt tokens / TTFT floor"),
             (
                 "prefill intensity",
@@ -121,7 +132,15 @@ def render_plan(r: dict[str, Any], console: Console) -> None:
             fmt_seconds(point["step_s"]),
             point["bound"] + marks.get(point["batch"], ""),
         )
-    parts: list[Any] = [head, "", decode, "", kv, "", prefill, "", batch]
+    parts: list[Any] = [head]
+    if short_by is not None:
+        parts.append(
+            f"[bold yellow]the weights ({fmt_bytes(r['weight_bytes'])}) do not fit "
+            f"{r['gpu_memory_utilization']:.0%} of this device's {d['memory_gb']:,g} GB: every "
+            "figure below is for a device with room for them (more memory, more devices, or "
+            "narrower weights)[/]"
+        )
+    parts += ["", decode, "", kv, "", prefill, "", batch]
     cb, pb = r["compute_bound_batch"], r["pool_limited_batch"]
     parts.append(
         f"turns compute-bound at batch {cb:,}" if cb else "never compute-bound at this context"
