@@ -125,6 +125,8 @@ def test_probe_chat_ignores_the_role_chunk(medium_server: Server) -> None:
 def test_probe_ollama_dialect(medium_server: Server) -> None:
     r = asyncio.run(probe(settings(medium_server.url, api="ollama")))
     assert r["runtime"]["api"] == "ollama" and not r["settings"]["exact_prompt_tokens"]
+    # still pdscope, with its context (it was named "ollama", its findings Ollama's knobs)
+    assert r["runtime"]["name"] == "pdscope" and r["runtime"]["max_model_len"] == 2048
     sweep = r["sweep"]
     assert sweep[-1]["ttft_ms_min"] > 2 * sweep[0]["ttft_ms_min"]
     for t in r["traces"]:

@@ -135,13 +135,13 @@ async def detect(
     ollama_native = tags is not None and tags.status_code == 200 and owner != "pdscope"
     if ollama_native and api == "auto":
         api = API_OLLAMA  # Ollama also serves /v1; its native API carries its own timings
+    if owner == "pdscope":
+        name = "pdscope"
+    elif is_llamacpp:
+        name = "llama.cpp"
+    else:
+        name = metric_runtime or ("vllm" if owner == "vllm" else "openai-compatible")
     if openai_listed and api in ("auto", *OPENAI_APIS):
-        if owner == "pdscope":
-            name = "pdscope"
-        elif is_llamacpp:
-            name = "llama.cpp"
-        else:
-            name = metric_runtime or ("vllm" if owner == "vllm" else "openai-compatible")
         chosen = API_OPENAI_COMPLETIONS if api == "auto" else api
         return Runtime(
             base,
@@ -158,17 +158,17 @@ async def detect(
     if ollama_models or (tags is not None and tags.status_code == 200):
         if api not in ("auto", API_OLLAMA):
             raise ProbeError(f"{base} speaks Ollama's API, not {api}")
+        if ollama_native:
+            return Runtime(
+                base, "ollama", API_OLLAMA, ollama_models, False, has_metrics, None, evidence,
+                version,
+            )  # fmt: skip
+        # another runtime that speaks Ollama's API too (pdscope serve, told --api ollama): it
+        # is still itself, with its own context (prompts stay text: Ollama's API takes no ids)
         return Runtime(
-            base,
-            "ollama",
-            API_OLLAMA,
-            ollama_models,
-            False,
-            has_metrics,
-            None,
-            evidence,
-            version,
-        )
+            base, name, API_OLLAMA, ollama_models or openai_models, False, has_metrics, max_len,
+            evidence, version,
+        )  # fmt: skip
     if api == API_OLLAMA:
         raise ProbeError(f"{base} does not answer Ollama's /api/tags")
     raise ProbeError(f"no OpenAI-compatible (/v1/models) or Ollama (/api/tags) API at {base}")

@@ -257,8 +257,10 @@ class Prober:
         if self.s.context_tokens:
             return self.s.context_tokens
         limit = self.max_len or 4096
-        # with room for the check's output, as every other check's prompt has
-        return self.fitting(min(8192, int(limit * 0.75)))
+        # with room for the check's output, and for a text prompt a few tokens over its mark
+        # (fitting's 32 would leave a 64-token server's long check no longer than its short)
+        room = limit - self.s.output_tokens - min(32, limit // 16)
+        return max(1, min(8192, int(limit * 0.75), room))
 
     @property
     def max_len(self) -> int | None:
