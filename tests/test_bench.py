@@ -820,6 +820,10 @@ def test_compare_series_compares_every_run(tmp_path: Path) -> None:
     for conc in (1, 2, 4):
         assert f"a.json (c={conc}) vs b.json (c={conc})" in res.output
     assert res.output.count("1.20x") == 3
+    # counts as counts: "8", not "8.00"
+    rows = [ln.replace("│", " ").split() for ln in res.output.splitlines()]
+    completed = [row for row in rows if "completed" in row]
+    assert completed == [["completed", "8", "8", "1.00x"]] * 3, completed
     bad = CliRunner().invoke(cli, ["bench", "compare", str(a), str(c)])
     assert bad.exit_code == 2 and "3 runs" in bad.output
 

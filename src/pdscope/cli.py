@@ -157,7 +157,7 @@ Preset = Annotated[
     str, typer.Option(help="tiny (tests, a few hundred KB) or small (168M, the embedded default).")
 ]
 Arch = Annotated[str, typer.Option(help="llama, mistral, qwen2 or qwen3.")]
-MakeDtype = Annotated[str, typer.Option(help="float32 or bfloat16.")]
+MakeDtype = Annotated[str, typer.Option(help="float32, bfloat16 or float16.")]
 MakeSeed = Annotated[int, typer.Option(help="Weights are a pure function of the seed.")]
 Layers = Annotated[int | None, typer.Option(help="num_hidden_layers.")]
 Hidden = Annotated[int | None, typer.Option(help="hidden_size.")]
@@ -248,7 +248,13 @@ Workload = Annotated[
     str,
     typer.Option(help="random, shared-prefix, long-prompt or file:PATH (JSONL or ShareGPT JSON)."),
 ]
-NumPrompts = Annotated[int, typer.Option(help="Requests per run.")]
+NumPrompts = Annotated[
+    int,
+    typer.Option(
+        help="Requests per run. With no URL and no load flag, the embedded server's short "
+        "default load: 32 requests, 8 at a time, 64 output tokens."
+    ),
+]
 InputLen = Annotated[str, typer.Option(help="random: N, LOW-HIGH or normal:MEAN:STD tokens.")]
 RequestRate = Annotated[
     str, typer.Option(help="Requests/s, or a series: 1,2,4,8 (inf = all at once).")

@@ -367,7 +367,8 @@ def _compare_table(
             if isinstance(x, int | float) and isinstance(y, int | float) and x
             else "-"
         )
-        table.add_row(key, _f(x, "{:,.2f}"), _f(y, "{:,.2f}"), ratio)
+        shape = "{:,.0f}" if key in ("completed", "failed") else "{:,.2f}"  # counts
+        table.add_row(key, _f(x, shape), _f(y, shape), ratio)
     console.print(fit_figures(table, console))
 
 
