@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import inspect
 import json
 import math
+import os
 import sys
+import tempfile
 import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -609,16 +612,24 @@ def check_output(path: Path | None, option: str, figure: bool = False) -> None:
     if not folder.is_dir():
         what = "is not a folder" if folder.exists() else "does not exist"
         raise fail(f"{option} {path}: {folder} {what}")
-    # Opened as the run will write it (appending, so nothing is lost yet): a folder's mode
-    # bits do not tell, e.g. /proc or a read-only mount under root.
-    existed = path.exists()
+    # Tried as the run will write it: a folder's mode bits do not tell (/proc, or a read-only
+    # mount, under root). A regular file is opened for appending (nothing written); a new one
+    # is tried as a scratch file beside it, so the path itself (a dangling link) is not made
+    # and removed; anything else (a FIFO, a device) is not opened: closing a FIFO would end
+    # its reader.
     try:
-        with path.open("a"):
-            pass
+        if path.exists() and not path.is_file():  # a FIFO, a device, /dev/stdout
+            if not os.access(path, os.W_OK):
+                raise PermissionError(errno.EACCES, "Permission denied")
+        elif path.exists():
+            with path.open("a"):
+                pass
+        else:  # a new file, or a dangling link's target: where the write will land
+            where = (path.resolve() if path.is_symlink() else path).parent
+            with tempfile.NamedTemporaryFile(dir=where, prefix=".pdscope-check-"):
+                pass
     except OSError as exc:
         raise fail(f"{option} {path}: cannot be written ({exc.strerror or exc})") from None
-    if not existed:
-        path.unlink(missing_ok=True)
     if figure:
         from matplotlib.figure import Figure
 
@@ -919,11 +930,13 @@ def probe(
                 tick=lambda label: bar.update(task, advance=1, description=label),
             )
         )
-    render_probe(result, console)
-    written = write_outputs(
-        ("--json", json_file, json_writer(result)),
-        ("--plot", plot, lambda p: plot_probe(result, p)),
-    )
+    try:
+        render_probe(result, console)
+    finally:  # a fault in the printing still leaves the files
+        written = write_outputs(
+            ("--json", json_file, json_writer(result)),
+            ("--plot", plot, lambda p: plot_probe(result, p)),
+        )
     # Any failed request or part left unmeasured fails the command: a script reading only the
     # exit code must not take a half-made measurement for a whole one.
     if result["partial"] or result["failures"] or result["unmeasured"] or not written:
@@ -1013,9 +1026,11 @@ def bench(
         "ramp_up",
     )
     result = _run_bench(settings, url, server_args)
-    if result["runs"]:
-        render_bench(result, console)
-    written = bench_outputs(result, save_result, report)
+    try:
+        if result["runs"]:
+            render_bench(result, console)
+    finally:  # a fault in the printing still leaves the files
+        written = bench_outputs(result, save_result, report)
     if (error := nothing_completed(result)) is not None:
         raise fail(f"every request of a run failed; the first: {error}", 1)
     if result["partial"] or not result["runs"] or not written:
@@ -1315,13 +1330,13 @@ def watch(
             raise _no_effect(extra, "with --report (it draws a --record file)")
         _watch_page(report)
         return
-    check_url(url)
     only_with(ctx, export is not None, "--export", "runtime")
     if export is not None:
         if extra := given_except(ctx, "export", "url", "runtime"):
             raise _no_effect(extra, "with --export (it writes files for a Prometheus to scrape)")
         _watch_export(export, url, runtime)
         return
+    check_url(url)  # after --export, whose Prometheus target may be a bare host:port
     not_with(ctx, url is not None, "a URL (they are the embedded server's flags)", "server_args")
     with exit_on(2, ValueError):
         settings = cmd.WatchSettings(
