@@ -958,11 +958,14 @@ def test_a_run_shorter_than_the_scrape_interval_shows_no_gauges() -> None:
         snap.t_s = t_s
         return snap
 
-    def shown(*snaps) -> tuple[str, dict]:
+    def shown(*snaps, errors: list[str] | None = None) -> tuple[str, dict]:
         runtime = detect_runtime(snaps[0])
         assert runtime == "vllm"
         timeline = [timeline_point(s, runtime, 0.0) for s in snaps]
-        server = build_report(snaps[0], snaps[-1], timeline, runtime, interval_s=0.5).to_dict()
+        server = build_report(
+            snaps[0], snaps[-1], timeline, runtime, interval_s=0.5,
+            scrape_errors=len(errors or []), errors=errors,
+        ).to_dict()  # fmt: skip
         t = Trace(
             "openai-completions", "u", "m", start_s=0.0, end_s=0.3, output_tokens=3,
             chunks=[Chunk(0.1, "a"), Chunk(0.2, "b"), Chunk(0.3, "c")],
@@ -989,6 +992,13 @@ def test_a_run_shorter_than_the_scrape_interval_shows_no_gauges() -> None:
     row = next(x for x in view if x.strip().startswith("c=1"))
     assert row.split()[1:4] == ["-", "-", "-"], text
     assert "too short to sample" in text and "every 0.5 s" in text
+    # a long run whose scrapes all failed during the load is not called short
+    text, _ = shown(
+        scrape(0.0, 0, 0, 0.0, 100), scrape(9.0, 0, 0, 0.0, 103),
+        errors=["GET m: timed out after 5 s"] * 3,
+    )  # fmt: skip
+    said = " ".join(text.split())
+    assert "too short" not in said and "no scrape inside the load answered (3 failed" in said
     text, server = shown(
         scrape(0.0, 0, 0, 0.0, 100), scrape(0.5, 2, 1, 0.12, 101), scrape(0.9, 0, 0, 0.0, 103)
     )

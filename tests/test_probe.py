@@ -1047,7 +1047,8 @@ def test_impossible_results_get_no_verdict() -> None:
     )
     assert r["ceiling"]["decode_pct_of_ceiling"] == pytest.approx(200, rel=0.02)
     (text,) = r["ceiling"]["impossible"]
-    assert "impossible" in text and "llama-3.1-8b" in text and "0.17B" in text
+    assert "impossible" in text and "llama-3.1-8b" in text and "170.00 M" in text
+    assert "(8.03 G parameters)" in text  # a tiny served model read "0.00B" before
     titles = [f["finding"] for f in r["findings"]]
     assert "Faster than the hardware allows: no verdict on the ceiling" in titles
     assert not any("bandwidth ceiling" in t for t in titles)

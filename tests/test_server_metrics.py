@@ -136,7 +136,9 @@ def test_gauges_are_read_inside_the_load_and_a_short_run_has_none() -> None:
     assert (report.max_running, report.max_waiting, report.max_kv_usage) == (3.0, 1.0, 0.25)
 
     cut = [timeline_point(s, runtime, 0.0) for s in (idle, busy)]
-    failed = build_report(idle, busy, cut, runtime, errors=["final scrape: GET x: HTTP 503"])
+    failed = build_report(
+        idle, busy, cut, runtime, errors=["final scrape: GET x: HTTP 503"], final_failed=True
+    )
     assert failed.load_scrapes == 1 and failed.max_running == 3.0
     # No timeline at all: nothing known of the load.
     assert build_report(idle, done, [], runtime).load_scrapes is None

@@ -18,7 +18,7 @@ import numpy as np
 from pdscope.analysis.rules import knob  # one knob table, shared with watch
 from pdscope.analysis.stats import fit_poly, median
 from pdscope.client.trace import Trace
-from pdscope.report.units import fmt_bytes
+from pdscope.report.units import fmt_bytes, fmt_count
 
 # How a trace's cached-token count was obtained, in words.
 _SOURCES = {
@@ -578,8 +578,8 @@ def _impossible(
     if params and c.model_params and not 0.67 < c.model_params / params < 1.5:
         causes.append(
             f"the wrong model for the arithmetic: it assumed {c.model} "
-            f"({c.model_params / 1e9:.2f}B parameters), the server reports "
-            f"{(served or {}).get('name')} with {params / 1e9:.3g}B"
+            f"({fmt_count(c.model_params)} parameters), the server reports "
+            f"{(served or {}).get('name')} with {fmt_count(params)}"
         )
     elif not params:
         causes.append(

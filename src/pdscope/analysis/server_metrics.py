@@ -285,20 +285,12 @@ def counter_delta(first: Snapshot, last: Snapshot, name: str) -> tuple[float, st
     return after - (before or 0.0), None
 
 
-# How `MetricsSampler.stop` names a final scrape that failed (the last point is then one taken
-# during the load).
-FINAL_SCRAPE_FAILED = "final scrape:"
-
-
-def inside_load(
-    timeline: list[TimelinePoint], errors: list[str] | None = None
-) -> list[TimelinePoint]:
+def inside_load(timeline: list[TimelinePoint], final_failed: bool = False) -> list[TimelinePoint]:
     """The timeline's points scraped while the load ran. The sampler scrapes once before the
     first request (the first point) and once after the last response (the last point, unless
-    that scrape failed, which its errors say); every point between them is inside the load."""
+    that scrape failed: ``final_failed``); every point between them is inside the load."""
     if len(timeline) < 2:
         return []
-    final_failed = any(e.startswith(FINAL_SCRAPE_FAILED) for e in errors or [])
     return timeline[1:] if final_failed else timeline[1:-1]
 
 
@@ -317,6 +309,7 @@ def build_report(
     scrapes: int = 2,
     scrape_errors: int = 0,
     errors: list[str] | None = None,
+    final_failed: bool = False,
 ) -> MetricsReport:
     """Turn the first and last scrape and the gauge timeline into a `MetricsReport`."""
     report = MetricsReport(
@@ -367,7 +360,7 @@ def build_report(
         )
         if name:
             report.names[role] = name
-    load = inside_load(timeline, errors)
+    load = inside_load(timeline, final_failed)
     report.load_scrapes = len(load) if timeline else None
     for role in GAUGE_ROLES:
         read = [v for p in load if (v := getattr(p, role)) is not None]
@@ -418,4 +411,5 @@ def report_of(run: ScrapedRun) -> MetricsReport:
         scrapes=run.scrapes,
         scrape_errors=run.scrape_errors,
         errors=run.errors,
+        final_failed=run.final_failed,
     )

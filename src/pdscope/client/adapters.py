@@ -13,6 +13,7 @@ plain request/response calls elsewhere use httpx.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
@@ -178,8 +179,9 @@ def _stale_connection(trace: Trace) -> bool:
 
 def _timeout_text(exc: TimeoutError, limits: aiohttp.ClientTimeout) -> str:
     """Which limit a request ran past, in seconds: the error a reader can act on."""
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return f"timeout: no connection within {limits.connect or limits.total:g} s"
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):  # the connect or the total timer
+        limit = min(x for x in (limits.connect, limits.total, math.inf) if x)
+        return f"timeout: no connection within {limit:g} s"
     if isinstance(exc, aiohttp.SocketTimeoutError) and limits.sock_read:
         return f"timeout: the server sent nothing for {limits.sock_read:g} s"
     if limits.total:

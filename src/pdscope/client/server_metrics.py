@@ -339,6 +339,7 @@ class ScrapedRun:
     scrapes: int = 0
     scrape_errors: int = 0
     errors: list[str] = field(default_factory=list)
+    final_failed: bool = False  # the final scrape failed: `last` was taken during the load
 
 
 class MetricsSampler:
@@ -436,11 +437,13 @@ class MetricsSampler:
             self._task = None
         if self._first is None or self.runtime is None:
             return ScrapedRun(url=self.url, reason=self._reason)
+        final_failed = False
         try:
             final = await self.scrape()
         except ScrapeError as exc:
             # Fall back on the last good scrape: the figures then end a little early.
             self._error(f"final scrape: {exc}")
+            final_failed = True
         else:
             self._last = final
             self._record(final)
@@ -455,6 +458,7 @@ class MetricsSampler:
             scrapes=self._scrapes,
             scrape_errors=self._errors,
             errors=self._messages,
+            final_failed=final_failed,
         )
 
     async def _run(self) -> None:

@@ -27,7 +27,7 @@ import httpx
 from pdscope import __version__
 from pdscope.analysis.bench import SLO, by_kind, summarize
 from pdscope.analysis.server_metrics import report_of
-from pdscope.client.adapters import APIS
+from pdscope.client.adapters import API_OLLAMA, APIS
 from pdscope.client.adapters import session as adapter_session
 from pdscope.client.detect import ProbeError, Runtime, detect
 from pdscope.client.load import LoadPlan, Progress, run_load, send
@@ -642,7 +642,10 @@ async def bench(
                 "cpus": os.cpu_count(),
             },
         }
-        _refuse_what_cannot_fit(s, runtime.max_model_len, runtime.name)
+        # through Ollama's API (pdscope serve speaks it too) a long output stops at the
+        # context, as Ollama's does, rather than being refused
+        refuses = runtime.name if runtime.api != API_OLLAMA else ""
+        _refuse_what_cannot_fit(s, runtime.max_model_len, refuses)
         b = Bench(s, client, runtime, model, state, on_progress, streams)
         state.metadata["exact_prompt_tokens"] = b.builder.use_tokenize
         state.metadata["seed"] = b.seed
@@ -659,8 +662,8 @@ def _sent_rate(run: dict[str, Any]) -> float | None:
     return len(starts) / max(starts) if len(starts) > 1 and max(starts) > 0 else None
 
 
-# Runtimes that answer HTTP 400 to a request whose prompt and output together pass the
-# context (Ollama and llama.cpp shift the context or stop at it instead).
+# Runtimes that refuse a request whose prompt and output together pass the context (HTTP 400;
+# TGI 422) through their OpenAI API; Ollama and llama.cpp shift the context or stop at it.
 REFUSE_PAST_CONTEXT = frozenset(("vllm", "sglang", "tgi", "pdscope"))
 
 

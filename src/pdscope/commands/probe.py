@@ -256,7 +256,9 @@ class Prober:
     def context_tokens(self) -> int:
         if self.s.context_tokens:
             return self.s.context_tokens
-        limit = self.max_len or 4096
+        if not self.max_len:  # a context the server does not say: the usual 4,096's share
+            return int(4096 * 0.75)
+        limit = self.max_len
         # with room for the check's output, and for a text prompt a few tokens over its mark
         # (fitting's 32 would leave a 64-token server's long check no longer than its short)
         room = limit - self.s.output_tokens - min(32, limit // 16)

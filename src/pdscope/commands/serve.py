@@ -54,7 +54,8 @@ class ServeSettings:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be 0-65535, got {self.port}")
         try:  # uvicorn's own failure names no host: "[Errno -2] Name or service not known"
-            socket.getaddrinfo(self.host, None)
+            if self.host:  # "" binds every interface
+                socket.getaddrinfo(self.host, None)
         except (OSError, UnicodeError) as exc:
             raise ValueError(
                 f"--host {self.host}: no address to bind ({getattr(exc, 'strerror', None) or exc})"

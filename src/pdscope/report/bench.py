@@ -106,8 +106,12 @@ def render_bench(r: dict[str, Any], console: Console) -> None:
                 f"[yellow]{bursty} of {run['summary']['completed']} requests at {_load(run)} "
                 "were read by the client in bursts[/] (their first tokens waited in this "
                 "process): their TPOT and gaps measure the client, not the server, and are in "
-                "the figures above as vllm bench serve keeps them; the server's own ITL is in "
-                "its view below"
+                "the figures above as vllm bench serve keeps them"
+                + (
+                    "; the server's own ITL is in its view below"
+                    if ((run.get("server") or {}).get("histograms") or {}).get("itl")
+                    else ""
+                )
             )
     for run in [] if simulated else r["runs"]:  # no client, no connection: nothing measured
         sm = run["summary"]
@@ -171,11 +175,17 @@ def render_bench(r: dict[str, Any], console: Console) -> None:
         for run in [] if simulated else r["runs"]:
             v = run["server"]
             if v.get("available") and v.get("load_scrapes") == 0:
+                why = (
+                    f"no scrape inside the load answered ({v['scrape_errors']} failed; the "
+                    f"first: {(v.get('errors') or ['?'])[0]})"
+                    if v.get("scrape_errors")
+                    else "the run was too short to sample (no scrape fell inside the load, "
+                    f"scraped every {v.get('interval_s') or 0:g} s, only the idle ones before "
+                    "and after it)"
+                )
                 console.print(
                     f"[yellow]server's view at {_load(run)}:[/] running, waiting and KV use "
-                    "'-': the run was too short to sample (no scrape fell inside the load, "
-                    f"scraped every {v.get('interval_s') or 0:g} s, only the idle ones before "
-                    "and after it); its counters and histograms still cover it"
+                    f"'-': {why}; its counters and histograms still cover it"
                 )
             for warning in v.get("warnings") or []:
                 console.print(f"[yellow]server's view at {_load(run)}:[/] {warning}")

@@ -49,7 +49,7 @@ def render_plan(r: dict[str, Any], console: Console) -> None:
         + f"), KV {r['kv_dtype']}"
     )
     pool = r["kv_pool_bytes"]
-    short_by = -pool if pool is not None and pool <= 0 else None  # the weights do not fit
+    short_by = -pool if pool is not None and pool < 0 else None  # the weights do not fit
     decode = _kv_table(
         [
             ("weights", fmt_bytes(r["weight_bytes"]), r["dtype_note"]),
