@@ -936,13 +936,9 @@ def test_a_run_shorter_than_the_scrape_interval_shows_no_gauges() -> None:
     and the server's view read "running 0  waiting 0  KV use 0%". Its gauges read "-" now
     with the reason, a run with a scrape inside its load shows that scrape's, and the
     counters of both still cover the run."""
-    import io
-
-    from rich.console import Console
 
     from pdscope.analysis.server_metrics import build_report
     from pdscope.client.server_metrics import detect_runtime, parse_metrics, timeline_point
-    from pdscope.report.bench import render_bench
 
     gauges = '# TYPE vllm:{0} gauge\nvllm:{0}{{model_name="m"}} {1}\n'
 
@@ -976,14 +972,7 @@ def test_a_run_shorter_than_the_scrape_interval_shows_no_gauges() -> None:
             "summary": summarize([t], 0.3),
             "server": server,
         }
-        r = {
-            "metadata": {"url": "u", "runtime": "pdscope", "model": "m", "workload": "random",
-                         "api": "openai-completions", "exact_prompt_tokens": True},
-            "runs": [run_],
-        }  # fmt: skip
-        out = io.StringIO()
-        render_bench(r, Console(file=out, width=200))
-        return out.getvalue(), server
+        return _rendered(run_, "pdscope"), server
 
     text, server = shown(scrape(0.0, 0, 0, 0.0, 100), scrape(0.35, 0, 0, 0.0, 103))
     assert server["load_scrapes"] == 0 and server["max_running"] is None
@@ -1010,11 +999,6 @@ def test_requests_read_in_bursts_are_counted_and_said() -> None:
     """A request whose first tokens waited in the client read TPOT 0.0136 ms (73,000 tok/s)
     in an audit's run, averaged in without a word. It stays in the figures, as vllm bench
     serve keeps it, but is counted and named."""
-    import io
-
-    from rich.console import Console
-
-    from pdscope.report.bench import render_bench
 
     steady = _trace(0.1, tokens=8, gap=0.005)
     held = Trace(
@@ -1026,29 +1010,26 @@ def test_requests_read_in_bursts_are_counted_and_said() -> None:
     assert summary["read_in_bursts"] == 1
     run_ = {"request_rate": None, "max_concurrency": 2, "summary": summary,
             "server": {"available": False}}  # fmt: skip
-    r = {
-        "metadata": {"url": "u", "runtime": "vllm", "model": "m", "workload": "random",
-                     "api": "openai-completions", "exact_prompt_tokens": True},
-        "runs": [run_],
-    }  # fmt: skip
-    out = io.StringIO()
-    render_bench(r, Console(file=out, width=200))
-    assert "1 of 2 requests at c=2 were read by the client in bursts" in out.getvalue()
-    assert "read by the client in bursts" not in _rendered_without_bursts(r)
+    assert "1 of 2 requests at c=2 were read by the client in bursts" in _rendered(run_)
+    run_["summary"] = {**summary, "read_in_bursts": 0}
+    assert "read by the client in bursts" not in _rendered(run_)
 
 
-def _rendered_without_bursts(r: dict) -> str:
-    import copy
+def _rendered(run: dict, runtime: str = "vllm") -> str:
+    """One run as bench prints it."""
     import io
 
     from rich.console import Console
 
     from pdscope.report.bench import render_bench
 
-    quiet = copy.deepcopy(r)
-    quiet["runs"][0]["summary"]["read_in_bursts"] = 0
+    r = {
+        "metadata": {"url": "u", "runtime": runtime, "model": "m", "workload": "random",
+                     "api": "openai-completions", "exact_prompt_tokens": True},
+        "runs": [run],
+    }  # fmt: skip
     out = io.StringIO()
-    render_bench(quiet, Console(file=out, width=200))
+    render_bench(r, Console(file=out, width=200))
     return out.getvalue()
 
 
