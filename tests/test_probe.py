@@ -973,6 +973,33 @@ def test_a_cold_request_read_in_bursts_shows_no_decode_rate() -> None:
     assert steady["cold"]["decode_tok_s"] == pytest.approx(400.0)
 
 
+def test_a_tiny_models_ttft_keeps_its_figures() -> None:
+    """A tiny model's sweep read "TTFT 1 ms" (0.8 ms in whole ms) beside "0" for its range."""
+    import io
+
+    from rich.console import Console
+
+    from pdscope.analysis.probe import analyze
+    from pdscope.report.probe import render_probe
+
+    traces = [_trace("sweep", n, t, 400.0) for n, t in ((100, 0.0008), (100, 0.0009))]
+    traces += [_trace("sweep", n, t, 400.0) for n, t in ((1000, 0.012), (1000, 0.013))]
+    r = analyze(traces, "pdscope") | {
+        "runtime": {"url": "u", "name": "pdscope", "evidence": ["e"], "api": "openai"},
+        "model": "m",
+        "settings": {"repeats": 2, "output_tokens": 9, "exact_prompt_tokens": True},
+    }
+    out = io.StringIO()
+    render_probe(r, Console(file=out, width=200))
+    text = out.getvalue()
+    assert "0.85" in text and "0.80–0.90" in text and "12.5" in text, text
+    # a server that stopped answering before saying its size read "- parameters"
+    r["served_model"] = {"name": "tiny", "max_model_len": 2048}
+    out = io.StringIO()
+    render_probe(r, Console(file=out, width=200))
+    assert "served model tiny: parameters not reported, context 2,048 tokens" in out.getvalue()
+
+
 def test_prefix_check_survives_one_disturbed_send() -> None:
     """Three prefixes, each cold then warm; one warm send stalled by the host (2.15x its cold,
     as one CI run read with a single pair) does not turn a working cache into "not reused"."""

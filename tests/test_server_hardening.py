@@ -498,6 +498,7 @@ def test_405_carries_allow(plain: Server) -> None:
     r = httpx.get(f"{plain.url}/v1/completions")
     assert r.status_code == 405 and r.headers["allow"] == "POST"
     assert r.json()["error"]["code"] == 405
+    assert r.json()["error"]["type"] == "MethodNotAllowedError"  # it read BadRequestError
     r = httpx.delete(f"{plain.url}/api/tags")
     assert r.status_code == 405 and "GET" in r.headers["allow"]
 

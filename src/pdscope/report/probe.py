@@ -16,6 +16,13 @@ def _f(x: float | None, pattern: str = "{:,.0f}") -> str:
     return fmt(x, pattern)
 
 
+def _ms(x: float | None) -> str:
+    """Milliseconds to three figures or so: a tiny model's 0.8 ms TTFT read "1" as whole ms."""
+    if x is None:
+        return "-"
+    return _f(x, "{:,.0f}" if x >= 100 else "{:.1f}" if x >= 10 else "{:.2f}")
+
+
 def render_probe(r: dict[str, Any], console: Console) -> None:
     rt = r["runtime"]
     console.print(
@@ -32,7 +39,7 @@ def render_probe(r: dict[str, Any], console: Console) -> None:
     if r.get("cold"):
         c = r["cold"]
         console.print(
-            f"cold request (not mixed in): TTFT {_f(c['ttft_ms'])} ms, decode "
+            f"cold request (not mixed in): TTFT {_ms(c['ttft_ms'])} ms, decode "
             + (
                 "unread (the client read it in bursts)"
                 if c.get("read_in_bursts")
@@ -70,8 +77,8 @@ def render_probe(r: dict[str, Any], console: Console) -> None:
     for p in r["sweep"]:
         row = [
             f"{p['prompt_tokens']:,}",
-            _f(p["ttft_ms"]),
-            f"{_f(p['ttft_ms_min'])}–{_f(p['ttft_ms_max'])}",
+            _ms(p["ttft_ms"]),
+            f"{_ms(p['ttft_ms_min'])}–{_ms(p['ttft_ms_max'])}",
             _f(p["decode_tok_s"], "{:,.1f}"),
             f"{_f(p['decode_tok_s_min'], '{:,.1f}')}–{_f(p['decode_tok_s_max'], '{:,.1f}')}",
             _f(p["setup_ms"], "{:,.2f}"),
@@ -83,7 +90,7 @@ def render_probe(r: dict[str, Any], console: Console) -> None:
             ]
         if ceiling:
             c = ceiling.get(p["prompt_tokens"], {})
-            row += [_f(c.get("decode_pct_of_ceiling"), "{:.0f}%"), _f(c.get("ttft_floor_ms"))]
+            row += [_f(c.get("decode_pct_of_ceiling"), "{:.0f}%"), _ms(c.get("ttft_floor_ms"))]
         table.add_row(*row)
     console.print(fit_figures(table, console))
     if server_cols:
@@ -110,7 +117,7 @@ def render_probe(r: dict[str, Any], console: Console) -> None:
         console.print(
             f"prefix cache: {_f(pc.get('prefix_tokens'), '{:,}')}-token prefix (+ a fresh "
             f"{pc.get('tail_tokens')}), TTFT "
-            f"{_f(pc['cold_ttft_ms'])} → {_f(pc['warm_ttft_ms'])} ms "
+            f"{_ms(pc['cold_ttft_ms'])} → {_ms(pc['warm_ttft_ms'])} ms "
             f"({pc['warm_over_cold']:.0%}), cached tokens reported: "
             f"{_f(pc['cached_tokens'])}"
         )
@@ -272,6 +279,6 @@ def _against_one_stream(batch: dict[str, Any]) -> str:
 
 def _params(count: int | None) -> str:
     """'8.03B parameters', or in millions below a billion ('0.000224B' read as nothing)."""
-    if not count:
-        return f"{_f(None)} parameters"
+    if not count:  # the server did not say (or stopped answering before it could)
+        return "parameters not reported"
     return f"{count / 1e9:.3g}B parameters" if count >= 1e9 else f"{count / 1e6:.3g}M parameters"

@@ -113,7 +113,8 @@ def build_app(state: ServerState) -> Guard:
             message = f"no route {request.method} {request.url.path}"
         if exc.status_code == 405:
             message = f"{request.method} is not allowed on {request.url.path}"
-        kind = "NotFoundError" if exc.status_code == 404 else "BadRequestError"
+        kinds = {404: "NotFoundError", 405: "MethodNotAllowedError"}
+        kind = kinds.get(exc.status_code, "BadRequestError")
         return ErrorResponse(
             error_body(request.url.path, exc.status_code, message, kind, None),
             status_code=exc.status_code,
