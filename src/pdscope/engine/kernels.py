@@ -189,16 +189,33 @@ class TrialShapes:
     prefill_tokens: int
 
     def cache_key(self) -> str:
-        parts = {
-            "trial": _TRIAL_VERSION,
-            "cpu": cpu_model(),
-            "flags": cpu_flags(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "shapes": asdict(self),
-        }
-        text = json.dumps(parts, sort_keys=True)
-        return hashlib.blake2b(text.encode(), digest_size=10).hexdigest()
+        return machine_key(trial=_TRIAL_VERSION, shapes=asdict(self))
+
+
+def machine_key(**parts: object) -> str:
+    """A cache key for an outcome measured on this machine: its CPU, ISA flags, torch and
+    thread count, and ``parts`` (what else the outcome depends on)."""
+    machine = {
+        "cpu": cpu_model(),
+        "flags": cpu_flags(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    text = json.dumps({**machine, **parts}, sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=10).hexdigest()
+
+
+def write_cache(path: Path, text: str) -> OSError | None:
+    """Write a cache file whole (a concurrent start reads the old file or this one); the error
+    where it could not be (a read-only cache costs a measurement per start, nothing else)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError as exc:
+        return exc
+    return None
 
 
 def median_times_s(
@@ -297,11 +314,6 @@ def choose(
             "trial_s": trial_s,
             "load_per_core": round(load, 2),
         }
-        try:
-            cache_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(record, indent=2))
-            tmp.replace(cache_file)  # atomic: a concurrent start reads the old file or this one
-        except OSError as exc:  # a read-only cache costs a trial per start, nothing else
+        if (exc := write_cache(cache_file, json.dumps(record, indent=2))) is not None:
             log.warning("kernel choice not cached (%s)", exc)
     return choice

@@ -13,14 +13,13 @@ a large model pays the check's steps once.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from pdscope.engine.kernels import machine_key, write_cache
 from pdscope.engine.model import AttentionBatch, CausalLM, Linear
 
 # (rows, keys a sequence attends to) of each step checked: batch 1 over keys enough that few
@@ -72,13 +71,7 @@ def check_one_call(
             pass  # a damaged record is checked again and rewritten
     check = _check(model, block_size)
     if check.passed and cache_file is not None:
-        try:
-            cache_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps({"agrees": list(check.agrees)}))
-            tmp.replace(cache_file)
-        except OSError:
-            pass  # a read-only cache costs the check at each load, nothing else
+        write_cache(cache_file, json.dumps({"agrees": list(check.agrees)}))
     return check
 
 
@@ -88,24 +81,16 @@ def _cache_file(
     native = model.native
     if cache_dir is None or native is None:
         return None
-    from pdscope.engine.kernels import cpu_flags
-    from pdscope.specs.local import cpu_model
-
     c = model.config
-    parts = {
-        "check": _CHECK_VERSION,
-        "cpu": cpu_model(),
-        "flags": cpu_flags(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "library": Path(getattr(native.lib, "_name", "")).name,  # named by source and build
-        "shapes": (c.hidden_size, c.intermediate_size, c.vocab_size, c.num_layers),
-        "heads": (c.num_heads, c.num_kv_heads, c.head_dim),
-        "block_size": block_size,
+    name = machine_key(
+        check=_CHECK_VERSION,
+        library=Path(getattr(native.lib, "_name", "")).name,  # named by source and build
+        shapes=(c.hidden_size, c.intermediate_size, c.vocab_size, c.num_layers),
+        heads=(c.num_heads, c.num_kv_heads, c.head_dim),
+        block_size=block_size,
         **(key or {}),
-    }
-    text = json.dumps(parts, sort_keys=True, default=str)
-    return cache_dir / f"{hashlib.blake2b(text.encode(), digest_size=10).hexdigest()}.json"
+    )
+    return cache_dir / f"{name}.json"
 
 
 def _check(model: CausalLM, block_size: int) -> StepCheck:
