@@ -820,6 +820,30 @@ def test_the_engine_checks_its_one_call_step_at_load(
     assert 'decode_step="one_call"' in text
 
 
+@pytest.mark.parametrize("kernels", [ONE_CALL_KERNELS])
+def test_a_per_kernel_path_that_raises_leaves_the_one_call_unchecked_not_the_load_failed(
+    tmp_path: Path, kernels: str, own_cache: None,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """The check's reference is the per-kernel path, which these shapes never ran at load
+    before the check: a fault there (put in by wrapping its norm, which the one call does not
+    go through) warns and keeps the one call, as served before, rather than failing to load."""
+    from pdscope.engine import native
+
+    def broken(self: native.NativeOps, *args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("a fault put in")
+
+    path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
+    with monkeypatch.context() as patch, caplog.at_level("INFO", logger="pdscope.engine"):
+        patch.setattr(native.NativeOps, "rms_norm", broken)
+        llm = LLM(model=str(path), kv_cache_memory="8MiB", kernels=kernels)
+    assert llm.engine.decode_step == "one_call" and llm.engine.runner.model.fuse_decode
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("not checked at batch 1 at 600 keys (RuntimeError: a fault put in)" in m
+               for m in said)  # fmt: skip
+    assert [o.token_ids for o in llm.generate([[5, 6, 7]], GREEDY)]  # it serves
+
+
 def test_the_one_call_check_compares_bits_not_values() -> None:
     """NaN matches NaN and -0 differs from +0, as bits do (torch.equal says the opposite of
     both), in the logits and in the K/V a step writes; the argmax is the logits'."""
