@@ -48,21 +48,62 @@ def start_server(model: Path, log_dir: Path, *args: str, name: str = "tiny") -> 
     return _start(model, log_dir / "server.log", *args, name=name, timeout_s=90)
 
 
-@pytest.fixture(scope="session")
-def v3_ops(tmp_path_factory: pytest.TempPathFactory) -> NativeOps:
-    """The engine's C kernels built for x86-64-v3 (AVX2 and FMA, no AVX-512), as an AVX2-only
-    CPU builds them: on an AVX-512 machine they run the AVX2 paths that CPU would."""
+# The builds an x86 CPU without AVX-512 makes of the engine's C kernels, by -march target:
+# x86-64-v3 (AVX2 and FMA: an AVX2-only CPU's) and x86-64 (SSE2 alone: the portable loops,
+# the same branches of decode_ops.c that a CPU of another architecture compiles). Built here
+# and run on this machine's cores, they pin the branches its own build never takes.
+OTHER_BUILDS = ("x86-64-v3", "x86-64")
+
+
+_builds: dict[str, NativeOps] = {}
+
+
+def build_for(march: str, tmp_path_factory: pytest.TempPathFactory) -> NativeOps:
+    """The engine's C kernels compiled with ``-march=march`` in place of ``-march=native``,
+    once a session."""
     from pdscope.engine import native
 
+    if march in _builds:
+        return _builds[march]
+    if march not in OTHER_BUILDS:
+        raise ValueError(f"no build named {march!r}: one of {', '.join(OTHER_BUILDS)}")
     if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86-64-v3 is an x86 target")
+        pytest.skip(f"{march} is an x86 target")
     cc = native.compiler()
     if cc is None:
         pytest.skip("no C compiler on this machine")
-    target = tmp_path_factory.mktemp("native_v3") / "decode_ops.so"
-    cmd = [cc, *native._FLAG_SETS[0], "-march=x86-64-v3", "-o", str(target)]
-    subprocess.run([*cmd, str(native.SOURCE), "-lm"], check=True)
-    return native.NativeOps(ctypes.CDLL(str(target)))
+    flags = [f"-march={march}" if f == "-march=native" else f for f in native._FLAG_SETS[0]]
+    target = tmp_path_factory.mktemp(f"native_{march}") / "decode_ops.so"
+    subprocess.run([cc, *flags, "-o", str(target), str(native.SOURCE), "-lm"], check=True)
+    _builds[march] = native.NativeOps(ctypes.CDLL(str(target)))
+    return _builds[march]
+
+
+@pytest.fixture(scope="session")
+def v3_ops(tmp_path_factory: pytest.TempPathFactory) -> NativeOps:
+    """The build an AVX2-only CPU makes: on an AVX-512 machine it runs the AVX2 paths."""
+    return build_for("x86-64-v3", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def baseline_ops(tmp_path_factory: pytest.TempPathFactory) -> NativeOps:
+    """The build of a CPU with neither AVX2 nor AVX-512 (or of another architecture): every
+    kernel in its portable C loops."""
+    return build_for("x86-64", tmp_path_factory)
+
+
+def ops_of(build: str, request: pytest.FixtureRequest) -> NativeOps:
+    """The kernels of ``build``: "engine" (the library the engine builds here, native.load's)
+    or one of OTHER_BUILDS."""
+    from pdscope.checkpoint.make_model import default_cache_dir
+    from pdscope.engine import native
+
+    if build == "engine":
+        ops = native.load(default_cache_dir() / "native")
+        if ops is None:
+            pytest.skip("the C kernels did not build here (see the log)")
+        return ops
+    return request.getfixturevalue({"x86-64-v3": "v3_ops", "x86-64": "baseline_ops"}[build])
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,9 @@ from prometheus_client import generate_latest
 
 from pdscope import LLM, SamplingParams
 from pdscope.checkpoint.make_model import make_model
+from pdscope.engine import native
 from pdscope.engine.kernels import parse_kernels
+from tests.conftest import OTHER_BUILDS, ops_of
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -92,6 +94,19 @@ def _pairs_or_skip(kernels: str) -> None:
         pytest.skip("no AVX-512 BF16 in this build of the C kernels")
 
 
+def _use_build(
+    build: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> native.NativeOps | None:
+    """Make the engines this test loads run ``build``'s C kernels (conftest's OTHER_BUILDS),
+    with trial outcomes of their own; None for the engine's own build."""
+    if build == "engine":
+        return None
+    ops = ops_of(build, request)
+    monkeypatch.setattr(native, "load", lambda cache_dir: ops)
+    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path / "cache"))
+    return ops
+
+
 @pytest.fixture(autouse=True)
 def _needs_a_compiler_for_c(request: pytest.FixtureRequest) -> None:
     """The C kernels build with any C compiler; a machine without one runs the rest."""
@@ -137,10 +152,23 @@ def prompts(llm: LLM) -> list[list[int]]:
     return [llm.tokenizer.encode(t) for t in texts]
 
 
-@pytest.mark.parametrize("kernels", FLOAT32_PATHS)
+# the C path in the builds of CPUs without AVX-512 too (conftest's OTHER_BUILDS)
+C_FLOAT32 = [(k, "engine") for k in FLOAT32_PATHS] + [(FLOAT32_PATHS[1], b) for b in OTHER_BUILDS]
+
+
+@pytest.mark.parametrize(("kernels", "build"), C_FLOAT32)
 @pytest.mark.parametrize("arch", [*ARCHS, "llama-tied-rope3"])
-def test_logits_match_transformers(checkpoints: dict[str, Path], arch: str, kernels: str) -> None:
+def test_logits_match_transformers(
+    checkpoints: dict[str, Path],
+    arch: str,
+    kernels: str,
+    build: str,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
     transformers = pytest.importorskip("transformers")
+    other = _use_build(build, request, monkeypatch, tmp_path)
     path = checkpoints[arch]
     llm = LLM(
         model=str(path),
@@ -149,6 +177,7 @@ def test_logits_match_transformers(checkpoints: dict[str, Path], arch: str, kern
         max_num_batched_tokens=32,
         kernels=kernels,
     )
+    assert other is None or llm.engine.runner.model.native is other
     llm.engine.runner.capture_logits = True
     prompt = prompts(llm)[0]
     out = llm.generate(prompt, GREEDY)[0]
@@ -181,9 +210,27 @@ def _count_calls(modules: list, attr: str, method: str) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("kernels", BF16_PATHS)
+# The C rows in the builds of CPUs without AVX-512 too: many rows through the C kernel with
+# bf16 decode math or float32, and single rows through the AVX2 pairs (x86-64-v3 alone).
+C_BF16 = [(k, "engine") for k in BF16_PATHS] + [
+    *((k, b) for k in BF16_PATHS[1:3] for b in OTHER_BUILDS),
+    (
+        "linear=pairs2,batch_linear=c,prefill_attention=sdpa,decode_math=native,decode_ops=c",
+        "x86-64-v3",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kernels", "build"), C_BF16)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: str) -> None:
+def test_bfloat16_logits_match_transformers(
+    tmp_path: Path,
+    arch: str,
+    kernels: str,
+    build: str,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The bf16 CPU paths: oneDNN-packed or plain linears, both RMSNorm forms (a 1,100-token
     prefill is over the small-input limit, a decode step under it), blocked or SDPA prefill
     attention over many blocks, and single-sequence SDPA decode."""
@@ -195,6 +242,7 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
     from safetensors.torch import load_file, save_file
 
     overrides = _amx_or_skip(kernels)
+    other = _use_build(build, request, monkeypatch, tmp_path)
     _pairs_or_skip(kernels)
     path = make_model(tmp_path / arch, "tiny", arch=arch, dtype="bfloat16", **overrides)
     # Generated norm weights are all ones; random ones make a dropped or misplaced weight show.
@@ -219,6 +267,7 @@ def test_bfloat16_logits_match_transformers(tmp_path: Path, arch: str, kernels: 
         max_num_batched_tokens=24 if many else 2048,
     )
     model = llm.engine.runner.model
+    assert other is None or model.native is other
     if can_pack(torch.bfloat16, torch.device("cpu")):
         packed = "linear=plain" not in kernels  # linear=c packs for matmuls over one row
         assert all(
@@ -666,8 +715,9 @@ def test_one_call_decode_step_is_the_per_kernel_path_bit_for_bit(
 # 4 threads on a 2-CPU host: the team outnumbers its CPUs, so its barriers sleep soon
 @pytest.mark.parametrize("threads", [2, 4])
 # x86-64-v3: the kernels an AVX2-only CPU builds (each thread that takes a share of a bf16
-# matmul widens x itself; pairs2 in AVX2), run here on the AVX-512 machine's cores
-@pytest.mark.parametrize("build", ["engine", "x86-64-v3"])
+# matmul widens x itself; pairs2 in AVX2), run here on the AVX-512 machine's cores; x86-64:
+# the portable loops (no pairs there)
+@pytest.mark.parametrize("build", ["engine", *OTHER_BUILDS])
 def test_the_one_call_step_shares_every_kernel_over_its_team_bit_for_bit(
     tmp_path: Path,
     dtype: str,
@@ -687,11 +737,7 @@ def test_the_one_call_step_shares_every_kernel_over_its_team_bit_for_bit(
     path's bits, in the engine's build and in the one an AVX2-only CPU makes."""
     from pdscope.engine import native
 
-    v3 = None
-    if build == "x86-64-v3":
-        v3 = request.getfixturevalue("v3_ops")
-        monkeypatch.setattr(native, "load", lambda cache_dir: v3)
-        monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path / "cache"))  # its own trial outcomes
+    other = _use_build(build, request, monkeypatch, tmp_path)
     _pairs_or_skip(kernels)
     path = make_model(
         tmp_path / "wide", "tiny", dtype=dtype, hidden_size=512, intermediate_size=1408,
@@ -707,7 +753,7 @@ def test_the_one_call_step_shares_every_kernel_over_its_team_bit_for_bit(
         model = llm.engine.runner.model
         ops = model.native
         assert isinstance(ops, native.NativeOps)
-        assert v3 is None or ops is v3
+        assert other is None or ops is other
         rng = torch.Generator().manual_seed(0)
         long = torch.randint(10, 16000, (1100,), generator=rng).tolist()
         batch = [torch.randint(10, 16000, (5 + i,), generator=rng).tolist() for i in range(17)]

@@ -44,6 +44,7 @@ from pdscope.engine.model import (
     slot_runs,
     thread_cpus,
 )
+from tests.conftest import OTHER_BUILDS, build_for
 
 SHAPES = TrialShapes("bfloat16", 64, 128, 256, 2, 4, 2, 16, 32)
 
@@ -311,16 +312,18 @@ def test_forcing_an_option_that_runs_on_c_loads_the_c_kernels(
         assert getattr(llm.engine.kernels, path) == option, spec
 
 
+@pytest.mark.parametrize("build", [None, "x86-64"])
 @pytest.mark.parametrize("option", ["pairs", "pairs2"])
 def test_pairs_linear_without_the_c_kernels_is_refused_by_its_name(
-    tiny_bf16: Path, option: str
+    tiny_bf16: Path, option: str, build: str | None, request: pytest.FixtureRequest
 ) -> None:
-    """Pointing a model at linear=pairs or pairs2 with no C kernels (or none built with AVX-512
-    BF16) names the option asked for, and changes nothing."""
+    """Pointing a model at linear=pairs or pairs2 with no C kernels, or with a build that has
+    neither AVX-512 BF16 nor AVX2, names the option asked for, and changes nothing."""
+    ops = None if build is None else build_for(build, _factory(request))
     llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels="linear=packed")
     model = llm.engine.runner.model
     with pytest.raises(ValueError, match=f"linear={option} needs the C kernels built with AVX"):
-        apply_kernels(model, KernelChoice(linear=option, decode_ops="torch"), None)
+        apply_kernels(model, KernelChoice(linear=option, decode_ops="torch"), ops)
     assert not any(getattr(m, "one_row_pairs", False) for m in model.modules())
 
 
@@ -585,6 +588,17 @@ def avx512_ops(tmp_path_factory: pytest.TempPathFactory) -> native.NativeOps:
     return native.NativeOps(ctypes.CDLL(str(target)))
 
 
+@pytest.fixture(scope="module", params=["engine", *OTHER_BUILDS])
+def any_ops(request: pytest.FixtureRequest, c_ops: native.NativeOps) -> native.NativeOps:
+    """Each build a kernel's branches differ by: the engine's here (AVX-512 where the CPU has
+    it), an AVX2-only CPU's and the portable one (conftest's OTHER_BUILDS)."""
+    return c_ops if request.param == "engine" else build_for(request.param, _factory(request))
+
+
+def _factory(request: pytest.FixtureRequest) -> pytest.TempPathFactory:
+    return request.getfixturevalue("tmp_path_factory")
+
+
 def _tolerance(dtype: torch.dtype) -> dict[str, float]:
     if dtype == torch.float32:
         return {"atol": 2e-6, "rtol": 2e-5}
@@ -598,12 +612,12 @@ def _tolerance(dtype: torch.dtype) -> dict[str, float]:
 # (scores on AMX tiles where granted), 6 the per-key vdpbf16ps loop, 10 the generic loop
 @pytest.mark.parametrize("heads", [8, 2, 4, 6, 12, 20])
 def test_c_paged_decode_attention_matches_a_float64_reference(
-    c_ops: native.NativeOps, dtype: torch.dtype, head_dim: int, heads: int
+    any_ops: native.NativeOps, dtype: torch.dtype, head_dim: int, heads: int
 ) -> None:
     """Four sequences over scattered and adjacent blocks: a context ending mid-block, one of a
     single key, one with a window (keys from position 5), one long enough to be cut into parts
     attended in parallel and merged."""
-    _check_decode_attention(c_ops, dtype, head_dim, heads)
+    _check_decode_attention(any_ops, dtype, head_dim, heads)
 
 
 @needs_cc
@@ -614,6 +628,12 @@ def test_c_avx512_decode_attention_matches_a_float64_reference(
     """The same for the build without the AMX scores (groups of 1-4, bf16, head size 64: where
     the two builds differ)."""
     _check_decode_attention(avx512_ops, torch.bfloat16, 64, heads)
+
+
+def _decode_attention_build(request: pytest.FixtureRequest, build: str) -> native.NativeOps:
+    if build in OTHER_BUILDS:
+        return build_for(build, _factory(request))
+    return request.getfixturevalue("c_ops" if build == "engine" else "avx512_ops")
 
 
 def _check_decode_attention(
@@ -648,7 +668,7 @@ def _check_decode_attention(
 
 @needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("build", ["engine", "avx512"])
+@pytest.mark.parametrize("build", ["engine", "avx512", *OTHER_BUILDS])
 def test_c_decode_attention_split_across_threads_matches_a_float64_reference(
     request: pytest.FixtureRequest, dtype: torch.dtype, build: str
 ) -> None:
@@ -656,7 +676,7 @@ def test_c_decode_attention_split_across_threads_matches_a_float64_reference(
     parallel region, and fewer work items than twice the threads, so each head's keys are cut
     into parts attended on different threads (each configuring its own tiles) and merged; the
     last block is short."""
-    c_ops = request.getfixturevalue("c_ops" if build == "engine" else "avx512_ops")
+    c_ops = _decode_attention_build(request, build)
     gen = torch.Generator().manual_seed(9)
     kv_heads, heads, dim, block, context = 2, 8, 64, 16, 4503
     blocks = -(-context // block)
@@ -679,7 +699,7 @@ def test_c_decode_attention_split_across_threads_matches_a_float64_reference(
 
 
 @needs_cc
-@pytest.mark.parametrize("build", ["engine", "avx512"])
+@pytest.mark.parametrize("build", ["engine", "avx512", *OTHER_BUILDS])
 def test_c_bf16_decode_attention_is_as_close_to_float64_as_sdpa(
     request: pytest.FixtureRequest, build: str
 ) -> None:
@@ -689,7 +709,7 @@ def test_c_bf16_decode_attention_is_as_close_to_float64_as_sdpa(
     ``enable_gqa``: torch's flash kernel, which rounds the softmax weights to bf16 before P @ V,
     as this kernel does), and its mean at most 1.5x that of the reference rounded to bf16 once
     (the output's own rounding)."""
-    c_ops = request.getfixturevalue("c_ops" if build == "engine" else "avx512_ops")
+    c_ops = _decode_attention_build(request, build)
     gen = torch.Generator().manual_seed(5)
     kv_heads, heads, dim, block, context = 4, 16, 64, 16, 2000
     blocks = -(-context // block)
@@ -716,7 +736,7 @@ def test_c_bf16_decode_attention_is_as_close_to_float64_as_sdpa(
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("heads_major", [False, True])
 def test_c_rope_and_kv_write_match_the_pytorch_ops(
-    c_ops: native.NativeOps, dtype: torch.dtype, qk_norm: bool, heads_major: bool
+    any_ops: native.NativeOps, dtype: torch.dtype, qk_norm: bool, heads_major: bool
 ) -> None:
     """Three tokens at scattered positions and slots: q returned rotated, K rotated and V as is
     written into their slots, nothing else in the cache touched; Qwen3's per-head q/k norms.
@@ -735,7 +755,7 @@ def test_c_rope_and_kv_write_match_the_pytorch_ops(
     cache = torch.randn(2, kv_heads, slots, dim, generator=gen).to(dtype)
     before = cache.clone()
     with torch.no_grad():
-        q = c_ops.qkv_rope_store(
+        q = any_ops.qkv_rope_store(
             qkv,
             cache,
             positions,
@@ -770,10 +790,16 @@ def test_c_rope_and_kv_write_match_the_pytorch_ops(
     assert torch.equal(cache[:, :, untouched], before[:, :, untouched])
 
 
-@pytest.fixture(params=["wide", "portable"])
+@pytest.fixture(params=["wide", "portable", *OTHER_BUILDS])
 def glue_ops(request: pytest.FixtureRequest, c_ops: native.NativeOps) -> Iterator[native.NativeOps]:
     """The C kernels with the bf16 norms and silu_mul in each form this build has: the AVX-512
-    BF16 one (rms_norm_bf16, silu_mul_bf16), where the CPU has it, and the portable one."""
+    BF16 one (rms_norm_bf16, silu_mul_bf16), where the CPU has it, and the portable one; and
+    the portable one as the builds without AVX-512 compile it."""
+    if request.param in OTHER_BUILDS:
+        ops = build_for(request.param, _factory(request))
+        assert not ops.wide_glue
+        yield ops
+        return
     wide = request.param == "wide"
     if wide and not c_ops.lib.prefill_glue_isa():
         pytest.skip("this CPU has no AVX-512 BF16")
@@ -784,11 +810,11 @@ def glue_ops(request: pytest.FixtureRequest, c_ops: native.NativeOps) -> Iterato
         c_ops.wide_glue = before
 
 
-@pytest.fixture(scope="module", params=["native", "portable"])
+@pytest.fixture(scope="module", params=["native", *OTHER_BUILDS])
 def argmax_ops(request: pytest.FixtureRequest, c_ops: native.NativeOps) -> native.NativeOps:
-    """The engine's build (AVX-512 where the CPU has it) and one for x86-64-v3 (no AVX-512:
-    the scalar loops, as on a CPU without it)."""
-    return c_ops if request.param == "native" else request.getfixturevalue("v3_ops")
+    """The engine's build (AVX-512 where the CPU has it) and the builds without AVX-512 (the
+    scalar loops, as on a CPU without it)."""
+    return c_ops if request.param == "native" else build_for(request.param, _factory(request))
 
 
 @needs_cc
@@ -857,7 +883,8 @@ def test_c_silu_mul_matches_a_float64_reference(
 # 6: a full block of four x rows and a partial one; 33: two full 16-row tile groups and one row
 @pytest.mark.parametrize("rows", [1, 3, 6, 33])
 @pytest.mark.parametrize("kernel", ["linear", "linear_many"])  # batch_linear=c takes the second
-@pytest.mark.parametrize("build", ["engine", "x86-64-v3"])  # the second: bf16 through AVX2 FMAs
+# x86-64-v3: bf16 through AVX2 FMAs; x86-64: the portable loop
+@pytest.mark.parametrize("build", ["engine", *OTHER_BUILDS])
 def test_c_linear_matches_a_float64_reference(
     request: pytest.FixtureRequest, dtype: torch.dtype, rows: int, kernel: str, build: str
 ) -> None:
@@ -867,9 +894,13 @@ def test_c_linear_matches_a_float64_reference(
     inputs and 48 outputs (a 32-row weight block and a 16-row one), with and without a bias;
     bf16 results within one rounding of the float64 product, and no further from it than
     F.linear."""
-    ops = request.getfixturevalue("c_ops" if build == "engine" else "v3_ops")
-    if build == "x86-64-v3":
-        assert ops.linear_isa == "avx2"
+    ops = (
+        request.getfixturevalue("c_ops")
+        if build == "engine"
+        else build_for(build, _factory(request))
+    )
+    if build in OTHER_BUILDS:
+        assert ops.linear_isa == {"x86-64-v3": "avx2", "x86-64": "portable"}[build]
     linear = getattr(ops, kernel)
     gen = torch.Generator().manual_seed(5)
     for inputs, outputs in ((70, 37), (96, 48)):
@@ -939,7 +970,8 @@ def test_amx_linear_matches_f_linear_on_odd_shapes(
 
 @needs_cc
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("build", ["engine", "x86-64-v3"])  # the second: the AVX2 kernel
+# x86-64-v3: the AVX2 kernel; x86-64: none, refused by name
+@pytest.mark.parametrize("build", ["engine", *OTHER_BUILDS])
 def test_pairs_linear_matches_f_linear_whatever_the_threads(
     request: pytest.FixtureRequest, threads: int, build: str
 ) -> None:
@@ -949,7 +981,11 @@ def test_pairs_linear_matches_f_linear_whatever_the_threads(
     2,816, with and without a bias. Each block sums its pairs in one order whichever loop runs
     it, so the bits are the same at any thread count and either stream count (8, or 2 for
     linear=pairs2); and the copy is the documented layout. The x86-64-v3 build takes one row
-    in AVX2 and refuses several by name."""
+    in AVX2 and refuses several by name; the x86-64 build has no pairs kernel to offer."""
+    if build == "x86-64":
+        ops = build_for(build, _factory(request))
+        assert (ops.pairs, ops.pairs_rows, ops.pairs_isa) == (False, False, "")
+        return
     c_ops = request.getfixturevalue("c_ops" if build == "engine" else "v3_ops")
     if build == "x86-64-v3":
         assert c_ops.pairs_isa == "avx2" and not c_ops.pairs_rows
