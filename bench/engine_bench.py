@@ -13,6 +13,7 @@ several-fold over minutes, only such interleaved medians and within-round ratios
     .venv/bin/python bench/engine_bench.py --stacks pdscope vllm-1p vllm --repeats 3
     .venv/bin/python bench/engine_bench.py --stacks pdscope --long-context   # decode vs context
     .venv/bin/python bench/engine_bench.py --quick --repeats 2                # smoke test
+    .venv/bin/python bench/engine_bench.py --as-cpu avx2    # an AVX2-only CPU's paths, here
 
 vLLM needs `make peers` (its CPU build in .venv-peers). `vllm-1p` keeps vLLM's engine core in
 the caller's process (VLLM_ENABLE_V1_MULTIPROCESSING=0); `vllm` is vLLM as it ships (engine core
@@ -53,6 +54,19 @@ FIGURES = (
     "decode_ctx4000_tok_s",
 )
 RATIO_FIGURES = FIGURES[:5] + FIGURES[6:]
+# --as-cpu: every stack (and the bandwidth reads) kept to another CPU's instruction sets on
+# this one. avx2: torch dispatches its AVX2 kernels, oneDNN keeps to AVX2 (so no bf16 packing:
+# torch's bf16 matmul is its slow fallback, as on such a CPU), pdscope's C kernels are built
+# for x86-64-v3, and vLLM loads its AVX2 build (stack_worker.py reads the last variable). What
+# stays this CPU's: its memory, caches, clock and core count.
+AS_CPU = {
+    "avx2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "PDSCOPE_MARCH": "x86-64-v3",
+        "PDSCOPE_BENCH_NO_AVX512": "1",
+    }
+}
 
 
 def bytes_per_decode_token(model_dir: Path, context: int = 32) -> float:
@@ -81,10 +95,17 @@ def machine_line() -> str:
 
     from pdscope.engine.kernels import cpu_flags, cpu_model
 
-    return (
+    line = (
         f"CPU: {cpu_model()} x {os.cpu_count()} ({' '.join(cpu_flags()) or 'no AVX2+ flags'}); "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
+    kept = [f"{k}={v}" for k, v in AS_CPU["avx2"].items() if os.environ.get(k) == v]
+    if kept:  # --as-cpu
+        line += (
+            f"; run as another CPU: {' '.join(kept)} "
+            f"(torch dispatching {torch.backends.cpu.get_cpu_capability()})"
+        )
+    return line
 
 
 def build_ops(
@@ -102,9 +123,7 @@ def build_ops(
     if cc is None:
         raise SystemExit(f"{what} needs a C compiler")
     target = Path(tempfile.mkdtemp(prefix="pdscope-ab-")) / "decode_ops_ab.so"
-    flags = [f"-D{d}" for d in defines] + native._FLAG_SETS[0]
-    if march:
-        flags = [f"-march={march}" if f == "-march=native" else f for f in flags]
+    flags = [f"-D{d}" for d in defines] + native.flag_sets(march or "native")[0]
     subprocess.run([cc, *flags, "-o", str(target), str(source), "-lm"], check=True)
     return native.NativeOps(ctypes.CDLL(str(target)))
 
@@ -244,6 +263,11 @@ def main() -> None:
         action="store_true",
         help="also decode at 64 and 4,000 tokens of context, against plan's bytes arithmetic",
     )
+    parser.add_argument(
+        "--as-cpu",
+        choices=sorted(AS_CPU),
+        help="keep every stack to another CPU's instruction sets (see AS_CPU)",
+    )
     parser.add_argument("--json", type=Path, help="also write every round here")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/pdscope-engine-bench"))
     args = parser.parse_args()
@@ -251,6 +275,8 @@ def main() -> None:
     if unknown or args.repeats < 1:
         parser.error(f"--stacks from {', '.join(STACKS)}; --repeats >= 1 (got {unknown})")
 
+    if args.as_cpu:  # before torch loads here: the bandwidth reads keep to it too
+        os.environ.update(AS_CPU[args.as_cpu])
     from pdscope.checkpoint.make_model import resolve_model_path
 
     model_dir = resolve_model_path(args.model)

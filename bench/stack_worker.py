@@ -9,6 +9,7 @@ Only the chosen stack is imported, so vLLM's venv never needs pdscope and ours n
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -60,6 +61,13 @@ def transformers(model_dir: str) -> Generate:
 
 
 def vllm(model_dir: str) -> Generate:
+    if os.environ.get("PDSCOPE_BENCH_NO_AVX512"):  # engine_bench.py --as-cpu avx2
+        import torch
+
+        # vLLM picks its kernel build (_C, _C_AVX512, _C_AVX2) and attention by these
+        # questions, which read the CPU itself, not ATEN_CPU_CAPABILITY
+        for name in ("_is_avx512_supported", "_is_avx512_bf16_supported"):
+            setattr(torch.cpu, name, lambda: False)
     from vllm import LLM, SamplingParams, TokensPrompt
 
     llm = LLM(

@@ -69,13 +69,10 @@ def build_for(march: str, tmp_path_factory: pytest.TempPathFactory) -> NativeOps
         raise ValueError(f"no build named {march!r}: one of {', '.join(OTHER_BUILDS)}")
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip(f"{march} is an x86 target")
-    cc = native.compiler()
-    if cc is None:
+    if native.compiler() is None:
         pytest.skip("no C compiler on this machine")
-    flags = [f"-march={march}" if f == "-march=native" else f for f in native._FLAG_SETS[0]]
-    target = tmp_path_factory.mktemp(f"native_{march}") / "decode_ops.so"
-    subprocess.run([cc, *flags, "-o", str(target), str(native.SOURCE), "-lm"], check=True)
-    _builds[march] = native.NativeOps(ctypes.CDLL(str(target)))
+    library = native.build(tmp_path_factory.mktemp(f"native_{march}"), march)
+    _builds[march] = native.NativeOps(ctypes.CDLL(str(library)))
     return _builds[march]
 
 

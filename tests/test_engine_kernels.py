@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import platform
 import subprocess
 import sys
 import threading
@@ -77,6 +78,69 @@ def test_bad_kernels_fail_the_engine_and_the_cli(tiny_bf16: Path) -> None:
     )
     assert proc.returncode != 0
     assert "linear cannot be 'fast'" in proc.stderr
+
+
+def test_pdscope_march_builds_another_cpus_kernels_and_says_so(
+    tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """$PDSCOPE_MARCH=x86-64: the engine runs the portable loops (what a CPU without AVX2
+    builds) and says so in its log and build_info; a target the compiler refuses, or a value
+    that cannot be one, fails the load by the variable's name rather than quietly running the
+    PyTorch path in its place."""
+    from pdscope.server.metrics import EngineMetrics
+
+    if platform.machine() not in ("x86_64", "AMD64") or native.compiler() is None:
+        pytest.skip("x86-64 is an x86 target, built with a C compiler")
+    monkeypatch.setenv("PDSCOPE_MARCH", "x86-64")
+    forced = "linear=c,batch_linear=c,prefill_attention=sdpa,decode_ops=c"
+    with caplog.at_level("INFO", logger="pdscope.engine"):
+        llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels=forced)
+    ops = llm.engine.runner.model.native
+    assert ops is not None and ops.linear_isa == "portable" and not ops.pairs
+    assert llm.engine.c_march == "x86-64"
+    assert any("C kernels -march=x86-64" in r.getMessage() for r in caplog.records)
+    text = generate_latest(EngineMetrics(llm.engine, "tiny").registry).decode()
+    line = next(ln for ln in text.splitlines() if ln.startswith("pdscope:build_info{"))
+    assert 'c_march="x86-64"' in line
+    assert f'torch_isa="{torch.backends.cpu.get_cpu_capability()}"' in line
+    assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))[0].token_ids
+
+    monkeypatch.setenv("PDSCOPE_MARCH", "no-such-cpu")
+    with pytest.raises(ValueError, match=r"PDSCOPE_MARCH=no-such-cpu: .*could not build"):
+        LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels=forced)
+    monkeypatch.setenv("PDSCOPE_MARCH", "x86-64 -O0")
+    with pytest.raises(ValueError, match="is not a -march target"):
+        LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels=forced)
+    env = {**os.environ, "PDSCOPE_MARCH": "no-such-cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdscope.cli", "serve", "--model", str(tiny_bf16), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode != 0 and "PDSCOPE_MARCH=no-such-cpu" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_outcomes_measured_under_another_isa_are_cached_apart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A trial's winners and a step check's pass depend on the ISAs torch, oneDNN and the C
+    kernels keep to: each variable that narrows one gives another cache key."""
+    from pdscope.engine.kernels import machine_key
+
+    for var in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "PDSCOPE_MARCH"):
+        monkeypatch.delenv(var, raising=False)
+    keys = {machine_key(trial=1)}
+    monkeypatch.setenv("PDSCOPE_MARCH", "x86-64-v3")
+    keys.add(machine_key(trial=1))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    keys.add(machine_key(trial=1))
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX2")
+    keys.add(machine_key(trial=1))
+    assert len(keys) == 4
+    assert machine_key(trial=1) == machine_key(trial=1)
 
 
 def test_trial_picks_the_faster_candidate_and_caches_it(tmp_path: Path) -> None:
@@ -583,7 +647,7 @@ def avx512_ops(tmp_path_factory: pytest.TempPathFactory) -> native.NativeOps:
     cc = native.compiler()
     assert cc is not None
     target = tmp_path_factory.mktemp("native_avx512") / "decode_ops.so"
-    cmd = [cc, "-DNEW_DECODE_ATTENTION=1", *native._FLAG_SETS[0], "-o", str(target)]
+    cmd = [cc, "-DNEW_DECODE_ATTENTION=1", *native.flag_sets()[0], "-o", str(target)]
     subprocess.run([*cmd, str(native.SOURCE), "-lm"], check=True)
     return native.NativeOps(ctypes.CDLL(str(target)))
 

@@ -82,7 +82,7 @@ from pathlib import Path
 
 import torch
 
-from pdscope.engine.native import PAIR_STREAMS
+from pdscope.engine.native import MARCH_ENV, PAIR_STREAMS
 from pdscope.specs.local import cpu_model
 
 log = logging.getLogger("pdscope.engine")
@@ -194,12 +194,19 @@ class TrialShapes:
 
 def machine_key(**parts: object) -> str:
     """A cache key for an outcome measured on this machine: its CPU, ISA flags, torch and
-    thread count, and ``parts`` (what else the outcome depends on)."""
+    thread count, the ISAs torch, oneDNN and the C kernels were told to keep to (what
+    ``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA`` and ``$PDSCOPE_MARCH`` change: another
+    CPU's winners), and ``parts`` (what else the outcome depends on)."""
     machine = {
         "cpu": cpu_model(),
         "flags": cpu_flags(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "isa": [
+            torch.backends.cpu.get_cpu_capability(),
+            *(os.environ.get(v, "") for v in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")),
+            os.environ.get(MARCH_ENV, ""),
+        ],
     }
     text = json.dumps({**machine, **parts}, sort_keys=True, default=str)
     return hashlib.blake2b(text.encode(), digest_size=10).hexdigest()

@@ -24,6 +24,7 @@ from pdscope.engine.model import (
     thread_cpus,
     widen_bf16,
 )
+from pdscope.engine.native import march as native_march
 from pdscope.engine.request import Request
 from pdscope.engine.runner import ModelRunner
 from pdscope.engine.sampling_params import SamplingParams
@@ -92,7 +93,18 @@ class LLMEngine:
                 f"max_position_embeddings {config.max_position_embeddings}"
             )
         self.kernels = self._choose_kernels(forced_kernels)
-        log.info("kernels on %s: %s", cpu_model(), self.kernels.summary())
+        # What this engine runs on besides the CPU: torch's dispatch level and the C kernels'
+        # -march target ("none" without them). ATEN_CPU_CAPABILITY and $PDSCOPE_MARCH change
+        # them (another CPU's paths, run here); /metrics' build_info says which.
+        self.torch_isa: str = torch.backends.cpu.get_cpu_capability()
+        self.c_march: str = native_march() if self._native is not None else "none"
+        log.info(
+            "kernels on %s (torch %s, C kernels -march=%s): %s",
+            cpu_model(),
+            self.torch_isa,
+            self.c_march,
+            self.kernels.summary(),
+        )
         self.decode_step: DecodeStep = self._check_decode_step()
         block_bytes = ModelRunner.kv_bytes_per_block(config, args.block_size, self.dtype)
         self.kv_cache_bytes = self._kv_budget_bytes()

@@ -2,10 +2,11 @@
 
 Plain C with no torch headers, so it compiles in about a second with the C compiler a fresh
 machine has (``$CC``, else ``cc`` or ``gcc``) and needs no ninja or build step at install. The
-shared library is cached under the pdscope cache, keyed by the source, the compiler, the CPU's
-flags (it is built with ``-march=native``) and the torch version; a start that finds it loads it
-in milliseconds. It links libgomp by soname, which torch has already loaded, so its OpenMP
-regions run on torch's thread pool rather than a second one fighting it for the cores.
+shared library is cached under the pdscope cache, keyed by the source, the compiler and its
+flags, the CPU's flags (it is built with ``-march=native``, or the target ``$PDSCOPE_MARCH``
+names) and the torch version; a start that finds it loads it in milliseconds. It links libgomp
+by soname, which torch has already loaded, so its OpenMP regions run on torch's thread pool
+rather than a second one fighting it for the cores.
 
 When no compiler works, :func:`load` returns None and the engine keeps the pure-PyTorch path,
 which stays the tested reference for every kernel here.
@@ -17,6 +18,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -35,12 +37,33 @@ _FLAG_SETS = (
     ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"],
     ["-O3", "-march=native", "-fPIC", "-shared"],
 )
+#: Where set, the ``-march`` target the kernels are built for in place of this CPU's own:
+#: ``x86-64-v3`` runs the kernels an AVX2-only CPU builds, ``x86-64`` the portable loops (the
+#: branches any other CPU compiles). A way round a build that misbehaves on some CPU, and how
+#: bench/engine_bench.py --as-cpu runs another CPU's engine on this one.
+MARCH_ENV = "PDSCOPE_MARCH"
 _SUPPORTED = (torch.float32, torch.bfloat16)
 # linear_pairs' streams a thread at one row (decode_ops.c's pairs_one_row compiles these two;
 # kernels.PAIRS_LINEAR names them)
 PAIR_STREAMS = (8, 2)
 
-_loaded: dict[Path, NativeOps | None] = {}
+_loaded: dict[tuple[Path, str], NativeOps | None] = {}
+
+
+def march() -> str:
+    """The target the kernels are built for: ``$PDSCOPE_MARCH``, else ``native``. Raises
+    ValueError for a value that cannot be a ``-march`` target."""
+    target = os.environ.get(MARCH_ENV, "").strip() or "native"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", target):
+        raise ValueError(
+            f"{MARCH_ENV}={target!r} is not a -march target (e.g. native, x86-64-v3, x86-64)"
+        )
+    return target
+
+
+def flag_sets(target: str = "native") -> list[list[str]]:
+    """The compiler's flag sets, tried in order, for ``-march=target``."""
+    return [[f"-march={target}" if f == "-march=native" else f for f in fs] for fs in _FLAG_SETS]
 
 
 def compiler() -> str | None:
@@ -60,9 +83,10 @@ def _cpu_flags_line() -> str:
     return ""
 
 
-def build(cache_dir: Path) -> Path:
-    """Compile the library into ``cache_dir`` unless a build for this source, compiler, CPU and
-    torch is there already; returns its path. Raises RuntimeError naming what failed."""
+def build(cache_dir: Path, target: str = "native") -> Path:
+    """Compile the library for ``-march=target`` into ``cache_dir`` unless a build for this
+    source, compiler, flags, CPU and torch is there already; returns its path. Raises
+    RuntimeError naming what failed."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found ($CC, cc or gcc)")
@@ -73,9 +97,16 @@ def build(cache_dir: Path) -> Path:
         ).stdout.split("\n", 1)[0]
     except (OSError, subprocess.SubprocessError) as exc:
         raise RuntimeError(f"{cc} --version failed: {exc}") from exc
+    sets = flag_sets(target)
     key = hashlib.blake2b(
         b"\0".join(
-            [source, version.encode(), _cpu_flags_line().encode(), torch.__version__.encode()]
+            [
+                source,
+                version.encode(),
+                repr(sets).encode(),
+                _cpu_flags_line().encode(),
+                torch.__version__.encode(),
+            ]
         ),
         digest_size=10,
     ).hexdigest()
@@ -85,7 +116,7 @@ def build(cache_dir: Path) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(f".tmp{os.getpid()}.so")
     errors = []
-    for flags in _FLAG_SETS:
+    for flags in sets:
         start = time.perf_counter()
         proc = subprocess.run(
             [cc, *flags, "-o", str(tmp), str(SOURCE), "-lm"],
@@ -116,15 +147,23 @@ def build(cache_dir: Path) -> Path:
 
 
 def load(cache_dir: Path) -> NativeOps | None:
-    """The kernels, built and loaded once per process; None (logged) when they cannot be."""
-    if cache_dir in _loaded:
-        return _loaded[cache_dir]
+    """The kernels, built and loaded once per process and target; None (logged) when they
+    cannot be. A target asked for by ``$PDSCOPE_MARCH`` that does not build raises
+    ValueError: the PyTorch path in its place would not be what was asked for."""
+    target = march()
+    if (cache_dir, target) in _loaded:
+        return _loaded[cache_dir, target]
     ops: NativeOps | None = None
     try:
-        ops = NativeOps(ctypes.CDLL(str(build(cache_dir))))
+        ops = NativeOps(ctypes.CDLL(str(build(cache_dir, target))))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        if target != "native":
+            raise ValueError(f"{MARCH_ENV}={target}: {exc}") from exc
         log.warning("C decode kernels unavailable, using the PyTorch path: %s", exc)
-    _loaded[cache_dir] = ops
+    else:
+        if target != "native":
+            log.info("C kernels built for -march=%s (%s), not this CPU's own", target, MARCH_ENV)
+    _loaded[cache_dir, target] = ops
     return ops
 
 

@@ -167,12 +167,14 @@ class EngineMetrics:
         Gauge(
             "pdscope:build_info",
             "Constant 1; the labels say what this engine runs on and which kernels it chose.",
-            ["model_name", "version", "cpu", *KERNEL_PATHS, "decode_step"],
+            ["model_name", "version", "cpu", "torch_isa", "c_march", *KERNEL_PATHS, "decode_step"],
             registry=r,
         ).labels(
             model_name,
             __version__,
             cpu_model(),
+            engine.torch_isa,
+            engine.c_march,
             *(getattr(kernels, p) for p in KERNEL_PATHS),
             engine.decode_step,
         ).set(1)
