@@ -11,6 +11,10 @@ at ``--threads 1``), medians.
 
     .venv/bin/python bench/decode_attention_ab.py --contexts 64 1000 4000 --threads 1
     .venv/bin/python bench/decode_attention_ab.py --batch 32 --contexts 144
+    .venv/bin/python bench/decode_attention_ab.py --march x86-64-v3   # an AVX2-only CPU's
+
+``--march TARGET`` builds ``generic`` and ``c`` for that gcc target instead of this CPU (for
+x86-64-v3, ``c`` is the AVX2 kernel of 8 keys at a time; ``avx512`` is left out).
 
 ``--huge-cache`` adds ``c_huge``: the engine's build over the same caches copied onto
 transparent huge pages (as the engine's runner allocates them where Linux offers them; the
@@ -50,17 +54,19 @@ def main() -> None:
     parser.add_argument(
         "--huge-cache", action="store_true", help="also the engine's build over huge pages"
     )
+    parser.add_argument("--march", help="build generic and c for this gcc -march target")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine_ops = native.load(default_cache_dir() / "native")
-    if engine_ops is None:
-        raise SystemExit("the C kernels did not build (a C compiler on PATH or in $CC)")
-    ops = {
-        "generic": generic_attention_ops(),
-        "avx512": generic_attention_ops(1),
-        "c": engine_ops,
-    }
+    if args.march:
+        engine_ops = build_ops(native.SOURCE, what="--march", march=args.march)
+        ops = {"generic": generic_attention_ops(0, args.march), "c": engine_ops}
+    else:
+        built = native.load(default_cache_dir() / "native")
+        if built is None:
+            raise SystemExit("the C kernels did not build (a C compiler on PATH or in $CC)")
+        engine_ops = built
+        ops = {"generic": generic_attention_ops(), "avx512": generic_attention_ops(1), "c": built}
     if args.ab_source:
         ops["ab"] = build_ops(args.ab_source)
     block, kv_heads, heads, dim, layers = 16, 4, 16, 64, 12
@@ -109,8 +115,9 @@ def main() -> None:
             w, c = statistics.median(wall[name]), statistics.median(cpu[name])
             cells.append(f"{name} {w * 1e3:6.2f} / {c * 1e3:6.2f} ({nbytes / w / 1e9:4.1f} GB/s)")
         ratios = [
-            statistics.median(a / c for a, c in zip(wall[name], wall["c"], strict=True))
+            f"  {name} / c {_over(wall[name], wall['c']):.2f}"
             for name in ("generic", "avx512")
+            if name in paths
         ]
         # the time ab (c_huge) takes over c's: above 1, c is faster
         extra = [(name, "c") for name in ("ab", "c_huge") if name in paths]
@@ -119,7 +126,7 @@ def main() -> None:
         print(
             f"context {context:5}: "
             + "  ".join(cells)
-            + f"  generic / c {ratios[0]:.2f}  avx512 / c {ratios[1]:.2f}"
+            + "".join(ratios)
             + "".join(
                 f"  {name} / {base} {_over(wall[name], wall[base]):.2f}" for name, base in extra
             )

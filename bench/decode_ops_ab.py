@@ -74,10 +74,13 @@ from pdscope.engine import native
 from pdscope.engine.model import apply_kernels, huge_pages_setting
 
 
-def generic_attention_ops(level: int = 0) -> native.NativeOps:
+def generic_attention_ops(level: int = 0, march: str | None = None) -> native.NativeOps:
     """The C kernels built with only the generic decode attention loop (``level`` 0), or with
-    the head-64 kernel in AVX-512 only, its scores off the AMX tiles (1)."""
-    return build_ops(native.SOURCE, f"NEW_DECODE_ATTENTION={level}", what="--generic-attention")
+    the head-64 kernel in AVX-512 only, its scores off the AMX tiles (1); for ``-march=march``
+    where given."""
+    return build_ops(
+        native.SOURCE, f"NEW_DECODE_ATTENTION={level}", what="--generic-attention", march=march
+    )
 
 
 def main() -> None:
