@@ -68,7 +68,7 @@ def main() -> None:
         engine_ops = built
         ops = {"generic": generic_attention_ops(), "avx512": generic_attention_ops(1), "c": built}
     if args.ab_source:
-        ops["ab"] = build_ops(args.ab_source)
+        ops["ab"] = build_ops(args.ab_source, march=args.march)
     block, kv_heads, heads, dim, layers = 16, 4, 16, 64, 12
     gen = torch.Generator().manual_seed(0)
     print(machine_line())

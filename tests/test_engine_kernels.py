@@ -585,15 +585,23 @@ def _disassembly(c_ops: native.NativeOps) -> str:
 
 
 @needs_cc
-def test_the_decode_attention_prefetches_are_in_the_built_library(c_ops: native.NativeOps) -> None:
+@pytest.mark.parametrize("build", ["engine", "x86-64-v3"])
+def test_the_decode_attention_prefetches_are_in_the_built_library(
+    request: pytest.FixtureRequest, build: str
+) -> None:
     """gcc 12 may delete prefetches as code without side effects: for several sessions the
     engine's library held no prefetch of the tile after a block jump (shuffled tables were read
     at ~0.7x the time with it). Where the build has the AVX-512 BF16 kernels, the library holds
-    that prefetcht1 and the prefetcht0 of a tile's K rows (which gcc had kept so far)."""
-    if c_ops.pairs_isa != "avx512_bf16":
-        pytest.skip("this build has no AVX-512 BF16 kernels, where the prefetches are")
-    text = _disassembly(c_ops)
-    assert "prefetcht0" in text and "prefetcht1" in text
+    that prefetcht1 and the prefetcht0 of a tile's K rows (which gcc had kept so far); the
+    x86-64-v3 build, the AVX2 attention's prefetcht0 of the next tile (its only prefetch)."""
+    if build == "engine":
+        ops = request.getfixturevalue("c_ops")
+        if ops.pairs_isa != "avx512_bf16":
+            pytest.skip("this build has no AVX-512 BF16 kernels, where the prefetches are")
+        text = _disassembly(ops)
+        assert "prefetcht0" in text and "prefetcht1" in text
+    else:
+        assert "prefetcht0" in _disassembly(build_for(build, _factory(request)))
 
 
 @needs_cc

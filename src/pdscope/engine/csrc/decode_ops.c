@@ -176,6 +176,14 @@ static inline float sum8(__m256 v) {
 }
 #endif
 
+/* KEEP_LOOP() in each loop of _mm_prefetch: gcc 12 (-O1 and up) may delete prefetches as code
+ * without side effects. The jump prefetch's fixed 32-iteration loop (below) was not in the
+ * engine's library from the commit that wrote it until the fourteenth session (objdump -d |
+ * grep prefetch), while the K-row loop's variable count kept it. An empty volatile asm is a
+ * side effect gcc keeps, and it leaves the prefetches free to be scheduled: prefetches written
+ * as inline asm made the attention loop 1.16-1.21x slower. */
+#define KEEP_LOOP() __asm__ volatile("")
+
 static inline float bf16_to_f32(bf16 h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -395,13 +403,6 @@ static inline __m512 bf16x16_to_f32(const bf16 *src) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* KEEP_LOOP() in each loop of _mm_prefetch: gcc 12 (-O1 and up) may delete prefetches as code
- * without side effects. The jump prefetch's fixed 32-iteration loop (below) was not in the
- * engine's library from the commit that wrote it until the fourteenth session (objdump -d |
- * grep prefetch), while the K-row loop's variable count kept it. An empty volatile asm is a
- * side effect gcc keeps, and it leaves the prefetches free to be scheduled: prefetches written
- * as inline asm made the attention loop 1.16-1.21x slower. */
-#define KEEP_LOOP() __asm__ volatile("")
 
 /* 16 K rows and 16 V rows of 64 bf16 into L2. Out of line: inlined into the attention loops,
  * the 64 prefetches made the loop 1.24-1.37x slower at one thread even where none ran
@@ -708,10 +709,12 @@ static int attend_bf16_d64(int64_t group, const bf16 *qb, const void *kv, int64_
 /* ---- Decode attention in AVX2 and FMA (a CPU without AVX-512 BF16), head size 64 or 128.
  * attend_range_impl's generic loop ends each key's score in a horizontal sum and keeps its
  * accumulators in memory: ~2.5 GB/s of KV a core, so decode at 4,000 tokens of context read
- * 20 points slower than its bytes. Here a tile of 8 keys is widened to float32 once (K and V,
- * into L1), every query head's 8 scores are FMA chains that advance together and are reduced
- * by one hadd tree, the exp is vectorized, and each head's output sums its 8 keys in registers.
- * The softmax weights stay float32. Same contract as attend_range (qf already scaled). */
+ * 20 points slower than its bytes. Here a tile of 16 keys is widened to float32 once (K and
+ * V, into L1) while the next tile's rows are fetched, each query head's scores are FMA chains
+ * of 8 keys that advance together and are reduced by one hadd tree, the exp is vectorized, and
+ * each head's output sums the tile's keys in registers. The softmax weights stay float32.
+ * Same contract as attend_range (qf already scaled). 16 keys a tile over 8: 0.95x the time
+ * (1 thread, 1,000 and 4,000 keys). */
 
 /* out[t] = the sum of the 8 lanes of v[t] */
 static inline __m256 sum8x8(const __m256 v[8]) {
@@ -751,12 +754,17 @@ static inline __m256 load8(const void *base, int64_t i, const int bf) {
     return bf ? bf16x8_to_f32((const bf16 *)base + i) : _mm256_loadu_ps((const float *)base + i);
 }
 
+#ifndef AVX2_TILE_HALVES
+#define AVX2_TILE_HALVES 2 /* keys a tile: 8 a half (-DAVX2_TILE_HALVES=1 for 8 keys) */
+#endif
+
 static inline __attribute__((always_inline)) void attend_avx2_impl(
     const int D, const int BF, const float *qf, int64_t group, const void *kv, int64_t kv_heads,
     int64_t slots, int64_t head, const int64_t *table, int64_t block_size, int64_t lo,
     int64_t hi, float *m, float *l, float *acc) {
-    float kt[8 * D] __attribute__((aligned(32))), vt[8 * D] __attribute__((aligned(32)));
-    float w[group][8] __attribute__((aligned(32)));
+    enum { H = AVX2_TILE_HALVES, T = 8 * AVX2_TILE_HALVES };
+    float kt[T * D] __attribute__((aligned(32))), vt[T * D] __attribute__((aligned(32)));
+    float w[group][T] __attribute__((aligned(32)));
     for (int64_t g = 0; g < group; g++) {
         m[g] = -INFINITY;
         l[g] = 0.0f;
@@ -767,29 +775,50 @@ static inline __attribute__((always_inline)) void attend_avx2_impl(
     for (int64_t pos = lo; pos < hi;) {
         const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
         int64_t n = block_size - pos % block_size;
-        while (n < 8 && pos + n < hi && table[(pos + n) / block_size] * block_size == slot + n)
+        while (n < T && pos + n < hi && table[(pos + n) / block_size] * block_size == slot + n)
             n += block_size;
-        if (n > 8) n = 8;
+        if (n > T) n = T;
         if (n > hi - pos) n = hi - pos;
-        for (int64_t t = 0; t < n; t++)
-            for (int c = 0; c < D; c += 8) {
-                _mm256_store_ps(kt + t * D + c, load8(kv, (k_plane + slot + t) * D + c, BF));
-                _mm256_store_ps(vt + t * D + c, load8(kv, (v_plane + slot + t) * D + c, BF));
+        /* The next tile's K and V rows, asked for while this one computes: without, the
+         * widening loads below waited on memory (1 thread at 4,000 keys: 0.79x the time with,
+         * 0.70x at 1,000; bench/decode_attention_ab.py --march x86-64-v3 --ab-source) */
+        for (int64_t p = pos + n; p < pos + n + T && p < hi; p++) {
+            const int64_t row = table[p / block_size] * block_size + p % block_size;
+            for (int c = 0; c < D * (BF ? 2 : 4); c += 64) {
+                _mm_prefetch((const char *)kv + (k_plane + row) * D * (BF ? 2 : 4) + c, _MM_HINT_T0);
+                _mm_prefetch((const char *)kv + (v_plane + row) * D * (BF ? 2 : 4) + c, _MM_HINT_T0);
+                KEEP_LOOP();
             }
-        if (n < 8) /* a short tile's missing keys score 0, masked below (never NaN) */
-            memset(kt + n * D, 0, (size_t)(8 - n) * D * sizeof(float));
-        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), lane));
+        }
+        for (int64_t t = 0; t < n; t++)
+            for (int c = 0; c < D; c += 8)
+                _mm256_store_ps(kt + t * D + c, load8(kv, (k_plane + slot + t) * D + c, BF));
+        for (int64_t t = 0; t < n; t++)
+            for (int c = 0; c < D; c += 8)
+                _mm256_store_ps(vt + t * D + c, load8(kv, (v_plane + slot + t) * D + c, BF));
+        if (n < T) /* a short tile's missing keys score 0, masked below (never NaN) */
+            memset(kt + n * D, 0, (size_t)(T - n) * D * sizeof(float));
+        __m256 valid[H];
+        for (int h = 0; h < H; h++)
+            valid[h] = _mm256_castsi256_ps(
+                _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - 8 * h)), lane));
         for (int64_t g = 0; g < group; g++) {
             const float *q = qf + g * D;
-            __m256 part[8];
-            for (int t = 0; t < 8; t++) part[t] = _mm256_setzero_ps();
-            for (int c = 0; c < D; c += 8) {
-                const __m256 qc = _mm256_loadu_ps(q + c);
-                for (int t = 0; t < 8; t++)
-                    part[t] = _mm256_fmadd_ps(qc, _mm256_load_ps(kt + t * D + c), part[t]);
+            __m256 s[H];
+            for (int h = 0; h < H; h++) {
+                const float *k = kt + 8 * h * D;
+                __m256 part[8];
+                for (int t = 0; t < 8; t++) part[t] = _mm256_setzero_ps();
+                for (int c = 0; c < D; c += 8) {
+                    const __m256 qc = _mm256_loadu_ps(q + c);
+                    for (int t = 0; t < 8; t++)
+                        part[t] = _mm256_fmadd_ps(qc, _mm256_load_ps(k + t * D + c), part[t]);
+                }
+                s[h] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sum8x8(part), valid[h]);
             }
-            const __m256 s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sum8x8(part), valid);
-            const float smax = max8(s);
+            __m256 top = s[0];
+            for (int h = 1; h < H; h++) top = _mm256_max_ps(top, s[h]);
+            const float smax = max8(top);
             if (smax > m[g]) {
                 const float alpha = m[g] == -INFINITY ? 0.0f : exp_nonpositive(m[g] - smax);
                 const __m256 va = _mm256_set1_ps(alpha);
@@ -798,9 +827,14 @@ static inline __attribute__((always_inline)) void attend_avx2_impl(
                 l[g] *= alpha;
                 m[g] = smax;
             }
-            const __m256 e = _mm256_and_ps(exp8_nonpositive(_mm256_sub_ps(s, _mm256_set1_ps(m[g]))), valid);
-            l[g] += sum8(e);
-            _mm256_store_ps(w[g], e);
+            const __m256 mg = _mm256_set1_ps(m[g]);
+            __m256 total = _mm256_setzero_ps();
+            for (int h = 0; h < H; h++) {
+                const __m256 e = _mm256_and_ps(exp8_nonpositive(_mm256_sub_ps(s[h], mg)), valid[h]);
+                total = _mm256_add_ps(total, e);
+                _mm256_store_ps(w[g] + 8 * h, e);
+            }
+            l[g] += sum8(total);
         }
         for (int64_t g = 0; g < group; g++)
             for (int c0 = 0; c0 < D; c0 += 64) {
