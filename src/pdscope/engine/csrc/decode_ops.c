@@ -219,10 +219,23 @@ static inline void store_f32(void *base, int64_t offset, int64_t n, const float 
 
 /* exp(x) for -87 <= x <= 0: 2^n * p(r), |r| <= ln2 / 2, a degree-6 polynomial (relative
  * error ~2e-7); libm's expf stays scalar without -ffast-math. */
+/* exp's range reduction and polynomial, the same at every vector width below: x = n ln 2 + r
+ * (ln 2 in two parts, so r keeps its low bits), exp(r) by its Taylor terms to r^6 as FMA
+ * steps. FMA(a, b, c) is a * b + c, FNMA(a, b, c) is c - a * b, SET(v) a constant vector. */
+#define EXP_LN2_HI 0.693145751953125f
+#define EXP_LN2_LO 1.428606765330187e-06f
+#define EXP_REDUCE(FNMA, SET, n, x) FNMA(n, SET(EXP_LN2_LO), FNMA(n, SET(EXP_LN2_HI), x))
+#define EXP_TERMS(FMA, SET, r)                                                                  \
+    FMA(FMA(FMA(FMA(FMA(FMA(SET(1.0f / 720), r, SET(1.0f / 120)), r, SET(1.0f / 24)), r,      \
+                    SET(1.0f / 6)),                                                             \
+                r, SET(0.5f)),                                                                  \
+            r, SET(1.0f)),                                                                      \
+        r, SET(1.0f))
+
 static inline float exp_poly(float x) {
     float t = x * 1.44269504088896341f;
     int32_t n = (int32_t)(t - 0.5f); /* round to nearest for t <= 0 */
-    float r = x - (float)n * 0.693145751953125f - (float)n * 1.428606765330187e-06f;
+    float r = x - (float)n * EXP_LN2_HI - (float)n * EXP_LN2_LO;
     float p = 1.0f / 720;
     p = p * r + 1.0f / 120;
     p = p * r + 1.0f / 24;
@@ -378,16 +391,8 @@ static inline __m512 exp16_nonpositive(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    const __m512 r = EXP_REDUCE(_mm512_fnmadd_ps, _mm512_set1_ps, n, x);
+    return _mm512_scalef_ps(EXP_TERMS(_mm512_fmadd_ps, _mm512_set1_ps, r), n);
 }
 
 /* Elements 2k and 2k + 1 of x (a bf16 pair in 32 bits) in every lane, for vdpbf16ps. */
@@ -736,15 +741,8 @@ static inline __m256 exp8_nonpositive(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256 r = EXP_REDUCE(_mm256_fnmadd_ps, _mm256_set1_ps, n, x);
+    const __m256 p = EXP_TERMS(_mm256_fmadd_ps, _mm256_set1_ps, r);
     /* 2^n for n in [-126, 0]: the exponent field alone */
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
@@ -1195,15 +1193,9 @@ static inline __m512 exp_neg_abs16(__m512 x) {
     const __m512 t = _mm512_mul_ps(a, _mm512_set1_ps(-1.44269504088896341f));
     const __m512i n = _mm512_cvttps_epi32(_mm512_sub_ps(t, _mm512_set1_ps(0.5f)));
     const __m512 nf = _mm512_cvtepi32_ps(n);
-    __m512 r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(0.693145751953125f), _mm512_sub_ps(_mm512_setzero_ps(), a));
-    r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512 r =
+        EXP_REDUCE(_mm512_fnmadd_ps, _mm512_set1_ps, nf, _mm512_sub_ps(_mm512_setzero_ps(), a));
+    const __m512 p = EXP_TERMS(_mm512_fmadd_ps, _mm512_set1_ps, r);
     const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
