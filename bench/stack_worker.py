@@ -64,9 +64,9 @@ def vllm(model_dir: str) -> Generate:
     if os.environ.get("PDSCOPE_BENCH_NO_AVX512"):  # engine_bench.py --as-cpu avx2
         import torch
 
-        # vLLM picks its kernel build (_C, _C_AVX512, _C_AVX2) and attention by these
-        # questions, which read the CPU itself, not ATEN_CPU_CAPABILITY
-        for name in ("_is_avx512_supported", "_is_avx512_bf16_supported"):
+        # vLLM picks its kernel build (_C, _C_AVX512, _C_AVX2), attention and matmuls by
+        # these questions, which read the CPU itself, not ATEN_CPU_CAPABILITY
+        for name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"):
             setattr(torch.cpu, name, lambda: False)
     from vllm import LLM, SamplingParams, TokensPrompt
 

@@ -71,8 +71,10 @@ def build_for(march: str, tmp_path_factory: pytest.TempPathFactory) -> NativeOps
         pytest.skip(f"{march} is an x86 target")
     if native.compiler() is None:
         pytest.skip("no C compiler on this machine")
+    if lacking := native.missing_features(march):
+        pytest.skip(f"{march} needs {', '.join(lacking)}, which this CPU lacks")
     library = native.build(tmp_path_factory.mktemp(f"native_{march}"), march)
-    _builds[march] = native.NativeOps(ctypes.CDLL(str(library)))
+    _builds[march] = native.NativeOps(ctypes.CDLL(str(library)), march=march)
     return _builds[march]
 
 

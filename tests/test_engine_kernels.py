@@ -111,6 +111,14 @@ def test_pdscope_march_builds_another_cpus_kernels_and_says_so(
     monkeypatch.setenv("PDSCOPE_MARCH", "x86-64 -O0")
     with pytest.raises(ValueError, match="is not a -march target"):
         LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels=forced)
+    # a target above this CPU would build and load, then stop the process at its first kernel
+    above = next((t for t in ("x86-64-v4", "sapphirerapids") if native.missing_features(t)), None)
+    if above is not None:
+        monkeypatch.setenv("PDSCOPE_MARCH", above)
+        lacking = ", ".join(native.missing_features(above))
+        with pytest.raises(ValueError, match=f"needs {lacking}, which this CPU lacks"):
+            LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels=forced)
+    assert native.missing_features("x86-64") == []
     env = {**os.environ, "PDSCOPE_MARCH": "no-such-cpu"}
     proc = subprocess.run(
         [sys.executable, "-m", "pdscope.cli", "serve", "--model", str(tiny_bf16), "--port", "0"],
@@ -679,7 +687,9 @@ def _tolerance(dtype: torch.dtype) -> dict[str, float]:
 
 @needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [16, 64])  # 64 takes the compiled-in size, 16 the generic
+# 64 and 128 take the compiled-in sizes (and the AVX2 kernel in the x86-64-v3 build), 16 the
+# generic loop
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
 # query heads over 2 KV heads: groups of 1-4 take the bf16 head-64 kernel of 16 keys at a time
 # (scores on AMX tiles where granted), 6 the per-key vdpbf16ps loop, 10 the generic loop
 @pytest.mark.parametrize("heads", [8, 2, 4, 6, 12, 20])

@@ -205,7 +205,7 @@ def machine_key(**parts: object) -> str:
         "isa": [
             torch.backends.cpu.get_cpu_capability(),
             *(os.environ.get(v, "") for v in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")),
-            os.environ.get(MARCH_ENV, ""),
+            os.environ.get(MARCH_ENV, "").strip() or "native",
         ],
     }
     text = json.dumps({**machine, **parts}, sort_keys=True, default=str)

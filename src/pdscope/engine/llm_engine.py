@@ -24,7 +24,6 @@ from pdscope.engine.model import (
     thread_cpus,
     widen_bf16,
 )
-from pdscope.engine.native import march as native_march
 from pdscope.engine.request import Request
 from pdscope.engine.runner import ModelRunner
 from pdscope.engine.sampling_params import SamplingParams
@@ -97,7 +96,7 @@ class LLMEngine:
         # -march target ("none" without them). ATEN_CPU_CAPABILITY and $PDSCOPE_MARCH change
         # them (another CPU's paths, run here); /metrics' build_info says which.
         self.torch_isa: str = torch.backends.cpu.get_cpu_capability()
-        self.c_march: str = native_march() if self._native is not None else "none"
+        self.c_march: str = self._native.march if self._native is not None else "none"
         log.info(
             "kernels on %s (torch %s, C kernels -march=%s): %s",
             cpu_model(),

@@ -61,6 +61,50 @@ def march() -> str:
     return target
 
 
+# The compiler's macro for each instruction set a -march target may switch on, and the flag
+# /proc/cpuinfo names it by: a target whose code would meet an instruction this CPU lacks is
+# refused before it is built (it would load, then die of SIGILL in the first kernel).
+_TARGET_FEATURES = {
+    "__AVX__": "avx",
+    "__AVX2__": "avx2",
+    "__FMA__": "fma",
+    "__F16C__": "f16c",
+    "__BMI2__": "bmi2",
+    "__AVXVNNI__": "avx_vnni",
+    "__AVX512F__": "avx512f",
+    "__AVX512BW__": "avx512bw",
+    "__AVX512VL__": "avx512vl",
+    "__AVX512DQ__": "avx512dq",
+    "__AVX512CD__": "avx512cd",
+    "__AVX512VNNI__": "avx512_vnni",
+    "__AVX512BF16__": "avx512_bf16",
+    "__AVX512FP16__": "avx512_fp16",
+    "__AMX_TILE__": "amx_tile",
+    "__AMX_BF16__": "amx_bf16",
+}
+
+
+def missing_features(target: str) -> list[str]:
+    """The instruction sets ``-march=target`` switches on that this CPU's flags lack (by the
+    compiler's predefined macros); empty where it fits, or where either cannot be read."""
+    cc, line = compiler(), _cpu_flags_line()
+    if cc is None or not line:
+        return []
+    try:
+        macros = subprocess.run(
+            [cc, f"-march={target}", "-dM", "-E", "-x", "c", os.devnull],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return []
+    have = set(line.split(":", 1)[-1].split())
+    return [
+        flag for macro, flag in _TARGET_FEATURES.items() if macro in macros and flag not in have
+    ]
+
+
 def flag_sets(target: str = "native") -> list[list[str]]:
     """The compiler's flag sets, tried in order, for ``-march=target``."""
     return [[f"-march={target}" if f == "-march=native" else f for f in fs] for fs in _FLAG_SETS]
@@ -153,9 +197,14 @@ def load(cache_dir: Path) -> NativeOps | None:
     target = march()
     if (cache_dir, target) in _loaded:
         return _loaded[cache_dir, target]
+    if target != "native" and (lacking := missing_features(target)):
+        raise ValueError(
+            f"{MARCH_ENV}={target} needs {', '.join(lacking)}, which this CPU lacks: its "
+            "kernels would stop the process at their first call"
+        )
     ops: NativeOps | None = None
     try:
-        ops = NativeOps(ctypes.CDLL(str(build(cache_dir, target))))
+        ops = NativeOps(ctypes.CDLL(str(build(cache_dir, target))), march=target)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         if target != "native":
             raise ValueError(f"{MARCH_ENV}={target}: {exc}") from exc
@@ -255,6 +304,8 @@ class NativeOps:
     the engine's layouts (see decode_ops.c) and checks what the C side cannot."""
 
     lib: ctypes.CDLL
+    # the -march target the library was built for ("native": this CPU's own)
+    march: str = "native"
     # bf16 norms and silu_mul take the AVX-512 BF16 forms (rms_norm_bf16, silu_mul_bf16) when
     # the build has them; tests turn it off to pin the portable forms too.
     wide_glue: bool = False

@@ -849,6 +849,23 @@ static inline __attribute__((always_inline)) void attend_avx2_impl(
         pos += n;
     }
 }
+
+/* A function per head size and cache type, each with a frame of its own: inlined into
+ * attend_range, the four copies' tile buffers made a ~50 KB frame (gcc -fstack-usage) on every
+ * call, a risk under a small OMP_STACKSIZE. */
+#define AVX2_ATTEND(D, BF)                                                                     \
+    __attribute__((noinline)) static void attend_avx2_##D##_##BF(                              \
+        const float *qf, int64_t group, const void *kv, int64_t kv_heads, int64_t slots,       \
+        int64_t head, const int64_t *table, int64_t block_size, int64_t lo, int64_t hi,        \
+        float *m, float *l, float *acc) {                                                      \
+        attend_avx2_impl(D, BF, qf, group, kv, kv_heads, slots, head, table, block_size, lo,   \
+                         hi, m, l, acc);                                                       \
+    }
+AVX2_ATTEND(64, 1)
+AVX2_ATTEND(64, 0)
+AVX2_ATTEND(128, 1)
+AVX2_ATTEND(128, 0)
+#undef AVX2_ATTEND
 #endif
 
 /* Common head sizes get their own copy with the size known at compile time, so the per-key
@@ -868,8 +885,8 @@ static void attend_range(const float *qf, int64_t group, int64_t dim, const void
     else
 #endif
 #ifdef HAVE_AVX2_BF16
-#define AVX2(D, BF) attend_avx2_impl(D, BF, qf, group, kv, kv_heads, slots, head, table, \
-                                     block_size, lo, hi, m, l, acc)
+#define AVX2(D, BF) attend_avx2_##D##_##BF(qf, group, kv, kv_heads, slots, head, table, \
+                                        block_size, lo, hi, m, l, acc)
     if (NEW_DECODE_ATTENTION && (dim == 64 || dim == 128)) {
         if (dim == 64 && bf) AVX2(64, 1);
         else if (dim == 64) AVX2(64, 0);
