@@ -14,7 +14,7 @@ at ``--threads 1``), medians.
     .venv/bin/python bench/decode_attention_ab.py --march x86-64-v3   # an AVX2-only CPU's
 
 ``--march TARGET`` builds ``generic`` and ``c`` for that gcc target instead of this CPU (for
-x86-64-v3, ``c`` is the AVX2 kernel of 8 keys at a time; ``avx512`` is left out).
+x86-64-v3, ``c`` is the AVX2 kernel of 16 keys a tile; ``avx512`` is left out).
 
 ``--huge-cache`` adds ``c_huge``: the engine's build over the same caches copied onto
 transparent huge pages (as the engine's runner allocates them where Linux offers them; the
