@@ -308,8 +308,11 @@ def test_bfloat16_logits_match_transformers(
     pair_calls = _count_calls(linears, "native", "linear_pairs") if pair_rows else [0]
     # prefill_attention=amx or c reads each chunk's K/V through its block table (no gather)
     paged_calls = _count_calls(attns, "prefill_native", "prefill_attention_paged") if amx else [0]
-    by_rows = paths.get("prefill_linear") == "rows"
-    copied = paths.get("prefill_linear") in ("rows", "transposed")
+    # where a row leaves prefill_linear to the trial, what it chose on this host
+    prefill_linear = llm.engine.kernels.prefill_linear
+    assert prefill_linear == paths.get("prefill_linear", prefill_linear)
+    by_rows = prefill_linear == "rows"
+    copied = prefill_linear in ("rows", "transposed")
     in_layers = [m for m in linears if m is not model.lm_head]
     assert all((m.team is not None) == by_rows for m in in_layers)
     assert all((m.weight_t is not None) == copied for m in in_layers)
@@ -346,7 +349,7 @@ def test_bfloat16_logits_match_transformers(
     assert (widened_calls[0] > 0) == (widen and not many and not copied)
     # every matmul of the layers in the 1,100-row prefill, none in the decode steps
     assert team_calls[0] == (4 * len(model.layers) if by_rows else 0)
-    unsplit = paths.get("prefill_linear") == "transposed"
+    unsplit = prefill_linear == "transposed"
     assert plain_calls[0] == (4 * len(model.layers) if unsplit else 0)
     # the chunks' matmuls went through the many-row kernel (or the copies)
     assert (many_calls[0] > 0) == many
