@@ -127,8 +127,8 @@ def _cpu_flags_line() -> str:
     return ""
 
 
-def build(cache_dir: Path, target: str = "native") -> Path:
-    """Compile the library for ``-march=target`` into ``cache_dir`` unless a build for this
+def build(cache_dir: Path, arch: str = "native") -> Path:
+    """Compile the library for ``-march=arch`` into ``cache_dir`` unless a build for this
     source, compiler, flags, CPU and torch is there already; returns its path. Raises
     RuntimeError naming what failed."""
     cc = compiler()
@@ -141,7 +141,7 @@ def build(cache_dir: Path, target: str = "native") -> Path:
         ).stdout.split("\n", 1)[0]
     except (OSError, subprocess.SubprocessError) as exc:
         raise RuntimeError(f"{cc} --version failed: {exc}") from exc
-    sets = flag_sets(target)
+    sets = flag_sets(arch)
     key = hashlib.blake2b(
         b"\0".join(
             [

@@ -217,8 +217,6 @@ static inline void store_f32(void *base, int64_t offset, int64_t n, const float 
     }
 }
 
-/* exp(x) for -87 <= x <= 0: 2^n * p(r), |r| <= ln2 / 2, a degree-6 polynomial (relative
- * error ~2e-7); libm's expf stays scalar without -ffast-math. */
 /* exp's range reduction and polynomial, the same at every vector width below: x = n ln 2 + r
  * (ln 2 in two parts, so r keeps its low bits), exp(r) by its Taylor terms to r^6 as FMA
  * steps. FMA(a, b, c) is a * b + c, FNMA(a, b, c) is c - a * b, SET(v) a constant vector. */
@@ -232,6 +230,8 @@ static inline void store_f32(void *base, int64_t offset, int64_t n, const float 
             r, SET(1.0f)),                                                                      \
         r, SET(1.0f))
 
+/* exp(x) for -87 <= x <= 0: 2^n * p(r), |r| <= ln2 / 2, a degree-6 polynomial (relative
+ * error ~2e-7); libm's expf stays scalar without -ffast-math. */
 static inline float exp_poly(float x) {
     float t = x * 1.44269504088896341f;
     int32_t n = (int32_t)(t - 0.5f); /* round to nearest for t <= 0 */
