@@ -85,27 +85,6 @@ def v3_ops(tmp_path_factory: pytest.TempPathFactory) -> NativeOps:
 
 
 @pytest.fixture(scope="session")
-def baseline_ops(tmp_path_factory: pytest.TempPathFactory) -> NativeOps:
-    """The build of a CPU with neither AVX2 nor AVX-512 (or of another architecture): every
-    kernel in its portable C loops."""
-    return build_for("x86-64", tmp_path_factory)
-
-
-def ops_of(build: str, request: pytest.FixtureRequest) -> NativeOps:
-    """The kernels of ``build``: "engine" (the library the engine builds here, native.load's)
-    or one of OTHER_BUILDS."""
-    from pdscope.checkpoint.make_model import default_cache_dir
-    from pdscope.engine import native
-
-    if build == "engine":
-        ops = native.load(default_cache_dir() / "native")
-        if ops is None:
-            pytest.skip("the C kernels did not build here (see the log)")
-        return ops
-    return request.getfixturevalue({"x86-64-v3": "v3_ops", "x86-64": "baseline_ops"}[build])
-
-
-@pytest.fixture(scope="session")
 def medium(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Big enough that prefill time clearly grows with the prompt, small enough to be quick;
     head_dim 64, a shape vLLM's CPU attention takes too."""

@@ -16,7 +16,7 @@ from pdscope import LLM, SamplingParams
 from pdscope.checkpoint.make_model import make_model
 from pdscope.engine import native
 from pdscope.engine.kernels import parse_kernels
-from tests.conftest import OTHER_BUILDS, ops_of
+from tests.conftest import OTHER_BUILDS, build_for
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -101,7 +101,7 @@ def _use_build(
     with trial outcomes of their own; None for the engine's own build."""
     if build == "engine":
         return None
-    ops = ops_of(build, request)
+    ops = build_for(build, request.getfixturevalue("tmp_path_factory"))
     monkeypatch.setattr(native, "load", lambda cache_dir: ops)
     monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path / "cache"))
     return ops

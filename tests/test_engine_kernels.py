@@ -149,6 +149,12 @@ def test_outcomes_measured_under_another_isa_are_cached_apart(
     keys.add(machine_key(trial=1))
     assert len(keys) == 4
     assert machine_key(trial=1) == machine_key(trial=1)
+    # "native", however written, is the unset variable's key
+    for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "PDSCOPE_MARCH"):
+        monkeypatch.delenv(var)
+    unset = machine_key(trial=1)
+    monkeypatch.setenv("PDSCOPE_MARCH", " native ")
+    assert machine_key(trial=1) == unset
 
 
 def test_trial_picks_the_faster_candidate_and_caches_it(tmp_path: Path) -> None:

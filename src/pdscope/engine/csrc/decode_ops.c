@@ -719,7 +719,7 @@ static int attend_bf16_d64(int64_t group, const bf16 *qb, const void *kv, int64_
  * of 8 keys that advance together and are reduced by one hadd tree, the exp is vectorized, and
  * each head's output sums the tile's keys in registers. The softmax weights stay float32.
  * Same contract as attend_range (qf already scaled). 16 keys a tile over 8: 0.95x the time
- * (1 thread, 1,000 and 4,000 keys). */
+ * (1 thread, 1,000 and 4,000 keys; an AMD EPYC family 26 running its x86-64-v3 build). */
 
 /* out[t] = the sum of the 8 lanes of v[t] */
 static inline __m256 sum8x8(const __m256 v[8]) {
@@ -779,7 +779,7 @@ static inline __attribute__((always_inline)) void attend_avx2_impl(
         if (n > hi - pos) n = hi - pos;
         /* The next tile's K and V rows, asked for while this one computes: without, the
          * widening loads below waited on memory (1 thread at 4,000 keys: 0.79x the time with,
-         * 0.70x at 1,000; bench/decode_attention_ab.py --march x86-64-v3 --ab-source) */
+         * 0.70x at 1,000, on an AMD EPYC family 26; decode_attention_ab.py --march x86-64-v3) */
         for (int64_t p = pos + n; p < pos + n + T && p < hi; p++) {
             const int64_t row = table[p / block_size] * block_size + p % block_size;
             for (int c = 0; c < D * (BF ? 2 : 4); c += 64) {
