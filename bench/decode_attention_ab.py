@@ -16,6 +16,10 @@ at ``--threads 1``), medians.
 ``--march TARGET`` builds ``generic`` and ``c`` for that gcc target instead of this CPU (for
 x86-64-v3, ``c`` is the AVX2 kernel of 16 keys a tile; ``avx512`` is left out).
 
+``--prefetch jumps|every|both`` sets the kernel choice's ``decode_prefetch`` in ``c`` and
+``ab`` (default jumps, the library's own default); ``both`` runs ``c`` at jumps beside
+``c_every`` (the same library at every) and prints c_every / c.
+
 ``--huge-cache`` adds ``c_huge``: the engine's build over the same caches copied onto
 transparent huge pages (as the engine's runner allocates them where Linux offers them; the
 others' caches are on torch's ordinary pages), and prints c_huge / c; with ``--ab-source`` also
@@ -55,6 +59,12 @@ def main() -> None:
         "--huge-cache", action="store_true", help="also the engine's build over huge pages"
     )
     parser.add_argument("--march", help="build generic and c for this gcc -march target")
+    parser.add_argument(
+        "--prefetch",
+        choices=("jumps", "every", "both"),
+        default="jumps",
+        help="decode_prefetch for c and ab (both: c at jumps and c_every at every)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -69,6 +79,9 @@ def main() -> None:
         ops = {"generic": generic_attention_ops(), "avx512": generic_attention_ops(1), "c": built}
     if args.ab_source:
         ops["ab"] = build_ops(args.ab_source, march=args.march)
+    for name in ("c", "ab"):
+        if name in ops and ops[name].decode_prefetch:
+            ops[name].set_decode_prefetch("jumps" if args.prefetch == "both" else args.prefetch)
     block, kv_heads, heads, dim, layers = 16, 4, 16, 64, 12
     gen = torch.Generator().manual_seed(0)
     print(machine_line())
@@ -99,6 +112,14 @@ def main() -> None:
                 o.decode_attention(q, c, tables, bounds, block, 0.125)
 
         paths = {name: (lambda o=o: step(o)) for name, o in ops.items()}
+        if args.prefetch == "both" and engine_ops.decode_prefetch:
+
+            def every(step=step) -> None:
+                engine_ops.set_decode_prefetch("every")
+                step(engine_ops)
+                engine_ops.set_decode_prefetch("jumps")
+
+            paths["c_every"] = every
         if args.huge_cache:
             if huge_pages_setting() != "madvise":  # under always, the others' are huge too
                 raise SystemExit("--huge-cache: needs transparent huge pages set to madvise")
@@ -120,7 +141,7 @@ def main() -> None:
             if name in paths
         ]
         # the time ab (c_huge) takes over c's: above 1, c is faster
-        extra = [(name, "c") for name in ("ab", "c_huge") if name in paths]
+        extra = [(name, "c") for name in ("ab", "c_every", "c_huge") if name in paths]
         if "ab_huge" in paths:
             extra.append(("ab_huge", "c_huge"))
         print(

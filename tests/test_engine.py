@@ -39,8 +39,10 @@ BF16_PATHS = [
     "linear=plain,batch_linear=c,prefill_attention=sdpa,decode_math=native,decode_ops=c",
     "linear=c,batch_linear=c,prefill_attention=sdpa,decode_math=float32,decode_ops=c,threads=bound",
     # AMX tiles: the prefill attention (a head size that is a multiple of 32: the model below
-    # gets 64) and single-row matmuls (linear=amx)
-    "linear=amx,batch_linear=c,prefill_attention=amx,decode_math=native,decode_ops=c",
+    # gets 64) and single-row matmuls (linear=amx); the decode attention's prefetch at every
+    # tile (decode_prefetch=every, as the pairs2 row below)
+    "linear=amx,batch_linear=c,prefill_attention=amx,decode_math=native,decode_ops=c,"
+    "decode_prefetch=every",
     # single rows through the pair-interleaved weight copies (linear=pairs), the prefill
     # attention in AVX-512 BF16 (head size 64, as the AMX row: decode attention then takes
     # the bf16 head-64 kernel too)
@@ -48,7 +50,8 @@ BF16_PATHS = [
     # batched rows (the 24-row chunks below) through the pairs copies, single rows packed
     "linear=packed,batch_linear=pairs,prefill_attention=c,decode_math=float32,decode_ops=c",
     # single rows through the copies as two streams a thread, batched rows too
-    "linear=pairs2,batch_linear=pairs,prefill_attention=c,decode_math=native,decode_ops=c",
+    "linear=pairs2,batch_linear=pairs,prefill_attention=c,decode_math=native,decode_ops=c,"
+    "decode_prefetch=every",
     # every matmul of 12 rows or more widened to float32 (what an AVX2-only CPU runs), single
     # rows through the C kernel
     "linear=c,batch_linear=packed,matmul_math=float32,prefill_attention=sdpa,"

@@ -185,6 +185,7 @@ def test_trial_picks_the_faster_candidate_and_caches_it(tmp_path: Path) -> None:
         "prefill_attention": "measured",
         "decode_math": "fixed",
         "decode_ops": "fixed",
+        "decode_prefetch": "fixed",
         "threads": "fixed",
     }
     assert set(first.trial_s) == {"prefill_attention=blocked", "prefill_attention=sdpa"}
@@ -244,7 +245,8 @@ def test_engine_logs_applies_and_reports_its_choice(
 
     forced = (
         "linear=plain,batch_linear=packed,prefill_linear=onednn,matmul_math=float32,"
-        "prefill_attention=sdpa,decode_math=native,decode_ops=torch,threads=free"
+        "prefill_attention=sdpa,decode_math=native,decode_ops=torch,decode_prefetch=jumps,"
+        "threads=free"
     )
     with caplog.at_level("INFO", logger="pdscope.engine"):
         llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels=forced)
@@ -266,6 +268,7 @@ def test_engine_logs_applies_and_reports_its_choice(
     assert 'decode_math="native"' in line and 'decode_ops="torch"' in line
     assert 'threads="free"' in line and 'batch_linear="packed"' in line
     assert 'prefill_linear="onednn"' in line and 'matmul_math="float32"' in line
+    assert 'decode_prefetch="jumps"' in line
     assert 'decode_step="per_kernel"' in line  # decode_ops=torch: no one C call
     assert all(m.widen for m in model.modules() if hasattr(m, "widen"))
     assert all(m.team is None and m.weight_t is None for m in model.modules() if hasattr(m, "team"))
@@ -568,6 +571,7 @@ def test_a_float32_model_reports_the_paths_it_really_runs(tmp_path: Path) -> Non
         "prefill_attention": False,
         "decode_math": False,
         "decode_ops": False,
+        "decode_prefetch": False,  # the bf16 head-64 decode attention only
         "threads": False,  # bound only when forced
     }
     assert kernels.how["prefill_attention"] == kernels.how["decode_ops"] == "forced"
@@ -718,6 +722,73 @@ def test_c_avx512_decode_attention_matches_a_float64_reference(
     _check_decode_attention(avx512_ops, torch.bfloat16, 64, heads)
 
 
+@needs_cc
+@pytest.mark.parametrize("build", ["engine", "avx512"])
+@pytest.mark.parametrize("heads", [8, 2, 4, 6])
+def test_decode_prefetch_every_changes_no_bit(
+    request: pytest.FixtureRequest, build: str, heads: int
+) -> None:
+    """decode_prefetch=every asks memory for the keys after the next tile at every tile, where
+    jumps asks only where the table jumps to another block: it changes what is read ahead,
+    never a sum. Scattered, adjacent and windowed tables and a sequence cut into parts over
+    the threads give the float64 reference's output under every, and the same bits as under
+    jumps."""
+    ops = _decode_attention_build(request, build)
+    if not ops.decode_prefetch:
+        pytest.skip("this build's decode attention has no such prefetch (no AVX-512 BF16)")
+    try:
+        ops.set_decode_prefetch("every")
+        every = _check_decode_attention(ops, torch.bfloat16, 64, heads)
+    finally:
+        ops.set_decode_prefetch("jumps")
+    jumps = _check_decode_attention(ops, torch.bfloat16, 64, heads)
+    assert torch.equal(every, jumps)
+    with pytest.raises(ValueError, match="decode_prefetch must be 'jumps' or 'every'"):
+        ops.set_decode_prefetch("always")
+    assert ops.prefetch_mode == "jumps"
+
+
+@pytest.mark.parametrize("build", [None, "x86-64-v3"])
+def test_decode_prefetch_every_without_its_kernels_is_refused_by_its_name(
+    tiny_bf16: Path, build: str | None, request: pytest.FixtureRequest
+) -> None:
+    """decode_prefetch=every with no C kernels, or with an AVX2 build (whose attention has its
+    own prefetch, not this one), names the option asked for, and changes nothing."""
+    ops = None if build is None else build_for(build, _factory(request))
+    assert ops is None or not ops.decode_prefetch
+    llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels="linear=packed")
+    model = llm.engine.runner.model
+    before = model.native
+    with pytest.raises(ValueError, match="decode_prefetch=every needs the C kernels built with"):
+        apply_kernels(model, KernelChoice(decode_prefetch="every", decode_ops="torch"), ops)
+    assert model.native is before
+
+
+def test_decode_prefetch_is_timed_where_the_attention_takes_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A bf16 model of head size 64 on a build with AVX-512 BF16: both settings timed at load,
+    the faster kept and set in the library; head size 16 (the generic loop, which has no such
+    prefetch): jumps, fixed, nothing timed."""
+    from pdscope.checkpoint.make_model import make_model
+
+    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    ops = native.load(tmp_path / "native")
+    if ops is None or not ops.decode_prefetch:
+        pytest.skip("no AVX-512 BF16 in this build of the C kernels")
+    head64 = make_model(tmp_path / "head64", "tiny", head_dim=64)
+    kernels = LLM(model=str(head64), kv_cache_memory="8MiB").engine.kernels
+    assert kernels.how["decode_prefetch"] == "measured"
+    timed = {n: t for n, t in kernels.trial_s.items() if n.startswith("decode_prefetch=")}
+    assert set(timed) == {"decode_prefetch=jumps", "decode_prefetch=every"}
+    assert kernels.decode_prefetch == min(timed, key=timed.__getitem__).split("=")[1]
+    assert ops.prefetch_mode == kernels.decode_prefetch
+    head16 = make_model(tmp_path / "head16", "tiny")
+    kernels = LLM(model=str(head16), kv_cache_memory="8MiB").engine.kernels
+    assert (kernels.decode_prefetch, kernels.how["decode_prefetch"]) == ("jumps", "fixed")
+    assert ops.prefetch_mode == "jumps"
+
+
 def _decode_attention_build(request: pytest.FixtureRequest, build: str) -> native.NativeOps:
     if build in OTHER_BUILDS:
         return build_for(build, _factory(request))
@@ -726,7 +797,7 @@ def _decode_attention_build(request: pytest.FixtureRequest, build: str) -> nativ
 
 def _check_decode_attention(
     c_ops: native.NativeOps, dtype: torch.dtype, head_dim: int, heads: int
-) -> None:
+) -> torch.Tensor:
     gen = torch.Generator().manual_seed(2)
     kv_heads, block, blocks = 2, 4, 400
     cache = torch.randn(2, kv_heads, blocks * block, head_dim, generator=gen).to(dtype)
@@ -752,6 +823,7 @@ def _check_decode_attention(
         torch.testing.assert_close(
             out[i].double(), ref.reshape(heads, head_dim), **_tolerance(dtype)
         )
+    return out
 
 
 @needs_cc

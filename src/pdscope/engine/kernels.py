@@ -61,6 +61,13 @@ Paths (every candidate computes the same function; tests pin each against transf
   kernels: rope and the K/V write in one call, paged attention over the block tables in place,
   each residual add fused into the next norm) for steps of decodes only. CPU only, and only
   where a C compiler built the kernels.
+* ``decode_prefetch``: what the C decode attention (bf16, head size 64, AVX-512 BF16 builds)
+  asks the memory for ahead of its tiles of 16 keys: ``jumps`` (the keys after the next tile
+  into L2 only where the block table jumps to another block; a run of blocks is left to the
+  hardware prefetcher) or ``every`` (those keys into L1 whether they continue the run or not).
+  On an AMD EPYC (Zen 4) prefetching a run cost a quarter of the read rate; on the Intel Xeon
+  with AMX, ``every`` took 0.77x the time at 4,000 keys (docs/performance.md). Timed on every
+  layer's attention at a long context; one setting per process (native.set_decode_prefetch).
 * ``threads``: ``free`` (the OS places torch's OpenMP threads) or ``bound`` (each thread of
   the team that runs the engine's steps pinned to its own core, as vLLM pins its CPU
   workers; engine/native.py's place_threads). CPU only, with the C kernels and more than one
@@ -95,6 +102,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "prefill_attention": ("blocked", "sdpa", "amx", "c"),
     "decode_math": ("float32", "native"),
     "decode_ops": ("torch", "c"),
+    "decode_prefetch": ("jumps", "every"),
     "threads": ("free", "bound"),
 }
 # The options that run on the C kernels (engine/native.py): forcing one needs them built.
@@ -105,13 +113,14 @@ ON_C: dict[str, tuple[str, ...]] = {
     "prefill_linear": ("rows",),
     "prefill_attention": ("amx", "c"),
     "decode_ops": ("c",),
+    "decode_prefetch": ("every",),
 }
 # The linear options that read the pair-interleaved copies, and each one's streams a thread.
 PAIRS_LINEAR: dict[str, int] = dict(zip(("pairs", "pairs2"), PAIR_STREAMS, strict=True))
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
-_TRIAL_VERSION = 22
+_TRIAL_VERSION = 23
 
 
 @dataclass(frozen=True)
@@ -125,6 +134,7 @@ class KernelChoice:
     prefill_attention: str = "blocked"
     decode_math: str = "float32"
     decode_ops: str = "torch"
+    decode_prefetch: str = "jumps"
     threads: str = "free"
     # per path: "measured", "cached", "forced", or "fixed" (only one candidate applies here)
     how: dict[str, str] = field(default_factory=dict, compare=False)

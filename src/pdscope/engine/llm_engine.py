@@ -185,6 +185,7 @@ class LLMEngine:
             "prefill_attention": "blocked" if cpu else "sdpa",
             "decode_math": "float32" if cpu or self.dtype == torch.float32 else "native",
             "decode_ops": "torch",  # no C kernels here (a GPU, or no compiler)
+            "decode_prefetch": "jumps",  # as the C kernels' default (or none of them here)
             "threads": "free",  # no C kernels, or one thread: nothing to place
         }
         if forced_on_c and ops is None:

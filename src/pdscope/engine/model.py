@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdscope.engine.kernels import PAIRS_LINEAR
+from pdscope.engine.kernels import OPTIONS, PAIRS_LINEAR
 from pdscope.engine.native import DecodeLayer, DecodeStep
 from pdscope.specs import architectures as registry
 
@@ -1345,6 +1345,13 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
         )
     if choice.prefill_linear == "rows" and (native is None or not native.team):
         raise ValueError("prefill_linear=rows needs the C kernels, which did not load")
+    if choice.decode_prefetch == "every" and (native is None or not native.decode_prefetch):
+        raise ValueError(
+            "decode_prefetch=every needs the C kernels built with AVX-512 BF16, which this CPU "
+            "or compiler does not give"
+        )
+    if native is not None:
+        native.set_decode_prefetch(choice.decode_prefetch)
     model.native = native if choice.decode_ops == "c" else None
     model._decode_layers = None
     for module in model.modules():
@@ -1444,6 +1451,10 @@ def kernel_trials(
       with 256 tokens of context, every layer: norms, residual adds, rope, the K/V write and
       attention, through PyTorch or through the C kernels (the linears, the same in both, are
       left out so that their time does not drown the difference).
+    * decode prefetch (the C kernels with AVX-512 BF16, a bf16 model of head size 64): the C
+      decode attention at batch 1 over a long context (``_PREFETCH_TRIAL_KEYS``), every
+      layer's cache up to ``_PREFETCH_TRIAL_BYTES`` so that the keys stream from memory, with
+      each prefetch setting.
 
     ``threads`` has no trial: ``bound`` runs only when forced. Chosen by a trial, it stalled a
     live server's stream 170-218 ms while the event loop parsed a 4 MB request
@@ -1472,6 +1483,9 @@ def kernel_trials(
     if native is not None:
         ops = native
         trials["decode_ops"] = lambda: _decode_ops_trial(model, ops)
+        c = model.config
+        if ops.decode_prefetch and dtype == torch.bfloat16 and c.head_dim == 64:
+            trials["decode_prefetch"] = lambda: _decode_prefetch_trial(model, ops)
     return trials
 
 
@@ -1778,6 +1792,41 @@ def _decode_math_trial(model: CausalLM) -> dict[str, Callable[[], object]]:
         return run
 
     return {"float32": decode_with(True), "native": decode_with(False)}
+
+
+# The decode prefetch trial's context and the most cache bytes it streams: where prefetching
+# matters, the keys come from memory (a step at 4,000 tokens of context on the small model
+# reads 49 MB of them); fewer layers' caches than the model has where its layers are larger.
+_PREFETCH_TRIAL_KEYS = 4096
+_PREFETCH_TRIAL_BYTES = 64 << 20
+
+
+def _decode_prefetch_trial(model: CausalLM, native: NativeOps) -> dict[str, Callable[[], object]]:
+    c, weight = model.config, model.embed_tokens.weight
+    block = 16
+    context = max(block, min(_PREFETCH_TRIAL_KEYS, model.rope_cos.shape[0]) // block * block)
+    shape = (2, c.num_kv_heads, context, c.head_dim)
+    layer_bytes = 2 * c.num_kv_heads * context * c.head_dim * weight.element_size()
+    layers = max(1, min(c.num_layers, _PREFETCH_TRIAL_BYTES // layer_bytes))
+    gen = torch.Generator(device=weight.device).manual_seed(0)
+    caches = [
+        torch.empty(shape, dtype=weight.dtype).uniform_(-1.0, 1.0, generator=gen)
+        for _ in range(layers)
+    ]
+    q = _random((1, c.num_heads, c.head_dim), weight)
+    tables = torch.arange(context // block).view(1, -1)
+    bounds = torch.tensor([[0, context]])
+    scale = c.head_dim**-0.5
+
+    def run(mode: str) -> Callable[[], None]:
+        def attend() -> None:
+            native.set_decode_prefetch(mode)
+            for cache in caches:
+                native.decode_attention(q, cache, tables, bounds, block, scale)
+
+        return attend
+
+    return {mode: run(mode) for mode in OPTIONS["decode_prefetch"]}
 
 
 def _decode_ops_trial(model: CausalLM, native: NativeOps) -> dict[str, Callable[[], object]]:

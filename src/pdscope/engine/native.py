@@ -392,6 +392,15 @@ class NativeOps:
             self.lib.pack_pairs.restype = None
             self.lib.linear_pairs.argtypes = [_P] * 5 + [_I, _I, _C, _C]
             self.lib.linear_pairs.restype = ctypes.c_int
+        # newer still: the decode attention's prefetch, chosen per machine (decode_prefetch);
+        # False where no decode attention of this build takes it (no AVX-512 BF16)
+        self.decode_prefetch = hasattr(self.lib, "set_decode_prefetch")
+        if self.decode_prefetch:
+            self.lib.set_decode_prefetch.argtypes = [_C]
+            self.lib.set_decode_prefetch.restype = ctypes.c_int
+            self.decode_prefetch = bool(self.lib.set_decode_prefetch(0))
+        # the library's setting, as last set through set_decode_prefetch
+        self.prefetch_mode = "jumps"
         # newer still: several rows through the same copies (batch_linear=pairs)
         self.pairs_rows = pairs_isa == 1 and hasattr(self.lib, "linear_pairs_rows")
         if self.pairs_rows:
@@ -598,6 +607,16 @@ class NativeOps:
         if bias is not None and (bias.shape != (out_features,) or bias.dtype != x.dtype):
             raise ValueError(f"linear: bias {tuple(bias.shape)} does not fit {out_features} rows")
         return torch.empty(rows, out_features, dtype=x.dtype), bias
+
+    def set_decode_prefetch(self, mode: str) -> None:
+        """The decode attention's prefetch (engine/kernels.py's ``decode_prefetch``): ``jumps``
+        or ``every``. One setting for the process: the library is loaded once, so the last
+        engine to apply its kernels sets it for every engine in the process."""
+        if mode not in ("jumps", "every"):
+            raise ValueError(f"decode_prefetch must be 'jumps' or 'every', got {mode!r}")
+        if self.decode_prefetch:
+            self.lib.set_decode_prefetch(mode == "every")
+            self.prefetch_mode = mode
 
     def decode_attention(
         self,

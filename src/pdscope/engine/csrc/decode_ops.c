@@ -420,23 +420,48 @@ __attribute__((noinline)) static void prefetch_rows16_l2(const bf16 *k, const bf
     }
 }
 
+/* The same rows into L1: decode_prefetch=every's hint (below). */
+__attribute__((noinline)) static void prefetch_rows16_l1(const bf16 *k, const bf16 *v) {
+    for (int i = 0; i < 16 * 64; i += 32) {
+        _mm_prefetch((const char *)(k + i), _MM_HINT_T0);
+        _mm_prefetch((const char *)(v + i), _MM_HINT_T0);
+        KEEP_LOOP();
+    }
+}
+
+/* The kernel choice's decode_prefetch (engine/kernels.py), set by set_decode_prefetch: one
+ * setting for the process, as the library is loaded once. 0 (jumps): only where the table
+ * jumps, below; 1 (every): the 16 keys after the next tile, run or jump, into L1. Which is
+ * faster differs by CPU, so the engine times both at load. On the Intel Xeon with AMX, 12
+ * layers at 4,000 keys and 2 threads took 0.77x the time with every (bench/decode_attention_ab.py
+ * --ab-source); on the AMD EPYC (Zen 4), prefetching runs cost a quarter of the read rate. */
+static int prefetch_every = 0;
+
+/* Returns 1: this build's decode attention (AVX-512 BF16, head size 64) takes the setting. */
+int set_decode_prefetch(int every) {
+    prefetch_every = every != 0;
+    return 1;
+}
+
 /* The K and V rows of the 16 keys after the next tile into L2, where they do not continue this
- * tile's run: a block's rows are contiguous but blocks need not be, and the hardware
- * prefetcher cannot see a jump to another block. Where they continue it, the hardware
- * prefetcher already follows them, and on an AMD EPYC (Zen 4) prefetching them anyway cost a
+ * tile's run (decode_prefetch=jumps): a block's rows are contiguous but blocks need not be, and
+ * the hardware prefetcher cannot see a jump to another block. Where they continue it, the
+ * hardware prefetcher follows them on an AMD EPYC (Zen 4), where prefetching them anyway cost a
  * quarter of the read rate. Shuffled or descending tables of 16-key blocks (bench/
  * decode_ops_ab.py --block-order's queue order) are read at less than half the rate of
  * ascending ones; with this, at ~0.7-0.75x the time they took without it, at 4,000 keys and
- * 2 threads. To L1 instead (prefetcht0) it did nothing measurable; in a plain reader of the
- * same pattern too. */
+ * 2 threads. To L1 instead (prefetcht0) it did nothing measurable there; in a plain reader of
+ * the same pattern too. */
 static inline void prefetch_tile_after_next(const bf16 *kp, const bf16 *vp, const int64_t *table,
                                             int64_t block_size, int64_t pos, int64_t n,
                                             int64_t hi, int64_t slot) {
     const int64_t ahead = pos + n + 16;
     if (ahead >= hi) return;
     const int64_t next = table[ahead / block_size] * block_size + ahead % block_size;
-    if (next == slot + (ahead - pos)) return;
-    prefetch_rows16_l2(kp + next * 64, vp + next * 64);
+    if (prefetch_every)
+        prefetch_rows16_l1(kp + next * 64, vp + next * 64);
+    else if (next != slot + (ahead - pos))
+        prefetch_rows16_l2(kp + next * 64, vp + next * 64);
 }
 
 /* Two V rows (keys t and t + 1, adjacent slots) of 64 bf16 interleaved for vdpbf16ps over the
@@ -707,6 +732,14 @@ static int attend_bf16_d64(int64_t group, const bf16 *qb, const void *kv, int64_
     default: return 0;
     }
 #undef ATTEND_G
+}
+#endif
+
+#ifndef HAVE_DPBF16
+/* Returns 0: no decode attention of this build has decode_prefetch's prefetches. */
+int set_decode_prefetch(int every) {
+    (void)every;
+    return 0;
 }
 #endif
 
