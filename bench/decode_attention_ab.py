@@ -16,9 +16,9 @@ at ``--threads 1``), medians.
 ``--march TARGET`` builds ``generic`` and ``c`` for that gcc target instead of this CPU (for
 x86-64-v3, ``c`` is the AVX2 kernel of 16 keys a tile; ``avx512`` is left out).
 
-``--prefetch jumps|every|both`` sets the kernel choice's ``decode_prefetch`` in ``c`` and
-``ab`` (default jumps, the library's own default); ``both`` runs ``c`` at jumps beside
-``c_every`` (the same library at every) and prints c_every / c.
+``--prefetch jumps|every|both`` sets the kernel choice's ``decode_prefetch`` in every build
+that has it (default jumps, the library's own default); ``both`` runs them at jumps and
+``c_every`` beside them (the engine's build at every), and prints c_every / c.
 
 ``--huge-cache`` adds ``c_huge``: the engine's build over the same caches copied onto
 transparent huge pages (as the engine's runner allocates them where Linux offers them; the
@@ -79,9 +79,11 @@ def main() -> None:
         ops = {"generic": generic_attention_ops(), "avx512": generic_attention_ops(1), "c": built}
     if args.ab_source:
         ops["ab"] = build_ops(args.ab_source, march=args.march)
-    for name in ("c", "ab"):
-        if name in ops and ops[name].decode_prefetch:
-            ops[name].set_decode_prefetch("jumps" if args.prefetch == "both" else args.prefetch)
+    if args.prefetch != "jumps" and not engine_ops.has_decode_prefetch:
+        raise SystemExit(f"--prefetch {args.prefetch}: this build of c has no decode_prefetch")
+    for o in ops.values():  # every build that has it, avx512 too, so their ratios compare alike
+        if o.has_decode_prefetch:
+            o.set_decode_prefetch("jumps" if args.prefetch == "both" else args.prefetch)
     block, kv_heads, heads, dim, layers = 16, 4, 16, 64, 12
     gen = torch.Generator().manual_seed(0)
     print(machine_line())
@@ -112,7 +114,7 @@ def main() -> None:
                 o.decode_attention(q, c, tables, bounds, block, 0.125)
 
         paths = {name: (lambda o=o: step(o)) for name, o in ops.items()}
-        if args.prefetch == "both" and engine_ops.decode_prefetch:
+        if args.prefetch == "both":
 
             def every(step=step) -> None:
                 engine_ops.set_decode_prefetch("every")

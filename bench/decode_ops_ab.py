@@ -64,6 +64,7 @@ import itertools
 import random
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -81,6 +82,16 @@ def generic_attention_ops(level: int = 0, march: str | None = None) -> native.Na
     return build_ops(
         native.SOURCE, f"NEW_DECODE_ATTENTION={level}", what="--generic-attention", march=march
     )
+
+
+def _point_at(llm: LLM, ops: native.NativeOps) -> None:
+    """Run ``llm``'s kernel choice on another build of the C kernels; a build without
+    decode_prefetch (the generic loop, or a source from before it) keeps its own prefetch."""
+    kernels = llm.engine.kernels
+    if not ops.has_decode_prefetch:
+        kernels = replace(kernels, decode_prefetch="jumps")
+    apply_kernels(llm.engine.runner.model, kernels, ops)
+    llm.engine._native = ops
 
 
 def main() -> None:
@@ -177,15 +188,9 @@ def main() -> None:
         for cand in args.candidates
     }
     if level is not None:
-        llm = engines[args.candidates[0]]
-        ops = generic_attention_ops(level)
-        apply_kernels(llm.engine.runner.model, llm.engine.kernels, ops)
-        llm.engine._native = ops
+        _point_at(engines[args.candidates[0]], generic_attention_ops(level))
     if args.ab_source:
-        llm = engines["source"]
-        ops = build_ops(args.ab_source)
-        apply_kernels(llm.engine.runner.model, llm.engine.kernels, ops)
-        llm.engine._native = ops
+        _point_at(engines["source"], build_ops(args.ab_source))
     if args.plain_pages:
         moved = 0
         for m in engines["plain"].engine.runner.model.modules():

@@ -734,18 +734,22 @@ def test_decode_prefetch_every_changes_no_bit(
     the threads give the float64 reference's output under every, and the same bits as under
     jumps."""
     ops = _decode_attention_build(request, build)
-    if not ops.decode_prefetch:
+    if not ops.has_decode_prefetch:
         pytest.skip("this build's decode attention has no such prefetch (no AVX-512 BF16)")
+    before = ops.prefetch_mode
     try:
         ops.set_decode_prefetch("every")
+        assert ops.prefetch_mode == "every"  # read back from the library
         every = _check_decode_attention(ops, torch.bfloat16, 64, heads)
-    finally:
         ops.set_decode_prefetch("jumps")
-    jumps = _check_decode_attention(ops, torch.bfloat16, 64, heads)
+        assert ops.prefetch_mode == "jumps"
+        jumps = _check_decode_attention(ops, torch.bfloat16, 64, heads)
+        with pytest.raises(ValueError, match="decode_prefetch must be 'jumps' or 'every'"):
+            ops.set_decode_prefetch("always")
+        assert ops.prefetch_mode == "jumps"
+    finally:
+        ops.set_decode_prefetch(before)
     assert torch.equal(every, jumps)
-    with pytest.raises(ValueError, match="decode_prefetch must be 'jumps' or 'every'"):
-        ops.set_decode_prefetch("always")
-    assert ops.prefetch_mode == "jumps"
 
 
 @pytest.mark.parametrize("build", [None, "x86-64-v3"])
@@ -755,7 +759,11 @@ def test_decode_prefetch_every_without_its_kernels_is_refused_by_its_name(
     """decode_prefetch=every with no C kernels, or with an AVX2 build (whose attention has its
     own prefetch, not this one), names the option asked for, and changes nothing."""
     ops = None if build is None else build_for(build, _factory(request))
-    assert ops is None or not ops.decode_prefetch
+    if ops is not None:
+        assert not ops.has_decode_prefetch and ops.prefetch_mode == "jumps"
+        ops.set_decode_prefetch("jumps")  # nothing to set: no error
+        with pytest.raises(ValueError, match="decode_prefetch=every: this build's decode"):
+            ops.set_decode_prefetch("every")
     llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels="linear=packed")
     model = llm.engine.runner.model
     before = model.native
@@ -764,29 +772,49 @@ def test_decode_prefetch_every_without_its_kernels_is_refused_by_its_name(
     assert model.native is before
 
 
+def test_forced_decode_prefetch_every_is_refused_before_any_trial(
+    tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Forced on a model whose decode attention has no such prefetch (tiny's head size is 16),
+    decode_prefetch=every is refused by name at load, before the trials run (none is cached)."""
+    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    with pytest.raises(ValueError, match="decode_prefetch=every needs the C kernels built with"):
+        LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels="decode_prefetch=every")
+    assert not list(tmp_path.glob("kernels/*.json"))
+
+
 def test_decode_prefetch_is_timed_where_the_attention_takes_it(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """A bf16 model of head size 64 on a build with AVX-512 BF16: both settings timed at load,
-    the faster kept and set in the library; head size 16 (the generic loop, which has no such
-    prefetch): jumps, fixed, nothing timed."""
+    the faster kept and set in the library. Head size 16, or 8 query heads a KV head (loops
+    without the prefetch): jumps, fixed, nothing timed, and the library's setting, the first
+    engine's, left as it was."""
     from pdscope.checkpoint.make_model import make_model
 
     monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
     ops = native.load(tmp_path / "native")
-    if ops is None or not ops.decode_prefetch:
+    if ops is None or not ops.has_decode_prefetch:
         pytest.skip("no AVX-512 BF16 in this build of the C kernels")
     head64 = make_model(tmp_path / "head64", "tiny", head_dim=64)
     kernels = LLM(model=str(head64), kv_cache_memory="8MiB").engine.kernels
     assert kernels.how["decode_prefetch"] == "measured"
     timed = {n: t for n, t in kernels.trial_s.items() if n.startswith("decode_prefetch=")}
     assert set(timed) == {"decode_prefetch=jumps", "decode_prefetch=every"}
-    assert kernels.decode_prefetch == min(timed, key=timed.__getitem__).split("=")[1]
-    assert ops.prefetch_mode == kernels.decode_prefetch
-    head16 = make_model(tmp_path / "head16", "tiny")
-    kernels = LLM(model=str(head16), kv_cache_memory="8MiB").engine.kernels
-    assert (kernels.decode_prefetch, kernels.how["decode_prefetch"]) == ("jumps", "fixed")
-    assert ops.prefetch_mode == "jumps"
+    chosen = kernels.decode_prefetch
+    assert chosen == min(timed, key=timed.__getitem__).split("=")[1]
+    assert ops.prefetch_mode == chosen
+    other = {"jumps": "every", "every": "jumps"}[chosen]
+    for name, overrides in (
+        ("head16", {}),
+        ("group8", {"head_dim": 64, "num_attention_heads": 8, "num_key_value_heads": 1}),
+    ):
+        ops.set_decode_prefetch(other)  # as if another engine had chosen the other setting
+        path = make_model(tmp_path / name, "tiny", **overrides)
+        kernels = LLM(model=str(path), kv_cache_memory="8MiB").engine.kernels
+        assert (kernels.decode_prefetch, kernels.how["decode_prefetch"]) == ("jumps", "fixed")
+        assert ops.prefetch_mode == other, name
+    ops.set_decode_prefetch("jumps")
 
 
 def _decode_attention_build(request: pytest.FixtureRequest, build: str) -> native.NativeOps:

@@ -21,6 +21,7 @@ from pdscope.engine.model import (
     apply_kernels,
     can_pack,
     kernel_trials,
+    prefetch_applies,
     thread_cpus,
     widen_bf16,
 )
@@ -153,6 +154,7 @@ class LLMEngine:
             or forced.get("threads") != "free"
             or forced.get("prefill_linear") == "rows"  # its shares run on the C kernels' team
             or forced.get("prefill_attention") in ON_C["prefill_attention"]
+            or forced.get("decode_prefetch") in ON_C["decode_prefetch"]
         )
         forced_on_c = [f"{p}={o}" for p, o in forced.items() if o in ON_C.get(p, ())]
         if native.supports(self.dtype, self.device) and wanted:
@@ -192,6 +194,13 @@ class LLMEngine:
             raise ValueError(
                 f"kernels: {forced_on_c[0]} runs on the C kernels, on CPU only "
                 f"(device {self.device})"
+            )
+        if forced.get("decode_prefetch") == "every" and not prefetch_applies(self.model, ops):
+            # refused before any trial runs, not after them in apply_kernels
+            raise ValueError(
+                "kernels: decode_prefetch=every needs the C kernels built with AVX-512 BF16 and "
+                "a bf16 model of head size 64 with 1-4 query heads a KV head (the attention "
+                "that has the prefetch)"
             )
         if forced.get("threads") == "bound" and (ops is None or not thread_cpus()):
             raise ValueError(

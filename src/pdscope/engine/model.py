@@ -1345,12 +1345,14 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
         )
     if choice.prefill_linear == "rows" and (native is None or not native.team):
         raise ValueError("prefill_linear=rows needs the C kernels, which did not load")
-    if choice.decode_prefetch == "every" and (native is None or not native.decode_prefetch):
+    if choice.decode_prefetch == "every" and (native is None or not native.has_decode_prefetch):
         raise ValueError(
             "decode_prefetch=every needs the C kernels built with AVX-512 BF16, which this CPU "
             "or compiler does not give"
         )
-    if native is not None:
+    # One setting per process: an engine whose attention does not take it (how "fixed") leaves
+    # the setting another engine's trial chose.
+    if native is not None and choice.how.get("decode_prefetch") != "fixed":
         native.set_decode_prefetch(choice.decode_prefetch)
     model.native = native if choice.decode_ops == "c" else None
     model._decode_layers = None
@@ -1451,10 +1453,9 @@ def kernel_trials(
       with 256 tokens of context, every layer: norms, residual adds, rope, the K/V write and
       attention, through PyTorch or through the C kernels (the linears, the same in both, are
       left out so that their time does not drown the difference).
-    * decode prefetch (the C kernels with AVX-512 BF16, a bf16 model of head size 64): the C
-      decode attention at batch 1 over a long context (``_PREFETCH_TRIAL_KEYS``), every
-      layer's cache up to ``_PREFETCH_TRIAL_BYTES`` so that the keys stream from memory, with
-      each prefetch setting.
+    * decode prefetch (``prefetch_applies``): the C decode attention at batch 1 over
+      ``_PREFETCH_TRIAL_KEYS`` of random keys, one synthetic cache per layer up to
+      ``_PREFETCH_TRIAL_BYTES``, with each prefetch setting.
 
     ``threads`` has no trial: ``bound`` runs only when forced. Chosen by a trial, it stalled a
     live server's stream 170-218 ms while the event loop parsed a 4 MB request
@@ -1483,8 +1484,7 @@ def kernel_trials(
     if native is not None:
         ops = native
         trials["decode_ops"] = lambda: _decode_ops_trial(model, ops)
-        c = model.config
-        if ops.decode_prefetch and dtype == torch.bfloat16 and c.head_dim == 64:
+        if prefetch_applies(model, ops):
             trials["decode_prefetch"] = lambda: _decode_prefetch_trial(model, ops)
     return trials
 
@@ -1794,11 +1794,26 @@ def _decode_math_trial(model: CausalLM) -> dict[str, Callable[[], object]]:
     return {"float32": decode_with(True), "native": decode_with(False)}
 
 
-# The decode prefetch trial's context and the most cache bytes it streams: where prefetching
-# matters, the keys come from memory (a step at 4,000 tokens of context on the small model
-# reads 49 MB of them); fewer layers' caches than the model has where its layers are larger.
+# The decode prefetch trial's context and the most cache bytes it reads: about one step's K
+# and V at 4,000 tokens of context on the small model (49 MB), where decode's prefetch
+# matters; fewer layers' caches than the model has where its layers are larger.
 _PREFETCH_TRIAL_KEYS = 4096
 _PREFETCH_TRIAL_BYTES = 64 << 20
+
+
+def prefetch_applies(model: CausalLM, native: NativeOps | None) -> bool:
+    """Whether ``decode_prefetch`` changes anything for ``model``: the C kernels' bf16 decode
+    attention of head size 64 and 1-4 query heads a KV head (AVX-512 BF16, scores on AMX
+    tiles where granted) has the prefetch; other shapes take loops without it."""
+    c, weight = model.config, model.embed_tokens.weight
+    return (
+        native is not None
+        and native.has_decode_prefetch
+        and weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and c.head_dim == 64
+        and c.num_heads // c.num_kv_heads <= 4
+    )
 
 
 def _decode_prefetch_trial(model: CausalLM, native: NativeOps) -> dict[str, Callable[[], object]]:

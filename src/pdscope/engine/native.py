@@ -394,13 +394,13 @@ class NativeOps:
             self.lib.linear_pairs.restype = ctypes.c_int
         # newer still: the decode attention's prefetch, chosen per machine (decode_prefetch);
         # False where no decode attention of this build takes it (no AVX-512 BF16)
-        self.decode_prefetch = hasattr(self.lib, "set_decode_prefetch")
-        if self.decode_prefetch:
+        self.has_decode_prefetch = hasattr(self.lib, "set_decode_prefetch")
+        if self.has_decode_prefetch:
             self.lib.set_decode_prefetch.argtypes = [_C]
             self.lib.set_decode_prefetch.restype = ctypes.c_int
-            self.decode_prefetch = bool(self.lib.set_decode_prefetch(0))
-        # the library's setting, as last set through set_decode_prefetch
-        self.prefetch_mode = "jumps"
+            self.lib.decode_prefetch_every.argtypes = []
+            self.lib.decode_prefetch_every.restype = ctypes.c_int
+            self.has_decode_prefetch = bool(self.lib.set_decode_prefetch(0))
         # newer still: several rows through the same copies (batch_linear=pairs)
         self.pairs_rows = pairs_isa == 1 and hasattr(self.lib, "linear_pairs_rows")
         if self.pairs_rows:
@@ -611,12 +611,20 @@ class NativeOps:
     def set_decode_prefetch(self, mode: str) -> None:
         """The decode attention's prefetch (engine/kernels.py's ``decode_prefetch``): ``jumps``
         or ``every``. One setting for the process: the library is loaded once, so the last
-        engine to apply its kernels sets it for every engine in the process."""
+        engine to apply a choice it timed or was given sets it for every engine in the
+        process. ``jumps`` is a no-op, and ``every`` refused, where the build lacks it."""
         if mode not in ("jumps", "every"):
             raise ValueError(f"decode_prefetch must be 'jumps' or 'every', got {mode!r}")
-        if self.decode_prefetch:
+        if self.has_decode_prefetch:
             self.lib.set_decode_prefetch(mode == "every")
-            self.prefetch_mode = mode
+        elif mode == "every":
+            raise ValueError("decode_prefetch=every: this build's decode attention lacks it")
+
+    @property
+    def prefetch_mode(self) -> str:
+        """The library's setting, read back from it (``jumps`` where the build lacks it)."""
+        every = self.has_decode_prefetch and self.lib.decode_prefetch_every()
+        return "every" if every else "jumps"
 
     def decode_attention(
         self,

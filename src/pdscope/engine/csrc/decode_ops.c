@@ -437,11 +437,14 @@ __attribute__((noinline)) static void prefetch_rows16_l1(const bf16 *k, const bf
  * --ab-source); on the AMD EPYC (Zen 4), prefetching runs cost a quarter of the read rate. */
 static int prefetch_every = 0;
 
-/* Returns 1: this build's decode attention (AVX-512 BF16, head size 64) takes the setting. */
+/* Returns 1 where this build's decode attention (AVX-512 BF16, head size 64, 1-4 query heads
+ * a KV head) takes the setting: not in a build of the generic loop only (the benches'). */
 int set_decode_prefetch(int every) {
     prefetch_every = every != 0;
-    return 1;
+    return NEW_DECODE_ATTENTION != 0;
 }
+
+int decode_prefetch_every(void) { return prefetch_every; }
 
 /* The K and V rows of the 16 keys after the next tile into L2, where they do not continue this
  * tile's run (decode_prefetch=jumps): a block's rows are contiguous but blocks need not be, and
@@ -452,6 +455,9 @@ int set_decode_prefetch(int every) {
  * ascending ones; with this, at ~0.7-0.75x the time they took without it, at 4,000 keys and
  * 2 threads. To L1 instead (prefetcht0) it did nothing measurable there; in a plain reader of
  * the same pattern too. */
+/* The 16 rows from `next` are that tile's keys where blocks hold 16 or more (the engine's
+ * 16); with smaller blocks the rows past the block are some other block's, and past the
+ * cache's end for its last block: a prefetch never faults, and asks for nothing needed. */
 static inline void prefetch_tile_after_next(const bf16 *kp, const bf16 *vp, const int64_t *table,
                                             int64_t block_size, int64_t pos, int64_t n,
                                             int64_t hi, int64_t slot) {
@@ -741,6 +747,8 @@ int set_decode_prefetch(int every) {
     (void)every;
     return 0;
 }
+
+int decode_prefetch_every(void) { return 0; }
 #endif
 
 #ifdef HAVE_AVX2_BF16
@@ -1635,13 +1643,12 @@ struct amx_config {
 } __attribute__((aligned(64)));
 
 static void amx_configure(void) {
-    struct amx_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
+    /* a constant, as every tile configuration here (decode_amx_configure says why) */
+    static const struct amx_config cfg = {
+        .palette = 1,
+        .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+        .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+    };
     _tile_loadconfig(&cfg);
 }
 
@@ -1720,9 +1727,11 @@ static inline __attribute__((always_inline)) void amx_block(const bf16 *w, const
 /* Tile 0: S^T (16 keys x 4 heads, float32); 4-5: A, 16 K rows, dims 0-31 and 32-63; 6-7: B,
  * the queries' dims 0-31 and 32-63 as 16 pair-rows x 4 heads. */
 static void decode_amx_configure(void) {
-    /* A constant, not stores into a local: gcc 12.2, with this inlined into a larger attention
-     * loop (an A/B variant, not kept), kept the local's zeroing and palette but dropped its
-     * column and row stores, and the first tile load faulted. */
+    /* A constant, not stores into a local (so too the other tile configurations): gcc 12's
+     * _tile_loadconfig is an asm whose memory operand is 8 bytes (amxtileintrin.h), so once
+     * this was inlined into a larger attention loop (an A/B variant, not kept) the stores of
+     * the columns and rows, bytes 16-63, looked dead and were dropped; the first tile load
+     * faulted. */
     static const struct amx_config cfg = {
         .palette = 1,
         .colsb = {[0] = 16, [4] = 64, [5] = 64, [6] = 16, [7] = 16},
@@ -1865,12 +1874,12 @@ static void amx_one_row_range(const bf16 *x, const bf16 *w, const void *bias, bf
                               float *yf, int64_t in, int64_t out, int64_t lo, int64_t hi) {
     const int64_t wstride = in * (int64_t)sizeof(bf16);
     {
-        struct amx_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        cfg.colsb[0] = cfg.colsb[2] = cfg.colsb[6] = 4; /* C: 16 x 1 float, B: 16 pairs x 1 */
-        cfg.colsb[4] = cfg.colsb[5] = 64;               /* A: 16 weight rows x 32 bf16 */
-        cfg.rows[0] = cfg.rows[2] = cfg.rows[4] = cfg.rows[5] = cfg.rows[6] = 16;
+        /* C: 16 x 1 float, B: 16 pairs x 1 (tiles 0, 2, 6); A: 16 weight rows x 32 bf16 */
+        static const struct amx_config cfg = {
+            .palette = 1,
+            .colsb = {[0] = 4, [2] = 4, [4] = 64, [5] = 64, [6] = 4},
+            .rows = {[0] = 16, [2] = 16, [4] = 16, [5] = 16, [6] = 16},
+        };
         _tile_loadconfig(&cfg);
         for (int64_t blk = lo; blk < hi; blk++) {
             const int64_t r0 = blk * 32;
