@@ -6,6 +6,7 @@ import asyncio
 import gc
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -1058,3 +1059,40 @@ def test_a_request_past_its_timeout_says_which_limit() -> None:
 
     error = asyncio.run(main())
     assert error == "timeout: no whole answer within 0.3 s (--timeout)"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="relies on Linux dropping SYNs to a full queue")
+def test_a_connection_past_its_timeout_says_so() -> None:
+    """A server whose accept queue is full, on 127.0.0.1: Linux drops the next SYN, so the
+    connect hangs until the timer. The error names the connection and the limit that ended it
+    (here --timeout's 0.5 s, below the 10 s connect limit); it said "no whole answer within
+    0.5 s", as if the server had been slow to answer (aiohttp's total timer raises a plain
+    TimeoutError while connecting)."""
+    import socket
+
+    from pdscope.client.adapters import openai_body, run_openai, session
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    queued = []
+    try:
+        for _ in range(8):  # fill the accept queue (never accepted); a full one drops the SYN
+            c = socket.socket()
+            c.setblocking(False)
+            c.connect_ex(("127.0.0.1", port))
+            queued.append(c)
+
+        async def main() -> str | None:
+            async with session(timeout_s=0.5) as client:
+                body = openai_body("openai-completions", "m", "hi", 4)
+                url = f"http://127.0.0.1:{port}"
+                return (await run_openai(client, url, "openai-completions", body)).error
+
+        error = asyncio.run(main())
+    finally:
+        for c in queued:
+            c.close()
+        listener.close()
+    assert error == "timeout: no connection within 0.5 s"

@@ -177,13 +177,14 @@ def _stale_connection(trace: Trace) -> bool:
     )
 
 
-def _timeout_text(exc: TimeoutError, limits: aiohttp.ClientTimeout) -> str:
+def _timeout_text(exc: TimeoutError, limits: aiohttp.ClientTimeout, trace: Trace) -> str:
     """Which limit a request ran past, in seconds: the error a reader can act on."""
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):  # the connect or the total timer
+    # The connect timer raises ConnectionTimeoutError; the total timer, firing while the
+    # connection is still being made (no new one made, nothing sent), a plain TimeoutError.
+    never_connected = trace.connected_s is None and trace.sent_s is None
+    if isinstance(exc, aiohttp.ConnectionTimeoutError) or never_connected:
         limit = min(x for x in (limits.connect, limits.total, math.inf) if x)
         return f"timeout: no connection within {limit:g} s"
-    if isinstance(exc, aiohttp.SocketTimeoutError) and limits.sock_read:
-        return f"timeout: the server sent nothing for {limits.sock_read:g} s"
     if limits.total:
         return f"timeout: no whole answer within {limits.total:g} s (--timeout)"
     return f"timeout: {type(exc).__name__}"
@@ -219,7 +220,7 @@ async def _stream_once(
                 async for _ in r.content.iter_any():
                     pass
     except TimeoutError as exc:
-        trace.error = _timeout_text(exc, client.timeout)
+        trace.error = _timeout_text(exc, client.timeout, trace)
         return trace
     except aiohttp.ClientError as exc:
         trace.error = f"{type(exc).__name__}: {exc}"
