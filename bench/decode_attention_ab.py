@@ -63,7 +63,7 @@ def main() -> None:
         "--prefetch",
         choices=("jumps", "every", "both"),
         default="jumps",
-        help="decode_prefetch for c and ab (both: c at jumps and c_every at every)",
+        help="decode_prefetch for every build that has it (both: at jumps, and c_every)",
     )
     args = parser.parse_args()
     if args.threads:

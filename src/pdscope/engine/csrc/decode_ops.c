@@ -433,8 +433,9 @@ __attribute__((noinline)) static void prefetch_rows16_l1(const bf16 *k, const bf
  * setting for the process, as the library is loaded once. 0 (jumps): only where the table
  * jumps, below; 1 (every): the 16 keys after the next tile, run or jump, into L1. Which is
  * faster differs by CPU, so the engine times both at load. On the Intel Xeon with AMX, 12
- * layers at 4,000 keys and 2 threads took 0.77x the time with every (bench/decode_attention_ab.py
- * --ab-source); on the AMD EPYC (Zen 4), prefetching runs cost a quarter of the read rate. */
+ * layers at 4,000 keys and 2 threads took 0.77x the time with every
+ * (bench/decode_attention_ab.py --ab-source); on the AMD EPYC (Zen 4), prefetching runs cost a
+ * quarter of the read rate. */
 static int prefetch_every = 0;
 
 /* Returns 1 where this build's decode attention (AVX-512 BF16, head size 64, 1-4 query heads
@@ -454,10 +455,9 @@ int decode_prefetch_every(void) { return prefetch_every; }
  * decode_ops_ab.py --block-order's queue order) are read at less than half the rate of
  * ascending ones; with this, at ~0.7-0.75x the time they took without it, at 4,000 keys and
  * 2 threads. To L1 instead (prefetcht0) it did nothing measurable there; in a plain reader of
- * the same pattern too. */
-/* The 16 rows from `next` are that tile's keys where blocks hold 16 or more (the engine's
- * 16); with smaller blocks the rows past the block are some other block's, and past the
- * cache's end for its last block: a prefetch never faults, and asks for nothing needed. */
+ * the same pattern too. Either way the 16 rows from `next` are that tile's keys where blocks
+ * hold 16 or more (the engine's 16); with smaller blocks the rows past the block are another
+ * block's, or past the cache's end for its last block: a prefetch never faults. */
 static inline void prefetch_tile_after_next(const bf16 *kp, const bf16 *vp, const int64_t *table,
                                             int64_t block_size, int64_t pos, int64_t n,
                                             int64_t hi, int64_t slot) {
