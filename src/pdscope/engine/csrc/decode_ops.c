@@ -409,25 +409,21 @@ static inline __m512 bf16x16_to_f32(const bf16 *src) {
 }
 
 
-/* 16 K rows and 16 V rows of 64 bf16 into L2. Out of line: inlined into the attention loops,
- * the 64 prefetches made the loop 1.24-1.37x slower at one thread even where none ran
- * (contiguous tables). */
-__attribute__((noinline)) static void prefetch_rows16_l2(const bf16 *k, const bf16 *v) {
-    for (int i = 0; i < 16 * 64; i += 32) {
-        _mm_prefetch((const char *)(k + i), _MM_HINT_T1);
-        _mm_prefetch((const char *)(v + i), _MM_HINT_T1);
-        KEEP_LOOP();
+/* 16 K rows and 16 V rows of 64 bf16 into L2 (prefetch_rows16_l2) or L1 (_l1, for
+ * decode_prefetch=every, below); the hint must be a constant, hence one body for both. Out of
+ * line: inlined into the attention loops, the 64 prefetches made the loop 1.24-1.37x slower at
+ * one thread even where none ran (contiguous tables). */
+#define PREFETCH_ROWS16(NAME, HINT)                                                    \
+    __attribute__((noinline)) static void NAME(const bf16 *k, const bf16 *v) {         \
+        for (int i = 0; i < 16 * 64; i += 32) {                                        \
+            _mm_prefetch((const char *)(k + i), HINT);                                 \
+            _mm_prefetch((const char *)(v + i), HINT);                                 \
+            KEEP_LOOP();                                                               \
+        }                                                                              \
     }
-}
-
-/* The same rows into L1: decode_prefetch=every's hint (below). */
-__attribute__((noinline)) static void prefetch_rows16_l1(const bf16 *k, const bf16 *v) {
-    for (int i = 0; i < 16 * 64; i += 32) {
-        _mm_prefetch((const char *)(k + i), _MM_HINT_T0);
-        _mm_prefetch((const char *)(v + i), _MM_HINT_T0);
-        KEEP_LOOP();
-    }
-}
+PREFETCH_ROWS16(prefetch_rows16_l2, _MM_HINT_T1)
+PREFETCH_ROWS16(prefetch_rows16_l1, _MM_HINT_T0)
+#undef PREFETCH_ROWS16
 
 /* The kernel choice's decode_prefetch (engine/kernels.py), set by set_decode_prefetch: one
  * setting for the process, as the library is loaded once. 0 (jumps): only where the table
