@@ -751,18 +751,23 @@ int decode_prefetch_every(void) { return 0; }
 /* ---- Decode attention in AVX2 and FMA (a CPU without AVX-512 BF16), head size 64 or 128.
  * attend_range_impl's generic loop ends each key's score in a horizontal sum and keeps its
  * accumulators in memory: ~2.5 GB/s of KV a core, so decode at 4,000 tokens of context read
- * 20 points slower than its bytes. Here a tile of 16 keys is widened to float32 once (K and
- * V, into L1) while the next tile's rows are fetched, each query head's scores are FMA chains
- * of 8 keys that advance together and are reduced by one hadd tree, the exp is vectorized, and
- * each head's output sums the tile's keys in registers. The softmax weights stay float32.
- * Same contract as attend_range (qf already scaled). 16 keys a tile over 8: 0.95x the time
- * (1 thread, 1,000 and 4,000 keys; an AMD EPYC family 26 running its x86-64-v3 build).
- * A bf16 tile is widened by unpacking with zero, which leaves each 16 dims in the order
- * [0-3, 8-11, 4-7, 12-15]: q is put in that order once a call and the output put back, so
- * the scores and sums are the same dot products. 0.95-0.96x the time of widening 8 at a time
- * in order (an Intel Xeon with AMX running its x86-64-v3 build, 1 and 2 threads, 4,000 keys).
- * What a key costs there (removing each part in turn, 1 thread, 21.5 ns a key and KV head):
- * QK 36%, P.V 30%, widening 22%, exp 9%: the FMAs, not memory, set the pace. */
+ * 20 points slower than its bytes. Here the keys go by tiles of 16 while the next tile's rows
+ * are fetched; the scores of 8 keys are FMA chains that advance together and are reduced by
+ * one hadd tree, the exp is vectorized, and each head's output sums the tile's keys in
+ * registers. The softmax weights stay float32. Same contract as attend_range (qf already
+ * scaled). 16 keys a tile over 8: 0.95x the time (1 thread, 1,000 and 4,000 keys; an AMD EPYC
+ * family 26 running its x86-64-v3 build); over 32: 1.1x (the Xeon below).
+ * bf16 rows are widened by unpacking with zero (one load and two unpacks for 16 values, where
+ * a widening and a shift took 8), which leaves each 16 dims in the order [0-3, 8-11, 4-7,
+ * 12-15]: q is put in that order once a call and the output put back, so the scores and sums
+ * are the same dot products. A whole bf16 tile is read where it lies and unpacked in
+ * registers, each load serving up to 4 query heads (qk8_bf16, pv_bf16); a short tile, or a
+ * float32 cache's K, goes through a float32 copy in L1 as before. On an Intel Xeon with AMX
+ * running its x86-64-v3 build (2 threads, 4,000 keys of the small model's shapes, the KV read
+ * from memory after 25 MB of other reads, as after a layer's weights): 0.86x the time of
+ * widening every K and V row into L1 (0.80x where the rows are in L2); unpacking alone there
+ * was 0.95x. What a key cost before (removing each part in turn, 1 thread, 21.5 ns a key and
+ * KV head): QK 36%, P.V 30%, widening 22%, exp 9%: the FMAs, not memory, set the pace. */
 
 /* out[t] = the sum of the 8 lanes of v[t] */
 static inline __m256 sum8x8(const __m256 v[8]) {
@@ -814,13 +819,79 @@ static inline void swap_unpacked(float *x, int64_t n) {
 #define AVX2_TILE_HALVES 2 /* keys a tile: 8 a half (-DAVX2_TILE_HALVES=1 for 8 keys) */
 #endif
 
+/* The scores of 8 keys (rows of D bf16 from k0) for query heads [g0, g0 + HS), HS * KS = 8,
+ * K unpacked in registers as widen16_unpacked orders it (q is in that order): KS keys at a
+ * time, HS * KS FMA chains, each pair of keys' chains reduced by the first level of sum8x8's
+ * tree into fl, the rest of the tree once all 8 are in. s[h] gets head g0 + h's 8 scores. */
+static inline __attribute__((always_inline)) void qk8_bf16(const int D, const int HS,
+                                                           const int KS, const bf16 *k0,
+                                                           const float *q, int64_t g0,
+                                                           __m256 *s) {
+    const __m256i z = _mm256_setzero_si256();
+    __m256 fl[4][4]; /* [head][key pair] */
+    for (int t0 = 0; t0 < 8; t0 += KS) {
+        __m256 a[8]; /* head h, key t: a[h * KS + t] */
+        for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+        for (int c = 0; c < D; c += 16)
+            for (int t = 0; t < KS; t++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(k0 + (t0 + t) * D + c));
+                const __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, x));
+                const __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, x));
+                for (int h = 0; h < HS; h++) {
+                    const float *qh = q + (g0 + h) * D + c;
+                    a[h * KS + t] = _mm256_fmadd_ps(_mm256_loadu_ps(qh), lo, a[h * KS + t]);
+                    a[h * KS + t] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8), hi, a[h * KS + t]);
+                }
+            }
+        for (int h = 0; h < HS; h++)
+            for (int t = 0; t < KS; t += 2)
+                fl[h][(t0 + t) / 2] = _mm256_hadd_ps(a[h * KS + t], a[h * KS + t + 1]);
+    }
+    for (int h = 0; h < HS; h++) {
+        const __m256 ab = _mm256_hadd_ps(fl[h][0], fl[h][1]);
+        const __m256 cd = _mm256_hadd_ps(fl[h][2], fl[h][3]);
+        s[h] = _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20),
+                             _mm256_permute2f128_ps(ab, cd, 0x31));
+    }
+}
+
+/* P.V of one tile for query heads [g0, g0 + HS) over dims [c0, c0 + 16 * CS), V's n rows
+ * (from v0, D bf16 each) unpacked in registers in widen16_unpacked's order, so each V load
+ * serves HS heads with no float32 copy: 2 * HS * CS accumulators (8 in every use). w holds
+ * each head's weights, a row of `stride` per head; acc is in the unpacked order. */
+static inline __attribute__((always_inline)) void pv_bf16(const int D, const int HS, const int CS,
+                                                          const bf16 *v0, int64_t n,
+                                                          const float *w, const int stride,
+                                                          int64_t g0, float *acc, int c0) {
+    __m256 o[8]; /* head h, chunk c, half j: o[(h * CS + c) * 2 + j] */
+    for (int h = 0; h < HS; h++)
+        for (int i = 0; i < 2 * CS; i++)
+            o[h * 2 * CS + i] = _mm256_loadu_ps(acc + (g0 + h) * D + c0 + 8 * i);
+    const __m256i z = _mm256_setzero_si256();
+    for (int64_t t = 0; t < n; t++)
+        for (int c = 0; c < CS; c++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(v0 + t * D + c0 + 16 * c));
+            const __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, x));
+            const __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, x));
+            for (int h = 0; h < HS; h++) {
+                const __m256 wt = _mm256_broadcast_ss(w + (g0 + h) * stride + t);
+                o[(h * CS + c) * 2] = _mm256_fmadd_ps(wt, lo, o[(h * CS + c) * 2]);
+                o[(h * CS + c) * 2 + 1] = _mm256_fmadd_ps(wt, hi, o[(h * CS + c) * 2 + 1]);
+            }
+        }
+    for (int h = 0; h < HS; h++)
+        for (int i = 0; i < 2 * CS; i++)
+            _mm256_storeu_ps(acc + (g0 + h) * D + c0 + 8 * i, o[h * 2 * CS + i]);
+}
+
 static inline __attribute__((always_inline)) void attend_avx2_impl(
     const int D, const int BF, const float *qf, int64_t group, const void *kv, int64_t kv_heads,
     int64_t slots, int64_t head, const int64_t *table, int64_t block_size, int64_t lo,
     int64_t hi, float *m, float *l, float *acc) {
     enum { H = AVX2_TILE_HALVES, T = 8 * AVX2_TILE_HALVES };
-    float kt[T * D] __attribute__((aligned(32))), vt[T * D] __attribute__((aligned(32)));
+    float kt[T * D] __attribute__((aligned(32)));
     float w[group][T] __attribute__((aligned(32)));
+    __m256 sc[group][H]; /* each query head's scores of the tile */
     float qp[BF ? group * D : 1]; /* bf16: q in the unpacked order of the tiles' dims */
     if (BF) {
         memcpy(qp, qf, (size_t)(group * D) * sizeof(float));
@@ -842,8 +913,10 @@ static inline __attribute__((always_inline)) void attend_avx2_impl(
         if (n > T) n = T;
         if (n > hi - pos) n = hi - pos;
         /* The next tile's K and V rows, asked for while this one computes: without, the
-         * widening loads below waited on memory (1 thread at 4,000 keys: 0.79x the time with,
-         * 0.70x at 1,000, on an AMD EPYC family 26; decode_attention_ab.py --march x86-64-v3) */
+         * loads below waited on memory (1 thread at 4,000 keys: 0.79x the time with, 0.70x at
+         * 1,000, on an AMD EPYC family 26; decode_attention_ab.py --march x86-64-v3; on the
+         * Xeon with AMX, 2 threads, the KV read from memory: 0.69-0.79x). Further ahead, into
+         * L2 as well, or with one division a block instead of a key: no faster there. */
         for (int64_t p = pos + n; p < pos + n + T && p < hi; p++) {
             const int64_t row = table[p / block_size] * block_size + p % block_size;
             for (int c = 0; c < D * (BF ? 2 : 4); c += 64) {
@@ -852,43 +925,56 @@ static inline __attribute__((always_inline)) void attend_avx2_impl(
                 KEEP_LOOP();
             }
         }
-        if (BF) {
-            const bf16 *k0 = (const bf16 *)kv + (k_plane + slot) * D;
-            const bf16 *v0 = (const bf16 *)kv + (v_plane + slot) * D;
-            for (int64_t t = 0; t < n; t++)
-                for (int c = 0; c < D; c += 16) widen16_unpacked(k0 + t * D + c, kt + t * D + c);
-            for (int64_t t = 0; t < n; t++)
-                for (int c = 0; c < D; c += 16) widen16_unpacked(v0 + t * D + c, vt + t * D + c);
-        } else {
-            const float *k0 = (const float *)kv + (k_plane + slot) * D;
-            const float *v0 = (const float *)kv + (v_plane + slot) * D;
-            for (int64_t t = 0; t < n; t++)
-                for (int c = 0; c < D; c += 8)
-                    _mm256_store_ps(kt + t * D + c, _mm256_loadu_ps(k0 + t * D + c));
-            for (int64_t t = 0; t < n; t++)
-                for (int c = 0; c < D; c += 8)
-                    _mm256_store_ps(vt + t * D + c, _mm256_loadu_ps(v0 + t * D + c));
-        }
-        if (n < T) /* a short tile's missing keys score 0, masked below (never NaN) */
-            memset(kt + n * D, 0, (size_t)(T - n) * D * sizeof(float));
         __m256 valid[H];
         for (int h = 0; h < H; h++)
             valid[h] = _mm256_castsi256_ps(
                 _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - 8 * h)), lane));
-        for (int64_t g = 0; g < group; g++) {
-            const float *q = qf + g * D;
-            __m256 s[H];
+        if (BF && n == T) { /* a whole bf16 tile: K unpacked in registers, up to 4 heads a load */
+            const bf16 *k0 = (const bf16 *)kv + (k_plane + slot) * D;
             for (int h = 0; h < H; h++) {
-                const float *k = kt + 8 * h * D;
-                __m256 part[8];
-                for (int t = 0; t < 8; t++) part[t] = _mm256_setzero_ps();
-                for (int c = 0; c < D; c += 8) {
-                    const __m256 qc = _mm256_loadu_ps(q + c);
-                    for (int t = 0; t < 8; t++)
-                        part[t] = _mm256_fmadd_ps(qc, _mm256_load_ps(k + t * D + c), part[t]);
+                __m256 r[4];
+                int64_t g = 0;
+                for (; g + 4 <= group; g += 4) {
+                    qk8_bf16(D, 4, 2, k0 + 8 * h * D, qf, g, r);
+                    for (int j = 0; j < 4; j++) sc[g + j][h] = r[j];
                 }
-                s[h] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sum8x8(part), valid[h]);
+                if (group - g >= 2) {
+                    qk8_bf16(D, 2, 4, k0 + 8 * h * D, qf, g, r);
+                    for (int j = 0; j < 2; j++) sc[g + j][h] = r[j];
+                    g += 2;
+                }
+                if (group - g == 1) qk8_bf16(D, 1, 8, k0 + 8 * h * D, qf, g, &sc[g][h]);
             }
+        } else {
+            /* K as float32 into L1, once for every query head; a short tile's missing keys
+             * score 0, masked below (never NaN) */
+            if (BF) {
+                const bf16 *k0 = (const bf16 *)kv + (k_plane + slot) * D;
+                for (int64_t t = 0; t < n; t++)
+                    for (int c = 0; c < D; c += 16)
+                        widen16_unpacked(k0 + t * D + c, kt + t * D + c);
+            } else {
+                const float *k0 = (const float *)kv + (k_plane + slot) * D;
+                for (int64_t t = 0; t < n; t++)
+                    for (int c = 0; c < D; c += 8)
+                        _mm256_store_ps(kt + t * D + c, _mm256_loadu_ps(k0 + t * D + c));
+            }
+            if (n < T) memset(kt + n * D, 0, (size_t)(T - n) * D * sizeof(float));
+            for (int64_t g = 0; g < group; g++)
+                for (int h = 0; h < H; h++) {
+                    const float *k = kt + 8 * h * D, *q = qf + g * D;
+                    __m256 part[8];
+                    for (int t = 0; t < 8; t++) part[t] = _mm256_setzero_ps();
+                    for (int c = 0; c < D; c += 8) {
+                        const __m256 qc = _mm256_loadu_ps(q + c);
+                        for (int t = 0; t < 8; t++)
+                            part[t] = _mm256_fmadd_ps(qc, _mm256_load_ps(k + t * D + c), part[t]);
+                    }
+                    sc[g][h] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sum8x8(part), valid[h]);
+                }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            const __m256 *s = sc[g];
             __m256 top = s[0];
             for (int h = 1; h < H; h++) top = _mm256_max_ps(top, s[h]);
             const float smax = max8(top);
@@ -909,18 +995,33 @@ static inline __attribute__((always_inline)) void attend_avx2_impl(
             }
             l[g] += sum8(total);
         }
-        for (int64_t g = 0; g < group; g++)
-            for (int c0 = 0; c0 < D; c0 += 64) {
-                float *ag = acc + g * D + c0;
-                __m256 o[8];
-                for (int c = 0; c < 8; c++) o[c] = _mm256_loadu_ps(ag + 8 * c);
-                for (int64_t t = 0; t < n; t++) {
-                    const __m256 wt = _mm256_set1_ps(w[g][t]);
-                    for (int c = 0; c < 8; c++)
-                        o[c] = _mm256_fmadd_ps(wt, _mm256_load_ps(vt + t * D + c0 + 8 * c), o[c]);
-                }
-                for (int c = 0; c < 8; c++) _mm256_storeu_ps(ag + 8 * c, o[c]);
+        if (BF) { /* P.V, V unpacked in registers, each load for up to 4 heads */
+            const bf16 *v0 = (const bf16 *)kv + (v_plane + slot) * D;
+            int64_t g = 0;
+            for (; g + 4 <= group; g += 4)
+                for (int c0 = 0; c0 < D; c0 += 16) pv_bf16(D, 4, 1, v0, n, &w[0][0], T, g, acc, c0);
+            if (group - g >= 2) {
+                for (int c0 = 0; c0 < D; c0 += 32) pv_bf16(D, 2, 2, v0, n, &w[0][0], T, g, acc, c0);
+                g += 2;
             }
+            if (group - g == 1)
+                for (int c0 = 0; c0 < D; c0 += 64) pv_bf16(D, 1, 4, v0, n, &w[0][0], T, g, acc, c0);
+        } else {
+            const float *v0 = (const float *)kv + (v_plane + slot) * D;
+            for (int64_t g = 0; g < group; g++)
+                for (int c0 = 0; c0 < D; c0 += 64) {
+                    float *ag = acc + g * D + c0;
+                    __m256 o[8];
+                    for (int c = 0; c < 8; c++) o[c] = _mm256_loadu_ps(ag + 8 * c);
+                    for (int64_t t = 0; t < n; t++) {
+                        const __m256 wt = _mm256_set1_ps(w[g][t]);
+                        for (int c = 0; c < 8; c++)
+                            o[c] = _mm256_fmadd_ps(
+                                wt, _mm256_loadu_ps(v0 + t * D + c0 + 8 * c), o[c]);
+                    }
+                    for (int c = 0; c < 8; c++) _mm256_storeu_ps(ag + 8 * c, o[c]);
+                }
+        }
         pos += n;
     }
     if (BF) swap_unpacked(acc, group * D); /* the sums of V's unpacked dims, back in order */
