@@ -20,6 +20,10 @@ x86-64-v3, ``c`` is the AVX2 kernel of 16 keys a tile; ``avx512`` is left out).
 that has it (default jumps, the library's own default); ``both`` runs them at jumps and
 ``c_every`` beside them (the engine's build at every), and prints c_every / c.
 
+``--cold MB`` reads MB of other memory before each layer's attention, as a decode step reads a
+layer's weights before it (the small model's are ~25 MB), so the KV comes from memory rather
+than a cache left warm by the last round; only the attention calls are timed.
+
 ``--huge-cache`` adds ``c_huge``: the engine's build over the same caches copied onto
 transparent huge pages (as the engine's runner allocates them where Linux offers them; the
 others' caches are on torch's ordinary pages), and prints c_huge / c; with ``--ab-source`` also
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 
@@ -59,6 +64,12 @@ def main() -> None:
         "--huge-cache", action="store_true", help="also the engine's build over huge pages"
     )
     parser.add_argument("--march", help="build generic and c for this gcc -march target")
+    parser.add_argument(
+        "--cold",
+        type=int,
+        metavar="MB",
+        help="read MB of other memory before each layer's attention (timed: the calls alone)",
+    )
     parser.add_argument(
         "--prefetch",
         choices=("jumps", "every", "both"),
@@ -85,6 +96,7 @@ def main() -> None:
         if o.has_decode_prefetch:
             o.set_decode_prefetch("jumps" if args.prefetch == "both" else args.prefetch)
     block, kv_heads, heads, dim, layers = 16, 4, 16, 64, 12
+    other = torch.ones(args.cold << 18) if args.cold else None
     gen = torch.Generator().manual_seed(0)
     print(machine_line())
     print("ms per step's attention (12 layers), wall / CPU; GB/s of K and V by wall time")
@@ -109,17 +121,26 @@ def main() -> None:
             q=q,
             tables=tables,
             bounds=bounds,
-        ) -> None:
+        ) -> float:
+            """The attention of every layer; with --cold, after the other reads, and the
+            seconds its calls alone took."""
+            took = 0.0
             for c in caches if over is None else over:
+                if other is not None:
+                    other.sum()
+                t0 = time.perf_counter()
                 o.decode_attention(q, c, tables, bounds, block, 0.125)
+                took += time.perf_counter() - t0
+            return took
 
         paths = {name: (lambda o=o: step(o)) for name, o in ops.items()}
         if args.prefetch == "both":
 
-            def every(step=step) -> None:
+            def every(step=step) -> float:
                 engine_ops.set_decode_prefetch("every")
-                step(engine_ops)
+                took = step(engine_ops)
                 engine_ops.set_decode_prefetch("jumps")
+                return took
 
             paths["c_every"] = every
         if args.huge_cache:
@@ -132,11 +153,21 @@ def main() -> None:
                 if "ab" in ops:
                     paths["ab_huge"] = lambda huge=huge: step(ops["ab"], huge)
         paths["read"] = lambda same_bytes=same_bytes: same_bytes.sum()
+        if other is not None:  # each call's own seconds, the other reads left out
+            calls: dict[str, list[float]] = {name: [] for name in paths}
+            paths = {
+                name: (lambda fn=fn, took=calls[name]: took.append(fn()))
+                for name, fn in paths.items()
+                if name != "read"
+            }
         wall, cpu = interleaved_times(paths, args.rounds)
+        if other is not None:
+            wall = {name: took[1:] for name, took in calls.items() if took}  # less the warm-up
         cells = []
         for name in paths:
             w, c = statistics.median(wall[name]), statistics.median(cpu[name])
-            cells.append(f"{name} {w * 1e3:6.2f} / {c * 1e3:6.2f} ({nbytes / w / 1e9:4.1f} GB/s)")
+            cpu_ms = "     -" if other is not None else f"{c * 1e3:6.2f}"  # cold: the reads in it
+            cells.append(f"{name} {w * 1e3:6.2f} / {cpu_ms} ({nbytes / w / 1e9:4.1f} GB/s)")
         ratios = [
             f"  {name} / c {_over(wall[name], wall['c']):.2f}"
             for name in ("generic", "avx512")
