@@ -1068,20 +1068,21 @@ def test_c_silu_mul_matches_a_float64_reference(
 
 @needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# 6: a full block of four x rows and a partial one; 33: two full 16-row tile groups and one row
-@pytest.mark.parametrize("rows", [1, 3, 6, 33])
+# 6: a full block of four x rows and a partial one (AVX2: two of three); 5: AVX2's three and
+# two; 33: two full 16-row tile groups and one row
+@pytest.mark.parametrize("rows", [1, 3, 5, 6, 33])
 @pytest.mark.parametrize("kernel", ["linear", "linear_many"])  # batch_linear=c takes the second
 # x86-64-v3: bf16 through AVX2 FMAs; x86-64: the portable loop
 @pytest.mark.parametrize("build", ["engine", *OTHER_BUILDS])
 def test_c_linear_matches_a_float64_reference(
     request: pytest.FixtureRequest, dtype: torch.dtype, rows: int, kernel: str, build: str
 ) -> None:
-    """Shapes off every block size: 70 inputs (two full 32-wide steps and a masked tail), 37
-    outputs (nine blocks of four and a partial one), and for the AMX tiles of linear_many
-    (bf16, inputs a multiple of 32, outputs of 16; the rest fall back to linear's kernel) 96
-    inputs and 48 outputs (a 32-row weight block and a 16-row one), with and without a bias;
-    bf16 results within one rounding of the float64 product, and no further from it than
-    F.linear."""
+    """Shapes off every block size: 70 inputs (two full 32-wide steps and a masked tail), 86
+    (a 16-wide step after them: AVX2's one-row loop), 37 outputs (nine blocks of four and a
+    partial one), and for the AMX tiles of linear_many (bf16, inputs a multiple of 32, outputs
+    of 16; the rest fall back to linear's kernel) 96 inputs and 48 outputs (a 32-row weight
+    block and a 16-row one), with and without a bias; bf16 results within one rounding of the
+    float64 product, and no further from it than F.linear."""
     ops = (
         request.getfixturevalue("c_ops")
         if build == "engine"
@@ -1091,7 +1092,7 @@ def test_c_linear_matches_a_float64_reference(
         assert ops.linear_isa == {"x86-64-v3": "avx2", "x86-64": "portable"}[build]
     linear = getattr(ops, kernel)
     gen = torch.Generator().manual_seed(5)
-    for inputs, outputs in ((70, 37), (96, 48)):
+    for inputs, outputs in ((70, 37), (86, 37), (96, 48)):
         x = torch.randn(rows, inputs, generator=gen).to(dtype)
         weight = (torch.randn(outputs, inputs, generator=gen) / 8).to(dtype)
         bias = torch.randn(outputs, generator=gen).to(dtype)

@@ -801,8 +801,8 @@ static inline __m256 exp8_nonpositive(__m256 x) {
  * bf16x8_to_f32 takes a load, a widening and a shift for 8. */
 static inline void widen16_unpacked(const bf16 *p, float *dst) {
     const __m256i x = _mm256_loadu_si256((const __m256i *)p), z = _mm256_setzero_si256();
-    _mm256_store_si256((__m256i *)dst, _mm256_unpacklo_epi16(z, x));
-    _mm256_store_si256((__m256i *)(dst + 8), _mm256_unpackhi_epi16(z, x));
+    _mm256_storeu_si256((__m256i *)dst, _mm256_unpacklo_epi16(z, x));
+    _mm256_storeu_si256((__m256i *)(dst + 8), _mm256_unpackhi_epi16(z, x));
 }
 
 /* Swap dims 4-7 and 8-11 of every 16 in n floats: the unpacked order and back (it undoes
@@ -1525,41 +1525,62 @@ static inline __attribute__((always_inline)) void dot_block_bf16(
 
 #ifdef HAVE_AVX2_BF16
 /* AVX2 with FMA and no AVX-512 BF16 (an AVX2-only AMD EPYC): bf16 weights widened to float32 in
- * registers (a bf16 is the high half of a float32), x widened once a call. The portable loop
- * below widens every weight row into a buffer first and x again per row: it read the small
- * model's weights at ~40% of the host's bandwidth at one row. */
+ * registers (a bf16 is the high half of a float32) by unpacking 16 at a time with zero, x
+ * widened once a call in the same order. The portable loop below widens every weight row into
+ * a buffer first and x again per row: it read the small model's weights at ~40% of the host's
+ * bandwidth at one row. Unpacking, 3 rows of x a pass (4 before, as two passes of 2) and a
+ * copy per whole block: 0.85x the time at 8 and 32 rows (bench/linear_ab.py --march
+ * x86-64-v3 --ab-source, the Intel Xeon with AMX kept to AVX2). */
 
-/* res[b * GEMV_ROWS + r] = dot(xf row b, w row r) for nr <= 4 weight rows and nb <= 3 rows
- * of float32 xf: 12 accumulators and 4 weight registers, x read by the FMAs. */
+/* x [rows, in] widened to float32 for the AVX2 dot kernels: each whole 16 in the order the
+ * weights' unpacks give (widen16_unpacked), the last in % 16 as they are. */
+static void widen_x_avx2(const bf16 *x, int64_t rows, int64_t in, float *xf) {
+    for (int64_t b = 0; b < rows; b++) {
+        int64_t k = 0;
+        for (; k + 16 <= in; k += 16) widen16_unpacked(x + b * in + k, xf + b * in + k);
+        for (; k < in; k++) xf[b * in + k] = bf16_to_f32(x[b * in + k]);
+    }
+}
+
+/* A weight row's 16 bf16 at p: lanes [0-3, 8-11] (half 0) or [4-7, 12-15] (half 1) as float32 */
+static inline __m256 unpack16_half(const bf16 *p, const int half) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p), z = _mm256_setzero_si256();
+    return _mm256_castsi256_ps(half ? _mm256_unpackhi_epi16(z, v) : _mm256_unpacklo_epi16(z, v));
+}
+
+/* res[b * GEMV_ROWS + r] = dot(xf row b, w row r) for nr <= 4 weight rows and nb <= 3 rows of
+ * xf (widen_x_avx2's order): 12 accumulators; each 16 weights unpacked in halves, two weight
+ * rows at a time, x read by the FMAs (12 accumulators, 2 weight registers and a zero: the 16
+ * registers). Inlined with nb and nr constant for a whole block, so nothing branches. */
 static inline __attribute__((always_inline)) void dot_block_avx2(
-    const float *xf, int64_t nb, const bf16 *w, int64_t nr, int64_t in, float *res) {
+    const float *xf, const int nb, const bf16 *w, const int nr, int64_t in, float *res) {
     __m256 acc[3][GEMV_ROWS];
     for (int b = 0; b < 3; b++)
         for (int r = 0; r < GEMV_ROWS; r++) acc[b][r] = _mm256_setzero_ps();
     int64_t k = 0;
-    for (; k + 8 <= in; k += 8) {
-        __m256 wv[GEMV_ROWS] = {_mm256_setzero_ps()}; /* rows past nr are never read */
-        for (int r = 0; r < GEMV_ROWS; r++)
-            if (r < nr) wv[r] = bf16x8_to_f32(w + r * in + k);
-        for (int b = 0; b < 3; b++) {
-            if (b >= nb) break;
-            const __m256 xv = _mm256_loadu_ps(xf + b * in + k);
-            for (int r = 0; r < GEMV_ROWS; r++)
-                if (r < nr) acc[b][r] = _mm256_fmadd_ps(wv[r], xv, acc[b][r]);
-        }
-    }
-    for (int64_t b = 0; b < nb; b++)
-        for (int64_t r = 0; r < nr; r++) {
+    for (; k + 16 <= in; k += 16)
+        for (int half = 0; half < 2; half++)
+            for (int r0 = 0; r0 < nr; r0 += 2) {
+                const __m256 w0 = unpack16_half(w + r0 * in + k, half);
+                const __m256 w1 = r0 + 1 < nr ? unpack16_half(w + (r0 + 1) * in + k, half)
+                                              : _mm256_setzero_ps();
+                for (int b = 0; b < nb; b++) {
+                    const __m256 xv = _mm256_loadu_ps(xf + b * in + k + 8 * half);
+                    acc[b][r0] = _mm256_fmadd_ps(w0, xv, acc[b][r0]);
+                    if (r0 + 1 < nr) acc[b][r0 + 1] = _mm256_fmadd_ps(w1, xv, acc[b][r0 + 1]);
+                }
+            }
+    for (int b = 0; b < nb; b++)
+        for (int r = 0; r < nr; r++) {
             float tail = 0.0f;
             for (int64_t i = k; i < in; i++) tail += bf16_to_f32(w[r * in + i]) * xf[b * in + i];
             res[b * GEMV_ROWS + r] = sum8(acc[b][r]) + tail;
         }
 }
 
-/* nb <= GEMV_COLS rows of xf: one alone, else dot_block_avx2 (four rows as two passes of two). */
 /* One row of x against nr weight rows, each row alone from start to end (one stream: a read
  * of 4 rows side by side ran at 0.86x the speed, the small model's 49 weights, 21 rounds of
- * bench/linear_ab.py --ab-source), in four accumulators over steps of 32. */
+ * bench/linear_ab.py --ab-source), in four accumulators over steps of 32 (then 16). */
 static void dot_one_avx2(const float *xf, const bf16 *w, int64_t nr, int64_t in, float *res) {
     for (int64_t r = 0; r < nr; r++) {
         const bf16 *wr = w + r * in;
@@ -1568,24 +1589,28 @@ static void dot_one_avx2(const float *xf, const bf16 *w, int64_t nr, int64_t in,
         int64_t k = 0;
         for (; k + 32 <= in; k += 32)
             for (int j = 0; j < 4; j++)
-                a[j] = _mm256_fmadd_ps(bf16x8_to_f32(wr + k + 8 * j),
+                a[j] = _mm256_fmadd_ps(unpack16_half(wr + k + 16 * (j / 2), j % 2),
                                        _mm256_loadu_ps(xf + k + 8 * j), a[j]);
+        if (k + 16 <= in) {
+            for (int j = 0; j < 2; j++)
+                a[j] = _mm256_fmadd_ps(unpack16_half(wr + k, j), _mm256_loadu_ps(xf + k + 8 * j),
+                                       a[j]);
+            k += 16;
+        }
         float tail = 0.0f;
         for (int64_t i = k; i < in; i++) tail += bf16_to_f32(wr[i]) * xf[i];
         res[r] = sum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]))) + tail;
     }
 }
 
+/* nb <= 3 rows of xf: one alone (in another order than in a batch), else dot_block_avx2, its
+ * own copy for a whole block of weight rows. */
 static void dot_block_avx2_any(const float *xf, int64_t nb, const bf16 *w, int64_t nr, int64_t in,
                                float *res) {
-    if (nb == 1) {
-        dot_one_avx2(xf, w, nr, in, res); /* a row alone sums in another order than in a batch */
-    } else if (nb <= 3) {
-        dot_block_avx2(xf, nb, w, nr, in, res);
-    } else {
-        dot_block_avx2(xf, 2, w, nr, in, res);
-        dot_block_avx2(xf + 2 * in, nb - 2, w, nr, in, res + 2 * GEMV_ROWS);
-    }
+    if (nb == 1) dot_one_avx2(xf, w, nr, in, res);
+    else if (nr < GEMV_ROWS) dot_block_avx2(xf, (int)nb, w, (int)nr, in, res);
+    else if (nb == 2) dot_block_avx2(xf, 2, w, GEMV_ROWS, in, res);
+    else dot_block_avx2(xf, 3, w, GEMV_ROWS, in, res);
 }
 #endif
 
@@ -1629,8 +1654,13 @@ static void linear_rows_range(const void *x, const void *w, const void *bias, vo
         const char *wb = (const char *)w + (size_t)(r0 * in) * elem;
         float bias_f[GEMV_ROWS] = {0};
         if (bias) load_f32(bias, r0, nr, bias_f, bf);
-        for (int64_t b0 = 0; b0 < rows; b0 += GEMV_COLS) {
-            const int64_t nb = rows - b0 < GEMV_COLS ? rows - b0 : GEMV_COLS;
+#ifdef HAVE_AVX2_BF16
+        const int64_t cols = xf ? 3 : GEMV_COLS; /* AVX2: 3 rows of x by 4 weight rows */
+#else
+        const int64_t cols = GEMV_COLS;
+#endif
+        for (int64_t b0 = 0; b0 < rows; b0 += cols) {
+            const int64_t nb = rows - b0 < cols ? rows - b0 : cols;
             const char *xb = (const char *)x + (size_t)(b0 * in) * elem;
             float res[GEMV_COLS * GEMV_ROWS];
 #ifdef HAVE_DPBF16
@@ -1669,8 +1699,7 @@ void linear_rows(const void *x, const void *w, const void *bias, void *y, int64_
      * a step's team once per thread that takes a share) */
     if (bf && (parallel || !step_member || step_member->id == 0)) {
         xf = (float *)malloc((size_t)(rows * in) * sizeof(float));
-        if (xf)
-            for (int64_t i = 0; i < rows * in; i++) xf[i] = bf16_to_f32(((const bf16 *)x)[i]);
+        if (xf) widen_x_avx2((const bf16 *)x, rows, in, xf);
     }
 #endif
     FOR_SHARE(blocks, parallel, threads,
