@@ -163,11 +163,6 @@ static inline void thread_share(int64_t n, int64_t *lo, int64_t *hi) {
 #include <immintrin.h>
 #define HAVE_AVX2_BF16 1 /* AVX2 and FMA, no AVX-512 BF16: bf16 widened to float32 for FMAs */
 
-static inline __m256 bf16x8_to_f32(const bf16 *p) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
 static inline float sum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -798,15 +793,15 @@ static inline __m256 exp8_nonpositive(__m256 x) {
 
 /* 16 bf16 at p widened into dst as float32 in the order of the unpacks, dims
  * [0-3, 8-11, 4-7, 12-15]: one load and two unpacks with zero for 16 values, where
- * bf16x8_to_f32 takes a load, a widening and a shift for 8. */
+ * widening 8 (vpmovzxwd) and a shift took a load and two instructions for 8. */
 static inline void widen16_unpacked(const bf16 *p, float *dst) {
     const __m256i x = _mm256_loadu_si256((const __m256i *)p), z = _mm256_setzero_si256();
     _mm256_storeu_si256((__m256i *)dst, _mm256_unpacklo_epi16(z, x));
     _mm256_storeu_si256((__m256i *)(dst + 8), _mm256_unpackhi_epi16(z, x));
 }
 
-/* Swap dims 4-7 and 8-11 of every 16 in n floats: the unpacked order and back (it undoes
- * itself). */
+/* Swap dims 4-7 and 8-11 of every 16 in n floats (n a multiple of 16: group * 64 or 128):
+ * the unpacked order and back (it undoes itself). */
 static inline void swap_unpacked(float *x, int64_t n) {
     for (int64_t c = 0; c < n; c += 16) {
         const __m128 a = _mm_loadu_ps(x + c + 4), b = _mm_loadu_ps(x + c + 8);
@@ -1491,7 +1486,7 @@ void qkv_rope_store_heads(const void *qkv, void *q_out, void *kv, const int64_t 
  * A decode step's matmuls have 1-32 rows: every weight byte is read once per step, so the step
  * is bound by streaming W [out, in] from memory. Each thread takes its own contiguous band of
  * output rows (static schedule), four at a time, and runs them against up to four rows of x
- * while those four weight rows sit in L1; with AVX-512 BF16 the dot products are `vdpbf16ps`
+ * (three in AVX2) while those four weight rows sit in L1; with AVX-512 BF16 the dot products are `vdpbf16ps`
  * (pairs of bf16 products summed into float32), elsewhere a float32 loop gcc vectorizes.
  * Accumulation is float32, the result rounded to the model dtype once, as oneDNN's is. */
 
@@ -1550,8 +1545,8 @@ static inline __m256 unpack16_half(const bf16 *p, const int half) {
 
 /* res[b * GEMV_ROWS + r] = dot(xf row b, w row r) for nr <= 4 weight rows and nb <= 3 rows of
  * xf (widen_x_avx2's order): 12 accumulators; each 16 weights unpacked in halves, two weight
- * rows at a time, x read by the FMAs (12 accumulators, 2 weight registers and a zero: the 16
- * registers). Inlined with nb and nr constant for a whole block, so nothing branches. */
+ * rows at a time, x read by the FMAs (12 accumulators, 2 weight registers, a zero and one for
+ * x: the 16 registers). Inlined with nb and nr constant for a whole block, so nothing branches. */
 static inline __attribute__((always_inline)) void dot_block_avx2(
     const float *xf, const int nb, const bf16 *w, const int nr, int64_t in, float *res) {
     __m256 acc[3][GEMV_ROWS];
@@ -1776,7 +1771,7 @@ int run_on_team(team_share_fn share, int threads) {
  * layout (B[k / 2][2 n + k % 2] = x[n][k]): x is repacked once per call (it is small), w never.
  * C then holds y^T for 16 output rows and 16 x rows. Each thread takes a band of 32-row weight
  * blocks and runs all of x past a block while it is in L1/L2, so a weight byte comes from
- * memory once whatever the row count, where linear_rows re-reads a block per four x rows.
+ * memory once whatever the row count, where linear_rows re-reads a block per four x rows (three in AVX2).
  * Linux grants a process the tile registers only on request (arch_prctl); when it refuses,
  * or the CPU or compiler lacks AMX, linear_many_rows runs linear_rows instead. */
 
@@ -2927,8 +2922,8 @@ static inline __attribute__((always_inline)) void pairs_streams(const bf16 *x, c
  * stream at about half the host's read rate): the same copy, the same S streams a thread. A
  * pair k of a block is 64 bytes, two halves of 8 outputs, each output's two weights in 32 bits:
  * a shift left by 16 gives w[.][2k] as float32 and a mask of the high half w[.][2k + 1], so 64
- * bytes take 2 loads and 4 FMAs against x widened once, where dot_one_avx2 widened every 8
- * weights on their own. Each output sums its even and its odd products in two accumulators, in
+ * bytes take 2 loads and 4 FMAs against x widened once (dot_one_avx2 unpacks 16 weights with
+ * zero instead, against x widened in that order). Each output sums its even and its odd products in two accumulators, in
  * order, added once at the end: the same bits whatever the streams or threads (another order
  * than dot_one_avx2's, so linear=c and linear=pairs differ in the last bits here). */
 typedef float pairs_x; /* x as pairs_streams reads it: widened once a call */
