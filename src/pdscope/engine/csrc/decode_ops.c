@@ -800,6 +800,13 @@ static inline void widen16_unpacked(const bf16 *p, float *dst) {
     _mm256_storeu_si256((__m256i *)(dst + 8), _mm256_unpackhi_epi16(z, x));
 }
 
+/* 16 bf16 at p (of a K, V or weight row) as float32: dims [0-3, 8-11] (half 0) or
+ * [4-7, 12-15] (half 1) */
+static inline __m256 unpack16_half(const bf16 *p, const int half) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p), z = _mm256_setzero_si256();
+    return _mm256_castsi256_ps(half ? _mm256_unpackhi_epi16(z, v) : _mm256_unpacklo_epi16(z, v));
+}
+
 /* Swap dims 4-7 and 8-11 of every 16 in n floats (n a multiple of 16: group * 64 or 128):
  * the unpacked order and back (it undoes itself). */
 static inline void swap_unpacked(float *x, int64_t n) {
@@ -822,16 +829,14 @@ static inline __attribute__((always_inline)) void qk8_bf16(const int D, const in
                                                            const int KS, const bf16 *k0,
                                                            const float *q, int64_t g0,
                                                            __m256 *s) {
-    const __m256i z = _mm256_setzero_si256();
     __m256 fl[4][4]; /* [head][key pair] */
     for (int t0 = 0; t0 < 8; t0 += KS) {
         __m256 a[8]; /* head h, key t: a[h * KS + t] */
         for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
         for (int c = 0; c < D; c += 16)
             for (int t = 0; t < KS; t++) {
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(k0 + (t0 + t) * D + c));
-                const __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, x));
-                const __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, x));
+                const __m256 lo = unpack16_half(k0 + (t0 + t) * D + c, 0);
+                const __m256 hi = unpack16_half(k0 + (t0 + t) * D + c, 1);
                 for (int h = 0; h < HS; h++) {
                     const float *qh = q + (g0 + h) * D + c;
                     a[h * KS + t] = _mm256_fmadd_ps(_mm256_loadu_ps(qh), lo, a[h * KS + t]);
@@ -862,12 +867,10 @@ static inline __attribute__((always_inline)) void pv_bf16(const int D, const int
     for (int h = 0; h < HS; h++)
         for (int i = 0; i < 2 * CS; i++)
             o[h * 2 * CS + i] = _mm256_loadu_ps(acc + (g0 + h) * D + c0 + 8 * i);
-    const __m256i z = _mm256_setzero_si256();
     for (int64_t t = 0; t < n; t++)
         for (int c = 0; c < CS; c++) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(v0 + t * D + c0 + 16 * c));
-            const __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, x));
-            const __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, x));
+            const __m256 lo = unpack16_half(v0 + t * D + c0 + 16 * c, 0);
+            const __m256 hi = unpack16_half(v0 + t * D + c0 + 16 * c, 1);
             for (int h = 0; h < HS; h++) {
                 const __m256 wt = _mm256_broadcast_ss(w + (g0 + h) * stride + t);
                 o[(h * CS + c) * 2] = _mm256_fmadd_ps(wt, lo, o[(h * CS + c) * 2]);
@@ -1486,7 +1489,8 @@ void qkv_rope_store_heads(const void *qkv, void *q_out, void *kv, const int64_t 
  * A decode step's matmuls have 1-32 rows: every weight byte is read once per step, so the step
  * is bound by streaming W [out, in] from memory. Each thread takes its own contiguous band of
  * output rows (static schedule), four at a time, and runs them against up to four rows of x
- * (three in AVX2) while those four weight rows sit in L1; with AVX-512 BF16 the dot products are `vdpbf16ps`
+ * (three in AVX2) while those four weight rows sit in L1; with AVX-512 BF16 the dot products
+ * are `vdpbf16ps`
  * (pairs of bf16 products summed into float32), elsewhere a float32 loop gcc vectorizes.
  * Accumulation is float32, the result rounded to the model dtype once, as oneDNN's is. */
 
@@ -1535,12 +1539,6 @@ static void widen_x_avx2(const bf16 *x, int64_t rows, int64_t in, float *xf) {
         for (; k + 16 <= in; k += 16) widen16_unpacked(x + b * in + k, xf + b * in + k);
         for (; k < in; k++) xf[b * in + k] = bf16_to_f32(x[b * in + k]);
     }
-}
-
-/* A weight row's 16 bf16 at p: lanes [0-3, 8-11] (half 0) or [4-7, 12-15] (half 1) as float32 */
-static inline __m256 unpack16_half(const bf16 *p, const int half) {
-    const __m256i v = _mm256_loadu_si256((const __m256i *)p), z = _mm256_setzero_si256();
-    return _mm256_castsi256_ps(half ? _mm256_unpackhi_epi16(z, v) : _mm256_unpacklo_epi16(z, v));
 }
 
 /* res[b * GEMV_ROWS + r] = dot(xf row b, w row r) for nr <= 4 weight rows and nb <= 3 rows of
@@ -1771,7 +1769,8 @@ int run_on_team(team_share_fn share, int threads) {
  * layout (B[k / 2][2 n + k % 2] = x[n][k]): x is repacked once per call (it is small), w never.
  * C then holds y^T for 16 output rows and 16 x rows. Each thread takes a band of 32-row weight
  * blocks and runs all of x past a block while it is in L1/L2, so a weight byte comes from
- * memory once whatever the row count, where linear_rows re-reads a block per four x rows (three in AVX2).
+ * memory once whatever the row count, where linear_rows re-reads a block per four x rows
+ * (three in AVX2).
  * Linux grants a process the tile registers only on request (arch_prctl); when it refuses,
  * or the CPU or compiler lacks AMX, linear_many_rows runs linear_rows instead. */
 
@@ -2923,9 +2922,10 @@ static inline __attribute__((always_inline)) void pairs_streams(const bf16 *x, c
  * pair k of a block is 64 bytes, two halves of 8 outputs, each output's two weights in 32 bits:
  * a shift left by 16 gives w[.][2k] as float32 and a mask of the high half w[.][2k + 1], so 64
  * bytes take 2 loads and 4 FMAs against x widened once (dot_one_avx2 unpacks 16 weights with
- * zero instead, against x widened in that order). Each output sums its even and its odd products in two accumulators, in
- * order, added once at the end: the same bits whatever the streams or threads (another order
- * than dot_one_avx2's, so linear=c and linear=pairs differ in the last bits here). */
+ * zero instead, against x widened in that order). Each output sums its even and its odd
+ * products in two accumulators, in order, added once at the end: the same bits whatever the
+ * streams or threads (another order than dot_one_avx2's, so linear=c and linear=pairs differ
+ * in the last bits here). */
 typedef float pairs_x; /* x as pairs_streams reads it: widened once a call */
 
 /* y's block b from its two halves' float32 sums: + bias, rounded to bf16 once, stored, or
