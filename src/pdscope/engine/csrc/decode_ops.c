@@ -1542,9 +1542,9 @@ static void widen_x_avx2(const bf16 *x, int64_t rows, int64_t in, float *xf) {
 }
 
 /* res[b * GEMV_ROWS + r] = dot(xf row b, w row r) for nr <= 4 weight rows and nb <= 3 rows of
- * xf (widen_x_avx2's order): 12 accumulators; each 16 weights unpacked in halves, two weight
- * rows at a time, x read by the FMAs (12 accumulators, 2 weight registers, a zero and one for
- * x: the 16 registers). Inlined with nb and nr constant for a whole block, so nothing branches. */
+ * xf (widen_x_avx2's order): each 16 weights unpacked in halves, two weight rows at a time, each
+ * 8 of x loaded once for both (12 accumulators, 2 weight registers, a zero and one for x: the 16
+ * registers). Inlined with nb and nr constant for a whole block, so nothing branches. */
 static inline __attribute__((always_inline)) void dot_block_avx2(
     const float *xf, const int nb, const bf16 *w, const int nr, int64_t in, float *res) {
     __m256 acc[3][GEMV_ROWS];
