@@ -187,6 +187,7 @@ def test_trial_picks_the_faster_candidate_and_caches_it(tmp_path: Path) -> None:
         "decode_ops": "fixed",
         "decode_prefetch": "fixed",
         "threads": "fixed",
+        "step_rows": "fixed",
     }
     assert set(first.trial_s) == {"prefill_attention=blocked", "prefill_attention=sdpa"}
     # Interleaved: after the warm-ups, the candidates alternate.
@@ -246,7 +247,7 @@ def test_engine_logs_applies_and_reports_its_choice(
     forced = (
         "linear=plain,batch_linear=packed,prefill_linear=onednn,matmul_math=float32,"
         "prefill_attention=sdpa,decode_math=native,decode_ops=torch,decode_prefetch=jumps,"
-        "threads=free"
+        "threads=free,step_rows=exact"
     )
     with caplog.at_level("INFO", logger="pdscope.engine"):
         llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels=forced)
@@ -268,7 +269,7 @@ def test_engine_logs_applies_and_reports_its_choice(
     assert 'decode_math="native"' in line and 'decode_ops="torch"' in line
     assert 'threads="free"' in line and 'batch_linear="packed"' in line
     assert 'prefill_linear="onednn"' in line and 'matmul_math="float32"' in line
-    assert 'decode_prefetch="jumps"' in line
+    assert 'decode_prefetch="jumps"' in line and 'step_rows="exact"' in line
     assert 'decode_step="per_kernel"' in line  # decode_ops=torch: no one C call
     assert all(m.widen for m in model.modules() if hasattr(m, "widen"))
     assert all(m.team is None and m.weight_t is None for m in model.modules() if hasattr(m, "team"))
@@ -573,7 +574,9 @@ def test_a_float32_model_reports_the_paths_it_really_runs(tmp_path: Path) -> Non
         "decode_ops": False,
         "decode_prefetch": False,  # the bf16 head-64 decode attention only
         "threads": False,  # bound only when forced
+        "step_rows": False,  # a rule: padded for 16-bit oneDNN matmuls only
     }
+    assert kernels.step_rows == "exact"
     assert kernels.how["prefill_attention"] == kernels.how["decode_ops"] == "forced"
     assert kernels.linear in ("plain", "c") and kernels.decode_math == "float32"
     model = choice.engine.runner.model

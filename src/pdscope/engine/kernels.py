@@ -75,6 +75,13 @@ Paths (every candidate computes the same function; tests pin each against transf
   workers; engine/native.py's place_threads). CPU only, with the C kernels and more than one
   thread; only when forced (``--kernels threads=bound``): chosen by its trial, it stalled a live
   server's streams (engine/model.py's kernel_trials says how).
+* ``step_rows``: ``padded`` (a step of ``PAD_MIN_ROWS`` rows or more runs its norms and
+  matmuls at its row count rounded up to a multiple of ``ROW_BUCKET``, the padding rows
+  dropped before the attention and from the result) or ``exact``. Not a trial: a rule,
+  ``padded`` where those matmuls are oneDNN's in bf16 or fp16 (on CPU, ``matmul_math=native``),
+  which builds a primitive for each new row count: on the AMX Xeon ~25-30 ms added to the
+  first prefill of each new length, where the padding costs ~0.5% of a repeated one
+  (engine/model.py's ROW_BUCKET; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -106,6 +113,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "decode_ops": ("torch", "c"),
     "decode_prefetch": ("jumps", "every"),
     "threads": ("free", "bound"),
+    "step_rows": ("padded", "exact"),
 }
 # The options that run on the C kernels (engine/native.py): forcing one needs them built.
 # (threads=bound too, checked with its own message.)
@@ -138,6 +146,7 @@ class KernelChoice:
     decode_ops: str = "torch"
     decode_prefetch: str = "jumps"
     threads: str = "free"
+    step_rows: str = "exact"
     # per path: "measured", "cached", "forced", or "fixed" (only one candidate applies here)
     how: dict[str, str] = field(default_factory=dict, compare=False)
     # per candidate: median seconds of the trial, for the log and the cache file

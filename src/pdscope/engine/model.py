@@ -63,6 +63,16 @@ PACKED_ROWS_WITH_C = 2048
 # when chosen: torch.mm on a transposed copy of the weight, whole or with x's rows split over
 # the OpenMP team (see Linear). A decode batch stays below it, on linear's path.
 ROWS_SPLIT_MIN_ROWS = 512
+# Steps of PAD_MIN_ROWS rows or more (more than the C kernels take: prefill chunks, large
+# batches) run their matmuls through oneDNN, which builds a primitive for every new row count:
+# on the AMX Xeon 10-16 ms for each of a layer's four weight shapes, ~25-30 ms added to the
+# first prefill of each new length (docs/performance.md). Under step_rows=padded (the rule for
+# a bf16 or fp16 model there; torch's float32 matmuls are MKL's, built per call) such steps are
+# padded to a multiple of ROW_BUCKET rows, so that a server meets at most one row count per
+# ROW_BUCKET tokens of its budget; the padding rows (token 0) go through the norms and matmuls
+# and are dropped before the attention and from the result.
+PAD_MIN_ROWS = NATIVE_MANY_MAX_ROWS + 1
+ROW_BUCKET = 16
 # Under matmul_math=float32, bf16 matmuls of at least this many rows (that no C kernel takes)
 # widen to float32. AVX2-only AMD EPYC, one layer of the small model, bf16 F.linear against
 # widened: 11.4 / 12.5 ms at 8 rows, 14.0 / 11.2 at 12, 19.0 / 12.8 at 16, 35.2 / 14.5 at 32
@@ -666,15 +676,17 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         batch: AttentionBatch,
     ) -> torch.Tensor:
-        tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        rows, tokens = x.shape[0], batch.slot_mapping.shape[0]
+        assert rows >= tokens, "every token has a cache slot; rows past them are padding"
+        qkv = self.qkv_proj(x)[:tokens]  # the first rows of a contiguous tensor: a view
         if batch.decode_tables is not None:
             out = self._native_decode(qkv, cos, sin, kv_cache, batch)
         elif self.native is not None:
-            out = self._native_rope_attention(qkv, cos, sin, kv_cache, batch)
+            out = self._native_rope_attention(qkv, cos, sin, kv_cache, batch, rows)
         else:
             out = self._attention(qkv, cos, sin, kv_cache, batch)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        # o_proj takes the padded row count, as qkv_proj did
+        return self.o_proj(padded_to(out.reshape(tokens, self.q_size), rows))
 
     def _native_rope_store(
         self,
@@ -731,12 +743,14 @@ class Attention(nn.Module):
         sin_table: torch.Tensor,
         kv_cache: torch.Tensor,
         batch: AttentionBatch,
+        room: int = 0,
     ) -> torch.Tensor:
         """A step with prefill chunks under the C kernels: q/k norms, rope and the K/V write of
         every token in one threaded call (where the PyTorch path runs ~10 ops over the whole
         chunk), then the PyTorch attention. Each chunk reads its keys back from the cache
         (the runner gives every chunk its block rows here), so the rotated K never needs a
-        tensor of its own."""
+        tensor of its own. The output [tokens, heads, dim] lies, where it can, in storage with
+        ``room`` rows (:func:`padded_to` then pads it without a copy)."""
         assert self.native is not None and batch.positions is not None
         # A step of one chunk (a long prompt's usual step) gets its queries head-major, the
         # layout SDPA reads fastest; steps with decodes or several chunks slice q by token.
@@ -748,8 +762,14 @@ class Attention(nn.Module):
         for start, length, cached, rows in batch.prefills:
             assert rows is not None, "the runner gives every chunk its rows on the C path"
             end = start + length
-            parts.append(self._prefill(q[start:end], None, None, cached, rows, kv_cache, batch))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+            one_room = room if one_chunk else 0
+            parts.append(
+                self._prefill(q[start:end], None, None, cached, rows, kv_cache, batch, one_room)
+            )
+        if len(parts) == 1:
+            return parts[0]
+        tokens, heads, dim = q.shape
+        return torch.cat(parts, out=q.new_empty(max(room, tokens), heads, dim)[:tokens])
 
     def _attention(
         self,
@@ -866,8 +886,10 @@ class Attention(nn.Module):
         rows: torch.Tensor | None,
         kv_cache: torch.Tensor,
         batch: AttentionBatch,
+        room: int = 0,
     ) -> torch.Tensor:
         """One sequence's chunk: queries at positions cached..cached+n-1 see keys 0..own position.
+        The C kernels' output lies in storage with ``room`` rows (see :func:`padded_to`).
 
         With no cached prefix the chunk's own K/V are the whole context and the causal mask is
         the usual one. With a prefix, a query at row i may see keys up to cached + i: a
@@ -876,13 +898,13 @@ class Attention(nn.Module):
         if rows is None:
             assert k is not None and v is not None
             keys, values = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
-        elif (out := self._prefill_amx_paged(q, cached, rows, kv_cache, batch)) is not None:
+        elif (out := self._prefill_amx_paged(q, cached, rows, kv_cache, batch, room)) is not None:
             return out
         else:
             kv = _gather_blocks(kv_cache, rows, batch.block_size)[:, :, : cached + q.shape[0]]
             keys, values = kv[0], kv[1]
         if self.prefill_native is not None:
-            return self._prefill_amx(q, keys, values, cached)
+            return self._prefill_amx(q, keys, values, cached, room)
         if q.device.type == "cpu" and not self.prefill_sdpa:
             return self._prefill_cpu(q, keys, values, cached)
         return self._prefill_sdpa(q, keys, values, cached)
@@ -894,6 +916,7 @@ class Attention(nn.Module):
         rows: torch.Tensor,
         kv_cache: torch.Tensor,
         batch: AttentionBatch,
+        room: int = 0,
     ) -> torch.Tensor | None:
         """The C kernel reading the chunk's keys and values where they lie in the cache (no
         gather copy: at two threads under a busy neighbour the gather's parallel region cost
@@ -911,18 +934,20 @@ class Attention(nn.Module):
         # block ids themselves
         blocks = rows[: rows.numel() // (2 * self.num_kv_heads)]
         return native.prefill_attention_paged(
-            q, kv_cache, blocks, batch.block_size, cached, self.scale, self.prefill_tiles
+            q, kv_cache, blocks, batch.block_size, cached, self.scale, self.prefill_tiles, room
         )
 
     def _prefill_amx(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int, room: int = 0
     ) -> torch.Tensor:
         """The C kernel's causal attention (csrc/decode_ops.c: on AMX tiles, or in AVX-512
         BF16) for a bf16 chunk without a sliding window; SDPA for anything it does not take (a
         float32 model, a window, a head size that is not a multiple of 32)."""
         native = self.prefill_native
         if native is not None and self.window is None and q.dtype == torch.bfloat16:
-            out = native.prefill_attention(q, keys, values, cached, self.scale, self.prefill_tiles)
+            out = native.prefill_attention(
+                q, keys, values, cached, self.scale, self.prefill_tiles, room
+            )
             if out is not None:
                 return out
         return self._prefill_sdpa(q, keys, values, cached)
@@ -1025,6 +1050,9 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.init_rope(max_positions, torch.get_default_device())
         self.native: NativeOps | None = None  # the C decode kernels, when the choice says so
+        # Steps of at least PAD_MIN_ROWS rows are padded to a multiple of this (ROW_BUCKET
+        # under step_rows=padded; 1: never padded).
+        self.row_bucket = 1
         # Decodes-only steps run every layer in one C call (NativeOps.decode_layers) where
         # their matmuls take the C kernels; False keeps the per-kernel calls (benches, tests).
         self.fuse_decode = True
@@ -1064,16 +1092,20 @@ class CausalLM(nn.Module):
         batch: AttentionBatch,
     ) -> torch.Tensor:
         """Hidden states [tokens, hidden] after the final norm (logits are the caller's choice)."""
+        tokens = input_ids.shape[0]
+        rows = padded_rows(tokens, self.row_bucket)
+        if rows > tokens:
+            input_ids = F.pad(input_ids, (0, rows - tokens))
         if self.native is not None:
             if batch.positions is None:
                 batch = replace(batch, positions=positions)
-            return self._native_decode(input_ids, kv_caches, batch)
+            return self._native_decode(input_ids, kv_caches, batch)[:tokens]
         x = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, batch)
-        return self.norm(x)
+        return self.norm(x[:tokens])
 
     def _native_decode(
         self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], batch: AttentionBatch
@@ -1312,6 +1344,30 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
 
+def padded_rows(rows: int, bucket: int) -> int:
+    """The row count a step of ``rows`` tokens runs its matmuls at: ``rows`` rounded up to a
+    multiple of ``bucket`` from PAD_MIN_ROWS on, else ``rows``."""
+    if bucket <= 1 or rows < PAD_MIN_ROWS:
+        return rows
+    return -(-rows // bucket) * bucket
+
+
+def padded_to(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` [n, width] with zero rows after it up to ``rows``: a view of its own storage where
+    that has room (as the C attention kernels leave it), else a copy."""
+    n, width = t.shape
+    if rows <= n:
+        return t
+    fits = t.is_contiguous() and t.untyped_storage().nbytes() >= (
+        (t.storage_offset() + rows * width) * t.element_size()
+    )
+    if not fits:
+        return torch.cat((t, t.new_zeros(rows - n, width)))
+    padded = t.as_strided((rows, width), (width, 1), t.storage_offset())
+    padded[n:].zero_()
+    return padded
+
+
 def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | None = None) -> None:
     """Point every module at the paths ``choice`` names (packing or unpacking linears);
     ``native`` is the loaded C kernels, used when ``choice.decode_ops`` is ``c``."""
@@ -1420,6 +1476,7 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             module.prefill_tiles = choice.prefill_attention == "amx"
             module.decode_float32 = choice.decode_math == "float32"
             module.native = model.native
+    model.row_bucket = ROW_BUCKET if choice.step_rows == "padded" else 1
 
 
 def kernel_trials(

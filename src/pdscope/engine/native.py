@@ -832,14 +832,16 @@ class NativeOps:
         cached: int,
         scale: float,
         tiles: bool = True,
+        room: int = 0,
     ) -> torch.Tensor | None:
         """Causal attention of one chunk on AMX tiles (bf16), or with ``tiles=False`` the same
         kernel's products in AVX-512 BF16 (:attr:`prefill_vec`): q [n, heads, dim] at positions
         ``cached``..``cached + n - 1`` (any token/head strides, each row contiguous) over keys
         and values [kv_heads, cached + n, dim] (any head stride); returns [n, heads, dim],
-        contiguous. None when the kernel cannot run here (no AMX tiles or no AVX-512 BF16,
-        refused by the kernel, or a head size that is not a multiple of 32 up to 256): the
-        caller takes SDPA."""
+        contiguous, the first rows of storage for ``room`` rows where ``room`` > n (a padded
+        step's o_proj reads them all). None when the kernel cannot run here (no AMX tiles or
+        no AVX-512 BF16, refused by the kernel, or a head size that is not a multiple of 32 up
+        to 256): the caller takes SDPA."""
         n, heads, dim = q.shape
         kv_heads, total, _ = keys.shape
         if q.dtype != torch.bfloat16 or keys.dtype != q.dtype or values.dtype != q.dtype:
@@ -859,7 +861,7 @@ class NativeOps:
                 f"prefill_attention: rows must be contiguous, got q {q.stride()} "
                 f"keys {keys.stride()} values {values.stride()}"
             )
-        out = torch.empty(n, heads, dim, dtype=q.dtype)
+        out = torch.empty(max(n, room), heads, dim, dtype=q.dtype)[:n]
         entry = self.lib.prefill_attention_amx if tiles else self._prefill_vec_entry()
         status = entry(
             q.data_ptr(),
@@ -895,6 +897,7 @@ class NativeOps:
         cached: int,
         scale: float,
         tiles: bool = True,
+        room: int = 0,
     ) -> torch.Tensor | None:
         """:meth:`prefill_attention` with keys and values read in place from a layer's paged
         cache [2, kv_heads, slots, dim]: key i of the chunk's context (positions 0 ..
@@ -926,7 +929,7 @@ class NativeOps:
             raise ValueError(
                 f"prefill_attention_paged: q rows must be contiguous, got {q.stride()}"
             )
-        out = torch.empty(n, heads, dim, dtype=q.dtype)
+        out = torch.empty(max(n, room), heads, dim, dtype=q.dtype)[:n]
         entry = self.lib.prefill_attention_amx_paged if tiles else self._prefill_vec_entry(True)
         status = entry(
             q.data_ptr(),
