@@ -7,12 +7,15 @@ pads steps to a multiple of ROW_BUCKET rows (engine/model.py); this bench measur
 saves and what it costs, on one engine whose ``row_bucket`` is switched between rounds:
 
 * ``fresh``: a prompt length neither variant has run before (drawn at random from
-  ``--fresh-range``, each used once), so the exact variant always builds new primitives and
-  the padded one only where the length opens a bucket it has not met (a range of 400 lengths
-  is 25 buckets: as a server's traffic, most fresh lengths soon fall in one it met);
+  ``--fresh-range``, each used once: the two of a pair differ), so the exact variant always
+  builds new primitives and the padded one only where the length opens a bucket it has not met
+  (a range of 400 lengths is 25 buckets: as a server's traffic, most fresh lengths soon fall
+  in one it met; an exact length that is a multiple of ROW_BUCKET builds a bucket the padded
+  variant may meet later, a small bias its way);
 * ``repeat``: lengths both variants ran before (warmed up first), so neither builds anything
   and the difference is the padding's price (up to ROW_BUCKET - 1 more rows through the
-  matmuls and norms, and a copy of the attention's output a layer).
+  matmuls and norms; on the PyTorch attention paths a copy of its output a layer, where the
+  C kernels' output has the rows' room).
 
 A prefill is ``LLM.generate`` of one prompt for one token, prefix caching off, random ids.
 Each kind runs as pairs back to back (padded and exact, the order alternating); the ratio is

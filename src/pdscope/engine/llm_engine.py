@@ -190,10 +190,11 @@ class LLMEngine:
             "decode_prefetch": "jumps",  # as the C kernels' default (or none of them here)
             "threads": "free",  # no C kernels, or one thread: nothing to place
         }
-        # a rule as well: steps padded where their matmuls are oneDNN's in a 16-bit type
-        onednn_16 = self.dtype in (torch.bfloat16, torch.float16) and cpu
+        # a rule as well: steps padded where their matmuls are oneDNN's in bf16 (fp16 on a
+        # CPU without AVX512-FP16 is not oneDNN's, and was not measured)
+        onednn_bf16 = self.dtype == torch.bfloat16 and cpu
         widened = forced.get("matmul_math", fixed["matmul_math"]) == "float32"
-        fixed["step_rows"] = "padded" if onednn_16 and not widened else "exact"
+        fixed["step_rows"] = "padded" if onednn_bf16 and not widened else "exact"
         if forced_on_c and ops is None:
             raise ValueError(
                 f"kernels: {forced_on_c[0]} runs on the C kernels, on CPU only "

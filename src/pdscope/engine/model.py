@@ -63,14 +63,16 @@ PACKED_ROWS_WITH_C = 2048
 # when chosen: torch.mm on a transposed copy of the weight, whole or with x's rows split over
 # the OpenMP team (see Linear). A decode batch stays below it, on linear's path.
 ROWS_SPLIT_MIN_ROWS = 512
-# Steps of PAD_MIN_ROWS rows or more (more than the C kernels take: prefill chunks, large
-# batches) run their matmuls through oneDNN, which builds a primitive for every new row count:
-# on the AMX Xeon 10-16 ms for each of a layer's four weight shapes, ~25-30 ms added to the
-# first prefill of each new length (docs/performance.md). Under step_rows=padded (the rule for
-# a bf16 or fp16 model there; torch's float32 matmuls are MKL's, built per call) such steps are
-# padded to a multiple of ROW_BUCKET rows, so that a server meets at most one row count per
-# ROW_BUCKET tokens of its budget; the padding rows (token 0) go through the norms and matmuls
-# and are dropped before the attention and from the result.
+# Steps of PAD_MIN_ROWS rows or more (more than the C kernels take: steps with prefill chunks)
+# run their matmuls through oneDNN, which builds a primitive for every new row count: on the
+# AMX Xeon 3-14 ms for each of a layer's four weight shapes, 24-31 ms added to the first
+# prefill of each new length (docs/performance.md). Under step_rows=padded (the rule for a bf16
+# model there; torch's float32 matmuls are MKL's, built per call) such steps are padded to a
+# multiple of ROW_BUCKET rows, so that a server meets at most one row count per ROW_BUCKET
+# tokens of its budget; the padding rows (token 0) go through the norms and matmuls and are
+# dropped before the attention and from the result. (Decodes-only steps on the C kernels take
+# decode_logits, never padded.) A padded count can cross a row threshold its exact one is
+# under (ROWS_SPLIT_MIN_ROWS, _SMALL_NORM_ELEMENTS): the real rows then take that path.
 PAD_MIN_ROWS = NATIVE_MANY_MAX_ROWS + 1
 ROW_BUCKET = 16
 # Under matmul_math=float32, bf16 matmuls of at least this many rows (that no C kernel takes)
@@ -676,17 +678,17 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         batch: AttentionBatch,
     ) -> torch.Tensor:
-        rows, tokens = x.shape[0], batch.slot_mapping.shape[0]
-        assert rows >= tokens, "every token has a cache slot; rows past them are padding"
+        padded, tokens = x.shape[0], batch.slot_mapping.shape[0]
+        assert padded >= tokens, "every token has a cache slot; rows past them are padding"
         qkv = self.qkv_proj(x)[:tokens]  # the first rows of a contiguous tensor: a view
         if batch.decode_tables is not None:
             out = self._native_decode(qkv, cos, sin, kv_cache, batch)
         elif self.native is not None:
-            out = self._native_rope_attention(qkv, cos, sin, kv_cache, batch, rows)
+            out = self._native_rope_attention(qkv, cos, sin, kv_cache, batch, padded)
         else:
             out = self._attention(qkv, cos, sin, kv_cache, batch)
         # o_proj takes the padded row count, as qkv_proj did
-        return self.o_proj(padded_to(out.reshape(tokens, self.q_size), rows))
+        return self.o_proj(padded_to(out.reshape(tokens, self.q_size), padded))
 
     def _native_rope_store(
         self,
@@ -1093,9 +1095,9 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [tokens, hidden] after the final norm (logits are the caller's choice)."""
         tokens = input_ids.shape[0]
-        rows = padded_rows(tokens, self.row_bucket)
-        if rows > tokens:
-            input_ids = F.pad(input_ids, (0, rows - tokens))
+        padded = padded_rows(tokens, self.row_bucket)
+        if padded > tokens:
+            input_ids = F.pad(input_ids, (0, padded - tokens))
         if self.native is not None:
             if batch.positions is None:
                 batch = replace(batch, positions=positions)
@@ -1344,17 +1346,19 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
 
-def padded_rows(rows: int, bucket: int) -> int:
-    """The row count a step of ``rows`` tokens runs its matmuls at: ``rows`` rounded up to a
-    multiple of ``bucket`` from PAD_MIN_ROWS on, else ``rows``."""
-    if bucket <= 1 or rows < PAD_MIN_ROWS:
-        return rows
-    return -(-rows // bucket) * bucket
+def padded_rows(tokens: int, bucket: int) -> int:
+    """The row count a step of ``tokens`` tokens runs its matmuls at: ``tokens`` rounded up
+    to a multiple of ``bucket`` from PAD_MIN_ROWS on, else ``tokens``."""
+    if bucket <= 1 or tokens < PAD_MIN_ROWS:
+        return tokens
+    return -(-tokens // bucket) * bucket
 
 
 def padded_to(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``t`` [n, width] with zero rows after it up to ``rows``: a view of its own storage where
-    that has room (as the C attention kernels leave it), else a copy."""
+    that has room, else a copy. The storage past ``t`` is overwritten: only for tensors whose
+    storage was made with that room for this (the C attention's outputs, a step's parts
+    joined: Attention's ``room``), never a slice of a buffer that other code still reads."""
     n, width = t.shape
     if rows <= n:
         return t
