@@ -73,6 +73,7 @@ from pdscope import LLM, SamplingParams
 from pdscope.checkpoint.make_model import resolve_model_path
 from pdscope.engine import native
 from pdscope.engine.model import apply_kernels, huge_pages_setting
+from pdscope.engine.timeline import StepRecord
 
 
 def generic_attention_ops(level: int = 0, march: str | None = None) -> native.NativeOps:
@@ -227,7 +228,7 @@ def main() -> None:
             for _ in range(-(-pool.num_blocks * pool.block_size // 2000) + 1):
                 prompt = [filler.randrange(100, 16000) for _ in range(2000)]
                 llm.generate([prompt], SamplingParams(max_tokens=1))
-    cpu_s: dict[int, float] = {}  # id of a step record -> its CPU seconds
+    cpu_s: dict[StepRecord, float] = {}  # a step's record (its times: unique) -> CPU seconds
     if args.cpu_time:
         for llm in engines.values():
             engine, plain_step = llm.engine, llm.engine.step
@@ -236,7 +237,7 @@ def main() -> None:
                 before, start = len(engine.steps), time.process_time()
                 outputs = plain_step()
                 if len(engine.steps) > before:
-                    cpu_s[id(engine.steps[-1])] = time.process_time() - start
+                    cpu_s[engine.steps[-1]] = time.process_time() - start
                 return outputs
 
             engine.step = timed_step  # type: ignore[method-assign]
@@ -255,7 +256,7 @@ def main() -> None:
         cpu_s.clear()
         llm.generate([fresh(prompt_len) for _ in range(batch)], params)
         steps = [
-            cpu_s.pop(id(s)) if args.cpu_time else s.end_s - s.start_s
+            cpu_s.pop(s) if args.cpu_time else s.end_s - s.start_s
             for s in llm.engine.steps
             if s.prefill_tokens == 0 and s.decode_tokens == batch
         ]
@@ -272,7 +273,7 @@ def main() -> None:
         cpu_s.clear()
         llm.generate([fresh(64)], params)
         steps = [
-            cpu_s.pop(id(s)) if args.cpu_time else s.end_s - s.start_s
+            cpu_s.pop(s) if args.cpu_time else s.end_s - s.start_s
             for s in llm.engine.steps
             if s.prefill_tokens == 0
         ]

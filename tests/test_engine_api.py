@@ -120,6 +120,40 @@ def test_timeline_records_every_phase(llm: LLM) -> None:
     assert sum(s.prefill_tokens for s in steps) >= t.prompt_tokens
 
 
+def test_the_step_log_keeps_the_last_records_and_no_object_for_the_collector() -> None:
+    import gc
+
+    from pdscope.engine.timeline import StepLog, StepRecord
+
+    log = StepLog(maxlen=3)
+    assert len(log) == 0 and list(log) == []
+    records = [StepRecord(0.5 + i, 0.75 + i, i, 2, i / 8, 64 * i, 3, i % 2, 7) for i in range(5)]
+    for r in records:
+        log.append(r)
+    assert len(log) == 3 and list(log) == records[2:]  # oldest first, equal as appended
+    assert log[0] == records[2] and log[-1] == records[4] and log[-3] == records[2]
+    with pytest.raises(IndexError):
+        log[3]
+    with pytest.raises(IndexError):
+        log[-4]
+    log.clear()
+    assert len(log) == 0 and list(log) == []
+    log.append(records[0])
+    assert list(log) == records[:1]
+
+    # what the log holds is no tracked object: a full collection has nothing of it to walk
+    def tracked_records() -> int:
+        gc.collect()
+        return sum(isinstance(o, StepRecord) for o in gc.get_objects())
+
+    before = tracked_records()
+    big = StepLog(maxlen=10_000)
+    for i in range(10_000):
+        big.append(StepRecord(float(i), i + 1.0, 1, 0, 0.5, 0, 1, 0))
+    assert tracked_records() <= before
+    assert len(big) == 10_000 and big[-1].start_s == 9_999.0
+
+
 def test_bad_engine_arguments(tiny: Path) -> None:
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(model=str(tiny), kv_cache_memory="64KiB", max_model_len=512)

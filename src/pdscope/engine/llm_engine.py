@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,7 +29,7 @@ from pdscope.engine.runner import ModelRunner
 from pdscope.engine.sampling_params import SamplingParams
 from pdscope.engine.scheduler import Scheduler, SchedulerConfig
 from pdscope.engine.step_check import check_one_call
-from pdscope.engine.timeline import RequestTimeline, StepRecord
+from pdscope.engine.timeline import RequestTimeline, StepLog, StepRecord
 from pdscope.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdscope.specs.local import cpu_model
 from pdscope.specs.sizes import parse_bytes
@@ -132,7 +131,7 @@ class LLMEngine:
             self.runner.pin = (self._native, thread_cpus(), thread_cpus(bound=False))
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.steps: deque[StepRecord] = deque(maxlen=100_000)
+        self.steps = StepLog(maxlen=100_000)
         self.step_listeners: list[Callable[[StepRecord, list[Request]], None]] = []
         self.finish_listeners: list[Callable[[Request], None]] = []  # any reason, abort too
         self._ids = itertools.count()
