@@ -144,7 +144,7 @@ def test_the_step_log_keeps_the_last_records_and_no_object_for_the_collector() -
     # what the log holds is no tracked object: a full collection has nothing of it to walk
     def tracked_records() -> int:
         gc.collect()
-        return sum(isinstance(o, StepRecord) for o in gc.get_objects())
+        return sum(type(o) is StepRecord for o in gc.get_objects())
 
     before = tracked_records()
     big = StepLog(maxlen=10_000)

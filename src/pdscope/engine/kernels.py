@@ -79,7 +79,7 @@ Paths (every candidate computes the same function; tests pin each against transf
   matmuls at its row count rounded up to a multiple of ``ROW_BUCKET``, the padding rows
   dropped before the attention and from the result) or ``exact``. Not a trial: a rule,
   ``padded`` where those matmuls are oneDNN's in bf16 (on CPU, ``matmul_math=native``), which
-  builds a primitive for each new row count: on the AMX Xeon 24-31 ms added to the first
+  builds a primitive for each new row count: on the AMX Xeon 24-31 ms of them in the first
   prefill of each new length, where a repeated length's prefill took 1.005x the time padded
   (engine/model.py's ROW_BUCKET; docs/performance.md).
 """

@@ -65,8 +65,8 @@ PACKED_ROWS_WITH_C = 2048
 ROWS_SPLIT_MIN_ROWS = 512
 # Steps of PAD_MIN_ROWS rows or more (more than the C kernels take: steps with prefill chunks)
 # run their matmuls through oneDNN, which builds a primitive for every new row count: on the
-# AMX Xeon 3-14 ms for each of a layer's four weight shapes, 24-31 ms added to the first
-# prefill of each new length (docs/performance.md). Under step_rows=padded (the rule for a bf16
+# AMX Xeon 3-14 ms for each of a layer's four weight shapes, 24-31 ms in the first prefill
+# of each new length (docs/performance.md). Under step_rows=padded (the rule for a bf16
 # model there; torch's float32 matmuls are MKL's, built per call) such steps are padded to a
 # multiple of ROW_BUCKET rows, so that a server meets at most one row count per ROW_BUCKET
 # tokens of its budget; the padding rows (token 0) go through the norms and matmuls and are
@@ -1356,15 +1356,15 @@ def padded_rows(tokens: int, bucket: int) -> int:
 
 def padded_to(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``t`` [n, width] with zero rows after it up to ``rows``: a view of its own storage where
-    that has room, else a copy. The storage past ``t`` is overwritten: only for tensors whose
-    storage was made with that room for this (the C attention's outputs, a step's parts
-    joined: Attention's ``room``), never a slice of a buffer that other code still reads."""
+    that storage was made for exactly [rows, width] with ``t`` its first rows (the C
+    attention's outputs, a step's parts joined: Attention's ``room``), else a copy. The rows
+    past ``t`` are overwritten, so a slice of any other buffer, which code may still read, is
+    copied."""
     n, width = t.shape
     if rows <= n:
         return t
-    fits = t.is_contiguous() and t.untyped_storage().nbytes() >= (
-        (t.storage_offset() + rows * width) * t.element_size()
-    )
+    made_for_it = t.untyped_storage().nbytes() == rows * width * t.element_size()
+    fits = t.is_contiguous() and t.storage_offset() == 0 and made_for_it
     if not fits:
         return torch.cat((t, t.new_zeros(rows - n, width)))
     padded = t.as_strided((rows, width), (width, 1), t.storage_offset())

@@ -102,15 +102,14 @@ class StepLog:
     read back is made anew, equal to the one appended.
     """
 
-    # seconds and fractions as float64 (a perf_counter reading kept exact), counts as int64
     assert all(f.type in (float, "float", int, "int") for f in fields(StepRecord))
+    # seconds and fractions as float64 (a perf_counter reading kept exact), counts as int64
     _DTYPE = np.dtype(
         [
             (f.name, np.float64 if f.type in (float, "float") else np.int64)
             for f in fields(StepRecord)
         ]
     )
-
     _FIELDS = _DTYPE.names
 
     def __init__(self, maxlen: int) -> None:
