@@ -92,8 +92,14 @@ class ServeSettings:
 # the server kept one OpenMP team. The one-call decode step now runs in one region whose
 # barriers spin as long as this count says ("A decode step in one OpenMP region"), so a
 # decode step pays a wake-up only at its start (in process at 1,000, 0.94-1.16x the speed of
-# the step whose every kernel was a region: within this host's noise; at 0, ~1.3x).
-SERVER_SPIN_COUNT = "1000"
+# the step whose every kernel was a region: within this host's noise; at 0, ~1.3x). A step
+# with a prefill still opens a region per kernel (oneDNN's matmuls, torch's ops), and at 1,000
+# (~20 us) the workers slept between them: on the AMX Xeon an 8-token prefill step took 19.0 ms
+# against 15.7 at 10,000 (~0.2 ms), and two servers side by side, 10,000 against 1,000, read
+# mean TTFT 0.86-0.88x and output tok/s 1.07-1.09x at 1 and 8 streams, with a client on the
+# same 2 cores; 30,000 read the same as 10,000, 100,000 no better (docs/performance.md,
+# "Between a prefill's kernels").
+SERVER_SPIN_COUNT = "10000"
 
 
 def serve(args: EngineArgs, s: ServeSettings) -> None:
