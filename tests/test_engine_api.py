@@ -436,10 +436,11 @@ def test_qwen_sliding_window_is_refused(tmp_path: Path) -> None:
         LLM(model=str(path))
 
 
-def test_serve_sets_a_short_openmp_spin_before_torch_loads_unless_told() -> None:
-    """libgomp reads GOMP_SPINCOUNT once, when torch loads it: `pdscope serve` sets its short
-    count before anything imports torch (a fresh process, as the CLI starts), and leaves a
-    count or wait policy the user gave alone."""
+def test_serve_sets_a_short_openmp_spin_before_torch_loads_unless_told(tiny: Path) -> None:
+    """libgomp reads GOMP_SPINCOUNT once, when torch loads it: `pdscope serve` sets its count
+    before anything imports torch (a fresh process, as the CLI starts), from the model's config:
+    10,000 for the small model, 1,000 for a test model, whose steps are too short to spin
+    through; and leaves a count or wait policy the user gave alone."""
     import os
     import subprocess
     import sys
@@ -453,13 +454,22 @@ def test_serve_sets_a_short_openmp_spin_before_torch_loads_unless_told() -> None
         "r = types.ModuleType('pdscope.server.run')  # the server, not loaded: no torch\n"
         "r.serve = fake\n"
         "sys.modules['pdscope.server.run'] = r\n"
-        "s.serve(s.EngineArgs(), s.ServeSettings())\n"
+        "s.serve(s.EngineArgs(model=sys.argv[1]), s.ServeSettings())\n"
         "print(seen['spin'], seen['torch'])\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    for extra, expected in (({}, "10000"), ({"GOMP_SPINCOUNT": "5"}, "5")):
+    cases = (
+        ("small", {}, "10000"),
+        (str(tiny), {}, "1000"),
+        ("small", {"GOMP_SPINCOUNT": "5"}, "5"),
+        (str(tiny / "nowhere"), {}, "10000"),  # no config to read: the load will say why
+    )
+    for model, extra, expected in cases:
         done = subprocess.run(
-            [sys.executable, "-c", script], env={**env, **extra}, capture_output=True, text=True
+            [sys.executable, "-c", script, model],
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
         )
         assert done.returncode == 0, done.stderr[-2000:]
         spin, torch_loaded = done.stdout.split()

@@ -94,12 +94,45 @@ class ServeSettings:
 # decode step pays a wake-up only at its start (in process at 1,000, 0.94-1.16x the speed of
 # the step whose every kernel was a region: within this host's noise; at 0, ~1.3x). A step
 # with a prefill still opens a region per kernel (oneDNN's matmuls, torch's ops), and at 1,000
-# (~20 us) the workers slept between them: on the AMX Xeon an 8-token prefill step took 19.0 ms
-# against 15.7 at 10,000 (~0.2 ms), and two servers side by side, 10,000 against 1,000, read
+# the workers slept between them: on the AMX Xeon an 8-token prefill step of the small model
+# took 19.0 ms against 15.7 at 10,000, and two servers side by side, 10,000 against 1,000, read
 # mean TTFT 0.86-0.88x and output tok/s 1.07-1.09x at 1 and 8 streams, with a client on the
-# same 2 cores; 30,000 read the same as 10,000, 100,000 no better (docs/performance.md,
-# "Between a prefill's kernels").
+# same 2 cores; 30,000 read about the same as 10,000 (docs/performance.md, "Between a
+# prefill's kernels"). So a model whose layers hold SPIN_MIN_LAYER_WEIGHTS weights or more
+# gets SERVER_SPIN_COUNT; a smaller one (the test models: steps of ~0.3 ms, whose gaps the
+# HTTP loop and colocated clients need) keeps SMALL_MODEL_SPIN_COUNT, with which the tests
+# that put a client beside the server passed in every run where 10,000 failed two of four
+# (a 2-core AMD EPYC, before the one-call decode step). The line is the C step's
+# TEAM_MIN_LAYER_WEIGHTS (engine/csrc/decode_ops.c): below it kernels are too short to share.
 SERVER_SPIN_COUNT = "10000"
+SMALL_MODEL_SPIN_COUNT = "1000"
+SPIN_MIN_LAYER_WEIGHTS = 2 << 20
+
+
+def spin_count(model: str) -> str:
+    """The GOMP_SPINCOUNT for serving ``model`` (a preset name or a checkpoint directory),
+    from its config alone (torch is not loaded yet): SERVER_SPIN_COUNT where its config
+    cannot be read (the load then says why)."""
+    from pathlib import Path
+
+    from pdscope.checkpoint.presets import PRESETS
+    from pdscope.specs.architectures import head_dim, num_kv_heads
+    from pdscope.specs.errors import SpecError
+    from pdscope.specs.models import read_config
+
+    try:
+        config = PRESETS.get(model) or read_config(Path(model).expanduser())
+        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        dim, kv_heads, inter = (
+            head_dim(config),
+            num_kv_heads(config),
+            int(config["intermediate_size"]),
+        )
+        # a layer's matmul weights: fused qkv, o, gate_up and down (as layer_weights in C)
+        layer = hidden * ((heads + 2 * kv_heads) * dim + heads * dim + 3 * inter)
+    except (SpecError, OSError, KeyError, TypeError, ValueError, ZeroDivisionError):
+        return SERVER_SPIN_COUNT
+    return SERVER_SPIN_COUNT if layer >= SPIN_MIN_LAYER_WEIGHTS else SMALL_MODEL_SPIN_COUNT
 
 
 def serve(args: EngineArgs, s: ServeSettings) -> None:
@@ -110,7 +143,7 @@ def serve(args: EngineArgs, s: ServeSettings) -> None:
 
     told = {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & os.environ.keys()
     if not told and "torch" not in sys.modules:  # libgomp reads it once, loaded with torch
-        os.environ["GOMP_SPINCOUNT"] = SERVER_SPIN_COUNT
+        os.environ["GOMP_SPINCOUNT"] = spin_count(args.model)
     if s.threads is not None:
         import torch
 

@@ -36,9 +36,10 @@ typedef uint16_t bf16;
  * told to and then sleeps on a futex. Each kernel opening its own region, as it does when called
  * alone, cost a step ~110 fork-joins, and where libgomp's workers sleep soon after a region
  * ends (GOMP_SPINCOUNT=1000, what `pdscope serve` set so that idle workers leave the cores
- * to the HTTP loop between steps; 10,000 now) each one paid a kernel wake-up. Inside a step
- * the threads now spin, and sleep only after a long wait; between steps libgomp's own policy
- * still sends them to sleep. Fields that different threads write sit on cache lines apart. */
+ * to the HTTP loop between steps; 10,000 now but for small models) each one paid a wake-up.
+ * Inside a step the threads now spin, and sleep only after a long wait; between steps
+ * libgomp's own policy still sends them to sleep. Fields that different threads write sit on
+ * cache lines apart. */
 typedef struct {
     _Alignas(64) int arrived;    /* the barrier (GCC __atomic builtins) */
     _Alignas(64) int generation; /* a futex word too */
@@ -3285,10 +3286,11 @@ int64_t decode_layers_scratch(const decode_step *s) {
  * and never under 1,000 (~20 us on an AMD EPYC; libgomp's own count where its threads
  * outnumber the CPUs), so that GOMP_SPINCOUNT=0 or OMP_WAIT_POLICY=PASSIVE leaves the workers
  * asleep between steps but not between a step's kernels. Not more than a server's short count
- * (GOMP_SPINCOUNT, 10,000 where `pdscope serve` sets it): a floor of 4,096 (~90 us) under the
- * 1,000 it set before spun longer than the server asked of libgomp, on CPUs its HTTP loop and
- * colocated clients need (a clean-clone CI run with it read a tiny model's 8 streams at 0.83x
- * the output rate of 1, where the test wants 1.5x). Read once: libgomp reads them once too. */
+ * (GOMP_SPINCOUNT: `pdscope serve` sets 10,000, 1,000 below TEAM_MIN_LAYER_WEIGHTS a layer):
+ * a floor of 4,096 (~90 us) under the 1,000 it set before spun longer than the server asked
+ * of libgomp, on CPUs its HTTP loop and colocated clients need (a clean-clone CI run with it
+ * read a tiny model's 8 streams at 0.83x the output rate of 1, where the test wants 1.5x).
+ * Read once: libgomp reads them once too. */
 static int barrier_spins(void) {
     static int spins = -1;
     int cached = __atomic_load_n(&spins, __ATOMIC_RELAXED);
