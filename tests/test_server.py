@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import time
 from collections.abc import Callable
@@ -589,6 +590,15 @@ def test_the_start_up_heap_is_frozen(server: Server) -> None:
     assert found, frozen[0]
     assert int(found.group(1)) > 100_000
     assert first("serving ") < first("froze the start-up heap") < first("Uvicorn running on")
+
+
+def test_the_log_says_how_long_openmp_workers_spin(server: Server) -> None:
+    """serve sets libgomp's spin count from the model before torch loads (commands/serve.py):
+    a test model's layers are under 2 M weights, so its workers keep the short count."""
+    if {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & os.environ.keys():
+        pytest.skip("this environment sets libgomp's spin itself, which serve leaves alone")
+    lines = [ln for ln in server.log.read_text().splitlines() if "OpenMP workers spin" in ln]
+    assert len(lines) == 1 and lines[0].endswith("GOMP_SPINCOUNT=1000"), lines
 
 
 def test_tiny_pool_preempts_and_queues(tiny_model: Path, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import socket
 from collections.abc import Iterator
 from types import FrameType
@@ -97,6 +98,13 @@ def start_engine(args: EngineArgs, max_queue: int | None) -> AsyncEngine:
     engine = running.engine
     tokens = engine.pool.num_blocks * engine.pool.block_size
     log.info("model %s on %s, %s", engine.path, engine.device, str(engine.dtype).split(".")[-1])
+    # what libgomp read when torch loaded (commands/serve.py sets the count from the model)
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    log.info(
+        "OpenMP workers spin before they sleep: GOMP_SPINCOUNT=%s%s",
+        os.environ.get("GOMP_SPINCOUNT", "unset (libgomp's default)"),
+        f", OMP_WAIT_POLICY={policy}" if policy else "",
+    )
     log.info(engine.pool_summary)
     log.info(
         "maximum concurrency for %d tokens per request: %.2fx",
