@@ -116,22 +116,16 @@ def spin_count(model: str) -> str:
     from pathlib import Path
 
     from pdscope.checkpoint.presets import PRESETS
-    from pdscope.specs.architectures import head_dim, num_kv_heads
     from pdscope.specs.errors import SpecError
-    from pdscope.specs.models import read_config
+    from pdscope.specs.models import read_config, spec_from_config
 
     try:
         config = PRESETS.get(model) or read_config(Path(model).expanduser())
-        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-        dim, kv_heads, inter = (
-            head_dim(config),
-            num_kv_heads(config),
-            int(config["intermediate_size"]),
-        )
-        # a layer's matmul weights: fused qkv, o, gate_up and down (as layer_weights in C)
-        layer = hidden * ((heads + 2 * kv_heads) * dim + heads * dim + 3 * inter)
-    except (SpecError, OSError, KeyError, TypeError, ValueError, ZeroDivisionError):
+        layers = spec_from_config(config, name=model).layers
+    except (SpecError, OSError, KeyError, TypeError, ValueError):
         return SERVER_SPIN_COUNT
+    # the weights a token's step reads in a layer (plan's arithmetic): C's layer_weights
+    layer = max(spec.attn_params + spec.mlp_active_params for spec in layers)
     return SERVER_SPIN_COUNT if layer >= SPIN_MIN_LAYER_WEIGHTS else SMALL_MODEL_SPIN_COUNT
 
 
