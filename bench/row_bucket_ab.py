@@ -27,18 +27,11 @@ padded over exact per pair, then the median; below 1 the padding is faster.
 from __future__ import annotations
 
 import argparse
-import platform
 import random
 import statistics
 import time
-from pathlib import Path
 
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
+from pdscope.specs.local import cpu_model
 
 
 def main() -> None:

@@ -16,6 +16,8 @@ import random
 import subprocess
 import sys
 
+from pdscope.specs.local import cpu_model
+
 CHILD = """
 import random, sys
 from pdscope import LLM, SamplingParams
@@ -54,6 +56,7 @@ def main() -> None:
     lo, hi = args.range
     if hi - lo < args.lengths + 10:
         parser.error(f"--range {lo} {hi} holds fewer than --lengths + 10 distinct lengths")
+    print(f"CPU: {cpu_model()}")
     for variant in random.sample(["padded", "exact"], 2):
         child = [sys.executable, "-c", CHILD, variant, str(args.lengths), str(lo), str(hi)]
         done = subprocess.run(child + [str(args.every)], capture_output=True, text=True)

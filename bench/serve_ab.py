@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import statistics
 import subprocess
@@ -31,6 +30,9 @@ import time
 from pathlib import Path
 
 import httpx
+
+from pdscope.client.server_metrics import parse_metrics
+from pdscope.specs.local import cpu_model
 
 BIN = Path(sys.executable).parent
 FIGURES = ("mean_ttft_ms", "median_ttft_ms", "median_tpot_ms", "output_throughput")
@@ -62,12 +64,10 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 600.0) -> N
 
 
 def server_ttft_ms(port: int) -> float | None:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    total = re.search(r"^vllm:time_to_first_token_seconds_sum\{[^}]*\} (\S+)", text, re.M)
-    count = re.search(r"^vllm:time_to_first_token_seconds_count\{[^}]*\} (\S+)", text, re.M)
-    if not total or not count or float(count.group(1)) == 0:
-        return None
-    return float(total.group(1)) / float(count.group(1)) * 1e3
+    snapshot = parse_metrics(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
+    total = snapshot.total("vllm:time_to_first_token_seconds_sum")
+    count = snapshot.total("vllm:time_to_first_token_seconds_count")
+    return None if not total or not count else total / count * 1e3
 
 
 def main() -> None:
@@ -94,6 +94,7 @@ def main() -> None:
     try:
         for name, (port, _, _) in sides.items():
             wait_ready(port, procs[name])
+        print(f"CPU: {cpu_model()}")
         print(
             f"A: {args.a_args or '-'} {' '.join(args.a_env)}; B: {args.b_args or '-'} "
             f"{' '.join(args.b_env)}; bench: {args.bench_args}; logs in {logs}"
