@@ -16,6 +16,7 @@ from pdscope import LLM, SamplingParams
 from pdscope.checkpoint.make_model import make_model
 from pdscope.engine.model import PAD_MIN_ROWS, ROW_BUCKET, padded_rows, padded_to
 from pdscope.engine.native import compiler
+from tests.test_engine import _amx_or_skip
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -44,18 +45,6 @@ def test_padded_to_views_storage_with_room_and_copies_without() -> None:
     for part, rows in ((buffer[:5], 8), (buffer[2:5], 5)):
         assert padded_to(part, rows).data_ptr() != part.data_ptr()
     assert torch.equal(buffer, torch.ones(10, 4))
-
-
-def _amx_or_skip(kernels: str) -> dict[str, int]:
-    if "prefill_attention=amx" not in kernels:
-        return {}
-    from pdscope.checkpoint.make_model import default_cache_dir
-    from pdscope.engine import native
-
-    ops = native.load(default_cache_dir() / "native")
-    if ops is None or not ops.prefill_amx:
-        pytest.skip("no AMX tiles on this CPU, compiler or kernel")
-    return {"head_dim": 64}  # a head size the tile kernel takes
 
 
 # bf16 paths whose steps of 33 rows or more run oneDNN matmuls: PyTorch's attention and glue;
