@@ -330,6 +330,24 @@ def test_simulate_refuses_a_kv_pool_that_does_not_fit_beside_the_weights() -> No
         simulate(SimulateSettings(model="llama-3.1-8b", max_model_len=10**6))
 
 
+def test_max_model_len_not_given_is_the_models_own_or_the_probed_servers(tiny_model) -> None:
+    """A model of 2,048 positions simulated without --max-model-len runs at 2,048 (the default
+    8,192 was refused with an error naming a flag the user never gave); with --calibrate, the
+    probed server's length."""
+    from pdscope.commands.simulate import SimulateSettings, simulate
+
+    config = json.loads((tiny_model / "config.json").read_text())
+    pool = 2**26  # a GPU's whole memory would hold millions of the tiny model's KV blocks
+    settings = SimulateSettings(
+        model=str(tiny_model), num_prompts=2, output_len="4", kv_cache_memory_bytes=pool
+    )
+    r = simulate(settings)
+    assert r["metadata"]["settings"]["max_model_len"] == config["max_position_embeddings"] < 8192
+    probe = "tests/data/probe-small-xeon-1thread.json"  # a server of 4,096 tokens
+    r = simulate(SimulateSettings(model="llama-3.2-1b", calibrate=probe, num_prompts=2))
+    assert r["metadata"]["settings"]["max_model_len"] == 4096
+
+
 def test_simulate_file_workload_counts_prompts_with_the_models_tokenizer(
     tiny_model, tmp_path
 ) -> None:

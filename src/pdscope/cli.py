@@ -401,7 +401,13 @@ SimStepOverheadMs = Annotated[float | None, typer.Option(help="Fixed cost of eve
 SimSeqOverheadMs = Annotated[float | None, typer.Option(help="Cost per sequence per step.")]
 SimMaxNumBatchedTokens = Annotated[int, typer.Option(help="Token budget of one step.")]
 SimMaxNumSeqs = Annotated[int, typer.Option(help="Most requests running at once.")]
-SimMaxModelLen = Annotated[int, typer.Option(help="Prompt + output tokens per request.")]
+SimMaxModelLen = Annotated[
+    int | None,
+    typer.Option(
+        help="Prompt + output tokens per request (default: the probed server's with "
+        "--calibrate, else the model's own up to 8192)."
+    ),
+]
 SimBlockSize = Annotated[int, typer.Option(help="Tokens per KV block.")]
 SimEnablePrefixCaching = Annotated[
     bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching")
@@ -1113,7 +1119,7 @@ def simulate(
     seq_overhead_ms: SimSeqOverheadMs = None,
     max_num_batched_tokens: SimMaxNumBatchedTokens = 2048,
     max_num_seqs: SimMaxNumSeqs = 256,
-    max_model_len: SimMaxModelLen = 8192,
+    max_model_len: SimMaxModelLen = None,
     block_size: SimBlockSize = 16,
     enable_prefix_caching: SimEnablePrefixCaching = True,
     enable_chunked_prefill: SimEnableChunkedPrefill = True,

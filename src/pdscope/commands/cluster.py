@@ -26,6 +26,7 @@ from pdscope.commands.simulate import (
     kv_pool_blocks,
     resolve_inputs,
     server_report,
+    settle_model_len,
     simulate,
 )
 from pdscope.engine.cluster import (
@@ -273,6 +274,7 @@ def _pool(c: ClusterSettings, name: str, workers: int, args: PoolArgs, tp_size: 
     s = replace(c.base, **overrides)
     s.validate()
     p = resolve_inputs(s)
+    s = settle_model_len(s, p)
     link = _tp_link(c, p) if tp_size > 1 else None
     tp = tensor_parallel(p.model, tp_size, link)
     params = cost_params(s, p)

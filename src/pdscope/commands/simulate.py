@@ -91,7 +91,9 @@ class SimulateSettings:
     # the engine: serve's knobs, vLLM's names
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
-    max_model_len: int = 8192
+    # None: the probed server's length with --calibrate, else the model's
+    # max_position_embeddings up to DEFAULT_MAX_MODEL_LEN (see settle_model_len)
+    max_model_len: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -125,6 +127,7 @@ class SimulateSettings:
         return cls(kv_cache_memory_bytes=kv_bytes, **fields)
 
     def scheduler_config(self) -> SchedulerConfig:
+        assert self.max_model_len is not None, "settle_model_len first"
         return SchedulerConfig(
             self.max_num_batched_tokens,
             self.max_num_seqs,
@@ -150,6 +153,8 @@ class SimulateSettings:
             ("--block-size", self.block_size),
             ("--num-prompts", self.num_prompts),
         ):
+            if value is None:  # max_model_len not given: settled against the model
+                continue
             if value < 1:
                 raise SpecError(f"{flag} must be >= 1, got {value}")
         for flag, value in (
@@ -423,8 +428,11 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
         p, calibration, model_ref = calibrated_inputs(s)
         if s.device is None and s.kv_cache_memory_bytes is None and s.memory_gb is None:
             s = replace(s, kv_cache_memory_bytes=CPU_SERVE_KV_CACHE_BYTES)
+        served = (read_probe(s.calibrate).get("runtime") or {}).get("max_model_len")
+        s = settle_model_len(s, p, served if isinstance(served, int) else None)
     else:
         p, model_ref = resolve_inputs(s), s.model or DEFAULT_MODEL
+        s = settle_model_len(s, p)
     params = calibration.params if calibration else cost_params(s, p)
     cost = CostModel(p.model, p.weights, p.kv, params)
     blocks = kv_pool_blocks(s, p)
@@ -489,13 +497,29 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
 # --- the pieces `simulate` is made of (the cluster simulation reuses them) -------------------
 
 
+DEFAULT_MAX_MODEL_LEN = 8192  # a model's own length past this is not assumed served
+
+
 def check_model_len(s: SimulateSettings, p: PlanInputs) -> None:
     limit = p.model.max_position_embeddings
-    if limit is not None and s.max_model_len > limit:
+    if s.max_model_len is not None and limit is not None and s.max_model_len > limit:
         raise SpecError(
             f"--max-model-len {s.max_model_len} exceeds {p.model.name}'s "
             f"max_position_embeddings {limit}: pass --max-model-len {limit} or less"
         )
+
+
+def settle_model_len(
+    s: SimulateSettings, p: PlanInputs, served: int | None = None
+) -> SimulateSettings:
+    """``s`` with its max_model_len: the one given (checked), else ``served`` (the probed
+    server's) or DEFAULT_MAX_MODEL_LEN, either at most the model's max_position_embeddings."""
+    check_model_len(s, p)
+    if s.max_model_len is not None:
+        return s
+    limit = p.model.max_position_embeddings
+    length = served or DEFAULT_MAX_MODEL_LEN
+    return replace(s, max_model_len=min(length, limit) if limit else length)
 
 
 def resolve_inputs(s: SimulateSettings) -> PlanInputs:
