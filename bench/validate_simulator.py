@@ -117,8 +117,10 @@ def cases() -> list[Case]:
     ]
     return [
         Case("random-c1", [], [*RANDOM, "--max-concurrency", "1"]),
+        Case("random-c2", [], [*RANDOM, "--max-concurrency", "2"]),
         Case("random-c4", [], [*RANDOM, "--max-concurrency", "4"]),
         Case("random-c16", [], [*RANDOM, "--max-concurrency", "16"]),
+        Case("random-c32", [], [*RANDOM, "--max-concurrency", "32"], prompts=128),
         Case("poisson-low", [], RANDOM, rate_of_saturation=0.3),
         Case("poisson-near", [], RANDOM, rate_of_saturation=0.9),
         Case("long-prompt-256", ["--max-num-batched-tokens", "256"], long_prompt),

@@ -16,7 +16,7 @@ from pdscope.cli import app
 from pdscope.client.trace import Trace, trace_from_timeline
 from pdscope.engine.scheduler import SchedulerConfig
 from pdscope.engine.simulator import SimRequest, Simulator
-from pdscope.roofline.step_cost import CostModel, CostParams
+from pdscope.roofline.step_cost import CostModel, CostParams, StepCost
 from pdscope.specs import SpecError, get_kv_precision, get_weight_precision, load_model
 
 MODEL = "llama-3.2-1b"
@@ -30,16 +30,18 @@ def cost(params: CostParams = TRUE) -> CostModel:
     )
 
 
-def simulated_probe(batch_streams: int = 8) -> dict:
-    """A probe's requests (sweep, prefix, context, batched decode) run on a simulated server
-    with the TRUE parameters, saved as probe writes them."""
-    model = cost()
+def simulated_probe(
+    batch_streams: int = 8, params: CostParams = TRUE, sweep: tuple[int, ...] = ()
+) -> dict:
+    """A probe's requests (sweep, prefix, context, batched decode, the batch sweep's sizes)
+    run on a simulated server with ``params``, saved as probe writes them."""
+    model = cost(params)
     sim = Simulator(
         SchedulerConfig(BUDGET, 64, 8192),
         num_blocks=8192,
         block_size=16,
         step_seconds=lambda out: model.step(out.scheduled).seconds,
-        admission_delay_s=TRUE.request_overhead_s,
+        admission_delay_s=params.request_overhead_s,
     )
     traces: list[Trace] = []
     counter = iter(range(10**6))
@@ -73,6 +75,8 @@ def simulated_probe(batch_streams: int = 8) -> dict:
         send([fresh(64) for _ in range(batch_streams)], "batch-decode")
         # Long prompts sent together: the first ones decode while the rest still prefill.
         send([fresh(1024) for _ in range(batch_streams)], "batch-decode-long")
+        for n in sweep:
+            send([fresh(64) for _ in range(n)], f"batch-decode x{n}")
     return {
         "runtime": {"name": "pdscope", "max_model_len": 8192},
         "served_model": {"name": MODEL},
@@ -111,6 +115,55 @@ def test_the_fit_recovers_the_parameters_a_probe_was_made_with() -> None:
     assert p.request_overhead_s == pytest.approx(TRUE.request_overhead_s, rel=0.1)
     assert max(abs(r.error) for r in calibration.residuals) < 0.01
     assert not calibration.notes
+
+
+# A server whose step switches kernels: one row is cheap, a batch pays a fixed jump, then
+# little per row until a third kernel at 8 rows (the shape of the engine's decode step).
+CURVED = replace(TRUE, seq_overhead_s=0.0015, seq_overhead_above=((2, 0.0001), (8, 0.0006)))
+
+
+def test_a_per_sequence_cost_that_changes_at_batch_sizes() -> None:
+    """Each sequence past the n-th costs the pair's seconds: 1.5 ms for the first two, 0.1 ms
+    for the 3rd to the 8th, 0.6 ms past the 8th."""
+    p = CURVED
+    assert [p.seqs_overhead_s(n) * 1e3 for n in (0, 1, 2, 3, 8, 9, 20)] == pytest.approx(
+        [0.0, 1.5, 3.0, 3.1, 3.6, 4.2, 10.8]
+    )
+    assert TRUE.seqs_overhead_s(20) == pytest.approx(20 * TRUE.seq_overhead_s)
+    for bad in (((8, 1e-4), (2, 1e-4)), ((2, 1e-4), (2, 1e-4)), ((0, 1e-4),), ((2, -1e-4),)):
+        with pytest.raises(SpecError):
+            replace(TRUE, seq_overhead_above=bad)
+
+
+def decode_step(model: CostModel, seqs: int, context: int = 100) -> StepCost:
+    return model.step([WorkEntry(context - 1, 1) for _ in range(seqs)])
+
+
+def test_the_batch_sweep_fits_a_step_that_is_not_linear_in_its_sequences() -> None:
+    probe = json.loads(json.dumps(simulated_probe(params=CURVED, sweep=(2, 32))))
+    obs = observations(probe, BUDGET)
+    sizes = sorted(len(o.steps[0]) for o in obs if o.kind == "batch-decode")
+    assert sizes == [2, 8, 8, 32]  # the sweep's two, the batched check's short and long
+    assert "batch-decode x32 at 96 tok" in [o.label for o in obs]
+    calibration = fit(cost(CostParams(100.0, 10.0)), obs)
+    p = calibration.params
+    assert [n for n, _ in p.seq_overhead_above] == [2, 8]
+    assert max(abs(r.error) for r in calibration.residuals) < 0.01
+    fitted, truth = cost(p), cost(CURVED)
+    for seqs in (1, 2, 4, 8, 16, 32, 48):  # 4 and 16 lie between measured sizes, 48 past them
+        got, want = decode_step(fitted, seqs), decode_step(truth, seqs)
+        assert got.seconds == pytest.approx(want.seconds, rel=0.01)
+        assert got.overhead_s == pytest.approx(want.overhead_s, rel=0.05)
+    assert calibration.to_dict()["seq_overhead_above_ms"] == [
+        [n, pytest.approx(ms * 1e3)] for n, ms in p.seq_overhead_above
+    ]
+    # The same server probed at 8 streams only: one cost per sequence through 1 and 8, which
+    # misses the steps between and past them (the reason for the sweep).
+    alone = fit(cost(CostParams(100.0, 10.0)), observations(simulated_probe(params=CURVED), BUDGET))
+    assert not alone.params.seq_overhead_above
+    line = cost(alone.params)
+    assert decode_step(line, 4).overhead_s < 0.9 * decode_step(truth, 4).overhead_s
+    assert decode_step(line, 32).overhead_s < 0.8 * decode_step(truth, 32).overhead_s
 
 
 def test_without_a_batched_decode_the_per_sequence_cost_is_held_at_zero_and_said() -> None:

@@ -327,6 +327,12 @@ def test_a_load_flag_typed_at_its_default_is_still_the_load_asked_for() -> None:
             "--batch-context has no",
         ),
         (["probe", NOWHERE, "--batch-streams", "1"], "2 or more, or 0"),
+        (["probe", NOWHERE, "--batch-sweep", "1,4"], "--batch-sweep takes counts of 2 or more"),
+        (["probe", NOWHERE, "--batch-sweep", "two"], "--batch-sweep takes comma-separated"),
+        (
+            ["probe", NOWHERE, "--batch-streams", "0", "--batch-sweep", "4"],
+            "--batch-sweep has no effect without --batch-streams",
+        ),
         (["watch", "--export", "grafana", "g"], "--export needs the server's URL"),
         (["watch", NOWHERE, "--runtime", "sglang"], "--runtime has no effect without --export"),
         (

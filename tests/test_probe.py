@@ -204,6 +204,32 @@ def test_probe_cli_json_and_plot(medium_server: Server, medium: Path, tmp_path: 
     text = " ".join(result.output.split())
     assert "batched decode: 8 streams of 64 prompt tokens" in text
     assert "batched decode: 8 streams of 128 prompt tokens" in text
+    # The batch sweep's default sizes, each carried whole by a server of 64 sequences.
+    assert (
+        data["settings"]["batch_sweep"] == [2, 32] and not data["settings"]["batch_sweep_skipped"]
+    )
+    assert [p["streams"] for p in data["batch_sweep"]] == [2, 32]
+    assert data["batch_sweep"][0]["decoding_together"] == 2
+    assert data["batch_sweep"][1]["decoding_together"] > 8
+    assert "decode step by streams decoding together (short prompts): 1:" in text
+
+
+def test_the_batch_sweep_stops_where_the_server_carries_fewer(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """A server of 4 sequences decodes 4 of the 8 streams sent together: the sweep's 2 is sent,
+    its 16 is not (the server would carry 4 of them too), and the result says so."""
+    srv = start_server(tiny_model, tmp_path, "--kv-cache-memory", "16MiB", "--max-num-seqs", "4")
+    try:
+        kw = {"prompt_tokens": [32], "repeats": 1, "output_tokens": 16, "batch_context_tokens": 0}
+        r = asyncio.run(probe(settings(srv.url, batch_sweep=[2, 16], **kw)))
+    finally:
+        srv.stop()
+    assert r["batch_decode"]["decoding_together"] == 4
+    assert [p["streams"] for p in r["batch_sweep"]] == [2]
+    assert r["settings"]["batch_sweep_skipped"] == [16]
+    assert not any(t["label"] == "batch-decode x16" for t in r["traces"])
+    assert any("batch sweep: 16 streams not sent" in note for note in r["notes"])
 
 
 def test_ctrl_c_keeps_what_was_measured(medium_server: Server, tmp_path: Path) -> None:

@@ -193,6 +193,13 @@ BatchStreams = Annotated[
         help="Streams sent at once for the batched-decode checks: 2 or more, or 0 to skip them."
     ),
 ]
+BatchSweep = Annotated[
+    str,
+    typer.Option(
+        help="More stream counts for the batched decode at short prompts, e.g. 2,32: the step's "
+        "cost by batch size, which simulate --calibrate fits (0 skips them)."
+    ),
+]
 BatchContext = Annotated[
     int,
     typer.Option(
@@ -884,6 +891,7 @@ def probe(
     output_tokens: OutputTokens = 64,
     repeats: Repeats = 3,
     batch_streams: BatchStreams = 8,
+    batch_sweep: BatchSweep = "2,32",
     batch_context: BatchContext = 1024,
     timeout: Timeout = 120.0,
     max_model_len: MaxModelLen = None,
@@ -909,12 +917,14 @@ def probe(
     check_url(url)
     check_output(json_file, "--json")
     check_output(plot, "--plot", figure=True)
-    only_with(ctx, batch_streams >= 2, "--batch-streams of 2 or more", "batch_context")
+    only_with(
+        ctx, batch_streams >= 2, "--batch-streams of 2 or more", "batch_context", "batch_sweep"
+    )
     with exit_on(2, ValueError):
         settings = ProbeSettings.from_flags(
             url, prompt_tokens, api=api, model=model, api_key=api_key,
             output_tokens=output_tokens, repeats=repeats, batch_streams=batch_streams,
-            batch_context_tokens=batch_context, timeout_s=timeout,
+            batch_sweep=batch_sweep, batch_context_tokens=batch_context, timeout_s=timeout,
             max_model_len=max_model_len, device=device, plan_model=plan_model, dtype=dtype,
             seed=seed,
         )  # fmt: skip

@@ -6,7 +6,8 @@ decodes at short and long context (several streams at once: the mean per-token g
 most of them decode together is one step carrying that many).
 Each becomes an :class:`Observation`: the steps the engine's scheduler would run for it, and the
 seconds they took. The cost model prices a step as a sum of roofline terms ``max(FLOPs / F,
-bytes / B)`` plus ``step_overhead + seq_overhead x entries``, and a TTFT also pays
+bytes / B)`` plus ``step_overhead + seq_overhead x entries`` (the per-sequence cost may change
+at each batch size the probe measured), and a TTFT also pays
 ``request_overhead`` once (HTTP, hand-off to the engine: time outside any step). At fixed rates
 F and B the time is linear in the three overheads; which side of each term binds depends on
 the rates, so :func:`fit` searches the rates on a grid and solves the overheads at each point
@@ -27,14 +28,19 @@ from typing import Any
 
 import numpy as np
 
-from pdscope.analysis.probe import joint_decode
+from pdscope.analysis.probe import BATCH_SWEEP_LABEL, joint_decode
 from pdscope.analysis.stats import median
 from pdscope.client.trace import UNREAD, Trace
 from pdscope.roofline.step_cost import CostModel, CostParams
 from pdscope.specs import SpecError
 
-# Probe's batched-decode checks: short prompts, and (newer probes) long ones.
+# Probe's batched-decode checks: short prompts, and (newer probes) long ones, and the batch
+# sweep's other sizes at short prompts ("batch-decode x2", ...).
 BATCH_LABELS = ("batch-decode", "batch-decode-long")
+
+
+def is_batch_label(label: str) -> bool:
+    return label in BATCH_LABELS or label.startswith(BATCH_SWEEP_LABEL)
 
 
 @dataclass(frozen=True)
@@ -162,6 +168,8 @@ class Calibration:
             "tflops": p.tflops,
             "step_overhead_ms": p.step_overhead_s * 1e3,
             "seq_overhead_ms": p.seq_overhead_s * 1e3,
+            # [n, ms]: each sequence of a step past the n-th costs ms instead
+            "seq_overhead_above_ms": [[n, cost * 1e3] for n, cost in p.seq_overhead_above],
             "request_overhead_ms": p.request_overhead_s * 1e3,
             "source": p.source,
             "residuals": [
@@ -204,7 +212,7 @@ def observations(probe: dict[str, Any], budget: int) -> list[Observation]:
     for t in traces:
         if not t.ok or t.label == "cold" or t.label.endswith(UNREAD):
             continue  # an unread one's TTFT waited in the client with its tokens
-        if t.label in BATCH_LABELS:
+        if is_batch_label(t.label):
             batch[t.label].append(t)
             continue
         prompt = t.prompt_tokens or t.prompt_tokens_asked
@@ -245,13 +253,15 @@ def observations(probe: dict[str, Any], budget: int) -> list[Observation]:
         if joint is None or joint.streams < 2:
             continue
         entries = tuple(WorkEntry(joint.context - 1, 1) for _ in range(joint.streams))
+        # a sweep point is named by the streams it carried, as the batched check is
+        name = "batch-decode" if label.startswith(BATCH_SWEEP_LABEL) else label
         # The mean gap, as a single stream's TPOT is: a client too loaded to keep up reads
         # several streamed tokens at once, and the gaps of ~0 between them sank the median to
         # half a step, or to 0 (a tiny model's probe beside a busy core), while their sum is
         # still the streams' decode time.
         out.append(
             Observation(
-                f"{label} x{joint.streams} at {joint.context} tok",
+                f"{name} x{joint.streams} at {joint.context} tok",
                 "batch-decode",
                 (entries,),
                 sum(joint.gaps_s) / len(joint.gaps_s),
@@ -267,8 +277,6 @@ def _terms(cost: CostModel, obs: Observation) -> tuple[np.ndarray, np.ndarray]:
     return np.array([f for f, _ in terms]), np.array([b for _, b in terms])
 
 
-# Each subset of the overheads (step, sequence, request) that may be nonzero.
-_SUBSETS = [np.array(k) for k in itertools.product((1.0, 0.0), repeat=3) if any(k)]
 # The loss a fit may give up to explain the probe with less overhead: 1% of the best loss
 # (plus a floor for a noiseless probe, whose best loss is ~0).
 NEAR_BEST = 0.01
@@ -279,11 +287,12 @@ IRLS_ROUNDS = 4  # reweightings toward least absolute relative error
 
 def _overheads(a: np.ndarray, b: np.ndarray, w: np.ndarray) -> np.ndarray:
     """For every grid point g: the overheads x >= 0 minimizing sum_i (w[g,i] (a[i] x - b[g,i]))^2,
-    by trying each subset of them held at zero. a: (n, 3); b, w: (G, n); returns (G, 3)."""
-    g = b.shape[0]
-    best = np.zeros((g, 3))
+    by trying each subset of them held at zero. a: (n, k); b, w: (G, n); returns (G, k)."""
+    g, k = b.shape[0], a.shape[1]
+    best = np.zeros((g, k))
     best_norm = np.sqrt(((w * b) ** 2).sum(axis=1))
-    for keep in _SUBSETS:
+    subsets = [np.array(keep) for keep in itertools.product((1.0, 0.0), repeat=k) if any(keep)]
+    for keep in subsets:
         if (keep.astype(bool) & ~a.any(axis=0)).any():
             continue  # an overhead that applies to no observation cannot be fitted
         ak = a * keep  # dropped columns are zero; a ridge of 1 on them keeps the solve regular
@@ -297,6 +306,11 @@ def _overheads(a: np.ndarray, b: np.ndarray, w: np.ndarray) -> np.ndarray:
     return best
 
 
+def _in_segment(seqs: int, lo: int, hi: int | None) -> int:
+    """How many of a step's ``seqs`` sequences fall in the counts lo+1 .. hi (None: no end)."""
+    return max(0, (seqs if hi is None else min(seqs, hi)) - lo)
+
+
 def _grid_fit(
     terms: Sequence[tuple[np.ndarray, np.ndarray]],
     seconds: np.ndarray,
@@ -307,7 +321,7 @@ def _grid_fit(
     """At every (FLOP/s, bytes/s) pair of the grid: the overheads minimizing the sum of
     |relative error| (least squares reweighted toward it, so one disturbed point among many
     moves the fit little), the mean |relative error| and the overheads' share of the fitted
-    time. Returns (rates (G, 2) as log10, overheads (G, 3), loss (G,), share (G,))."""
+    time. Returns (rates (G, 2) as log10, overheads (G, k), loss (G,), share (G,))."""
     lf, lb = (m.ravel() for m in np.meshgrid(log_f, log_b, indexing="ij"))
     inv_f, inv_b = 10.0**-lf, 10.0**-lb
     roof = np.stack(
@@ -351,10 +365,23 @@ def fit(cost: CostModel, obs: Sequence[Observation], source: str = "") -> Calibr
         )
     terms = [_terms(cost, o) for o in obs]
     seconds = np.array([o.seconds for o in obs])
+    # The per-sequence cost may change at each batch size the probe measured but the largest:
+    # one cost per segment of sequence counts, each fitted from the batch point that ends it.
+    sizes = sorted({len(o.steps[0]) for o in obs if o.kind == "batch-decode"})
+    bounds = [0, *sizes[:-1], None]
+    segments = list(itertools.pairwise(bounds))
     counts = np.array(
-        [[len(o.steps), sum(len(s) for s in o.steps), o.requests] for o in obs], dtype=float
+        [
+            [
+                len(o.steps),
+                *(sum(_in_segment(len(st), lo, hi) for st in o.steps) for lo, hi in segments),
+                o.requests,
+            ]
+            for o in obs
+        ],
+        dtype=float,
     )
-    if "batch-decode" not in kinds:
+    if not sizes:
         notes.append(
             "no usable batched-decode point (probe with --batch-streams 8, on a client "
             "that keeps up): the per-sequence overhead cannot be told apart from the "
@@ -377,12 +404,14 @@ def fit(cost: CostModel, obs: Sequence[Observation], source: str = "") -> Calibr
     near = np.flatnonzero(loss <= loss.min() * (1 + NEAR_BEST) + NEAR_BEST_FLOOR)
     pick = near[np.lexsort((loss[near], share[near]))[0]]
     x = np.array([10.0 ** -rates[pick, 0], 10.0 ** -rates[pick, 1], *over[pick]])
+    per_seq = [float(v) for v in x[3:-1]]
     params = CostParams(
         bandwidth_gb_s=1 / x[1] / 1e9,
         tflops=1 / x[0] / 1e12,
         step_overhead_s=float(x[2]),
-        seq_overhead_s=float(x[3]),
-        request_overhead_s=float(x[4]),
+        seq_overhead_s=per_seq[0],
+        seq_overhead_above=tuple(zip(sizes[:-1], per_seq[1:], strict=True)),
+        request_overhead_s=float(x[-1]),
         source=source or "fitted to a probe",
     )
     fitted = replace(cost, params=params)

@@ -94,6 +94,8 @@ MIN_JUDGED_PREFIX_TOKENS = 64
 # The prefix check's prompts: a shared prefix, then this many fresh tokens, so the warm send is
 # a new prompt that starts with a cached one (as a chat turn after a system prompt).
 PREFIX_TAIL_TOKENS = 16
+# The batch sweep's labels: "batch-decode x2", "batch-decode x32" (streams sent together).
+BATCH_SWEEP_LABEL = "batch-decode x"
 
 
 def cache_hit(trace: Trace) -> bool | None:
@@ -320,6 +322,17 @@ def analyze(
     # At long context the KV read joins the weights in every step: the point that shows
     # whether a batch's attention costs what its bytes say.
     result["batch_decode_long"] = batch_decode(_ok(by_label["batch-decode-long"]))
+    # The other stream counts at short prompts: the step's cost by batch size.
+    sweep = [
+        (int(label.removeprefix(BATCH_SWEEP_LABEL)), label)
+        for label in by_label
+        if label.startswith(BATCH_SWEEP_LABEL) and label.removeprefix(BATCH_SWEEP_LABEL).isdigit()
+    ]
+    result["batch_sweep"] = [
+        checked
+        for _, label in sorted(sweep)
+        if (checked := batch_decode(_ok(by_label[label]), ctx["short"] if ctx else None))
+    ]
 
     result["served_model"] = served_model
     result["ceiling"] = _ceiling(result, ceilings, served_model) if ceilings else None

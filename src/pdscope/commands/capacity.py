@@ -520,7 +520,7 @@ def worker_seconds_per_request(c: ClusterSettings) -> tuple[float, float] | None
             length * full_s / budget + pc.attention_work(0, int(length))[0] / pc.flops_per_s
             for length in inputs
         ]
-    ) + (head_s + pc.params.seq_overhead_s)
+    ) + (head_s + pc.params.seqs_overhead_s(1))
     if dc.windowed:
         return None
     kv_tokens = decode.blocks * decode.settings.block_size
@@ -530,7 +530,8 @@ def worker_seconds_per_request(c: ClusterSettings) -> tuple[float, float] | None
         + dc.tp.comm_s(model, seqs)
         + dc.lm_head_s(seqs)
         + dc.params.step_overhead_s
-    ) / seqs + dc.params.seq_overhead_s
+        + dc.params.seqs_overhead_s(seqs)
+    ) / seqs
     # Attention over the context is proportional to it with no window: decode token j
     # (j = 1 .. O - 1, the first came from the prefill worker) reads L + j tokens.
     per_context_s = dc.attention_s(0, 1)

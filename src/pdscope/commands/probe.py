@@ -22,11 +22,13 @@ import aiohttp
 import httpx
 
 from pdscope.analysis.probe import (
+    BATCH_SWEEP_LABEL,
     PREFIX_TAIL_TOKENS,
     Ceilings,
     ModelBytes,
     analyze,
     cache_hit,
+    joint_decode,
 )
 from pdscope.client.adapters import (
     API_OLLAMA,
@@ -64,6 +66,10 @@ class ProbeSettings:
     # Streams sent at once for the batched-decode check: a step carrying several decodes is the
     # point `simulate --calibrate` fits the per-sequence cost from (0 skips the check).
     batch_streams: int = 8
+    # More stream counts for the batched decode at short prompts, ascending: a server's step is
+    # not linear in its sequences where it switches kernels (one row against a batch), and
+    # `simulate --calibrate` fits the per-sequence cost between every pair of measured sizes.
+    batch_sweep: list[int] = field(default_factory=lambda: [2, 32])
     # Prompt length of the second batched-decode check, the same streams at long context: its
     # steps read the batch's KV beside the weights (0 skips it).
     batch_context_tokens: int = 1024
@@ -72,10 +78,18 @@ class ProbeSettings:
     seed: int | None = None
 
     @classmethod
-    def from_flags(cls, url: str | None, prompt_tokens: str, **fields: Any) -> ProbeSettings:
+    def from_flags(
+        cls, url: str | None, prompt_tokens: str, batch_sweep: str = "2,32", **fields: Any
+    ) -> ProbeSettings:
         """The CLI's flags, checked (a ``ValueError`` names the flag). No URL: the embedded
         server, whose ceiling is this machine's (``device`` defaults to local)."""
-        s = cls(url=url or "", prompt_tokens=int_list(prompt_tokens, "--prompt-tokens"), **fields)
+        sweep = [] if batch_sweep.strip() == "0" else int_list(batch_sweep, "--batch-sweep")
+        s = cls(
+            url=url or "",
+            prompt_tokens=int_list(prompt_tokens, "--prompt-tokens"),
+            batch_sweep=sweep,
+            **fields,
+        )
         if s.api != "auto" and s.api not in APIS:
             raise ValueError(f"--api must be auto or one of {', '.join(APIS)}, got {s.api!r}")
         at_least(1, ("--output-tokens", s.output_tokens), ("--repeats", s.repeats))
@@ -84,6 +98,10 @@ class ProbeSettings:
         )
         if s.batch_streams == 1:  # one stream is the sweep's decode again, not a batch
             raise ValueError("--batch-streams takes 2 or more, or 0 to skip the batched checks")
+        if 1 in s.batch_sweep:
+            raise ValueError("--batch-sweep takes counts of 2 or more, or 0 to skip the sweep")
+        # --batch-streams' count is measured by the batched check itself
+        s.batch_sweep = [n for n in s.batch_sweep if n != s.batch_streams]
         if s.timeout_s <= 0:
             raise ValueError(f"--timeout must be positive, got {s.timeout_s}")
         if s.max_model_len is not None:
@@ -142,6 +160,7 @@ class Prober:
         )
         self.traces: list[Trace] = []
         self.resent = 0  # decode checks sent again, RESENDS at most
+        self.skipped_sizes: list[int] = []  # batch sweep sizes over what the server carried
         self.kept_unread = 0  # unread responses kept as they came: no resend was left
         self.on_total: Callable[[int], None] | None = None  # told the requests planned, anew
         self.counter = (
@@ -241,16 +260,34 @@ class Prober:
         if s.batch_streams > 1:
             # Short fresh prompts sent together: after their prefills, every step decodes all
             # of them at once (what one stream's figures cannot show: the cost per sequence).
-            await self.batch(self.fitting(BATCH_PROMPT_TOKENS), "batch-decode")
+            carried = await self.batch(self.fitting(BATCH_PROMPT_TOKENS), "batch-decode")
+            limit = carried if carried < s.batch_streams else None
             if s.batch_context_tokens:
                 await self.batch(s.batch_context_tokens, "batch-decode-long")
+            # The sweep's other sizes, ascending. A server that carried fewer streams than it
+            # was sent (Ollama's parallel slots, a --max-num-seqs) carries no more of a larger
+            # batch: those sizes are skipped, and the plan shrinks.
+            for n in s.batch_sweep:
+                if limit is not None and n > limit:
+                    self.skipped_sizes.append(n)
+                    continue
+                label = f"{BATCH_SWEEP_LABEL}{n}"
+                carried = await self.batch(self.fitting(BATCH_PROMPT_TOKENS), label, n)
+                if carried < n:
+                    limit = carried if limit is None else min(limit, carried)
+            if self.skipped_sizes and self.on_total:
+                self.on_total(self.planned_requests())
 
-    async def batch(self, prompt_tokens: int, label: str) -> None:
-        """Fresh prompts of one length sent together, so their decodes share steps."""
-        prompts = [await self.prompt(prompt_tokens) for _ in range(self.s.batch_streams)]
-        await asyncio.gather(
+    async def batch(self, prompt_tokens: int, label: str, streams: int | None = None) -> int:
+        """Fresh prompts of one length sent together, so their decodes share steps. Returns
+        the most of them the server decoded at once (0 when none streamed)."""
+        streams = streams or self.s.batch_streams
+        prompts = [await self.prompt(prompt_tokens) for _ in range(streams)]
+        traces = await asyncio.gather(
             *(self.send(p, prompt_tokens, label, count_hits=False) for p in prompts)
         )
+        joint = joint_decode([t for t in traces if t.ok])
+        return joint.streams if joint else 0
 
     @property
     def context_tokens(self) -> int:
@@ -278,6 +315,8 @@ class Prober:
     def planned_requests(self) -> int:
         batch = self.s.batch_streams if self.s.batch_streams > 1 else 0
         batch *= 2 if self.s.batch_context_tokens else 1
+        if batch:
+            batch += sum(n for n in self.s.batch_sweep if n not in self.skipped_sizes)
         sweep = len(self.s.prompt_tokens) * self.s.repeats
         return 1 + sweep + 2 * PREFIX_PAIRS + 4 + batch + self.resent
 
@@ -610,6 +649,11 @@ async def probe(
             f"{len(unread) - whole} in bursts) were sent again with fresh prompts; kept in the "
             f"traces labelled '*{UNREAD}', left out of every figure"
         )
+    if prober.skipped_sizes:
+        notes.append(
+            f"batch sweep: {', '.join(map(str, prober.skipped_sizes))} streams not sent: the "
+            "server decoded fewer streams at once than an earlier batch sent it"
+        )
     if prober.kept_unread:
         notes.append(
             f"{prober.kept_unread} more response(s) whose decode could not be read were kept as "
@@ -639,6 +683,8 @@ async def probe(
             "exact_prompt_tokens": prober.exact_prompts,
             "context_tokens": prober.context_tokens,
             "batch_streams": s.batch_streams,
+            "batch_sweep": s.batch_sweep,
+            "batch_sweep_skipped": prober.skipped_sizes,
             "batch_context_tokens": s.batch_context_tokens,
             "device": s.device,
             "seed": seed,

@@ -382,12 +382,21 @@ def _compare_table(
     console.print(fit_figures(table, console))
 
 
+def per_sequence(first_ms: float, above_ms: list[list[float]]) -> str:
+    """The per-sequence overhead as text: "0.4 ms" or "0.4 ms (past 2: 0.1 ms, past 8: 0.3 ms)"."""
+    text = f"{first_ms:.3g} ms"
+    if above_ms:
+        text += " (" + ", ".join(f"past {n:g}: {ms:.3g} ms" for n, ms in above_ms) + ")"
+    return text
+
+
 def render_calibration(c: dict[str, Any], console: Console) -> None:
     """`simulate --calibrate`: the fitted cost parameters and how well each probe figure fits."""
     console.print(
         f"calibrated ({c['source']}): {c['bandwidth_gb_s']:.3g} GB/s, {c['tflops']:.3g} "
         f"TFLOP/s, step overhead {c['step_overhead_ms']:.3g} ms, per sequence "
-        f"{c['seq_overhead_ms']:.3g} ms, per request {c['request_overhead_ms']:.3g} ms"
+        f"{per_sequence(c['seq_overhead_ms'], c.get('seq_overhead_above_ms') or [])}, "
+        f"per request {c['request_overhead_ms']:.3g} ms"
     )
     table = Table(box=box.SIMPLE, title="calibration residuals (fitted / measured - 1)")
     for name in ("probe figure", "kind", "measured ms", "fitted ms", "error"):

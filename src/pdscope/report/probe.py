@@ -138,6 +138,8 @@ def render_probe(r: dict[str, Any], console: Console) -> None:
                 f"{_f(batch['context_tokens'], '{:,}')} tokens of context "
                 f"{fmt_seconds(batch['itl_ms'] / 1e3)}" + _against_one_stream(batch)
             )
+    if line := _batch_curve(r):
+        console.print(line)
     if r.get("ceiling"):
         c = r["ceiling"]
         margin = c.get("decode_pct_range")
@@ -248,6 +250,28 @@ def plot_probe(r: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _batch_curve(r: dict[str, Any]) -> str | None:
+    """One line of the decode step by streams decoding together, at short prompts: one
+    stream's mean step (the context check's short point), the batched check's and the batch
+    sweep's median gaps, each against one stream's. None without a sweep point."""
+    sweep = [p for p in r.get("batch_sweep") or [] if p.get("itl_ms") and p["decoding_together"]]
+    if not sweep:
+        return None
+    ctx = r.get("context") or {}
+    one_tok_s = (ctx.get("short") or {}).get("decode_tok_s")
+    points = {1: 1e3 / one_tok_s} if one_tok_s else {}
+    batch = r.get("batch_decode") or {}
+    for p in [batch, *sweep]:
+        if p.get("itl_ms") and p.get("decoding_together"):
+            points.setdefault(p["decoding_together"], p["itl_ms"])
+    one = points.get(1)
+    parts = [
+        f"{k}: {fmt_seconds(ms / 1e3)}" + (f" ({ms / one:.2f}x)" if one and k > 1 else "")
+        for k, ms in sorted(points.items())
+    ]
+    return "decode step by streams decoding together (short prompts): " + ", ".join(parts)
 
 
 def _against_one_stream(batch: dict[str, Any]) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.console import Console
 
-from pdscope.report.bench import render_bench, render_calibration
+from pdscope.report.bench import per_sequence, render_bench, render_calibration
 from pdscope.report.bench_html import render_html
 
 
@@ -20,9 +20,11 @@ def render_simulation(result: dict[str, Any], console: Console) -> None:
     for line in render_cluster(result) if "cluster" in result else []:
         console.print(line)
     c = result["metadata"]["cost_params"]
+    above = [[n, cost * 1e3] for n, cost in c.get("seq_overhead_above") or []]
     console.print(
         f"simulated: {c['bandwidth_gb_s']:g} GB/s, {c['tflops']:g} TFLOP/s, step overhead "
-        f"{c['step_overhead_s'] * 1e3:g} ms, per sequence {c['seq_overhead_s'] * 1e3:g} ms, "
+        f"{c['step_overhead_s'] * 1e3:g} ms, per sequence "
+        f"{per_sequence(c['seq_overhead_s'] * 1e3, above)}, "
         f"per request {c['request_overhead_s'] * 1e3:g} ms ({c['source']}); KV pool "
         f"{result['metadata']['kv_pool_tokens']:,} tokens"
     )

@@ -13,7 +13,8 @@ bytes / achieved bandwidth), over what the step actually does:
 * ``comm_s``: with tensor parallelism (``roofline/parallel.py``), the two all-reduces per layer
   of the step's activations; the other terms then run on each GPU's 1/T share.
 * ``overhead_s``: what no roofline sees (kernel launches, the scheduler, sampling, Python): a
-  fixed cost per step plus a cost per scheduled sequence.
+  fixed cost per step plus a cost per scheduled sequence, which may change at batch sizes where
+  a server switches kernels (``CostParams.seq_overhead_above``).
 
 Every figure is per step; see docs/simulation.md for what each term stands for and how the
 parameters are calibrated.
@@ -53,6 +54,11 @@ class CostParams:
     tflops: float  # achieved dense matmul rate at the weights' compute type, 1e12 FLOP/s
     step_overhead_s: float = 0.0  # fixed cost of every step
     seq_overhead_s: float = 0.0  # extra cost of every sequence scheduled in a step
+    # (n, seconds): each sequence of a step past the n-th costs this in place of seq_overhead_s
+    # (or of an earlier pair's cost), n ascending and >= 1. A server's step is not
+    # linear in its sequences where it switches kernels (one row against a batch); a probe's
+    # batch points measure where. Empty: one cost per sequence, however many.
+    seq_overhead_above: tuple[tuple[int, float], ...] = ()
     # Time a request spends outside any step before the scheduler sees it (HTTP handling,
     # hand-off to the engine loop): part of its TTFT, never of a step. The simulator delays
     # admission by it.
@@ -66,6 +72,21 @@ class CostParams:
             raise SpecError(f"FLOP rate must be > 0 TFLOP/s, got {self.tflops}")
         if min(self.step_overhead_s, self.seq_overhead_s, self.request_overhead_s) < 0:
             raise SpecError("overheads must be >= 0 seconds")
+        counts = [n for n, _ in self.seq_overhead_above]
+        if counts != sorted(set(counts)) or (counts and counts[0] < 1):
+            raise SpecError(f"seq_overhead_above: counts must rise from 1 or more, got {counts}")
+        if any(cost < 0 for _, cost in self.seq_overhead_above):
+            raise SpecError("overheads must be >= 0 seconds")
+
+    def seqs_overhead_s(self, seqs: int) -> float:
+        """The per-sequence overhead of a step carrying ``seqs`` sequences, summed."""
+        total, counted, rate = 0.0, 0, self.seq_overhead_s
+        for n, cost in self.seq_overhead_above:
+            if seqs <= n:
+                break
+            total += rate * (n - counted)
+            counted, rate = n, cost
+        return total + rate * (seqs - counted)
 
     @property
     def bandwidth_bytes_s(self) -> float:
@@ -253,6 +274,6 @@ class CostModel:
         if linear_s is None:
             linear_s = self._linear_cache[tokens] = self._roofline_s(*self.linear_work(tokens))
         lm_head_s = self._roofline_s(*self.lm_head_work(sampled)) if sampled else 0.0
-        overhead_s = self.params.step_overhead_s + self.params.seq_overhead_s * len(entries)
+        overhead_s = self.params.step_overhead_s + self.params.seqs_overhead_s(len(entries))
         comm_s = self.tp.comm_s(self.model, tokens) if self.tp.size > 1 else 0.0
         return StepCost(linear_s, attention_s, lm_head_s, overhead_s, comm_s)
