@@ -5,6 +5,7 @@ engine's calibration is checked end to end by bench/validate_simulator.py."""
 import copy
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pdscope.analysis.calibrate import WorkEntry, fit, observations, prefill_steps, step_jitter
+from pdscope.analysis.probe import JOIN_LABEL, JOIN_NEW_LABEL
 from pdscope.cli import app
 from pdscope.client.trace import Trace, trace_from_timeline
 from pdscope.engine.scheduler import SchedulerConfig
@@ -20,7 +22,14 @@ from pdscope.roofline.step_cost import CostModel, CostParams, StepCost
 from pdscope.specs import SpecError, get_kv_precision, get_weight_precision, load_model
 
 MODEL = "llama-3.2-1b"
-TRUE = CostParams(30.0, 0.5, step_overhead_s=0.003, seq_overhead_s=0.0005, request_overhead_s=0.004)
+TRUE = CostParams(
+    30.0,
+    0.5,
+    step_overhead_s=0.003,
+    prefill_step_overhead_s=0.006,
+    seq_overhead_s=0.0005,
+    request_overhead_s=0.004,
+)
 BUDGET = 2048
 
 
@@ -31,7 +40,10 @@ def cost(params: CostParams = TRUE) -> CostModel:
 
 
 def simulated_probe(
-    batch_streams: int = 8, params: CostParams = TRUE, sweep: tuple[int, ...] = ()
+    batch_streams: int = 8,
+    params: CostParams = TRUE,
+    sweep: tuple[int, ...] = (),
+    join: bool = True,
 ) -> dict:
     """A probe's requests (sweep, prefix, context, batched decode, the batch sweep's sizes)
     run on a simulated server with ``params``, saved as probe writes them."""
@@ -46,13 +58,26 @@ def simulated_probe(
     traces: list[Trace] = []
     counter = iter(range(10**6))
 
-    def send(prompts: list[list[int]], label: str, output: int = 64) -> None:
+    def send(
+        prompts: list[list[int]], label: str, output: int = 64, joining: Sequence[int] = ()
+    ) -> None:
+        """``joining``: prompts of these lengths sent 4 s apart among the others (whose
+        prefill takes ~2.5 s here), from 5 s on, labelled as probe's join check labels them
+        (2 tokens out)."""
         start = sim.now_s + 0.5  # the server is idle between the probe's requests
         specs = [SimRequest(p, output, arrival_s=start) for p in prompts]
+        specs += [
+            SimRequest(fresh(n), 2, arrival_s=start + 5.0 + 4.0 * k, label=JOIN_NEW_LABEL)
+            for k, n in enumerate(joining)
+        ]
         result = sim.run(specs)
-        for request in result.requests:
+        for spec, request in zip(specs, result.requests, strict=True):  # in arrival order
             trace = trace_from_timeline(
-                request.timeline, api="openai-completions", url="sim", model=MODEL, label=label
+                request.timeline,
+                api="openai-completions",
+                url="sim",
+                model=MODEL,
+                label=spec.label or label,
             )
             trace.prompt_tokens_asked = len(request.prompt_token_ids)
             traces.append(trace)
@@ -77,6 +102,9 @@ def simulated_probe(
         send([fresh(1024) for _ in range(batch_streams)], "batch-decode-long")
         for n in sweep:
             send([fresh(64) for _ in range(n)], f"batch-decode x{n}")
+        if join:
+            streams = [fresh(64) for _ in range(batch_streams)]
+            send(streams, JOIN_LABEL, output=200, joining=(128, 1024))
     return {
         "runtime": {"name": "pdscope", "max_model_len": 8192},
         "served_model": {"name": MODEL},
@@ -100,6 +128,13 @@ def test_the_fit_recovers_the_parameters_a_probe_was_made_with() -> None:
     obs = observations(probe, BUDGET)
     kinds = [o.kind for o in obs]
     assert kinds.count("batch-decode") == 2
+    # Each prompt sent among the 8 decoding streams: one step carrying it and them.
+    joins = [o for o in obs if o.kind == "mixed"]
+    assert [o.label for o in joins] == [
+        "prefill 128 tok joining x8 decodes",
+        "prefill 1024 tok joining x8 decodes",
+    ]
+    assert all(len(o.steps) == 1 and len(o.steps[0]) == 9 for o in joins)
     # The long batch's steps with all 8 decoding, not its early steps beside others' prefills.
     (long,) = (o for o in obs if o.label.startswith("batch-decode-long"))
     assert long.label == "batch-decode-long x8 at 1056 tok"
@@ -110,7 +145,9 @@ def test_the_fit_recovers_the_parameters_a_probe_was_made_with() -> None:
     p = calibration.params
     assert p.bandwidth_gb_s == pytest.approx(TRUE.bandwidth_gb_s, rel=0.02)
     assert p.tflops == pytest.approx(TRUE.tflops, rel=0.02)
-    assert p.step_overhead_s == pytest.approx(TRUE.step_overhead_s, rel=0.05)
+    # 3 ms of an 86 ms decode step: the rates' 0.2% moves it by 6%
+    assert p.step_overhead_s == pytest.approx(TRUE.step_overhead_s, rel=0.1)
+    assert p.prefill_step_overhead_s == pytest.approx(TRUE.prefill_step_overhead_s, rel=0.1)
     assert p.seq_overhead_s == pytest.approx(TRUE.seq_overhead_s, rel=0.1)
     assert p.request_overhead_s == pytest.approx(TRUE.request_overhead_s, rel=0.1)
     assert max(abs(r.error) for r in calibration.residuals) < 0.01
@@ -174,6 +211,20 @@ def test_without_a_batched_decode_the_per_sequence_cost_is_held_at_zero_and_said
     # one stream cannot split the overheads, but it still prices a step: the sum is recovered
     one = calibration.params.step_overhead_s
     assert one == pytest.approx(TRUE.step_overhead_s + TRUE.seq_overhead_s, rel=0.05)
+
+
+def test_without_a_prompt_joining_a_batch_the_request_carries_the_prefill_steps_cost() -> None:
+    """A prompt timed alone holds its step's extra cost and the time outside any step
+    together: without the join check the fit holds the first at 0, says so, and the
+    per-request cost carries both (what every probe before the check gave)."""
+    obs = observations(simulated_probe(join=False), BUDGET)
+    assert "mixed" not in {o.kind for o in obs}
+    calibration = fit(cost(CostParams(100.0, 10.0)), obs)
+    p = calibration.params
+    assert p.prefill_step_overhead_s == 0.0
+    assert any("join check" in note for note in calibration.notes)
+    both = TRUE.request_overhead_s + TRUE.prefill_step_overhead_s
+    assert p.request_overhead_s == pytest.approx(both, rel=0.15)
 
 
 def _disturbed(obs: list, label: str, factor: float) -> list:

@@ -82,6 +82,7 @@ def test_probe_reads_llamacpp_as_it_reads_itself(
                 output_tokens=24,
                 repeats=2,
                 batch_streams=2 * SLOTS,
+                batch_sweep=[],  # the slots carry SLOTS at most: the sweep measures no more
                 batch_context_tokens=0,
                 seed=1,  # the same prompts each run: greedy decoding then writes the same text
             )

@@ -212,6 +212,11 @@ def test_probe_cli_json_and_plot(medium_server: Server, medium: Path, tmp_path: 
     assert data["batch_sweep"][0]["decoding_together"] == 2
     assert data["batch_sweep"][1]["decoding_together"] > 8
     assert "decode step by streams decoding together (short prompts): 1:" in text
+    # The join check: prompts sent among 8 decoding streams, each timed inside their step.
+    joins = data["prefill_join"]
+    assert joins and {j["prompt_tokens"] for j in joins} <= {128, 1024}
+    assert all(2 <= j["decoding_together"] <= 8 and j["step_ms"] > 0 for j in joins)
+    assert f"a {joins[0]['prompt_tokens']:,}-token prompt joining" in text
 
 
 def test_the_batch_sweep_stops_where_the_server_carries_fewer(

@@ -28,7 +28,13 @@ from typing import Any
 
 import numpy as np
 
-from pdscope.analysis.probe import BATCH_SWEEP_LABEL, joint_decode
+from pdscope.analysis.probe import (
+    BATCH_SWEEP_LABEL,
+    JOIN_LABEL,
+    JOIN_NEW_LABEL,
+    join_steps,
+    joint_decode,
+)
 from pdscope.analysis.stats import median
 from pdscope.client.trace import UNREAD, Trace
 from pdscope.roofline.step_cost import CostModel, CostParams
@@ -57,7 +63,7 @@ class Observation:
     """Measured seconds for a run of steps; ``steps`` lists each step's entries."""
 
     label: str
-    kind: str  # prefill, decode or batch-decode
+    kind: str  # prefill, decode, batch-decode or mixed (a prefill joining decodes: one gap)
     steps: tuple[tuple[WorkEntry, ...], ...]
     seconds: float
     samples: int = 1  # requests the median was taken over (gaps, for a batch-decode mean)
@@ -167,6 +173,7 @@ class Calibration:
             "bandwidth_gb_s": p.bandwidth_gb_s,
             "tflops": p.tflops,
             "step_overhead_ms": p.step_overhead_s * 1e3,
+            "prefill_step_overhead_ms": p.prefill_step_overhead_s * 1e3,
             "seq_overhead_ms": p.seq_overhead_s * 1e3,
             # [n, ms]: each sequence of a step past the n-th costs ms instead
             "seq_overhead_above_ms": [[n, cost * 1e3] for n, cost in p.seq_overhead_above],
@@ -215,6 +222,8 @@ def observations(probe: dict[str, Any], budget: int) -> list[Observation]:
         if is_batch_label(t.label):
             batch[t.label].append(t)
             continue
+        if t.label in (JOIN_LABEL, JOIN_NEW_LABEL):
+            continue  # read together below
         prompt = t.prompt_tokens or t.prompt_tokens_asked
         if not prompt:
             continue
@@ -266,6 +275,17 @@ def observations(probe: dict[str, Any], budget: int) -> list[Observation]:
                 (entries,),
                 sum(joint.gaps_s) / len(joint.gaps_s),
                 len(joint.gaps_s),
+            )
+        )
+    for join in join_steps(traces):
+        entries = tuple(WorkEntry(c - 1, 1) for c in join.contexts)
+        out.append(
+            Observation(
+                f"prefill {join.prompt_tokens} tok joining x{len(join.contexts)} decodes",
+                "mixed",
+                ((*entries, WorkEntry(0, join.prompt_tokens)),),
+                join.step_s,
+                len(join.contexts),
             )
         )
     return out
@@ -374,6 +394,7 @@ def fit(cost: CostModel, obs: Sequence[Observation], source: str = "") -> Calibr
         [
             [
                 len(o.steps),
+                sum(any(e.num_new_tokens > 1 for e in st) for st in o.steps),
                 *(sum(_in_segment(len(st), lo, hi) for st in o.steps) for lo, hi in segments),
                 o.requests,
             ]
@@ -386,6 +407,15 @@ def fit(cost: CostModel, obs: Sequence[Observation], source: str = "") -> Calibr
             "no usable batched-decode point (probe with --batch-streams 8, on a client "
             "that keeps up): the per-sequence overhead cannot be told apart from the "
             "per-step one and is held at 0"
+        )
+        counts[:, 2] = 0.0
+    if "mixed" not in kinds:
+        # A prefill measured alone (its TTFT) holds its step's extra cost and the request's
+        # time outside any step together: only a prefill timed inside a running batch splits
+        # them. Without one the request carries both, as before.
+        notes.append(
+            "no prefill timed inside a running batch (probe's join check): a prefill step's "
+            "extra cost cannot be told apart from the per-request one and is held at 0"
         )
         counts[:, 1] = 0.0
     # The rates that would explain each observation alone bound the search.
@@ -404,11 +434,12 @@ def fit(cost: CostModel, obs: Sequence[Observation], source: str = "") -> Calibr
     near = np.flatnonzero(loss <= loss.min() * (1 + NEAR_BEST) + NEAR_BEST_FLOOR)
     pick = near[np.lexsort((loss[near], share[near]))[0]]
     x = np.array([10.0 ** -rates[pick, 0], 10.0 ** -rates[pick, 1], *over[pick]])
-    per_seq = [float(v) for v in x[3:-1]]
+    per_seq = [float(v) for v in x[4:-1]]
     params = CostParams(
         bandwidth_gb_s=1 / x[1] / 1e9,
         tflops=1 / x[0] / 1e12,
         step_overhead_s=float(x[2]),
+        prefill_step_overhead_s=float(x[3]),
         seq_overhead_s=per_seq[0],
         seq_overhead_above=tuple(zip(sizes[:-1], per_seq[1:], strict=True)),
         request_overhead_s=float(x[-1]),

@@ -96,6 +96,9 @@ MIN_JUDGED_PREFIX_TOKENS = 64
 PREFIX_TAIL_TOKENS = 16
 # The batch sweep's labels: "batch-decode x2", "batch-decode x32" (streams sent together).
 BATCH_SWEEP_LABEL = "batch-decode x"
+# The join check: streams decoding together, and prompts sent among them one at a time.
+JOIN_LABEL = "prefill-join"
+JOIN_NEW_LABEL = "prefill-join-new"
 
 
 def cache_hit(trace: Trace) -> bool | None:
@@ -334,6 +337,18 @@ def analyze(
         if (checked := batch_decode(_ok(by_label[label]), ctx["short"] if ctx else None))
     ]
 
+    # What a prompt's prefill costs the streams already decoding: their step with it, against
+    # their step without.
+    result["prefill_join"] = [
+        {
+            "prompt_tokens": j.prompt_tokens,
+            "decoding_together": len(j.contexts),
+            "context_tokens": round(sum(j.contexts) / len(j.contexts)),
+            "step_ms": j.step_s * 1e3,
+            "decode_step_ms": _ms(j.decode_step_s),
+        }
+        for j in join_steps(traces)
+    ]
     result["served_model"] = served_model
     result["ceiling"] = _ceiling(result, ceilings, served_model) if ceilings else None
     result["failures"] = [
@@ -394,6 +409,55 @@ def joint_decode(traces: list[Trace]) -> JointDecode | None:
         return None
     k = max(groups, key=lambda n: (len(groups[n][0]), n))
     return JointDecode(k, *groups[k])
+
+
+@dataclass(frozen=True)
+class JoinStep:
+    """The step a new prompt's prefill shared with streams already decoding: in each stream,
+    the gap that ends with the token delivered with the new prompt's first token."""
+
+    prompt_tokens: int
+    contexts: list[int]  # each decoding stream's context in that step
+    step_s: float  # the median of those gaps over the streams
+    decode_step_s: float | None  # the streams' median gap over the rest of their decode
+
+
+def join_steps(traces: list[Trace]) -> list[JoinStep]:
+    """The join check's steps, one per new prompt that arrived while two or more of the
+    streams decoded. A stream whose token nearest the new prompt's first one is over a
+    quarter of its gap away did not share that step (it ended before, or had not started).
+    Two new prompts whose first tokens came in one step are left out: it carried both."""
+    streams = [t for t in traces if t.ok and t.label == JOIN_LABEL and t.streamed]
+    news = [t for t in traces if t.ok and t.label == JOIN_NEW_LABEL and t.chunks]
+    out = []
+    for new in news:
+        first = new.chunks[0].t_s
+        gaps: list[float] = []
+        contexts: list[int] = []
+        rest: list[float] = []
+        for t in streams:
+            times = [c.t_s for c in t.chunks]
+            i = min(range(len(times)), key=lambda k: abs(times[k] - first))
+            gap = times[i] - times[i - 1] if i else 0.0
+            if not gap or abs(times[i] - first) > gap / 4:
+                continue
+            gaps.append(gap)
+            contexts.append((_prompt_tokens(t) or 0) + i)  # token i's step reads prompt + i
+            rest += [b - a for k, (a, b) in enumerate(itertools.pairwise(times), 1) if k != i]
+        step_s = median(gaps) if len(gaps) >= 2 else None
+        shared = step_s is not None and any(
+            abs(other.chunks[0].t_s - first) < step_s / 2 for other in news if other is not new
+        )
+        if step_s is not None and not shared:
+            out.append(
+                JoinStep(
+                    _prompt_tokens(new) or 0,
+                    contexts,
+                    step_s,
+                    median(rest) if rest else None,
+                )
+            )
+    return out
 
 
 def batch_decode(

@@ -513,7 +513,12 @@ def worker_seconds_per_request(c: ClusterSettings) -> tuple[float, float] | None
     model = prefill.inputs.model
     # A step may exceed its budget only by a prompt it cannot chunk: the larger is the cap.
     budget = max(prefill.settings.max_num_batched_tokens, int(inputs[-1]))
-    full_s = pc.linear_s(budget) + pc.tp.comm_s(model, budget) + pc.params.step_overhead_s
+    full_s = (
+        pc.linear_s(budget)
+        + pc.tp.comm_s(model, budget)
+        + pc.params.step_overhead_s
+        + pc.params.prefill_step_overhead_s
+    )
     head_s = pc.lm_head_work(1)[0] / pc.flops_per_s
     prefill_s = np.array(
         [

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import re
 import secrets
 import time
@@ -23,6 +24,8 @@ import httpx
 
 from pdscope.analysis.probe import (
     BATCH_SWEEP_LABEL,
+    JOIN_LABEL,
+    JOIN_NEW_LABEL,
     PREFIX_TAIL_TOKENS,
     Ceilings,
     ModelBytes,
@@ -30,6 +33,7 @@ from pdscope.analysis.probe import (
     cache_hit,
     joint_decode,
 )
+from pdscope.analysis.stats import median
 from pdscope.client.adapters import (
     API_OLLAMA,
     API_OPENAI_CHAT,
@@ -131,6 +135,9 @@ class ProbeSettings:
 
 
 BATCH_PROMPT_TOKENS = 64  # the batched-decode check's prompts: short, so decode dominates
+# The join check's prompts, sent among decoding streams: each prefills in one step with them.
+JOIN_PROMPT_TOKENS = (128, 1024)
+JOIN_WINDOW_S = 1.0  # the join check's streams decode this long at least
 PREFIX_PAIRS = 3  # prefix-cache check: fresh prefixes, each sent cold then warm
 MIN_PREFIX_TOKENS = 256  # its shared prefix: many KV blocks whatever the server's block size
 # A decode check whose response could not be read (it came whole, or in bursts) is sent again
@@ -277,6 +284,38 @@ class Prober:
                     limit = carried if limit is None else min(limit, carried)
             if self.skipped_sizes and self.on_total:
                 self.on_total(self.planned_requests())
+            await self.join()
+
+    async def join(self) -> None:
+        """The batched check's streams again, and JOIN_PROMPT_TOKENS prompts sent among them
+        one at a time: the step that runs a prompt's prefill beside decodes. It shows what a
+        prompt costs the streams already running, and is what `simulate --calibrate` fits a
+        prefill step's own cost from (a prompt timed alone holds it together with the HTTP
+        time outside any step). When to send comes from the batched check just run: its first
+        token and its step; each prompt is sent a quarter further into the streams' decode,
+        which lasts JOIN_WINDOW_S at least (a tiny model's steps of a fraction of a ms would
+        end before a prompt's HTTP request reached the server), as far as the context allows."""
+        ref = [t for t in self.traces if t.label == "batch-decode" and t.ok and t.streamed]
+        ttft = median([t.ttft_s for t in ref if t.ttft_s is not None])
+        step = median([gap for t in ref for gap in t.itl_samples_s()])
+        if ttft is None or not step:
+            return
+        short = self.fitting(BATCH_PROMPT_TOKENS)
+        streams = [await self.prompt(short) for _ in range(self.s.batch_streams)]
+        sizes = [self.fitting(n) for n in JOIN_PROMPT_TOKENS]
+        new = [await self.prompt(n) for n in sizes]
+        out = max(self.s.output_tokens, math.ceil(JOIN_WINDOW_S / step))
+        if self.max_len:
+            out = max(1, min(out, self.max_len - short - 32))
+
+        async def joiner(k: int) -> None:
+            await asyncio.sleep(ttft + step * out * (k + 1) / (len(sizes) + 2))
+            await self.send(new[k], sizes[k], JOIN_NEW_LABEL, max_tokens=2, count_hits=False)
+
+        await asyncio.gather(
+            *(self.send(p, short, JOIN_LABEL, out, count_hits=False) for p in streams),
+            *(joiner(k) for k in range(len(sizes))),
+        )
 
     async def batch(self, prompt_tokens: int, label: str, streams: int | None = None) -> int:
         """Fresh prompts of one length sent together, so their decodes share steps. Returns
@@ -317,6 +356,7 @@ class Prober:
         batch *= 2 if self.s.batch_context_tokens else 1
         if batch:
             batch += sum(n for n in self.s.batch_sweep if n not in self.skipped_sizes)
+            batch += self.s.batch_streams + len(JOIN_PROMPT_TOKENS)
         sweep = len(self.s.prompt_tokens) * self.s.repeats
         return 1 + sweep + 2 * PREFIX_PAIRS + 4 + batch + self.resent
 

@@ -394,7 +394,8 @@ def render_calibration(c: dict[str, Any], console: Console) -> None:
     """`simulate --calibrate`: the fitted cost parameters and how well each probe figure fits."""
     console.print(
         f"calibrated ({c['source']}): {c['bandwidth_gb_s']:.3g} GB/s, {c['tflops']:.3g} "
-        f"TFLOP/s, step overhead {c['step_overhead_ms']:.3g} ms, per sequence "
+        f"TFLOP/s, step overhead {c['step_overhead_ms']:.3g} ms, a step with a prefill "
+        f"{c.get('prefill_step_overhead_ms', 0.0):.3g} ms more, per sequence "
         f"{per_sequence(c['seq_overhead_ms'], c.get('seq_overhead_above_ms') or [])}, "
         f"per request {c['request_overhead_ms']:.3g} ms"
     )

@@ -140,6 +140,17 @@ def render_probe(r: dict[str, Any], console: Console) -> None:
             )
     if line := _batch_curve(r):
         console.print(line)
+    for j in r.get("prefill_join") or []:
+        without = j.get("decode_step_ms")
+        console.print(
+            f"a {j['prompt_tokens']:,}-token prompt joining {j['decoding_together']} decoding "
+            f"streams: their step {fmt_seconds(j['step_ms'] / 1e3)}"
+            + (
+                f" against {fmt_seconds(without / 1e3)} without it ({j['step_ms'] / without:.1f}x)"
+                if without
+                else ""
+            )
+        )
     if r.get("ceiling"):
         c = r["ceiling"]
         margin = c.get("decode_pct_range")

@@ -23,7 +23,8 @@ def render_simulation(result: dict[str, Any], console: Console) -> None:
     above = [[n, cost * 1e3] for n, cost in c.get("seq_overhead_above") or []]
     console.print(
         f"simulated: {c['bandwidth_gb_s']:g} GB/s, {c['tflops']:g} TFLOP/s, step overhead "
-        f"{c['step_overhead_s'] * 1e3:g} ms, per sequence "
+        f"{c['step_overhead_s'] * 1e3:g} ms, a step with a prefill "
+        f"{c.get('prefill_step_overhead_s', 0.0) * 1e3:g} ms more, per sequence "
         f"{per_sequence(c['seq_overhead_s'] * 1e3, above)}, "
         f"per request {c['request_overhead_s'] * 1e3:g} ms ({c['source']}); KV pool "
         f"{result['metadata']['kv_pool_tokens']:,} tokens"

@@ -53,6 +53,10 @@ class CostParams:
     bandwidth_gb_s: float  # achieved memory bandwidth, 1e9 bytes/s
     tflops: float  # achieved dense matmul rate at the weights' compute type, 1e12 FLOP/s
     step_overhead_s: float = 0.0  # fixed cost of every step
+    # Extra fixed cost of a step that carries a prefill chunk: a server whose decode-only steps
+    # take a faster path (CUDA graphs in vLLM, the one-call C step in pdscope's engine) pays
+    # it once per step with any prompt tokens, however many chunks.
+    prefill_step_overhead_s: float = 0.0
     seq_overhead_s: float = 0.0  # extra cost of every sequence scheduled in a step
     # (n, seconds): each sequence of a step past the n-th costs this in place of seq_overhead_s
     # (or of an earlier pair's cost), n ascending and >= 1. A server's step is not
@@ -70,7 +74,8 @@ class CostParams:
             raise SpecError(f"bandwidth must be > 0 GB/s, got {self.bandwidth_gb_s}")
         if not self.tflops > 0:
             raise SpecError(f"FLOP rate must be > 0 TFLOP/s, got {self.tflops}")
-        if min(self.step_overhead_s, self.seq_overhead_s, self.request_overhead_s) < 0:
+        overheads = (self.step_overhead_s, self.prefill_step_overhead_s, self.seq_overhead_s)
+        if min(*overheads, self.request_overhead_s) < 0:
             raise SpecError("overheads must be >= 0 seconds")
         counts = [n for n, _ in self.seq_overhead_above]
         if counts != sorted(set(counts)) or (counts and counts[0] < 1):
@@ -259,8 +264,10 @@ class CostModel:
         per_context = self._decode_s_per_context_token
         tokens = sampled = decode_context = 0
         attention_s = 0.0
+        prefill = False
         for e in entries:
             n = e.num_new_tokens
+            prefill = prefill or n > 1
             tokens += n
             sampled += e.samples
             if n == 1 and per_context is not None:
@@ -275,5 +282,7 @@ class CostModel:
             linear_s = self._linear_cache[tokens] = self._roofline_s(*self.linear_work(tokens))
         lm_head_s = self._roofline_s(*self.lm_head_work(sampled)) if sampled else 0.0
         overhead_s = self.params.step_overhead_s + self.params.seqs_overhead_s(len(entries))
+        if prefill:
+            overhead_s += self.params.prefill_step_overhead_s
         comm_s = self.tp.comm_s(self.model, tokens) if self.tp.size > 1 else 0.0
         return StepCost(linear_s, attention_s, lm_head_s, overhead_s, comm_s)
