@@ -9,10 +9,18 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from pdscope.analysis.calibrate import WorkEntry, fit, observations, prefill_steps, step_jitter
+from pdscope.analysis.calibrate import (
+    StepJitter,
+    WorkEntry,
+    fit,
+    observations,
+    prefill_steps,
+    step_jitter,
+)
 from pdscope.analysis.probe import JOIN_LABEL, JOIN_NEW_LABEL
 from pdscope.cli import app
 from pdscope.client.trace import Trace, trace_from_timeline
@@ -330,6 +338,23 @@ def test_the_step_scatter_keeps_the_mean_and_the_probed_tail() -> None:
     steady = step_jitter(simulated_probe())
     # (a steady step still grows with its context: 0.08% over one decode)
     assert steady is not None and max(steady.quantiles) / min(steady.quantiles) < 1.002
+
+
+def test_a_step_longer_than_a_decode_gets_a_decodes_disturbance_in_seconds() -> None:
+    """The recorded probe's decode step (~56 ms at one thread) is the scale: a step up to it
+    is multiplied by the draw, a longer one gets the seconds the draw gives that step, so a
+    long prefill's spread is a decode's in seconds (not 10x it), and every mean stays put."""
+    jitter = step_jitter(json.loads((DATA / "probe-small-xeon-1thread.json").read_text()))
+    assert jitter is not None and 0.04 < jitter.scale_s < 0.08
+    us = [i / 10_000 for i in range(10_000)]
+    for cost_s in (0.01, jitter.scale_s, 10 * jitter.scale_s):
+        steps = [jitter.apply(cost_s, u) for u in us]
+        assert sum(steps) / len(steps) == pytest.approx(cost_s, rel=0.005)
+        spread = np.percentile(steps, 99) - np.percentile(steps, 50)
+        base = min(cost_s, jitter.scale_s)
+        want = (jitter.quantiles[99] - jitter.quantiles[50]) * base
+        assert spread == pytest.approx(want, rel=0.02)
+    assert StepJitter((0.5, 1.5)).apply(1.0, 0.9) == 1.5  # no scale: multiplied, as before
 
 
 @pytest.mark.parametrize("disturbance", ["stall", "bursts"])

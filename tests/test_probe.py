@@ -230,7 +230,7 @@ def test_the_batch_sweep_stops_where_the_server_carries_fewer(
         r = asyncio.run(probe(settings(srv.url, batch_sweep=[2, 16], **kw)))
     finally:
         srv.stop()
-    assert r["batch_decode"]["decoding_together"] == 4
+    assert 2 <= r["batch_decode"]["decoding_together"] <= 4  # 4, but for a loaded client
     assert [p["streams"] for p in r["batch_sweep"]] == [2]
     assert r["settings"]["batch_sweep_skipped"] == [16]
     assert not any(t["label"] == "batch-decode x16" for t in r["traces"])
@@ -1246,6 +1246,36 @@ def test_a_context_slowdown_the_bytes_over_predict_is_not_called_explained() -> 
     h = context(20.5)
     assert h["finding"] == "Decode slows as context fills: the extra KV bytes explain it", h
     assert "what remains (factor 1.02) is small" in h["evidence"]
+
+
+def test_a_prompt_joining_decoding_streams_is_timed_in_their_step() -> None:
+    """Streams decoding at 10 ms a step; a 128-token prompt's first token comes at the end of
+    a 40 ms step they shared. The join step is the longest gap near it (a stream read 1 ms
+    late still finds it), every stream decoding then counts, one that had ended does not, and
+    two prompts whose first tokens came in one step are left out."""
+    from pdscope.analysis.probe import JOIN_LABEL, JOIN_NEW_LABEL, join_steps
+
+    def trace(label: str, times: list[float], prompt: int) -> Trace:
+        return Trace(
+            "openai-completions", "u", "m", label=label, prompt_tokens_asked=prompt,
+            prompt_tokens=prompt, output_tokens=len(times), max_tokens=len(times), start_s=0.0,
+            end_s=times[-1], chunks=[Chunk(t, "x") for t in times], cached_tokens=0,
+        )  # fmt: skip
+
+    def stream(late_s: float = 0.0, until: int = 30) -> Trace:
+        times = [0.1 + 0.01 * k for k in range(11)]  # tokens 0..10, the 10th at 0.2 s
+        times += [0.24 + 0.01 * k for k in range(until - 10)]  # the joint step ends at 0.24
+        return trace(JOIN_LABEL, [t + (late_s if i == 11 else 0) for i, t in enumerate(times)], 64)
+
+    ended = trace(JOIN_LABEL, [0.05, 0.06, 0.07], 64)
+    streams = [stream(), stream(), stream(late_s=0.001), ended]
+    new = trace(JOIN_NEW_LABEL, [0.2405, 0.25], 128)
+    (step,) = join_steps([*streams, new])
+    assert step.prompt_tokens == 128 and step.contexts == [75, 75, 75]  # token 11: 64 + 11
+    assert step.step_s == pytest.approx(0.04)
+    assert step.decode_step_s == pytest.approx(0.01)
+    other = trace(JOIN_NEW_LABEL, [0.2407, 0.25], 1024)
+    assert join_steps([*streams, new, other]) == []
 
 
 def test_a_batched_step_that_reads_faster_than_one_stream_says_why() -> None:

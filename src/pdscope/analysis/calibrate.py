@@ -9,7 +9,7 @@ seconds they took. The cost model prices a step as a sum of roofline terms ``max
 bytes / B)`` plus ``step_overhead + seq_overhead x entries`` (the per-sequence cost may change
 at each batch size the probe measured), and a TTFT also pays
 ``request_overhead`` once (HTTP, hand-off to the engine: time outside any step). At fixed rates
-F and B the time is linear in the three overheads; which side of each term binds depends on
+F and B the time is linear in the overheads; which side of each term binds depends on
 the rates, so :func:`fit` searches the rates on a grid and solves the overheads at each point
 (see its docstring for the loss and for how it chooses among fits the probe cannot tell apart).
 
@@ -29,11 +29,11 @@ from typing import Any
 import numpy as np
 
 from pdscope.analysis.probe import (
-    BATCH_SWEEP_LABEL,
     JOIN_LABEL,
     JOIN_NEW_LABEL,
     join_steps,
     joint_decode,
+    sweep_size,
 )
 from pdscope.analysis.stats import median
 from pdscope.client.trace import UNREAD, Trace
@@ -46,7 +46,7 @@ BATCH_LABELS = ("batch-decode", "batch-decode-long")
 
 
 def is_batch_label(label: str) -> bool:
-    return label in BATCH_LABELS or label.startswith(BATCH_SWEEP_LABEL)
+    return label in BATCH_LABELS or sweep_size(label) is not None
 
 
 @dataclass(frozen=True)
@@ -90,10 +90,16 @@ class Residual:
 @dataclass(frozen=True)
 class StepJitter:
     """How much a server's step times scatter about their cost: every single-stream decode gap
-    of the probe over its own request's mean gap, sorted. A simulated step's seconds are
-    multiplied by one of them drawn at random; each request's ratios average 1, so the draws
-    do too (the fit prices a step's mean; this spreads it). A perfectly steady server gives
-    all ones, i.e. no jitter.
+    of the probe over its own request's mean gap, sorted. A simulated step gets one of them
+    drawn at random (:meth:`apply`); each request's ratios average 1, so the draws do too (the
+    fit prices a step's mean; this spreads it). A perfectly steady server gives all ones, i.e.
+    no jitter.
+
+    What disturbs a step (the OS, another tenant) takes time, not a share of the step: on the
+    Xeon a 128-token prompt's TTFT and a decode gap had the same p99 - p50, 13-14 ms, at 40 and
+    10 ms medians. So a step up to ``scale_s`` (the probe's decode step) is multiplied by the
+    ratio, and a longer one gets the extra seconds the ratio gives a step of ``scale_s``:
+    multiplying a prefill's 40 ms by a decode's ratios put its p99 at twice the measured.
 
     Each request is its own scale, so a stall in one request adds one large ratio and shrinks
     only its own request's others. Scaled by its median gap and then rescaled to mean 1 over
@@ -104,6 +110,7 @@ class StepJitter:
 
     ratios: tuple[float, ...]  # sorted ascending, mean 1
     bursty: int = 0  # requests left out
+    scale_s: float = 0.0  # the median of the requests' mean gaps (0: every step multiplied)
 
     @property
     def samples(self) -> int:
@@ -121,11 +128,17 @@ class StepJitter:
         1/samples: one stall then shrank every other draw.)"""
         return self.ratios[min(int(u * len(self.ratios)), len(self.ratios) - 1)]
 
+    def apply(self, cost_s: float, u: float) -> float:
+        """A step of ``cost_s`` seconds, disturbed by the ratio drawn at ``u``."""
+        scale = min(cost_s, self.scale_s) if self.scale_s > 0 else cost_s
+        return cost_s + (self.draw(u) - 1) * scale
+
     def to_dict(self) -> dict[str, Any]:
         q = self.quantiles
         return {
             "samples": self.samples,
             "bursty_requests_left_out": self.bursty,
+            "scale_ms": self.scale_s * 1e3,
             "p1": q[1],
             "p50": q[50],
             "p90": q[90],
@@ -143,6 +156,7 @@ def step_jitter(probe: dict[str, Any]) -> StepJitter | None:
     least ``SCATTER_MIN_GAPS`` gaps read steadily. The cold request is left out: its first
     steps pay one-off work."""
     ratios: list[float] = []
+    means: list[float] = []
     bursty = 0
     for t in (Trace.from_dict(d) for d in probe.get("traces") or []):
         if not t.ok or t.label.removesuffix(UNREAD) not in _SINGLE_LABELS:
@@ -155,9 +169,10 @@ def step_jitter(probe: dict[str, Any]) -> StepJitter | None:
             bursty += 1
             continue
         ratios += [g / mean_gap for g in gaps]
+        means.append(mean_gap)
     if not ratios:
         return None
-    return StepJitter(tuple(sorted(ratios)), bursty)
+    return StepJitter(tuple(sorted(ratios)), bursty, median(means) or 0.0)
 
 
 @dataclass
@@ -263,7 +278,7 @@ def observations(probe: dict[str, Any], budget: int) -> list[Observation]:
             continue
         entries = tuple(WorkEntry(joint.context - 1, 1) for _ in range(joint.streams))
         # a sweep point is named by the streams it carried, as the batched check is
-        name = "batch-decode" if label.startswith(BATCH_SWEEP_LABEL) else label
+        name = "batch-decode" if sweep_size(label) is not None else label
         # The mean gap, as a single stream's TPOT is: a client too loaded to keep up reads
         # several streamed tokens at once, and the gaps of ~0 between them sank the median to
         # half a step, or to 0 (a tiny model's probe beside a busy core), while their sum is
@@ -278,6 +293,8 @@ def observations(probe: dict[str, Any], budget: int) -> list[Observation]:
             )
         )
     for join in join_steps(traces):
+        if join.prompt_tokens + len(join.contexts) > budget:
+            continue  # its prefill was chunked: the gap holds one chunk of a size unknown here
         entries = tuple(WorkEntry(c - 1, 1) for c in join.contexts)
         out.append(
             Observation(
@@ -361,7 +378,7 @@ def _grid_fit(
 
 
 def fit(cost: CostModel, obs: Sequence[Observation], source: str = "") -> Calibration:
-    """Achieved FLOP/s and bandwidth and the three overheads that best explain ``obs``.
+    """Achieved FLOP/s and bandwidth and the overheads that best explain ``obs``.
 
     Which side of each roofline term binds depends on the rates, so the loss has several local
     minima: the rates are searched on a log grid (refined twice around the best point) and the
@@ -387,7 +404,15 @@ def fit(cost: CostModel, obs: Sequence[Observation], source: str = "") -> Calibr
     seconds = np.array([o.seconds for o in obs])
     # The per-sequence cost may change at each batch size the probe measured but the largest:
     # one cost per segment of sequence counts, each fitted from the batch point that ends it.
-    sizes = sorted({len(o.steps[0]) for o in obs if o.kind == "batch-decode"})
+    # Short prompts' points only: the long one's streams may overlap one fewer (7 beside 8
+    # would make a segment of one sequence, fitted from the KV read's difference).
+    sizes = sorted(
+        {
+            len(o.steps[0])
+            for o in obs
+            if o.kind == "batch-decode" and not o.label.startswith("batch-decode-long")
+        }
+    )
     bounds = [0, *sizes[:-1], None]
     segments = list(itertools.pairwise(bounds))
     counts = np.array(
@@ -402,7 +427,7 @@ def fit(cost: CostModel, obs: Sequence[Observation], source: str = "") -> Calibr
         ],
         dtype=float,
     )
-    if not sizes:
+    if not any(o.kind == "batch-decode" for o in obs):
         notes.append(
             "no usable batched-decode point (probe with --batch-streams 8, on a client "
             "that keeps up): the per-sequence overhead cannot be told apart from the "

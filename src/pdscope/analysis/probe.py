@@ -96,6 +96,14 @@ MIN_JUDGED_PREFIX_TOKENS = 64
 PREFIX_TAIL_TOKENS = 16
 # The batch sweep's labels: "batch-decode x2", "batch-decode x32" (streams sent together).
 BATCH_SWEEP_LABEL = "batch-decode x"
+
+
+def sweep_size(label: str) -> int | None:
+    """The streams a batch sweep point sent, from its label; None for any other label."""
+    size = label.removeprefix(BATCH_SWEEP_LABEL)
+    return int(size) if label.startswith(BATCH_SWEEP_LABEL) and size.isdigit() else None
+
+
 # The join check: streams decoding together, and prompts sent among them one at a time.
 JOIN_LABEL = "prefill-join"
 JOIN_NEW_LABEL = "prefill-join-new"
@@ -326,11 +334,7 @@ def analyze(
     # whether a batch's attention costs what its bytes say.
     result["batch_decode_long"] = batch_decode(_ok(by_label["batch-decode-long"]))
     # The other stream counts at short prompts: the step's cost by batch size.
-    sweep = [
-        (int(label.removeprefix(BATCH_SWEEP_LABEL)), label)
-        for label in by_label
-        if label.startswith(BATCH_SWEEP_LABEL) and label.removeprefix(BATCH_SWEEP_LABEL).isdigit()
-    ]
+    sweep = [(n, label) for label in by_label if (n := sweep_size(label)) is not None]
     result["batch_sweep"] = [
         checked
         for _, label in sorted(sweep)
@@ -423,40 +427,40 @@ class JoinStep:
 
 
 def join_steps(traces: list[Trace]) -> list[JoinStep]:
-    """The join check's steps, one per new prompt that arrived while two or more of the
-    streams decoded. A stream whose token nearest the new prompt's first one is over a
-    quarter of its gap away did not share that step (it ended before, or had not started).
-    Two new prompts whose first tokens came in one step are left out: it carried both."""
+    """The join check's steps, one per new prompt whose first token came while two or more of
+    the streams decoded (between their first and last token): the step carried all of those.
+    In each, the join step is the longest of the gaps ending at the three tokens nearest the
+    new prompt's first one (a prefill step is longer than a decode step, and a client may
+    read either stream late). Two new prompts whose first tokens came within half a step of
+    each other are left out (one step may have carried both), and so is a new prompt of
+    unknown length."""
     streams = [t for t in traces if t.ok and t.label == JOIN_LABEL and t.streamed]
     news = [t for t in traces if t.ok and t.label == JOIN_NEW_LABEL and t.chunks]
     out = []
     for new in news:
-        first = new.chunks[0].t_s
+        first, prompt = new.chunks[0].t_s, _prompt_tokens(new)
         gaps: list[float] = []
         contexts: list[int] = []
         rest: list[float] = []
         for t in streams:
             times = [c.t_s for c in t.chunks]
-            i = min(range(len(times)), key=lambda k: abs(times[k] - first))
-            gap = times[i] - times[i - 1] if i else 0.0
-            if not gap or abs(times[i] - first) > gap / 4:
-                continue
-            gaps.append(gap)
+            if not times[0] < first <= times[-1]:
+                continue  # not decoding then
+            near = min(range(len(times)), key=lambda k: abs(times[k] - first))
+            i = max(
+                (k for k in (near - 1, near, near + 1) if 1 <= k < len(times)),
+                key=lambda k: times[k] - times[k - 1],
+            )
+            gaps.append(times[i] - times[i - 1])
             contexts.append((_prompt_tokens(t) or 0) + i)  # token i's step reads prompt + i
             rest += [b - a for k, (a, b) in enumerate(itertools.pairwise(times), 1) if k != i]
-        step_s = median(gaps) if len(gaps) >= 2 else None
-        shared = step_s is not None and any(
-            abs(other.chunks[0].t_s - first) < step_s / 2 for other in news if other is not new
-        )
-        if step_s is not None and not shared:
-            out.append(
-                JoinStep(
-                    _prompt_tokens(new) or 0,
-                    contexts,
-                    step_s,
-                    median(rest) if rest else None,
-                )
-            )
+        if len(gaps) < 2 or not prompt:
+            continue
+        step_s = median(gaps)
+        assert step_s is not None
+        if any(abs(o.chunks[0].t_s - first) < step_s / 2 for o in news if o is not new):
+            continue
+        out.append(JoinStep(prompt, contexts, step_s, median(rest) if rest else None))
     return out
 
 

@@ -522,8 +522,9 @@ def simulate_cluster(
     server = server_report(steps, result.requests, result.end_s, hits, queries, url)
     blocks = pools[0].blocks
     metadata = {"kv_pool_blocks": blocks, "kv_pool_tokens": blocks * s.block_size}
+    base = settle_model_len(c.base, p)  # the length every pool ran with, in the result
     r = bench_result(
-        c.base, p, pools[0].params, requests, result.requests, result.end_s, server, wall,
+        base, p, pools[0].params, requests, result.requests, result.end_s, server, wall,
         metadata, slo,
     )  # fmt: skip
     r["cluster"] = _cluster_figures(c, pools, result, r)

@@ -104,8 +104,8 @@ class ProbeSettings:
             raise ValueError("--batch-streams takes 2 or more, or 0 to skip the batched checks")
         if 1 in s.batch_sweep:
             raise ValueError("--batch-sweep takes counts of 2 or more, or 0 to skip the sweep")
-        # --batch-streams' count is measured by the batched check itself
-        s.batch_sweep = [n for n in s.batch_sweep if n != s.batch_streams]
+        # --batch-streams' count is measured by the batched check itself; 0 sends no batch
+        s.batch_sweep = [n for n in s.batch_sweep if n != s.batch_streams and s.batch_streams]
         if s.timeout_s <= 0:
             raise ValueError(f"--timeout must be positive, got {s.timeout_s}")
         if s.max_model_len is not None:
@@ -138,6 +138,7 @@ BATCH_PROMPT_TOKENS = 64  # the batched-decode check's prompts: short, so decode
 # The join check's prompts, sent among decoding streams: each prefills in one step with them.
 JOIN_PROMPT_TOKENS = (128, 1024)
 JOIN_WINDOW_S = 1.0  # the join check's streams decode this long at least
+JOIN_MAX_OUTPUT = 2048  # and this many tokens at most
 PREFIX_PAIRS = 3  # prefix-cache check: fresh prefixes, each sent cold then warm
 MIN_PREFIX_TOKENS = 256  # its shared prefix: many KV blocks whatever the server's block size
 # A decode check whose response could not be read (it came whole, or in bursts) is sent again
@@ -168,6 +169,7 @@ class Prober:
         self.traces: list[Trace] = []
         self.resent = 0  # decode checks sent again, RESENDS at most
         self.skipped_sizes: list[int] = []  # batch sweep sizes over what the server carried
+        self.join_ran = False  # the join check sent its streams
         self.kept_unread = 0  # unread responses kept as they came: no resend was left
         self.on_total: Callable[[int], None] | None = None  # told the requests planned, anew
         self.counter = (
@@ -268,25 +270,26 @@ class Prober:
             # Short fresh prompts sent together: after their prefills, every step decodes all
             # of them at once (what one stream's figures cannot show: the cost per sequence).
             carried = await self.batch(self.fitting(BATCH_PROMPT_TOKENS), "batch-decode")
-            limit = carried if carried < s.batch_streams else None
+            # The most streams the server carried at once, and whether it ever carried fewer
+            # than it was sent (Ollama's parallel slots, a --max-num-seqs): then a larger batch
+            # is carried no further. No stream read (a failure, a buffering proxy) says nothing.
+            most, short = carried, 0 < carried < s.batch_streams
             if s.batch_context_tokens:
                 await self.batch(s.batch_context_tokens, "batch-decode-long")
-            # The sweep's other sizes, ascending. A server that carried fewer streams than it
-            # was sent (Ollama's parallel slots, a --max-num-seqs) carries no more of a larger
-            # batch: those sizes are skipped, and the plan shrinks.
+            # The sweep's other sizes, ascending; those over a limit seen are not sent.
             for n in s.batch_sweep:
-                if limit is not None and n > limit:
+                if short and n > most:
                     self.skipped_sizes.append(n)
                     continue
                 label = f"{BATCH_SWEEP_LABEL}{n}"
                 carried = await self.batch(self.fitting(BATCH_PROMPT_TOKENS), label, n)
-                if carried < n:
-                    limit = carried if limit is None else min(limit, carried)
+                most, short = max(most, carried), short or 0 < carried < n
             if self.skipped_sizes and self.on_total:
                 self.on_total(self.planned_requests())
-            await self.join()
+            # Room for the join check's one new prompt at a time beside its streams.
+            await self.join(min(s.batch_streams, most - 1) if short else s.batch_streams)
 
-    async def join(self) -> None:
+    async def join(self, streams: int) -> None:
         """The batched check's streams again, and JOIN_PROMPT_TOKENS prompts sent among them
         one at a time: the step that runs a prompt's prefill beside decodes. It shows what a
         prompt costs the streams already running, and is what `simulate --calibrate` fits a
@@ -294,17 +297,22 @@ class Prober:
         time outside any step). When to send comes from the batched check just run: its first
         token and its step; each prompt is sent a quarter further into the streams' decode,
         which lasts JOIN_WINDOW_S at least (a tiny model's steps of a fraction of a ms would
-        end before a prompt's HTTP request reached the server), as far as the context allows."""
+        end before a prompt's HTTP request reached the server), as far as the context allows
+        (and JOIN_MAX_OUTPUT tokens). ``streams``: how many decode (2 at least, or none)."""
+        self.join_ran = streams >= 2
         ref = [t for t in self.traces if t.label == "batch-decode" and t.ok and t.streamed]
         ttft = median([t.ttft_s for t in ref if t.ttft_s is not None])
-        step = median([gap for t in ref for gap in t.itl_samples_s()])
-        if ttft is None or not step:
+        gaps = [gap for t in ref for gap in t.itl_samples_s()]
+        # The mean gap, as calibration takes it: a client read in bursts sinks the median
+        step = sum(gaps) / len(gaps) if gaps else 0.0
+        if ttft is None or not step > 0 or streams < 2:
+            self.join_ran = False
             return
         short = self.fitting(BATCH_PROMPT_TOKENS)
-        streams = [await self.prompt(short) for _ in range(self.s.batch_streams)]
+        prompts = [await self.prompt(short) for _ in range(streams)]
         sizes = [self.fitting(n) for n in JOIN_PROMPT_TOKENS]
         new = [await self.prompt(n) for n in sizes]
-        out = max(self.s.output_tokens, math.ceil(JOIN_WINDOW_S / step))
+        out = min(max(self.s.output_tokens, math.ceil(JOIN_WINDOW_S / step)), JOIN_MAX_OUTPUT)
         if self.max_len:
             out = max(1, min(out, self.max_len - short - 32))
 
@@ -313,7 +321,7 @@ class Prober:
             await self.send(new[k], sizes[k], JOIN_NEW_LABEL, max_tokens=2, count_hits=False)
 
         await asyncio.gather(
-            *(self.send(p, short, JOIN_LABEL, out, count_hits=False) for p in streams),
+            *(self.send(p, short, JOIN_LABEL, out, count_hits=False) for p in prompts),
             *(joiner(k) for k in range(len(sizes))),
         )
 
@@ -693,6 +701,12 @@ async def probe(
         notes.append(
             f"batch sweep: {', '.join(map(str, prober.skipped_sizes))} streams not sent: the "
             "server decoded fewer streams at once than an earlier batch sent it"
+        )
+    if prober.join_ran and not result.get("prefill_join"):
+        notes.append(
+            "join check: no new prompt's first token came while two or more of the streams "
+            "decoded (they ended first, or the server queued it): no prefill step was timed "
+            "inside a batch"
         )
     if prober.kept_unread:
         notes.append(

@@ -463,7 +463,7 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
             config,
             blocks,
             s.block_size,
-            (lambda out: cost.step(out.scheduled).seconds * jitter.draw(draw()))
+            (lambda out: jitter.apply(cost.step(out.scheduled).seconds, draw()))
             if jitter
             else (lambda out: cost.step(out.scheduled).seconds),
             s.enable_prefix_caching,
