@@ -16,6 +16,7 @@ import pytest
 from pdscope.commands.probe import ProbeSettings, probe
 from pdscope.server.launch import free_port
 from tests.conftest import peer_server
+from tests.test_probe import output_asked
 
 VLLM = Path(__file__).resolve().parents[1] / ".venv-peers" / "bin" / "vllm"
 
@@ -56,7 +57,8 @@ def test_probe_real_vllm(vllm_url: str) -> None:
     assert sweep[-1]["ttft_ms"] > sweep[0]["ttft_ms"]
     assert not r["failures"]
     for t in r["traces"]:
-        assert t["token_source"] == "server-usage" and t["output_tokens"] == 24
+        assert t["token_source"] == "server-usage"
+        assert t["output_tokens"] == output_asked(t)
         assert all(c["text"] for c in t["chunks"])
 
 

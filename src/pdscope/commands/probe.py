@@ -147,6 +147,14 @@ MIN_PREFIX_TOKENS = 256  # its shared prefix: many KV blocks whatever the server
 RESENDS = 4
 
 
+def carried_fewer(carried: int, sent: int) -> bool:
+    """Whether a server decoded clearly fewer of ``sent`` streams at once than it was sent: two
+    fewer or more, and at most 80% of them. One fewer is how a loaded client reads a fast
+    server's 8 (their first and last tokens overlap 7 at most), and none read (a failure, a
+    buffering proxy) says nothing of its slots."""
+    return 0 < carried <= 0.8 * sent and sent - carried >= 2
+
+
 class Prober:
     def __init__(
         self,
@@ -272,8 +280,8 @@ class Prober:
             carried = await self.batch(self.fitting(BATCH_PROMPT_TOKENS), "batch-decode")
             # The most streams the server carried at once, and whether it ever carried fewer
             # than it was sent (Ollama's parallel slots, a --max-num-seqs): then a larger batch
-            # is carried no further. No stream read (a failure, a buffering proxy) says nothing.
-            most, short = carried, 0 < carried < s.batch_streams
+            # is carried no further.
+            most, short = carried, carried_fewer(carried, s.batch_streams)
             if s.batch_context_tokens:
                 await self.batch(s.batch_context_tokens, "batch-decode-long")
             # The sweep's other sizes, ascending; those over a limit seen are not sent.
@@ -283,7 +291,7 @@ class Prober:
                     continue
                 label = f"{BATCH_SWEEP_LABEL}{n}"
                 carried = await self.batch(self.fitting(BATCH_PROMPT_TOKENS), label, n)
-                most, short = max(most, carried), short or 0 < carried < n
+                most, short = max(most, carried), short or carried_fewer(carried, n)
             if self.skipped_sizes and self.on_total:
                 self.on_total(self.planned_requests())
             # Room for the join check's one new prompt at a time beside its streams.
