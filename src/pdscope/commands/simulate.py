@@ -222,10 +222,11 @@ def read_probe(path: str) -> dict[str, Any]:
     return data
 
 
-def calibrated_inputs(s: SimulateSettings) -> tuple[PlanInputs, Calibration, str]:
+def calibrated_inputs(s: SimulateSettings) -> tuple[PlanInputs, Calibration, str, int | None]:
     """The model as plan resolves it, cost parameters fitted to the probe, and a device: the
     one named, or a custom one of the fitted rates (its KV pool then needs --kv-cache-memory,
-    default serve's CPU pool)."""
+    default serve's CPU pool); then the model's reference and the probed server's max length
+    (None where the probe does not say)."""
     assert s.calibrate is not None
     probe = read_probe(s.calibrate)
     model = s.model or (probe.get("served_model") or {}).get("root")
@@ -260,7 +261,8 @@ def calibrated_inputs(s: SimulateSettings) -> tuple[PlanInputs, Calibration, str
         check_model_len(s, p)
     else:
         p = resolve_inputs(replace(s, model=model))  # the named device, as without --calibrate
-    return p, calibration, model
+    served = (probe.get("runtime") or {}).get("max_model_len")
+    return p, calibration, model, served if isinstance(served, int) else None
 
 
 def kv_pool_blocks(s: SimulateSettings, p: PlanInputs) -> int:
@@ -425,11 +427,10 @@ def simulate(s: SimulateSettings) -> dict[str, Any]:
     s.validate()
     calibration = None
     if s.calibrate is not None:
-        p, calibration, model_ref = calibrated_inputs(s)
+        p, calibration, model_ref, served_len = calibrated_inputs(s)
         if s.device is None and s.kv_cache_memory_bytes is None and s.memory_gb is None:
             s = replace(s, kv_cache_memory_bytes=CPU_SERVE_KV_CACHE_BYTES)
-        served = (read_probe(s.calibrate).get("runtime") or {}).get("max_model_len")
-        s = settle_model_len(s, p, served if isinstance(served, int) else None)
+        s = settle_model_len(s, p, served_len)
     else:
         p, model_ref = resolve_inputs(s), s.model or DEFAULT_MODEL
         s = settle_model_len(s, p)
