@@ -3,6 +3,7 @@ the simulator itself with known parameters, so the fit has a right answer to rec
 engine's calibration is checked end to end by bench/validate_simulator.py."""
 
 import copy
+import gzip
 import json
 import math
 from collections.abc import Sequence
@@ -300,24 +301,26 @@ def recorded_fit_start() -> CostModel:
     )
 
 
-def test_a_batch_read_in_bursts_keeps_its_step_and_a_zero_second_point_is_left_out() -> None:
+def test_a_batch_read_in_bursts_is_left_out_and_a_zero_second_point_too() -> None:
     """Every stream of the recorded probe's batch reaches the client in bursts of three
-    tokens (as a loaded client reads them): the batch point's step stays within 10% of the
-    clean one's (+5.0%: the bursts move a few gaps out of the group of steps that carried all
-    eight). Its median gap was ~0 then, and on a tiny model's probe beside a busy core the
-    median of both batch points was 0 s, which the fit divided by. A point measured at 0 s is
-    now left out, with a note that names it."""
+    tokens (as a loaded client reads them): the batch point is left out, as a single stream
+    read so is (its gaps time the client). Kept, bursts of three happened to read within 5%
+    of the clean step; a loaded client's real bursts did not (see
+    test_a_loaded_clients_batches_do_not_sink_the_decode_step). On a tiny model's probe
+    beside a busy core the median of both batch points was 0 s, which the fit divided by: a
+    point measured at 0 s is left out, with a note that names it."""
     probe = json.loads((DATA / "probe-small-xeon-1thread.json").read_text())
     clean = {o.label: o for o in observations(probe, BUDGET)}
+    label = "batch-decode x8 at 80 tok"
+    assert label in clean
     for t in probe["traces"]:
         if t["label"] == "batch-decode":
             chunks = t["chunks"]
             for i, chunk in enumerate(chunks[1:], start=1):
                 if i % 3:
                     chunk["t_s"] = chunks[i - 1]["t_s"] + 1e-5
-    bursts = {o.label: o for o in observations(probe, BUDGET)}
-    label = "batch-decode x8 at 80 tok"
-    assert bursts[label].seconds == pytest.approx(clean[label].seconds, rel=0.1)
+    bursts = {o.label for o in observations(probe, BUDGET)}
+    assert bursts == set(clean) - {label}
 
     zero = [replace(o, seconds=0.0) if o.label == label else o for o in clean.values()]
     calibration = fit(recorded_fit_start(), zero)
@@ -325,6 +328,32 @@ def test_a_batch_read_in_bursts_keeps_its_step_and_a_zero_second_point_is_left_o
     assert label not in {r.label for r in calibration.residuals}
     assert 0 < calibration.params.bandwidth_gb_s < float("inf")
     assert all(0 < r.fitted_s < float("inf") for r in calibration.residuals)
+
+
+def test_a_loaded_clients_batches_do_not_sink_the_decode_step() -> None:
+    """A real probe of the tiny model (AMD EPYC, 2 cores; the probing process pinned to a core
+    shared with a busy loop, as a full test suite's client is): the client read most streams
+    in bursts. Grouped by the midpoint rule, the bursts' ~0 gaps and their long ones fell in
+    different groups: the 2-stream point read 0.112 ms a step and the batched check 0.023 ms
+    over 3 streams, where one stream's step took 0.28-0.49 ms. A relative error punishes
+    overshooting a tiny time without bound, so the fit gave those two points their way and
+    every single-stream decode a fitted step 71-85% short; a CI run's simulated TPOT came out
+    0.021 ms against a measured 0.38 (Intel Xeon). Gaps of streams read in bursts are left
+    out now: what is left fits the single-stream decodes within 30%."""
+    probe = json.loads(
+        gzip.decompress((DATA / "probe-tiny-epyc-loaded-client.json.gz").read_bytes())
+    )
+    obs = observations(probe, BUDGET)
+    batch = {o.label for o in obs if o.kind == "batch-decode"}
+    assert batch == {"batch-decode x32 at 73 tok", "batch-decode-long x4 at 1033 tok"}
+    spec = load_model(str(DATA / "tiny-config.json"))
+    start = CostModel(
+        spec, get_weight_precision("bf16"), get_kv_precision("bf16"), CostParams(100.0, 10.0)
+    )
+    calibration = fit(start, obs)
+    decodes = [r for r in calibration.residuals if r.kind == "decode"]
+    assert len(decodes) == 7
+    assert all(abs(r.error) < 0.3 for r in decodes), [(r.label, r.error) for r in decodes]
 
 
 def test_the_step_scatter_keeps_the_mean_and_the_probed_tail() -> None:
@@ -535,11 +564,11 @@ def test_calibrated_simulation_tracks_the_real_engine_end_to_end(tiny_model, tmp
     # the scatter and the probe's residuals.
     for key, factor in (("median_tpot_ms", 5), ("median_ttft_ms", 2.5), ("output_throughput", 5)):
         real = min(reals, key=lambda run: abs(math.log(sim[key] / run[key])))
+        # a str, which pytest prints whole (a tuple's repr is cut at ~240 characters, and a
+        # CI failure hid the residuals that way)
         assert 1 / factor < sim[key] / real[key] < factor, (
-            key,
-            sim[key],
-            [r[key] for r in reals],
-            json.dumps(sim["metadata"]["calibration"]),
+            f"{key}: simulated {sim[key]}, real {[r[key] for r in reals]}; calibration "
+            + json.dumps(sim["metadata"]["calibration"])
         )
 
 

@@ -1299,6 +1299,15 @@ def test_a_prompt_joining_decoding_streams_is_timed_in_their_step() -> None:
     assert step.decode_step_s == pytest.approx(0.01)
     other = trace(JOIN_NEW_LABEL, [0.2407, 0.25], 1024)
     assert join_steps([*streams, new, other]) == []
+    # A stream the client read in bursts (its tokens 1-10 came in one read, at 0.2 s) was
+    # decoding in that step, but its gaps time the client: it counts and gives no gap.
+    bursty = stream()
+    for chunk in bursty.chunks[1:11]:
+        chunk.t_s = 0.2 - 1e-6
+    assert bursty.read_in_bursts
+    (step,) = join_steps([*streams, bursty, new])
+    assert step.contexts == [75] * 4 and step.step_s == pytest.approx(0.04)
+    assert step.decode_step_s == pytest.approx(0.01)
 
 
 def test_a_batched_step_that_reads_faster_than_one_stream_says_why() -> None:

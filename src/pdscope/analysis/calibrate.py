@@ -273,7 +273,7 @@ def observations(probe: dict[str, Any], budget: int) -> list[Observation]:
         for (label, context), times in sorted(decode.items(), key=lambda kv: kv[0][1])
     ]
     for label, group in sorted(batch.items()):
-        joint = joint_decode(group)
+        joint = joint_decode(group, steady=True)
         if joint is None or joint.streams < 2:
             continue
         entries = tuple(WorkEntry(joint.context - 1, 1) for _ in range(joint.streams))
