@@ -236,13 +236,20 @@ def test_the_batch_sweep_stops_where_the_server_carries_fewer(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     """A server of 4 sequences decodes 4 of the 8 streams sent together: the sweep's 2 is sent,
-    its 16 is not (the server would carry 4 of them too), and the result says so."""
+    its 16 is not (the server would carry 4 of them too), and the result says so. The join
+    check sends 3 streams, not 8: the progress total follows both, and ends at the requests
+    sent."""
     srv = start_server(tiny_model, tmp_path, "--kv-cache-memory", "16MiB", "--max-num-seqs", "4")
+    totals: list[int] = []
+    sent: list[str] = []
     try:
         kw = {"prompt_tokens": [32], "repeats": 1, "output_tokens": 16, "batch_context_tokens": 0}
-        r = asyncio.run(probe(settings(srv.url, batch_sweep=[2, 16], **kw)))
+        r = asyncio.run(
+            probe(settings(srv.url, batch_sweep=[2, 16], **kw), totals.append, sent.append)
+        )
     finally:
         srv.stop()
+    assert totals[0] > totals[-1] == len(sent) == len(r["traces"])
     assert 2 <= r["batch_decode"]["decoding_together"] <= 4  # 4, but for a loaded client
     assert [p["streams"] for p in r["batch_sweep"]] == [2]
     assert r["settings"]["batch_sweep_skipped"] == [16]

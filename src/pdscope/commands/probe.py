@@ -178,6 +178,7 @@ class Prober:
         self.resent = 0  # decode checks sent again, RESENDS at most
         self.skipped_sizes: list[int] = []  # batch sweep sizes over what the server carried
         self.join_ran = False  # the join check sent its streams
+        self.join_streams: int | None = None  # how many it sends (None: not decided yet)
         self.kept_unread = 0  # unread responses kept as they came: no resend was left
         self.on_total: Callable[[int], None] | None = None  # told the requests planned, anew
         self.counter = (
@@ -315,6 +316,12 @@ class Prober:
         step = sum(gaps) / len(gaps) if gaps else 0.0
         if ttft is None or not step > 0 or streams < 2:
             self.join_ran = False
+            streams = 0
+        if streams != self.s.batch_streams:
+            self.join_streams = streams  # fewer than planned: the progress total follows
+            if self.on_total:
+                self.on_total(self.planned_requests())
+        if not streams:
             return
         short = self.fitting(BATCH_PROMPT_TOKENS)
         prompts = [await self.prompt(short) for _ in range(streams)]
@@ -372,7 +379,8 @@ class Prober:
         batch *= 2 if self.s.batch_context_tokens else 1
         if batch:
             batch += sum(n for n in self.s.batch_sweep if n not in self.skipped_sizes)
-            batch += self.s.batch_streams + len(JOIN_PROMPT_TOKENS)
+            join = self.s.batch_streams if self.join_streams is None else self.join_streams
+            batch += join + len(JOIN_PROMPT_TOKENS) if join else 0
         sweep = len(self.s.prompt_tokens) * self.s.repeats
         return 1 + sweep + 2 * PREFIX_PAIRS + 4 + batch + self.resent
 
