@@ -1314,7 +1314,8 @@ def test_a_prompt_joining_decoding_streams_is_timed_in_their_step() -> None:
     assert bursty.read_in_bursts
     (step,) = join_steps([*streams, bursty, new])
     assert step.contexts == [75] * 4 and step.step_s == pytest.approx(0.04)
-    assert step.decode_step_s == pytest.approx(0.01)
+    assert step.decode_step_s == pytest.approx(0.01) and step.steady_streams == 3
+    assert join_steps([stream(), bursty, new]) == []  # one stream read steadily: no median
 
 
 def test_a_batched_step_that_reads_faster_than_one_stream_says_why() -> None:

@@ -82,7 +82,7 @@ def test_padded_steps_give_the_tokens_and_logits_of_exact_ones(
         kernels=kernels + ("" if by_rule else ",step_rows=padded"),
     )
     model = llm.engine.runner.model
-    # bf16 matmuls on oneDNN: padded, by the rule
+    # bf16 matmuls on oneDNN: padded, by the rule (elsewhere forced, above)
     assert llm.engine.kernels.step_rows == "padded"
     assert llm.engine.kernels.how["step_rows"] == ("fixed" if by_rule else "forced")
     assert model.row_bucket == ROW_BUCKET

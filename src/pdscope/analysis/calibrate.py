@@ -302,7 +302,7 @@ def observations(probe: dict[str, Any], budget: int) -> list[Observation]:
                 "mixed",
                 ((*entries, WorkEntry(0, join.prompt_tokens)),),
                 join.step_s,
-                len(join.contexts),
+                join.steady_streams,
             )
         )
     return out

@@ -430,19 +430,20 @@ class JoinStep:
 
     prompt_tokens: int
     contexts: list[int]  # each decoding stream's context in that step
-    step_s: float  # the median of those gaps over the streams
+    step_s: float  # the median of those gaps over the streams read steadily
     decode_step_s: float | None  # the streams' median gap over the rest of their decode
+    steady_streams: int  # the streams whose gaps were taken (not read in bursts)
 
 
 def join_steps(traces: list[Trace]) -> list[JoinStep]:
     """The join check's steps, one per new prompt whose first token came while two or more of
-    the streams decoded (between their first and last token): the step carried all of those.
-    In each, the join step is the longest of the gaps ending at the three tokens nearest the
-    new prompt's first one (a prefill step is longer than a decode step, and a client may
-    read either stream late). A stream the client read in bursts counts among the step's
-    decodes but gives no gap (see :func:`joint_decode`). Two new prompts whose first tokens
-    came within half a step of each other are left out (one step may have carried both), and
-    so is a new prompt of unknown length."""
+    the streams decoded (between their first and last token), two of them read steadily: the
+    step carried all of those. In each, the join step is the longest of the gaps ending at
+    the three tokens nearest the new prompt's first one (a prefill step is longer than a
+    decode step, and a client may read either stream late). A stream the client read in
+    bursts counts among the step's decodes but gives no gap (see :func:`joint_decode`). Two
+    new prompts whose first tokens came within half a step of each other are left out (one
+    step may have carried both), and so is a new prompt of unknown length."""
     streams = [t for t in traces if t.ok and t.label == JOIN_LABEL and t.streamed]
     news = [t for t in traces if t.ok and t.label == JOIN_NEW_LABEL and t.chunks]
     out = []
@@ -471,7 +472,7 @@ def join_steps(traces: list[Trace]) -> list[JoinStep]:
         assert step_s is not None
         if any(abs(o.chunks[0].t_s - first) < step_s / 2 for o in news if o is not new):
             continue
-        out.append(JoinStep(prompt, contexts, step_s, median(rest) if rest else None))
+        out.append(JoinStep(prompt, contexts, step_s, median(rest) if rest else None, len(gaps)))
     return out
 
 

@@ -312,7 +312,7 @@ class Prober:
         ref = [t for t in self.traces if t.label == "batch-decode" and t.ok and t.streamed]
         ttft = median([t.ttft_s for t in ref if t.ttft_s is not None])
         gaps = [gap for t in ref for gap in t.itl_samples_s()]
-        # The mean gap, as calibration takes it: a client read in bursts sinks the median
+        # The mean gap (a client read in bursts sinks the median): only to time the sends
         step = sum(gaps) / len(gaps) if gaps else 0.0
         if ttft is None or not step > 0 or streams < 2:
             self.join_ran = False
@@ -380,7 +380,7 @@ class Prober:
         if batch:
             batch += sum(n for n in self.s.batch_sweep if n not in self.skipped_sizes)
             join = self.s.batch_streams if self.join_streams is None else self.join_streams
-            batch += join + len(JOIN_PROMPT_TOKENS) if join else 0
+            batch += (join + len(JOIN_PROMPT_TOKENS)) if join else 0
         sweep = len(self.s.prompt_tokens) * self.s.repeats
         return 1 + sweep + 2 * PREFIX_PAIRS + 4 + batch + self.resent
 
@@ -719,11 +719,16 @@ async def probe(
             "server decoded fewer streams at once than an earlier batch sent it"
         )
     if prober.join_ran and not result.get("prefill_join"):
-        notes.append(
-            "join check: no new prompt's first token came while two or more of the streams "
-            "decoded (they ended first, or the server queued it): no prefill step was timed "
-            "inside a batch"
+        join = [t for t in prober.traces if t.label == JOIN_LABEL and t.ok and t.streamed]
+        bursty = sum(t.read_in_bursts for t in join)
+        why = (
+            f"the client read {bursty} of its {len(join)} streams in bursts (their gaps time "
+            "the client; two read steadily are needed)"
+            if len(join) - bursty < 2
+            else "no new prompt's first token came while two or more of the streams decoded "
+            "(they ended first, or the server queued it)"
         )
+        notes.append(f"join check: {why}: no prefill step was timed inside a batch")
     if prober.kept_unread:
         notes.append(
             f"{prober.kept_unread} more response(s) whose decode could not be read were kept as "
