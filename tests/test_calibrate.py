@@ -294,8 +294,8 @@ def test_a_recorded_probe_of_the_real_engine_is_fitted_without_a_per_sequence_co
     assert sum(abs(e) for e in errors.values()) / len(errors) < 0.15
 
 
-def recorded_fit_start() -> CostModel:
-    spec = load_model(str(DATA / "small-config.json"))
+def recorded_fit_start(config: str = "small-config.json") -> CostModel:
+    spec = load_model(str(DATA / config))
     return CostModel(
         spec, get_weight_precision("bf16"), get_kv_precision("bf16"), CostParams(100.0, 10.0)
     )
@@ -346,11 +346,7 @@ def test_a_loaded_clients_batches_do_not_sink_the_decode_step() -> None:
     obs = observations(probe, BUDGET)
     batch = {o.label for o in obs if o.kind == "batch-decode"}
     assert batch == {"batch-decode x32 at 73 tok", "batch-decode-long x4 at 1033 tok"}
-    spec = load_model(str(DATA / "tiny-config.json"))
-    start = CostModel(
-        spec, get_weight_precision("bf16"), get_kv_precision("bf16"), CostParams(100.0, 10.0)
-    )
-    calibration = fit(start, obs)
+    calibration = fit(recorded_fit_start("tiny-config.json"), obs)
     decodes = [r for r in calibration.residuals if r.kind == "decode"]
     assert len(decodes) == 7
     assert all(abs(r.error) < 0.3 for r in decodes), [(r.label, r.error) for r in decodes]
