@@ -131,12 +131,28 @@ def render_probe(r: dict[str, Any], console: Console) -> None:
         )
     for key in ("batch_decode", "batch_decode_long"):
         batch = r.get(key)
-        if batch and batch.get("itl_ms"):
+        if not batch:
+            continue
+        head = f"batched decode: {batch['streams']} streams of {batch['prompt_tokens']:,}"
+        head += " prompt tokens"
+        bursty = batch.get("bursty_streams") or 0
+        if batch.get("itl_ms"):
             console.print(
-                f"batched decode: {batch['streams']} streams of {batch['prompt_tokens']:,} "
-                f"prompt tokens, one step with {batch['decoding_together']} decoding at "
+                f"{head}, one step with {batch['decoding_together']} decoding at "
                 f"{_f(batch['context_tokens'], '{:,}')} tokens of context "
-                f"{fmt_seconds(batch['itl_ms'] / 1e3)}" + _against_one_stream(batch)
+                f"{fmt_seconds(batch['itl_ms'] / 1e3)}"
+                + _against_one_stream(batch)
+                + (
+                    f" ({bursty} of {batch['streams']} streams left out: the client read them "
+                    "in bursts)"
+                    if bursty
+                    else ""
+                )
+            )
+        elif bursty and bursty == batch["streams"]:
+            console.print(
+                f"{head}: step unread [yellow](the client read every stream in bursts: their "
+                "gaps measure the client, not the server's steps)[/]"
             )
     if line := _batch_curve(r):
         console.print(line)
@@ -287,28 +303,19 @@ def _batch_curve(r: dict[str, Any]) -> str | None:
 
 def _against_one_stream(batch: dict[str, Any]) -> str:
     """The batched step against one stream's (", 1.40x one stream's"), with a caveat where the
-    batched step reads the faster: the batch's figure is the median gap over its streams, one
-    stream's the mean step (TPOT) of the context check's requests, sent alone before the batch,
-    so a few slow steps there, the host between the two, or streams the client read in bursts
-    put it below 1."""
+    batched step reads the faster: the batch's figure is the median gap over its steadily read
+    streams, one stream's the mean step (TPOT) of the context check's requests, sent alone
+    before the batch, so a few slow steps there or the host between the two put it below 1."""
     ratio = batch.get("step_over_one_stream")
     if not ratio:
         return ""
     text = f", {ratio:.2f}x one stream's"
     if ratio >= 1:
         return text
-    bursty = batch.get("bursty_streams") or 0
     return (
         text + " [yellow](no batched step is faster than one stream's: this sets the batch's "
         "median gap against one stream's mean step, measured alone at another moment, so "
-        "host noise or a few slow single-stream steps decide it"
-        + (
-            f"; {bursty} of {batch['streams']} streams were read in bursts by the client, "
-            "whose short gaps measure the client"
-            if bursty
-            else ""
-        )
-        + ")[/]"
+        "host noise or a few slow single-stream steps decide it)[/]"
     )
 
 
