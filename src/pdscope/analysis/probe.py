@@ -488,7 +488,9 @@ def batch_decode(
     ``tpot_ms`` are None (``bursty_streams`` says why)."""
     if not traces:
         return None
-    joint = joint_decode(traces)
+    # its streams' gaps grouped without the bursty ones' (which fall in the wrong groups),
+    # where any stream was read steadily
+    joint = joint_decode(traces, steady=True) or joint_decode(traces)
     # A loaded client's probe (tests/data/probe-tiny-epyc-loaded-client.json.gz; one stream's
     # step 0.27-0.34 ms) read 0.050 ms a step over 4 streams, all read in bursts, and 0.0 ms
     # over 2: the bursts' gaps of microseconds, which measure the client.

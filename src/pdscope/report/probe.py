@@ -133,8 +133,8 @@ def render_probe(r: dict[str, Any], console: Console) -> None:
         batch = r.get(key)
         if not batch:
             continue
-        head = f"batched decode: {batch['streams']} streams of {batch['prompt_tokens']:,}"
-        head += " prompt tokens"
+        head = f"batched decode: {batch['streams']} streams of "
+        head += f"{_f(batch['prompt_tokens'], '{:,}')} prompt tokens"
         bursty = batch.get("bursty_streams") or 0
         if batch.get("itl_ms"):
             console.print(
@@ -282,22 +282,29 @@ def plot_probe(r: dict[str, Any], path: Path) -> None:
 def _batch_curve(r: dict[str, Any]) -> str | None:
     """One line of the decode step by streams decoding together, at short prompts: one
     stream's mean step (the context check's short point), the batched check's and the batch
-    sweep's median gaps, each against one stream's. None without a sweep point."""
-    sweep = [p for p in r.get("batch_sweep") or [] if p.get("itl_ms") and p["decoding_together"]]
+    sweep's median gaps, each against one stream's, with the streams each left out as read in
+    bursts (a point with none read steadily is "unread"). None without a sweep point."""
+    sweep = [p for p in r.get("batch_sweep") or [] if p.get("decoding_together")]
     if not sweep:
         return None
     ctx = r.get("context") or {}
     one_tok_s = (ctx.get("short") or {}).get("decode_tok_s")
-    points = {1: 1e3 / one_tok_s} if one_tok_s else {}
-    batch = r.get("batch_decode") or {}
-    for p in [batch, *sweep]:
-        if p.get("itl_ms") and p.get("decoding_together"):
-            points.setdefault(p["decoding_together"], p["itl_ms"])
-    one = points.get(1)
-    parts = [
-        f"{k}: {fmt_seconds(ms / 1e3)}" + (f" ({ms / one:.2f}x)" if one and k > 1 else "")
-        for k, ms in sorted(points.items())
-    ]
+    points: dict[int, dict[str, Any]] = {1: {"itl_ms": 1e3 / one_tok_s}} if one_tok_s else {}
+    for p in [r.get("batch_decode") or {}, *sweep]:
+        k = p.get("decoding_together")
+        if k and (k not in points or (p.get("itl_ms") and not points[k].get("itl_ms"))):
+            points[k] = p  # a point with a step over one without
+    one = points.get(1, {}).get("itl_ms")
+    parts = []
+    for k, p in sorted(points.items()):
+        bursty, ms = p.get("bursty_streams") or 0, p.get("itl_ms")
+        if ms is None:
+            every = bursty and bursty == p.get("streams")
+            parts.append(f"{k}: unread" + (" (every stream read in bursts)" if every else ""))
+            continue
+        notes = [f"{ms / one:.2f}x"] if one and k > 1 else []
+        notes += [f"{bursty} of {p['streams']} streams left out: read in bursts"] if bursty else []
+        parts.append(f"{k}: {fmt_seconds(ms / 1e3)}" + (f" ({'; '.join(notes)})" if notes else ""))
     return "decode step by streams decoding together (short prompts): " + ", ".join(parts)
 
 
