@@ -918,7 +918,7 @@ static inline __attribute__((always_inline)) void attend_avx2_impl(
     const int64_t k_plane = head * slots, v_plane = (kv_heads + head) * slots;
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     /* each head's softmax sum by lane, added up once at the end: a sum of 8 lanes a tile and
-     * head was ~3-6% of the kernel's time on an AMD EPYC Zen 2 (1 thread, KV in cache) */
+     * head was ~5% of the kernel's time on an AMD EPYC Zen 2 (1 thread, KV in cache) */
     __m256 lv[group];
     for (int64_t g = 0; g < group; g++) lv[g] = _mm256_setzero_ps();
     for (int64_t pos = lo; pos < hi;) {
@@ -933,11 +933,13 @@ static inline __attribute__((always_inline)) void attend_avx2_impl(
          * 1,000, on an AMD EPYC family 26; decode_attention_ab.py --march x86-64-v3; on the
          * Xeon with AMX, 2 threads, the KV read from memory: 0.69-0.79x). Further ahead, into
          * L2 as well: no faster there. Where the next tile is one run of T rows (a block of
-         * 16 or more holds it), a quarter of them is asked for before each part of this
-         * tile's work (each half's scores, the softmax, P.V): all 64 lines at once filled the
+         * 16 or more holds it), its rows are asked for in parts spread over this tile's work
+         * (a quarter before each half's scores, or half before a short or float32 tile's; a
+         * quarter before the softmax; the rest before P.V): all 64 lines at once filled the
          * core's misses in flight, and this tile's own loads waited behind them. On an AMD
-         * EPYC Zen 2 (1 thread, 12 layers of 4,000 keys, the KV from memory) a key and KV
-         * head took 0.52x the time so, 0.73x where the table's blocks are shuffled. */
+         * EPYC Zen 2 (bench/attend_avx2_micro.c: 1 thread, 12 layers of 4,000 keys, the KV
+         * from memory) a key and KV head took 0.51x the time so, 0.74x where the table's
+         * blocks are shuffled. */
         const int64_t rb = D * (BF ? 2 : 4), next = pos + n; /* rb: bytes a K or V row */
         const char *nk = NULL, *nv = NULL; /* the next tile's first K and V row, one run */
         if (next + T <= hi && block_size - next % block_size >= T) {
