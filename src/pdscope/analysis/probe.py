@@ -423,6 +423,14 @@ def joint_decode(traces: list[Trace], steady: bool = False) -> JointDecode | Non
     return JointDecode(k, *groups[k])
 
 
+def batch_joint(traces: list[Trace]) -> JointDecode | None:
+    """A batch's :func:`joint_decode`: its gaps grouped without those of streams read in
+    bursts (which fall in the wrong groups) where any stream was read steadily, else all of
+    them. The report's ``decoding_together`` and the sweep's rule for sizes over the most a
+    server carried both read this."""
+    return joint_decode(traces, steady=True) or joint_decode(traces)
+
+
 @dataclass(frozen=True)
 class JoinStep:
     """The step a new prompt's prefill shared with streams already decoding: in each stream,
@@ -488,9 +496,7 @@ def batch_decode(
     ``tpot_ms`` are None (``bursty_streams`` says why)."""
     if not traces:
         return None
-    # its streams' gaps grouped without the bursty ones' (which fall in the wrong groups),
-    # where any stream was read steadily
-    joint = joint_decode(traces, steady=True) or joint_decode(traces)
+    joint = batch_joint(traces)
     # A loaded client's probe (tests/data/probe-tiny-epyc-loaded-client.json.gz; one stream's
     # step 0.27-0.34 ms) read 0.050 ms a step over 4 streams, all read in bursts, and 0.0 ms
     # over 2: the bursts' gaps of microseconds, which measure the client.

@@ -30,8 +30,8 @@ from pdscope.analysis.probe import (
     Ceilings,
     ModelBytes,
     analyze,
+    batch_joint,
     cache_hit,
-    joint_decode,
 )
 from pdscope.analysis.stats import median
 from pdscope.client.adapters import (
@@ -348,7 +348,7 @@ class Prober:
         traces = await asyncio.gather(
             *(self.send(p, prompt_tokens, label, count_hits=False) for p in prompts)
         )
-        joint = joint_decode([t for t in traces if t.ok])
+        joint = batch_joint([t for t in traces if t.ok])
         return joint.streams if joint else 0
 
     @property
