@@ -1368,6 +1368,17 @@ def test_a_batched_step_that_reads_faster_than_one_stream_says_why() -> None:
     unread = batch_decode(bursty, {"decode_tok_s": 1 / 0.00033})
     assert unread is not None and unread["bursty_streams"] == 3
     assert unread["itl_ms"] is None and unread["step_over_one_stream"] is None
+    # A stream whose whole response came in one read has no gaps: left out too. A CI run's
+    # batch of 128-token prompts had only such streams and bursty ones, and printed no line.
+    one_read = stream([0.0] * 15)
+    assert not one_read.streamed and not one_read.read_in_bursts
+    none_steady = batch_decode([*bursty, one_read], {"decode_tok_s": 1 / 0.00033})
+    assert none_steady is not None and none_steady["itl_ms"] is None
+    assert none_steady["bursty_streams"] == 3 and none_steady["one_read_streams"] == 1
+    assert none_steady["tpot_ms"] is None
+    also = batch_decode([*steady, one_read], {"decode_tok_s": 1 / 0.00033})
+    assert also is not None and also["itl_ms"] == pytest.approx(0.228)
+    assert also["one_read_streams"] == 1 and also["bursty_streams"] == 0
 
     result = {
         "runtime": {"url": "u", "name": "pdscope", "evidence": ["e"], "api": "openai"},
@@ -1388,8 +1399,16 @@ def test_a_batched_step_that_reads_faster_than_one_stream_says_why() -> None:
     assert "tokens of context 228.0 µs, 0.69x one stream's" in line, line
     assert " 0 ms" not in line and "bursts" not in line
     for batch, said in (
-        (mixed, "(3 of 5 streams left out: the client read them in bursts)"),
-        (unread, "step unread (the client read every stream in bursts"),
+        (
+            mixed,
+            "single-stream steps decide it) (left out: 3 of 5 streams read in bursts)",
+        ),
+        (unread, "step unread (no stream read steadily: 3 of 3 streams read in bursts; such"),
+        (
+            none_steady,
+            "(no stream read steadily: 3 of 4 streams read in bursts, 1 of 4 in one read",
+        ),
+        (also, "(left out: 1 of 3 streams in one read)"),
     ):
         out = io.StringIO()
         render_probe({**result, "batch_decode": batch}, Console(file=out, width=200))
@@ -1422,8 +1441,8 @@ def test_a_loaded_clients_batched_steps_are_read_from_its_steady_streams() -> No
     assert all(p["itl_ms"] > one_step_ms for p in read), (one_step_ms, read)
     # The report's line of steps by streams decoding together says the same.
     line = _batch_curve(r)
-    assert line is not None and "2: unread (every stream read in bursts)" in line, line
-    assert "streams left out: read in bursts)" in line.split("32: ")[1], line
+    assert line is not None and "2: unread (2 of 2 streams read in bursts)" in line, line
+    assert "left out: " in line.split("32: ")[1], line
 
 
 def test_probe_cli_records_the_seed_fake(fake: str, tmp_path: Path) -> None:

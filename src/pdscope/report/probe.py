@@ -135,24 +135,19 @@ def render_probe(r: dict[str, Any], console: Console) -> None:
             continue
         head = f"batched decode: {batch['streams']} streams of "
         head += f"{_f(batch['prompt_tokens'], '{:,}')} prompt tokens"
-        bursty = batch.get("bursty_streams") or 0
+        left_out = _left_out(batch)
         if batch.get("itl_ms"):
             console.print(
                 f"{head}, one step with {batch['decoding_together']} decoding at "
                 f"{_f(batch['context_tokens'], '{:,}')} tokens of context "
                 f"{fmt_seconds(batch['itl_ms'] / 1e3)}"
                 + _against_one_stream(batch)
-                + (
-                    f" ({bursty} of {batch['streams']} streams left out: the client read them "
-                    "in bursts)"
-                    if bursty
-                    else ""
-                )
+                + (f" (left out: {left_out})" if left_out else "")
             )
-        elif bursty and bursty == batch["streams"]:
+        else:
             console.print(
-                f"{head}: step unread [yellow](the client read every stream in bursts: their "
-                "gaps measure the client, not the server's steps)[/]"
+                f"{head}: step unread [yellow](no stream read steadily: {left_out or 'none'}; "
+                "such gaps measure the client, not the server's steps)[/]"
             )
     if line := _batch_curve(r):
         console.print(line)
@@ -297,15 +292,26 @@ def _batch_curve(r: dict[str, Any]) -> str | None:
     one = points.get(1, {}).get("itl_ms")
     parts = []
     for k, p in sorted(points.items()):
-        bursty, ms = p.get("bursty_streams") or 0, p.get("itl_ms")
-        if ms is None:
-            every = bursty and bursty == p.get("streams")
-            parts.append(f"{k}: unread" + (" (every stream read in bursts)" if every else ""))
+        ms, left_out = p.get("itl_ms"), _left_out(p)
+        if not ms:
+            parts.append(f"{k}: unread" + (f" ({left_out})" if left_out else ""))
             continue
         notes = [f"{ms / one:.2f}x"] if one and k > 1 else []
-        notes += [f"{bursty} of {p['streams']} streams left out: read in bursts"] if bursty else []
+        notes += [f"left out: {left_out}"] if left_out else []
         parts.append(f"{k}: {fmt_seconds(ms / 1e3)}" + (f" ({'; '.join(notes)})" if notes else ""))
     return "decode step by streams decoding together (short prompts): " + ", ".join(parts)
+
+
+def _left_out(batch: dict[str, Any]) -> str:
+    """The streams of a batch point whose gaps its step leaves out, and why ("2 of 8 streams
+    read in bursts, 1 of 8 in one read"); "" where none."""
+    n = batch.get("streams")
+    parts = []
+    if bursty := batch.get("bursty_streams"):
+        parts.append(f"{bursty} of {n} streams read in bursts")
+    if one_read := batch.get("one_read_streams"):
+        parts.append(f"{one_read} of {n}{'' if parts else ' streams'} in one read")
+    return ", ".join(parts)
 
 
 def _against_one_stream(batch: dict[str, Any]) -> str:
