@@ -1376,6 +1376,12 @@ def test_a_batched_step_that_reads_faster_than_one_stream_says_why() -> None:
     assert none_steady is not None and none_steady["itl_ms"] is None
     assert none_steady["bursty_streams"] == 3 and none_steady["one_read_streams"] == 1
     assert none_steady["tpot_ms"] is None
+    # Streams each in a few reads of several tokens (too few gaps to call bursts): a median
+    # gap of 0 is no step.
+    few_reads = [stream([0.0, 0.0, 0.003]) for _ in range(2)]
+    assert not any(t.read_in_bursts for t in few_reads)
+    zero = batch_decode(few_reads, {"decode_tok_s": 1 / 0.00033})
+    assert zero is not None and zero["itl_ms"] is None and zero["step_over_one_stream"] is None
     also = batch_decode([*steady, one_read], {"decode_tok_s": 1 / 0.00033})
     assert also is not None and also["itl_ms"] == pytest.approx(0.228)
     assert also["one_read_streams"] == 1 and also["bursty_streams"] == 0
@@ -1409,6 +1415,7 @@ def test_a_batched_step_that_reads_faster_than_one_stream_says_why() -> None:
             "(no stream read steadily: 3 of 4 streams read in bursts, 1 of 4 in one read",
         ),
         (also, "(left out: 1 of 3 streams in one read)"),
+        (zero, "step unread (its gaps read 0; such gaps measure the client"),
     ):
         out = io.StringIO()
         render_probe({**result, "batch_decode": batch}, Console(file=out, width=200))

@@ -515,7 +515,9 @@ def batch_decode(
         "output_tokens": median([t.n_output for t in traces if t.n_output]),
         # Over all the steady streams' gaps, not joint_decode's largest group: in one CI run
         # (medium model, loaded 2-core host) that group's median was 23x one stream's step.
-        "itl_ms": _ms(median([x for t in steady for x in t.itl_samples_s()])),
+        # A median of 0 (a few reads each carrying several tokens, too few gaps to call
+        # bursts) is no step either.
+        "itl_ms": _ms(median([x for t in steady for x in t.itl_samples_s()]) or None),
         "tpot_ms": _ms(median(tpot)),
         # Streams the client read in bursts, left out of itl_ms and tpot_ms.
         "bursty_streams": sum(t.read_in_bursts for t in traces),

@@ -146,8 +146,9 @@ def render_probe(r: dict[str, Any], console: Console) -> None:
             )
         else:
             console.print(
-                f"{head}: step unread [yellow](no stream read steadily: {left_out or 'none'}; "
-                "such gaps measure the client, not the server's steps)[/]"
+                f"{head}: step unread [yellow]("
+                + (f"no stream read steadily: {left_out}" if left_out else "its gaps read 0")
+                + "; such gaps measure the client, not the server's steps)[/]"
             )
     if line := _batch_curve(r):
         console.print(line)
