@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 from pdscope.cli import app as cli
 from pdscope.client.adapters import CHUNKS_ONLY, openai_body, run_ollama, run_openai, session
 from pdscope.client.trace import Chunk, Trace
-from pdscope.commands.probe import ProbeSettings, probe
+from pdscope.commands.probe import ProbeSettings, carried_fewer, probe
 from pdscope.server.launch import free_port
 from tests.conftest import Server, start_server
 
@@ -47,6 +47,11 @@ def settings(url: str, **kw) -> ProbeSettings:
         "batch_context_tokens": 256,
     }
     return ProbeSettings(url=url, **{**base, **kw})
+
+
+def unsteady(point: dict) -> int:
+    """A batch point's streams whose gaps time the client: read in bursts or whole."""
+    return point["bursty_streams"] + point["one_read_streams"]
 
 
 def output_asked(trace: dict) -> int:
@@ -105,14 +110,16 @@ def test_probe_openai_dialect(medium_server: Server) -> None:
     batch = r["batch_decode"]
     assert batch["streams"] == 8 and batch["concurrency"] > 4
     # (no step where a loaded client read every stream in bursts: then it says so)
-    assert batch["step_over_one_stream"] or batch["bursty_streams"] == batch["streams"]
+    assert batch["step_over_one_stream"] or unsteady(batch) == batch["streams"]
     assert small_steps(after) - small_steps(before) >= 10, small_steps(after) - small_steps(before)
     # The same 8 at long context: the steps where most of them decode together (their prefills
     # are staggered by the server's token budget), at the prompt plus the decode's middle.
     long = r["batch_decode_long"]
-    assert 4 <= long["decoding_together"] <= 8 and long["prompt_tokens"] == 256
-    assert 256 < long["context_tokens"] < 256 + 24
-    assert long["itl_ms"] or long["bursty_streams"] == long["streams"]
+    # (a stream that came whole has no window, one read in bursts a late one: fewer counted)
+    together = long["decoding_together"] or 0
+    assert 2 <= together <= 8 and together + unsteady(long) >= 4 and long["prompt_tokens"] == 256
+    assert long["context_tokens"] is None or 256 < long["context_tokens"] < 256 + 24
+    assert long["itl_ms"] or unsteady(long) == long["streams"]
     for t in r["traces"]:
         assert t["token_source"] == "server-usage"
         assert (
@@ -221,19 +228,24 @@ def test_probe_cli_json_and_plot(medium_server: Server, medium: Path, tmp_path: 
     text = " ".join(result.output.split())
     assert "batched decode: 8 streams of 64 prompt tokens" in text
     assert "batched decode: 8 streams of 128 prompt tokens" in text
-    # The batch sweep's default sizes, each carried whole by a server of 64 sequences.
-    assert (
-        data["settings"]["batch_sweep"] == [2, 32] and not data["settings"]["batch_sweep_skipped"]
-    )
-    assert [p["streams"] for p in data["batch_sweep"]] == [2, 32]
-    assert data["batch_sweep"][0]["decoding_together"] == 2
-    assert data["batch_sweep"][1]["decoding_together"] > 8
+    # The batch sweep's default sizes, each carried whole by a server of 64 sequences (a
+    # loaded client that read the batch's streams late may count fewer and stop at 32).
+    skipped = data["settings"]["batch_sweep_skipped"]
+    assert data["settings"]["batch_sweep"] == [2, 32]
+    # (streams that came whole count as carried: only late windows of bursty ones stop it)
+    assert not skipped or (skipped == [32] and data["batch_decode"]["bursty_streams"] > 0)
+    sweep = data["batch_sweep"]
+    assert [p["streams"] for p in sweep] == [2, 32][: 2 - len(skipped)]
+    assert sweep[0]["decoding_together"] == 2 or unsteady(sweep[0]) > 0
+    assert skipped or (sweep[1]["decoding_together"] or 0) + unsteady(sweep[1]) > 8
     assert "decode step by streams decoding together (short prompts): 1:" in text
     # The join check: prompts sent among 8 decoding streams, each timed inside their step.
+    # (none where the client read all but one of the streams in bursts: a note says so)
     joins = data["prefill_join"]
-    assert joins and {j["prompt_tokens"] for j in joins} <= {128, 1024}
+    assert joins or any(n.startswith("join check: the client read") for n in data["notes"])
+    assert {j["prompt_tokens"] for j in joins} <= {128, 1024}
     assert all(2 <= j["decoding_together"] <= 8 and j["step_ms"] > 0 for j in joins)
-    assert f"a {joins[0]['prompt_tokens']:,}-token prompt joining" in text
+    assert not joins or f"a {joins[0]['prompt_tokens']:,}-token prompt joining" in text
 
 
 def test_the_batch_sweep_stops_where_the_server_carries_fewer(
@@ -255,8 +267,16 @@ def test_the_batch_sweep_stops_where_the_server_carries_fewer(
         srv.stop()
     assert totals[0] > totals[-1] == len(sent) == len(r["traces"])
     assert 2 <= r["batch_decode"]["decoding_together"] <= 4  # 4, but for a loaded client
-    assert [p["streams"] for p in r["batch_sweep"]] == [2]
+    # Streams the client got whole count as carried (nothing tells when they decoded): the
+    # 16 is held back exactly where the count so made is clearly under 8.
+    batch = r["batch_decode"]
+    carried = min(8, batch["decoding_together"] + batch["one_read_streams"])
+    if not carried_fewer(carried, 8):
+        assert batch["one_read_streams"] > 0 and not r["settings"]["batch_sweep_skipped"]
+        assert [p["streams"] for p in r["batch_sweep"]] == [2, 16]
+        return
     assert r["settings"]["batch_sweep_skipped"] == [16]
+    assert [p["streams"] for p in r["batch_sweep"]] == [2]
     assert not any(t["label"] == "batch-decode x16" for t in r["traces"])
     assert any("batch sweep: 16 streams not sent" in note for note in r["notes"])
 
@@ -1407,15 +1427,15 @@ def test_a_batched_step_that_reads_faster_than_one_stream_says_why() -> None:
     for batch, said in (
         (
             mixed,
-            "single-stream steps decide it) (left out: 3 of 5 streams read in bursts)",
+            "228.0 µs (left out: 3 of 5 streams read in bursts), 0.69x one stream's",
         ),
-        (unread, "step unread (no stream read steadily: 3 of 3 streams read in bursts; such"),
+        (unread, "step unread (no stream read steadily: 3 of 3 streams read in bursts: their"),
         (
             none_steady,
-            "(no stream read steadily: 3 of 4 streams read in bursts, 1 of 4 in one read",
+            "(no stream read steadily: 3 of 4 streams read in bursts, 1 of 4 came whole: their",
         ),
-        (also, "(left out: 1 of 3 streams in one read)"),
-        (zero, "step unread (its gaps read 0; such gaps measure the client"),
+        (also, "(left out: 1 of 3 streams came whole)"),
+        (zero, "step unread (the steady streams' median gap was 0: their timing is the client's"),
     ):
         out = io.StringIO()
         render_probe({**result, "batch_decode": batch}, Console(file=out, width=200))
@@ -1448,8 +1468,9 @@ def test_a_loaded_clients_batched_steps_are_read_from_its_steady_streams() -> No
     assert all(p["itl_ms"] > one_step_ms for p in read), (one_step_ms, read)
     # The report's line of steps by streams decoding together says the same.
     line = _batch_curve(r)
-    assert line is not None and "2: unread (2 of 2 streams read in bursts)" in line, line
-    assert "left out: " in line.split("32: ")[1], line
+    assert line is not None, r
+    assert "2: unread (no stream read steadily: 2 of 2 streams read in bursts)" in line, line
+    assert "streams read in bursts)" in line.split("32: ")[1], line
 
 
 def test_probe_cli_records_the_seed_fake(fake: str, tmp_path: Path) -> None:

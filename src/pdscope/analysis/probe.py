@@ -492,9 +492,11 @@ def batch_decode(
     :func:`joint_decode`); against one stream's at a similar context (``one_stream``, a context
     check point) it shows what each extra sequence costs a step. The gaps and TPOTs are the
     streams' the client read steadily: one read in bursts (:attr:`Trace.read_in_bursts`) still
-    counts in ``decoding_together`` by its window. So is one that came in one read (not
-    :attr:`Trace.streamed`: it has no gaps). Where no stream is left, ``itl_ms`` and
-    ``tpot_ms`` are None (``bursty_streams`` and ``one_read_streams`` say why)."""
+    counts in ``decoding_together`` by its window. One that came in one read (not
+    :attr:`Trace.streamed`) has neither gaps nor a window: it counts in neither. Where no
+    stream is left, ``itl_ms`` and ``tpot_ms`` are None (``bursty_streams`` and
+    ``one_read_streams`` say why); where the steady streams' median gap is 0, ``itl_ms``
+    alone."""
     if not traces:
         return None
     joint = batch_joint(traces)

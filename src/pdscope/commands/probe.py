@@ -279,7 +279,8 @@ class Prober:
             # Short fresh prompts sent together: after their prefills, every step decodes all
             # of them at once (what one stream's figures cannot show: the cost per sequence).
             carried = await self.batch(self.fitting(BATCH_PROMPT_TOKENS), "batch-decode")
-            # The most streams the server carried at once, and whether it ever carried fewer
+            # The most streams the server may have carried at once (streams the client got
+            # whole count as carried), and whether it ever clearly carried fewer
             # than it was sent (Ollama's parallel slots, a --max-num-seqs): then a larger batch
             # is carried no further.
             most, short = carried, carried_fewer(carried, s.batch_streams)
@@ -342,14 +343,17 @@ class Prober:
 
     async def batch(self, prompt_tokens: int, label: str, streams: int | None = None) -> int:
         """Fresh prompts of one length sent together, so their decodes share steps. Returns
-        the most of them the server decoded at once (0 when none streamed)."""
+        the most of them the server may have decoded at once (0 when none streamed), counting
+        a stream the client got whole as among them: it has no window to place, and leaving it
+        out could make a loaded client look like a server's limit and stop the sweep."""
         streams = streams or self.s.batch_streams
         prompts = [await self.prompt(prompt_tokens) for _ in range(streams)]
         traces = await asyncio.gather(
             *(self.send(p, prompt_tokens, label, count_hits=False) for p in prompts)
         )
-        joint = batch_joint([t for t in traces if t.ok])
-        return joint.streams if joint else 0
+        ok = [t for t in traces if t.ok]
+        joint = batch_joint(ok)
+        return min(len(ok), joint.streams + sum(not t.streamed for t in ok)) if joint else 0
 
     @property
     def context_tokens(self) -> int:

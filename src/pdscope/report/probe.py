@@ -141,14 +141,13 @@ def render_probe(r: dict[str, Any], console: Console) -> None:
                 f"{head}, one step with {batch['decoding_together']} decoding at "
                 f"{_f(batch['context_tokens'], '{:,}')} tokens of context "
                 f"{fmt_seconds(batch['itl_ms'] / 1e3)}"
-                + _against_one_stream(batch)
                 + (f" (left out: {left_out})" if left_out else "")
+                + _against_one_stream(batch)
             )
         else:
             console.print(
-                f"{head}: step unread [yellow]("
-                + (f"no stream read steadily: {left_out}" if left_out else "its gaps read 0")
-                + "; such gaps measure the client, not the server's steps)[/]"
+                f"{head}: step unread [yellow]({_unread(batch)}: their timing is the "
+                "client's, not the server's steps)[/]"
             )
     if line := _batch_curve(r):
         console.print(line)
@@ -278,8 +277,9 @@ def plot_probe(r: dict[str, Any], path: Path) -> None:
 def _batch_curve(r: dict[str, Any]) -> str | None:
     """One line of the decode step by streams decoding together, at short prompts: one
     stream's mean step (the context check's short point), the batched check's and the batch
-    sweep's median gaps, each against one stream's, with the streams each left out as read in
-    bursts (a point with none read steadily is "unread"). None without a sweep point."""
+    sweep's median gaps, each against one stream's, with the streams each left out (read in
+    bursts or whole); a point without a step is "unread" and says why. None without a sweep
+    point."""
     sweep = [p for p in r.get("batch_sweep") or [] if p.get("decoding_together")]
     if not sweep:
         return None
@@ -295,7 +295,7 @@ def _batch_curve(r: dict[str, Any]) -> str | None:
     for k, p in sorted(points.items()):
         ms, left_out = p.get("itl_ms"), _left_out(p)
         if not ms:
-            parts.append(f"{k}: unread" + (f" ({left_out})" if left_out else ""))
+            parts.append(f"{k}: unread ({_unread(p)})" if "streams" in p else f"{k}: unread")
             continue
         notes = [f"{ms / one:.2f}x"] if one and k > 1 else []
         notes += [f"left out: {left_out}"] if left_out else []
@@ -305,14 +305,24 @@ def _batch_curve(r: dict[str, Any]) -> str | None:
 
 def _left_out(batch: dict[str, Any]) -> str:
     """The streams of a batch point whose gaps its step leaves out, and why ("2 of 8 streams
-    read in bursts, 1 of 8 in one read"); "" where none."""
+    read in bursts, 1 of 8 came whole"); "" where none."""
     n = batch.get("streams")
     parts = []
     if bursty := batch.get("bursty_streams"):
         parts.append(f"{bursty} of {n} streams read in bursts")
-    if one_read := batch.get("one_read_streams"):
-        parts.append(f"{one_read} of {n}{'' if parts else ' streams'} in one read")
+    if whole := batch.get("one_read_streams"):
+        parts.append(f"{whole} of {n}{'' if parts else ' streams'} came whole")
     return ", ".join(parts)
+
+
+def _unread(batch: dict[str, Any]) -> str:
+    """Why a batch point has no step: no stream read steadily, or the steady ones' median gap
+    was 0 (reads of several tokens each, too few to call bursts)."""
+    left_out = _left_out(batch)
+    unsteady = (batch.get("bursty_streams") or 0) + (batch.get("one_read_streams") or 0)
+    if unsteady >= batch["streams"]:
+        return f"no stream read steadily: {left_out}"
+    return "the steady streams' median gap was 0" + (f"; left out: {left_out}" if left_out else "")
 
 
 def _against_one_stream(batch: dict[str, Any]) -> str:
