@@ -677,9 +677,13 @@ def test_sigterm_drains_then_aborts_within_the_shutdown_timeout(
         f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
         f"\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode()
     )  # a client that never reads its stream
-    started = asyncio.Event()
+    # SIGTERM once every stream has its first line: one not yet taken in would be refused,
+    # not finished or aborted (a loaded host can take the four requests in over a few steps).
+    started, first_lines = asyncio.Event(), set()
 
-    async def stream(http: httpx.AsyncClient, max_tokens: int) -> tuple[str | None, int, bool]:
+    async def stream(
+        http: httpx.AsyncClient, max_tokens: int, i: int
+    ) -> tuple[str | None, int, bool]:
         reason, pieces, done = None, 0, False
         body = {"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
         async with http.stream("POST", f"{srv.url}/v1/completions", json=body) as r:
@@ -690,13 +694,16 @@ def test_sigterm_drains_then_aborts_within_the_shutdown_timeout(
                     choice = json.loads(line[6:])["choices"][0]
                     pieces += 1
                     reason = choice["finish_reason"] or reason
-                    started.set()
+                    first_lines.add(i)
+                    if len(first_lines) == 4:
+                        started.set()
         return reason, pieces, done
 
     async def main() -> tuple[list[tuple[str | None, int, bool]], float]:
         async with httpx.AsyncClient(timeout=120) as http:
-            tasks = [asyncio.create_task(stream(http, n)) for n in (40, 40, 2000, 2000)]
-            await started.wait()
+            sizes = (40, 40, 2000, 2000)
+            tasks = [asyncio.create_task(stream(http, n, i)) for i, n in enumerate(sizes)]
+            await asyncio.wait_for(started.wait(), 60)
             srv.process.send_signal(signal.SIGTERM)
             t0 = time.monotonic()
             if second_signal:

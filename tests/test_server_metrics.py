@@ -518,7 +518,7 @@ def test_sampler_counts_errors_and_keeps_going() -> None:
         good = len(calls) - (2 if len(calls) > 3 else 0)
         return httpx.Response(200, text=vllm_text(**{"vllm:generation_tokens_total": 10 * good}))
 
-    report = run_sampler(flaky, interval_s=0.01, run_s=0.15)
+    report = run_sampler(flaky, interval_s=0.01, run_s=0.5)
     assert report.available, report.reason
     assert calls[0] == "http://srv/metrics"
     assert report.scrape_errors == 2 and "503" in report.errors[0]
