@@ -22,6 +22,10 @@ whatever CPU is at hand.
 ``--ab-source FILE`` adds ``c_many_ab``: the many-row kernel built from FILE (e.g. an earlier
 commit's ``decode_ops.c``, from ``git show REV:src/pdscope/engine/csrc/decode_ops.c``), so a
 kernel change's before and after run interleaved in one process, and prints c_many_ab / c_many.
+
+At more than one row each path's arithmetic rate is printed too (GFLOP/s: two per weight
+element a row), beside ``mm``, a float32 ``torch.mm`` of 2,048 cubed timed in the same rounds:
+the matmul rate this machine's cores reach, the bound on a batched step's matmuls.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ def main() -> None:
     pairs = [pairs_copy(w, ops) for w in weights] if ops.pairs else None
     nbytes = sum(w.numel() * 2 for w in weights)
     same_bytes = torch.ones(nbytes // 4)
+    square = torch.randn(2048, 2048, generator=gen)
     print(machine_line())
     built = f" (built for {args.march})" if args.march else ""
     print(
@@ -112,6 +117,8 @@ def main() -> None:
                     ops.linear_pairs(x[w.shape[1]], p, streams=2)
                     for w, p in zip(weights, pairs, strict=True)
                 ]
+        if rows > 1:
+            paths["mm"] = lambda: torch.mm(square, square)
         if other is not None:
             paths["c_many_ab"] = lambda x=x: [other.linear_many(x[w.shape[1]], w) for w in weights]
         times: dict[str, list[float]] = {k: [] for k in paths}
@@ -122,10 +129,16 @@ def main() -> None:
                 t0 = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t0)
+        flops = 2 * rows * nbytes // 2  # two a weight element a row; bf16: two bytes each
         cells = []
         for name, ts in times.items():
             med = statistics.median(ts)
-            cells.append(f"{name} {med * 1e3:6.2f} ({nbytes / med / 1e9:4.1f} GB/s)")
+            if name == "mm":
+                cells.append(f"mm {2 * 2048**3 / med / 1e9:5.1f} GFLOP/s")
+            elif name == "read" or rows == 1:
+                cells.append(f"{name} {med * 1e3:6.2f} ({nbytes / med / 1e9:4.1f} GB/s)")
+            else:
+                cells.append(f"{name} {med * 1e3:6.2f} ({flops / med / 1e9:5.1f} GFLOP/s)")
         pairs_of = (
             ("packed", "c"),
             ("packed2048", "c_many"),
