@@ -23,9 +23,11 @@ whatever CPU is at hand.
 commit's ``decode_ops.c``, from ``git show REV:src/pdscope/engine/csrc/decode_ops.c``), so a
 kernel change's before and after run interleaved in one process, and prints c_many_ab / c_many.
 
-At more than one row each path's arithmetic rate is printed too (GFLOP/s: two per weight
-element a row), beside ``mm``, a float32 ``torch.mm`` of 2,048 cubed timed in the same rounds:
-the matmul rate this machine's cores reach, the bound on a batched step's matmuls.
+At more than one row each matmul path's arithmetic rate is printed in place of its GB/s
+(GFLOP/s: two per weight element a row), beside ``mm``, a float32 ``torch.mm`` of a square of
+``SQUARE`` timed in the same rounds: the rate this machine's cores reach in float32 FMAs, the
+bound on a batched step's matmuls where the kernels compute in float32 (no ``avx512_bf16``
+or AMX).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from pdscope.engine import native
 from pdscope.engine.model import linear_widened, on_huge_pages, onednn_bf16, pairs_copy
 
 SHAPES = [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816)] * 12 + [(16384, 1024)]
+SQUARE = 2048  # mm's size: large enough to run at the FMA rate, small enough to time in rounds
 
 
 def main() -> None:
@@ -77,13 +80,13 @@ def main() -> None:
     pairs = [pairs_copy(w, ops) for w in weights] if ops.pairs else None
     nbytes = sum(w.numel() * 2 for w in weights)
     same_bytes = torch.ones(nbytes // 4)
-    square = torch.randn(2048, 2048, generator=gen)
+    square = torch.randn(SQUARE, SQUARE, generator=gen)
     print(machine_line())
     built = f" (built for {args.march})" if args.march else ""
     print(
         f"C kernel: {ops.linear_isa}, many rows: {ops.linear_many_isa}, "
         f"pairs: {ops.pairs_isa or 'none'}{built}; "
-        f"{nbytes / 1e6:.0f} MB of bf16 weights; ms per pass"
+        f"{nbytes / 1e6:.0f} MB of bf16 weights; ms per pass (mm: float32 GFLOP/s)"
     )
     for rows in args.rows:
         x = {i: torch.randn(rows, i, generator=gen).to(torch.bfloat16) for _, i in SHAPES}
@@ -117,10 +120,10 @@ def main() -> None:
                     ops.linear_pairs(x[w.shape[1]], p, streams=2)
                     for w, p in zip(weights, pairs, strict=True)
                 ]
-        if rows > 1:
-            paths["mm"] = lambda: torch.mm(square, square)
         if other is not None:
             paths["c_many_ab"] = lambda x=x: [other.linear_many(x[w.shape[1]], w) for w in weights]
+        if rows > 1:  # last in each round: not between an A/B pair's two paths
+            paths["mm"] = lambda: torch.mm(square, square)
         times: dict[str, list[float]] = {k: [] for k in paths}
         for fn in paths.values():
             fn()
@@ -134,7 +137,7 @@ def main() -> None:
         for name, ts in times.items():
             med = statistics.median(ts)
             if name == "mm":
-                cells.append(f"mm {2 * 2048**3 / med / 1e9:5.1f} GFLOP/s")
+                cells.append(f"mm {2 * SQUARE**3 / med / 1e9:5.1f} GFLOP/s")
             elif name == "read" or rows == 1:
                 cells.append(f"{name} {med * 1e3:6.2f} ({nbytes / med / 1e9:4.1f} GB/s)")
             else:
