@@ -21,7 +21,9 @@ whatever CPU is at hand.
 
 ``--ab-source FILE`` adds ``c_many_ab``: the many-row kernel built from FILE (e.g. an earlier
 commit's ``decode_ops.c``, from ``git show REV:src/pdscope/engine/csrc/decode_ops.c``), so a
-kernel change's before and after run interleaved in one process, and prints c_many_ab / c_many.
+kernel change's before and after run interleaved in one process, and prints c_many_ab / c_many;
+where both builds have the pairs kernels, ``pairs_ab`` too (``pairs2`` at one row, ``pairs``
+at more, from FILE's build, over the same copies) and pairs_ab / pairs2 or pairs_ab / pairs.
 
 At more than one row each matmul path's arithmetic rate is printed in place of its GB/s
 (GFLOP/s: two per weight element a row), beside ``mm``, a float32 ``torch.mm`` of a square of
@@ -122,6 +124,12 @@ def main() -> None:
                 ]
         if other is not None:
             paths["c_many_ab"] = lambda x=x: [other.linear_many(x[w.shape[1]], w) for w in weights]
+            if "pairs" in paths and other.pairs and (rows == 1 or other.pairs_rows):
+                streams = 2 if rows == 1 else 8
+                paths["pairs_ab"] = lambda x=x, streams=streams: [
+                    other.linear_pairs(x[w.shape[1]], p, streams=streams)
+                    for w, p in zip(weights, pairs, strict=True)
+                ]
         if rows > 1:  # last in each round: not between an A/B pair's two paths
             paths["mm"] = lambda: torch.mm(square, square)
         times: dict[str, list[float]] = {k: [] for k in paths}
@@ -151,6 +159,7 @@ def main() -> None:
             ("packed2048", "pairs"),
             ("pairs", "pairs2"),
             ("c", "pairs2"),
+            ("pairs_ab", "pairs2" if rows == 1 else "pairs"),
         )
         ratios = [
             f"{a} / {b} "

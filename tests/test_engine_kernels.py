@@ -422,11 +422,13 @@ def test_pairs_are_offered_to_the_linear_trial_only_while_their_copy_fits(
     llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB")
     model = llm.engine.runner.model
     ops = native.load(tmp_path / "native")
-    if ops is None or not ops.pairs_rows:  # AVX2's pairs: test_avx2_pairs_are_offered_...
-        pytest.skip("no AVX-512 BF16 in this build of the C kernels")
+    if ops is None or not ops.pairs_rows:
+        pytest.skip("neither AVX-512 BF16 nor AVX2 in this build of the C kernels")
     trials = model_module.kernel_trials(model, 64, ops)
     linear = trials["linear"]()
-    assert {"pairs", "pairs2"} <= set(linear) and "pairs" in trials["batch_linear"]()
+    # AVX2 offers one row as pairs2 alone (test_avx2_pairs_are_offered_...)
+    one_row = {"pairs2"} if ops.pairs_isa == "avx2" else {"pairs", "pairs2"}
+    assert one_row <= set(linear) and "pairs" in trials["batch_linear"]()
     made: list[object] = []
     monkeypatch.setattr(model_module, "pairs_copy", lambda *a: made.append(a))
     monkeypatch.setattr(model_module, "TRANSPOSED_COPY_MAX_SHARE", 0.0)
@@ -636,7 +638,7 @@ def test_the_batched_pairs_kernel_prefetches_its_next_group(c_ops: native.Native
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout if cc else ""
     if "Free Software Foundation" not in version:
         pytest.skip("the function names read here are gcc's (clang outlines OpenMP otherwise)")
-    if not c_ops.pairs_rows:
+    if c_ops.pairs_isa != "avx512_bf16":
         pytest.skip("this build has no AVX-512 BF16 kernels, where the prefetch is")
     text = _disassembly(c_ops)
     # one function a chunk; pairs_rows' body is its OpenMP outline, or inlined into
@@ -1174,19 +1176,14 @@ def test_pairs_linear_matches_f_linear_whatever_the_threads(
     2,816, with and without a bias. Each block sums its pairs in one order whichever loop runs
     it, so the bits are the same at any thread count and either stream count (8, or 2 for
     linear=pairs2); and the copy is the documented layout. The x86-64-v3 build takes one row
-    in AVX2 and refuses several by name; the x86-64 build has no pairs kernel to offer."""
+    and several in AVX2; the x86-64 build has no pairs kernel to offer."""
     if build == "x86-64":
         ops = build_for(build, _factory(request))
         assert (ops.pairs, ops.pairs_rows, ops.pairs_isa) == (False, False, "")
         return
     c_ops = request.getfixturevalue("c_ops" if build == "engine" else "v3_ops")
     if build == "x86-64-v3":
-        assert c_ops.pairs_isa == "avx2" and not c_ops.pairs_rows
-        with pytest.raises(RuntimeError, match="one row only"):
-            c_ops.linear_pairs(
-                torch.zeros(2, 32, dtype=torch.bfloat16),
-                c_ops.pack_pairs(torch.zeros(16, 32, dtype=torch.bfloat16)),
-            )
+        assert c_ops.pairs_isa == "avx2" and c_ops.pairs_rows
     if not c_ops.pairs:
         pytest.skip("this build of the C kernels lacks AVX-512 BF16 and AVX2")
     gen = torch.Generator().manual_seed(11)
@@ -1220,14 +1217,20 @@ def test_pairs_linear_matches_f_linear_whatever_the_threads(
 
 @needs_cc
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_pairs_rows_are_each_row_alone_bit_for_bit(c_ops: native.NativeOps, threads: int) -> None:
-    """linear_pairs at several rows (batch_linear=pairs: tiles of up to 8 rows against 3
-    blocks) gives each row the bits linear_pairs gives it alone, whatever the rows around it
-    and the threads: row counts that fill tiles of 8 and leave each tail (2-17, 23, 32),
-    block counts that leave groups of 3 a remainder (1, 2, 4, 65) or none (3, 96), with and
-    without a bias; and every row as close to F.linear as the one-row kernel."""
+# x86-64-v3: AVX2's tiles (up to 5 rows against one block), on any x86 host
+@pytest.mark.parametrize("build", ["engine", "x86-64-v3"])
+def test_pairs_rows_are_each_row_alone_bit_for_bit(
+    request: pytest.FixtureRequest, threads: int, build: str
+) -> None:
+    """linear_pairs at several rows (batch_linear=pairs: in AVX-512 BF16 tiles of up to 8
+    rows against 3 blocks, in AVX2 of up to 5 rows against one) gives each row the bits
+    linear_pairs gives it alone, whatever the rows around it and the threads: row counts that
+    fill tiles of 8 or 5 and leave each tail (2-17, 23, 32), block counts that leave groups of
+    3 a remainder (1, 2, 4, 65) or none (3, 96), with and without a bias; and every row as
+    close to F.linear as the one-row kernel."""
+    c_ops = request.getfixturevalue("c_ops" if build == "engine" else "v3_ops")
     if not c_ops.pairs_rows:
-        pytest.skip("this build of the C kernels lacks AVX-512 BF16")
+        pytest.skip("this build of the C kernels has neither AVX-512 BF16 nor AVX2")
     gen = torch.Generator().manual_seed(12)
     shapes = ((16, 2), (32, 96), (48, 64), (64, 1024), (1040, 2816), (1536, 128))
     saved = torch.get_num_threads()
@@ -1662,12 +1665,12 @@ def test_a_widened_weight_is_widened_a_slice_at_a_time(monkeypatch: pytest.Monke
 def test_avx2_pairs_are_offered_as_two_streams_and_the_one_call_step_reads_them(
     tiny_bf16: Path, v3_ops: native.NativeOps
 ) -> None:
-    """The x86-64-v3 build's pairs kernel (AVX2, one row; an AVX2-only CPU's): the linear trial
-    offers it as pairs2 alone (eight streams' accumulators do not fit AVX2's registers),
-    batch_linear=pairs is neither offered nor taken, and under linear=pairs2 the one-call decode
-    step gives the per-kernel path's logits bit for bit, where the per-kernel path did read the
-    copies (its calls are counted: in AVX2 the two sums differ too rarely to tell them apart by
-    the logits of a model this small)."""
+    """The x86-64-v3 build's pairs kernels (AVX2; an AVX2-only CPU's): the linear trial offers
+    one row as pairs2 alone (eight streams' accumulators do not fit AVX2's registers), the
+    batch_linear trial offers several rows (AVX2's tiles), and under linear=pairs2 the one-call
+    decode step gives the per-kernel path's logits bit for bit, where the per-kernel path did
+    read the copies (its calls are counted: in AVX2 the two sums differ too rarely to tell
+    them apart by the logits of a model this small)."""
     from dataclasses import replace
 
     from pdscope.engine import model as model_module
@@ -1682,9 +1685,7 @@ def test_avx2_pairs_are_offered_as_two_streams_and_the_one_call_step_reads_them(
     trials = model_module.kernel_trials(model, 64, v3_ops)
     offered = set(trials["linear"]())
     assert "pairs2" in offered and "pairs" not in offered
-    assert "pairs" not in trials["batch_linear"]()
-    with pytest.raises(ValueError, match="batch_linear=pairs needs"):
-        apply_kernels(model, replace(llm.engine.kernels, batch_linear="pairs"), v3_ops)
+    assert "pairs" in trials["batch_linear"]()
 
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     runner = llm.engine.runner

@@ -30,9 +30,9 @@ Paths (every candidate computes the same function; tests pin each against transf
   multiplies reading each weight block once for all rows, where the CPU and Linux allow them,
   else ``linear``'s C kernel, four weight rows against up to three rows of x at a time)
   or ``pairs`` (the pair-interleaved copies of ``linear=pairs``, made for this path whatever
-  ``linear`` is: tiles of up to 8 rows against 3 blocks of 16 outputs, in AVX-512 BF16; each
-  row the same bits as alone). bf16 on CPU with the C kernels only; ``pairs`` offered while
-  the copy fits, as for ``linear``.
+  ``linear`` is: tiles of up to 8 rows against 3 blocks of 16 outputs in AVX-512 BF16, of up
+  to 5 rows against one block in AVX2 FMAs; each row the same bits as alone). bf16 on CPU with
+  the C kernels only; ``pairs`` offered while the copy fits, as for ``linear``.
 * ``prefill_linear``: for matmuls of a prefill chunk's rows (``ROWS_SPLIT_MIN_ROWS`` or
   more): ``onednn`` (``linear``'s path: the packed weights, or ``F.linear``), ``transposed``
   (``torch.mm`` on a transposed copy of each weight, [in, out]: oneDNN's matmul primitive on
@@ -130,7 +130,7 @@ PAIRS_LINEAR: dict[str, int] = dict(zip(("pairs", "pairs2"), PAIR_STREAMS, stric
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
-_TRIAL_VERSION = 24
+_TRIAL_VERSION = 25
 
 
 @dataclass(frozen=True)

@@ -1400,8 +1400,8 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
         )
     if choice.batch_linear == "pairs" and (native is None or not native.pairs_rows):
         raise ValueError(
-            "batch_linear=pairs needs the C kernels built with AVX-512 BF16, which this CPU "
-            "or compiler does not give"
+            "batch_linear=pairs needs the C kernels built with AVX-512 BF16 or AVX2, which this "
+            "CPU or compiler does not give"
         )
     if choice.prefill_linear == "rows" and (native is None or not native.team):
         raise ValueError("prefill_linear=rows needs the C kernels, which did not load")

@@ -383,7 +383,7 @@ class NativeOps:
             self.lib.argmax_rows.argtypes = [_P, _I, _I, _P]
             self.lib.argmax_rows.restype = None
         # newer still: one-row matmuls over pair-interleaved weight copies (linear=pairs), in
-        # AVX-512 BF16 (1) or AVX2 (2, one row only)
+        # AVX-512 BF16 (1) or AVX2 (2)
         pairs_isa = self.lib.linear_pairs_isa() if hasattr(self.lib, "linear_pairs") else 0
         self.pairs = bool(pairs_isa)
         self.pairs_isa = {1: "avx512_bf16", 2: "avx2"}.get(pairs_isa, "")
@@ -401,8 +401,9 @@ class NativeOps:
             self.lib.decode_prefetch_every.argtypes = []
             self.lib.decode_prefetch_every.restype = ctypes.c_int
             self.has_decode_prefetch = bool(self.lib.set_decode_prefetch(0))
-        # newer still: several rows through the same copies (batch_linear=pairs)
-        self.pairs_rows = pairs_isa == 1 and hasattr(self.lib, "linear_pairs_rows")
+        # newer still: several rows through the same copies (batch_linear=pairs), in either
+        # (the library is built from this source, so its AVX2 build has the AVX2 tiles)
+        self.pairs_rows = bool(pairs_isa) and hasattr(self.lib, "linear_pairs_rows")
         if self.pairs_rows:
             self.lib.linear_pairs_rows.argtypes = [_P] * 5 + [_I, _I, _I, _C, _C]
             self.lib.linear_pairs_rows.restype = ctypes.c_int
@@ -535,8 +536,9 @@ class NativeOps:
         :meth:`pack_pairs` copy: 16 outputs per 64-byte load. One row reads ``streams`` (8 or
         2) blocks side by side per thread (decode_ops.c's linear_pairs; the same bits either
         way); several (where the build has
-        linear_pairs_rows) run in tiles of up to 8 rows against 3 blocks at a time, each row
-        the same bits as alone. float32 accumulation, one rounding at the end."""
+        linear_pairs_rows) run in tiles of up to 8 rows against 3 blocks at a time (AVX-512
+        BF16) or of up to 5 rows against one block (AVX2), each row the same bits as alone.
+        float32 accumulation, one rounding at the end."""
         _check(x, pairs, bias)
         blocks, half, sixteen, two = pairs.shape
         in_features, out_features = 2 * half, 16 * blocks
@@ -568,10 +570,12 @@ class NativeOps:
             ran = self.lib.linear_pairs_rows(
                 *args, rows, in_features, out_features, threads, streams
             )
+        if ran < 0:
+            raise MemoryError("linear_pairs_rows: no memory for its float32 copy of x")
         if not ran:
             raise RuntimeError(
                 "linear_pairs: this build of the C kernels has no kernel for "
-                f"{rows} row{'s' if rows > 1 else ''} (several need AVX-512 BF16)"
+                f"{rows} row{'s' if rows > 1 else ''} (it needs AVX-512 BF16 or AVX2)"
             )
         return y
 

@@ -2876,8 +2876,8 @@ void pack_pairs(const bf16 *w, bf16 *dst, int64_t in, int64_t out, int threads) 
                 memcpy(dst + ((b * pairs + k) * 16 + j) * 2, w + (b * 16 + j) * in + 2 * k, 4);
 }
 
-/* Whether linear_pairs can run here: 1 with AVX-512 BF16 (one row, and several through
- * linear_pairs_rows), 2 with AVX2 and FMA (one row only), 0 without either. */
+/* Whether linear_pairs can run here: 1 with AVX-512 BF16, 2 with AVX2 and FMA (one row, and
+ * several through linear_pairs_rows, either way), 0 without either. */
 int linear_pairs_isa(void) {
 #ifdef HAVE_DPBF16
     return 1;
@@ -2955,10 +2955,11 @@ static inline __attribute__((always_inline)) void pairs_streams(const bf16 *x, c
  * pair k of a block is 64 bytes, two halves of 8 outputs, each output's two weights in 32 bits:
  * a shift left by 16 gives w[.][2k] as float32 and a mask of the high half w[.][2k + 1], so 64
  * bytes take 2 loads and 4 FMAs against x widened once (dot_one_avx2 unpacks 16 weights with
- * zero instead, against x widened in that order). Each output sums its even and its odd
- * products in two accumulators, in order, added once at the end: the same bits whatever the
- * streams or threads (another order than dot_one_avx2's, so linear=c and linear=pairs differ
- * in the last bits here). */
+ * zero instead, against x widened in that order). Each output sums its products in one
+ * accumulator, pair by pair, the even weight's before the odd's: the same bits whatever the
+ * streams, threads or rows around it (batch_linear=pairs' tiles below sum in that order too;
+ * another order than dot_one_avx2's, so linear=c and linear=pairs differ in the last bits
+ * here). */
 typedef float pairs_x; /* x as pairs_streams reads it: widened once a call */
 
 /* y's block b from its two halves' float32 sums: + bias, rounded to bf16 once, stored, or
@@ -2975,17 +2976,25 @@ static inline void pairs_store(__m256 lo, __m256 hi, int64_t b, const bf16 *bias
     }
 }
 
-/* Block b's pair k (at a) into its four accumulators: even and odd weights of outputs 0-7
- * (c[0], c[1]) and 8-15 (c[2], c[3]). */
-static inline __attribute__((always_inline)) void pairs_fma(const bf16 *a, __m256 x0, __m256 x1,
-                                                            __m256 c[4]) {
+/* Pair k's weights of a block (at a) as float32: the even and the odd weight of outputs 0-7
+ * (w[0], w[1]) and 8-15 (w[2], w[3]). */
+static inline __attribute__((always_inline)) void pairs_widen(const bf16 *a, __m256 w[4]) {
     const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
     for (int h = 0; h < 2; h++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(a + 16 * h));
-        c[2 * h] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), x0, c[2 * h]);
-        c[2 * h + 1] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, high)), x1,
-                                       c[2 * h + 1]);
+        w[2 * h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        w[2 * h + 1] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
     }
+}
+
+/* Pair k's products into a row's two accumulators, outputs 0-7 (c[0]) and 8-15 (c[1]): each
+ * the even weight's, then the odd's. */
+static inline __attribute__((always_inline)) void pairs_fma(const __m256 w[4], __m256 x0,
+                                                            __m256 x1, __m256 c[2]) {
+    c[0] = _mm256_fmadd_ps(w[0], x0, c[0]);
+    c[1] = _mm256_fmadd_ps(w[2], x0, c[1]);
+    c[0] = _mm256_fmadd_ps(w[1], x1, c[0]);
+    c[1] = _mm256_fmadd_ps(w[3], x1, c[1]);
 }
 
 /* The blocks [lo, hi) of y from wp as S streams, as the AVX-512 form above walks them. */
@@ -2999,31 +3008,112 @@ static inline __attribute__((always_inline)) void pairs_streams(const float *x, 
 #define PAIRS_START(s) (lo + count * (s) / S)
     for (int64_t i = 0; i < len; i++) {
         const bf16 *a[PAIRS_STREAMS];
-        __m256 c[PAIRS_STREAMS][4];
+        __m256 c[PAIRS_STREAMS][2];
         for (int s = 0; s < S; s++) {
             a[s] = wp + (PAIRS_START(s) + i) * block_elems;
-            for (int j = 0; j < 4; j++) c[s][j] = _mm256_setzero_ps();
+            c[s][0] = c[s][1] = _mm256_setzero_ps();
         }
         for (int64_t k = 0; k < pairs; k++) {
             const __m256 x0 = _mm256_broadcast_ss(x + 2 * k), x1 = _mm256_broadcast_ss(x + 2 * k + 1);
 #pragma GCC unroll 8
-            for (int s = 0; s < S; s++) pairs_fma(a[s] + 32 * k, x0, x1, c[s]);
+            for (int s = 0; s < S; s++) {
+                __m256 w[4];
+                pairs_widen(a[s] + 32 * k, w);
+                pairs_fma(w, x0, x1, c[s]);
+            }
         }
-        for (int s = 0; s < S; s++)
-            pairs_store(_mm256_add_ps(c[s][0], c[s][1]), _mm256_add_ps(c[s][2], c[s][3]),
-                        PAIRS_START(s) + i, bias, y, yf);
+        for (int s = 0; s < S; s++) pairs_store(c[s][0], c[s][1], PAIRS_START(s) + i, bias, y, yf);
     }
     for (int s = 0; s < S; s++)
         for (int64_t b = PAIRS_START(s) + len; b < PAIRS_START(s + 1); b++) {
             const bf16 *a = wp + b * block_elems;
-            __m256 c[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                           _mm256_setzero_ps()};
-            for (int64_t k = 0; k < pairs; k++)
-                pairs_fma(a + 32 * k, _mm256_broadcast_ss(x + 2 * k),
-                          _mm256_broadcast_ss(x + 2 * k + 1), c);
-            pairs_store(_mm256_add_ps(c[0], c[1]), _mm256_add_ps(c[2], c[3]), b, bias, y, yf);
+            __m256 c[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int64_t k = 0; k < pairs; k++) {
+                __m256 w[4];
+                pairs_widen(a + 32 * k, w);
+                pairs_fma(w, _mm256_broadcast_ss(x + 2 * k), _mm256_broadcast_ss(x + 2 * k + 1), c);
+            }
+            pairs_store(c[0], c[1], b, bias, y, yf);
         }
 #undef PAIRS_START
+}
+
+/* ---- Several rows through the same copies in AVX2 (batch_linear=pairs). A tile of R rows (at
+ * most PAIRS_AVX2_TILE_ROWS) against one block keeps 2 R sums in registers: per pair k, the
+ * block's 64 bytes widened once (2 loads, 2 shifts, 2 masks) feed 4 R FMAs against 2 R
+ * broadcasts of x. Five rows fill AVX2's 16 registers (10 sums, 4 weights, 2 of x): on an AMD
+ * EPYC Zen 2, 2 threads, a prototype of the small model's 49 matmuls at 32 rows ran 146
+ * GFLOP/s (the cores' float32 FMA rate; a square torch.mm: 149) where linear_rows' dot
+ * products, 4 weight rows by 3 of x with every weight unpacked once a pass, ran 110; six rows
+ * (12 sums: 18 registers) ran 109. Each output sums its pairs in pairs_fma's order, so a
+ * row's result is the bits pairs_one_row gives it alone. Each thread takes a share of the
+ * blocks and runs every row tile past a block while it is in L1 or L2. */
+#define PAIRS_AVX2_TILE_ROWS 5
+
+static inline __attribute__((always_inline)) void pairs_tile_avx2(const float *x, const bf16 *wp,
+                                                                  const bf16 *bias, bf16 *y,
+                                                                  float *yf, int64_t in,
+                                                                  int64_t out, int64_t b,
+                                                                  const int R) {
+    const int64_t pairs = in / 2;
+    __m256 c[PAIRS_AVX2_TILE_ROWS][2];
+    for (int r = 0; r < R; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();
+    const bf16 *a = wp + b * 16 * in;
+    for (int64_t k = 0; k < pairs; k++) {
+        __m256 w[4];
+        pairs_widen(a + 32 * k, w);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+            pairs_fma(w, _mm256_broadcast_ss(x + r * in + 2 * k),
+                      _mm256_broadcast_ss(x + r * in + 2 * k + 1), c[r]);
+    }
+    for (int r = 0; r < R; r++)
+        pairs_store(c[r][0], c[r][1], b, bias, yf ? NULL : y + r * out, yf ? yf + r * out : NULL);
+}
+
+/* Blocks [lo, hi) of every row: tiles of PAIRS_AVX2_TILE_ROWS rows, then the rest. */
+static void pairs_rows_avx2_range(const float *x, const bf16 *wp, const bf16 *bias, bf16 *y,
+                                  float *yf, int64_t rows, int64_t in, int64_t out, int64_t lo,
+                                  int64_t hi) {
+    for (int64_t b = lo; b < hi; b++) {
+        int64_t r = 0;
+        for (; r + PAIRS_AVX2_TILE_ROWS <= rows; r += PAIRS_AVX2_TILE_ROWS)
+            pairs_tile_avx2(x + r * in, wp, bias, y ? y + r * out : NULL, yf ? yf + r * out : NULL,
+                            in, out, b, PAIRS_AVX2_TILE_ROWS);
+        const float *xr = x + r * in;
+        bf16 *yr = y ? y + r * out : NULL; /* one of y and yf is NULL */
+        float *yfr = yf ? yf + r * out : NULL;
+        switch (rows - r) {
+        case 4: pairs_tile_avx2(xr, wp, bias, yr, yfr, in, out, b, 4); break;
+        case 3: pairs_tile_avx2(xr, wp, bias, yr, yfr, in, out, b, 3); break;
+        case 2: pairs_tile_avx2(xr, wp, bias, yr, yfr, in, out, b, 2); break;
+        case 1: pairs_tile_avx2(xr, wp, bias, yr, yfr, in, out, b, 1); break;
+        default: break;
+        }
+    }
+}
+
+/* Returns 0, or -1 when there was no memory for x widened (nothing written then). */
+static int pairs_rows_avx2(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, float *yf,
+                           int64_t rows, int64_t in, int64_t out, int threads) {
+    const int parallel = threads > 1 && rows * out * in >= 65536;
+    /* x widened once, for every block (in a step's team once per thread that takes a share,
+     * as linear_rows does) */
+    const int takes_share = parallel || !step_member || step_member->id == 0;
+    float *xf = takes_share ? malloc((size_t)(rows * in) * sizeof(float)) : NULL;
+    if (takes_share && !xf) {
+        if (!step_member) return -1;
+        /* the team's other threads go on to this kernel's barrier: meet them there */
+        __atomic_store_n(&step_member->state->failed, 1, __ATOMIC_RELAXED);
+        FOR_SHARE((int64_t)0, parallel, threads, (void)lo);
+        return 0;
+    }
+    if (xf)
+        for (int64_t i = 0; i < rows * in; i++) xf[i] = bf16_to_f32(x[i]);
+    FOR_SHARE(out / 16, parallel, threads,
+              pairs_rows_avx2_range(xf, wp, bias, y, yf, rows, in, out, lo, hi));
+    free(xf);
+    return 0;
 }
 #endif /* HAVE_AVX2_BF16 */
 
@@ -3189,7 +3279,9 @@ static void pairs_rows(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y,
  * or when yf is set, float32 (the bf16 results widened) there instead. One row takes
  * linear_pairs' kernel (`streams` a thread: 2, else 8), several the row tiles above; each
  * row's result is the same bits either way. Returns 1 when it ran, 0 when this build has no
- * kernel for these rows (several need AVX-512 BF16, one AVX2 at least). */
+ * kernel (neither AVX-512 BF16 nor AVX2), -1 when AVX2's copy of x found no memory outside a
+ * step's team (inside one the team's failed flag is set and 1 returned, as linear_many_rows
+ * does). */
 int linear_pairs_rows(const void *x, const void *wp, const void *bias, void *y, float *yf,
                       int64_t rows, int64_t in, int64_t out, int threads, int streams) {
 #if defined(HAVE_DPBF16) || defined(HAVE_AVX2_BF16)
@@ -3203,6 +3295,12 @@ int linear_pairs_rows(const void *x, const void *wp, const void *bias, void *y, 
     pairs_rows((const bf16 *)x, (const bf16 *)wp, (const bf16 *)bias, (bf16 *)y, yf, rows, in,
                out, threads);
     return 1;
+#elif defined(HAVE_AVX2_BF16)
+    (void)streams;
+    return pairs_rows_avx2((const bf16 *)x, (const bf16 *)wp, (const bf16 *)bias, (bf16 *)y, yf,
+                           rows, in, out, threads) < 0
+               ? -1
+               : 1;
 #else
     (void)x, (void)wp, (void)bias, (void)y, (void)yf, (void)rows, (void)in, (void)out,
         (void)threads, (void)streams;
@@ -3282,10 +3380,11 @@ static void step_norm(const decode_step *s, const void *x, void *residual, const
 
 static int step_linear(const decode_step *s, const void *x, const void *w, const void *wp,
                        const void *bias, void *y, int64_t in, int64_t out) {
-    if (s->pairs && wp &&
-        linear_pairs_rows(x, wp, bias, y, NULL, s->rows, in, out, (int)s->threads,
-                          (int)s->pair_streams))
-        return 0;
+    if (s->pairs && wp) {
+        const int ran = linear_pairs_rows(x, wp, bias, y, NULL, s->rows, in, out,
+                                          (int)s->threads, (int)s->pair_streams);
+        if (ran) return ran < 0 ? -1 : 0;
+    }
     if (s->many_rows)
         return linear_many_rows(x, w, bias, y, s->rows, in, out, (int)s->bf, (int)s->threads) < 0
                    ? -1
@@ -3531,12 +3630,13 @@ static int logits_body(const decode_layer *layers, const decode_step *s, void *r
         if (step_linear(s, normed, s->lm_head, NULL, NULL, logits, s->hidden, s->vocab)) return -1;
     }
     /* step_linear's pairs branch, its output widened in place of stored (the caller sets
-     * pairs only where linear_pairs_rows has a kernel for these rows: AVX-512 BF16 for
-     * several, so a 0 from it is an error here) */
+     * pairs only where linear_pairs_rows has a kernel for these rows, so a 0 from it is an
+     * error here) */
     else if (s->pairs && s->lm_head_p) {
-        if (!linear_pairs_rows(normed, s->lm_head_p, NULL, NULL, logits, s->rows, s->hidden,
-                               s->vocab, threads, (int)s->pair_streams))
-            return -3;
+        const int ran = linear_pairs_rows(normed, s->lm_head_p, NULL, NULL, logits, s->rows,
+                                          s->hidden, s->vocab, threads, (int)s->pair_streams);
+        if (ran < 0) return -1;
+        if (!ran) return -3;
     }
 #ifdef HAVE_AMX
     /* linear_many_rows' one-row branch, its output widened in place of stored */
