@@ -728,8 +728,8 @@ def test_one_call_decode_step_is_the_per_kernel_path_bit_for_bit(
 # 4 threads on a 2-CPU host: the team outnumbers its CPUs, so its barriers sleep soon
 @pytest.mark.parametrize("threads", [2, 4])
 # x86-64-v3: the kernels an AVX2-only CPU builds (each thread that takes a share of a bf16
-# matmul widens x itself; pairs2 in AVX2), run here on the AVX-512 machine's cores; x86-64:
-# the portable loops (no pairs there)
+# matmul widens x itself; pairs2 and the pairs tiles in AVX2), run here on the AVX-512
+# machine's cores; x86-64: the portable loops (no pairs there)
 @pytest.mark.parametrize("build", ["engine", *OTHER_BUILDS])
 def test_the_one_call_step_shares_every_kernel_over_its_team_bit_for_bit(
     tmp_path: Path,

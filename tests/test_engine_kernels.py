@@ -426,9 +426,7 @@ def test_pairs_are_offered_to_the_linear_trial_only_while_their_copy_fits(
         pytest.skip("neither AVX-512 BF16 nor AVX2 in this build of the C kernels")
     trials = model_module.kernel_trials(model, 64, ops)
     linear = trials["linear"]()
-    # AVX2 offers one row as pairs2 alone (test_avx2_pairs_are_offered_...)
-    one_row = {"pairs2"} if ops.pairs_isa == "avx2" else {"pairs", "pairs2"}
-    assert one_row <= set(linear) and "pairs" in trials["batch_linear"]()
+    assert {"pairs", "pairs2"} <= set(linear) and "pairs" in trials["batch_linear"]()
     made: list[object] = []
     monkeypatch.setattr(model_module, "pairs_copy", lambda *a: made.append(a))
     monkeypatch.setattr(model_module, "TRANSPOSED_COPY_MAX_SHARE", 0.0)
@@ -1662,15 +1660,14 @@ def test_a_widened_weight_is_widened_a_slice_at_a_time(monkeypatch: pytest.Monke
 
 
 @needs_cc
-def test_avx2_pairs_are_offered_as_two_streams_and_the_one_call_step_reads_them(
+def test_avx2_pairs_are_offered_and_the_one_call_step_reads_them(
     tiny_bf16: Path, v3_ops: native.NativeOps
 ) -> None:
     """The x86-64-v3 build's pairs kernels (AVX2; an AVX2-only CPU's): the linear trial offers
-    one row as pairs2 alone (eight streams' accumulators do not fit AVX2's registers), the
-    batch_linear trial offers several rows (AVX2's tiles), and under linear=pairs2 the one-call
-    decode step gives the per-kernel path's logits bit for bit, where the per-kernel path did
-    read the copies (its calls are counted: in AVX2 the two sums differ too rarely to tell
-    them apart by the logits of a model this small)."""
+    one row as 8 and as 2 streams a thread, the batch_linear trial offers several rows (AVX2's
+    tiles), and under linear=pairs2 the one-call decode step gives the per-kernel path's logits
+    bit for bit, where the per-kernel path did read the copies (its calls are counted: in AVX2
+    the two sums differ too rarely to tell them apart by the logits of a model this small)."""
     from dataclasses import replace
 
     from pdscope.engine import model as model_module
@@ -1684,7 +1681,7 @@ def test_avx2_pairs_are_offered_as_two_streams_and_the_one_call_step_reads_them(
     model = llm.engine.runner.model
     trials = model_module.kernel_trials(model, 64, v3_ops)
     offered = set(trials["linear"]())
-    assert "pairs2" in offered and "pairs" not in offered
+    assert {"pairs", "pairs2"} <= offered
     assert "pairs" in trials["batch_linear"]()
 
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

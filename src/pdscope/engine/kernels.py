@@ -22,8 +22,8 @@ Paths (every candidate computes the same function; tests pin each against transf
   the copy is offered only while it takes at most a quarter of the memory). ``pairs2`` reads
   the same copy as two streams a thread, the same bits: on the AMD EPYCs two read faster than
   eight; on the AMX Xeon eight read faster than one, and two a little faster than eight (the
-  trial's 49 one-row matmuls, two starts: 11.7 and 13.1 ms against 13.0 and 13.8). In AVX2 only
-  ``pairs2`` is offered: eight streams' accumulators spill out of its 16 registers.
+  trial's 49 one-row matmuls, two starts: 11.7 and 13.1 ms against 13.0 and 13.8); in AVX2 on
+  an AMD EPYC Zen 2 eight read faster (the batch-1 step 1.07x two's).
 * ``batch_linear``: for matmuls of 2 to ``NATIVE_MANY_MAX_ROWS`` rows (a batched decode
   step): ``packed`` (whatever ``linear`` gives matmuls of several rows: the packed weights, or
   ``F.linear`` under ``linear=plain``), ``c`` (engine/native.py's many-row kernel: AMX tile
@@ -130,7 +130,7 @@ PAIRS_LINEAR: dict[str, int] = dict(zip(("pairs", "pairs2"), PAIR_STREAMS, stric
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
-_TRIAL_VERSION = 25
+_TRIAL_VERSION = 26
 
 
 @dataclass(frozen=True)

@@ -1495,12 +1495,12 @@ def kernel_trials(
       trial streams from memory as a real step does: oneDNN packed (bf16 only), plain
       ``F.linear``, the C kernel (when ``native`` loaded), the many-row kernel's AMX tiles
       at one row (bf16, where Linux grants the tiles; 1.08x the C kernel on the AMX Xeon), and
-      the pair-interleaved copies (bf16 with AVX-512 BF16, or AVX2 as ``pairs2`` only, offered
-      only while that copy fits: ``pairs_copy_fits``);
+      the pair-interleaved copies as 8 or 2 streams a thread (bf16 with AVX-512 BF16 or AVX2,
+      offered only while that copy fits: ``pairs_copy_fits``);
     * batch linear (bf16 with the C kernels): one step's matmuls at ``_BATCH_TRIAL_ROWS`` rows
       (a batched decode), through the weights as ``linear`` would run them (packed), the
-      many-row C kernel, or the pair-interleaved copies (bf16 with AVX-512 BF16, while the
-      copy fits). The packed candidate is always laid out for many rows (as under
+      many-row C kernel, or the pair-interleaved copies (bf16 with AVX-512 BF16 or AVX2,
+      while the copy fits). The packed candidate is always laid out for many rows (as under
       ``linear=c``), the fastest packed form at these rows, whatever ``linear`` chooses: C
       must beat the best oneDNN can do to be chosen. Where oneDNN has no bf16 path, that
       candidate is the float32-widened matmul several rows take there (``matmul_math``);
@@ -1611,12 +1611,12 @@ def _linear_trial(model: CausalLM, native: NativeOps | None) -> dict[str, Callab
         if weight.dtype == torch.bfloat16 and ops.pairs and pairs_copy_fits(model):
             # weights without a copy take the C kernel; one set of copies for both counts
             copies = _pairs_copies(linears, ops)
+            # both stream counts in AVX2 too: with one accumulator an output (two a block) 8
+            # streams ran 1.07x 2's batch-1 step on an AMD EPYC Zen 2 (bench/decode_ops_ab.py
+            # --path linear --candidates pairs2 pairs); with two an output they spilled and
+            # took 1.26-1.37x 2's time (bench/linear_ab.py --march x86-64-v3)
             for name, streams in PAIRS_LINEAR.items():
-                # In AVX2, 8 streams' 32 accumulators do not fit the 16 registers: they took
-                # 1.26-1.37x the time of 2 (bench/linear_ab.py --march x86-64-v3 on an AMD
-                # EPYC with AVX-512; the AVX2-only EPYC is unmeasured)
-                if ops.pairs_isa != "avx2" or streams == 2:
-                    candidates[name] = _pairs_candidate(copies, inputs, ops, ops.linear, streams)
+                candidates[name] = _pairs_candidate(copies, inputs, ops, ops.linear, streams)
     return candidates
 
 

@@ -401,9 +401,16 @@ class NativeOps:
             self.lib.decode_prefetch_every.argtypes = []
             self.lib.decode_prefetch_every.restype = ctypes.c_int
             self.has_decode_prefetch = bool(self.lib.set_decode_prefetch(0))
-        # newer still: several rows through the same copies (batch_linear=pairs), in either
-        # (the library is built from this source, so its AVX2 build has the AVX2 tiles)
-        self.pairs_rows = bool(pairs_isa) and hasattr(self.lib, "linear_pairs_rows")
+        # newer still: several rows through the same copies (batch_linear=pairs), in AVX-512
+        # BF16 and, newer again, AVX2 (a library built from an older source, as a bench's
+        # --ab-source may be, exports linear_pairs_rows with no AVX2 tiles behind it)
+        if hasattr(self.lib, "linear_pairs_rows_isa"):
+            self.lib.linear_pairs_rows_isa.argtypes = []
+            self.lib.linear_pairs_rows_isa.restype = ctypes.c_int
+            rows_isa = self.lib.linear_pairs_rows_isa()
+        else:
+            rows_isa = 1 if pairs_isa == 1 and hasattr(self.lib, "linear_pairs_rows") else 0
+        self.pairs_rows = bool(rows_isa)
         if self.pairs_rows:
             self.lib.linear_pairs_rows.argtypes = [_P] * 5 + [_I, _I, _I, _C, _C]
             self.lib.linear_pairs_rows.restype = ctypes.c_int

@@ -3283,6 +3283,22 @@ static void pairs_rows(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y,
  * step's team (inside one the team's failed flag is set and 1 returned, as linear_many_rows
  * does). */
 int linear_pairs_rows(const void *x, const void *wp, const void *bias, void *y, float *yf,
+                      int64_t rows, int64_t in, int64_t out, int threads, int streams);
+
+/* Whether linear_pairs_rows takes several rows here: 1 in AVX-512 BF16, 2 in AVX2, 0 not. A
+ * library built before AVX2 had its tiles exports linear_pairs_rows without this and answers
+ * 0 for several rows there (NativeOps reads its absence so). */
+int linear_pairs_rows_isa(void) {
+#ifdef HAVE_DPBF16
+    return 1;
+#elif defined(HAVE_AVX2_BF16)
+    return 2;
+#else
+    return 0;
+#endif
+}
+
+int linear_pairs_rows(const void *x, const void *wp, const void *bias, void *y, float *yf,
                       int64_t rows, int64_t in, int64_t out, int threads, int streams) {
 #if defined(HAVE_DPBF16) || defined(HAVE_AVX2_BF16)
     if (rows == 1) {
