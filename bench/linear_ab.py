@@ -9,7 +9,7 @@ the many-row C kernel (``batch_linear=c``: AMX tiles where the CPU and Linux all
 ``c_many_huge`` the same over copies of the weights on transparent huge pages, as the engine
 keeps the weights its C kernels stream (where Linux offers them), and ``pairs`` the
 pair-interleaved copies (``linear=pairs`` at one row, ``batch_linear=pairs`` at more; with
-AVX-512 BF16; at one row in AVX2 too), printed against ``packed2048``; at one row also
+AVX-512 BF16 or AVX2), printed against ``packed2048``; at one row also
 ``pairs2``, the same copies read as two streams a thread (``linear=pairs2``), printed against
 ``pairs``, and ``c / pairs2``.
 

@@ -226,6 +226,10 @@ C_BF16 = [(k, "engine") for k in BF16_PATHS] + [
         "linear=pairs2,batch_linear=pairs,prefill_attention=sdpa,decode_math=native,decode_ops=c",
         "x86-64-v3",
     ),
+    (  # eight streams a thread, the AVX2 Zen 2's pick
+        "linear=pairs,batch_linear=pairs,prefill_attention=sdpa,decode_math=float32,decode_ops=c",
+        "x86-64-v3",
+    ),
 ]
 
 

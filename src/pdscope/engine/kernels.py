@@ -20,10 +20,10 @@ Paths (every candidate computes the same function; tests pin each against transf
   keeps eight streams from memory going where ``amx`` and ``c`` keep one or a few (bf16 with
   AVX-512 BF16, or in AVX2 FMAs with each 64-byte load split into its even and odd weights;
   the copy is offered only while it takes at most a quarter of the memory). ``pairs2`` reads
-  the same copy as two streams a thread, the same bits: on the AMD EPYCs two read faster than
-  eight; on the AMX Xeon eight read faster than one, and two a little faster than eight (the
-  trial's 49 one-row matmuls, two starts: 11.7 and 13.1 ms against 13.0 and 13.8); in AVX2 on
-  an AMD EPYC Zen 2 eight read faster (the batch-1 step 1.07x two's).
+  the same copy as two streams a thread, the same bits: on the AVX-512 AMD EPYCs two read
+  faster than eight; on the AMX Xeon eight read faster than one, and two a little faster than
+  eight (the trial's 49 one-row matmuls, two starts: 11.7 and 13.1 ms against 13.0 and 13.8);
+  in AVX2 on an AMD EPYC Zen 2 eight read faster (1.07x two's batch-1 tokens/s).
 * ``batch_linear``: for matmuls of 2 to ``NATIVE_MANY_MAX_ROWS`` rows (a batched decode
   step): ``packed`` (whatever ``linear`` gives matmuls of several rows: the packed weights, or
   ``F.linear`` under ``linear=plain``), ``c`` (engine/native.py's many-row kernel: AMX tile

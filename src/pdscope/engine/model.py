@@ -1612,9 +1612,9 @@ def _linear_trial(model: CausalLM, native: NativeOps | None) -> dict[str, Callab
             # weights without a copy take the C kernel; one set of copies for both counts
             copies = _pairs_copies(linears, ops)
             # both stream counts in AVX2 too: with one accumulator an output (two a block) 8
-            # streams ran 1.07x 2's batch-1 step on an AMD EPYC Zen 2 (bench/decode_ops_ab.py
-            # --path linear --candidates pairs2 pairs); with two an output they spilled and
-            # took 1.26-1.37x 2's time (bench/linear_ab.py --march x86-64-v3)
+            # streams gave 1.07x 2's batch-1 tokens/s on an AMD EPYC Zen 2
+            # (bench/decode_ops_ab.py --path linear --candidates pairs2 pairs); with two an
+            # output they took 1.26-1.37x 2's time (bench/linear_ab.py --march x86-64-v3)
             for name, streams in PAIRS_LINEAR.items():
                 candidates[name] = _pairs_candidate(copies, inputs, ops, ops.linear, streams)
     return candidates

@@ -3286,8 +3286,9 @@ int linear_pairs_rows(const void *x, const void *wp, const void *bias, void *y, 
                       int64_t rows, int64_t in, int64_t out, int threads, int streams);
 
 /* Whether linear_pairs_rows takes several rows here: 1 in AVX-512 BF16, 2 in AVX2, 0 not. A
- * library built before AVX2 had its tiles exports linear_pairs_rows without this and answers
- * 0 for several rows there (NativeOps reads its absence so). */
+ * library built from a source before this function exports linear_pairs_rows without it, and
+ * before AVX2 had its tiles answered 0 for several rows there: NativeOps then counts several
+ * rows only with AVX-512 BF16. */
 int linear_pairs_rows_isa(void) {
 #ifdef HAVE_DPBF16
     return 1;
