@@ -3275,6 +3275,12 @@ static void pairs_rows(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y,
 }
 #endif
 
+/* Whether linear_pairs_rows takes several rows here: as linear_pairs_isa, since each ISA
+ * with one row has its tiles. A library built from a source before this function exports
+ * linear_pairs_rows without it, and before AVX2 had its tiles answered 0 for several rows
+ * there: NativeOps then counts several rows only with AVX-512 BF16. */
+int linear_pairs_rows_isa(void) { return linear_pairs_isa(); }
+
 /* y [rows, out] = x [rows, in] @ w^T (+ bias) in bf16 from wp, w's pack_pairs copy; y bf16,
  * or when yf is set, float32 (the bf16 results widened) there instead. One row takes
  * linear_pairs' kernel (`streams` a thread: 2, else 8), several the row tiles above; each
@@ -3282,12 +3288,6 @@ static void pairs_rows(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y,
  * kernel (neither AVX-512 BF16 nor AVX2), -1 when AVX2's copy of x found no memory outside a
  * step's team (inside one the team's failed flag is set and 1 returned, as linear_many_rows
  * does). */
-/* Whether linear_pairs_rows takes several rows here: as linear_pairs_isa, since each ISA
- * with one row has its tiles. A library built from a source before this function exports
- * linear_pairs_rows without it, and before AVX2 had its tiles answered 0 for several rows
- * there: NativeOps then counts several rows only with AVX-512 BF16. */
-int linear_pairs_rows_isa(void) { return linear_pairs_isa(); }
-
 int linear_pairs_rows(const void *x, const void *wp, const void *bias, void *y, float *yf,
                       int64_t rows, int64_t in, int64_t out, int threads, int streams) {
 #if defined(HAVE_DPBF16) || defined(HAVE_AVX2_BF16)
