@@ -140,7 +140,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t0)
-        flops = 2 * rows * nbytes // 2  # two a weight element a row; bf16: two bytes each
+        flops = 2 * rows * (nbytes // 2)  # two a weight element (bf16: two bytes) a row
         cells = []
         for name, ts in times.items():
             med = statistics.median(ts)
