@@ -26,10 +26,12 @@ from pdscope.checkpoint.make_model import make_model
 from pdscope.engine import native
 from pdscope.engine.kernels import (
     OPTIONS,
+    TIE,
     KernelChoice,
     TrialShapes,
     choose,
     cpu_flags,
+    pairs_preferred,
     parse_kernels,
 )
 from pdscope.engine.model import (
@@ -212,6 +214,27 @@ def test_trial_picks_the_faster_candidate_and_caches_it(tmp_path: Path) -> None:
     again = choose(trials(), {}, SHAPES, tmp_path)
     assert again.how["prefill_attention"] == "measured"
     assert json.loads(cache_file.read_text())["prefill_attention"] == "sdpa"
+
+
+def test_a_tied_trial_keeps_the_preferred_candidate(tmp_path: Path) -> None:
+    """Within TIE of the fastest, ``prefer``'s candidate is kept; further behind, it is not.
+    The rule by ISA it serves: pairs2 in AVX-512 BF16, pairs in AVX2."""
+    delay_s = {"pairs": 0.050, "pairs2": 0.0502}  # 0.4% apart: a tie
+
+    def trials():
+        return {
+            "linear": lambda: {
+                name: (lambda name=name: time.sleep(delay_s[name])) for name in delay_s
+            }
+        }
+
+    for liked in ("pairs2", "pairs"):  # a tie: whichever is preferred, whatever noise says
+        tied = choose(trials(), {}, SHAPES, None, prefer={"linear": liked})
+        assert tied.linear == liked and tied.how["linear"] == "measured"
+    delay_s["pairs2"] = 0.075  # 1.5x: no tie
+    assert choose(trials(), {}, SHAPES, None, prefer={"linear": "pairs2"}).linear == "pairs"
+    assert 0 < TIE < 0.5 * (0.075 / 0.050 - 1)
+    assert pairs_preferred("avx512_bf16") == "pairs2" and pairs_preferred("avx2") == "pairs"
 
 
 def test_a_choice_made_on_a_busy_host_is_measured_again_when_quieter(tmp_path: Path) -> None:

@@ -23,7 +23,11 @@ Paths (every candidate computes the same function; tests pin each against transf
   the same copy as two streams a thread, the same bits: on the AVX-512 AMD EPYCs two read
   faster than eight; on the AMX Xeon eight read faster than one, and two a little faster than
   eight (the trial's 49 one-row matmuls, two starts: 11.7 and 13.1 ms against 13.0 and 13.8);
-  in AVX2 on an AMD EPYC Zen 2 eight read faster (1.07x two's batch-1 tokens/s).
+  in AVX2 on an AMD EPYC Zen 2 eight read faster (1.07x two's batch-1 tokens/s). Where the
+  trial times the two within ``TIE`` of each other it keeps that rule's count
+  (:func:`pairs_preferred`): in a slow phase of the host both read alike, so a trial run then
+  picks one by noise (an AVX-512 AMD EPYC Zen 4 picked ``pairs`` so, whose batch-1 step then
+  took 1.07x ``pairs2``'s time in the host's fast phases).
 * ``batch_linear``: for matmuls of 2 to ``NATIVE_MANY_MAX_ROWS`` rows (a batched decode
   step): ``packed`` (whatever ``linear`` gives matmuls of several rows: the packed weights, or
   ``F.linear`` under ``linear=plain``), ``c`` (engine/native.py's many-row kernel: AMX tile
@@ -127,10 +131,13 @@ ON_C: dict[str, tuple[str, ...]] = {
 }
 # The linear options that read the pair-interleaved copies, and each one's streams a thread.
 PAIRS_LINEAR: dict[str, int] = dict(zip(("pairs", "pairs2"), PAIR_STREAMS, strict=True))
+# A trial that times a path's preferred candidate (choose's `prefer`) within this fraction of the
+# fastest keeps the preferred one.
+TIE = 0.03
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
-_TRIAL_VERSION = 26
+_TRIAL_VERSION = 27
 
 
 @dataclass(frozen=True)
@@ -274,6 +281,18 @@ Candidates = dict[str, Callable[[], object]]
 QUIETER_BY = 0.5
 
 
+def pairs_preferred(isa: str) -> str:
+    """The ``linear`` candidate a trial keeps when ``pairs`` and ``pairs2`` tie, by the pairs
+    kernels' ISA (NativeOps.pairs_isa): ``pairs2`` in AVX-512 BF16, ``pairs`` in AVX2.
+
+    On the AVX-512 AMD EPYC (Zen 4) the engine's one-call batch-1 step read its weights at the
+    same rate with 2 streams a thread as with 8 in the host's slow phases (~33 GB/s: medians
+    9.23 and 9.28 ms) and took 0.94x 8's time in its fast ones (5.42 against 5.78 ms; one
+    bench/pair_streams_ab.py --rounds 600); two were also the faster on the AMX Xeon and the
+    EPYC family 26. In AVX2 on an AMD EPYC Zen 2 eight gave 1.07x two's tokens/s."""
+    return "pairs2" if isa == "avx512_bf16" else "pairs"
+
+
 def load_per_core() -> float:
     return os.getloadavg()[0] / (os.cpu_count() or 1)
 
@@ -286,6 +305,7 @@ def choose(
     budget_s: float = 1.0,
     fixed: dict[str, str] | None = None,
     load: float | None = None,
+    prefer: dict[str, str] | None = None,
 ) -> KernelChoice:
     """Pick every path: forced ones as given, the rest from the cache or a trial.
 
@@ -293,7 +313,9 @@ def choose(
     factory of its candidates' trial functions (called only when that path is timed); paths
     missing from it take their entry in ``fixed`` (what this device and dtype always run), else
     the default. ``load``: the host's load per core now (default: read it); a cache entry
-    made at a load higher by :data:`QUIETER_BY` or more is measured again.
+    made at a load higher by :data:`QUIETER_BY` or more is measured again. ``prefer``: per path,
+    the candidate a trial keeps while it times within :data:`TIE` of the fastest (two that
+    differ only in the host's fast phases read alike in a slow one).
     """
     load = load_per_core() if load is None else load
     cache_file = cache_dir / f"{shapes.cache_key()}.json" if cache_dir else None
@@ -330,7 +352,11 @@ def choose(
         else:
             medians = median_times_s(applicable[path](), rounds=7, budget_s=per_path_s)
             trial_s.update({f"{path}={name}": t for name, t in medians.items()})
-            picks[path], how[path] = min(medians, key=medians.__getitem__), "measured"
+            pick = min(medians, key=medians.__getitem__)
+            liked = (prefer or {}).get(path)
+            if liked in medians and medians[liked] <= medians[pick] * (1 + TIE):
+                pick = liked
+            picks[path], how[path] = pick, "measured"
             measured_any = True
     choice = replace(KernelChoice(), **picks, how=how, trial_s=trial_s)
     if measured_any and cache_file is not None:

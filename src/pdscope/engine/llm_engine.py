@@ -14,7 +14,14 @@ import torch
 
 from pdscope.engine.args import EngineArgs
 from pdscope.engine.block_pool import BlockPool
-from pdscope.engine.kernels import ON_C, KernelChoice, TrialShapes, choose, parse_kernels
+from pdscope.engine.kernels import (
+    ON_C,
+    KernelChoice,
+    TrialShapes,
+    choose,
+    pairs_preferred,
+    parse_kernels,
+)
 from pdscope.engine.loader import load_model, read_config, resolve_dtype
 from pdscope.engine.model import (
     apply_kernels,
@@ -211,7 +218,10 @@ class LLMEngine:
                 "kernels: threads=bound needs the C kernels on CPU and at least two threads "
                 f"with a CPU each (here {torch.get_num_threads()} threads)"
             )
-        choice = choose(trials, forced, shapes, default_cache_dir() / "kernels", fixed=fixed)
+        prefer = {"linear": pairs_preferred(ops.pairs_isa)} if ops is not None and ops.pairs else {}
+        choice = choose(
+            trials, forced, shapes, default_cache_dir() / "kernels", fixed=fixed, prefer=prefer
+        )
         apply_kernels(self.model, choice, ops)
         self._native = ops
         return choice
