@@ -25,7 +25,14 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from typer.testing import CliRunner
 
 from pdscope.cli import app as cli
-from pdscope.client.adapters import CHUNKS_ONLY, openai_body, run_ollama, run_openai, session
+from pdscope.client.adapters import (
+    CHUNKS_ONLY,
+    _openai_event,
+    openai_body,
+    run_ollama,
+    run_openai,
+    session,
+)
 from pdscope.client.trace import Chunk, Trace
 from pdscope.commands.probe import ProbeSettings, carried_fewer, probe
 from pdscope.server.launch import free_port
@@ -144,6 +151,31 @@ def test_probe_chat_ignores_the_role_chunk(medium_server: Server) -> None:
     t = asyncio.run(one())
     assert t.ok and t.output_tokens == 8
     assert all(chunk.text for chunk in t.chunks)  # the role-only first chunk is not content
+
+
+def test_completions_tokens_whose_text_is_held_back_are_timed() -> None:
+    """vLLM streams a completions chunk of empty text for each token whose text it holds back
+    (part of a UTF-8 character); its bench times them. The events below are as vLLM 0.32.0's
+    CPU build sent them serving the ``medium`` model a reply of 24 such tokens, which the
+    client called "no generated content" before (tests/test_vllm_peer.py runs the real one)."""
+    api = "openai-completions"
+    t = Trace(api, "u", "m", start_s=0.0)
+    piece = {"index": 0, "text": "", "logprobs": None, "finish_reason": None, "stop_reason": None}
+    for i in range(22):
+        _openai_event(t, {"object": "text_completion", "choices": [piece]}, api, 0.1 + 0.01 * i)
+    _openai_event(t, {"choices": [{**piece, "finish_reason": "length"}]}, api, 0.33)
+    usage = {"prompt_tokens": 64, "total_tokens": 88, "completion_tokens": 24}
+    _openai_event(t, {"choices": [], "usage": usage}, api, 0.331)
+    t.end_s = 0.34
+    # the finishing chunk and the usage event are not tokens of their own
+    assert t.ok and len(t.chunks) == 22 and t.output_tokens == 24 and t.finish_reason == "length"
+    assert t.ttft_s == pytest.approx(0.1) and t.n_output == 24 and t.token_source == "server-usage"
+    assert t.tpot_s == pytest.approx(0.21 / 23)
+    # chat's role-only first chunk is still no token
+    chat = Trace("openai-chat", "u", "m", start_s=0.0)
+    role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+    _openai_event(chat, {"choices": [role]}, "openai-chat", 0.1)
+    assert not chat.chunks
 
 
 def test_probe_ollama_dialect(medium_server: Server) -> None:

@@ -59,7 +59,8 @@ def test_probe_real_vllm(vllm_url: str) -> None:
     for t in r["traces"]:
         assert t["token_source"] == "server-usage"
         assert t["output_tokens"] == output_asked(t)
-        assert all(c["text"] for c in t["chunks"])
+        # a chunk a token at most; some of empty text where vLLM held a token's text back
+        assert 0 < len(t["chunks"]) <= t["output_tokens"]
 
 
 def test_bench_real_vllm(vllm_url: str) -> None:

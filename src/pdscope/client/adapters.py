@@ -303,9 +303,14 @@ def _openai_event(trace: Trace, event: dict[str, Any], api: str, now: float) -> 
                 or delta.get("reasoning")
                 or ""
             )
+            held = False
         else:
             text = choice.get("text") or ""
-        if text:  # role-only and empty chunks are not content: they never start TTFT
+            # A completions chunk of empty text that ends nothing is a token whose text the
+            # server held back (part of a UTF-8 character, a special token): vLLM sends one a
+            # token, and its bench times them. A reply of such tokens alone has no other.
+            held = choice.get("text") == "" and not choice.get("finish_reason")
+        if text or held:  # chat's role-only and empty chunks are not tokens: never TTFT
             trace.chunks.append(Chunk(now, text))
         if choice.get("finish_reason"):
             trace.finish_reason = choice["finish_reason"]

@@ -92,8 +92,9 @@ class Trace:
 
     @property
     def ttft_s(self) -> float | None:
-        """Request sent to the first chunk carrying generated content (never a role-only or
-        empty chunk), excluding connection setup."""
+        """Request sent to the first chunk carrying a generated token, excluding connection
+        setup: text, or a completions chunk whose token's text the server held back (empty,
+        ending nothing); never chat's role-only or empty chunks."""
         if not self.ok:
             return None
         return self.chunks[0].t_s - self.request_start_s

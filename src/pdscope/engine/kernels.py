@@ -24,10 +24,10 @@ Paths (every candidate computes the same function; tests pin each against transf
   faster than eight; on the AMX Xeon eight read faster than one, and two a little faster than
   eight (the trial's 49 one-row matmuls, two starts: 11.7 and 13.1 ms against 13.0 and 13.8);
   in AVX2 on an AMD EPYC Zen 2 eight read faster (1.07x two's batch-1 tokens/s). Where the
-  trial times the two within ``TIE`` of each other it keeps that rule's count
-  (:func:`pairs_preferred`): in a slow phase of the host both read alike, so a trial run then
-  picks one by noise (an AVX-512 AMD EPYC Zen 4 picked ``pairs`` so, whose batch-1 step then
-  took 1.07x ``pairs2``'s time in the host's fast phases).
+  trial times that rule's count (:func:`pairs_preferred`) within ``TIE`` of the fastest
+  candidate, it keeps that count: in a slow phase of the host the two read alike, so a trial
+  run then picks one by noise (an AVX-512 AMD EPYC Zen 4 picked ``pairs`` so, whose batch-1
+  step then took 1.07x ``pairs2``'s time in a fast phase of 25 rounds).
 * ``batch_linear``: for matmuls of 2 to ``NATIVE_MANY_MAX_ROWS`` rows (a batched decode
   step): ``packed`` (whatever ``linear`` gives matmuls of several rows: the packed weights, or
   ``F.linear`` under ``linear=plain``), ``c`` (engine/native.py's many-row kernel: AMX tile
@@ -282,13 +282,14 @@ QUIETER_BY = 0.5
 
 
 def pairs_preferred(isa: str) -> str:
-    """The ``linear`` candidate a trial keeps when ``pairs`` and ``pairs2`` tie, by the pairs
-    kernels' ISA (NativeOps.pairs_isa): ``pairs2`` in AVX-512 BF16, ``pairs`` in AVX2.
+    """The ``linear`` candidate a trial keeps while it times within ``TIE`` of the fastest,
+    by the pairs kernels' ISA (NativeOps.pairs_isa): ``pairs2`` in AVX-512 BF16, ``pairs`` in
+    AVX2.
 
     On the AVX-512 AMD EPYC (Zen 4) the engine's one-call batch-1 step read its weights at the
     same rate with 2 streams a thread as with 8 in the host's slow phases (~33 GB/s: medians
-    9.23 and 9.28 ms) and took 0.94x 8's time in its fast ones (5.42 against 5.78 ms; one
-    bench/pair_streams_ab.py --rounds 600); two were also the faster on the AMX Xeon and the
+    9.23 and 9.28 ms) and took 0.94x 8's time in a fast phase of 25 rounds (5.42 against 5.78
+    ms; one bench/pair_streams_ab.py --rounds 600); two were also the faster on the AMX Xeon and the
     EPYC family 26. In AVX2 on an AMD EPYC Zen 2 eight gave 1.07x two's tokens/s."""
     return "pairs2" if isa == "avx512_bf16" else "pairs"
 
@@ -314,8 +315,9 @@ def choose(
     missing from it take their entry in ``fixed`` (what this device and dtype always run), else
     the default. ``load``: the host's load per core now (default: read it); a cache entry
     made at a load higher by :data:`QUIETER_BY` or more is measured again. ``prefer``: per path,
-    the candidate a trial keeps while it times within :data:`TIE` of the fastest (two that
-    differ only in the host's fast phases read alike in a slow one).
+    the candidate a trial keeps while it times within :data:`TIE` of the fastest candidate,
+    whichever that is (two that differ only in the host's fast phases read alike in a slow
+    one); a preferred name the trial did not run is ignored.
     """
     load = load_per_core() if load is None else load
     cache_file = cache_dir / f"{shapes.cache_key()}.json" if cache_dir else None
