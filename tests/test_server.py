@@ -180,6 +180,39 @@ def test_stop_string_is_never_streamed(server: Server) -> None:
     assert streamed == free[: free.index(stop)]
 
 
+def test_completions_stream_a_chunk_for_tokens_whose_text_is_held_back(server: Server) -> None:
+    """While a 40-character stop string may be forming, the text of the first tokens is held
+    back; the completions stream still sends a chunk of empty text for them, as vLLM does,
+    so that a client's TTFT is the first token's, not the first released text's."""
+    from pdscope.client.adapters import openai_body, run_openai, session
+
+    c = client(server)
+    kwargs = {"model": server.model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    free = c.completions.create(**kwargs, extra_body={"ignore_eos": True}).choices[0].text
+    stop = "Q" * 40
+    assert stop not in free
+    chunks = [
+        ch
+        for ch in c.completions.create(
+            **kwargs, stop=[stop], stream=True, extra_body={"ignore_eos": True}
+        )
+        if ch.choices
+    ]
+    assert "".join(ch.choices[0].text for ch in chunks) == free  # held back, never lost
+    assert chunks[0].choices[0].text == "" and chunks[0].choices[0].finish_reason is None
+    assert 2 <= len(chunks) <= 8 and chunks[-1].choices[0].finish_reason == "length"
+
+    async def probe_one():
+        async with session() as s:
+            body = openai_body("openai-completions", server.model, PROMPT, 8)
+            body["stop"] = [stop]
+            return await run_openai(s, server.url, "openai-completions", body)
+
+    t = asyncio.run(probe_one())
+    # the client times the first token's chunk, empty as it is
+    assert t.ok and t.output_tokens == 8 and t.chunks[0].text == "" and len(t.chunks) <= 8
+
+
 def test_ollama_client(server: Server) -> None:
     o = ollama.Client(host=server.url)
     names = [m.model for m in o.list().models]

@@ -82,9 +82,13 @@ def _sse_response(
     piece: Callable[[str, str | None], dict[str, Any]],
     final: Callable[[RequestOutput], dict[str, Any]] | None,
     first: dict[str, Any] | None = None,
+    every_token: bool = False,
 ) -> StreamingResponse:
     """Server-Sent Events for one request: ``piece`` per text delta (the last with its finish
-    reason), then ``final`` (the usage chunk) if asked, then ``data: [DONE]``. Leaving early
+    reason), then ``final`` (the usage chunk) if asked, then ``data: [DONE]``. With
+    ``every_token``, also a ``piece`` of empty text for new tokens whose text is held back (part
+    of a UTF-8 character, a stop string that may be forming), as vLLM's completions stream sends
+    them: a client then times every token, not only those with text. Leaving early
     (the client went away) aborts the request."""
 
     async def events() -> AsyncIterator[str]:
@@ -105,7 +109,7 @@ def _sse_response(
                     )
                     return
                 text = deltas(out)
-                if text or out.finished:
+                if text or out.finished or (every_token and out.new_token_ids):
                     yield sse(piece(text, out.finish_reason if out.finished else None))
                 if out.finished and final:
                     yield sse(final(out))
@@ -151,7 +155,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     def final(out: RequestOutput) -> dict[str, Any]:
         return {**head, "choices": [], "usage": usage(out)}
 
-    return _sse_response(stream, params.stop, piece, final if body.include_usage else None)
+    return _sse_response(
+        stream, params.stop, piece, final if body.include_usage else None, every_token=True
+    )
 
 
 @router.post("/v1/chat/completions", response_model=None)
