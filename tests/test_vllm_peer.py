@@ -75,10 +75,9 @@ def test_bench_real_vllm(vllm_url: str) -> None:
         )
     )
     # A random-weight model can emit a response whose tokens decode to no visible text (bytes
-    # that never form a character); with no content there is no TTFT, so the client counts it
-    # as failed ("no generated content") instead of inventing a number.
-    assert r["completed"] + r["failed"] == 8 and r["completed"] >= 6
-    assert all(f["error"] == "no generated content in the response" for f in r["failures"])
+    # that never form a character): vLLM still sends a chunk of empty text for each, so it is
+    # timed, not counted as failed.
+    assert r["completed"] == 8 and not r["failures"], r["failures"]
     assert r["total_output_tokens"] == r["completed"] * 16  # read from vLLM's usage chunks
     assert r["metadata"]["runtime"] == "vllm" and r["metadata"]["exact_prompt_tokens"]
     server = r["runs"][0]["server"]

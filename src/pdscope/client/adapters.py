@@ -258,6 +258,8 @@ async def run_openai(
         max_tokens=body.get("max_tokens"),
     )
 
+    finishing_s: list[float] = []  # when a finishing chunk that carried no text came
+
     def parse(trace: Trace, now: float, line: str) -> bool:
         if not line.strip() or line.startswith(":"):
             return False  # keep-alive comments and event separators
@@ -271,6 +273,7 @@ async def run_openai(
             return False
         data = line[5:].strip()
         if data == "[DONE]":
+            _finishing_token(trace, finishing_s)
             return True
         try:
             event = json.loads(data)
@@ -283,7 +286,8 @@ async def run_openai(
             err = event["error"]
             trace.error = str(err.get("message", err) if isinstance(err, dict) else err)
             return False
-        _openai_event(trace, event, api, now)
+        if _openai_event(trace, event, api, now):
+            finishing_s.append(now)
         return False
 
     return await _stream(
@@ -291,7 +295,25 @@ async def run_openai(
     )
 
 
-def _openai_event(trace: Trace, event: dict[str, Any], api: str, now: float) -> None:
+def _finishing_token(trace: Trace, finishing_s: list[float]) -> None:
+    """A finishing chunk without text carries the last token where the server's count says a
+    token came that no chunk carried (vLLM's EOS, whose text is empty; a last token whose text
+    stayed held back), and none where every token had its chunk (llama.cpp's final chunk):
+    counted in the first case only, so that E2E and TPOT end where vLLM's bench ends them. Not
+    in a reply with no other chunk: its one arrival would read as its first token."""
+    if (
+        finishing_s
+        and trace.chunks
+        and trace.output_tokens is not None
+        and trace.output_tokens > len(trace.chunks)
+    ):
+        trace.chunks.append(Chunk(finishing_s[-1], ""))
+
+
+def _openai_event(trace: Trace, event: dict[str, Any], api: str, now: float) -> bool:
+    """Records ``event``'s tokens and counts in ``trace``; True where a choice finished in a
+    chunk that carried no text (a token or none: :func:`_finishing_token` decides)."""
+    finished_bare = False
     for choice in event.get("choices") or []:
         if api == API_OPENAI_CHAT:
             delta = choice.get("delta") or {}
@@ -314,6 +336,7 @@ def _openai_event(trace: Trace, event: dict[str, Any], api: str, now: float) -> 
             trace.chunks.append(Chunk(now, text))
         if choice.get("finish_reason"):
             trace.finish_reason = choice["finish_reason"]
+            finished_bare = finished_bare or not text
     usage = event.get("usage")
     if usage:
         trace.prompt_tokens = usage.get("prompt_tokens")
@@ -351,6 +374,7 @@ def _openai_event(trace: Trace, event: dict[str, Any], api: str, now: float) -> 
         if cache_n is not None and trace.cached_source is None:
             trace.cached_tokens = cache_n
             trace.cached_source = "llamacpp-timings"
+    return finished_bare
 
 
 async def run_ollama(

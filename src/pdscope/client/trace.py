@@ -28,7 +28,9 @@ UNREAD = "-unread"
 
 @dataclass
 class Chunk:
-    """One piece of a streamed response that carried generated content."""
+    """One piece of a streamed response that carried a generated token: its text, or none where
+    the server held the text back (adapters.py's completions chunks of empty text, and a
+    finishing chunk that carried the last token)."""
 
     t_s: float
     text: str
