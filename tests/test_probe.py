@@ -206,6 +206,11 @@ def test_a_finishing_chunk_without_text_counts_only_as_a_token_no_chunk_carried(
     assert eos.tpot_s == pytest.approx(0.2 / 16)
     bare = feed(Trace(api, "u", "m", start_s=0.0), [(0.3, piece("", "length")), (0.31, usage(16))])
     assert not bare.chunks and not bare.ok
+    # llama.cpp's last event: the finish with the counts, after its last token; here 2 tokens
+    # held back mid-stream came in one chunk, so the count exceeds the chunks, yet it is none
+    summary = {**piece("", "length"), "usage": {"prompt_tokens": 8, "completion_tokens": 17}}
+    held = feed(Trace(api, "u", "m", start_s=0.0), [*text, (0.3, summary)])
+    assert len(held.chunks) == 16 and held.e2e_s == pytest.approx(0.25)
     chat = Trace("openai-chat", "u", "m", start_s=0.0)
     role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
     assert not _openai_event(chat, {"choices": [role]}, "openai-chat", 0.1) and not chat.chunks
@@ -430,6 +435,18 @@ def fake_app() -> FastAPI:
             for w in ["a", " b", " c", " d", " e", " f"]
         ]
         return sse([*words, LLAMACPP_FINAL, "data: [DONE]\n\n"])
+
+    @app.post("/vllmeos/v1/completions")
+    async def vllm_eos() -> StreamingResponse:
+        # The shape of vLLM's stream ending on the EOS token: its text is empty, it comes in
+        # the finishing chunk, and the usage counts it (vLLM runs here only in `make
+        # test-vllm`, and ends on EOS only by chance with a random-weight model).
+        words = [
+            {"choices": [{"index": 0, "text": w, "finish_reason": None}]} for w in ["a", " b", " c"]
+        ]
+        eos = {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}
+        usage = {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 4}}
+        return sse([*words, eos, usage, "data: [DONE]\n\n"], gap_s=0.03)
 
     @app.get("/nocounts/v1/models")
     async def nocounts_models() -> dict:
@@ -687,7 +704,18 @@ def test_llamacpp_timings_fake(fake: str) -> None:
     t = run(f"{fake}/llamacpp")
     assert t.ok and t.token_source == "llamacpp-timings"
     assert t.output_tokens == 6 and t.prompt_tokens == 100 and t.cached_tokens == 12
+    assert len(t.chunks) == 6  # its final chunk carries no token: every token had its chunk
     assert t.server["llamacpp"]["prompt_ms"] == 41.5
+
+
+def test_an_eos_in_the_finishing_chunk_is_the_last_token_fake(fake: str) -> None:
+    """E2E and TPOT end at the finishing chunk that carried vLLM's EOS (empty text, counted in
+    the usage), as vLLM's bench ends them, not at the token before it."""
+    t = run(f"{fake}/vllmeos")
+    assert t.ok and t.output_tokens == 4 and len(t.chunks) == 4 and t.finish_reason == "stop"
+    assert [c.text for c in t.chunks] == ["a", " b", " c", ""]
+    assert t.e2e_s > t.chunks[2].t_s - t.request_start_s  # past the last text
+    assert t.tpot_s == pytest.approx((t.chunks[3].t_s - t.chunks[0].t_s) / 3)
 
 
 def test_bench_says_its_output_counts_are_the_chunks_fake(fake: str, tmp_path: Path) -> None:
