@@ -103,15 +103,16 @@ class Trace:
 
     @property
     def e2e_s(self) -> float | None:
-        """Request sent to the last content chunk, as vLLM's bench ends its latency; the wait
-        from there to the stream's last byte (usage event, [DONE], the close) is `close_s`."""
+        """Request sent to the last token's chunk (:class:`Chunk`), as vLLM's bench ends its
+        latency; the wait from there to the stream's last byte (usage event, [DONE], the close)
+        is `close_s`."""
         if not self.ok:
             return None
         return self.chunks[-1].t_s - self.request_start_s
 
     @property
     def close_s(self) -> float | None:
-        """Last content chunk to the last byte of the response: the final usage event, the
+        """Last token's chunk to the last byte of the response: the final usage event, the
         end marker and the server's close, which can lag under load."""
         if not self.ok:
             return None
@@ -119,8 +120,8 @@ class Trace:
 
     @property
     def n_output(self) -> int | None:
-        """Output tokens: the server's count, else one per content chunk (labelled). A count
-        below the content chunks cannot be (each chunk holds a token at least): the chunks."""
+        """Output tokens: the server's count, else one per chunk (labelled). A count
+        below the chunks cannot be (each chunk holds a token at least): the chunks."""
         if self.output_tokens is not None and self.output_tokens >= len(self.chunks):
             return self.output_tokens
         return len(self.chunks) if self.chunks else None
@@ -167,7 +168,7 @@ class Trace:
         gap / k. k is the chunk's own token count when the server gives it; else tokens are
         spread evenly over the gaps so the samples sum to the decode time (when the server's
         token total equals the chunk count, that is exactly one token per chunk). The samples
-        always sum to the time from first to last content chunk."""
+        always sum to the time from first to last chunk."""
         if not self.ok or not self.streamed:
             return []
         gaps = [b.t_s - a.t_s for a, b in zip(self.chunks, self.chunks[1:], strict=False)]
