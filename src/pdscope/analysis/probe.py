@@ -448,10 +448,16 @@ def join_steps(traces: list[Trace]) -> list[JoinStep]:
     the streams decoded (between their first and last token), two of them read steadily: the
     step carried all of those. In each, the join step is the longest of the gaps ending at
     the three tokens nearest the new prompt's first one (a prefill step is longer than a
-    decode step, and a client may read either stream late). A stream the client read in
-    bursts counts among the step's decodes but gives no gap (see :func:`joint_decode`). Two
-    new prompts whose first tokens came within half a step of each other are left out (one
-    step may have carried both), and so is a new prompt of unknown length."""
+    decode step, and a client may read either stream late), leaving out a gap that began
+    before the new prompt was sent (by more than the stream's median gap, the slack of a
+    server that schedules a little after it sends a token): that step could not hold its
+    prefill. A host that stalled the server for 158 ms just before a 128-token prompt was
+    sent made that stall the longest gap, read as a 158 ms join step where llama.cpp timed
+    the prompt at 17 ms and the gap after the stall at 18 (tests/test_probe.py). A stream
+    left with no gap, or read in bursts, counts among the step's decodes but gives no gap
+    (see :func:`joint_decode`). Two new prompts whose first tokens came within half a step
+    of each other are left out (one step may have carried both), and so is a new prompt of
+    unknown length."""
     streams = [t for t in traces if t.ok and t.label == JOIN_LABEL and t.streamed]
     news = [t for t in traces if t.ok and t.label == JOIN_NEW_LABEL and t.chunks]
     out = []
@@ -465,12 +471,17 @@ def join_steps(traces: list[Trace]) -> list[JoinStep]:
             if not times[0] < first <= times[-1]:
                 continue  # not decoding then
             near = min(range(len(times)), key=lambda k: abs(times[k] - first))
-            i = max(
-                (k for k in (near - 1, near, near + 1) if 1 <= k < len(times)),
-                key=lambda k: times[k] - times[k - 1],
-            )
-            contexts.append((_prompt_tokens(t) or 0) + i)  # token i's step reads prompt + i
-            if t.read_in_bursts:
+            slack = median([b - a for a, b in itertools.pairwise(times)]) or 0.0
+            after_send = [
+                k
+                for k in (near - 1, near, near + 1)
+                if 1 <= k < len(times)
+                and (new.sent_s is None or times[k - 1] >= new.sent_s - slack)
+            ]
+            i = max(after_send, key=lambda k: times[k] - times[k - 1], default=None)
+            # token i's step reads prompt + i
+            contexts.append((_prompt_tokens(t) or 0) + (near if i is None else i))
+            if t.read_in_bursts or i is None:
                 continue
             gaps.append(times[i] - times[i - 1])
             rest += [b - a for k, (a, b) in enumerate(itertools.pairwise(times), 1) if k != i]
