@@ -1439,15 +1439,15 @@ def test_a_stall_before_the_prompt_was_sent_is_not_its_join_step() -> None:
     """llama.cpp on a loaded host: the streams stalled 158 ms, then a 128-token prompt sent
     during the stall ran in an 18 ms step (llama.cpp's prompt_ms 17). The stall was the
     longest gap near the prompt's first token and was read as its step. A gap that began
-    before the prompt was sent cannot hold its prefill; one that began less than a decode
-    step before it may (a server schedules a little after it sends a token)."""
+    before the client began to send the prompt cannot hold its prefill; one that began less
+    than a decode step before may (a server schedules a little after it sends a token)."""
     from pdscope.analysis.probe import JOIN_LABEL, JOIN_NEW_LABEL, join_steps
 
-    def trace(label: str, times: list[float], prompt: int, sent_s: float = 0.0) -> Trace:
+    def trace(label: str, times: list[float], prompt: int, start_s: float = 0.0) -> Trace:
         return Trace(
             "openai-completions", "u", "m", label=label, prompt_tokens_asked=prompt,
-            prompt_tokens=prompt, output_tokens=len(times), max_tokens=len(times), start_s=0.0,
-            sent_s=sent_s, end_s=times[-1], chunks=[Chunk(t, "x") for t in times],
+            prompt_tokens=prompt, output_tokens=len(times), max_tokens=len(times),
+            start_s=start_s, end_s=times[-1], chunks=[Chunk(t, "x") for t in times],
             cached_tokens=0,
         )  # fmt: skip
 
@@ -1455,11 +1455,18 @@ def test_a_stall_before_the_prompt_was_sent_is_not_its_join_step() -> None:
     times = [0.1 + 0.01 * k for k in range(11)] + [0.35, 0.368]
     times += [0.378 + 0.01 * k for k in range(20)]
     streams = [trace(JOIN_LABEL, times, 64) for _ in range(3)]
-    new = trace(JOIN_NEW_LABEL, [0.3685, 0.38], 128, sent_s=0.33)
+    new = trace(JOIN_NEW_LABEL, [0.3685, 0.38], 128, start_s=0.33)
     (step,) = join_steps([*streams, new])
     assert step.step_s == pytest.approx(0.018) and step.contexts == [76] * 3  # token 12
-    # Sent 5 ms after the stall began (less than a decode step): the stall may be its step.
-    new.sent_s = 0.205
+    # A stream whose text was held back from 0.2 s to 0.5 s (llama.cpp sends no chunk for a
+    # token that ends mid-character) was decoding but has no gap in the span: it gives none.
+    held = trace(JOIN_LABEL, times[:11] + [0.5 + 0.01 * k for k in range(10)], 64)
+    (step,) = join_steps([*streams, held, new])
+    assert step.step_s == pytest.approx(0.018) and step.steady_streams == 3
+    assert step.contexts == [76, 76, 76, 75]  # its nearest token, at 0.5 s, is its 11th
+    assert join_steps([streams[0], held, new]) == []  # one gap: no median
+    # Begun 5 ms after the stall began (less than a decode step): the stall may be its step.
+    new.start_s = 0.205
     (step,) = join_steps([*streams, new])
     assert step.step_s == pytest.approx(0.15) and step.contexts == [75] * 3
 

@@ -440,7 +440,7 @@ class JoinStep:
     contexts: list[int]  # each decoding stream's context in that step
     step_s: float  # the median of those gaps over the streams read steadily
     decode_step_s: float | None  # the streams' median gap over the rest of their decode
-    steady_streams: int  # the streams whose gaps were taken (not read in bursts)
+    steady_streams: int  # the streams whose gaps were taken (read steadily, a gap in span)
 
 
 def join_steps(traces: list[Trace]) -> list[JoinStep]:
@@ -448,16 +448,19 @@ def join_steps(traces: list[Trace]) -> list[JoinStep]:
     the streams decoded (between their first and last token), two of them read steadily: the
     step carried all of those. In each, the join step is the longest of the gaps ending at
     the three tokens nearest the new prompt's first one (a prefill step is longer than a
-    decode step, and a client may read either stream late), leaving out a gap that began
-    before the new prompt was sent (by more than the stream's median gap, the slack of a
-    server that schedules a little after it sends a token): that step could not hold its
-    prefill. A host that stalled the server for 158 ms just before a 128-token prompt was
-    sent made that stall the longest gap, read as a 158 ms join step where llama.cpp timed
-    the prompt at 17 ms and the gap after the stall at 18 (tests/test_probe.py). A stream
-    left with no gap, or read in bursts, counts among the step's decodes but gives no gap
-    (see :func:`joint_decode`). Two new prompts whose first tokens came within half a step
-    of each other are left out (one step may have carried both), and so is a new prompt of
-    unknown length."""
+    decode step, and a client may read either stream late) that began after the client
+    began to send the new prompt and before its first token came: no other step can hold its
+    prefill. The start has a slack of the stream's median gap (a server may schedule a
+    little after it sends a token). Not the time the request was written: a loaded client
+    stamped that 0.9 ms after it read the token that began the step holding the prefill.
+    Against llama.cpp on a loaded host, a stall of 158 ms just before a 128-token prompt was
+    sent was the longest gap, read as a 158 ms join step where llama.cpp timed the prompt at
+    17 ms and the gap after the stall at 18; and a stream whose text was held back for 300 ms
+    gave only gaps from before the send or after the first token (tests/test_probe.py). A
+    stream left with no such gap, or read in bursts, counts among the step's decodes but
+    gives no gap (see :func:`joint_decode`). Two new prompts whose first tokens came within
+    half a step of each other are left out (one step may have carried both), and so is a new
+    prompt of unknown length."""
     streams = [t for t in traces if t.ok and t.label == JOIN_LABEL and t.streamed]
     news = [t for t in traces if t.ok and t.label == JOIN_NEW_LABEL and t.chunks]
     out = []
@@ -472,13 +475,14 @@ def join_steps(traces: list[Trace]) -> list[JoinStep]:
                 continue  # not decoding then
             near = min(range(len(times)), key=lambda k: abs(times[k] - first))
             slack = median([b - a for a, b in itertools.pairwise(times)]) or 0.0
-            after_send = [
+            began_in_span = [
                 k
                 for k in (near - 1, near, near + 1)
                 if 1 <= k < len(times)
-                and (new.sent_s is None or times[k - 1] >= new.sent_s - slack)
+                and times[k - 1] < first
+                and times[k - 1] >= new.start_s - slack
             ]
-            i = max(after_send, key=lambda k: times[k] - times[k - 1], default=None)
+            i = max(began_in_span, key=lambda k: times[k] - times[k - 1], default=None)
             # token i's step reads prompt + i
             contexts.append((_prompt_tokens(t) or 0) + (near if i is None else i))
             if t.read_in_bursts or i is None:
