@@ -316,6 +316,56 @@ def test_probe_cli_json_and_plot(medium_server: Server, medium: Path, tmp_path: 
     assert {j["prompt_tokens"] for j in joins} <= {128, 1024}
     assert all(2 <= j["decoding_together"] <= 8 and j["step_ms"] > 0 for j in joins)
     assert not joins or f"a {joins[0]['prompt_tokens']:,}-token prompt joining" in text
+    assert_joined_on_progress(data["traces"])
+
+
+def assert_joined_on_progress(traces: list[dict]) -> None:
+    """The join check's new prompts went out once its streams had delivered a quarter, then
+    a half, of the tokens they asked (counted in chunks the client had read before it began
+    the request), or after every stream had ended: never at a planned time."""
+    streams = [t for t in traces if t["label"] == "prefill-join"]
+    news = [t for t in traces if t["label"] == "prefill-join-new"]
+    news.sort(key=lambda t: t["start_s"])
+    assert len(news) == 2 and streams
+    out = streams[0]["max_tokens"]
+    for k, new in enumerate(news):
+        begun = new["start_s"]
+        read = max(sum(c["t_s"] <= begun for c in t["chunks"]) for t in streams)
+        ended = all(t["end_s"] is None or t["end_s"] <= begun for t in streams)
+        assert read >= out * (k + 1) / 4 or ended, (k, read, out)
+
+
+def test_the_join_check_sends_on_the_streams_progress(medium_server: Server) -> None:
+    """The batched check's step sizes the join check's window, but no longer times its
+    sends: there, it once read 3.6x the join streams' own step (llama.cpp's 4 slots carrying
+    8 streams, a loaded host), and both prompts went out after the streams had ended. Here
+    the reference says 50 ms a step, many times this server's: a plan from it would send
+    the first prompt 2.5 s in, long after the streams' 200 tokens; sent on the streams'
+    count, it joins them."""
+    from pdscope.analysis.probe import JOIN_LABEL, JOIN_NEW_LABEL, join_steps
+    from pdscope.client.detect import detect
+    from pdscope.commands.probe import Prober
+
+    async def run() -> list[Trace]:
+        s = settings(medium_server.url, output_tokens=200)
+        async with httpx.AsyncClient() as client, session(fresh_connections=True) as streams:
+            runtime = await detect(client, s.url, s.api, None)
+            model = runtime.pick_model(None)
+            prober = Prober(s, client, runtime, model, lambda label: None, streams)
+            ref = Trace("openai-completions", s.url, "m", label="batch-decode", start_s=0.0)
+            ref.chunks = [Chunk(0.05 * (k + 1), "x") for k in range(20)]
+            ref.end_s, ref.output_tokens = 1.0, 20
+            prober.traces.append(ref)
+            await prober.join(3)
+            return prober.traces[1:]
+
+    traces = asyncio.run(run())
+    assert_joined_on_progress([t.to_dict() for t in traces])
+    assert sum(t.label == JOIN_LABEL for t in traces) == 3 and all(t.ok for t in traces)
+    first = min((t for t in traces if t.label == JOIN_NEW_LABEL), key=lambda t: t.start_s)
+    streams = [t for t in traces if t.label == JOIN_LABEL]
+    assert all(t.chunks[0].t_s < first.chunks[0].t_s < t.chunks[-1].t_s for t in streams)
+    assert join_steps(traces) or all(t.read_in_bursts for t in streams)
 
 
 def test_the_batch_sweep_stops_where_the_server_carries_fewer(

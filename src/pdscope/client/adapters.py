@@ -131,9 +131,11 @@ async def _stream(
     trace: Trace,
     parse: Callable[[Trace, float, str], bool],
     ending: str,
+    progress: Callable[[Trace], None] | None = None,
 ) -> Trace:
     """POST, then feed each line to ``parse`` (True once the stream says it is done) until it
     ends, fails or sets ``trace.error``. Never raises for server or network faults.
+    ``progress`` sees the trace after each line (the chunks read so far).
 
     A keep-alive connection the server closed while it sat idle in the pool fails the next
     request written on it before the server can have read it ("Can not write request body",
@@ -142,7 +144,7 @@ async def _stream(
     it is not a server failure."""
     retries = _stale_retries(client)
     for attempt in range(retries + 1):
-        await _stream_once(client, url, body, headers, trace, parse, ending)
+        await _stream_once(client, url, body, headers, trace, parse, ending, progress)
         if not _stale_connection(trace) or attempt == retries:
             return trace
         reason = trace.error
@@ -198,6 +200,7 @@ async def _stream_once(
     trace: Trace,
     parse: Callable[[Trace, float, str], bool],
     ending: str,
+    progress: Callable[[Trace], None] | None = None,
 ) -> Trace:
     trace.start_s = time.perf_counter()
     done = False
@@ -210,6 +213,8 @@ async def _stream_once(
                 return trace
             async for now, line in _lines(r):
                 done = parse(trace, now, line)
+                if progress:
+                    progress(trace)
                 if trace.error:
                     return trace
                 if done:
@@ -246,6 +251,7 @@ async def run_openai(
     label: str = "",
     prompt_tokens_asked: int | None = None,
     headers: dict[str, str] | None = None,
+    progress: Callable[[Trace], None] | None = None,
 ) -> Trace:
     """One streamed OpenAI completion or chat request (SSE)."""
     path = "/v1/chat/completions" if api == API_OPENAI_CHAT else "/v1/completions"
@@ -293,7 +299,7 @@ async def run_openai(
         return False
 
     return await _stream(
-        client, url.rstrip("/") + path, body, headers, trace, parse, "data: [DONE]"
+        client, url.rstrip("/") + path, body, headers, trace, parse, "data: [DONE]", progress
     )
 
 
@@ -394,6 +400,7 @@ async def run_ollama(
     prompt_tokens_asked: int | None = None,
     raw: bool = True,
     headers: dict[str, str] | None = None,
+    progress: Callable[[Trace], None] | None = None,
 ) -> Trace:
     """One streamed Ollama /api/generate request (NDJSON; raw prompt: no template)."""
     body = {
@@ -439,9 +446,8 @@ async def run_ollama(
             return True
         return False
 
-    return await _stream(
-        client, url.rstrip("/") + "/api/generate", body, headers, trace, parse, "the done object"
-    )
+    url = url.rstrip("/") + "/api/generate"
+    return await _stream(client, url, body, headers, trace, parse, "the done object", progress)
 
 
 def _ollama_final(trace: Trace, event: dict[str, Any]) -> None:
@@ -473,18 +479,23 @@ async def run_request(
     label: str = "",
     prompt_tokens_asked: int | None = None,
     headers: dict[str, str] | None = None,
+    progress: Callable[[Trace], None] | None = None,
 ) -> Trace:
     """One streamed request in dialect ``api`` (one of APIS): the one dispatch that probe's and
-    bench's requests go through. Ollama's raw prompt is text: chat messages are joined."""
+    bench's requests go through. Ollama's raw prompt is text: chat messages are joined.
+    ``progress`` sees the trace as each line of the stream is read."""
     if api == API_OLLAMA:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             prompt = "\n".join(str(m.get("content", "")) for m in prompt)
         trace = await run_ollama(
-            client, url, model, str(prompt), max_tokens, label, prompt_tokens_asked, headers=headers
-        )
+            client, url, model, str(prompt), max_tokens, label, prompt_tokens_asked,
+            headers=headers, progress=progress,
+        )  # fmt: skip
     else:
         body = openai_body(api, model, prompt, max_tokens)
-        trace = await run_openai(client, url, api, body, label, prompt_tokens_asked, headers)
+        trace = await run_openai(
+            client, url, api, body, label, prompt_tokens_asked, headers, progress
+        )
     if trace.error is None and trace.token_source == "none":
         trace.token_source = CHUNKS_ONLY
     return trace

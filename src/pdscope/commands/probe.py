@@ -200,15 +200,17 @@ class Prober:
         max_tokens: int | None = None,
         count_hits: bool = True,
         learn: bool = True,
+        progress: Callable[[Trace], None] | None = None,
     ) -> Trace:
-        """``learn``: the prompt builder learns tokens per word from the server's count."""
+        """``learn``: the prompt builder learns tokens per word from the server's count.
+        ``progress``: sees the trace as its stream is read."""
         out = max_tokens or self.s.output_tokens
         # The hit counter is read before and after: only meaningful for one request at a time.
         counter = self.counter if count_hits else None
         hits_before = await counter.read() if counter else None
         trace = await run_request(
             self.streams, self.runtime.url, self.api, self.model, prompt, out, label, asked,
-            self.headers,
+            self.headers, progress,
         )  # fmt: skip
         if learn and trace.error is None and not self.exact_prompts and isinstance(prompt, str):
             words = len(prompt.split())
@@ -304,16 +306,19 @@ class Prober:
         one at a time: the step that runs a prompt's prefill beside decodes. It shows what a
         prompt costs the streams already running, and is what `simulate --calibrate` fits a
         prefill step's own cost from (a prompt timed alone holds it together with the HTTP
-        time outside any step). When to send comes from the batched check just run: its first
-        token and its step; each prompt is sent a quarter further into the streams' decode,
-        which lasts JOIN_WINDOW_S at least (a tiny model's steps of a fraction of a ms would
-        end before a prompt's HTTP request reached the server), as far as the context allows
-        (and JOIN_MAX_OUTPUT tokens). ``streams``: how many decode (2 at least, or none)."""
+        time outside any step). Each prompt is sent a quarter further into the streams'
+        decode, counted in the tokens the streams have delivered (a time planned from the
+        batched check's step sent both prompts after the streams had ended in 3 of 14 runs
+        against llama.cpp beside a busy process: in one, that check's mean gap read 3.6x the
+        streams' own). The decode lasts JOIN_WINDOW_S at least
+        by the batched check's step (a tiny model's steps of a fraction of a ms would end
+        before a prompt's HTTP request reached the server), as far as the context allows (and
+        JOIN_MAX_OUTPUT tokens). ``streams``: how many decode (2 at least, or none)."""
         self.join_ran = streams >= 2
         ref = [t for t in self.traces if t.label == "batch-decode" and t.ok and t.streamed]
         ttft = median([t.ttft_s for t in ref if t.ttft_s is not None])
         gaps = [gap for t in ref for gap in t.itl_samples_s()]
-        # The mean gap (a client read in bursts sinks the median): only to time the sends
+        # The mean gap (a client read in bursts sinks the median): only to size the window
         step = sum(gaps) / len(gaps) if gaps else 0.0
         if ttft is None or not step > 0 or streams < 2:
             self.join_ran = False
@@ -332,13 +337,34 @@ class Prober:
         if self.max_len:
             out = max(1, min(out, self.max_len - short - 32))
 
+        delivered = [0] * streams  # chunks each stream has delivered so far
+        ended = [False] * streams
+        moved = asyncio.Event()
+
+        def seen(i: int) -> Callable[[Trace], None]:
+            def progress(trace: Trace) -> None:
+                delivered[i] = len(trace.chunks)
+                moved.set()
+
+            return progress
+
+        async def stream(i: int) -> None:
+            try:
+                await self.send(prompts[i], short, JOIN_LABEL, out, False, progress=seen(i))
+            finally:
+                ended[i] = True
+                moved.set()
+
         async def joiner(k: int) -> None:
-            await asyncio.sleep(ttft + step * out * (k + 1) / (len(sizes) + 2))
+            # bounded: every stream ends, and then it is sent at once
+            target = out * (k + 1) / (len(sizes) + 2)
+            while max(delivered) < target and not all(ended):
+                moved.clear()
+                await moved.wait()
             await self.send(new[k], sizes[k], JOIN_NEW_LABEL, max_tokens=2, count_hits=False)
 
         await asyncio.gather(
-            *(self.send(p, short, JOIN_LABEL, out, count_hits=False) for p in prompts),
-            *(joiner(k) for k in range(len(sizes))),
+            *(stream(i) for i in range(streams)), *(joiner(k) for k in range(len(sizes)))
         )
 
     async def batch(self, prompt_tokens: int, label: str, streams: int | None = None) -> int:
