@@ -397,6 +397,10 @@ def test_the_batch_sweep_stops_where_the_server_carries_fewer(
         return
     assert r["settings"]["batch_sweep_skipped"] == [16]
     assert [p["streams"] for p in r["batch_sweep"]] == [2]
+    # The join check's streams: fewer than the most seen decoding at once, so each new
+    # prompt finds a free sequence (3 where the client read the batch well)
+    together = max(p["decoding_together"] or 0 for p in [batch, *r["batch_sweep"]])
+    assert sum(t["label"] == "prefill-join" for t in r["traces"]) == together - 1
     assert not any(t["label"] == "batch-decode x16" for t in r["traces"])
     assert any("batch sweep: 16 streams not sent" in note for note in r["notes"])
 

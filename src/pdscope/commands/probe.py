@@ -178,6 +178,7 @@ class Prober:
         self.resent = 0  # decode checks sent again, RESENDS at most
         self.skipped_sizes: list[int] = []  # batch sweep sizes over what the server carried
         self.join_ran = False  # the join check sent its streams
+        self.together = 0  # the most streams the batched checks saw decoding at once
         self.join_streams: int | None = None  # how many it sends (None: not decided yet)
         self.kept_unread = 0  # unread responses kept as they came: no resend was left
         self.on_total: Callable[[int], None] | None = None  # told the requests planned, anew
@@ -298,8 +299,11 @@ class Prober:
                 most, short = max(most, carried), short or carried_fewer(carried, n)
             if self.skipped_sizes and self.on_total:
                 self.on_total(self.planned_requests())
-            # Room for the join check's one new prompt at a time beside its streams.
-            await self.join(min(s.batch_streams, most - 1) if short else s.batch_streams)
+            # Room for the join check's one new prompt at a time beside its streams: fewer
+            # than the most seen decoding at once. Not `most`: counting streams the client got
+            # whole (as the sweep must) filled llama.cpp's 4 slots in 1 of 14 runs beside a
+            # busy process, and the new prompts waited for the streams to end.
+            await self.join(min(s.batch_streams, self.together - 1) if short else s.batch_streams)
 
     async def join(self, streams: int) -> None:
         """The batched check's streams again, and JOIN_PROMPT_TOKENS prompts sent among them
@@ -379,6 +383,7 @@ class Prober:
         )
         ok = [t for t in traces if t.ok]
         joint = batch_joint(ok)
+        self.together = max(self.together, joint.streams if joint else 0)
         return min(len(ok), joint.streams + sum(not t.streamed for t in ok)) if joint else 0
 
     @property
