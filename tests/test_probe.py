@@ -1489,12 +1489,14 @@ def test_a_prompt_joining_decoding_streams_is_timed_in_their_step() -> None:
     assert join_steps([stream(), bursty, new]) == []  # one stream read steadily: no median
 
 
-def test_a_stall_before_the_prompt_was_sent_is_not_its_join_step() -> None:
-    """llama.cpp on a loaded host: the streams stalled 158 ms, then a 128-token prompt sent
-    during the stall ran in an 18 ms step (llama.cpp's prompt_ms 17). The stall was the
-    longest gap near the prompt's first token and was read as its step. A gap that began
-    before the client began to send the prompt cannot hold its prefill; one that began less
-    than a decode step before may (a server schedules a little after it sends a token)."""
+def test_the_join_step_is_the_gap_that_can_hold_the_prefill() -> None:
+    """Streams decoding at 10 ms a step; the client read their token at 0.2 s and began a
+    128-token prompt's request 12 ms later (a loaded client's delay, over a step), and the
+    server, which had waited, ran its prefill in the very next step (token 11 at 0.24 s, the
+    prompt's first token with it, its second a step later). That step is the join step, not
+    the one after (a rule on when the request began would have left it out). A stream whose
+    text was held back around the join has no gap that can hold the prefill: it gives none,
+    whether its hold began long before the request or just before it."""
     from pdscope.analysis.probe import JOIN_LABEL, JOIN_NEW_LABEL, join_steps
 
     def trace(label: str, times: list[float], prompt: int, start_s: float = 0.0) -> Trace:
@@ -1505,24 +1507,24 @@ def test_a_stall_before_the_prompt_was_sent_is_not_its_join_step() -> None:
             cached_tokens=0,
         )  # fmt: skip
 
-    # tokens 0..10 every 10 ms, a stall to 0.35 s, the join step to 0.368, then 10 ms again
-    times = [0.1 + 0.01 * k for k in range(11)] + [0.35, 0.368]
-    times += [0.378 + 0.01 * k for k in range(20)]
+    before = [0.1 + 0.01 * k for k in range(11)]  # tokens 0..10, the 10th at 0.2 s
+    times = before + [0.24 + 0.01 * k for k in range(20)]
     streams = [trace(JOIN_LABEL, times, 64) for _ in range(3)]
-    new = trace(JOIN_NEW_LABEL, [0.3685, 0.38], 128, start_s=0.33)
+    new = trace(JOIN_NEW_LABEL, [0.2405, 0.2502], 128, start_s=0.212)
     (step,) = join_steps([*streams, new])
-    assert step.step_s == pytest.approx(0.018) and step.contexts == [76] * 3  # token 12
-    # A stream whose text was held back from 0.2 s to 0.5 s (llama.cpp sends no chunk for a
-    # token that ends mid-character) was decoding but has no gap in the span: it gives none.
-    held = trace(JOIN_LABEL, times[:11] + [0.5 + 0.01 * k for k in range(10)], 64)
-    (step,) = join_steps([*streams, held, new])
-    assert step.step_s == pytest.approx(0.018) and step.steady_streams == 3
-    assert step.contexts == [76, 76, 76, 75]  # its nearest token, at 0.5 s, is its 11th
-    assert join_steps([streams[0], held, new]) == []  # one gap: no median
-    # Begun 5 ms after the stall began (less than a decode step): the stall may be its step.
-    new.start_s = 0.205
-    (step,) = join_steps([*streams, new])
-    assert step.step_s == pytest.approx(0.15) and step.contexts == [75] * 3
+    assert step.step_s == pytest.approx(0.04) and step.contexts == [75] * 3  # token 11
+    # The first token read 4 ms late, the second with the streams' next token: the same step.
+    late = trace(JOIN_NEW_LABEL, [0.244, 0.2502], 128, start_s=0.212)
+    assert join_steps([*streams, late])[0].step_s == pytest.approx(0.04)
+    after = [0.5 + 0.01 * k for k in range(10)]
+    for held in (before[:6] + after, before + after):  # held from 0.15 s, or from 0.2 s
+        (step,) = join_steps([*streams, trace(JOIN_LABEL, held, 64), new])
+        assert step.step_s == pytest.approx(0.04) and step.steady_streams == 3
+        assert join_steps([streams[0], trace(JOIN_LABEL, held, 64), new]) == []  # one gap
+    # With one token only, the second's bound is gone; the others still leave them out.
+    single = trace(JOIN_NEW_LABEL, [0.2405], 128, start_s=0.212)
+    assert join_steps([*streams, single])[0].step_s == pytest.approx(0.04)
+    assert join_steps([streams[0], trace(JOIN_LABEL, before[:6] + after, 64), single]) == []
 
 
 def test_a_batched_step_that_reads_faster_than_one_stream_says_why() -> None:

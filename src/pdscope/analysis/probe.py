@@ -8,6 +8,7 @@ turned into numbers.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -446,26 +447,20 @@ class JoinStep:
 def join_steps(traces: list[Trace]) -> list[JoinStep]:
     """The join check's steps, one per new prompt whose first token came while two or more of
     the streams decoded (between their first and last token), two of them read steadily: the
-    step carried all of those. In each, the join step is the longest of the gaps ending at
-    the three tokens nearest the new prompt's first one (a prefill step is longer than a
-    decode step, and a client may read either stream late) that began after the client
-    began to send the new prompt and before its first token came: no other step can hold its
-    prefill. The start has a slack of the stream's median gap (a server may schedule a
-    little after it sends a token). Not the time the request was written: a loaded client
-    stamped that 0.9 ms after it read the token that began the step holding the prefill.
-    Against llama.cpp on a loaded host, a stall of 158 ms just before a 128-token prompt was
-    sent was the longest gap, read as a 158 ms join step where llama.cpp timed the prompt at
-    17 ms and the gap after the stall at 18; and a stream whose text was held back for 300 ms
-    gave only gaps from before the send or after the first token (tests/test_probe.py). A
-    stream left with no such gap, or read in bursts, counts among the step's decodes but
-    gives no gap (see :func:`joint_decode`). Two new prompts whose first tokens came within
-    half a step of each other are left out (one step may have carried both), and so is a new
-    prompt of unknown length."""
+    step carried all of those. In each stream, the join step is the gap ending at the token
+    sampled with the new prompt's first (:func:`_join_token`, which says how it is found and
+    when a stream has none). A stream with none, or read in bursts, counts among the step's
+    decodes but gives no gap (see :func:`joint_decode`). Two new prompts whose first tokens
+    came within half a step of each other are left out (one step may have carried both),
+    and so is a new prompt of unknown length."""
     streams = [t for t in traces if t.ok and t.label == JOIN_LABEL and t.streamed]
     news = [t for t in traces if t.ok and t.label == JOIN_NEW_LABEL and t.chunks]
     out = []
     for new in news:
         first, prompt = new.chunks[0].t_s, _prompt_tokens(new)
+        # the last token the client read before it began the request
+        read = [c.t_s for t in streams for c in t.chunks if c.t_s <= new.start_s]
+        read_before = max(read, default=-math.inf)
         gaps: list[float] = []
         contexts: list[int] = []
         rest: list[float] = []
@@ -474,15 +469,7 @@ def join_steps(traces: list[Trace]) -> list[JoinStep]:
             if not times[0] < first <= times[-1]:
                 continue  # not decoding then
             near = min(range(len(times)), key=lambda k: abs(times[k] - first))
-            slack = median([b - a for a, b in itertools.pairwise(times)]) or 0.0
-            began_in_span = [
-                k
-                for k in (near - 1, near, near + 1)
-                if 1 <= k < len(times)
-                and times[k - 1] < first
-                and times[k - 1] >= new.start_s - slack
-            ]
-            i = max(began_in_span, key=lambda k: times[k] - times[k - 1], default=None)
+            i = _join_token(times, new, near, read_before)
             # token i's step reads prompt + i
             contexts.append((_prompt_tokens(t) or 0) + (near if i is None else i))
             if t.read_in_bursts or i is None:
@@ -497,6 +484,41 @@ def join_steps(traces: list[Trace]) -> list[JoinStep]:
             continue
         out.append(JoinStep(prompt, contexts, step_s, median(rest) if rest else None, len(gaps)))
     return out
+
+
+def _join_token(times: list[float], new: Trace, near: int, read_before_s: float) -> int | None:
+    """The index of a stream's token sampled in the step that ran ``new``'s prefill, or None
+    where no gap of the stream can be that step. ``times``: the stream's chunk times;
+    ``near``: its token nearest ``new``'s first; ``read_before_s``: the last token the client
+    read, of any join stream, before it began ``new``'s request.
+
+    The longest of the gaps ending at the three tokens nearest the first one (a prefill step
+    is longer than a decode step, and the client may read either token late: the new
+    prompt's first 4 ms after the streams' of its step, against llama.cpp on a loaded host),
+    where the gap
+    - began at or after ``read_before_s``, less the stream's median gap: the step holding
+      the prefill can begin no earlier than the server's last token before the request, and
+      where a server waits a while after a token, one sent just after it may join the next
+      step (the client's own delay to begin it can exceed a decode step);
+    - began before the first token;
+    - ended after the request began, and before the second token, plus that slack, where
+      there is one: it came a step later.
+    A stream whose text was held back around the join (llama.cpp sends no chunk for a token
+    that ends mid-character) has one gap over the whole span, and its neighbours lie before
+    or after the join: the rules leave them all out. (One held from 86 ms before the request
+    to 95 ms after the first token gave the gap after its hold, and the median of two
+    streams' gaps read 61 ms where llama.cpp timed the prompt at 121.)"""
+    first = new.chunks[0].t_s
+    slack = median([b - a for a, b in itertools.pairwise(times)]) or 0.0
+    ends_by = new.chunks[1].t_s + slack if len(new.chunks) > 1 else math.inf
+    candidates = [
+        k
+        for k in (near - 1, near, near + 1)
+        if 1 <= k < len(times)
+        and read_before_s - slack <= times[k - 1] < first
+        and new.start_s < times[k] <= ends_by
+    ]
+    return max(candidates, key=lambda k: times[k] - times[k - 1], default=None)
 
 
 def batch_decode(
