@@ -142,7 +142,13 @@ def test_probe_sweeps_and_joins_llamacpps_slots_as_llamacpp_counts(llamacpp_url:
     the join check sends fewer streams than SLOTS, so each joining prompt gets a slot at once.
     Its step, timed in the decoding streams, holds llama.cpp's own prompt time for that prompt
     (its timings' prompt_ms) and little more: the step also carried 1-3 decodes (a few ms
-    here), and a loaded client may read a stream late."""
+    here), and a loaded client may read a stream late. Not much less: in 6 of 50 quiet
+    probes (2 of 15 on the code before session 40's join changes, 4 of 35 after), the
+    128-token prompt's step read 0.61-0.80 of prompt_ms, its processing spread over two
+    gaps (6.4 and 3.6 ms against 8.4); a decode step, the wrong gap, reads ~0.2. Seed 3:
+    both joining prompts' first tokens come with text (with seed 2 the 128-token prompt's
+    2 tokens came in 1 chunk, so which token it was is unknown and the probe times no step
+    for it)."""
     r = asyncio.run(
         probe(
             ProbeSettings(
@@ -153,15 +159,19 @@ def test_probe_sweeps_and_joins_llamacpps_slots_as_llamacpp_counts(llamacpp_url:
                 batch_streams=2 * SLOTS,
                 batch_sweep=[2, 32],
                 batch_context_tokens=0,
-                seed=2,
+                seed=3,
             )
         )
     )
-    assert [p["decoding_together"] for p in r["batch_sweep"]] == [2]
+    (point,) = r["batch_sweep"]
+    # 2, unless the client got a stream whole or in bursts (5 of 60 probes beside a busy
+    # process read 1, each with one stream whole): the point then says so
+    assert point["decoding_together"] == 2 or point["one_read_streams"] + point["bursty_streams"]
     assert r["settings"]["batch_sweep_skipped"] == [32]
     assert not any(t["label"] == "batch-decode x32" for t in r["traces"])
     joins = r["prefill_join"]
-    assert joins, r["notes"]
+    # none only where the client read the join's streams in bursts (4 of 60 loaded probes)
+    assert joins or any(n.startswith("join check: the client read") for n in r["notes"])
     new = {
         t["prompt_tokens"]: t["server"]["llamacpp"]["prompt_ms"]
         for t in r["traces"]
@@ -170,7 +180,7 @@ def test_probe_sweeps_and_joins_llamacpps_slots_as_llamacpp_counts(llamacpp_url:
     for j in joins:
         assert 2 <= j["decoding_together"] < SLOTS
         prompt_ms = new[j["prompt_tokens"]]
-        assert 0.9 * prompt_ms <= j["step_ms"] <= 1.5 * prompt_ms + 10.0, (j, prompt_ms)
+        assert 0.5 * prompt_ms <= j["step_ms"] <= 1.5 * prompt_ms + 10.0, (j, prompt_ms)
 
 
 def test_bench_counts_what_llamacpp_counted(llamacpp_url: str) -> None:

@@ -1521,6 +1521,11 @@ def test_the_join_step_is_the_gap_that_can_hold_the_prefill() -> None:
         (step,) = join_steps([*streams, trace(JOIN_LABEL, held, 64), new])
         assert step.step_s == pytest.approx(0.04) and step.steady_streams == 3
         assert join_steps([streams[0], trace(JOIN_LABEL, held, 64), new]) == []  # one gap
+    # The server counted 2 tokens and the client got 1 chunk: the first token's text may
+    # have been held back, and the chunk be the second's, a step late. No step is read.
+    ambiguous = trace(JOIN_NEW_LABEL, [0.2505], 128, start_s=0.212)
+    ambiguous.output_tokens = 2
+    assert join_steps([*streams, ambiguous]) == []
     # With one token only, the second's bound is gone; the others still leave them out.
     single = trace(JOIN_NEW_LABEL, [0.2405], 128, start_s=0.212)
     assert join_steps([*streams, single])[0].step_s == pytest.approx(0.04)

@@ -447,14 +447,27 @@ class JoinStep:
 def join_steps(traces: list[Trace]) -> list[JoinStep]:
     """The join check's steps, one per new prompt whose first token came while two or more of
     the streams decoded (between their first and last token), two of them read steadily: the
-    step carried all of those. In each stream, the join step is the gap ending at the token
-    sampled with the new prompt's first (:func:`_join_token`, which says how it is found and
-    when a stream has none). A stream with none, or read in bursts, counts among the step's
-    decodes but gives no gap (see :func:`joint_decode`). Two new prompts whose first tokens
-    came within half a step of each other are left out (one step may have carried both),
-    and so is a new prompt of unknown length."""
+    step carried all of those, where its first chunk is its first token. In each stream,
+    the join step is the gap ending at the token sampled with the new prompt's first
+    (:func:`_join_token`, which says how it is found and when a stream has none). A stream
+    with none, or read in bursts, counts among the step's decodes but gives no gap (see
+    :func:`joint_decode`). Two new prompts whose first tokens came within half a step of
+    each other are left out (one step may have carried both), and so is a new prompt of
+    unknown length."""
     streams = [t for t in traces if t.ok and t.label == JOIN_LABEL and t.streamed]
-    news = [t for t in traces if t.ok and t.label == JOIN_NEW_LABEL and t.chunks]
+    # A new prompt whose server counted more tokens than it sent chunks may have had its
+    # first token's text held back (llama.cpp sends no chunk then): its first chunk can be
+    # its second token, a step late, and the gaps near it the steps after the prefill's.
+    # (A random model's 128-token prompt sent 1 chunk for its 2 tokens in every one of 30
+    # probes against llama.cpp: the same prompt, the same tokens.)
+    news = [
+        t
+        for t in traces
+        if t.ok
+        and t.label == JOIN_NEW_LABEL
+        and t.chunks
+        and (t.output_tokens is None or t.output_tokens <= len(t.chunks))
+    ]
     out = []
     for new in news:
         first, prompt = new.chunks[0].t_s, _prompt_tokens(new)

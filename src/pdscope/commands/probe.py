@@ -761,7 +761,8 @@ async def probe(
             "the client; two read steadily are needed)"
             if len(join) - bursty < 2
             else "no new prompt's first token came while two or more of the streams decoded "
-            "(they ended first, or the server queued it)"
+            "with a gap that could hold its prefill (they ended first, the server queued "
+            "it, or their text was held back around it)"
         )
         notes.append(f"join check: {why}: no prefill step was timed inside a batch")
     if prober.kept_unread:
