@@ -339,8 +339,8 @@ def test_the_join_check_sends_on_the_streams_progress(medium_server: Server) -> 
     """The batched check's step sizes the join check's window, but no longer times its
     sends: there, it once read 3.6x the join streams' own step (llama.cpp's 4 slots carrying
     8 streams, a loaded host), and both prompts went out after the streams had ended. Here
-    the reference says 50 ms a step, many times this server's: a plan from it would send
-    the first prompt 2.5 s in, long after the streams' 200 tokens; sent on the streams'
+    the reference says 100 ms a step, many times this server's: a plan from it would send
+    the first prompt 5 s in, long after the streams' 200 tokens; sent on the streams'
     count, it joins them."""
     from pdscope.analysis.probe import JOIN_LABEL, JOIN_NEW_LABEL, join_steps
     from pdscope.client.detect import detect
@@ -353,8 +353,8 @@ def test_the_join_check_sends_on_the_streams_progress(medium_server: Server) -> 
             model = runtime.pick_model(None)
             prober = Prober(s, client, runtime, model, lambda label: None, streams)
             ref = Trace("openai-completions", s.url, "m", label="batch-decode", start_s=0.0)
-            ref.chunks = [Chunk(0.05 * (k + 1), "x") for k in range(20)]
-            ref.end_s, ref.output_tokens = 1.0, 20
+            ref.chunks = [Chunk(0.1 * (k + 1), "x") for k in range(20)]
+            ref.end_s, ref.output_tokens = 2.0, 20
             prober.traces.append(ref)
             await prober.join(3)
             return prober.traces[1:]
@@ -365,7 +365,8 @@ def test_the_join_check_sends_on_the_streams_progress(medium_server: Server) -> 
     first = min((t for t in traces if t.label == JOIN_NEW_LABEL), key=lambda t: t.start_s)
     streams = [t for t in traces if t.label == JOIN_LABEL]
     assert all(t.chunks[0].t_s < first.chunks[0].t_s < t.chunks[-1].t_s for t in streams)
-    assert join_steps(traces) or all(t.read_in_bursts for t in streams)
+    if sum(not t.read_in_bursts for t in streams) >= 2:  # else the client read in bursts
+        assert join_steps(traces)
 
 
 def test_the_batch_sweep_stops_where_the_server_carries_fewer(
@@ -398,9 +399,12 @@ def test_the_batch_sweep_stops_where_the_server_carries_fewer(
     assert r["settings"]["batch_sweep_skipped"] == [16]
     assert [p["streams"] for p in r["batch_sweep"]] == [2]
     # The join check's streams: fewer than the most seen decoding at once, so each new
-    # prompt finds a free sequence (3 where the client read the batch well)
+    # prompt finds a free sequence (3 where the client read the batch well; none, with a
+    # note, where it saw 2 at most)
     together = max(p["decoding_together"] or 0 for p in [batch, *r["batch_sweep"]])
-    assert sum(t["label"] == "prefill-join" for t in r["traces"]) == together - 1
+    joined = sum(t["label"] == "prefill-join" for t in r["traces"])
+    assert joined == (together - 1 if together >= 3 else 0)
+    assert joined or any(n.startswith("join check: not run") for n in r["notes"])
     assert not any(t["label"] == "batch-decode x16" for t in r["traces"])
     assert any("batch sweep: 16 streams not sent" in note for note in r["notes"])
 
@@ -1526,10 +1530,9 @@ def test_the_join_step_is_the_gap_that_can_hold_the_prefill() -> None:
     ambiguous = trace(JOIN_NEW_LABEL, [0.2505], 128, start_s=0.212)
     ambiguous.output_tokens = 2
     assert join_steps([*streams, ambiguous]) == []
-    # With one token only, the second's bound is gone; the others still leave them out.
+    # One token, one chunk: nothing bounds the join step's end; no step is read.
     single = trace(JOIN_NEW_LABEL, [0.2405], 128, start_s=0.212)
-    assert join_steps([*streams, single])[0].step_s == pytest.approx(0.04)
-    assert join_steps([streams[0], trace(JOIN_LABEL, before[:6] + after, 64), single]) == []
+    assert join_steps([*streams, single]) == []
 
 
 def test_a_batched_step_that_reads_faster_than_one_stream_says_why() -> None:

@@ -447,7 +447,8 @@ class JoinStep:
 def join_steps(traces: list[Trace]) -> list[JoinStep]:
     """The join check's steps, one per new prompt whose first token came while two or more of
     the streams decoded (between their first and last token), two of them read steadily: the
-    step carried all of those, where its first chunk is its first token. In each stream,
+    step carried all of those, where each of its tokens came in a chunk of its own (two at
+    least: the second bounds the step's end). In each stream,
     the join step is the gap ending at the token sampled with the new prompt's first
     (:func:`_join_token`, which says how it is found and when a stream has none). A stream
     with none, or read in bursts, counts among the step's decodes but gives no gap (see
@@ -455,34 +456,29 @@ def join_steps(traces: list[Trace]) -> list[JoinStep]:
     each other are left out (one step may have carried both), and so is a new prompt of
     unknown length."""
     streams = [t for t in traces if t.ok and t.label == JOIN_LABEL and t.streamed]
-    # A new prompt whose server counted more tokens than it sent chunks may have had its
-    # first token's text held back (llama.cpp sends no chunk then): its first chunk can be
-    # its second token, a step late, and the gaps near it the steps after the prefill's.
-    # (A random model's 128-token prompt sent 1 chunk for its 2 tokens in every one of 30
-    # probes against llama.cpp: the same prompt, the same tokens.)
-    news = [
-        t
-        for t in traces
-        if t.ok
-        and t.label == JOIN_NEW_LABEL
-        and t.chunks
-        and (t.output_tokens is None or t.output_tokens <= len(t.chunks))
-    ]
+    sent = [t for t in traces if t.ok and t.label == JOIN_NEW_LABEL and t.chunks]
+    # Timed only where each of a new prompt's tokens came in a chunk of its own. Where the
+    # server counted more tokens than chunks, the first token's text may have been held back
+    # (llama.cpp sends no chunk then), and the first chunk be the second token's, a step
+    # late, the gaps near it the steps after the prefill's: a random model's 128-token
+    # prompt sent 1 chunk for its 2 tokens in every one of 60 probes against llama.cpp (the
+    # same prompt, the same tokens). A second chunk bounds the join step's end.
+    news = [t for t in sent if len(t.chunks) >= max(t.output_tokens or 0, 2)]
     out = []
     for new in news:
-        first, prompt = new.chunks[0].t_s, _prompt_tokens(new)
+        first_s, prompt = new.chunks[0].t_s, _prompt_tokens(new)
         # the last token the client read before it began the request
-        read = [c.t_s for t in streams for c in t.chunks if c.t_s <= new.start_s]
-        read_before = max(read, default=-math.inf)
+        read_s = [c.t_s for t in streams for c in t.chunks if c.t_s <= new.start_s]
+        read_before_s = max(read_s, default=-math.inf)
         gaps: list[float] = []
         contexts: list[int] = []
         rest: list[float] = []
         for t in streams:
             times = [c.t_s for c in t.chunks]
-            if not times[0] < first <= times[-1]:
+            if not times[0] < first_s <= times[-1]:
                 continue  # not decoding then
-            near = min(range(len(times)), key=lambda k: abs(times[k] - first))
-            i = _join_token(times, new, near, read_before)
+            near = min(range(len(times)), key=lambda k: abs(times[k] - first_s))
+            i = _join_token(times, new, near, read_before_s)
             # token i's step reads prompt + i
             contexts.append((_prompt_tokens(t) or 0) + (near if i is None else i))
             if t.read_in_bursts or i is None:
@@ -493,7 +489,8 @@ def join_steps(traces: list[Trace]) -> list[JoinStep]:
             continue
         step_s = median(gaps)
         assert step_s is not None
-        if any(abs(o.chunks[0].t_s - first) < step_s / 2 for o in news if o is not new):
+        # against every prompt sent, timed or not: one step may have carried both
+        if any(abs(o.chunks[0].t_s - first_s) < step_s / 2 for o in sent if o is not new):
             continue
         out.append(JoinStep(prompt, contexts, step_s, median(rest) if rest else None, len(gaps)))
     return out
@@ -502,8 +499,9 @@ def join_steps(traces: list[Trace]) -> list[JoinStep]:
 def _join_token(times: list[float], new: Trace, near: int, read_before_s: float) -> int | None:
     """The index of a stream's token sampled in the step that ran ``new``'s prefill, or None
     where no gap of the stream can be that step. ``times``: the stream's chunk times;
-    ``near``: its token nearest ``new``'s first; ``read_before_s``: the last token the client
-    read, of any join stream, before it began ``new``'s request.
+    ``new``: a prompt with two chunks at least; ``near``: the stream's token nearest its
+    first; ``read_before_s``: the last token the client read, of any join stream, before it
+    began ``new``'s request.
 
     The longest of the gaps ending at the three tokens nearest the first one (a prefill step
     is longer than a decode step, and the client may read either token late: the new
@@ -514,22 +512,22 @@ def _join_token(times: list[float], new: Trace, near: int, read_before_s: float)
       where a server waits a while after a token, one sent just after it may join the next
       step (the client's own delay to begin it can exceed a decode step);
     - began before the first token;
-    - ended after the request began, and before the second token, plus that slack, where
-      there is one: it came a step later.
+    - ended after the request began, and before the second token (which came a step later),
+      plus that median gap.
     A stream whose text was held back around the join (llama.cpp sends no chunk for a token
     that ends mid-character) has one gap over the whole span, and its neighbours lie before
-    or after the join: the rules leave them all out. (One held from 86 ms before the request
+    or after the join: the rules leave them all out, but for a hold of the join token alone,
+    whose gap holds the step after the join's too. (One held from 86 ms before the request
     to 95 ms after the first token gave the gap after its hold, and the median of two
     streams' gaps read 61 ms where llama.cpp timed the prompt at 121.)"""
-    first = new.chunks[0].t_s
-    slack = median([b - a for a, b in itertools.pairwise(times)]) or 0.0
-    ends_by = new.chunks[1].t_s + slack if len(new.chunks) > 1 else math.inf
+    first_s, second_s = new.chunks[0].t_s, new.chunks[1].t_s
+    slack_s = median([b - a for a, b in itertools.pairwise(times)]) or 0.0
     candidates = [
         k
         for k in (near - 1, near, near + 1)
         if 1 <= k < len(times)
-        and read_before_s - slack <= times[k - 1] < first
-        and new.start_s < times[k] <= ends_by
+        and read_before_s - slack_s <= times[k - 1] < first_s
+        and new.start_s < times[k] <= second_s + slack_s
     ]
     return max(candidates, key=lambda k: times[k] - times[k - 1], default=None)
 

@@ -179,6 +179,7 @@ class Prober:
         self.skipped_sizes: list[int] = []  # batch sweep sizes over what the server carried
         self.join_ran = False  # the join check sent its streams
         self.together = 0  # the most streams the batched checks saw decoding at once
+        self.join_skipped: str | None = None  # why the join check sent nothing
         self.join_streams: int | None = None  # how many it sends (None: not decided yet)
         self.kept_unread = 0  # unread responses kept as they came: no resend was left
         self.on_total: Callable[[int], None] | None = None  # told the requests planned, anew
@@ -311,13 +312,15 @@ class Prober:
         prompt costs the streams already running, and is what `simulate --calibrate` fits a
         prefill step's own cost from (a prompt timed alone holds it together with the HTTP
         time outside any step). Each prompt is sent a quarter further into the streams'
-        decode, counted in the tokens the streams have delivered (a time planned from the
-        batched check's step sent both prompts after the streams had ended in 3 of 14 runs
-        against llama.cpp beside a busy process: in one, that check's mean gap read 3.6x the
-        streams' own). The decode lasts JOIN_WINDOW_S at least
-        by the batched check's step (a tiny model's steps of a fraction of a ms would end
-        before a prompt's HTTP request reached the server), as far as the context allows (and
-        JOIN_MAX_OUTPUT tokens). ``streams``: how many decode (2 at least, or none)."""
+        decode, counted in the chunks the furthest stream has delivered (the tokens asked,
+        times the batched check's chunks per token: a server may send several tokens in a
+        chunk, or none for a token whose text it holds back). A time planned from the batched
+        check's step sent both prompts after the streams had ended in 3 of 14 runs against
+        llama.cpp beside a busy process: in one, that check's mean gap read 3.6x the
+        streams' own. The decode lasts JOIN_WINDOW_S at least by the batched check's step (a
+        tiny model's steps of a fraction of a ms would end before a prompt's HTTP request
+        reached the server), as far as the context allows (and JOIN_MAX_OUTPUT tokens).
+        ``streams``: how many decode (2 at least, or none)."""
         self.join_ran = streams >= 2
         ref = [t for t in self.traces if t.label == "batch-decode" and t.ok and t.streamed]
         ttft = median([t.ttft_s for t in ref if t.ttft_s is not None])
@@ -326,6 +329,12 @@ class Prober:
         step = sum(gaps) / len(gaps) if gaps else 0.0
         if ttft is None or not step > 0 or streams < 2:
             self.join_ran = False
+            self.join_skipped = (
+                f"the batched checks saw {max(streams + 1, 0)} streams decoding at once at "
+                "most: no room for a prompt beside two"
+                if streams < 2
+                else "the batched check read no step to size its window from"
+            )
             streams = 0
         if streams != self.s.batch_streams:
             self.join_streams = streams  # fewer than planned: the progress total follows
@@ -341,6 +350,8 @@ class Prober:
         if self.max_len:
             out = max(1, min(out, self.max_len - short - 32))
 
+        tokens = sum(t.n_output or len(t.chunks) for t in ref)
+        chunks_per_token = sum(len(t.chunks) for t in ref) / tokens
         delivered = [0] * streams  # chunks each stream has delivered so far
         ended = [False] * streams
         moved = asyncio.Event()
@@ -354,14 +365,16 @@ class Prober:
 
         async def stream(i: int) -> None:
             try:
-                await self.send(prompts[i], short, JOIN_LABEL, out, False, progress=seen(i))
+                await self.send(
+                    prompts[i], short, JOIN_LABEL, out, count_hits=False, progress=seen(i)
+                )
             finally:
                 ended[i] = True
                 moved.set()
 
         async def joiner(k: int) -> None:
-            # bounded: every stream ends, and then it is sent at once
-            target = out * (k + 1) / (len(sizes) + 2)
+            # bounded: every stream ends, and then it is sent at once; never two at once
+            target = max(k + 1, out * (k + 1) / (len(sizes) + 2) * chunks_per_token)
             while max(delivered) < target and not all(ended):
                 moved.clear()
                 await moved.wait()
@@ -753,6 +766,8 @@ async def probe(
             f"batch sweep: {', '.join(map(str, prober.skipped_sizes))} streams not sent: the "
             "server decoded fewer streams at once than an earlier batch sent it"
         )
+    if prober.join_skipped:
+        notes.append(f"join check: not run: {prober.join_skipped}")
     if prober.join_ran and not result.get("prefill_join"):
         join = [t for t in prober.traces if t.label == JOIN_LABEL and t.ok and t.streamed]
         bursty = sum(t.read_in_bursts for t in join)
