@@ -448,13 +448,12 @@ def join_steps(traces: list[Trace]) -> list[JoinStep]:
     """The join check's steps, one per new prompt whose first token came while two or more of
     the streams decoded (between their first and last token), two of them read steadily: the
     step carried all of those, where each of its tokens came in a chunk of its own (two at
-    least: the second bounds the step's end). In each stream,
-    the join step is the gap ending at the token sampled with the new prompt's first
-    (:func:`_join_token`, which says how it is found and when a stream has none). A stream
-    with none, or read in bursts, counts among the step's decodes but gives no gap (see
-    :func:`joint_decode`). Two new prompts whose first tokens came within half a step of
-    each other are left out (one step may have carried both), and so is a new prompt of
-    unknown length."""
+    least: the second bounds the step's end). In each stream, the join step is the gap
+    ending at the token sampled with the new prompt's first (:func:`_join_token`, which says
+    how it is found and when a stream has none). A stream with none, or read in bursts,
+    counts among the step's decodes but gives no gap (see :func:`joint_decode`). Two new
+    prompts whose first tokens came within half a step of each other are left out (one step
+    may have carried both), and so is a new prompt of unknown length."""
     streams = [t for t in traces if t.ok and t.label == JOIN_LABEL and t.streamed]
     sent = [t for t in traces if t.ok and t.label == JOIN_NEW_LABEL and t.chunks]
     # Timed only where each of a new prompt's tokens came in a chunk of its own. Where the
