@@ -337,8 +337,8 @@ def assert_joined_on_progress(traces: list[dict]) -> None:
 
 def test_the_join_check_sends_on_the_streams_progress(medium_server: Server) -> None:
     """The batched check's step sizes the join check's window, but no longer times its
-    sends: there, it once read 3.6x the join streams' own step (llama.cpp's 4 slots carrying
-    8 streams, a loaded host), and both prompts went out after the streams had ended. Here
+    sends: against llama.cpp beside a busy process its mean gap once read 3.6x the join
+    streams' own step, and both prompts went out after the streams had ended. Here
     the reference says 100 ms a step, many times this server's: a plan from it would send
     the first prompt 5 s in, long after the streams' 200 tokens; sent on the streams'
     count, it joins them."""
@@ -1453,6 +1453,16 @@ def test_a_server_carried_fewer_only_when_clearly_fewer() -> None:
     assert [carried_fewer(c, n) for c, n in ((7, 8), (8, 8), (0, 8), (1, 2))] == [False] * 4
 
 
+def join_trace(label: str, times: list[float], prompt: int, start_s: float = 0.0) -> Trace:
+    """A join check's trace: one token a chunk at ``times``, the request begun at ``start_s``."""
+    return Trace(
+        "openai-completions", "u", "m", label=label, prompt_tokens_asked=prompt,
+        prompt_tokens=prompt, output_tokens=len(times), max_tokens=len(times),
+        start_s=start_s, end_s=times[-1], chunks=[Chunk(t, "x") for t in times],
+        cached_tokens=0,
+    )  # fmt: skip
+
+
 def test_a_prompt_joining_decoding_streams_is_timed_in_their_step() -> None:
     """Streams decoding at 10 ms a step; a 128-token prompt's first token comes at the end of
     a 40 ms step they shared. The join step is the longest gap near it (a stream read 1 ms
@@ -1460,12 +1470,7 @@ def test_a_prompt_joining_decoding_streams_is_timed_in_their_step() -> None:
     two prompts whose first tokens came in one step are left out."""
     from pdscope.analysis.probe import JOIN_LABEL, JOIN_NEW_LABEL, join_steps
 
-    def trace(label: str, times: list[float], prompt: int) -> Trace:
-        return Trace(
-            "openai-completions", "u", "m", label=label, prompt_tokens_asked=prompt,
-            prompt_tokens=prompt, output_tokens=len(times), max_tokens=len(times), start_s=0.0,
-            end_s=times[-1], chunks=[Chunk(t, "x") for t in times], cached_tokens=0,
-        )  # fmt: skip
+    trace = join_trace
 
     def stream(late_s: float = 0.0, until: int = 30) -> Trace:
         times = [0.1 + 0.01 * k for k in range(11)]  # tokens 0..10, the 10th at 0.2 s
@@ -1503,14 +1508,7 @@ def test_the_join_step_is_the_gap_that_can_hold_the_prefill() -> None:
     whether its hold began long before the request or just before it."""
     from pdscope.analysis.probe import JOIN_LABEL, JOIN_NEW_LABEL, join_steps
 
-    def trace(label: str, times: list[float], prompt: int, start_s: float = 0.0) -> Trace:
-        return Trace(
-            "openai-completions", "u", "m", label=label, prompt_tokens_asked=prompt,
-            prompt_tokens=prompt, output_tokens=len(times), max_tokens=len(times),
-            start_s=start_s, end_s=times[-1], chunks=[Chunk(t, "x") for t in times],
-            cached_tokens=0,
-        )  # fmt: skip
-
+    trace = join_trace
     before = [0.1 + 0.01 * k for k in range(11)]  # tokens 0..10, the 10th at 0.2 s
     times = before + [0.24 + 0.01 * k for k in range(20)]
     streams = [trace(JOIN_LABEL, times, 64) for _ in range(3)]
