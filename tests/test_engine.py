@@ -16,6 +16,7 @@ from pdscope import LLM, SamplingParams
 from pdscope.checkpoint.make_model import make_model
 from pdscope.engine import native
 from pdscope.engine.kernels import parse_kernels
+from pdscope.engine.model import Linear
 from tests.conftest import OTHER_BUILDS, build_for
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -28,7 +29,8 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 # decode math too. threads=bound changes where the threads run, not what they compute; it is
 # in one row of each so that pinning is exercised under every scheduling mode. batch_linear=c
 # and pairs (bf16 matmuls of 2-32 rows through the many-row C kernel or the pairs copies) run
-# their prefill in chunks of 24 tokens, so that the logits pass through them (counted below).
+# their prefill in chunks of 24 tokens, so that the logits pass through them (counted below);
+# big_batch_linear=pairs (33-64 rows through the copies) in chunks of 40.
 FLOAT32_PATHS = [
     "linear=plain,prefill_attention=blocked,decode_ops=torch",
     "linear=c,prefill_attention=sdpa,decode_ops=c,threads=bound",
@@ -52,6 +54,10 @@ BF16_PATHS = [
     # single rows through the copies as two streams a thread, batched rows too
     "linear=pairs2,batch_linear=pairs,prefill_attention=c,decode_math=native,decode_ops=c,"
     "decode_prefetch=every",
+    # rows of 33-64 (the 40-row chunks below, padded to 48) through the copies, 2-32 (the last
+    # chunk's 20) through the many-row kernel
+    "linear=pairs2,batch_linear=c,big_batch_linear=pairs,prefill_attention=sdpa,"
+    "decode_math=native,decode_ops=c",
     # every matmul of 12 rows or more widened to float32 (what an AVX2-only CPU runs), single
     # rows through the C kernel
     "linear=c,batch_linear=packed,matmul_math=float32,prefill_attention=sdpa,"
@@ -82,7 +88,8 @@ def _amx_or_skip(kernels: str) -> dict[str, int]:
 
 
 def _pairs_or_skip(kernels: str) -> None:
-    """For the linear=pairs and batch_linear=pairs rows (both hold the text "linear=pairs"):
+    """For the linear=pairs, batch_linear=pairs and big_batch_linear=pairs rows (all hold the
+    text "linear=pairs"):
     skip where the C kernels lack the pairs kernels (AVX-512 BF16 or AVX2, one row or
     several)."""
     if "linear=pairs" not in kernels:
@@ -93,7 +100,7 @@ def _pairs_or_skip(kernels: str) -> None:
     ops = native.load(default_cache_dir() / "native")
     if ops is None or not ops.pairs:
         pytest.skip("no AVX-512 BF16 or AVX2 in this build of the C kernels")
-    if "batch_linear=pairs" in kernels and not ops.pairs_rows:
+    if "batch_linear=pairs" in kernels and not ops.pairs_rows:  # big_batch_linear's too
         pytest.skip("no kernel for several rows in this build of the C kernels")
 
 
@@ -271,6 +278,7 @@ def test_bfloat16_logits_match_transformers(
 
     paths = parse_kernels(kernels)
     many = paths["batch_linear"] in ("c", "pairs")
+    big_forced = paths.get("big_batch_linear") == "pairs"
     c_linear = paths["linear"] in ("c", "amx", "pairs", "pairs2")
     llm = LLM(
         model=str(path),
@@ -278,9 +286,13 @@ def test_bfloat16_logits_match_transformers(
         kv_cache_memory="8MiB",
         block_size=4,
         kernels=kernels,
-        max_num_batched_tokens=24 if many else 2048,
+        max_num_batched_tokens=40 if big_forced else 24 if many else 2048,
     )
     model = llm.engine.runner.model
+    # rows that leave big_batch_linear to the trial: what it chose here (no step has 33-64
+    # rows in them, but its copies are made)
+    big = llm.engine.kernels.big_batch_linear == "pairs"
+    assert big or not big_forced
     assert other is None or model.native is other
     if can_pack(torch.bfloat16, torch.device("cpu")):
         packed = "linear=plain" not in kernels  # linear=c packs for matmuls over one row
@@ -293,7 +305,8 @@ def test_bfloat16_logits_match_transformers(
     pair_rows = paths["linear"] in ("pairs", "pairs2")
     many_pairs = paths["batch_linear"] == "pairs"
     # every weight here has a shape the copy takes
-    assert all((m.pairs is not None) == (pair_rows or many_pairs) for m in linears)
+    assert all((m.pairs is not None) == (pair_rows or many_pairs or big) for m in linears)
+    assert all((m.big_batch is not None) == big for m in linears)
     assert all(m.pair_streams == (2 if paths["linear"] == "pairs2" else 8) for m in linears)
     assert all(m.many_pairs == many_pairs for m in linears)
     # matmul_math=float32 with batch_linear=packed: rows below WIDEN_MIN_ROWS still take C
@@ -314,6 +327,7 @@ def test_bfloat16_logits_match_transformers(
     # (linear=amx, which hands them to the same kernel through the modules' `native`).
     many_kernel = "linear_pairs" if many_pairs else "linear_many"
     many_calls = _count_calls(linears, "native_many", many_kernel) if many else [0]
+    big_calls = _count_calls(linears, "big_batch", "linear_pairs") if big else [0]
     amx_rows = paths["linear"] == "amx"
     one_row_calls = _count_calls(linears, "native", "linear_many") if amx_rows else [0]
     # linear=pairs: the prefill's last row through the LM head (decode steps run in one call)
@@ -365,6 +379,7 @@ def test_bfloat16_logits_match_transformers(
     assert plain_calls[0] == (4 * len(model.layers) if unsplit else 0)
     # the chunks' matmuls went through the many-row kernel (or the copies)
     assert (many_calls[0] > 0) == many
+    assert (big_calls[0] > 0) == big_forced  # the 40-row chunks
     assert (one_row_calls[0] > 0) == amx_rows  # decode rows on the tiles
     assert (pair_calls[0] > 0) == pair_rows
     assert (paged_calls[0] > 0) == amx
@@ -800,6 +815,81 @@ def test_the_one_call_step_shares_every_kernel_over_its_team_bit_for_bit(
     assert fused_tokens == tokens
 
 
+@pytest.mark.parametrize(
+    "kernels",
+    [
+        "linear=pairs2,batch_linear=pairs,big_batch_linear=pairs",
+        # the copies made for this path alone: the rows around it on oneDNN and the C kernel
+        "linear=c,batch_linear=c,big_batch_linear=pairs",
+        "linear=packed,batch_linear=packed,big_batch_linear=pairs",
+    ],
+)
+@pytest.mark.parametrize("build", ["engine", "x86-64-v3"])
+def test_decode_batches_of_33_to_64_rows_take_the_copies_in_one_call_bit_for_bit(
+    tmp_path: Path,
+    kernels: str,
+    build: str,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """big_batch_linear=pairs: a decodes-only step of 40 sequences (five row tiles of 8 in
+    AVX-512 BF16, eight of 5 in AVX2) runs in one C call on a team of 2 threads, with the per-
+    kernel path's logits and greedy tokens bit for bit; both read the copies (counted), and
+    their logits stay within a bf16 step of the same steps on oneDNN (big_batch_linear=onednn).
+    """
+    other = _use_build(build, request, monkeypatch, tmp_path)
+    _pairs_or_skip(kernels)
+    path = make_model(
+        tmp_path / "wide", "tiny", dtype="bfloat16", hidden_size=512, intermediate_size=1408,
+        num_attention_heads=8, num_key_value_heads=1, vocab_size=16384,
+    )  # fmt: skip
+    rng = torch.Generator().manual_seed(0)
+    batch = [torch.randint(10, 16000, (5 + i % 7,), generator=rng).tolist() for i in range(40)]
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    runs: dict[str, tuple[list[torch.Tensor], list[list[int]]]] = {}
+    try:
+        for big in ("pairs", "onednn"):
+            llm = LLM(
+                model=str(path), dtype="bfloat16", kv_cache_memory="32MiB", block_size=16,
+                kernels=kernels.replace("big_batch_linear=pairs", f"big_batch_linear={big}")
+                + ",prefill_attention=sdpa,decode_ops=c",
+                enable_prefix_caching=False, max_num_seqs=64,
+            )  # fmt: skip
+            model = llm.engine.runner.model
+            ops = model.native
+            assert ops is not None and (other is None or ops is other)
+            linears = [m for m in model.modules() if isinstance(m, Linear)]
+            assert all((m.big_batch is not None) == (big == "pairs") for m in linears)
+            modes = (False, True) if big == "pairs" else (False,)
+            for fused in modes:
+                model.fuse_decode = model.fuse_logits = fused
+                one_calls = _count_calls([model], "native", "decode_logits")
+                copies = big == "pairs"
+                copy_calls = _count_calls(linears, "big_batch", "linear_pairs") if copies else [0]
+                llm.engine.runner.capture_logits = True
+                llm.engine.runner.captured = []
+                team_steps = ops.team_steps
+                tokens = [o.token_ids for o in llm.generate(batch, GREEDY)]
+                decodes = GREEDY.max_tokens - 1  # steps of 40 rows after the prefill
+                if fused:
+                    assert one_calls[0] == ops.team_steps - team_steps == decodes
+                elif big == "pairs":
+                    assert copy_calls[0] >= decodes * 4 * len(model.layers)
+                runs[f"{big}{' fused' if fused else ''}"] = (llm.engine.runner.captured, tokens)
+    finally:
+        torch.set_num_threads(saved)
+    (per_kernel, tokens), (one_call, fused_tokens) = runs["pairs"], runs["pairs fused"]
+    assert len(one_call) == len(per_kernel) == GREEDY.max_tokens
+    assert all(torch.equal(a, b) for a, b in zip(one_call, per_kernel, strict=True))
+    assert fused_tokens == tokens
+    # the prefill row (the same kernels' path in both) and the first decode step, whose
+    # inputs are the same tokens in both: one bf16 rounding apart at most
+    onednn, _ = runs["onednn"]
+    for a, b in zip(per_kernel[:2], onednn[:2], strict=True):
+        torch.testing.assert_close(a, b, atol=1.5e-2, rtol=1e-2)
+
+
 def test_a_tiny_models_step_keeps_a_region_per_kernel(tmp_path: Path) -> None:
     """Under 2 M matmul weights a layer (the tiny preset: 46 K) the one-call step runs no team:
     its kernels take microseconds, and a step would wait at its barriers more than it works."""
@@ -824,8 +914,13 @@ def test_a_tiny_models_step_keeps_a_region_per_kernel(tmp_path: Path) -> None:
         torch.set_num_threads(saved)
 
 
-ONE_CALL_KERNELS = "linear=c,batch_linear=c,prefill_attention=sdpa,decode_ops=c"
+# batches of 33-64 on oneDNN (out of the one call), whatever a trial would pick here
+ONE_CALL_KERNELS = (
+    "linear=c,batch_linear=c,big_batch_linear=onednn,prefill_attention=sdpa,decode_ops=c"
+)
 CHECKED = "batch 1 at 600 keys, batch 1 at 32 keys, batch 5 at 48 keys, batch 17 at 48 keys"
+# ... and through the pairs copies (in the one call): a fifth step checked
+BIG_ONE_CALL_KERNELS = ONE_CALL_KERNELS.replace("big_batch_linear=onednn", "big_batch_linear=pairs")
 
 
 @pytest.fixture
@@ -841,14 +936,15 @@ def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path / "cache"))
 
 
-@pytest.mark.parametrize("kernels", [ONE_CALL_KERNELS])
+@pytest.mark.parametrize("kernels", [ONE_CALL_KERNELS, BIG_ONE_CALL_KERNELS])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_engine_checks_its_one_call_step_at_load(
     tmp_path: Path, kernels: str, threads: int, own_cache: None,
     caplog: pytest.LogCaptureFixture,
 ) -> None:  # fmt: skip
     """At load the engine steps its model through the one C call and through a call per
-    kernel, at batch 1 (600 keys and 32), 5 and 17, and keeps the one call where the logits,
+    kernel, at batch 1 (600 keys and 32), 5 and 17 (and 41 where big_batch_linear takes the
+    copies into the one call), and keeps the one call where the logits,
     argmax and K/V writes agree bit for bit. On a model sized to take a team (2.75 M matmul
     weights a layer) at 2 threads the check's one-call steps run on the team, so a CPU whose
     team branches no test here runs (AMX tiles) is checked before it serves. A pass is cached:
@@ -862,6 +958,9 @@ def test_the_engine_checks_its_one_call_step_at_load(
     )  # fmt: skip
     ops = native.load(tmp_path)
     assert ops is not None
+    big = kernels == BIG_ONE_CALL_KERNELS
+    if big and not ops.pairs_rows:
+        pytest.skip("no pairs kernels for several rows in this build of the C kernels")
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     teamed = []
@@ -876,9 +975,11 @@ def test_the_engine_checks_its_one_call_step_at_load(
         torch.set_num_threads(saved)
     said = [r.getMessage() for r in caplog.records if "one-call decode step" in r.getMessage()]
     on = f"{threads} thread{'s' if threads > 1 else ''}"
-    assert said[0].endswith(f"bits at {CHECKED}, {on}" + said[0][said[0].rindex(" (") :])
+    checked = CHECKED + (", batch 41 at 48 keys" if big else "")
+    assert said[0].endswith(f"bits at {checked}, {on}" + said[0][said[0].rindex(" (") :])
     assert "checked in" in said[0] and said[1].endswith("(a pass cached)")
-    assert teamed == [4 if threads > 1 else 0, 0]  # one step a shape, then none
+    steps = 5 if big else 4
+    assert teamed == [steps if threads > 1 else 0, 0]  # one step a shape, then none
     text = generate_latest(EngineMetrics(llm.engine, "wide").registry).decode()
     assert 'decode_step="one_call"' in text
 
@@ -976,16 +1077,22 @@ def test_a_one_call_step_that_disagrees_is_switched_off(
 
 
 @pytest.mark.parametrize(
-    ("kernels", "rows"), [("linear=pairs", 1), ("linear=packed,batch_linear=pairs", 3)]
+    ("kernels", "rows"),
+    [
+        ("linear=pairs", 1),
+        ("linear=packed,batch_linear=pairs", 3),
+        ("linear=packed,batch_linear=packed,big_batch_linear=pairs", 40),
+    ],
 )
 def test_pairs_copies_follow_a_replaced_weight_and_are_dropped_with_the_path(
     tmp_path: Path, kernels: str, rows: int
 ) -> None:
-    """Under linear=pairs (or batch_linear=pairs) every weight the copy takes holds one (the
-    tied-away vocabulary of 1,000 is not a multiple of 16: that LM head keeps the C kernel); a
-    weight whose storage is replaced is copied anew before a single row (or a few) reads it,
-    so a row sees the new weight; and other linear choices free every copy."""
-    from pdscope.engine.model import Linear, apply_kernels
+    """Under linear=pairs (or batch_linear=pairs, or big_batch_linear=pairs: 33-64 rows) every
+    weight the copy takes holds one (the tied-away vocabulary of 1,000 is not a multiple of
+    16: that LM head keeps the C kernel); a weight whose storage is replaced is copied anew
+    before a single row (or a few, or 40) reads it, so a row sees the new weight; and other
+    linear choices free every copy."""
+    from pdscope.engine.model import apply_kernels
 
     _pairs_or_skip(kernels)
     path = make_model(tmp_path / "m", "tiny", dtype="bfloat16", vocab_size=1000)
@@ -994,7 +1101,11 @@ def test_pairs_copies_follow_a_replaced_weight_and_are_dropped_with_the_path(
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert model.lm_head.pairs is None
     assert all(m.pairs is not None for m in linears if m is not model.lm_head)
-    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]][:rows]
+    prompts = (
+        [[5, 6, 7], [8, 9], [10, 11, 12, 13]][:rows]
+        if rows <= 3
+        else [[5 + i, 6, 7] for i in range(rows)]
+    )
     before = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     proj = model.layers[0].mlp.down_proj
     x = torch.randn(rows, proj.in_features, generator=torch.Generator().manual_seed(0))
@@ -1009,7 +1120,9 @@ def test_pairs_copies_follow_a_replaced_weight_and_are_dropped_with_the_path(
     assert proj.pairs_source == proj.weight_key()
     after = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     assert all(a != b for a, b in zip(after, before, strict=True))  # the steps read it too
-    other = replace(llm.engine.kernels, linear="c", batch_linear="packed")
+    other = replace(
+        llm.engine.kernels, linear="c", batch_linear="packed", big_batch_linear="onednn"
+    )
     apply_kernels(model, other, model.native)
     assert all(m.pairs is None for m in linears)
 
@@ -1023,7 +1136,7 @@ def test_weights_loaded_in_place_reach_every_copy(tmp_path: Path, assign: bool) 
     made from the new weights generates (its copies dropped, the weights loaded, the copies
     made again), and not what it generated before, once its prefix cache is reset (its KV
     came from the old weights). Steps that write no weight remake nothing."""
-    from pdscope.engine.model import Linear, apply_kernels, can_pack
+    from pdscope.engine.model import apply_kernels, can_pack
 
     # one row: pairs in the one-call step; 8 rows: packed (where oneDNN packs bf16: an
     # AVX2-only CPU has no packed copy to remake); a 600-token prefill: transposed
@@ -1061,7 +1174,10 @@ def test_weights_loaded_in_place_reach_every_copy(tmp_path: Path, assign: bool) 
     }
     ma.load_state_dict(new, assign=assign)
     assert a.reset_prefix_cache()  # its cached KV was computed with the old weights
-    apply_kernels(mb, replace(b.engine.kernels, linear="plain", prefill_linear="onednn"), mb.native)
+    plain = replace(
+        b.engine.kernels, linear="plain", big_batch_linear="onednn", prefill_linear="onednn"
+    )
+    apply_kernels(mb, plain, mb.native)
     assert all(
         m.pairs is None and m.packed is None and m.weight_t is None
         for m in mb.modules()

@@ -182,6 +182,7 @@ def test_trial_picks_the_faster_candidate_and_caches_it(tmp_path: Path) -> None:
     assert first.how == {
         "linear": "fixed",
         "batch_linear": "fixed",
+        "big_batch_linear": "fixed",
         "prefill_linear": "fixed",
         "matmul_math": "fixed",
         "prefill_attention": "measured",
@@ -276,7 +277,8 @@ def test_engine_logs_applies_and_reports_its_choice(
     from pdscope.server.metrics import EngineMetrics
 
     forced = (
-        "linear=plain,batch_linear=packed,prefill_linear=onednn,matmul_math=float32,"
+        "linear=plain,batch_linear=packed,big_batch_linear=onednn,prefill_linear=onednn,"
+        "matmul_math=float32,"
         "prefill_attention=sdpa,decode_math=native,decode_ops=torch,decode_prefetch=jumps,"
         "threads=free,step_rows=exact"
     )
@@ -301,10 +303,12 @@ def test_engine_logs_applies_and_reports_its_choice(
     assert 'threads="free"' in line and 'batch_linear="packed"' in line
     assert 'prefill_linear="onednn"' in line and 'matmul_math="float32"' in line
     assert 'decode_prefetch="jumps"' in line and 'step_rows="exact"' in line
+    assert 'big_batch_linear="onednn"' in line
     assert 'decode_step="per_kernel"' in line  # decode_ops=torch: no one C call
     assert all(m.widen for m in model.modules() if hasattr(m, "widen"))
     assert all(m.team is None and m.weight_t is None for m in model.modules() if hasattr(m, "team"))
     assert all(m.native_many is None for m in model.modules() if hasattr(m, "native_many"))
+    assert all(m.big_batch is None for m in model.modules() if hasattr(m, "big_batch"))
     assert line.endswith(" 1.0")
 
 
@@ -321,6 +325,9 @@ def test_auto_measures_every_path_that_has_two_candidates(
         expected.add("decode_ops")
         # oneDNN's packed weights, or where it has no bf16 path the widened matmul, against C
         expected.add("batch_linear")
+        ops = llm.engine._native
+        if ops is not None and ops.pairs_rows:  # ... and against the copies from 33 rows
+            expected.add("big_batch_linear")
     # threads=bound is never chosen by a trial (it stalled a live server's streams): only forced
     assert choice.threads == "free" and choice.how["threads"] == "fixed"
     assert {p for p, how in choice.how.items() if how == "measured"} == expected
@@ -359,7 +366,10 @@ def test_prefill_linear_is_measured_at_prefill_size_with_two_threads(
     from pdscope.engine.model import ROWS_SPLIT_MIN_ROWS
 
     monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
-    others = "linear=c,batch_linear=packed,prefill_attention=sdpa,decode_math=native,decode_ops=c"
+    others = (
+        "linear=c,batch_linear=packed,big_batch_linear=onednn,prefill_attention=sdpa,"
+        "decode_math=native,decode_ops=c"
+    )
     saved = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -598,6 +608,7 @@ def test_a_float32_model_reports_the_paths_it_really_runs(tmp_path: Path) -> Non
     assert {p: how in timed for p, how in kernels.how.items()} == {
         "linear": bool(native.compiler()),
         "batch_linear": False,  # bf16 only
+        "big_batch_linear": False,  # bf16 only
         "prefill_linear": False,  # bf16 only
         "matmul_math": False,  # a rule: float32 only for bf16 where oneDNN has no bf16 path
         "prefill_attention": False,

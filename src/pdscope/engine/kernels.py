@@ -37,6 +37,16 @@ Paths (every candidate computes the same function; tests pin each against transf
   ``linear`` is: tiles of up to 8 rows against 3 blocks of 16 outputs in AVX-512 BF16, of up
   to 5 rows against one block in AVX2 FMAs; each row the same bits as alone). bf16 on CPU with
   the C kernels only; ``pairs`` offered while the copy fits, as for ``linear``.
+* ``big_batch_linear``: for matmuls of ``NATIVE_MANY_MAX_ROWS`` + 1 to ``BIG_BATCH_MAX_ROWS``
+  rows (a decode batch larger than ``batch_linear``'s kernels take, up to the default
+  ``max_num_seqs``; or a short step with a prefill chunk): ``onednn`` (what ``linear`` gives
+  matmuls of several rows: the packed weights, ``F.linear``, or widened to float32 under
+  ``matmul_math=float32``) or ``pairs`` (the pairs copies' row tiles, as ``batch_linear=pairs``;
+  a decodes-only step of these rows then runs in one C call too). On an AMD EPYC Zen 4 the
+  copies took 0.85-0.93x oneDNN's time at 40-64 rows, and a decodes-only step of 33-64
+  sequences 0.80-0.84x (docs/performance.md); on the AMX Xeon oneDNN's own AMX matmuls
+  outran the C kernel's tiles from 48 rows (``NATIVE_MANY_MAX_ROWS``), so a trial decides.
+  bf16 on CPU with the pairs kernels, while the copy fits, only.
 * ``prefill_linear``: for matmuls of a prefill chunk's rows (``ROWS_SPLIT_MIN_ROWS`` or
   more): ``onednn`` (``linear``'s path: the packed weights, or ``F.linear``), ``transposed``
   (``torch.mm`` on a transposed copy of each weight, [in, out]: oneDNN's matmul primitive on
@@ -110,6 +120,7 @@ log = logging.getLogger("pdscope.engine")
 OPTIONS: dict[str, tuple[str, ...]] = {
     "linear": ("packed", "plain", "c", "amx", "pairs", "pairs2"),
     "batch_linear": ("packed", "c", "pairs"),
+    "big_batch_linear": ("onednn", "pairs"),
     "prefill_linear": ("onednn", "transposed", "rows"),
     "matmul_math": ("native", "float32"),
     "prefill_attention": ("blocked", "sdpa", "amx", "c"),
@@ -124,6 +135,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
 ON_C: dict[str, tuple[str, ...]] = {
     "linear": ("c", "amx", "pairs", "pairs2"),
     "batch_linear": ("c", "pairs"),
+    "big_batch_linear": ("pairs",),
     "prefill_linear": ("rows",),
     "prefill_attention": ("amx", "c"),
     "decode_ops": ("c",),
@@ -137,7 +149,7 @@ TIE = 0.03
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
-_TRIAL_VERSION = 27
+_TRIAL_VERSION = 28
 
 
 @dataclass(frozen=True)
@@ -146,6 +158,7 @@ class KernelChoice:
 
     linear: str = "packed"
     batch_linear: str = "packed"
+    big_batch_linear: str = "onednn"
     prefill_linear: str = "onednn"
     matmul_math: str = "native"
     prefill_attention: str = "blocked"

@@ -157,6 +157,7 @@ class LLMEngine:
             forced.get("decode_ops") != "torch"
             or forced.get("linear") in (None, *ON_C["linear"])
             or forced.get("batch_linear") in (None, *ON_C["batch_linear"])
+            or forced.get("big_batch_linear") in (None, *ON_C["big_batch_linear"])
             or forced.get("threads") != "free"
             or forced.get("prefill_linear") == "rows"  # its shares run on the C kernels' team
             or forced.get("prefill_attention") in ON_C["prefill_attention"]
@@ -186,6 +187,7 @@ class LLMEngine:
         fixed = {  # what runs where a path has one candidate (CUDA, or float32 weights)
             "linear": "packed" if can_pack(self.dtype, self.device) else "plain",
             "batch_linear": "packed",  # as linear (float32, a GPU, or no C kernels)
+            "big_batch_linear": "onednn",  # as linear (no pairs kernels, or no room for copies)
             "prefill_linear": "onednn",  # as linear (float32, a GPU, or short chunks)
             # a rule, not a trial: torch's bf16 matmul without oneDNN's bf16 path is a slow
             # fallback (kernels.py says how slow)

@@ -54,6 +54,12 @@ NATIVE_LINEAR_MAX_ROWS = 1
 # at 16 rows, 1.15x at 32, 0.9x at 48 and 0.85x at 64 (the block is swept again per 32 rows,
 # and a tile multiply takes ~24 ns here, so the tiles turn compute-bound).
 NATIVE_MANY_MAX_ROWS = 32
+# Matmuls of NATIVE_MANY_MAX_ROWS + 1 to this many rows take the pairs copies' row tiles when
+# the choice is big_batch_linear=pairs (a decode batch of 33 up to the default max_num_seqs).
+# AMD EPYC Zen 4, the small model's 49 weights (bench/linear_ab.py): the copies 1.08-1.18x
+# oneDNN's packed weights at 40-64 rows, 1.04x at 96, 0.97-1.00x at 128-512, where both run
+# near the cores' vdpbf16ps rate and oneDNN's fixed costs no longer show.
+BIG_BATCH_MAX_ROWS = 64
 # With linear=c the packed weights serve only matmuls of several rows (batched decode,
 # prefill), so they are laid out for many rows: on the AMX Xeon, one thread, interleaved over
 # the small model's 49 weights, packing for 2,048 rows instead of 1 took 2,000-row matmuls
@@ -338,6 +344,9 @@ class Linear(nn.Linear):
     pair_streams: int = 8  # ... as 8 streams a thread (linear=pairs) or 2 (pairs2)
     # batch_linear=pairs: matmuls of 2 to NATIVE_MANY_MAX_ROWS rows read it (native_many set)
     many_pairs: bool = False
+    # set by apply_kernels when big_batch_linear=pairs: matmuls of NATIVE_MANY_MAX_ROWS + 1 to
+    # BIG_BATCH_MAX_ROWS rows read the copy (a weight without one, the many-row kernel)
+    big_batch: NativeOps | None = None
     # The weight_key() each copy (packed, weight_t, pairs) was made from: a copy whose key
     # differs from the weight's is made anew before a matmul reads it.
     packed_source: tuple[int, int] = (0, -1)
@@ -388,8 +397,9 @@ class Linear(nn.Linear):
         weight changed since (a replacing weight whose shape allows one gets one even where
         the weight before could not); None where the weight takes none or the paths are
         others."""
-        if (self.one_row_pairs or self.many_pairs) and self.pairs_source != self.weight_key():
-            native = self.native if self.one_row_pairs else self.native_many
+        paths = self.one_row_pairs or self.many_pairs or self.big_batch is not None
+        if paths and self.pairs_source != self.weight_key():
+            native = self.native if self.one_row_pairs else self.native_many or self.big_batch
             assert native is not None  # apply_kernels sets it with the path
             self.make_pairs(native)
         return self.pairs
@@ -437,6 +447,15 @@ class Linear(nn.Linear):
             if pairs is not None:
                 return self.native_many.linear_pairs(x.contiguous(), pairs, self.bias)
             return self.native_many.linear_many(x.contiguous(), self.weight, self.bias)
+        if (
+            self.big_batch is not None
+            and x.dim() == 2
+            and NATIVE_MANY_MAX_ROWS < x.shape[0] <= BIG_BATCH_MAX_ROWS
+        ):
+            pairs = self.current_pairs()
+            if pairs is not None:
+                return self.big_batch.linear_pairs(x.contiguous(), pairs, self.bias)
+            return self.big_batch.linear_many(x.contiguous(), self.weight, self.bias)
         if self.weight_t is not None and x.dim() == 2 and x.shape[0] >= ROWS_SPLIT_MIN_ROWS:
             weight_t = self.current_weight_t()  # None: a weight the path does not take
             if weight_t is not None and self.team is not None:
@@ -1183,18 +1202,23 @@ class CausalLM(nn.Module):
             return None
         layers, step, first = built
         # apply_kernels points every Linear at the same paths: the first one speaks for all.
-        if first.native is not None and rows <= NATIVE_LINEAR_MAX_ROWS:
+        one_row = rows <= NATIVE_LINEAR_MAX_ROWS
+        many = first.native_many is not None and not one_row and rows <= first.many_max_rows
+        big = first.big_batch is not None and NATIVE_MANY_MAX_ROWS < rows <= BIG_BATCH_MAX_ROWS
+        if first.native is not None and one_row:
             step.many_rows = first.one_row_amx
-        elif first.native_many is not None and NATIVE_LINEAR_MAX_ROWS < rows <= first.many_max_rows:
+        elif many or big:
             step.many_rows = True
         else:
             return None
         assert batch.positions is not None and batch.decode_bounds is not None
         # per weight, C reads the copy where there is one and the weight as stored where not,
-        # as Linear.forward does, which takes one-row matmuls by `linear`, more by `batch_linear`
-        one_row = rows <= NATIVE_LINEAR_MAX_ROWS
-        step.pairs = (one_row and first.native is not None and first.one_row_pairs) or (
-            not one_row and first.many_pairs
+        # as Linear.forward does, which takes one-row matmuls by `linear`, 2 to 32 rows by
+        # `batch_linear`, and more by `big_batch_linear`
+        step.pairs = (
+            (one_row and first.native is not None and first.one_row_pairs)
+            or big
+            or (not one_row and first.many_pairs)
         )
         step.pair_streams = first.pair_streams
         step.rows = rows
@@ -1403,6 +1427,11 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             "batch_linear=pairs needs the C kernels built with AVX-512 BF16 or AVX2, which this "
             "CPU or compiler does not give"
         )
+    if choice.big_batch_linear == "pairs" and (native is None or not native.pairs_rows):
+        raise ValueError(
+            "big_batch_linear=pairs needs the C kernels built with AVX-512 BF16 or AVX2, which "
+            "this CPU or compiler does not give"
+        )
     if choice.prefill_linear == "rows" and (native is None or not native.team):
         raise ValueError("prefill_linear=rows needs the C kernels, which did not load")
     if choice.decode_prefetch == "every" and (native is None or not native.has_decode_prefetch):
@@ -1427,6 +1456,7 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             module.many_pairs = choice.batch_linear == "pairs"
             # batch_linear=pairs: weights without a copy take the many-row kernel
             module.native_many = native if choice.batch_linear in ("c", "pairs") else None
+            module.big_batch = native if choice.big_batch_linear == "pairs" else None
             module.widen = choice.matmul_math == "float32" and module.weight.dtype == torch.bfloat16
             module.many_max_rows = NATIVE_MANY_MAX_ROWS
             if module.widen and module.native_many is None and native is not None:
@@ -1435,7 +1465,8 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
                 # EPYC: C 47 ms, bf16 F.linear 127, widened 163)
                 module.native_many = native
                 module.many_max_rows = WIDEN_MIN_ROWS - 1
-            streamed = module.native is not None or module.native_many is not None
+            runs_c = (module.native, module.native_many, module.big_batch)
+            streamed = any(ops is not None for ops in runs_c)
             if streamed and not module.huge_pages:
                 # The C kernels stream this weight every decode step: moved, not copied (the
                 # old storage is freed; a tied embedding shares the parameter, so it follows),
@@ -1466,7 +1497,11 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
                 module.hold_source("weight_t", made=False)
             elif module.weight_t is None or module.weight_t_source != module.weight_key():
                 module.make_weight_t()
-            if choice.linear not in PAIRS_LINEAR and choice.batch_linear != "pairs":
+            if (
+                choice.linear not in PAIRS_LINEAR
+                and choice.batch_linear != "pairs"
+                and choice.big_batch_linear != "pairs"
+            ):
                 module.pairs = None
                 module.hold_source("pairs", made=False)
             elif module.pairs is None:
@@ -1504,6 +1539,9 @@ def kernel_trials(
       ``linear=c``), the fastest packed form at these rows, whatever ``linear`` chooses: C
       must beat the best oneDNN can do to be chosen. Where oneDNN has no bf16 path, that
       candidate is the float32-widened matmul several rows take there (``matmul_math``);
+    * big batch linear (bf16 with the pairs kernels, while the copy fits): the same matmuls at
+      ``_BIG_BATCH_TRIAL_ROWS`` rows, through the packed weights (or widened) as above and
+      through the pair-interleaved copies;
     * prefill linear (bf16, chunks of at least ``ROWS_SPLIT_MIN_ROWS``): layer 0's matmuls at
       ``prefill_tokens`` rows, through the weights packed for many rows and through a
       transposed copy (offered only while that copy fits: ``transposed_copy_fits``);
@@ -1536,6 +1574,8 @@ def kernel_trials(
     if native is not None and (can_pack(dtype, device) or widen_bf16(dtype, device)):
         many = native
         trials["batch_linear"] = lambda: _batch_linear_trial(model, many)
+        if dtype == torch.bfloat16 and native.pairs_rows and pairs_copy_fits(model):
+            trials["big_batch_linear"] = lambda: _big_batch_linear_trial(model, many)
     if (
         can_pack(dtype, device)
         and prefill_tokens >= ROWS_SPLIT_MIN_ROWS
@@ -1653,11 +1693,47 @@ _BATCH_TRIAL_ROWS = 32
 
 
 def _batch_linear_trial(model: CausalLM, native: NativeOps) -> dict[str, Callable[[], object]]:
+    linears, inputs = _several_rows_inputs(model, _BATCH_TRIAL_ROWS)
+    several = _several_rows_candidates(model, native, linears, inputs)
+
+    def run_c() -> None:
+        for m in linears:
+            native.linear_many(inputs[m.in_features], m.weight, m.bias)
+
+    candidates = {"packed": several.pop("onednn"), "c": run_c}
+    return candidates | several
+
+
+# Rows of x in the big_batch_linear trial: the middle of the rows that path takes.
+_BIG_BATCH_TRIAL_ROWS = 48
+
+
+def _big_batch_linear_trial(model: CausalLM, native: NativeOps) -> dict[str, Callable[[], object]]:
+    linears, inputs = _several_rows_inputs(model, _BIG_BATCH_TRIAL_ROWS)
+    return _several_rows_candidates(model, native, linears, inputs)
+
+
+def _several_rows_inputs(
+    model: CausalLM, rows: int
+) -> tuple[list[Linear], dict[int, torch.Tensor]]:
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     weight = model.embed_tokens.weight
-    inputs = {m.in_features: _random((_BATCH_TRIAL_ROWS, m.in_features), weight) for m in linears}
+    return linears, {m.in_features: _random((rows, m.in_features), weight) for m in linears}
+
+
+def _several_rows_candidates(
+    model: CausalLM,
+    native: NativeOps,
+    linears: list[Linear],
+    inputs: dict[int, torch.Tensor],
+) -> dict[str, Callable[[], object]]:
+    """One step's matmuls (``linears`` on ``inputs``, by input width) through oneDNN
+    (``onednn``: the weights packed as the engine lays them out for several rows, the fastest
+    packed form there, whatever ``linear`` chooses: C must beat the best oneDNN can do to be
+    chosen; where oneDNN has no bf16 path, the float32-widened matmul several rows take there)
+    and, where the copies are offered, through the pairs copies (``pairs``)."""
+    weight = model.embed_tokens.weight
     if can_pack(weight.dtype, weight.device):
-        # The packed candidate as the engine would lay it out for several rows.
         packed = {
             m: m.packed
             if m.packed is not None and m.packed_rows > 1
@@ -1665,21 +1741,17 @@ def _batch_linear_trial(model: CausalLM, native: NativeOps) -> dict[str, Callabl
             for m in linears
         }
 
-        def run_packed() -> None:
+        def run_onednn() -> None:
             for m in linears:
                 _packed_linear(inputs[m.in_features], packed[m], m.bias, "none", [], "")
 
     else:  # no oneDNN bf16 here: what several rows then run, widened to float32 (matmul_math)
 
-        def run_packed() -> None:
+        def run_onednn() -> None:
             for m in linears:
                 linear_widened(inputs[m.in_features], m.weight, m.bias)
 
-    def run_c() -> None:
-        for m in linears:
-            native.linear_many(inputs[m.in_features], m.weight, m.bias)
-
-    candidates: dict[str, Callable[[], object]] = {"packed": run_packed, "c": run_c}
+    candidates: dict[str, Callable[[], object]] = {"onednn": run_onednn}
     if weight.dtype == torch.bfloat16 and native.pairs_rows and pairs_copy_fits(model):
         # weights without a copy take the many-row kernel
         candidates["pairs"] = _pairs_candidate(

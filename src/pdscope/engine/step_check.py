@@ -20,15 +20,16 @@ from pathlib import Path
 import torch
 
 from pdscope.engine.kernels import machine_key, write_cache
-from pdscope.engine.model import AttentionBatch, CausalLM, Linear
+from pdscope.engine.model import NATIVE_MANY_MAX_ROWS, AttentionBatch, CausalLM, Linear
 
 # (rows, keys a sequence attends to) of each step checked: batch 1 over keys enough that few
 # KV heads on many threads cut its attention into context parts merged after a barrier, and
 # over few (the team's serial attention: thread 0 alone); batches of 5 (the pairs tiles' short
 # tails) and 17 (two groups of 16 rows, the last short) where batched matmuls take the C
-# kernels, cut to the most rows those take where fewer.
-CHECK_STEPS = ((1, 600), (1, 32), (5, 48), (17, 48))
-_CHECK_VERSION = 1
+# kernels, cut to the most rows those take where fewer; and 41 (five tiles of 8 and a tail of
+# one) where big_batch_linear takes the copies.
+CHECK_STEPS = ((1, 600), (1, 32), (5, 48), (17, 48), (41, 48))
+_CHECK_VERSION = 2
 
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -101,9 +102,14 @@ def _check(model: CausalLM, block_size: int) -> StepCheck:
     seen: set[tuple[int, int]] = set()
     try:
         for asked, keys in CHECK_STEPS:
-            if asked > 1 and first.native_many is None:
+            if asked > NATIVE_MANY_MAX_ROWS:
+                if first.big_batch is None:
+                    continue  # such batches take oneDNN here, outside the one call
+                rows = asked
+            elif asked > 1 and first.native_many is None:
                 continue  # batches take oneDNN here, outside the one call
-            rows = min(asked, first.many_max_rows) if asked > 1 else 1
+            else:
+                rows = min(asked, first.many_max_rows) if asked > 1 else 1
             if (rows, keys) in seen:
                 continue
             seen.add((rows, keys))
