@@ -55,6 +55,11 @@ less than its wall time.
 
 Figures: batch-1 decode at 64 and 4,000 tokens of context (their ratio against plan's bytes
 arithmetic, issue 12 item 3) and batch-32 decode after 128-token prompts, in tokens/s.
+``--batches N ...`` replaces them with decode at each batch of N sequences (up to 64) after
+128-token prompts, e.g. the decode batches of 33-64 that ``big_batch_linear`` takes:
+
+    .venv/bin/python bench/decode_ops_ab.py --path big_batch_linear --candidates onednn pairs \
+        --batches 32 33 40 48 64 --others linear=pairs2,batch_linear=pairs,decode_ops=c
 """
 
 from __future__ import annotations
@@ -147,6 +152,12 @@ def main() -> None:
         "after its last (run); prefix caching off",
     )
     parser.add_argument(
+        "--batches",
+        type=int,
+        nargs="+",
+        help="decode at these batch sizes (1-64) in place of the default figures",
+    )
+    parser.add_argument(
         "--cpu-time",
         action="store_true",
         help="time each step by this process's CPU time (with --threads 1: the step's own work, "
@@ -167,6 +178,8 @@ def main() -> None:
     if args.block_growth:
         args.path, args.candidates = "growth", ["queue", "run"]
     wrapped = args.block_order or args.block_growth
+    if args.batches and not all(1 <= n <= 64 for n in args.batches):
+        parser.error("--batches: each batch from 1 to 64 (the engines' max_num_seqs)")
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model_path(args.model)
@@ -284,6 +297,10 @@ def main() -> None:
         "decode_b1_ctx4000_tok_s": lambda llm: rate(llm, 4000, 1),
         "decode_b32_tok_s": lambda llm: rate(llm, 128 + 16, 32),
     }
+    if args.batches:
+        figures = {
+            f"decode_b{n}_tok_s": lambda llm, n=n: rate(llm, 128 + 16, n) for n in args.batches
+        }
     if args.block_growth:
         figures = {
             "decode_b1_ctx64_tok_s": lambda llm: rate(llm, 64, 1),
@@ -322,7 +339,7 @@ def main() -> None:
         ratios = [b / a for a, b in zip(values[first][name], values[second][name], strict=True)]
         cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
         print(f"{name:26}" + "".join(f"{c:>22}" for c in cells))
-    if args.block_growth:
+    if args.block_growth or args.batches:
         return
     predicted = bytes_per_decode_token(model_dir, 64) / bytes_per_decode_token(model_dir, 4000)
     print(f"\ndecode at 4,000 / at 64 tokens of context; plan's bytes predict {predicted:.3f}")

@@ -4,13 +4,17 @@ runs: the HTTP A/B of a server setting (a flag, or an environment variable read 
 Both servers load at once and stay up; each round runs the same bench (same seed) against A
 and B, in an order that alternates between rounds, with a new seed each round, so a noisy host
 hits both alike and no prompt repeats across rounds. It prints each round's figures, the
-median of the per-round B / A ratios, and each server's own mean TTFT from its `/metrics`
-(`vllm:time_to_first_token_seconds` sum over count, warm-up requests included): a second
+median of the per-round B / A ratios, and each server's own mean TTFT and mean inter-token
+latency from its `/metrics` (`vllm:time_to_first_token_seconds` and
+`vllm:inter_token_latency_seconds`, sum over count, warm-up requests included): a second
 source beside the client's.
 
     # padded steps against exact ones (engine/model.py's ROW_BUCKET)
     .venv/bin/python bench/serve_ab.py --b-args "--kernels step_rows=exact" \\
         --bench-args "--input-len 300-1500 --output-len 8 --num-prompts 24 --max-concurrency 1"
+    # decode batches of 33-64 on oneDNN (B) against the trial's pick (A)
+    .venv/bin/python bench/serve_ab.py --b-args "--kernels big_batch_linear=onednn" \
+        --bench-args "--input-len 128 --output-len 64 --num-prompts 96 --max-concurrency 48"
     # libgomp's spin count: serve's rule (A) against 1,000 (B)
     .venv/bin/python bench/serve_ab.py --b-env GOMP_SPINCOUNT=1000 --rounds 4 \\
         --bench-args "--input-len 16-128 --output-len 32 --num-prompts 16 --max-concurrency 1"
@@ -63,10 +67,11 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 600.0) -> N
     raise SystemExit(f"server on port {port} not ready in {timeout_s:.0f} s")
 
 
-def server_ttft_ms(port: int) -> float | None:
+def server_mean_ms(port: int, histogram: str) -> float | None:
+    """A histogram's mean from the server's own ``/metrics``: sum over count, in ms."""
     snapshot = parse_metrics(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
-    total = snapshot.total("vllm:time_to_first_token_seconds_sum")
-    count = snapshot.total("vllm:time_to_first_token_seconds_count")
+    total = snapshot.total(f"{histogram}_sum")
+    count = snapshot.total(f"{histogram}_count")
     return None if not total or not count else total / count * 1e3
 
 
@@ -125,11 +130,15 @@ def main() -> None:
         print("B / A, median of rounds (min-max):")
         for f, values in ratios.items():
             print(f"  {f}: {statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})")
-        ttft = {n: server_ttft_ms(sides[n][0]) for n in sides}
-        print(
-            "servers' own /metrics mean TTFT (warm-ups included): "
-            + ", ".join(f"{n} {v:.1f} ms" if v else f"{n} none" for n, v in ttft.items())
-        )
+        for what, histogram in (
+            ("TTFT", "vllm:time_to_first_token_seconds"),
+            ("inter-token latency", "vllm:inter_token_latency_seconds"),
+        ):
+            means = {n: server_mean_ms(sides[n][0], histogram) for n in sides}
+            print(
+                f"servers' own /metrics mean {what} (warm-ups included): "
+                + ", ".join(f"{n} {v:.1f} ms" if v else f"{n} none" for n, v in means.items())
+            )
     finally:
         for proc in procs.values():
             proc.terminate()
