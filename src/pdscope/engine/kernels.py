@@ -44,7 +44,7 @@ Paths (every candidate computes the same function; tests pin each against transf
   ``matmul_math=float32``) or ``pairs`` (the pairs copies' row tiles, as ``batch_linear=pairs``;
   a decodes-only step of these rows then runs in one C call too). On an AMD EPYC Zen 4 the
   copies took 0.85-0.93x oneDNN's time at 40-64 rows, and a decodes-only step of 33-64
-  sequences 0.80-0.84x (docs/performance.md); on the AMX Xeon oneDNN's own AMX matmuls
+  sequences 0.79-0.85x (docs/performance.md); on the AMX Xeon oneDNN's own AMX matmuls
   outran the C kernel's tiles from 48 rows (``NATIVE_MANY_MAX_ROWS``), so a trial decides.
   bf16 on CPU with the pairs kernels, while the copy fits, only.
 * ``prefill_linear``: for matmuls of a prefill chunk's rows (``ROWS_SPLIT_MIN_ROWS`` or
