@@ -1,6 +1,7 @@
 """Steps padded to a multiple of ROW_BUCKET rows (engine/model.py): the same tokens and logits
 as unpadded steps, and no new oneDNN primitive for a new prompt length in a bucket met before."""
 
+import copy
 import os
 import random
 import re
@@ -16,7 +17,7 @@ from pdscope import LLM, SamplingParams
 from pdscope.checkpoint.make_model import make_model
 from pdscope.engine.model import PAD_MIN_ROWS, ROW_BUCKET, onednn_bf16, padded_rows, padded_to
 from pdscope.engine.native import compiler
-from tests.test_engine import _amx_or_skip
+from tests.test_engine import _amx_or_skip, _pairs_or_skip
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -25,6 +26,8 @@ def test_padded_rows_rounds_up_steps_from_the_minimum_only() -> None:
     assert PAD_MIN_ROWS == 33 and ROW_BUCKET == 16
     assert [padded_rows(n, 16) for n in (1, 32, 33, 48, 49, 1100)] == [1, 32, 48, 48, 64, 1104]
     assert [padded_rows(n, 1) for n in (33, 1100)] == [33, 1100]
+    # big_batch_linear=pairs: padding from 65 rows
+    assert [padded_rows(n, 16, 65) for n in (33, 40, 64, 65, 70)] == [33, 40, 64, 80, 80]
 
 
 def test_padded_to_views_storage_with_room_and_copies_without() -> None:
@@ -47,15 +50,17 @@ def test_padded_to_views_storage_with_room_and_copies_without() -> None:
     assert torch.equal(buffer, torch.ones(10, 4))
 
 
-# bf16 paths whose steps of 33 rows or more run oneDNN matmuls: PyTorch's attention and glue;
-# the C glue with a prefill's matmuls split by rows; the C glue with the AMX prefill attention,
-# whose output lies in storage with the padded rows' room (no copy before o_proj)
+# bf16 paths whose steps of 33 rows or more run oneDNN matmuls (big_batch_linear=onednn,
+# whatever a trial would pick here): PyTorch's attention and glue; the C glue with a prefill's
+# matmuls split by rows; the C glue with the AMX prefill attention, whose output lies in
+# storage with the padded rows' room (no copy before o_proj)
 PATHS = [
     "linear=packed,batch_linear=packed,prefill_linear=transposed,prefill_attention=blocked,"
-    "decode_math=float32,decode_ops=torch",
+    "decode_math=float32,decode_ops=torch,big_batch_linear=onednn",
     "linear=c,batch_linear=packed,prefill_linear=rows,prefill_attention=sdpa,decode_math=native,"
-    "decode_ops=c",
-    "linear=amx,batch_linear=c,prefill_attention=amx,decode_math=native,decode_ops=c",
+    "decode_ops=c,big_batch_linear=onednn",
+    "linear=amx,batch_linear=c,prefill_attention=amx,decode_math=native,decode_ops=c,"
+    "big_batch_linear=onednn",
 ]
 
 
@@ -152,6 +157,40 @@ def test_models_whose_matmuls_are_not_onednn_bf16_are_not_padded(tmp_path: Path)
         )
         assert llm.engine.kernels.step_rows == "exact" and llm.engine.runner.model.row_bucket == 1
     assert "step_rows=exact (forced)" in llm.engine.kernels.summary()
+
+
+def test_steps_the_pairs_copies_take_are_not_padded(tmp_path: Path) -> None:
+    """Under big_batch_linear=pairs a prefill step of 40 rows runs its matmuls at 40 rows
+    through the copies (which build nothing per row count: padding would only add work), and
+    one of 70, past the copies' 64, at 80 rows on oneDNN."""
+    kernels = "linear=packed,batch_linear=packed,big_batch_linear=pairs,decode_ops=c"
+    if not compiler():
+        pytest.skip("no C compiler: the C kernels cannot be built here")
+    _pairs_or_skip(kernels)
+    path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
+    llm = LLM(
+        model=str(path),
+        dtype="bfloat16",
+        kv_cache_memory="8MiB",
+        enable_prefix_caching=False,
+        kernels=kernels + ("" if onednn_bf16() else ",step_rows=padded"),
+    )
+    model = llm.engine.runner.model
+    assert (model.row_bucket, model.pad_min_rows) == (ROW_BUCKET, 65)
+    qkv = model.layers[0].self_attn.qkv_proj
+    seen: list[int] = []
+    copied: list[int] = []
+    forward, pairs = qkv.forward, qkv.big_batch.linear_pairs
+    qkv.forward = lambda x: (seen.append(x.shape[0]), forward(x))[1]  # type: ignore[method-assign]
+    qkv.big_batch = copy.copy(qkv.big_batch)
+    qkv.big_batch.linear_pairs = lambda x, *a, **k: (copied.append(x.shape[0]), pairs(x, *a, **k))[
+        1
+    ]
+    rng = random.Random(0)
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)  # prefill steps only
+    for n in (40, 70):
+        llm.generate([[rng.randrange(10, 1000) for _ in range(n)]], one)
+    assert seen == [40, 80] and copied == [40]
 
 
 _PRIMITIVES = """

@@ -45,7 +45,8 @@ Paths (every candidate computes the same function; tests pin each against transf
   a decodes-only step of these rows then runs in one C call too). On an AMD EPYC Zen 4 the
   copies took 0.85-0.93x oneDNN's time at 40-64 rows, and a decodes-only step of 33-64
   sequences 0.79-0.85x (docs/performance.md); on the AMX Xeon oneDNN's own AMX matmuls
-  outran the C kernel's tiles from 48 rows (``NATIVE_MANY_MAX_ROWS``), so a trial decides.
+  outran the many-row C kernel's tiles at 48 rows and more (why ``batch_linear`` stops at
+  32), so a trial decides.
   bf16 on CPU with the pairs kernels, while the copy fits, only.
 * ``prefill_linear``: for matmuls of a prefill chunk's rows (``ROWS_SPLIT_MIN_ROWS`` or
   more): ``onednn`` (``linear``'s path: the packed weights, or ``F.linear``), ``transposed``
@@ -89,9 +90,10 @@ Paths (every candidate computes the same function; tests pin each against transf
   workers; engine/native.py's place_threads). CPU only, with the C kernels and more than one
   thread; only when forced (``--kernels threads=bound``): chosen by its trial, it stalled a live
   server's streams (engine/model.py's kernel_trials says how).
-* ``step_rows``: ``padded`` (a step of ``PAD_MIN_ROWS`` rows or more runs its norms and
-  matmuls at its row count rounded up to a multiple of ``ROW_BUCKET``, the padding rows
-  dropped before the attention and from the result) or ``exact``. Not a trial: a rule,
+* ``step_rows``: ``padded`` (a step of ``PAD_MIN_ROWS`` rows or more, or under
+  ``big_batch_linear=pairs`` of more than ``BIG_BATCH_MAX_ROWS``, runs its norms and matmuls
+  at its row count rounded up to a multiple of ``ROW_BUCKET``, the padding rows dropped
+  before the attention and from the result) or ``exact``. Not a trial: a rule,
   ``padded`` where those matmuls are oneDNN's in bf16 (on CPU, ``matmul_math=native``), which
   builds a primitive for each new row count: on the AMX Xeon 24-31 ms of them in the first
   prefill of each new length, where a repeated length's prefill took 1.005x the time padded

@@ -69,16 +69,19 @@ PACKED_ROWS_WITH_C = 2048
 # when chosen: torch.mm on a transposed copy of the weight, whole or with x's rows split over
 # the OpenMP team (see Linear). A decode batch stays below it, on linear's path.
 ROWS_SPLIT_MIN_ROWS = 512
-# Steps of PAD_MIN_ROWS rows or more (more than the C kernels take: steps with prefill chunks)
-# run their matmuls through oneDNN, which builds a primitive for every new row count: on the
-# AMX Xeon 3-14 ms for each of a layer's four weight shapes, 24-31 ms in the first prefill
-# of each new length (docs/performance.md). Under step_rows=padded (the rule for a bf16
-# model there; torch's float32 matmuls are MKL's, built per call) such steps are padded to a
-# multiple of ROW_BUCKET rows, so that a server meets at most one row count per ROW_BUCKET
-# tokens of its budget; the padding rows (token 0) go through the norms and matmuls and are
-# dropped before the attention and from the result. (Decodes-only steps on the C kernels take
-# decode_logits, never padded.) A padded count can cross a row threshold its exact one is
-# under (ROWS_SPLIT_MIN_ROWS, _SMALL_NORM_ELEMENTS): the real rows then take that path.
+# Steps of PAD_MIN_ROWS rows or more (more than the C kernels take: steps with prefill chunks,
+# and decode batches of 33-64 unless big_batch_linear=pairs takes them) run their matmuls
+# through oneDNN, which builds a primitive for every new row count: on the AMX Xeon 3-14 ms
+# for each of a layer's four weight shapes, 24-31 ms in the first prefill of each new length
+# (docs/performance.md). Under step_rows=padded (the rule for a bf16 model there; torch's
+# float32 matmuls are MKL's, built per call) such steps are padded to a multiple of
+# ROW_BUCKET rows, so that a server meets at most one row count per ROW_BUCKET tokens of its
+# budget; the padding rows (token 0) go through the norms and matmuls and are dropped before
+# the attention and from the result. Under big_batch_linear=pairs padding starts past
+# BIG_BATCH_MAX_ROWS: the copies' tiles build nothing, and padding rows would only cost them
+# work. (Decodes-only steps on the C kernels take decode_logits, never padded.) A padded
+# count can cross a row threshold its exact one is under (ROWS_SPLIT_MIN_ROWS,
+# _SMALL_NORM_ELEMENTS): the real rows then take that path.
 PAD_MIN_ROWS = NATIVE_MANY_MAX_ROWS + 1
 ROW_BUCKET = 16
 # Under matmul_math=float32, bf16 matmuls of at least this many rows (that no C kernel takes)
@@ -386,14 +389,15 @@ class Linear(nn.Linear):
         self.hold_source("weight_t")
 
     def make_pairs(self, native: NativeOps) -> None:
-        """Hold the weight's pack_pairs copy (:func:`pairs_copy`), for linear=pairs or
-        batch_linear=pairs."""
+        """Hold the weight's pack_pairs copy (:func:`pairs_copy`), for linear=pairs,
+        batch_linear=pairs or big_batch_linear=pairs."""
         self.pairs = pairs_copy(self.weight, native)
         self.pairs_source = self.weight_key()
         self.hold_source("pairs", self.pairs is not None)
 
     def current_pairs(self) -> torch.Tensor | None:
-        """Under linear=pairs or batch_linear=pairs, the pairs copy, made anew first if the
+        """Under linear=pairs, batch_linear=pairs or big_batch_linear=pairs, the pairs copy,
+        made anew first if the
         weight changed since (a replacing weight whose shape allows one gets one even where
         the weight before could not); None where the weight takes none or the paths are
         others."""
@@ -1071,9 +1075,11 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.init_rope(max_positions, torch.get_default_device())
         self.native: NativeOps | None = None  # the C decode kernels, when the choice says so
-        # Steps of at least PAD_MIN_ROWS rows are padded to a multiple of this (ROW_BUCKET
-        # under step_rows=padded; 1: never padded).
+        # Steps of at least pad_min_rows rows are padded to a multiple of row_bucket (ROW_BUCKET
+        # under step_rows=padded; 1: never padded). pad_min_rows is PAD_MIN_ROWS, or past
+        # BIG_BATCH_MAX_ROWS under big_batch_linear=pairs (apply_kernels).
         self.row_bucket = 1
+        self.pad_min_rows = PAD_MIN_ROWS
         # Decodes-only steps run every layer in one C call (NativeOps.decode_layers) where
         # their matmuls take the C kernels; False keeps the per-kernel calls (benches, tests).
         self.fuse_decode = True
@@ -1114,7 +1120,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [tokens, hidden] after the final norm (logits are the caller's choice)."""
         tokens = input_ids.shape[0]
-        padded = padded_rows(tokens, self.row_bucket)
+        padded = padded_rows(tokens, self.row_bucket, self.pad_min_rows)
         if padded > tokens:
             input_ids = F.pad(input_ids, (0, padded - tokens))
         if self.native is not None:
@@ -1370,10 +1376,10 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
 
-def padded_rows(tokens: int, bucket: int) -> int:
+def padded_rows(tokens: int, bucket: int, min_rows: int = PAD_MIN_ROWS) -> int:
     """The row count a step of ``tokens`` tokens runs its matmuls at: ``tokens`` rounded up
-    to a multiple of ``bucket`` from PAD_MIN_ROWS on, else ``tokens``."""
-    if bucket <= 1 or tokens < PAD_MIN_ROWS:
+    to a multiple of ``bucket`` from ``min_rows`` on, else ``tokens``."""
+    if bucket <= 1 or tokens < min_rows:
         return tokens
     return -(-tokens // bucket) * bucket
 
@@ -1516,6 +1522,9 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             module.decode_float32 = choice.decode_math == "float32"
             module.native = model.native
     model.row_bucket = ROW_BUCKET if choice.step_rows == "padded" else 1
+    model.pad_min_rows = (
+        BIG_BATCH_MAX_ROWS + 1 if choice.big_batch_linear == "pairs" else PAD_MIN_ROWS
+    )
 
 
 def kernel_trials(
