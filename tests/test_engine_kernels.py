@@ -405,8 +405,8 @@ def test_prefill_linear_rows_alone_loads_the_c_kernels(
         model=str(tiny_bf16),
         kv_cache_memory="8MiB",
         max_model_len=256,
-        kernels="linear=packed,batch_linear=packed,decode_ops=torch,threads=free,"
-        "prefill_linear=rows,prefill_attention=sdpa,decode_math=native",
+        kernels="linear=packed,batch_linear=packed,big_batch_linear=onednn,decode_ops=torch,"
+        "threads=free,prefill_linear=rows,prefill_attention=sdpa,decode_math=native",
     )
     model = llm.engine.runner.model
     layers = [m for m in model.layers.modules() if hasattr(m, "team")]
@@ -418,14 +418,21 @@ def test_forcing_an_option_that_runs_on_c_loads_the_c_kernels(
 ) -> None:
     """An option that runs on the C kernels, forced with every other path off them, loads the
     kernels: batch_linear=pairs, linear=pairs and prefill_attention=c were refused as "not
-    given by this CPU" on a CPU that gives them."""
+    given by this CPU" on a CPU that gives them (big_batch_linear=pairs alike)."""
     monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
     ops = native.load(tmp_path / "native")
     if ops is None or not ops.pairs_rows or not ops.prefill_vec:
         pytest.skip("no AVX-512 BF16 in this build of the C kernels")
-    off = {"decode_ops": "torch", "linear": "packed", "batch_linear": "packed", "threads": "free"}
+    off = {
+        "decode_ops": "torch",
+        "linear": "packed",
+        "batch_linear": "packed",
+        "big_batch_linear": "onednn",
+        "threads": "free",
+    }
     for path, option in (
         ("batch_linear", "pairs"),
+        ("big_batch_linear", "pairs"),
         ("linear", "pairs"),
         ("linear", "pairs2"),
         ("prefill_attention", "c"),
@@ -453,9 +460,9 @@ def test_pairs_linear_without_the_c_kernels_is_refused_by_its_name(
 def test_pairs_are_offered_to_the_linear_trial_only_while_their_copy_fits(
     tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """linear=pairs and batch_linear=pairs keep a copy of every weight: the trials measure
-    them beside the other single-row and many-row paths while that copy fits in
-    TRANSPOSED_COPY_MAX_SHARE of the free memory, and leave them out (and allocate none) when
+    """linear=pairs, batch_linear=pairs and big_batch_linear=pairs keep a copy of every weight:
+    the trials measure them beside the other single-row and many-row paths while that copy fits
+    in TRANSPOSED_COPY_MAX_SHARE of the free memory, and leave them out (and allocate none) when
     it would not."""
     from pdscope.engine import model as model_module
 
@@ -468,6 +475,7 @@ def test_pairs_are_offered_to_the_linear_trial_only_while_their_copy_fits(
     trials = model_module.kernel_trials(model, 64, ops)
     linear = trials["linear"]()
     assert {"pairs", "pairs2"} <= set(linear) and "pairs" in trials["batch_linear"]()
+    assert set(trials["big_batch_linear"]()) == {"onednn", "pairs"}
     made: list[object] = []
     monkeypatch.setattr(model_module, "pairs_copy", lambda *a: made.append(a))
     monkeypatch.setattr(model_module, "TRANSPOSED_COPY_MAX_SHARE", 0.0)
@@ -475,6 +483,7 @@ def test_pairs_are_offered_to_the_linear_trial_only_while_their_copy_fits(
     trials = model_module.kernel_trials(model, 64, ops)
     assert not {"pairs", "pairs2"} & set(trials["linear"]())
     assert "pairs" not in trials["batch_linear"]()
+    assert "big_batch_linear" not in trials  # its only other candidate is the copies
     assert not made
 
 
