@@ -44,7 +44,8 @@ Paths (every candidate computes the same function; tests pin each against transf
   ``matmul_math=float32``) or ``pairs`` (the pairs copies' row tiles, as ``batch_linear=pairs``;
   a decodes-only step of these rows then runs in one C call too). On an AMD EPYC Zen 4 the
   copies took 0.85-0.93x oneDNN's time at 40-64 rows, and a decodes-only step of 33-64
-  sequences 0.79-0.85x (docs/performance.md); on the AMX Xeon oneDNN's own AMX matmuls
+  sequences 0.79-0.85x; kept to AVX2 there, where the other candidate widens every weight to
+  float32 a step, 0.31-0.47x (docs/performance.md); on the AMX Xeon oneDNN's own AMX matmuls
   outran the many-row C kernel's tiles at 48 rows and more (why ``batch_linear`` stops at
   32), so a trial decides.
   bf16 on CPU with the pairs kernels, while the copy fits, only.
