@@ -13,8 +13,8 @@ source beside the client's.
     .venv/bin/python bench/serve_ab.py --b-args "--kernels step_rows=exact" \\
         --bench-args "--input-len 300-1500 --output-len 8 --num-prompts 24 --max-concurrency 1"
     # decode batches of 33-64 on oneDNN (B) against the trial's pick (A)
-    .venv/bin/python bench/serve_ab.py --b-args "--kernels big_batch_linear=onednn" \
-        --bench-args "--input-len 128 --output-len 64 --num-prompts 96 --max-concurrency 48"
+    .venv/bin/python bench/serve_ab.py --b-args "--kernels big_batch_linear=onednn" \\
+        --bench-args "--input-len 16 --output-len 256 --num-prompts 96 --max-concurrency 48"
     # libgomp's spin count: serve's rule (A) against 1,000 (B)
     .venv/bin/python bench/serve_ab.py --b-env GOMP_SPINCOUNT=1000 --rounds 4 \\
         --bench-args "--input-len 16-128 --output-len 32 --num-prompts 16 --max-concurrency 1"

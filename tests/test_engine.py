@@ -54,8 +54,8 @@ BF16_PATHS = [
     # single rows through the copies as two streams a thread, batched rows too
     "linear=pairs2,batch_linear=pairs,prefill_attention=c,decode_math=native,decode_ops=c,"
     "decode_prefetch=every",
-    # rows of 33-64 (the 40-row chunks below, padded to 48) through the copies, 2-32 (the last
-    # chunk's 20) through the many-row kernel
+    # rows of 33-64 (the 40-row chunks below, unpadded there) through the copies, 2-32 (the
+    # last chunk's 20) through the many-row kernel
     "linear=pairs2,batch_linear=c,big_batch_linear=pairs,prefill_attention=sdpa,"
     "decode_math=native,decode_ops=c",
     # every matmul of 12 rows or more widened to float32 (what an AVX2-only CPU runs), single

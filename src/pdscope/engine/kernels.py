@@ -47,8 +47,7 @@ Paths (every candidate computes the same function; tests pin each against transf
   sequences 0.79-0.85x; kept to AVX2 there, where the other candidate widens every weight to
   float32 a step, 0.31-0.47x (docs/performance.md); on the AMX Xeon oneDNN's own AMX matmuls
   outran the many-row C kernel's tiles at 48 rows and more (why ``batch_linear`` stops at
-  32), so a trial decides.
-  bf16 on CPU with the pairs kernels, while the copy fits, only.
+  32), so a trial decides. bf16 on CPU with the pairs kernels, while the copy fits, only.
 * ``prefill_linear``: for matmuls of a prefill chunk's rows (``ROWS_SPLIT_MIN_ROWS`` or
   more): ``onednn`` (``linear``'s path: the packed weights, or ``F.linear``), ``transposed``
   (``torch.mm`` on a transposed copy of each weight, [in, out]: oneDNN's matmul primitive on

@@ -397,10 +397,9 @@ class Linear(nn.Linear):
 
     def current_pairs(self) -> torch.Tensor | None:
         """Under linear=pairs, batch_linear=pairs or big_batch_linear=pairs, the pairs copy,
-        made anew first if the
-        weight changed since (a replacing weight whose shape allows one gets one even where
-        the weight before could not); None where the weight takes none or the paths are
-        others."""
+        made anew first if the weight changed since (a replacing weight whose shape allows one
+        gets one even where the weight before could not); None where the weight takes none or
+        the paths are others."""
         paths = self.one_row_pairs or self.many_pairs or self.big_batch is not None
         if paths and self.pairs_source != self.weight_key():
             native = self.native if self.one_row_pairs else self.native_many or self.big_batch
