@@ -734,6 +734,16 @@ def test_one_call_decode_step_is_the_per_kernel_path_bit_for_bit(
             assert torch.equal(fused, per_kernel)
 
 
+def _team_model(tmp_path: Path, dtype: str) -> Path:
+    """A checkpoint sized to take the one-call step's team at 2 threads or more (2.75 M matmul
+    weights a layer; under 2 M a step keeps a region per kernel) with shares that are real:
+    every matmul splits (out x in >= 65,536), one KV head, a 16,384 vocabulary."""
+    return make_model(
+        tmp_path / "wide", "tiny", dtype=dtype, hidden_size=512, intermediate_size=1408,
+        num_attention_heads=8, num_key_value_heads=1, vocab_size=16384,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("dtype", "kernels"),
     [
@@ -771,10 +781,7 @@ def test_the_one_call_step_shares_every_kernel_over_its_team_bit_for_bit(
 
     other = _use_build(build, request, monkeypatch, tmp_path)
     _pairs_or_skip(kernels)
-    path = make_model(
-        tmp_path / "wide", "tiny", dtype=dtype, hidden_size=512, intermediate_size=1408,
-        num_attention_heads=8, num_key_value_heads=1, vocab_size=16384,
-    )  # fmt: skip
+    path = _team_model(tmp_path, dtype)
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -839,10 +846,7 @@ def test_decode_batches_of_33_to_64_rows_take_the_copies_in_one_call_bit_for_bit
     whose 40-row steps leave the one call."""
     other = _use_build(build, request, monkeypatch, tmp_path)
     _pairs_or_skip(kernels)
-    path = make_model(
-        tmp_path / "wide", "tiny", dtype="bfloat16", hidden_size=512, intermediate_size=1408,
-        num_attention_heads=8, num_key_value_heads=1, vocab_size=16384,
-    )  # fmt: skip
+    path = _team_model(tmp_path, "bfloat16")
     rng = torch.Generator().manual_seed(0)
     batch = [torch.randint(10, 16000, (5 + i % 7,), generator=rng).tolist() for i in range(40)]
     saved = torch.get_num_threads()
@@ -965,10 +969,7 @@ def test_the_engine_checks_its_one_call_step_at_load(
     from pdscope.engine import native
     from pdscope.server.metrics import EngineMetrics
 
-    path = make_model(
-        tmp_path / "wide", "tiny", dtype="bfloat16", hidden_size=512, intermediate_size=1408,
-        num_attention_heads=8, num_key_value_heads=1, vocab_size=16384,
-    )  # fmt: skip
+    path = _team_model(tmp_path, "bfloat16")
     ops = native.load(tmp_path)
     assert ops is not None
     big = kernels == BIG_ONE_CALL_KERNELS
