@@ -37,6 +37,7 @@ from pdscope.engine.kernels import (
 from pdscope.engine.model import (
     Attention,
     AttentionBatch,
+    Linear,
     ModelConfig,
     RMSNorm,
     apply_kernels,
@@ -485,6 +486,87 @@ def test_pairs_are_offered_to_the_linear_trial_only_while_their_copy_fits(
     assert "pairs" not in trials["batch_linear"]()
     assert "big_batch_linear" not in trials  # its only other candidate is the copies
     assert not made
+
+
+def test_the_linear_trials_read_whole_layers_up_to_a_bound_and_the_head_in_their_share(
+    tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A model whose weights pass _TRIAL_STREAM_BYTES is timed on its first layers, whole,
+    until they pass it, and on the LM head's first rows in the share those layers are of all
+    of them (a view of the head's weight, nothing copied); a model within it, on every weight
+    as it stands. prefill_linear's trial cuts layer 0's weights alike. Every candidate of the
+    cut trials runs."""
+    from pdscope.engine import model as model_module
+
+    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB")
+    model = llm.engine.runner.model
+    every = [m for m in model.modules() if isinstance(m, Linear)]
+    assert [id(m) for m in model_module._trial_linears(model)] == [id(m) for m in every]
+    assert [id(m) for m in model_module._prefill_trial_linears(model)] == [
+        id(m) for m in model.layers[0].modules() if isinstance(m, Linear)
+    ]
+
+    monkeypatch.setattr(model_module, "_TRIAL_STREAM_BYTES", 1)  # one layer passes it
+    monkeypatch.setattr(model_module, "_PREFILL_TRIAL_BYTES", 1)
+    linears = model_module._trial_linears(model)
+    layer0 = [m for m in model.layers[0].modules() if isinstance(m, Linear)]
+    assert [id(m) for m in linears[:-1]] == [id(m) for m in layer0]
+    head, cut = model.lm_head, linears[-1]
+    assert len(model.layers) == 2 and head.out_features == 1024
+    assert cut is not head and tuple(cut.weight.shape) == (512, head.in_features)
+    assert cut.weight.data_ptr() == head.weight.data_ptr()
+    # the least share of each of layer 0's weights: a tile of rows and its part tile
+    assert [tuple(m.weight.shape) for m in model_module._prefill_trial_linears(model)] == [
+        (min(m.out_features, 64 + m.out_features % 64), m.in_features) for m in layer0
+    ]
+    ops = native.load(tmp_path / "native")
+    for trial in model_module.kernel_trials(model, model_module.ROWS_SPLIT_MIN_ROWS, ops).values():
+        for run in trial().values():
+            run()
+
+
+def test_first_rows_keeps_a_weights_part_tile_and_its_storage() -> None:
+    """A cut weight ends in the part tile its weight ends in (so one whose rows take no pairs
+    copy, not a multiple of 16, takes none in the trial either), and is the first rows of
+    the weight itself."""
+    from pdscope.engine import model as model_module
+
+    m = Linear(64, 1000, bias=True).to(torch.bfloat16)
+    cut = model_module._first_rows(m, 0.1)
+    assert tuple(cut.weight.shape) == (2 * 64 + 1000 % 64, 64)  # 100 rows: two tiles, + 40
+    assert cut.weight.shape[0] % 16 == m.out_features % 16 != 0
+    assert cut.weight.data_ptr() == m.weight.data_ptr()
+    assert torch.equal(cut.bias, m.bias[: cut.out_features])
+    assert model_module._first_rows(m, 0.99) is m
+
+
+def test_the_decode_linear_trials_share_one_set_of_pairs_copies(
+    tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """linear, batch_linear and big_batch_linear time the same matmuls: the pairs copies a
+    trial needs are made once, for the first of them, not once each."""
+    from pdscope.engine import model as model_module
+
+    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    off = "linear=packed,batch_linear=packed,big_batch_linear=onednn"  # no copies held
+    llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels=off)
+    model = llm.engine.runner.model
+    ops = native.load(tmp_path / "native")
+    if ops is None or not ops.pairs_rows:
+        pytest.skip("neither AVX-512 BF16 nor AVX2 in this build of the C kernels")
+    made: list[torch.Tensor] = []
+    copy = model_module.pairs_copy
+
+    def counted(weight: torch.Tensor, native_ops: object) -> torch.Tensor | None:
+        made.append(weight)
+        return copy(weight, native_ops)
+
+    monkeypatch.setattr(model_module, "pairs_copy", counted)
+    trials = model_module.kernel_trials(model, 64, ops)
+    for path in ("linear", "batch_linear", "big_batch_linear"):
+        assert "pairs" in trials[path]()
+    assert len(made) == len(model_module._trial_linears(model)) > 0
 
 
 def test_prefill_linear_is_not_offered_when_its_copy_would_not_fit(

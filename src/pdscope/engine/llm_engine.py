@@ -171,7 +171,6 @@ class LLMEngine:
                     f"kernels: {forced_on_c[0]} needs the C kernels, which could not be built "
                     "(see the warning above; a C compiler on PATH or in $CC)"
                 )
-        trials = kernel_trials(self.model, prefill_tokens, ops)
         shapes = TrialShapes(
             dtype=str(self.dtype).removeprefix("torch."),
             hidden=c.hidden_size,
@@ -221,9 +220,11 @@ class LLMEngine:
                 f"with a CPU each (here {torch.get_num_threads()} threads)"
             )
         prefer = {"linear": pairs_preferred(ops.pairs_isa)} if ops is not None and ops.pairs else {}
+        # the trials' copies are let go before apply_kernels makes the chosen ones
         choice = choose(
-            trials, forced, shapes, default_cache_dir() / "kernels", fixed=fixed, prefer=prefer
-        )
+            kernel_trials(self.model, prefill_tokens, ops),
+            forced, shapes, default_cache_dir() / "kernels", fixed=fixed, prefer=prefer,
+        )  # fmt: skip
         apply_kernels(self.model, choice, ops)
         self._native = ops
         return choice

@@ -1575,15 +1575,16 @@ def kernel_trials(
     trials: dict[str, Callable[[], dict[str, Callable[[], object]]]] = {
         "prefill_attention": lambda: _prefill_trial(model, max(1, prefill_tokens), native)
     }
+    shared = _TrialWeights(model, native)
     if can_pack(dtype, device) or native is not None:
-        trials["linear"] = lambda: _linear_trial(model, native)
+        trials["linear"] = lambda: _linear_trial(shared)
     if dtype != torch.float32:
         trials["decode_math"] = lambda: _decode_math_trial(model)
     if native is not None and (can_pack(dtype, device) or widen_bf16(dtype, device)):
         many = native
-        trials["batch_linear"] = lambda: _batch_linear_trial(model, many)
+        trials["batch_linear"] = lambda: _batch_linear_trial(shared, many)
         if dtype == torch.bfloat16 and native.pairs_rows and pairs_copy_fits(model):
-            trials["big_batch_linear"] = lambda: _big_batch_linear_trial(model, many)
+            trials["big_batch_linear"] = lambda: _big_batch_linear_trial(shared, many)
     if (
         can_pack(dtype, device)
         and prefill_tokens >= ROWS_SPLIT_MIN_ROWS
@@ -1617,10 +1618,104 @@ def _random(shape: tuple[int, ...], like: torch.Tensor, scale: float = 1.0) -> t
     return (torch.randn(shape, generator=gen, device=like.device) * scale).to(like.dtype)
 
 
-def _linear_trial(model: CausalLM, native: NativeOps | None) -> dict[str, Callable[[], object]]:
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    weight = model.embed_tokens.weight
-    inputs = {m.in_features: _random((1, m.in_features), weight) for m in linears}
+# The decode-linear trials (linear, batch_linear, big_batch_linear) read whole layers from the
+# first until their weights reach this many bytes, and the LM head's rows in the share those
+# layers are of all of them: ten times this project's 32 MB last-level caches, so a trial
+# streams from memory as a step does, and takes about as long on a model of any size (on a
+# 1.1B-parameter model every weight made the trial 20 s, and its copies gigabytes). The
+# embedded small model's 304 MB are all read.
+_TRIAL_STREAM_BYTES = 320 << 20
+# prefill_linear's trial reads the first rows of each of layer 0's weights, in one share, up
+# to this many bytes (the small model's layer 0 whole: 22.5 MB).
+_PREFILL_TRIAL_BYTES = 24 << 20
+# A weight's share is rounded up to whole tiles of this many rows (the pairs copies' and the
+# many-row kernels' tiles divide it).
+_TRIAL_ROW_TILE = 64
+
+
+def _first_rows(m: Linear, share: float) -> Linear:
+    """A stand-in for ``m`` (nothing copied) holding ``share`` of its weight's output rows,
+    the first ones: whole tiles of ``_TRIAL_ROW_TILE`` and the weight's own part tile (a
+    shape that takes no pairs copy or ends in a part tile does so in the trial too); ``m``
+    itself where that is every row."""
+    tile = _TRIAL_ROW_TILE
+    tiles = math.ceil(m.out_features * share / tile)
+    rows = min(m.out_features, tiles * tile + m.out_features % tile)
+    if rows == m.out_features:
+        return m
+    part = Linear(m.in_features, rows, bias=m.bias is not None, device="meta")
+    part.weight = nn.Parameter(m.weight.detach()[:rows], requires_grad=False)
+    if m.bias is not None:
+        part.bias = nn.Parameter(m.bias.detach()[:rows], requires_grad=False)
+    return part
+
+
+def _trial_linears(model: CausalLM) -> list[Linear]:
+    """The matmuls a decode-linear trial times, one step's worth in the step's proportions:
+    the layers' Linears from the first until their weights reach ``_TRIAL_STREAM_BYTES`` (all
+    of them on a small model), then the other Linears (the LM head) cut to the same share of
+    their rows (:func:`_first_rows`). Whole layers keep every matmul's size, so each call's
+    fixed cost weighs as in a step."""
+    layers = list(model.layers)
+    taken, read = 0, 0
+    while taken < len(layers) and read < _TRIAL_STREAM_BYTES:
+        read += sum(_weight_bytes(m) for m in layers[taken].modules() if isinstance(m, Linear))
+        taken += 1
+    in_layers = {id(m) for layer in layers for m in layer.modules()}
+    share = taken / max(1, len(layers))
+    return [m for layer in layers[:taken] for m in layer.modules() if isinstance(m, Linear)] + [
+        _first_rows(m, share)
+        for m in model.modules()
+        if isinstance(m, Linear) and id(m) not in in_layers
+    ]
+
+
+def _weight_bytes(m: Linear) -> int:
+    return m.weight.numel() * m.weight.element_size()
+
+
+class _TrialWeights:
+    """What the decode-linear trials read, each made on first use and then shared by the
+    three (a cached or forced choice makes none of it): the matmuls (:func:`_trial_linears`),
+    their pairs copies and their weights packed for many rows."""
+
+    def __init__(self, model: CausalLM, native: NativeOps | None):
+        self.model, self.native = model, native
+
+    @functools.cached_property
+    def linears(self) -> list[Linear]:
+        return _trial_linears(self.model)
+
+    @functools.cached_property
+    def pairs(self) -> dict[Linear, torch.Tensor | None]:
+        """Each Linear's pack_pairs copy: the one it holds, else one made here (None where
+        the weight's shape takes none)."""
+        assert self.native is not None
+        return {
+            m: m.pairs if m.pairs is not None else pairs_copy(m.weight, self.native)
+            for m in self.linears
+        }
+
+    @functools.cached_property
+    def packed_many(self) -> dict[Linear, torch.Tensor]:
+        """Each weight packed as the engine lays it out for several rows."""
+        return {
+            m: m.packed
+            if m.packed is not None and m.packed_rows > 1
+            else torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACKED_ROWS_WITH_C)
+            for m in self.linears
+        }
+
+    def inputs(self, rows: int) -> dict[int, torch.Tensor]:
+        """Random inputs of ``rows`` rows for the matmuls, by input width."""
+        weight = self.model.embed_tokens.weight
+        return {m.in_features: _random((rows, m.in_features), weight) for m in self.linears}
+
+
+def _linear_trial(shared: _TrialWeights) -> dict[str, Callable[[], object]]:
+    linears, native = shared.linears, shared.native
+    weight = shared.model.embed_tokens.weight
+    inputs = shared.inputs(1)
     candidates: dict[str, Callable[[], object]] = {}
     if can_pack(weight.dtype, weight.device):
         packed = {
@@ -1656,9 +1751,9 @@ def _linear_trial(model: CausalLM, native: NativeOps | None) -> dict[str, Callab
                     ops.linear_many(inputs[m.in_features], m.weight, m.bias)
 
             candidates["amx"] = run_amx
-        if weight.dtype == torch.bfloat16 and ops.pairs and pairs_copy_fits(model):
+        if weight.dtype == torch.bfloat16 and ops.pairs and pairs_copy_fits(shared.model):
             # weights without a copy take the C kernel; one set of copies for both counts
-            copies = _pairs_copies(linears, ops)
+            copies = shared.pairs
             # both stream counts in AVX2 too: with one accumulator an output (two a block) 8
             # streams gave 1.07x 2's batch-1 tokens/s on an AMD EPYC Zen 2
             # (bench/decode_ops_ab.py --path linear --candidates pairs2 pairs); with two an
@@ -1666,12 +1761,6 @@ def _linear_trial(model: CausalLM, native: NativeOps | None) -> dict[str, Callab
             for name, streams in PAIRS_LINEAR.items():
                 candidates[name] = _pairs_candidate(copies, inputs, ops, ops.linear, streams)
     return candidates
-
-
-def _pairs_copies(linears: list[Linear], ops: NativeOps) -> dict[Linear, torch.Tensor | None]:
-    """Each Linear's pack_pairs copy for a trial: the one it holds, else one made here (None
-    where the weight's shape takes none)."""
-    return {m: m.pairs if m.pairs is not None else pairs_copy(m.weight, ops) for m in linears}
 
 
 def _pairs_candidate(
@@ -1682,7 +1771,7 @@ def _pairs_candidate(
     streams: int = 8,
 ) -> Callable[[], None]:
     """A trial's pairs candidate, run as apply_kernels would: each Linear's matmul through its
-    copy (:func:`_pairs_copies`; one row read as ``streams`` a thread), a weight the copy
+    copy (:attr:`_TrialWeights.pairs`; one row read as ``streams`` a thread), a weight the copy
     cannot take through ``without_copy``."""
 
     def run() -> None:
@@ -1700,9 +1789,11 @@ def _pairs_candidate(
 _BATCH_TRIAL_ROWS = 32
 
 
-def _batch_linear_trial(model: CausalLM, native: NativeOps) -> dict[str, Callable[[], object]]:
-    linears, inputs = _several_rows_inputs(model, _BATCH_TRIAL_ROWS)
-    several = _several_rows_candidates(model, native, linears, inputs)
+def _batch_linear_trial(
+    shared: _TrialWeights, native: NativeOps
+) -> dict[str, Callable[[], object]]:
+    linears, inputs = shared.linears, shared.inputs(_BATCH_TRIAL_ROWS)
+    several = _several_rows_candidates(shared, native, inputs)
 
     def run_c() -> None:
         for m in linears:
@@ -1716,38 +1807,24 @@ def _batch_linear_trial(model: CausalLM, native: NativeOps) -> dict[str, Callabl
 _BIG_BATCH_TRIAL_ROWS = 48
 
 
-def _big_batch_linear_trial(model: CausalLM, native: NativeOps) -> dict[str, Callable[[], object]]:
-    linears, inputs = _several_rows_inputs(model, _BIG_BATCH_TRIAL_ROWS)
-    return _several_rows_candidates(model, native, linears, inputs)
-
-
-def _several_rows_inputs(
-    model: CausalLM, rows: int
-) -> tuple[list[Linear], dict[int, torch.Tensor]]:
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    weight = model.embed_tokens.weight
-    return linears, {m.in_features: _random((rows, m.in_features), weight) for m in linears}
+def _big_batch_linear_trial(
+    shared: _TrialWeights, native: NativeOps
+) -> dict[str, Callable[[], object]]:
+    return _several_rows_candidates(shared, native, shared.inputs(_BIG_BATCH_TRIAL_ROWS))
 
 
 def _several_rows_candidates(
-    model: CausalLM,
-    native: NativeOps,
-    linears: list[Linear],
-    inputs: dict[int, torch.Tensor],
+    shared: _TrialWeights, native: NativeOps, inputs: dict[int, torch.Tensor]
 ) -> dict[str, Callable[[], object]]:
-    """One step's matmuls (``linears`` on ``inputs``, by input width) through oneDNN
+    """One step's matmuls (the shared ones, on ``inputs`` by input width) through oneDNN
     (``onednn``: the weights packed as the engine lays them out for several rows, the fastest
     packed form there, whatever ``linear`` chooses: C must beat the best oneDNN can do to be
     chosen; where oneDNN has no bf16 path, the float32-widened matmul several rows take there)
     and, where the copies are offered, through the pairs copies (``pairs``)."""
+    model, linears = shared.model, shared.linears
     weight = model.embed_tokens.weight
     if can_pack(weight.dtype, weight.device):
-        packed = {
-            m: m.packed
-            if m.packed is not None and m.packed_rows > 1
-            else torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACKED_ROWS_WITH_C)
-            for m in linears
-        }
+        packed = shared.packed_many
 
         def run_onednn() -> None:
             for m in linears:
@@ -1762,9 +1839,7 @@ def _several_rows_candidates(
     candidates: dict[str, Callable[[], object]] = {"onednn": run_onednn}
     if weight.dtype == torch.bfloat16 and native.pairs_rows and pairs_copy_fits(model):
         # weights without a copy take the many-row kernel
-        candidates["pairs"] = _pairs_candidate(
-            _pairs_copies(linears, native), inputs, native, native.linear_many
-        )
+        candidates["pairs"] = _pairs_candidate(shared.pairs, inputs, native, native.linear_many)
     return candidates
 
 
@@ -1825,8 +1900,16 @@ def pairs_copy_fits(model: CausalLM) -> bool:
     return copy_fits(sum(m.weight.numel() * m.weight.element_size() for m in linears))
 
 
+def _prefill_trial_linears(model: CausalLM) -> list[Linear]:
+    """The matmuls prefill_linear's trial times: layer 0's, each cut to the first rows of one
+    share that keeps them within ``_PREFILL_TRIAL_BYTES`` (:func:`_first_rows`)."""
+    layer = [m for m in model.layers[0].modules() if isinstance(m, Linear)]
+    share = min(1.0, _PREFILL_TRIAL_BYTES / sum(_weight_bytes(m) for m in layer))
+    return [_first_rows(m, share) for m in layer]
+
+
 def _prefill_linear_trial(model: CausalLM, rows: int) -> dict[str, Callable[[], object]]:
-    linears = [m for m in model.layers[0].modules() if isinstance(m, Linear)]
+    linears = _prefill_trial_linears(model)
     weight = model.embed_tokens.weight
     rows = min(rows, PACKED_ROWS_WITH_C)  # a chunk of the size the weights are packed for
     inputs = {m.in_features: _random((rows, m.in_features), weight) for m in linears}
