@@ -247,6 +247,35 @@ def test_a_tied_trial_keeps_the_preferred_candidate(monkeypatch: pytest.MonkeyPa
     assert pairs_preferred("") == "pairs"
 
 
+@pytest.mark.parametrize("behind", [0.9, 1.1])
+def test_prefill_linear_keeps_onednn_unless_the_copy_wins_by_more_than_a_tie(
+    tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, behind: float
+) -> None:
+    """The engine's trial keeps prefill_linear=onednn (no copy) while it times within TIE of
+    the transposed copy, and holds no copy then; further behind, the copy is chosen and
+    held. The trial's medians are set here (onednn behind every other candidate by
+    ``behind`` TIE), so that the engine's preference is tested and not the host's timer."""
+    if not can_pack(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no oneDNN packed weights in this torch")
+    from pdscope.engine import model as model_module
+
+    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    monkeypatch.setattr(
+        "pdscope.engine.kernels.median_times_s",
+        lambda candidates, **_: {n: 1.0 + TIE * behind * (n == "onednn") for n in candidates},
+    )
+    rows = model_module.ROWS_SPLIT_MIN_ROWS
+    llm = LLM(
+        model=str(tiny_bf16), kv_cache_memory="8MiB", max_model_len=2 * rows,
+        max_num_batched_tokens=rows,
+    )  # fmt: skip
+    choice = llm.engine.kernels
+    assert choice.how["prefill_linear"] == "measured"
+    assert choice.prefill_linear == ("onednn" if behind < 1 else "transposed")
+    layers = [m for m in llm.engine.runner.model.layers.modules() if isinstance(m, Linear)]
+    assert all((m.weight_t is None) == (behind < 1) for m in layers)
+
+
 def test_a_choice_made_on_a_busy_host_is_measured_again_when_quieter(tmp_path: Path) -> None:
     """Under load the slower candidate can win the trial; a quieter start measures again and
     replaces it, a start as busy or busier keeps the cache."""

@@ -219,7 +219,13 @@ class LLMEngine:
                 "kernels: threads=bound needs the C kernels on CPU and at least two threads "
                 f"with a CPU each (here {torch.get_num_threads()} threads)"
             )
-        prefer = {"linear": pairs_preferred(ops.pairs_isa)} if ops is not None and ops.pairs else {}
+        # prefill_linear=transposed keeps a copy of every layer weight: it must win by more
+        # than a tie (on the AMD EPYC Zen 4, with a 1.1B-parameter model, a start's short
+        # trial picked it once in three where longer ones time it 4-9% slower; on the AMX
+        # Xeon the copy took 7-17% off a prefill)
+        prefer = {"prefill_linear": "onednn"}
+        if ops is not None and ops.pairs:
+            prefer["linear"] = pairs_preferred(ops.pairs_isa)
         # the trials' copies are let go before apply_kernels makes the chosen ones
         choice = choose(
             kernel_trials(self.model, prefill_tokens, ops),
