@@ -598,6 +598,36 @@ def test_the_decode_linear_trials_share_one_set_of_pairs_copies(
     assert len(made) == len(model_module._trial_linears(model)) > 0
 
 
+@pytest.mark.parametrize("linear", ["packed", "c"])
+def test_each_weight_is_packed_once_for_the_path_chosen(
+    tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, linear: str
+) -> None:
+    """The loader leaves the weights unpacked: apply_kernels packs each once, laid out for
+    the rows its path gives oneDNN (one under linear=packed, many under linear=c), where a
+    pack at load was redone under the C kernels (moved to huge pages, or another layout)."""
+    if not can_pack(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no oneDNN packed weights in this torch")
+    from pdscope.engine import model as model_module
+
+    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    if linear == "c" and native.load(tmp_path / "native") is None:
+        pytest.skip("the C kernels did not build here")
+    packs: list[tuple[int, int]] = []
+    pack = Linear.pack
+
+    def counted(self: Linear, rows: int = 1) -> None:
+        packs.append((id(self), rows))
+        pack(self, rows)
+
+    monkeypatch.setattr(Linear, "pack", counted)
+    kernels = f"linear={linear},batch_linear=packed,big_batch_linear=onednn,prefill_linear=onednn"
+    llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels=kernels)
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    rows = model_module.PACKED_ROWS_WITH_C if linear == "c" else 1
+    assert sorted(packs) == sorted((id(m), rows) for m in linears)
+    assert all(m.packed is not None and m.packed_rows == rows for m in linears)
+
+
 def test_prefill_linear_is_not_offered_when_its_copy_would_not_fit(
     tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

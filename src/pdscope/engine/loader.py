@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pdscope.engine.model import CausalLM, ModelConfig, can_pack, pack_linears
+from pdscope.engine.model import CausalLM, ModelConfig
 from pdscope.specs.models import read_config as specs_read_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -63,6 +63,9 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> CausalLM
     """Build the model and copy checkpoint weights into it, fusing qkv and gate/up projections.
 
     Every parameter must be filled: a missing tensor is an error naming it, not a silent zero.
+    The weights are left as stored: apply_kernels packs or copies each for the paths chosen
+    (packed here, they were packed again there whenever the weights moved to huge pages or
+    a path wanted another layout).
     """
     config = ModelConfig.from_hf(read_config(path))
     tensors = _read_tensors(path)
@@ -121,8 +124,6 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> CausalLM
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.init_rope(config.max_position_embeddings, device)  # buffers were built on meta
-    if can_pack(dtype, device):
-        pack_linears(model)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     assert not missing, f"parameters left unloaded: {missing}"
     return model.eval()

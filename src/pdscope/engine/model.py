@@ -591,16 +591,6 @@ def pairs_copy(weight: torch.Tensor, native: NativeOps) -> torch.Tensor | None:
     return native.pack_pairs(weight.detach(), empty_on_huge_pages(weight.numel(), weight.dtype))
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Pack every :class:`Linear` of a bf16 CPU model; returns how many were packed."""
-    count = 0
-    for module in model.modules():
-        if isinstance(module, Linear) and module.weight.dtype == torch.bfloat16:
-            module.pack()
-            count += 1
-    return count
-
-
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype == torch.bfloat16 and onednn_bf16()
 
