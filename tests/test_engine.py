@@ -5,7 +5,7 @@ gaps between the top logits.
 """
 
 import copy
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +15,7 @@ from prometheus_client import generate_latest
 from pdscope import LLM, SamplingParams
 from pdscope.checkpoint.make_model import make_model
 from pdscope.engine import native
-from pdscope.engine.kernels import parse_kernels
+from pdscope.engine.kernels import packed_unread, parse_kernels
 from pdscope.engine.model import Linear
 from tests.conftest import OTHER_BUILDS, build_for
 
@@ -65,6 +65,10 @@ BF16_PATHS = [
     # a prefill's matmuls split by rows over the threads (the 1,100-token chunk below)
     "linear=c,batch_linear=packed,prefill_linear=rows,prefill_attention=sdpa,"
     "decode_math=native,decode_ops=c",
+    # every matmul past 64 rows (the 1,100-token chunk) through the copies too, so that no
+    # weight keeps a packed copy
+    "linear=pairs2,batch_linear=pairs,big_batch_linear=pairs,prefill_linear=pairs,"
+    "prefill_attention=c,decode_math=native,decode_ops=c",
 ]
 
 
@@ -279,6 +283,8 @@ def test_bfloat16_logits_match_transformers(
     paths = parse_kernels(kernels)
     many = paths["batch_linear"] in ("c", "pairs")
     big_forced = paths.get("big_batch_linear") == "pairs"
+    # prefill_linear=pairs: one chunk past 64 rows, not a C batch path's short ones
+    past_64 = paths.get("prefill_linear") == "pairs"
     c_linear = paths["linear"] in ("c", "amx", "pairs", "pairs2")
     llm = LLM(
         model=str(path),
@@ -286,7 +292,7 @@ def test_bfloat16_logits_match_transformers(
         kv_cache_memory="8MiB",
         block_size=4,
         kernels=kernels,
-        max_num_batched_tokens=40 if big_forced else 24 if many else 2048,
+        max_num_batched_tokens=2048 if past_64 else 40 if big_forced else 24 if many else 2048,
     )
     model = llm.engine.runner.model
     # rows that leave big_batch_linear to the trial: what it chose here (no step has 33-64
@@ -295,7 +301,10 @@ def test_bfloat16_logits_match_transformers(
     assert big or not big_forced
     assert other is None or model.native is other
     if can_pack(torch.bfloat16, torch.device("cpu")):
-        packed = "linear=plain" not in kernels  # linear=c packs for matmuls over one row
+        # linear=c packs for matmuls over one row; with every matmul past one row on the
+        # copies none is kept
+        unread = packed_unread(asdict(llm.engine.kernels))
+        packed = "linear=plain" not in kernels and not unread
         assert all(
             (m.packed is not None) == packed for m in model.modules() if hasattr(m, "packed")
         )
@@ -305,7 +314,9 @@ def test_bfloat16_logits_match_transformers(
     pair_rows = paths["linear"] in ("pairs", "pairs2")
     many_pairs = paths["batch_linear"] == "pairs"
     # every weight here has a shape the copy takes
-    assert all((m.pairs is not None) == (pair_rows or many_pairs or big) for m in linears)
+    copies = pair_rows or many_pairs or big or past_64
+    assert all((m.pairs is not None) == copies for m in linears)
+    assert all((m.many_rows is not None) == past_64 for m in linears)
     assert all((m.big_batch is not None) == big for m in linears)
     assert all(m.pair_streams == (2 if paths["linear"] == "pairs2" else 8) for m in linears)
     assert all(m.many_pairs == many_pairs for m in linears)
@@ -328,6 +339,7 @@ def test_bfloat16_logits_match_transformers(
     many_kernel = "linear_pairs" if many_pairs else "linear_many"
     many_calls = _count_calls(linears, "native_many", many_kernel) if many else [0]
     big_calls = _count_calls(linears, "big_batch", "linear_pairs") if big else [0]
+    past_64_calls = _count_calls(linears, "many_rows", "linear_pairs") if past_64 else [0]
     amx_rows = paths["linear"] == "amx"
     one_row_calls = _count_calls(linears, "native", "linear_many") if amx_rows else [0]
     # linear=pairs: the prefill's last row through the LM head (decode steps run in one call)
@@ -372,14 +384,15 @@ def test_bfloat16_logits_match_transformers(
         model_module.linear_widened = widened
     # the prefill's matmuls where no other path takes them: not the 24-row chunks of a C
     # batch path, nor the one 1,100-row chunk under the copies of prefill_linear
-    assert (widened_calls[0] > 0) == (widen and not many and not copied)
+    assert (widened_calls[0] > 0) == (widen and not many and not copied and not past_64)
     # every matmul of the layers in the 1,100-row prefill, none in the decode steps
     assert team_calls[0] == (4 * len(model.layers) if by_rows else 0)
     unsplit = prefill_linear == "transposed"
     assert plain_calls[0] == (4 * len(model.layers) if unsplit else 0)
     # the chunks' matmuls went through the many-row kernel (or the copies)
-    assert (many_calls[0] > 0) == many
-    assert (big_calls[0] > 0) == big_forced  # the 40-row chunks
+    assert (many_calls[0] > 0) == (many and not past_64)
+    assert past_64_calls[0] == (4 * len(model.layers) if past_64 else 0)
+    assert (big_calls[0] > 0) == (big_forced and not past_64)  # the 40-row chunks
     assert (one_row_calls[0] > 0) == amx_rows  # decode rows on the tiles
     assert (pair_calls[0] > 0) == pair_rows
     assert (paged_calls[0] > 0) == amx

@@ -276,6 +276,25 @@ def test_prefill_linear_keeps_onednn_unless_the_copy_wins_by_more_than_a_tie(
     assert all((m.weight_t is None) == (behind < 1) for m in layers)
 
 
+def test_a_preference_may_follow_the_picks_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A callable ``prefer`` entry names its candidate from the picks of the paths before
+    its own (in OPTIONS' order), and the tie rule then applies to that name."""
+    medians_s = {"a": 0.0100, "b": 0.0100 * (1 + TIE * 0.5)}
+    monkeypatch.setattr(
+        "pdscope.engine.kernels.median_times_s", lambda candidates, **_: dict(medians_s)
+    )
+    seen: list[dict[str, str]] = []
+
+    def liked(picks: dict[str, str]) -> str:
+        seen.append(picks)
+        return "b" if picks.get("linear") == "plain" else "a"
+
+    trials = {"prefill_linear": lambda: dict.fromkeys(medians_s, lambda: None)}
+    for linear, pick in (("plain", "b"), ("packed", "a")):
+        choice = choose(trials, {"linear": linear}, SHAPES, None, prefer={"prefill_linear": liked})
+        assert choice.prefill_linear == pick and seen[-1]["linear"] == linear
+
+
 def test_a_choice_made_on_a_busy_host_is_measured_again_when_quieter(tmp_path: Path) -> None:
     """Under load the slower candidate can win the trial; a quieter start measures again and
     replaces it, a start as busy or busier keeps the cache."""
@@ -389,8 +408,9 @@ def test_prefill_linear_is_measured_at_prefill_size_with_two_threads(
     tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """prefill_linear has a trial where chunks reach ROWS_SPLIT_MIN_ROWS rows and the weights
-    can be packed: oneDNN's path and the transposed copy timed (the split by rows never, even
-    with the C kernels and two threads: forced only), the winner applied."""
+    can be packed: oneDNN's path, the transposed copy and, where the C kernels have the pairs
+    kernels for several rows, the pairs copies timed (the split by rows never, even with the
+    C kernels and two threads: forced only), the winner applied."""
     if not can_pack(torch.bfloat16, torch.device("cpu")):
         pytest.skip("no oneDNN packed weights in this torch")
     from pdscope.engine.model import ROWS_SPLIT_MIN_ROWS
@@ -414,12 +434,15 @@ def test_prefill_linear_is_measured_at_prefill_size_with_two_threads(
         torch.set_num_threads(saved)
     choice = llm.engine.kernels
     assert choice.how["prefill_linear"] == "measured"
-    assert set(choice.trial_s) == {f"prefill_linear={o}" for o in ("onednn", "transposed")}
+    ops = native.load(tmp_path / "native")
+    offered = ("onednn", "transposed", *(("pairs",) if ops and ops.pairs_rows else ()))
+    assert set(choice.trial_s) == {f"prefill_linear={o}" for o in offered}
     model = llm.engine.runner.model
     layers = [m for m in model.modules() if hasattr(m, "team") and m is not model.lm_head]
-    copied = choice.prefill_linear != "onednn"
+    copied = choice.prefill_linear == "transposed"
     assert all(m.team is None for m in layers)
     assert all((m.weight_t is not None) == copied for m in layers)
+    assert all((m.many_rows is not None) == (choice.prefill_linear == "pairs") for m in layers)
 
 
 @pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
@@ -626,6 +649,67 @@ def test_each_weight_is_packed_once_for_the_path_chosen(
     rows = model_module.PACKED_ROWS_WITH_C if linear == "c" else 1
     assert sorted(packs) == sorted((id(m), rows) for m in linears)
     assert all(m.packed is not None and m.packed_rows == rows for m in linears)
+
+
+@pytest.mark.parametrize("batch_linear", ["auto", "packed"])
+def test_prefill_linear_pairs_is_kept_in_a_tie_where_it_lets_the_packed_weights_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch_linear: str
+) -> None:
+    """Where linear, batch_linear and big_batch_linear all read the pairs copies, the engine
+    keeps prefill_linear=pairs within TIE of the fastest: then no weight with a copy keeps a
+    packed one (a weight whose rows take no copy, the LM head of a 1,000-word vocabulary,
+    keeps its own), and steps are not padded. With batch_linear on the packed weights, the
+    same trial keeps onednn. The trial's medians are set here (the copies 1.0, transposed
+    0.99, the rest 1.01), so that the engine's preference is tested and not the host's timer."""
+    from pdscope.engine import model as model_module
+
+    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    ops = native.load(tmp_path / "native")
+    if ops is None or not ops.pairs_rows or not can_pack(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no pairs kernels for several rows, or no oneDNN bf16, here")
+    monkeypatch.setattr(
+        "pdscope.engine.kernels.median_times_s",
+        lambda candidates, **_: {
+            n: 1.0 if n in ("pairs", "pairs2") else 0.99 if n == "transposed" else 1.01
+            for n in candidates
+        },
+    )
+    path = make_model(tmp_path / "m", "tiny", dtype="bfloat16", vocab_size=1000)
+    rows = model_module.ROWS_SPLIT_MIN_ROWS
+    llm = LLM(
+        model=str(path), kv_cache_memory="8MiB", max_model_len=2 * rows,
+        max_num_batched_tokens=rows, kernels=f"batch_linear={batch_linear}",
+    )  # fmt: skip
+    choice, model = llm.engine.kernels, llm.engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert model.lm_head.pairs is None and all(m.pairs is not None for m in linears[:-1])
+    if batch_linear == "packed":
+        assert choice.prefill_linear == "onednn" and choice.step_rows == "padded"
+        assert all(m.packed is not None and m.many_rows is None for m in linears)
+        return
+    assert (choice.linear, choice.batch_linear, choice.big_batch_linear) == (
+        "pairs2", "pairs", "pairs"
+    )  # fmt: skip
+    assert choice.prefill_linear == "pairs" and choice.how["prefill_linear"] == "measured"
+    assert choice.step_rows == "exact" and model.row_bucket == 1
+    assert all(m.packed is None for m in linears[:-1]) and model.lm_head.packed is not None
+    assert all(m.many_rows is ops for m in linears)
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    out = llm.generate([list(range(10, 10 + rows - 8))], greedy)[0]  # one chunk past 64 rows
+    assert len(out.token_ids) == 4
+
+
+def test_prefill_linear_pairs_without_the_pairs_kernels_is_refused_by_its_name(
+    tiny_bf16: Path,
+) -> None:
+    """prefill_linear=pairs reads the pairs copies: without the C kernels the choice is
+    refused naming it, and nothing is changed."""
+    assert parse_kernels("prefill_linear=pairs") == {"prefill_linear": "pairs"}
+    llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels="linear=packed")
+    model = llm.engine.runner.model
+    with pytest.raises(ValueError, match="prefill_linear=pairs needs the C kernels built with"):
+        apply_kernels(model, KernelChoice(prefill_linear="pairs", decode_ops="torch"), None)
+    assert not any(getattr(m, "many_rows", None) for m in model.modules())
 
 
 def test_prefill_linear_is_not_offered_when_its_copy_would_not_fit(

@@ -57,7 +57,14 @@ Paths (every candidate computes the same function; tests pin each against transf
   never a trial's pick: its shares take the GIL on the team's threads). The last two keep a
   transposed copy of every layer weight, a third copy of them beside the weight and the packed
   one, so the trial offers ``transposed`` only while that copy takes at most a quarter of the
-  memory available at start-up. bf16 only; the trial runs on CPU.
+  memory available at start-up; the engine keeps ``onednn`` unless the copy is faster by more
+  than ``TIE``. ``pairs``: every matmul past ``BIG_BATCH_MAX_ROWS`` rows (a prefill chunk, or
+  a decode batch past 64) reads the pairs copies' row tiles, so that where ``linear``,
+  ``batch_linear`` and ``big_batch_linear`` read them too no matmul is left to the packed
+  weights, and none are kept: two copies of the weights, not three. On an AMD EPYC Zen 4 the
+  copies matched oneDNN from 128 rows; there the engine keeps ``pairs`` within ``TIE`` of the
+  fastest where the decode paths all read the copies, else ``onednn``. With the pairs kernels
+  (AVX-512 BF16 or AVX2), while the copy fits. bf16 only; the trial runs on CPU.
 * ``prefill_attention``: ``blocked`` (blocks of queries, each scored only against the keys it
   can see), ``sdpa`` (torch's fused kernel), ``amx`` (engine/native.py's causal attention on
   AMX tiles: bf16 scores and values on tiles, the softmax in AVX-512; chunks it does not take,
@@ -94,7 +101,8 @@ Paths (every candidate computes the same function; tests pin each against transf
   ``big_batch_linear=pairs`` of more than ``BIG_BATCH_MAX_ROWS``, runs its norms and matmuls
   at its row count rounded up to a multiple of ``ROW_BUCKET``, the padding rows dropped
   before the attention and from the result) or ``exact``. Not a trial: a rule,
-  ``padded`` where those matmuls are oneDNN's in bf16 (on CPU, ``matmul_math=native``), which
+  ``padded`` where those matmuls are oneDNN's in bf16 (on CPU, ``matmul_math=native``; not
+  under ``big_batch_linear=pairs`` with ``prefill_linear=pairs``, where none past 32 is), which
   builds a primitive for each new row count: on the AMX Xeon 24-31 ms of them in the first
   prefill of each new length, where a repeated length's prefill took 1.005x the time padded
   (engine/model.py's ROW_BUCKET; docs/performance.md).
@@ -108,7 +116,7 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -123,7 +131,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "linear": ("packed", "plain", "c", "amx", "pairs", "pairs2"),
     "batch_linear": ("packed", "c", "pairs"),
     "big_batch_linear": ("onednn", "pairs"),
-    "prefill_linear": ("onednn", "transposed", "rows"),
+    "prefill_linear": ("onednn", "transposed", "rows", "pairs"),
     "matmul_math": ("native", "float32"),
     "prefill_attention": ("blocked", "sdpa", "amx", "c"),
     "decode_math": ("float32", "native"),
@@ -138,7 +146,7 @@ ON_C: dict[str, tuple[str, ...]] = {
     "linear": ("c", "amx", "pairs", "pairs2"),
     "batch_linear": ("c", "pairs"),
     "big_batch_linear": ("pairs",),
-    "prefill_linear": ("rows",),
+    "prefill_linear": ("rows", "pairs"),
     "prefill_attention": ("amx", "c"),
     "decode_ops": ("c",),
     "decode_prefetch": ("every",),
@@ -309,6 +317,18 @@ def pairs_preferred(isa: str) -> str:
     return "pairs2" if isa == "avx512_bf16" else "pairs"
 
 
+def packed_unread(picks: Mapping[str, str]) -> bool:
+    """Whether, under ``picks`` (path: option), no matmul reads oneDNN's packed weights where
+    a weight has a pairs copy: one row on the C kernels or the copies, every larger matmul on
+    the copies (``prefill_linear=pairs`` past 64 rows), so that none need be kept."""
+    return (
+        picks.get("linear") not in ("packed", "plain")
+        and picks.get("batch_linear") == "pairs"
+        and picks.get("big_batch_linear") == "pairs"
+        and picks.get("prefill_linear") == "pairs"
+    )
+
+
 def load_per_core() -> float:
     return os.getloadavg()[0] / (os.cpu_count() or 1)
 
@@ -321,7 +341,7 @@ def choose(
     budget_s: float = 1.0,
     fixed: dict[str, str] | None = None,
     load: float | None = None,
-    prefer: dict[str, str] | None = None,
+    prefer: Mapping[str, str | Callable[[dict[str, str]], str]] | None = None,
 ) -> KernelChoice:
     """Pick every path: forced ones as given, the rest from the cache or a trial.
 
@@ -332,7 +352,8 @@ def choose(
     made at a load higher by :data:`QUIETER_BY` or more is measured again. ``prefer``: per path,
     the candidate a trial keeps while it times within :data:`TIE` of the fastest candidate,
     whichever that is (two that differ only in the host's fast phases read alike in a slow
-    one); a preferred name the trial did not run is ignored.
+    one); a preferred name the trial did not run is ignored. A callable there names it from
+    the picks of the paths before this one (in :data:`OPTIONS`' order).
     """
     load = load_per_core() if load is None else load
     cache_file = cache_dir / f"{shapes.cache_key()}.json" if cache_dir else None
@@ -371,6 +392,8 @@ def choose(
             trial_s.update({f"{path}={name}": t for name, t in medians.items()})
             pick = min(medians, key=medians.__getitem__)
             liked = (prefer or {}).get(path)
+            if callable(liked):
+                liked = liked(dict(picks))
             if liked in medians and medians[liked] <= medians[pick] * (1 + TIE):
                 pick = liked
             picks[path], how[path] = pick, "measured"

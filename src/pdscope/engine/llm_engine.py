@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -19,6 +19,7 @@ from pdscope.engine.kernels import (
     KernelChoice,
     TrialShapes,
     choose,
+    packed_unread,
     pairs_preferred,
     parse_kernels,
 )
@@ -159,7 +160,7 @@ class LLMEngine:
             or forced.get("batch_linear") in (None, *ON_C["batch_linear"])
             or forced.get("big_batch_linear") in (None, *ON_C["big_batch_linear"])
             or forced.get("threads") != "free"
-            or forced.get("prefill_linear") == "rows"  # its shares run on the C kernels' team
+            or forced.get("prefill_linear") in ON_C["prefill_linear"]  # rows: the C team
             or forced.get("prefill_attention") in ON_C["prefill_attention"]
             or forced.get("decode_prefetch") in ON_C["decode_prefetch"]
         )
@@ -222,8 +223,13 @@ class LLMEngine:
         # prefill_linear=transposed keeps a copy of every layer weight: it must win by more
         # than a tie (on the AMD EPYC Zen 4, with a 1.1B-parameter model, a start's short
         # trial picked it once in three where longer ones time it 4-9% slower; on the AMX
-        # Xeon the copy took 7-17% off a prefill)
-        prefer = {"prefill_linear": "onednn"}
+        # Xeon the copy took 7-17% off a prefill). pairs, where the decode paths all read the
+        # copies, lets the packed weights go: it is kept within a tie then.
+        prefer: dict[str, str | Callable[[dict[str, str]], str]] = {
+            "prefill_linear": lambda picks: (
+                "pairs" if packed_unread({**picks, "prefill_linear": "pairs"}) else "onednn"
+            )
+        }
         if ops is not None and ops.pairs:
             prefer["linear"] = pairs_preferred(ops.pairs_isa)
         # the trials' copies are let go before apply_kernels makes the chosen ones
@@ -231,6 +237,11 @@ class LLMEngine:
             kernel_trials(self.model, prefill_tokens, ops),
             forced, shapes, default_cache_dir() / "kernels", fixed=fixed, prefer=prefer,
         )  # fmt: skip
+        copies_past_32 = choice.big_batch_linear == choice.prefill_linear == "pairs"
+        if copies_past_32 and "step_rows" not in forced:
+            # the rule above, for these paths: no matmul past 32 rows is oneDNN's, and padding
+            # would only add rows to the copies' work
+            choice = replace(choice, step_rows="exact")
         apply_kernels(self.model, choice, ops)
         self._native = ops
         return choice

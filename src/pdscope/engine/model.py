@@ -18,14 +18,14 @@ import operator
 import os
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdscope.engine.kernels import OPTIONS, PAIRS_LINEAR
+from pdscope.engine.kernels import OPTIONS, PAIRS_LINEAR, packed_unread
 from pdscope.engine.native import DecodeLayer, DecodeStep
 from pdscope.specs import architectures as registry
 
@@ -350,6 +350,9 @@ class Linear(nn.Linear):
     # set by apply_kernels when big_batch_linear=pairs: matmuls of NATIVE_MANY_MAX_ROWS + 1 to
     # BIG_BATCH_MAX_ROWS rows read the copy (a weight without one, the many-row kernel)
     big_batch: NativeOps | None = None
+    # set by apply_kernels when prefill_linear=pairs: matmuls past BIG_BATCH_MAX_ROWS rows read
+    # the copy (a weight without one, the packed weights)
+    many_rows: NativeOps | None = None
     # The weight_key() each copy (packed, weight_t, pairs) was made from: a copy whose key
     # differs from the weight's is made anew before a matmul reads it.
     packed_source: tuple[int, int] = (0, -1)
@@ -459,6 +462,10 @@ class Linear(nn.Linear):
             if pairs is not None:
                 return self.big_batch.linear_pairs(x.contiguous(), pairs, self.bias)
             return self.big_batch.linear_many(x.contiguous(), self.weight, self.bias)
+        if self.many_rows is not None and x.dim() == 2 and x.shape[0] > BIG_BATCH_MAX_ROWS:
+            pairs = self.current_pairs()
+            if pairs is not None:
+                return self.many_rows.linear_pairs(x.contiguous(), pairs, self.bias)
         if self.weight_t is not None and x.dim() == 2 and x.shape[0] >= ROWS_SPLIT_MIN_ROWS:
             weight_t = self.current_weight_t()  # None: a weight the path does not take
             if weight_t is not None and self.team is not None:
@@ -1422,11 +1429,12 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             "batch_linear=pairs needs the C kernels built with AVX-512 BF16 or AVX2, which this "
             "CPU or compiler does not give"
         )
-    if choice.big_batch_linear == "pairs" and (native is None or not native.pairs_rows):
-        raise ValueError(
-            "big_batch_linear=pairs needs the C kernels built with AVX-512 BF16 or AVX2, which "
-            "this CPU or compiler does not give"
-        )
+    for path in ("big_batch_linear", "prefill_linear"):
+        if getattr(choice, path) == "pairs" and (native is None or not native.pairs_rows):
+            raise ValueError(
+                f"{path}=pairs needs the C kernels built with AVX-512 BF16 or AVX2, which this "
+                "CPU or compiler does not give"
+            )
     if choice.prefill_linear == "rows" and (native is None or not native.team):
         raise ValueError("prefill_linear=rows needs the C kernels, which did not load")
     if choice.decode_prefetch == "every" and (native is None or not native.has_decode_prefetch):
@@ -1440,6 +1448,7 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
         native.set_decode_prefetch(choice.decode_prefetch)
     model.native = native if choice.decode_ops == "c" else None
     model._decode_layers = None
+    unread = packed_unread(asdict(choice))  # a weight with a pairs copy then keeps no packed one
     for module in model.modules():
         if isinstance(module, Linear):
             # linear=c, amx or pairs: single rows through C, larger matmuls through packed weights.
@@ -1452,6 +1461,7 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             # batch_linear=pairs: weights without a copy take the many-row kernel
             module.native_many = native if choice.batch_linear in ("c", "pairs") else None
             module.big_batch = native if choice.big_batch_linear == "pairs" else None
+            module.many_rows = native if choice.prefill_linear == "pairs" else None
             module.widen = choice.matmul_math == "float32" and module.weight.dtype == torch.bfloat16
             module.many_max_rows = NATIVE_MANY_MAX_ROWS
             if module.widen and module.native_many is None and native is not None:
@@ -1470,16 +1480,6 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
                 if moved is not None:
                     module.weight.data = moved
                     module.huge_pages = True
-            if choice.linear != "plain" and module.weight.dtype == torch.bfloat16:
-                rows = PACKED_ROWS_WITH_C if one_row_c else 1
-                stale = module.packed_source != module.weight_key()  # e.g. moved just above
-                if (module.packed_rows != rows or stale) and can_pack(
-                    module.weight.dtype, module.weight.device
-                ):
-                    module.pack(rows)
-            else:
-                module.packed, module.packed_rows = None, 0  # frees the packed copy too
-                module.hold_source("packed", made=False)
             # not the LM head: a prefill runs it on its last row only
             transposed = (
                 choice.prefill_linear in ("transposed", "rows")
@@ -1496,12 +1496,26 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
                 choice.linear not in PAIRS_LINEAR
                 and choice.batch_linear != "pairs"
                 and choice.big_batch_linear != "pairs"
+                and choice.prefill_linear != "pairs"
             ):
                 module.pairs = None
                 module.hold_source("pairs", made=False)
             elif module.pairs is None:
                 assert native is not None  # checked above
                 module.make_pairs(native)
+            if module.pairs is not None and unread:
+                module.packed, module.packed_rows = None, 0
+                module.hold_source("packed", made=False)
+            elif choice.linear != "plain" and module.weight.dtype == torch.bfloat16:
+                rows = PACKED_ROWS_WITH_C if one_row_c else 1
+                stale = module.packed_source != module.weight_key()  # e.g. moved just above
+                if (module.packed_rows != rows or stale) and can_pack(
+                    module.weight.dtype, module.weight.device
+                ):
+                    module.pack(rows)
+            else:
+                module.packed, module.packed_rows = None, 0  # frees the packed copy too
+                module.hold_source("packed", made=False)
         elif isinstance(module, MLP):
             module.native = model.native
         elif isinstance(module, Attention):
@@ -1575,12 +1589,14 @@ def kernel_trials(
         trials["batch_linear"] = lambda: _batch_linear_trial(shared, many)
         if dtype == torch.bfloat16 and native.pairs_rows and pairs_copy_fits(model):
             trials["big_batch_linear"] = lambda: _big_batch_linear_trial(shared, many)
-    if (
-        can_pack(dtype, device)
-        and prefill_tokens >= ROWS_SPLIT_MIN_ROWS
-        and transposed_copy_fits(model)
-    ):
-        trials["prefill_linear"] = lambda: _prefill_linear_trial(model, prefill_tokens)
+    if can_pack(dtype, device) and prefill_tokens >= ROWS_SPLIT_MIN_ROWS:
+        transposed = transposed_copy_fits(model)
+        pairs = native is not None and bool(native.pairs_rows) and pairs_copy_fits(model)
+        if transposed or pairs:
+            with_pairs = native if pairs else None
+            trials["prefill_linear"] = lambda: _prefill_linear_trial(
+                model, prefill_tokens, with_pairs, transposed
+            )
     if native is not None:
         ops = native
         trials["decode_ops"] = lambda: _decode_ops_trial(model, ops)
@@ -1898,7 +1914,11 @@ def _prefill_trial_linears(model: CausalLM) -> list[Linear]:
     return [_first_rows(m, share) for m in layer]
 
 
-def _prefill_linear_trial(model: CausalLM, rows: int) -> dict[str, Callable[[], object]]:
+def _prefill_linear_trial(
+    model: CausalLM, rows: int, pairs: NativeOps | None = None, transposed: bool = True
+) -> dict[str, Callable[[], object]]:
+    """oneDNN's packed weights against the candidates offered: the transposed copy
+    (``transposed``) and the pairs copies (``pairs``, the C kernels to run them)."""
     linears = _prefill_trial_linears(model)
     weight = model.embed_tokens.weight
     rows = min(rows, PACKED_ROWS_WITH_C)  # a chunk of the size the weights are packed for
@@ -1911,24 +1931,42 @@ def _prefill_linear_trial(model: CausalLM, rows: int) -> dict[str, Callable[[], 
         else torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACKED_ROWS_WITH_C)
         for m in linears
     }
-    transposed = {
-        m: m.weight_t if m.weight_t is not None else m.weight.detach().t().contiguous()
-        for m in linears
-    }
 
     def run_onednn() -> None:
         for m in linears:
             _packed_linear(inputs[m.in_features], packed[m], m.bias, "none", [], "")
 
-    def run_transposed() -> None:
-        for m in linears:
-            linear_transposed(inputs[m.in_features], transposed[m], m.bias)
-
     # prefill_linear=rows is not a candidate (forced only): each of its shares takes the GIL
     # on its OpenMP thread, so a server's event loop holding it stalls a prefill's matmuls (up
     # to the 5 ms switch interval each, 96 takes per 2,000-token prefill of the small model);
     # quiet, it beat transposed by only 1.5-3% (docs/performance.md).
-    return {"onednn": run_onednn, "transposed": run_transposed}
+    candidates: dict[str, Callable[[], object]] = {"onednn": run_onednn}
+    if transposed:
+        weights_t = {
+            m: m.weight_t if m.weight_t is not None else m.weight.detach().t().contiguous()
+            for m in linears
+        }
+
+        def run_transposed() -> None:
+            for m in linears:
+                linear_transposed(inputs[m.in_features], weights_t[m], m.bias)
+
+        candidates["transposed"] = run_transposed
+    if pairs is not None:
+        copies = {
+            m: m.pairs if m.pairs is not None else pairs_copy(m.weight, pairs) for m in linears
+        }
+
+        def run_pairs() -> None:  # a weight without a copy: the packed weights, as in a step
+            for m, p in copies.items():
+                x = inputs[m.in_features]
+                if p is None:
+                    _packed_linear(x, packed[m], m.bias, "none", [], "")
+                else:
+                    pairs.linear_pairs(x, p, m.bias)
+
+        candidates["pairs"] = run_pairs
+    return candidates
 
 
 def _prefill_trial(
