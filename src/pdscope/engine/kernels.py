@@ -159,7 +159,7 @@ TIE = 0.03
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
-_TRIAL_VERSION = 29
+_TRIAL_VERSION = 30
 
 
 @dataclass(frozen=True)
