@@ -283,8 +283,8 @@ def test_bfloat16_logits_match_transformers(
     paths = parse_kernels(kernels)
     many = paths["batch_linear"] in ("c", "pairs")
     big_forced = paths.get("big_batch_linear") == "pairs"
-    # prefill_linear=pairs: one chunk past 64 rows, not a C batch path's short ones
-    past_64 = paths.get("prefill_linear") == "pairs"
+    # prefill_linear=pairs forced: one chunk past 64 rows, not a C batch path's short ones
+    past_64_forced = paths.get("prefill_linear") == "pairs"
     c_linear = paths["linear"] in ("c", "amx", "pairs", "pairs2")
     llm = LLM(
         model=str(path),
@@ -292,9 +292,13 @@ def test_bfloat16_logits_match_transformers(
         kv_cache_memory="8MiB",
         block_size=4,
         kernels=kernels,
-        max_num_batched_tokens=2048 if past_64 else 40 if big_forced else 24 if many else 2048,
+        max_num_batched_tokens=(
+            2048 if past_64_forced else 40 if big_forced else 24 if many else 2048
+        ),
     )
     model = llm.engine.runner.model
+    # a row that leaves prefill_linear to the trial (a 2,048-token budget): what it chose
+    past_64 = llm.engine.kernels.prefill_linear == "pairs"
     # rows that leave big_batch_linear to the trial: what it chose here (no step has 33-64
     # rows in them, but its copies are made)
     big = llm.engine.kernels.big_batch_linear == "pairs"
@@ -1109,12 +1113,14 @@ def test_a_one_call_step_that_disagrees_is_switched_off(
         ("linear=pairs", 1),
         ("linear=packed,batch_linear=pairs", 3),
         ("linear=packed,batch_linear=packed,big_batch_linear=pairs", 40),
+        ("linear=c,batch_linear=c,big_batch_linear=onednn,prefill_linear=pairs", 100),
     ],
 )
 def test_pairs_copies_follow_a_replaced_weight_and_are_dropped_with_the_path(
     tmp_path: Path, kernels: str, rows: int
 ) -> None:
-    """Under linear=pairs (or batch_linear=pairs, or big_batch_linear=pairs: 33-64 rows) every
+    """Under linear=pairs (or batch_linear=pairs, big_batch_linear=pairs: 33-64 rows, or
+    prefill_linear=pairs: past 64, here 100 rows and prefill steps of 64 prompts) every
     weight the copy takes holds one (the tied-away vocabulary of 1,000 is not a multiple of
     16: that LM head keeps the C kernel); a weight whose storage is replaced is copied anew
     before a single row (or a few, or 40) reads it, so a row sees the new weight; and other
@@ -1148,8 +1154,9 @@ def test_pairs_copies_follow_a_replaced_weight_and_are_dropped_with_the_path(
     after = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     assert all(a != b for a, b in zip(after, before, strict=True))  # the steps read it too
     other = replace(
-        llm.engine.kernels, linear="c", batch_linear="packed", big_batch_linear="onednn"
-    )
+        llm.engine.kernels,
+        linear="c", batch_linear="packed", big_batch_linear="onednn", prefill_linear="onednn",
+    )  # fmt: skip
     apply_kernels(model, other, model.native)
     assert all(m.pairs is None for m in linears)
 

@@ -276,10 +276,14 @@ def test_prefill_linear_keeps_onednn_unless_the_copy_wins_by_more_than_a_tie(
     assert all((m.weight_t is None) == (behind < 1) for m in layers)
 
 
-def test_a_preference_may_follow_the_picks_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_preference_may_follow_the_picks_before_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """A callable ``prefer`` entry names its candidate from the picks of the paths before
-    its own (in OPTIONS' order), and the tie rule then applies to that name."""
-    medians_s = {"a": 0.0100, "b": 0.0100 * (1 + TIE * 0.5)}
+    its own (in OPTIONS' order), and the tie rule then applies to that name; a cached pick
+    is weighed again from the cached times, so a start whose earlier picks differ gets the
+    pick it would have measured."""
+    medians_s = {"onednn": 0.0100, "pairs": 0.0100 * (1 + TIE * 0.5)}
     monkeypatch.setattr(
         "pdscope.engine.kernels.median_times_s", lambda candidates, **_: dict(medians_s)
     )
@@ -287,12 +291,18 @@ def test_a_preference_may_follow_the_picks_before_it(monkeypatch: pytest.MonkeyP
 
     def liked(picks: dict[str, str]) -> str:
         seen.append(picks)
-        return "b" if picks.get("linear") == "plain" else "a"
+        return "pairs" if picks.get("linear") == "pairs2" else "onednn"
 
     trials = {"prefill_linear": lambda: dict.fromkeys(medians_s, lambda: None)}
-    for linear, pick in (("plain", "b"), ("packed", "a")):
-        choice = choose(trials, {"linear": linear}, SHAPES, None, prefer={"prefill_linear": liked})
+    prefer = {"prefill_linear": liked}
+    for linear, pick in (("pairs2", "pairs"), ("packed", "onednn")):
+        choice = choose(trials, {"linear": linear}, SHAPES, None, prefer=prefer)
         assert choice.prefill_linear == pick and seen[-1]["linear"] == linear
+    # (one load throughout: a quieter start would measure again)
+    choose(trials, {"linear": "pairs2"}, SHAPES, tmp_path, load=1.0, prefer=prefer)  # pairs
+    for linear, pick in (("packed", "onednn"), ("pairs2", "pairs")):
+        choice = choose(trials, {"linear": linear}, SHAPES, tmp_path, load=1.0, prefer=prefer)
+        assert (choice.prefill_linear, choice.how["prefill_linear"]) == (pick, "cached")
 
 
 def test_a_choice_made_on_a_busy_host_is_measured_again_when_quieter(tmp_path: Path) -> None:
@@ -688,7 +698,7 @@ def test_prefill_linear_pairs_is_kept_in_a_tie_where_it_lets_the_packed_weights_
         assert all(m.packed is not None and m.many_rows is None for m in linears)
         return
     assert (choice.linear, choice.batch_linear, choice.big_batch_linear) == (
-        "pairs2", "pairs", "pairs"
+        pairs_preferred(ops.pairs_isa), "pairs", "pairs"
     )  # fmt: skip
     assert choice.prefill_linear == "pairs" and choice.how["prefill_linear"] == "measured"
     assert choice.step_rows == "exact" and model.row_bucket == 1
@@ -705,11 +715,17 @@ def test_prefill_linear_pairs_without_the_pairs_kernels_is_refused_by_its_name(
     """prefill_linear=pairs reads the pairs copies: without the C kernels the choice is
     refused naming it, and nothing is changed."""
     assert parse_kernels("prefill_linear=pairs") == {"prefill_linear": "pairs"}
-    llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels="linear=packed")
+    kernels = "linear=packed,prefill_linear=onednn"
+    llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels=kernels)
     model = llm.engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    held = [(m.packed, m.pairs, m.many_rows) for m in linears]
     with pytest.raises(ValueError, match="prefill_linear=pairs needs the C kernels built with"):
         apply_kernels(model, KernelChoice(prefill_linear="pairs", decode_ops="torch"), None)
-    assert not any(getattr(m, "many_rows", None) for m in model.modules())
+    assert all(
+        m.packed is p and m.pairs is q and m.many_rows is r and r is None
+        for m, (p, q, r) in zip(linears, held, strict=True)
+    )
 
 
 def test_prefill_linear_is_not_offered_when_its_copy_would_not_fit(

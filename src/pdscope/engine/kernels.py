@@ -49,7 +49,8 @@ Paths (every candidate computes the same function; tests pin each against transf
   outran the many-row C kernel's tiles at 48 rows and more (why ``batch_linear`` stops at
   32), so a trial decides. bf16 on CPU with the pairs kernels, while the copy fits, only.
 * ``prefill_linear``: for matmuls of a prefill chunk's rows (``ROWS_SPLIT_MIN_ROWS`` or
-  more): ``onednn`` (``linear``'s path: the packed weights, or ``F.linear``), ``transposed``
+  more; ``pairs``: past ``BIG_BATCH_MAX_ROWS``): ``onednn`` (``linear``'s path: the packed
+  weights, or ``F.linear``), ``transposed``
   (``torch.mm`` on a transposed copy of each weight, [in, out]: oneDNN's matmul primitive on
   the plain layout, its threads splitting the work) or ``rows`` (the same copy, the rows split
   over the OpenMP team, each thread a one-thread matmul on its share into one output;
@@ -59,11 +60,14 @@ Paths (every candidate computes the same function; tests pin each against transf
   one, so the trial offers ``transposed`` only while that copy takes at most a quarter of the
   memory available at start-up; the engine keeps ``onednn`` unless the copy is faster by more
   than ``TIE``. ``pairs``: every matmul past ``BIG_BATCH_MAX_ROWS`` rows (a prefill chunk, or
-  a decode batch past 64) reads the pairs copies' row tiles, so that where ``linear``,
-  ``batch_linear`` and ``big_batch_linear`` read them too no matmul is left to the packed
-  weights, and none are kept: two copies of the weights, not three. On an AMD EPYC Zen 4 the
-  copies matched oneDNN from 128 rows; there the engine keeps ``pairs`` within ``TIE`` of the
-  fastest where the decode paths all read the copies, else ``onednn``. With the pairs kernels
+  a decode batch past 64) reads the pairs copies' row tiles, so that where ``batch_linear``
+  and ``big_batch_linear`` read them too and single rows run on the C kernels or the copies
+  (:func:`packed_unread`), no matmul is left to the packed weights, and none are kept: two
+  copies of the weights, not three. On an AMD EPYC Zen 4 the copies matched oneDNN at 128,
+  512 and 2,048 rows (the trial times the chunk size only); there the engine keeps ``pairs``
+  within ``TIE`` of the fastest where the decode paths all read the copies, else
+  ``onednn`` (a cached pick of either is weighed again from its cached times when those
+  paths change). With the pairs kernels
   (AVX-512 BF16 or AVX2), while the copy fits. bf16 only; the trial runs on CPU.
 * ``prefill_attention``: ``blocked`` (blocks of queries, each scored only against the keys it
   can see), ``sdpa`` (torch's fused kernel), ``amx`` (engine/native.py's causal attention on
@@ -329,6 +333,14 @@ def packed_unread(picks: Mapping[str, str]) -> bool:
     )
 
 
+def _tie_pick(medians_s: Mapping[str, float], liked: str | None) -> str:
+    """The fastest candidate, or ``liked`` where it times within :data:`TIE` of it."""
+    pick = min(medians_s, key=medians_s.__getitem__)
+    if liked in medians_s and medians_s[liked] <= medians_s[pick] * (1 + TIE):
+        return liked
+    return pick
+
+
 def load_per_core() -> float:
     return os.getloadavg()[0] / (os.cpu_count() or 1)
 
@@ -375,6 +387,12 @@ def choose(
     picks: dict[str, str] = {}
     how: dict[str, str] = {}
     trial_s: dict[str, float] = {}
+    kept_s = cached.get("trial_s")
+    cached_s = {
+        k: float(v)
+        for k, v in (kept_s.items() if isinstance(kept_s, dict) else ())
+        if isinstance(k, str) and isinstance(v, int | float)
+    }
     measured_any = False
     to_measure = [p for p in applicable if p not in forced]
     per_path_s = budget_s / max(1, len(to_measure))
@@ -387,16 +405,22 @@ def choose(
                 picks[path] = fixed[path]
         elif isinstance(cached.get(path), str) and cached[path] in OPTIONS[path]:
             picks[path], how[path] = str(cached[path]), "cached"
+            liked = (prefer or {}).get(path)
+            times = {
+                name: cached_s[f"{path}={name}"]
+                for name in OPTIONS[path]
+                if f"{path}={name}" in cached_s
+            }
+            if callable(liked) and times:
+                # the preference follows the paths before this one, which may differ from
+                # when the times were taken: weighed again (the pick stays "cached")
+                picks[path] = _tie_pick(times, liked(dict(picks)))
         else:
             medians = median_times_s(applicable[path](), rounds=7, budget_s=per_path_s)
             trial_s.update({f"{path}={name}": t for name, t in medians.items()})
-            pick = min(medians, key=medians.__getitem__)
             liked = (prefer or {}).get(path)
-            if callable(liked):
-                liked = liked(dict(picks))
-            if liked in medians and medians[liked] <= medians[pick] * (1 + TIE):
-                pick = liked
-            picks[path], how[path] = pick, "measured"
+            liked = liked(dict(picks)) if callable(liked) else liked
+            picks[path], how[path] = _tie_pick(medians, liked), "measured"
             measured_any = True
     choice = replace(KernelChoice(), **picks, how=how, trial_s=trial_s)
     if measured_any and cache_file is not None:
@@ -405,7 +429,9 @@ def choose(
             "cpu": cpu_model(),
             "flags": cpu_flags(),
             "shapes": asdict(shapes),
-            "trial_s": trial_s,
+            # the times of the paths read from the cache are kept beside the new ones
+            "trial_s": {k: v for k, v in cached_s.items() if how.get(k.split("=")[0]) == "cached"}
+            | trial_s,
             "load_per_core": round(load, 2),
         }
         if (exc := write_cache(cache_file, json.dumps(record, indent=2))) is not None:

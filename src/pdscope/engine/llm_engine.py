@@ -160,7 +160,7 @@ class LLMEngine:
             or forced.get("batch_linear") in (None, *ON_C["batch_linear"])
             or forced.get("big_batch_linear") in (None, *ON_C["big_batch_linear"])
             or forced.get("threads") != "free"
-            or forced.get("prefill_linear") in ON_C["prefill_linear"]  # rows: the C team
+            or forced.get("prefill_linear") in ON_C["prefill_linear"]  # C team, or copies
             or forced.get("prefill_attention") in ON_C["prefill_attention"]
             or forced.get("decode_prefetch") in ON_C["decode_prefetch"]
         )
@@ -239,8 +239,9 @@ class LLMEngine:
         )  # fmt: skip
         copies_past_32 = choice.big_batch_linear == choice.prefill_linear == "pairs"
         if copies_past_32 and "step_rows" not in forced:
-            # the rule above, for these paths: no matmul past 32 rows is oneDNN's, and padding
-            # would only add rows to the copies' work
+            # the rule above, for these paths: past 32 rows only a weight without a pairs copy
+            # (rows not a multiple of 16) is oneDNN's, and padding would add rows to the
+            # copies' work
             choice = replace(choice, step_rows="exact")
         apply_kernels(self.model, choice, ops)
         self._native = ops

@@ -79,7 +79,8 @@ ROWS_SPLIT_MIN_ROWS = 512
 # budget; the padding rows (token 0) go through the norms and matmuls and are dropped before
 # the attention and from the result. Under big_batch_linear=pairs padding starts past
 # BIG_BATCH_MAX_ROWS: the copies' tiles build nothing, and padding rows would only cost them
-# work. (Decodes-only steps on the C kernels take decode_logits, never padded.) A padded
+# work; with prefill_linear=pairs too, steps are not padded (step_rows=exact).
+# (Decodes-only steps on the C kernels take decode_logits, never padded.) A padded
 # count can cross a row threshold its exact one is under (ROWS_SPLIT_MIN_ROWS,
 # _SMALL_NORM_ELEMENTS): the real rows then take that path.
 PAD_MIN_ROWS = NATIVE_MANY_MAX_ROWS + 1
@@ -340,8 +341,9 @@ class Linear(nn.Linear):
     # [in, out] contiguous, what prefill matmuls multiply by under prefill_linear=transposed or
     # rows: oneDNN's matmul on it beat the packed weights at 2,000 rows on the AMX Xeon
     weight_t: torch.Tensor | None = None
-    # linear=pairs: the weight's pack_pairs copy [out / 16, in / 2, 16, 2], what single rows
-    # multiply by (NativeOps.linear_pairs); None where the shape does not allow it.
+    # linear=pairs (or batch_linear, big_batch_linear or prefill_linear=pairs): the weight's
+    # pack_pairs copy [out / 16, in / 2, 16, 2], what the rows of those paths multiply by
+    # (NativeOps.linear_pairs); None where the shape does not allow it.
     pairs: torch.Tensor | None = None
     one_row_pairs: bool = False  # linear=pairs/pairs2: single rows read the copy where it is
     pair_streams: int = 8  # ... as 8 streams a thread (linear=pairs) or 2 (pairs2)
@@ -393,26 +395,33 @@ class Linear(nn.Linear):
 
     def make_pairs(self, native: NativeOps) -> None:
         """Hold the weight's pack_pairs copy (:func:`pairs_copy`), for linear=pairs,
-        batch_linear=pairs or big_batch_linear=pairs."""
+        batch_linear=pairs, big_batch_linear=pairs or prefill_linear=pairs."""
         self.pairs = pairs_copy(self.weight, native)
         self.pairs_source = self.weight_key()
         self.hold_source("pairs", self.pairs is not None)
 
     def current_pairs(self) -> torch.Tensor | None:
-        """Under linear=pairs, batch_linear=pairs or big_batch_linear=pairs, the pairs copy,
-        made anew first if the weight changed since (a replacing weight whose shape allows one
-        gets one even where the weight before could not); None where the weight takes none or
-        the paths are others."""
-        paths = self.one_row_pairs or self.many_pairs or self.big_batch is not None
+        """Under linear=pairs, batch_linear=pairs, big_batch_linear=pairs or
+        prefill_linear=pairs, the pairs copy, made anew first if the weight changed since (a
+        replacing weight whose shape allows one gets one even where the weight before could
+        not); None where the weight takes none or the paths are others."""
+        rows = (self.big_batch, self.many_rows)
+        paths = self.one_row_pairs or self.many_pairs or any(n is not None for n in rows)
         if paths and self.pairs_source != self.weight_key():
-            native = self.native if self.one_row_pairs else self.native_many or self.big_batch
+            native = (
+                self.native
+                if self.one_row_pairs
+                else self.native_many or self.big_batch or self.many_rows
+            )
             assert native is not None  # apply_kernels sets it with the path
             self.make_pairs(native)
         return self.pairs
 
     def current_packed(self) -> torch.Tensor | None:
         """The packed weight, packed anew first if the weight changed since; dropped (None)
-        when the weight changed to one oneDNN's packing does not take."""
+        when the weight changed to one oneDNN's packing does not take. (Where every path
+        past one row reads the pairs copy, apply_kernels kept none: a weight replaced then by
+        one of a shape the copy cannot take runs ``F.linear``, slower but the same result.)"""
         if self.packed is not None and self.packed_source != self.weight_key():
             if can_pack(self.weight.dtype, self.weight.device):
                 self.pack(self.packed_rows)
@@ -1538,8 +1547,11 @@ def kernel_trials(
     trial runs: a cached or forced choice allocates nothing). Paths with one candidate here
     are left out.
 
-    * linear: one decode step's worth of matmuls (every weight read once, at one row), so the
-      trial streams from memory as a real step does: oneDNN packed (bf16 only), plain
+    * linear: one decode step's worth of matmuls (each weight read once, at one row; on a large
+      model its first layers up to ``_TRIAL_STREAM_BYTES`` and the LM head in their share:
+      :func:`_trial_linears`), so the trial streams from memory as a real step does; the
+      three decode-linear trials share their copies (:class:`_TrialWeights`): oneDNN packed
+      (bf16 only), plain
       ``F.linear``, the C kernel (when ``native`` loaded), the many-row kernel's AMX tiles
       at one row (bf16, where Linux grants the tiles; 1.08x the C kernel on the AMX Xeon), and
       the pair-interleaved copies as 8 or 2 streams a thread (bf16 with AVX-512 BF16 or AVX2,
@@ -1554,9 +1566,11 @@ def kernel_trials(
     * big batch linear (bf16 with the pairs kernels, while the copy fits): the same matmuls at
       ``_BIG_BATCH_TRIAL_ROWS`` rows, through the packed weights (or widened) as above and
       through the pair-interleaved copies;
-    * prefill linear (bf16, chunks of at least ``ROWS_SPLIT_MIN_ROWS``): layer 0's matmuls at
-      ``prefill_tokens`` rows, through the weights packed for many rows and through a
-      transposed copy (offered only while that copy fits: ``transposed_copy_fits``);
+    * prefill linear (bf16, chunks of at least ``ROWS_SPLIT_MIN_ROWS``): layer 0's matmuls
+      (cut to ``_PREFILL_TRIAL_BYTES``: :func:`_prefill_trial_linears`) at ``prefill_tokens``
+      rows, through the weights packed for many rows, through a transposed copy (offered only
+      while that copy fits: ``transposed_copy_fits``) and through the pairs copies (with the
+      pairs kernels for several rows, while that copy fits);
     * prefill attention: layer 0's attention over a fresh chunk of ``prefill_tokens``;
     * decode math: every layer's attention for a batch of the largest size that may take the
       float32 path, each with 256 tokens of context;
