@@ -611,7 +611,8 @@ def test_the_decode_linear_trials_share_one_set_of_pairs_copies(
     from pdscope.engine import model as model_module
 
     monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
-    off = "linear=packed,batch_linear=packed,big_batch_linear=onednn"  # no copies held
+    # no copies held (prefill_linear=pairs would hold them)
+    off = "linear=packed,batch_linear=packed,big_batch_linear=onednn,prefill_linear=onednn"
     llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels=off)
     model = llm.engine.runner.model
     ops = native.load(tmp_path / "native")
