@@ -67,8 +67,8 @@ Paths (every candidate computes the same function; tests pin each against transf
   512 and 2,048 rows (the trial times the chunk size only); there the engine keeps ``pairs``
   within ``TIE`` of the fastest where the decode paths all read the copies, else
   ``onednn`` (a cached pick of either is weighed again from its cached times when those
-  paths change). With the pairs kernels
-  (AVX-512 BF16 or AVX2), while the copy fits. bf16 only; the trial runs on CPU.
+  paths change). With the pairs kernels (AVX-512 BF16 or AVX2), while the copy fits. bf16
+  only; the trial runs on CPU.
 * ``prefill_attention``: ``blocked`` (blocks of queries, each scored only against the keys it
   can see), ``sdpa`` (torch's fused kernel), ``amx`` (engine/native.py's causal attention on
   AMX tiles: bf16 scores and values on tiles, the softmax in AVX-512; chunks it does not take,

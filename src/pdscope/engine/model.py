@@ -1640,7 +1640,7 @@ def _random(shape: tuple[int, ...], like: torch.Tensor, scale: float = 1.0) -> t
 
 # The decode-linear trials (linear, batch_linear, big_batch_linear) read whole layers from the
 # first until their weights reach this many bytes, and the LM head's rows in the share those
-# layers are of all of them: ten times this project's 32 MB last-level caches, so a trial
+# layers are of all of them: ten times the AMD EPYC hosts' 32 MB last-level cache, so a trial
 # streams from memory as a step does, and takes about as long on a model of any size (on a
 # 1.1B-parameter model every weight made the trial 20 s, and its copies gigabytes). The
 # embedded small model's 304 MB are all read.
