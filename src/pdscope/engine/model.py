@@ -1708,28 +1708,34 @@ class _TrialWeights:
 
     @functools.cached_property
     def pairs(self) -> dict[Linear, torch.Tensor | None]:
-        """Each Linear's pack_pairs copy: the one it holds, else one made here (None where
-        the weight's shape takes none)."""
         assert self.native is not None
-        return {
-            m: m.pairs if m.pairs is not None else pairs_copy(m.weight, self.native)
-            for m in self.linears
-        }
+        return _pairs_copies(self.linears, self.native)
 
     @functools.cached_property
     def packed_many(self) -> dict[Linear, torch.Tensor]:
-        """Each weight packed as the engine lays it out for several rows."""
-        return {
-            m: m.packed
-            if m.packed is not None and m.packed_rows > 1
-            else torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACKED_ROWS_WITH_C)
-            for m in self.linears
-        }
+        return _packed_for_many_rows(self.linears)
 
     def inputs(self, rows: int) -> dict[int, torch.Tensor]:
         """Random inputs of ``rows`` rows for the matmuls, by input width."""
         weight = self.model.embed_tokens.weight
         return {m.in_features: _random((rows, m.in_features), weight) for m in self.linears}
+
+
+def _pairs_copies(linears: list[Linear], ops: NativeOps) -> dict[Linear, torch.Tensor | None]:
+    """Each Linear's pack_pairs copy for a trial: the one it holds, else one made here (None
+    where the weight's shape takes none)."""
+    return {m: m.pairs if m.pairs is not None else pairs_copy(m.weight, ops) for m in linears}
+
+
+def _packed_for_many_rows(linears: list[Linear]) -> dict[Linear, torch.Tensor]:
+    """Each weight packed as the engine lays it out for several rows (under linear=c, amx or
+    pairs): the packing it holds, else one made here."""
+    return {
+        m: m.packed
+        if m.packed is not None and m.packed_rows == PACKED_ROWS_WITH_C
+        else torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACKED_ROWS_WITH_C)
+        for m in linears
+    }
 
 
 def _linear_trial(shared: _TrialWeights) -> dict[str, Callable[[], object]]:
@@ -1939,12 +1945,7 @@ def _prefill_linear_trial(
     inputs = {m.in_features: _random((rows, m.in_features), weight) for m in linears}
     # oneDNN's candidate as a prefill runs it under linear=c or amx (what the trial picks on
     # the CPUs where this path applies): laid out for many rows.
-    packed = {
-        m: m.packed
-        if m.packed is not None and m.packed_rows == PACKED_ROWS_WITH_C
-        else torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACKED_ROWS_WITH_C)
-        for m in linears
-    }
+    packed = _packed_for_many_rows(linears)
 
     def run_onednn() -> None:
         for m in linears:
@@ -1967,9 +1968,7 @@ def _prefill_linear_trial(
 
         candidates["transposed"] = run_transposed
     if pairs is not None:
-        copies = {
-            m: m.pairs if m.pairs is not None else pairs_copy(m.weight, pairs) for m in linears
-        }
+        copies = _pairs_copies(linears, pairs)
 
         def run_pairs() -> None:  # a weight without a copy: the packed weights, as in a step
             for m, p in copies.items():
