@@ -1161,6 +1161,162 @@ def test_pairs_copies_follow_a_replaced_weight_and_are_dropped_with_the_path(
     assert all(m.pairs is None for m in linears)
 
 
+PAIRS_PAST_ONE = "batch_linear=pairs,big_batch_linear=pairs,prefill_linear=pairs"
+ALL_PAIRS = f"linear=pairs2,{PAIRS_PAST_ONE}"
+
+
+def test_a_weight_that_every_matmul_reads_a_copy_of_is_held_once(tmp_path: Path) -> None:
+    """Where one row, 2-32, 33-64 and more rows all read the pairs copy, apply_kernels lets
+    the weight go (its storage freed: no reference to it lives on) and the copy holds its
+    values once; the one-call step and every step size run without making it again; the
+    weight made again on access is the checkpoint's, bit for bit, and the model then computes
+    the same bits and tokens; the parameter count counts it all along."""
+    import gc
+    import weakref
+
+    from pdscope.engine.kernels import KernelChoice
+    from pdscope.engine.loader import load_model
+    from pdscope.engine.model import apply_kernels
+
+    _pairs_or_skip(ALL_PAIRS)
+    path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
+    checkpoint = load_model(path, torch.bfloat16, torch.device("cpu"))
+    model = load_model(path, torch.bfloat16, torch.device("cpu"))
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    weights = [weakref.ref(m.weight) for m in linears]
+    count = sum(p.numel() for p in model.parameters())
+    choice = KernelChoice(**parse_kernels(ALL_PAIRS + ",decode_ops=c"))
+    ops = native.load(tmp_path / "native")
+    apply_kernels(model, choice, ops)
+    gc.collect()
+    assert all(m.held_once and m.stored_weight() is None for m in linears)
+    assert all(ref() is None for ref in weights)  # freed: the copy is all that holds them
+    assert model.parameter_count() == count
+    gen = torch.Generator().manual_seed(0)
+    proj = model.layers[0].mlp.down_proj
+    xs = [
+        torch.randn(r, proj.in_features, generator=gen).to(torch.bfloat16) for r in (1, 8, 40, 100)
+    ]
+    held = [proj(x) for x in xs]
+    assert proj.held_once  # no row count read the weight
+    restored = proj.weight  # made again from the copy
+    assert not proj.held_once and proj.pairs is not None
+    assert torch.equal(restored, checkpoint.layers[0].mlp.down_proj.weight)
+    assert all(torch.equal(proj(x), y) for x, y in zip(xs, held, strict=True))
+    assert model.parameter_count() == count
+
+    llm = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="8MiB", kernels=ALL_PAIRS)
+    assert llm.engine.decode_step == "one_call"
+    model = llm.engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.held_once for m in linears)
+    # steps of 1, 3, 40 and 100 rows, prefill chunks of 64 and more
+    prompts = [[5, 6, 7], [8, 9] * 40, [10, 11, 12, 13] * 30] + [[3 + i, 4] for i in range(40)]
+    calls = _count_calls([model], "native", "decode_logits")
+    held = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert calls[0] > 0  # decode ran in the one call, on the copies alone
+    assert all(m.held_once for m in linears)
+    for m in linears:
+        m.weight  # noqa: B018 - made again
+    assert not any(m.held_once for m in linears)
+    assert llm.reset_prefix_cache()
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == held
+
+
+@pytest.mark.parametrize(
+    ("kernels", "once"),
+    [
+        ("linear=pairs,batch_linear=c,big_batch_linear=pairs,prefill_linear=pairs", False),
+        ("linear=c,batch_linear=pairs,big_batch_linear=pairs,prefill_linear=pairs", False),
+        ("linear=pairs,batch_linear=pairs,big_batch_linear=onednn,prefill_linear=onednn", True),
+        ("linear=pairs,batch_linear=packed,big_batch_linear=onednn,prefill_linear=onednn", True),
+    ],
+)
+def test_a_weight_is_held_once_only_where_no_path_reads_it(
+    tmp_path: Path, kernels: str, once: bool
+) -> None:
+    """batch_linear=c's many-row kernel and linear=c read the weight as stored: it stays.
+    Where the packed weights take the larger matmuls in place of the copy, the weight goes
+    and the two copies stay, and a prefill and a batched decode there give what the same
+    paths give with the weight made again. A tied LM head is the embedding, which reads
+    its weight: kept."""
+    from pdscope.engine.model import can_pack
+
+    _pairs_or_skip(kernels)
+    packs = can_pack(torch.bfloat16, torch.device("cpu"))
+    if not packs and ("packed" in kernels or "onednn" in kernels):
+        pytest.skip("oneDNN has no bf16 packing on this CPU")
+    path = make_model(tmp_path / "m", "tiny", dtype="bfloat16", tie_word_embeddings=True)
+    llm = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="8MiB", kernels=kernels)
+    model = llm.engine.runner.model
+    assert model.lm_head.stored_weight() is model.embed_tokens.weight  # tied: kept
+    layers = [m for m in model.layers.modules() if isinstance(m, Linear)]
+    assert all(m.held_once == once for m in layers)
+    if not once:
+        return
+    assert all(m.pairs is not None and m.packed is not None for m in layers)
+    prompts = [[5, 6, 7] * 30] + [[3 + i, 4] for i in range(12)]
+    held = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert all(m.held_once for m in layers)
+    for m in layers:
+        m.weight  # noqa: B018 - made again
+    assert llm.reset_prefix_cache()
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == held
+
+
+def test_a_weight_held_once_is_read_written_and_replaced_as_one_stored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The state dict gives a held weight's values and leaves it held once; a write through
+    ``.weight`` (made again first) reaches the copy; a new Parameter set in its place is
+    copied anew without the old one being made again; load_state_dict loads into it; and
+    apply_kernels with paths that read no copy keeps the values, not the freed weight's
+    bytes."""
+    from pdscope.engine.model import apply_kernels
+
+    _pairs_or_skip(ALL_PAIRS)
+    path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
+    llm = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="8MiB", kernels=ALL_PAIRS)
+    model = llm.engine.runner.model
+    proj = model.layers[0].self_attn.o_proj
+    assert proj.held_once
+    state = model.state_dict()
+    assert proj.held_once
+    values = state["layers.0.self_attn.o_proj.weight"]
+    assert values.shape == (proj.out_features, proj.in_features)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, proj.in_features, generator=gen).to(torch.bfloat16)
+    torch.testing.assert_close(proj(x), torch.nn.functional.linear(x, values), atol=4e-2, rtol=2e-2)
+    with torch.no_grad():
+        proj.weight.mul_(-2.0)  # in place, through the weight made again
+    torch.testing.assert_close(
+        proj(x), torch.nn.functional.linear(x, values * -2.0), atol=8e-2, rtol=2e-2
+    )
+    apply_kernels(model, llm.engine.kernels, model.native)  # held once again
+    assert proj.held_once
+    new = torch.randn(proj.out_features, proj.in_features, generator=gen).to(torch.bfloat16)
+
+    def refused(self: Linear) -> torch.nn.Parameter:
+        raise AssertionError("the weight replaced was made again")
+
+    monkeypatch.setattr(Linear, "restore_weight", refused)
+    proj.weight = torch.nn.Parameter(new, requires_grad=False)
+    monkeypatch.undo()
+    torch.testing.assert_close(proj(x), torch.nn.functional.linear(x, new), atol=4e-2, rtol=2e-2)
+    apply_kernels(model, llm.engine.kernels, model.native)
+    assert proj.held_once
+    model.load_state_dict(state)
+    assert torch.equal(proj.weight, values)
+    apply_kernels(model, llm.engine.kernels, model.native)
+    plain = replace(
+        llm.engine.kernels,
+        linear="plain", batch_linear="packed", big_batch_linear="onednn", prefill_linear="onednn",
+    )  # fmt: skip
+    apply_kernels(model, plain, model.native)
+    assert not proj.held_once and proj.pairs is None
+    assert torch.equal(proj.weight, values)
+
+
 @pytest.mark.parametrize("assign", [False, True], ids=["in-place", "assign"])
 def test_weights_loaded_in_place_reach_every_copy(tmp_path: Path, assign: bool) -> None:
     """``load_state_dict`` writes the weights in place, their storage where it was (or, with

@@ -309,6 +309,10 @@ def _count_registration(module: nn.Module, name: str, value: object) -> None:
 nn.modules.module.register_module_parameter_registration_hook(_count_registration)
 nn.modules.module.register_module_buffer_registration_hook(_count_registration)
 
+# Linear.weight_key while the weight is held once: no stored weight has address 0 and
+# version -2 (an inference tensor's counter reads -1).
+_HELD_ONCE_KEY = (0, -2)
+
 # Linear.hold_source's storages, by module: while a module lives and its copies stand.
 _COPIED_FROM: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.UntypedStorage]] = (
     weakref.WeakKeyDictionary()
@@ -360,6 +364,98 @@ class Linear(nn.Linear):
     packed_source: tuple[int, int] = (0, -1)
     weight_t_source: tuple[int, int] = (0, -1)
     pairs_source: tuple[int, int] = (0, -1)
+    # Set by apply_kernels where no matmul of any row count reads the weight as stored (each
+    # reads the pairs copy, or it and the packed one: :meth:`weight_unread`): the weight is let
+    # go and the copy holds its values, once. ``.weight`` makes it again from the copy on
+    # first access and holds it from then on (:meth:`restore_weight`).
+    held_once: bool = False
+    held_requires_grad: bool = False  # the let-go weight's flag, for the one made again
+
+    @property
+    def weight(self) -> nn.Parameter:  # type: ignore[override]
+        """The weight [out, in]; where it is held once (only its pairs copy kept), made again
+        from the copy first."""
+        weight = self._parameters.get("weight")
+        if weight is None:
+            if not self.held_once:
+                raise AttributeError("weight")  # nn.Linear.__init__ has not registered it yet
+            weight = self.restore_weight()
+        return weight
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "weight" and self.__dict__.get("held_once"):
+            self.held_once = False  # a new weight replaces the one the copy holds: not made
+        super().__setattr__(name, value)
+
+    def stored_weight(self) -> torch.Tensor | None:
+        """The weight as stored, or None where it is held once (nothing made again)."""
+        return self._parameters.get("weight")
+
+    def weight_nbytes(self) -> int:
+        """The weight's bytes, stored or held once in its copy (nothing made again)."""
+        weight = self.pairs if self.held_once else self.weight
+        assert weight is not None
+        return weight.numel() * weight.element_size()
+
+    def weight_unread(self) -> bool:
+        """Whether no matmul of any row count reads the weight as stored under the paths
+        apply_kernels set (:meth:`forward`'s order): one row and 2 to 32 rows read the pairs
+        copy, and each larger count the copy too or the packed weights (which a 3-D input or
+        a weight the copy cannot take would read as well)."""
+        if self.pairs is None or not self.one_row_pairs or self.native is None or self.widen:
+            return False
+        many = self.native_many is not None
+        if many and not (self.many_pairs and self.many_max_rows >= NATIVE_MANY_MAX_ROWS):
+            return False  # batch_linear=c: the many-row kernel reads the weight
+        every_count = many and self.big_batch is not None and self.many_rows is not None
+        return every_count or self.packed is not None
+
+    def hold_once(self) -> None:
+        """Let the weight go where the copies read in its place hold its values
+        (:meth:`weight_unread`): its storage is freed unless something else holds it. The
+        copies are keyed to :data:`_HELD_ONCE_KEY`, which :meth:`weight_key` reads while
+        held once and no stored weight can have, so a weight set later is copied anew."""
+        assert self.weight_unread() and self.pairs is not None
+        key = self.weight_key()
+        weight = self._parameters.pop("weight")
+        self.held_requires_grad = weight.requires_grad
+        for copy in ("packed", "weight_t", "pairs"):
+            if getattr(self, copy) is not None:
+                assert getattr(self, f"{copy}_source") == key, f"{copy} is stale"
+                setattr(self, f"{copy}_source", _HELD_ONCE_KEY)
+            # nothing pairs a later weight with these copies now: the storage may go
+            self.hold_source(copy, made=False)
+        self.held_once = True
+
+    def restore_weight(self) -> nn.Parameter:
+        """The weight made again from the pairs copy and stored (no longer held once), its
+        copies keyed to it (they hold its very values)."""
+        assert self.held_once and self.pairs is not None
+        # outside inference mode: a normal tensor, whose in-place writes bump its counter
+        with torch.inference_mode(False):
+            values = self.pairs.permute(0, 2, 1, 3).reshape(self.out_features, self.in_features)
+            weight = nn.Parameter(values, requires_grad=self.held_requires_grad)
+        self.weight = weight  # clears held_once; counted as a registration
+        key = self.weight_key()
+        for copy in ("packed", "weight_t", "pairs"):
+            if getattr(self, copy) is not None:
+                setattr(self, f"{copy}_source", key)
+                self.hold_source(copy)
+        return weight
+
+    def _save_to_state_dict(
+        self, destination: dict[str, Any], prefix: str, keep_vars: bool
+    ) -> None:
+        if self.held_once:  # the values, made from the copy; the module still holds them once
+            assert self.pairs is not None
+            weight = self.pairs.permute(0, 2, 1, 3).reshape(self.out_features, self.in_features)
+            destination[prefix + "weight"] = weight
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        if self.held_once and prefix + "weight" in state_dict:
+            self.restore_weight()  # written in place (or assigned) as any stored weight
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def hold_source(self, copy: str, made: bool = True) -> None:
         """Hold the weight storage ``copy`` (packed, weight_t, pairs) was made from while the
@@ -377,7 +473,9 @@ class Linear(nn.Linear):
         """The weight's storage address and version counter. Replacing ``.data`` changes the
         first; an in-place write through the parameter (``load_state_dict``, ``copy_`` under
         ``no_grad``) the second. A write through ``.data`` bypasses the counter: a copy made
-        before it is not remade."""
+        before it is not remade. :data:`_HELD_ONCE_KEY` while the weight is held once."""
+        if self.held_once:
+            return _HELD_ONCE_KEY
         return self.weight.data_ptr(), version_of(self.weight)
 
     def pack(self, rows: int = 1) -> None:
@@ -1102,7 +1200,7 @@ class CausalLM(nn.Module):
                 list[torch.Tensor],
                 list[int],
                 list[object],
-                tuple[ctypes.Array[DecodeLayer], DecodeStep, Linear],
+                tuple[ctypes.Array[DecodeLayer], DecodeStep, Linear, bool],
             ]
             | None
         ) = None
@@ -1211,7 +1309,7 @@ class CausalLM(nn.Module):
         built = self._decode_layer_array(kv_caches)
         if built is None:
             return None
-        layers, step, first = built
+        layers, step, first, held_once = built
         # apply_kernels points every Linear at the same paths: the first one speaks for all.
         one_row = rows <= NATIVE_LINEAR_MAX_ROWS
         many = first.native_many is not None and not one_row and rows <= first.many_max_rows
@@ -1231,6 +1329,8 @@ class CausalLM(nn.Module):
             or big
             or (not one_row and first.many_pairs)
         )
+        if held_once and not step.pairs:
+            return None  # a weight held once has only its copy, which these rows do not read
         step.pair_streams = first.pair_streams
         step.rows = rows
         step.block_size = batch.block_size
@@ -1244,7 +1344,7 @@ class CausalLM(nn.Module):
 
     def _decode_layer_array(
         self, kv_caches: list[torch.Tensor]
-    ) -> tuple[ctypes.Array[DecodeLayer], DecodeStep, Linear] | None:
+    ) -> tuple[ctypes.Array[DecodeLayer], DecodeStep, Linear, bool] | None:
         """Every layer's weight and cache pointers, and a step holding the model's own (final
         norm, rope tables, LM head, embedding; the batch fields are the caller's), built again
         when any of them moves or a copied weight is written in place (new caches, a weight's
@@ -1269,7 +1369,7 @@ class CausalLM(nn.Module):
     @torch.inference_mode()  # copies made here (Linear.current_pairs) are inference tensors
     def _build_decode_layers(
         self, kv_caches: list[torch.Tensor]
-    ) -> tuple[ctypes.Array[DecodeLayer], DecodeStep, Linear] | None:
+    ) -> tuple[ctypes.Array[DecodeLayer], DecodeStep, Linear, bool] | None:
         """:meth:`_decode_layer_array`'s build, and what its check reads, kept."""
         rows = []
         for layer, cache in zip(self.layers, kv_caches, strict=True):
@@ -1277,14 +1377,14 @@ class CausalLM(nn.Module):
             rows.append(
                 (
                     layer.input_layernorm.weight,
-                    attn.qkv_proj.weight,
+                    attn.qkv_proj.stored_weight(),  # None where held once: C reads the copy
                     attn.qkv_proj.bias,
                     None if attn.q_norm is None else attn.q_norm.weight,
                     None if attn.k_norm is None else attn.k_norm.weight,
-                    attn.o_proj.weight,
+                    attn.o_proj.stored_weight(),
                     layer.post_attention_layernorm.weight,
-                    mlp.gate_up_proj.weight,
-                    mlp.down_proj.weight,
+                    mlp.gate_up_proj.stored_weight(),
+                    mlp.down_proj.stored_weight(),
                     cache,
                     attn.qkv_proj.current_pairs(),
                     attn.o_proj.current_pairs(),
@@ -1300,10 +1400,11 @@ class CausalLM(nn.Module):
         qk_norms = [
             n for layer in self.layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)
         ]
+        lm_head = self.lm_head.stored_weight()
         weights = [
             *(t for row in rows for t in row[:9] if t is not None),  # not the cache
             self.norm.weight,
-            self.lm_head.weight,  # read by decode_logits, as the embedding
+            *([] if lm_head is None else [lm_head]),  # read by decode_logits, as the embedding
             self.embed_tokens.weight,
         ]
         copies = [
@@ -1319,7 +1420,8 @@ class CausalLM(nn.Module):
                 not t.is_contiguous() or t.device.type != "cpu" or t.dtype != dtype
                 for t in weights + copies + kv_caches
             )
-            or self.embed_tokens.weight.shape != self.lm_head.weight.shape
+            or self.embed_tokens.weight.shape
+            != (self.lm_head.out_features, self.lm_head.in_features)
         ):
             return None
         array = (DecodeLayer * len(rows))(
@@ -1341,12 +1443,15 @@ class CausalLM(nn.Module):
             scale=attn.scale,
             bf=dtype == torch.bfloat16,
             wide_glue=self.native is not None and self.native.wide_glue,
-            lm_head=self.lm_head.weight.data_ptr(),
-            vocab=self.lm_head.weight.shape[0],
+            lm_head=None if lm_head is None else lm_head.data_ptr(),
+            vocab=self.lm_head.out_features,
             lm_head_p=None if self.lm_head.pairs is None else self.lm_head.pairs.data_ptr(),
         )
         held = [*weights, self.rope_cos, self.rope_sin, *kv_caches]
-        built = (array, step, attn.qkv_proj)
+        # a weight held once (Linear.hold_once) is read through its copy only
+        weighted = (1, 5, 7, 8)  # qkv, o, gate_up, down
+        held_once = lm_head is None or any(row[i] is None for row in rows for i in weighted)
+        built = (array, step, attn.qkv_proj, held_once)
         # A pairs copy changes only with its weight (Linear.current_pairs) or under
         # apply_kernels, which drops all this: its weight's address (in held) and version
         # counter (an in-place write, as load_state_dict's, leaves the address) say when to
@@ -1363,7 +1468,9 @@ class CausalLM(nn.Module):
                 layer.mlp.down_proj,
             )
         ]
-        copied = [m.weight for m in linears if m.pairs is not None]
+        copied = [
+            w for m in linears if m.pairs is not None and (w := m.stored_weight()) is not None
+        ]
         self._decode_layers = (
             _registrations,  # a weight's Parameter replaced: held no longer holds the weight
             held,
@@ -1376,6 +1483,16 @@ class CausalLM(nn.Module):
             built,
         )
         return built
+
+    def parameter_count(self) -> int:
+        """The model's parameters, a tied LM head's once, a weight held once
+        (:meth:`Linear.hold_once`) counted from its copy."""
+        held = sum(
+            m.in_features * m.out_features
+            for m in self.modules()
+            if isinstance(m, Linear) and m.held_once
+        )
+        return held + sum(p.numel() for p in self.parameters())
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -1460,6 +1577,8 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
     unread = packed_unread(asdict(choice))  # a weight with a pairs copy then keeps no packed one
     for module in model.modules():
         if isinstance(module, Linear):
+            if module.held_once:  # its copy holds its values: made again before any is freed
+                module.restore_weight()
             # linear=c, amx or pairs: single rows through C, larger matmuls through packed weights.
             one_row_c = choice.linear in ("c", "amx", *PAIRS_LINEAR)
             module.native = native if one_row_c else None
@@ -1509,9 +1628,9 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             ):
                 module.pairs = None
                 module.hold_source("pairs", made=False)
-            elif module.pairs is None:
+            elif module.pairs is None or module.pairs_source != module.weight_key():
                 assert native is not None  # checked above
-                module.make_pairs(native)
+                module.make_pairs(native)  # (a stale one too: held once, it stands alone)
             if module.pairs is not None and unread:
                 module.packed, module.packed_rows = None, 0
                 module.hold_source("packed", made=False)
@@ -1525,6 +1644,10 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             else:
                 module.packed, module.packed_rows = None, 0  # frees the packed copy too
                 module.hold_source("packed", made=False)
+            # a tied LM head's weight is the embedding's, which reads it as stored
+            tied = module.stored_weight() is model.embed_tokens.weight
+            if module.weight_unread() and not tied:
+                module.hold_once()
         elif isinstance(module, MLP):
             module.native = model.native
         elif isinstance(module, Attention):
@@ -1679,7 +1802,7 @@ def _trial_linears(model: CausalLM) -> list[Linear]:
     layers = list(model.layers)
     taken, read = 0, 0
     while taken < len(layers) and read < _TRIAL_STREAM_BYTES:
-        read += sum(_weight_bytes(m) for m in layers[taken].modules() if isinstance(m, Linear))
+        read += sum(m.weight_nbytes() for m in layers[taken].modules() if isinstance(m, Linear))
         taken += 1
     in_layers = {id(m) for layer in layers for m in layer.modules()}
     share = taken / max(1, len(layers))
@@ -1688,10 +1811,6 @@ def _trial_linears(model: CausalLM) -> list[Linear]:
         for m in model.modules()
         if isinstance(m, Linear) and id(m) not in in_layers
     ]
-
-
-def _weight_bytes(m: Linear) -> int:
-    return m.weight.numel() * m.weight.element_size()
 
 
 class _TrialWeights:
@@ -1872,11 +1991,7 @@ def _several_rows_candidates(
 def transposed_copy_bytes(model: CausalLM) -> int:
     """Bytes of the transposed copy prefill_linear=transposed keeps: every layer weight once
     more (the LM head excepted), beside the weight and its oneDNN-packed copy."""
-    return sum(
-        m.weight.numel() * m.weight.element_size()
-        for m in model.layers.modules()
-        if isinstance(m, Linear)
-    )
+    return sum(m.weight_nbytes() for m in model.layers.modules() if isinstance(m, Linear))
 
 
 def available_memory_bytes() -> int | None:
@@ -1923,14 +2038,14 @@ def pairs_copy_fits(model: CausalLM) -> bool:
     """Whether linear=pairs' copy (every weight once more, the LM head's too) fits
     (:func:`copy_fits`)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    return copy_fits(sum(m.weight.numel() * m.weight.element_size() for m in linears))
+    return copy_fits(sum(m.weight_nbytes() for m in linears))
 
 
 def _prefill_trial_linears(model: CausalLM) -> list[Linear]:
     """The matmuls prefill_linear's trial times: layer 0's, each cut to the first rows of one
     share that keeps them within ``_PREFILL_TRIAL_BYTES`` (:func:`_first_rows`)."""
     layer = [m for m in model.layers[0].modules() if isinstance(m, Linear)]
-    share = min(1.0, _PREFILL_TRIAL_BYTES / sum(_weight_bytes(m) for m in layer))
+    share = min(1.0, _PREFILL_TRIAL_BYTES / sum(m.weight_nbytes() for m in layer))
     return [_first_rows(m, share) for m in layer]
 
 

@@ -780,7 +780,8 @@ class NativeOps:
         embed: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's tokens ``ids`` [rows] (int64) embedded from ``embed`` [vocab, hidden],
-        :meth:`decode_layers` and then the LM head (``step.lm_head``, ``step.vocab``), all in
+        :meth:`decode_layers` and then the LM head (``step.lm_head``, or where it is held once
+        its pairs copy ``step.lm_head_p``; ``step.vocab``), all in
         one call (decode_ops.c's decode_logits). Returns float32 logits [rows, vocab], the same
         bits as the per-kernel path's ``lm_head(hidden).float()``, and each row's argmax
         [rows] (int64, as ``logits.argmax(-1)``). The caller vouches for ``embed`` and ids
@@ -790,7 +791,7 @@ class NativeOps:
             raise ValueError(f"decode_logits: ids {ids.dtype} {tuple(ids.shape)} do not fit")
         dtype = torch.bfloat16 if step.bf else torch.float32
         if (
-            not step.lm_head
+            not (step.lm_head or step.lm_head_p)  # held once: the copy alone
             or step.vocab <= 0
             or embed.shape != (step.vocab, step.hidden)  # the C side reads ids < vocab rows
             or embed.dtype != dtype

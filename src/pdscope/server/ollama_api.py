@@ -168,7 +168,7 @@ async def chat(body: OllamaChatRequest, request: Request) -> Any:
 
 def _details(s: ServerState) -> dict[str, Any]:
     config = s.llm.model.config
-    params = sum(p.numel() for p in s.llm.model.parameters())
+    params = s.llm.model.parameter_count()
     return {
         "parent_model": "",
         "format": "safetensors",
@@ -238,7 +238,7 @@ async def show(body: OllamaShowRequest, request: Request) -> dict[str, Any]:
         "details": _details(s),
         "model_info": {
             "general.architecture": family,
-            "general.parameter_count": sum(p.numel() for p in s.llm.model.parameters()),
+            "general.parameter_count": s.llm.model.parameter_count(),
             f"{family}.context_length": s.llm.max_model_len,
             f"{family}.embedding_length": config.hidden_size,
             f"{family}.block_count": config.num_layers,

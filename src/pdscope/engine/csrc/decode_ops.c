@@ -3391,6 +3391,7 @@ static int step_linear(const decode_step *s, const void *x, const void *w, const
                                           (int)s->threads, (int)s->pair_streams);
         if (ran) return ran < 0 ? -1 : 0;
     }
+    if (!w) return -1; /* a weight held once (model.py's Linear.hold_once): its copy only */
     if (s->many_rows)
         return linear_many_rows(x, w, bias, y, s->rows, in, out, (int)s->bf, (int)s->threads) < 0
                    ? -1
@@ -3647,7 +3648,7 @@ static int logits_body(const decode_layer *layers, const decode_step *s, void *r
 #ifdef HAVE_AMX
     /* linear_many_rows' one-row branch, its output widened in place of stored */
     else if (s->many_rows && s->rows == 1 && s->hidden % 32 == 0 && s->vocab % 16 == 0 &&
-             amx_usable())
+             s->lm_head && amx_usable())
         amx_one_row((const bf16 *)normed, s->lm_head, NULL, NULL, logits, s->hidden, s->vocab,
                     threads);
 #endif
