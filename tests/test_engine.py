@@ -1317,6 +1317,23 @@ def test_a_weight_held_once_is_read_written_and_replaced_as_one_stored(
     assert torch.equal(proj.weight, values)
 
 
+def test_the_loaded_weights_keep_no_mapping_of_the_checkpoint(tmp_path: Path) -> None:
+    """safetensors reads each file through one mapping that any tensor read from it keeps
+    whole: once loaded, no tensor of the model lies in it (the file is not mapped at all),
+    whatever the dtype asked."""
+    import gc
+
+    from pdscope.engine.loader import load_model
+
+    path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
+    for dtype in (torch.bfloat16, torch.float32):
+        model = load_model(path, dtype, torch.device("cpu"))
+        gc.collect()
+        maps = Path("/proc/self/maps").read_text()
+        assert str(path / "model.safetensors") not in maps
+        assert all(p.dtype == dtype for p in model.parameters())
+
+
 @pytest.mark.parametrize("assign", [False, True], ids=["in-place", "assign"])
 def test_weights_loaded_in_place_reach_every_copy(tmp_path: Path, assign: bool) -> None:
     """``load_state_dict`` writes the weights in place, their storage where it was (or, with
