@@ -1334,6 +1334,27 @@ def test_the_loaded_weights_keep_no_mapping_of_the_checkpoint(tmp_path: Path) ->
         assert all(p.dtype == dtype for p in model.parameters())
 
 
+def test_only_a_weight_a_c_kernel_reads_as_stored_is_moved_onto_huge_pages(
+    tmp_path: Path,
+) -> None:
+    """The C kernels stream a weight from huge pages where they read it as stored
+    (linear=c); where its pairs copy stands in for it every time, the weight is not moved
+    (a copy of it made for nothing: it is let go)."""
+    from pdscope.engine.model import huge_pages_offered
+
+    _pairs_or_skip(ALL_PAIRS)
+    if not huge_pages_offered():
+        pytest.skip("Linux offers no transparent huge pages here")
+    shape = {"hidden_size": 1024, "intermediate_size": 2048}  # weights of 2 MiB or more
+    path = make_model(tmp_path / "m", "tiny", dtype="bfloat16", **shape)
+    args = {"dtype": "bfloat16", "kv_cache_memory": "8MiB"}
+    for kernels, moved in ((ALL_PAIRS, False), ("linear=c,batch_linear=c", True)):
+        model = LLM(model=str(path), kernels=kernels, **args).engine.runner.model
+        layers = [m for m in model.layers.modules() if isinstance(m, Linear)]
+        assert all(m.weight_nbytes() >= 1 << 21 for m in layers)
+        assert all(m.huge_pages == moved for m in layers), kernels
+
+
 @pytest.mark.parametrize("assign", [False, True], ids=["in-place", "assign"])
 def test_weights_loaded_in_place_reach_every_copy(tmp_path: Path, assign: bool) -> None:
     """``load_state_dict`` writes the weights in place, their storage where it was (or, with

@@ -695,12 +695,22 @@ def on_huge_pages(t: torch.Tensor) -> torch.Tensor | None:
     return None if copy is None else copy.view(t.shape).copy_(t)
 
 
+def takes_pairs(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` has a pack_pairs copy: bf16 on CPU, rows a multiple of 16, columns
+    of 2."""
+    rows, cols = weight.shape
+    return (
+        weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and not (rows % 16 or cols % 2)
+    )
+
+
 def pairs_copy(weight: torch.Tensor, native: NativeOps) -> torch.Tensor | None:
     """``weight``'s pack_pairs copy for linear=pairs (on huge pages where Linux offers them:
     the C kernel streams it every batch-1 step), or None where its dtype or shape does not
     allow one (bf16, rows a multiple of 16, columns of 2)."""
-    rows, cols = weight.shape
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or rows % 16 or cols % 2:
+    if not takes_pairs(weight):
         return None
     return native.pack_pairs(weight.detach(), empty_on_huge_pages(weight.numel(), weight.dtype))
 
@@ -1598,8 +1608,13 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
                 # EPYC: C 47 ms, bf16 F.linear 127, widened 163)
                 module.native_many = native
                 module.many_max_rows = WIDEN_MIN_ROWS - 1
-            runs_c = (module.native, module.native_many, module.big_batch)
-            streamed = any(ops is not None for ops in runs_c)
+            # a C kernel reads the weight as stored where no pairs copy stands in for it
+            copied = takes_pairs(module.weight)
+            streamed = (
+                (module.native is not None and not (module.one_row_pairs and copied))
+                or (module.native_many is not None and not (module.many_pairs and copied))
+                or (module.big_batch is not None and not copied)
+            )
             if streamed and not module.huge_pages:
                 # The C kernels stream this weight every decode step: moved, not copied (the
                 # old storage is freed; a tied embedding shares the parameter, so it follows),
