@@ -1317,6 +1317,57 @@ def test_a_weight_held_once_is_read_written_and_replaced_as_one_stored(
     assert torch.equal(proj.weight, values)
 
 
+def test_where_another_copy_does_not_fit_each_weight_is_held_once_without_a_trial(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With memory for a quarter of the weights' copy, the four matmul paths take the pairs
+    copies without a trial (how: "memory"; a forced path stays forced), every weight is held
+    once, the start says so, and the engine generates what it generates forced to the same
+    paths with room to spare; with room, those paths are measured as before."""
+    import logging
+
+    from pdscope.engine import llm_engine
+    from pdscope.engine import model as engine_model
+    from pdscope.engine.loader import load_model
+
+    _pairs_or_skip(ALL_PAIRS)
+    path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
+    loaded = load_model(path, torch.bfloat16, torch.device("cpu"))
+    weights = sum(m.weight_nbytes() for m in loaded.modules() if isinstance(m, Linear))
+    paths = ("linear", "batch_linear", "big_batch_linear", "prefill_linear")
+    args = {"dtype": "bfloat16", "kv_cache_memory": "256KiB", "max_model_len": 128}
+    prompts = [[5, 6, 7] * 30] + [[3 + i, 4] for i in range(40)]
+    for room, how in ((3 * weights, "memory"), (100 * weights, "timed")):
+        for module in (engine_model, llm_engine):
+            monkeypatch.setattr(module, "available_memory_bytes", lambda room=room: room)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="pdscope.engine"):
+            llm = LLM(model=str(path), **args)
+        kernels = llm.engine.kernels
+        hows = {kernels.how[p] for p in paths}
+        assert hows == {"memory"} if how == "memory" else "memory" not in hows, kernels.summary()
+        warned = [r.getMessage() for r in caplog.records if "held once" in r.getMessage()]
+        if how == "timed":
+            assert not warned
+            continue
+        assert len(warned) == 1 and "does not fit" in warned[0]
+        assert (kernels.batch_linear, kernels.big_batch_linear, kernels.prefill_linear) == (
+            "pairs",
+            "pairs",
+            "pairs",
+        )
+        model = llm.engine.runner.model
+        assert all(m.held_once for m in model.modules() if isinstance(m, Linear))
+        held = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        forced = LLM(model=str(path), kernels=f"linear={kernels.linear},{PAIRS_PAST_ONE}", **args)
+        assert [o.token_ids for o in forced.generate(prompts, GREEDY)] == held
+        partly = LLM(model=str(path), kernels="linear=c", **args)
+        assert partly.engine.kernels.how["linear"] == "forced"
+        assert all(partly.engine.kernels.how[p] == "memory" for p in paths[1:])
+        model = partly.engine.runner.model
+        assert not any(m.held_once for m in model.modules() if isinstance(m, Linear))
+
+
 def test_the_loaded_weights_keep_no_mapping_of_the_checkpoint(tmp_path: Path) -> None:
     """safetensors reads each file through one mapping that any tensor read from it keeps
     whole: once loaded, no tensor of the model lies in it (the file is not mapped at all),

@@ -733,8 +733,9 @@ def test_prefill_linear_is_not_offered_when_its_copy_would_not_fit(
     tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """A model whose transposed copy would take more than TRANSPOSED_COPY_MAX_SHARE of the free
-    memory is not measured into a third copy of its weights: prefill_linear stays oneDNN's,
-    no layer holds a copy."""
+    memory is not measured into a third copy of its weights: no layer holds a transposed copy.
+    (The pairs copy does not fit either: where the pairs kernels built, prefill_linear takes
+    them untimed, each weight held once, else it stays oneDNN's.)"""
     from pdscope.engine import model as model_module
 
     if not can_pack(torch.bfloat16, torch.device("cpu")):
@@ -751,9 +752,42 @@ def test_prefill_linear_is_not_offered_when_its_copy_would_not_fit(
     assert "prefill_linear" not in model_module.kernel_trials(model, rows)
     llm = LLM(model=str(tiny_bf16), **sizes)
     choice = llm.engine.kernels
-    assert (choice.prefill_linear, choice.how["prefill_linear"]) == ("onednn", "fixed")
+    ops = llm.engine._native
+    held_once = ops is not None and ops.pairs and ops.pairs_rows
+    expected = ("pairs", "memory") if held_once else ("onednn", "fixed")
+    assert (choice.prefill_linear, choice.how["prefill_linear"]) == expected
     model = llm.engine.runner.model
     assert all(m.weight_t is None for m in model.modules() if hasattr(m, "weight_t"))
+
+
+@pytest.mark.parametrize(
+    ("limit", "capped"),
+    [("1000000000", True), ("max", False), ("9223372036854771712", False)],
+    ids=["limit", "v2-none", "v1-none"],
+)
+def test_available_memory_is_capped_by_a_cgroup_limit_v2_or_v1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: str, capped: bool
+) -> None:
+    """A cgroup's limit less its use caps what MemAvailable says, read from v2's files or,
+    where those are absent, v1's; "max" (v2) and 2^63 less a page (v1) set none."""
+    from pdscope.engine import model as model_module
+
+    real = model_module.available_memory_bytes()
+    assert real is not None and real > 10**9  # this host has more than the limit below
+    for version, names in (("v2", ("memory.max", "memory.current")), ("v1", ("l", "u"))):
+        (tmp_path / version).mkdir()
+        (tmp_path / version / names[0]).write_text(limit + "\n")
+        (tmp_path / version / names[1]).write_text("200000000\n")
+        files = (str(tmp_path / version / names[0]), str(tmp_path / version / names[1]))
+        missing = (str(tmp_path / "none"), str(tmp_path / "none"))
+        cgroups = (files, missing) if version == "v2" else (missing, files)
+        monkeypatch.setattr(model_module, "_CGROUP_MEMORY", cgroups)
+        got = model_module.available_memory_bytes()
+        assert got is not None
+        if capped:
+            assert got <= 800_000_000
+        else:
+            assert got > 10**9
 
 
 def _attentions(model: torch.nn.Module) -> list[Attention]:

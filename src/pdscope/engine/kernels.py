@@ -19,7 +19,11 @@ Paths (every candidate computes the same function; tests pin each against transf
   load feeds 16 outputs), eight blocks of it read side by side per thread, so that each core
   keeps eight streams from memory going where ``amx`` and ``c`` keep one or a few (bf16 with
   AVX-512 BF16, or in AVX2 FMAs with each 64-byte load split into its even and odd weights;
-  the copy is offered only while it takes at most a quarter of the memory). ``pairs2`` reads
+  the copy is offered only while it takes at most a quarter of the memory; where it does
+  not, ``linear``, ``batch_linear``, ``big_batch_linear`` and ``prefill_linear`` take the
+  copies without a trial, how "memory": every matmul then reads them, and each weight is
+  held in its copy alone, once, where the other paths keep a second copy, oneDNN's packed
+  weights or the copies beside the weight). ``pairs2`` reads
   the same copy as two streams a thread, the same bits: on the AVX-512 AMD EPYCs two read
   faster than eight; on the AMX Xeon eight read faster than one, and two a little faster than
   eight (the trial's 49 one-row matmuls, two starts: 11.7 and 13.1 ms against 13.0 and 13.8);
@@ -62,9 +66,12 @@ Paths (every candidate computes the same function; tests pin each against transf
   than ``TIE``. ``pairs``: every matmul past ``BIG_BATCH_MAX_ROWS`` rows (a prefill chunk, or
   a decode batch past 64) reads the pairs copies' row tiles, so that where ``batch_linear``
   and ``big_batch_linear`` read them too and single rows run on the C kernels or the copies
-  (:func:`packed_unread`), no matmul is left to the packed weights, and none are kept: two
-  copies of the weights, not three. On an AMD EPYC Zen 4 the copies matched oneDNN at 128,
-  512 and 2,048 rows (the trial times the chunk size only); there the engine keeps ``pairs``
+  (:func:`packed_unread`), no matmul is left to the packed weights, and none are kept;
+  where single rows read the copies too, nor is the weight as stored: each is held once, in
+  its copy (engine/model.py's Linear.hold_once; where the packed weights take the larger
+  matmuls instead, the two copies and no weight). On an AMD EPYC Zen 4 the copies matched
+  oneDNN at 128, 512 and 2,048 rows (the trial times the chunk size only); there the engine
+  keeps ``pairs``
   within ``TIE`` of the fastest where the decode paths all read the copies, else
   ``onednn`` (a cached pick of either is weighed again from its cached times when those
   paths change). With the pairs kernels (AVX-512 BF16 or AVX2), while the copy fits. bf16
@@ -181,7 +188,8 @@ class KernelChoice:
     decode_prefetch: str = "jumps"
     threads: str = "free"
     step_rows: str = "exact"
-    # per path: "measured", "cached", "forced", or "fixed" (only one candidate applies here)
+    # per path: "measured", "cached", "forced", "fixed" (only one candidate applies here), or
+    # "memory" (the pairs copies, untimed, where another copy of the weights does not fit)
     how: dict[str, str] = field(default_factory=dict, compare=False)
     # per candidate: median seconds of the trial, for the log and the cache file
     trial_s: dict[str, float] = field(default_factory=dict, compare=False)

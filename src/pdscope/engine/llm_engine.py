@@ -25,13 +25,17 @@ from pdscope.engine.kernels import (
 )
 from pdscope.engine.loader import load_model, read_config, resolve_dtype
 from pdscope.engine.model import (
+    Linear,
     apply_kernels,
+    available_memory_bytes,
     can_pack,
     kernel_trials,
+    pairs_copy_fits,
     prefetch_applies,
     thread_cpus,
     widen_bf16,
 )
+from pdscope.engine.native import NativeOps
 from pdscope.engine.request import Request
 from pdscope.engine.runner import ModelRunner
 from pdscope.engine.sampling_params import SamplingParams
@@ -232,11 +236,17 @@ class LLMEngine:
         }
         if ops is not None and ops.pairs:
             prefer["linear"] = pairs_preferred(ops.pairs_isa)
+        trials = kernel_trials(self.model, prefill_tokens, ops)
+        held_once = self._held_once_paths(ops, forced)
+        for path, option in held_once.items():
+            trials.pop(path, None)  # (offered only while a whole copy fits)
+            fixed[path] = option
         # the trials' copies are let go before apply_kernels makes the chosen ones
         choice = choose(
-            kernel_trials(self.model, prefill_tokens, ops),
-            forced, shapes, default_cache_dir() / "kernels", fixed=fixed, prefer=prefer,
-        )  # fmt: skip
+            trials, forced, shapes, default_cache_dir() / "kernels", fixed=fixed, prefer=prefer
+        )
+        if held_once:
+            choice = replace(choice, how={**choice.how, **dict.fromkeys(held_once, "memory")})
         copies_past_32 = choice.big_batch_linear == choice.prefill_linear == "pairs"
         if copies_past_32 and "step_rows" not in forced:
             # the rule above, for these paths: past 32 rows only a weight without a pairs copy
@@ -246,6 +256,40 @@ class LLMEngine:
         apply_kernels(self.model, choice, ops)
         self._native = ops
         return choice
+
+    def _held_once_paths(self, ops: NativeOps | None, forced: dict[str, str]) -> dict[str, str]:
+        """Where another copy of every weight does not fit (model.pairs_copy_fits), the
+        matmul paths, not forced, that read nothing but the pairs copies, taken without a
+        trial: each weight is then held once, in its copy (Linear.hold_once), where the
+        others keep a second copy (oneDNN's packed weights, or the copies beside the weight).
+        Empty where there is room, or no pairs kernels for one row and several."""
+        if (
+            ops is None
+            or not (ops.pairs and ops.pairs_rows)
+            or self.dtype != torch.bfloat16
+            or self.device.type != "cpu"
+            or pairs_copy_fits(self.model)
+        ):
+            return {}
+        paths = {
+            "linear": pairs_preferred(ops.pairs_isa),
+            "batch_linear": "pairs",
+            "big_batch_linear": "pairs",
+            "prefill_linear": "pairs",
+        }
+        held = {p: o for p, o in paths.items() if p not in forced}
+        weights_bytes = sum(
+            m.weight_nbytes() for m in self.model.modules() if isinstance(m, Linear)
+        )
+        available = available_memory_bytes() or 0
+        log.warning(
+            "another copy of the weights (%.1f MiB) does not fit in a quarter of the %.1f MiB "
+            "of memory available: each weight held once, in its pairs copy (%s, not measured)",
+            weights_bytes / 2**20,
+            available / 2**20,
+            ", ".join(f"{p}={o}" for p, o in held.items()),
+        )
+        return held
 
     def _check_decode_step(self) -> DecodeStep:
         """How a decodes-only step under the C kernels runs here: ``one_call`` where the one C
@@ -306,7 +350,7 @@ class LLMEngine:
                 )
             return budget
         asked = parse_bytes(self.args.kv_cache_memory)
-        free = _available_memory_bytes()
+        free = available_memory_bytes()
         if free is not None and asked > free:
             raise ValueError(
                 f"kv_cache_memory {asked / 2**30:.1f} GiB is more than the "
@@ -549,15 +593,3 @@ class LLM:
             )
             for r in requests
         ]
-
-
-def _available_memory_bytes() -> int | None:
-    """Linux's MemAvailable (what can be allocated without swapping); None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None

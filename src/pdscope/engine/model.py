@@ -2009,10 +2009,19 @@ def transposed_copy_bytes(model: CausalLM) -> int:
     return sum(m.weight_nbytes() for m in model.layers.modules() if isinstance(m, Linear))
 
 
+# A cgroup's memory limit and use: v2's files, then v1's (whose "no limit" reads 2^63 less a
+# page).
+_CGROUP_MEMORY = (
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+)
+
+
 def available_memory_bytes() -> int | None:
     """Memory a new allocation can have now: Linux's MemAvailable (free memory plus the page
     cache it can drop, e.g. the checkpoint's file pages just read), capped by this process's
-    cgroup v2 limit less its use where one is set; None where neither can be read."""
+    cgroup limit (v2, or v1) less its use where one is set; None where neither can be
+    read."""
     available = None
     try:
         with open("/proc/meminfo") as f:
@@ -2022,16 +2031,19 @@ def available_memory_bytes() -> int | None:
                     break
     except (OSError, ValueError):
         pass
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
-            used = int(f.read())
-        if limit != "max":
-            left = max(0, int(limit) - used)
+    for limit_file, used_file in _CGROUP_MEMORY:
+        try:
+            with open(limit_file) as f:
+                text = f.read().strip()
+            with open(used_file) as f:
+                used = int(f.read())
+            limit = None if text == "max" else int(text)
+        except (OSError, ValueError):
+            continue
+        if limit is not None and limit < 1 << 62:
+            left = max(0, limit - used)
             available = left if available is None else min(available, left)
-    except (OSError, ValueError):
-        pass
+        break
     return available
 
 
