@@ -6,7 +6,8 @@ twice each: first with an empty kernel-choice and step-check cache (a start on a
 model: the kernel trials and the one-call check run), then with the cache that start wrote.
 The checkpoint and the C kernels' build are shared by every start (made once, beforehand), so
 neither is timed. Prints per tree and kind of start: the seconds until the engine is built, the
-peak resident memory, and the ratio of the two trees' medians.
+peak resident memory, the memory resident once it is built (VmRSS: the weights and their
+copies, the KV cache of 256 MiB, torch), and the ratio of the two trees' medians.
 
     git worktree add /tmp/before e28a7c5
     .venv/bin/python bench/start_ab.py /tmp/m1b --ab-tree /tmp/before --rounds 3
@@ -27,15 +28,21 @@ from pathlib import Path
 from engine_bench import machine_line
 
 HERE = Path(__file__).resolve().parent.parent
-# Run in the child: builds the engine, prints its seconds and the process's peak memory.
+# Run in the child: builds the engine, prints its seconds and the process's peak and resident
+# memory.
 CHILD = """
-import json, resource, sys, time
+import gc, json, resource, sys, time
 start = time.perf_counter()
 from pdscope.engine.llm_engine import LLMEngine
 engine = LLMEngine(model=sys.argv[1], kv_cache_memory="256MiB", max_model_len=2048)
+seconds = time.perf_counter() - start
+gc.collect()
+with open("/proc/self/status") as f:
+    rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 print(json.dumps({
-    "s": time.perf_counter() - start,
+    "s": seconds,
     "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+    "resident_gb": rss_kb / 1e6,
     "kernels": engine.kernels.summary(),
 }))
 """
@@ -64,6 +71,7 @@ def main() -> None:
     print(machine_line())
     seconds: dict[tuple[str, str], list[float]] = {}
     peaks: dict[tuple[str, str], list[float]] = {}
+    resident: dict[tuple[str, str], list[float]] = {}
     try:
         for r in range(args.rounds):
             for name in trees if r % 2 == 0 else reversed(trees):
@@ -76,16 +84,20 @@ def main() -> None:
                     got = start(trees[name], args.model, cache)
                     seconds.setdefault((name, kind), []).append(float(got["s"]))
                     peaks.setdefault((name, kind), []).append(float(got["peak_gb"]))
+                    resident.setdefault((name, kind), []).append(float(got["resident_gb"]))
                     line = f"round {r + 1} {name} {kind}: {got['s']:.2f} s"
-                    print(f"{line}, {got['peak_gb']:.2f} GB peak; {got['kernels']}", flush=True)
+                    line += f", {got['peak_gb']:.2f} GB peak, {got['resident_gb']:.2f} resident"
+                    print(f"{line}; {got['kernels']}", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     for kind in ("uncached", "cached"):
         this, ab = (statistics.median(seconds[n, kind]) for n in trees)
         peak_this, peak_ab = (statistics.median(peaks[n, kind]) for n in trees)
+        held_this, held_ab = (statistics.median(resident[n, kind]) for n in trees)
         print(
             f"{kind:9} this {this:.2f} s, ab {ab:.2f} s: ab / this {ab / this:.2f}x; "
-            f"peak memory this {peak_this:.2f} GB, ab {peak_ab:.2f} GB"
+            f"peak memory this {peak_this:.2f} GB, ab {peak_ab:.2f} GB; "
+            f"resident once built this {held_this:.2f} GB, ab {held_ab:.2f} GB"
         )
 
 
