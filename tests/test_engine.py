@@ -1165,12 +1165,15 @@ PAIRS_PAST_ONE = "batch_linear=pairs,big_batch_linear=pairs,prefill_linear=pairs
 ALL_PAIRS = f"linear=pairs2,{PAIRS_PAST_ONE}"
 
 
-def test_a_weight_that_every_matmul_reads_a_copy_of_is_held_once(tmp_path: Path) -> None:
+def test_a_weight_that_every_matmul_reads_a_copy_of_is_held_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Where one row, 2-32, 33-64 and more rows all read the pairs copy, apply_kernels lets
     the weight go (its storage freed: no reference to it lives on) and the copy holds its
-    values once; the one-call step and every step size run without making it again; the
-    weight made again on access is the checkpoint's, bit for bit, and the model then computes
-    the same bits and tokens; the parameter count counts it all along."""
+    values once; the one-call step and every step size run without making it again, and
+    generate what an engine that keeps its weights generates; the weight made again on
+    access is the checkpoint's, bit for bit, and the layer then computes the same bits; the
+    parameter count counts it all along."""
     import gc
     import weakref
 
@@ -1216,11 +1219,12 @@ def test_a_weight_that_every_matmul_reads_a_copy_of_is_held_once(tmp_path: Path)
     held = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     assert calls[0] > 0  # decode ran in the one call, on the copies alone
     assert all(m.held_once for m in linears)
-    for m in linears:
-        m.weight  # noqa: B018 - made again
-    assert not any(m.held_once for m in linears)
-    assert llm.reset_prefix_cache()
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == held
+    with monkeypatch.context() as patch:
+        patch.setattr(Linear, "hold_once", lambda self: None)
+        kept = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="8MiB", kernels=ALL_PAIRS)
+    model = kept.engine.runner.model
+    assert not any(m.held_once for m in model.modules() if isinstance(m, Linear))
+    assert [o.token_ids for o in kept.generate(prompts, GREEDY)] == held
 
 
 @pytest.mark.parametrize(
@@ -1233,13 +1237,13 @@ def test_a_weight_that_every_matmul_reads_a_copy_of_is_held_once(tmp_path: Path)
     ],
 )
 def test_a_weight_is_held_once_only_where_no_path_reads_it(
-    tmp_path: Path, kernels: str, once: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: str, once: bool
 ) -> None:
     """batch_linear=c's many-row kernel and linear=c read the weight as stored: it stays.
     Where the packed weights take the larger matmuls in place of the copy, the weight goes
     and the two copies stay, and a prefill and a batched decode there give what the same
-    paths give with the weight made again. A tied LM head is the embedding, which reads
-    its weight: kept."""
+    paths give with the weights kept. A tied LM head is the embedding, which reads its
+    weight: kept."""
     from pdscope.engine.model import can_pack
 
     _pairs_or_skip(kernels)
@@ -1258,10 +1262,24 @@ def test_a_weight_is_held_once_only_where_no_path_reads_it(
     prompts = [[5, 6, 7] * 30] + [[3 + i, 4] for i in range(12)]
     held = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     assert all(m.held_once for m in layers)
-    for m in layers:
-        m.weight  # noqa: B018 - made again
-    assert llm.reset_prefix_cache()
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == held
+    monkeypatch.setattr(Linear, "hold_once", lambda self: None)
+    kept = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="8MiB", kernels=kernels)
+    assert [o.token_ids for o in kept.generate(prompts, GREEDY)] == held
+
+
+def test_widened_matmuls_keep_a_weight_only_where_one_reads_it() -> None:
+    """Under matmul_math=float32 (a CPU without oneDNN's bf16 path) a matmul no copy takes
+    widens the weight as stored: held once only where every row count reads the copy."""
+    lin = Linear(64, 32, bias=False, dtype=torch.bfloat16)
+    ops = object()  # the C kernels' stand-in: weight_unread only asks whether a path is set
+    lin.pairs = torch.empty(2, 32, 16, 2, dtype=torch.bfloat16)
+    lin.one_row_pairs, lin.native, lin.widen = True, ops, True
+    lin.native_many, lin.many_pairs = ops, True
+    assert not lin.weight_unread()  # 33 rows and more widen the weight
+    lin.big_batch, lin.many_rows = ops, ops
+    assert lin.weight_unread()
+    lin.many_pairs = False  # the many-row kernel on the weight
+    assert not lin.weight_unread()
 
 
 def test_a_weight_held_once_is_read_written_and_replaced_as_one_stored(
@@ -1321,9 +1339,10 @@ def test_where_another_copy_does_not_fit_each_weight_is_held_once_without_a_tria
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """With memory for a quarter of the weights' copy, the four matmul paths take the pairs
-    copies without a trial (how: "memory"; a forced path stays forced), every weight is held
-    once, the start says so, and the engine generates what it generates forced to the same
-    paths with room to spare; with room, those paths are measured as before."""
+    copies without a trial (how: "memory"), every weight is held once, the start says so, and
+    the engine generates what it generates forced to the same paths with room to spare; one
+    of them forced to a path that reads the weight leaves them to the trial; with room, those
+    paths are measured as before."""
     import logging
 
     from pdscope.engine import llm_engine
@@ -1359,13 +1378,14 @@ def test_where_another_copy_does_not_fit_each_weight_is_held_once_without_a_tria
         model = llm.engine.runner.model
         assert all(m.held_once for m in model.modules() if isinstance(m, Linear))
         held = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-        forced = LLM(model=str(path), kernels=f"linear={kernels.linear},{PAIRS_PAST_ONE}", **args)
-        assert [o.token_ids for o in forced.generate(prompts, GREEDY)] == held
-        partly = LLM(model=str(path), kernels="linear=c", **args)
-        assert partly.engine.kernels.how["linear"] == "forced"
-        assert all(partly.engine.kernels.how[p] == "memory" for p in paths[1:])
+        partly = LLM(model=str(path), kernels="linear=c", **args)  # reads the weight
+        assert "memory" not in {partly.engine.kernels.how[p] for p in paths}
         model = partly.engine.runner.model
         assert not any(m.held_once for m in model.modules() if isinstance(m, Linear))
+        for module in (engine_model, llm_engine):
+            monkeypatch.setattr(module, "available_memory_bytes", lambda: 100 * weights)
+        forced = LLM(model=str(path), kernels=f"linear={kernels.linear},{PAIRS_PAST_ONE}", **args)
+        assert [o.token_ids for o in forced.generate(prompts, GREEDY)] == held
 
 
 def test_the_loaded_weights_keep_no_mapping_of_the_checkpoint(tmp_path: Path) -> None:
@@ -1376,6 +1396,8 @@ def test_the_loaded_weights_keep_no_mapping_of_the_checkpoint(tmp_path: Path) ->
 
     from pdscope.engine.loader import load_model
 
+    if not Path("/proc/self/maps").is_file():
+        pytest.skip("no /proc/self/maps (not Linux)")
     path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
     for dtype in (torch.bfloat16, torch.float32):
         model = load_model(path, dtype, torch.device("cpu"))

@@ -769,25 +769,26 @@ def test_available_memory_is_capped_by_a_cgroup_limit_v2_or_v1(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: str, capped: bool
 ) -> None:
     """A cgroup's limit less its use caps what MemAvailable says, read from v2's files or,
-    where those are absent, v1's; "max" (v2) and 2^63 less a page (v1) set none."""
+    where those are absent, v1's; its inactive file pages (the checkpoint just read) are not
+    counted as used; "max" (v2) and 2^63 less a page (v1) set none."""
     from pdscope.engine import model as model_module
 
-    real = model_module.available_memory_bytes()
-    assert real is not None and real > 10**9  # this host has more than the limit below
-    for version, names in (("v2", ("memory.max", "memory.current")), ("v1", ("l", "u"))):
-        (tmp_path / version).mkdir()
-        (tmp_path / version / names[0]).write_text(limit + "\n")
-        (tmp_path / version / names[1]).write_text("200000000\n")
-        files = (str(tmp_path / version / names[0]), str(tmp_path / version / names[1]))
-        missing = (str(tmp_path / "none"), str(tmp_path / "none"))
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:  8000000 kB\nMemAvailable:  4000000 kB\n")
+    monkeypatch.setattr(model_module, "_MEMINFO", str(meminfo))
+    for version, inactive in (("v2", "inactive_file"), ("v1", "total_inactive_file")):
+        folder = tmp_path / version
+        folder.mkdir()
+        (folder / "limit").write_text(limit + "\n")
+        (folder / "used").write_text("500000000\n")
+        (folder / "stat").write_text(f"anon 200000000\n{inactive} 300000000\nfile 1\n")
+        files = (*(str(folder / n) for n in ("limit", "used", "stat")), inactive)
+        missing = (*(str(tmp_path / "none") for _ in range(3)), inactive)
         cgroups = (files, missing) if version == "v2" else (missing, files)
         monkeypatch.setattr(model_module, "_CGROUP_MEMORY", cgroups)
-        got = model_module.available_memory_bytes()
-        assert got is not None
-        if capped:
-            assert got <= 800_000_000
-        else:
-            assert got > 10**9
+        # the limit less 500 MB used, of which 300 MB inactive file pages
+        expected = 800_000_000 if capped else 4_000_000 * 1024
+        assert model_module.available_memory_bytes() == expected, version
 
 
 def _attentions(model: torch.nn.Module) -> list[Attention]:

@@ -16,6 +16,7 @@ from pdscope.engine.args import EngineArgs
 from pdscope.engine.block_pool import BlockPool
 from pdscope.engine.kernels import (
     ON_C,
+    PAIRS_LINEAR,
     KernelChoice,
     TrialShapes,
     choose,
@@ -191,7 +192,7 @@ class LLMEngine:
         fixed = {  # what runs where a path has one candidate (CUDA, or float32 weights)
             "linear": "packed" if can_pack(self.dtype, self.device) else "plain",
             "batch_linear": "packed",  # as linear (float32, a GPU, or no C kernels)
-            "big_batch_linear": "onednn",  # as linear (no pairs kernels, or no room for copies)
+            "big_batch_linear": "onednn",  # as linear (no pairs kernels, or none to spare)
             "prefill_linear": "onednn",  # as linear (float32, a GPU, or short chunks)
             # a rule, not a trial: torch's bf16 matmul without oneDNN's bf16 path is a slow
             # fallback (kernels.py says how slow)
@@ -241,10 +242,10 @@ class LLMEngine:
         for path, option in held_once.items():
             trials.pop(path, None)  # (offered only while a whole copy fits)
             fixed[path] = option
-        # the trials' copies are let go before apply_kernels makes the chosen ones
         choice = choose(
             trials, forced, shapes, default_cache_dir() / "kernels", fixed=fixed, prefer=prefer
         )
+        del trials  # their copies let go before apply_kernels makes the chosen ones
         if held_once:
             choice = replace(choice, how={**choice.how, **dict.fromkeys(held_once, "memory")})
         copies_past_32 = choice.big_batch_linear == choice.prefill_linear == "pairs"
@@ -262,22 +263,27 @@ class LLMEngine:
         matmul paths, not forced, that read nothing but the pairs copies, taken without a
         trial: each weight is then held once, in its copy (Linear.hold_once), where the
         others keep a second copy (oneDNN's packed weights, or the copies beside the weight).
-        Empty where there is room, or no pairs kernels for one row and several."""
+        Empty where there is room, no pairs kernels for one row and several, or one of the
+        four forced to another path (which would read the weight, or keep the packed copy)."""
+        paths = {
+            "linear": pairs_preferred(ops.pairs_isa) if ops is not None else "pairs",
+            "batch_linear": "pairs",
+            "big_batch_linear": "pairs",
+            "prefill_linear": "pairs",
+        }
         if (
             ops is None
+            or any(forced.get(p, o) != o for p, o in paths.items() if p != "linear")
+            or forced.get("linear", "pairs") not in PAIRS_LINEAR
             or not (ops.pairs and ops.pairs_rows)
             or self.dtype != torch.bfloat16
             or self.device.type != "cpu"
             or pairs_copy_fits(self.model)
         ):
             return {}
-        paths = {
-            "linear": pairs_preferred(ops.pairs_isa),
-            "batch_linear": "pairs",
-            "big_batch_linear": "pairs",
-            "prefill_linear": "pairs",
-        }
         held = {p: o for p, o in paths.items() if p not in forced}
+        if not held:
+            return {}
         weights_bytes = sum(
             m.weight_nbytes() for m in self.model.modules() if isinstance(m, Linear)
         )

@@ -385,6 +385,12 @@ class Linear(nn.Linear):
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "weight" and self.__dict__.get("held_once"):
             self.held_once = False  # a new weight replaces the one the copy holds: not made
+            try:
+                super().__setattr__(name, value)
+            except BaseException:
+                self.held_once = True  # refused (not a Parameter): the copy still holds it
+                raise
+            return
         super().__setattr__(name, value)
 
     def stored_weight(self) -> torch.Tensor | None:
@@ -402,13 +408,14 @@ class Linear(nn.Linear):
         apply_kernels set (:meth:`forward`'s order): one row and 2 to 32 rows read the pairs
         copy, and each larger count the copy too or the packed weights (which a 3-D input or
         a weight the copy cannot take would read as well)."""
-        if self.pairs is None or not self.one_row_pairs or self.native is None or self.widen:
+        if self.pairs is None or not self.one_row_pairs or self.native is None:
             return False
         many = self.native_many is not None
         if many and not (self.many_pairs and self.many_max_rows >= NATIVE_MANY_MAX_ROWS):
             return False  # batch_linear=c: the many-row kernel reads the weight
         every_count = many and self.big_batch is not None and self.many_rows is not None
-        return every_count or self.packed is not None
+        # matmul_math=float32 widens the weight for a matmul no copy takes: none then
+        return every_count or (self.packed is not None and not self.widen)
 
     def hold_once(self) -> None:
         """Let the weight go where the copies read in its place hold its values
@@ -436,6 +443,7 @@ class Linear(nn.Linear):
             values = self.pairs.permute(0, 2, 1, 3).reshape(self.out_features, self.in_features)
             weight = nn.Parameter(values, requires_grad=self.held_requires_grad)
         self.weight = weight  # clears held_once; counted as a registration
+        self.huge_pages = False  # made on ordinary pages: a path that streams it moves it
         key = self.weight_key()
         for copy in ("packed", "weight_t", "pairs"):
             if getattr(self, copy) is not None:
@@ -2009,11 +2017,23 @@ def transposed_copy_bytes(model: CausalLM) -> int:
     return sum(m.weight_nbytes() for m in model.layers.modules() if isinstance(m, Linear))
 
 
-# A cgroup's memory limit and use: v2's files, then v1's (whose "no limit" reads 2^63 less a
-# page).
+_MEMINFO = "/proc/meminfo"
+# A cgroup's memory limit, use, and the statistics whose inactive file pages (counted in the use,
+# dropped before the limit bites) are left out of it: v2's files, then v1's (whose "no limit"
+# reads 2^63 less a page). The checkpoint just read sits in that page cache.
 _CGROUP_MEMORY = (
-    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    (
+        "/sys/fs/cgroup/memory.max",
+        "/sys/fs/cgroup/memory.current",
+        "/sys/fs/cgroup/memory.stat",
+        "inactive_file",
+    ),
+    (
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+        "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        "/sys/fs/cgroup/memory/memory.stat",
+        "total_inactive_file",
+    ),
 )
 
 
@@ -2024,14 +2044,14 @@ def available_memory_bytes() -> int | None:
     read."""
     available = None
     try:
-        with open("/proc/meminfo") as f:
+        with open(_MEMINFO) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     available = int(line.split()[1]) * 1024  # kB
                     break
     except (OSError, ValueError):
         pass
-    for limit_file, used_file in _CGROUP_MEMORY:
+    for limit_file, used_file, stat_file, inactive in _CGROUP_MEMORY:
         try:
             with open(limit_file) as f:
                 text = f.read().strip()
@@ -2040,6 +2060,14 @@ def available_memory_bytes() -> int | None:
             limit = None if text == "max" else int(text)
         except (OSError, ValueError):
             continue
+        try:
+            with open(stat_file) as f:
+                for line in f:
+                    name, _, value = line.partition(" ")
+                    if name == inactive:
+                        used -= int(value)
+        except (OSError, ValueError):
+            pass
         if limit is not None and limit < 1 << 62:
             left = max(0, limit - used)
             available = left if available is None else min(available, left)
@@ -2050,8 +2078,9 @@ def available_memory_bytes() -> int | None:
 def copy_fits(nbytes: int) -> bool:
     """Whether a copy of ``nbytes`` is at most TRANSPOSED_COPY_MAX_SHARE of the memory
     available now: a model that would need most of the machine's memory for another copy of
-    its weights keeps the paths that need none rather than be measured into one. False where
-    the available memory cannot be read."""
+    its weights is not measured into one (the pairs copy, which can stand in for the weight,
+    is then taken untimed: llm_engine's _held_once_paths). False where the available memory
+    cannot be read."""
     available = available_memory_bytes()
     return available is not None and nbytes <= TRANSPOSED_COPY_MAX_SHARE * available
 
