@@ -710,6 +710,41 @@ def test_prefill_linear_pairs_is_kept_in_a_tie_where_it_lets_the_packed_weights_
     assert len(out.token_ids) == 4
 
 
+@pytest.mark.parametrize(("linear", "kept"), [("pairs2", "pairs"), ("c", "onednn")])
+def test_prefill_linear_pairs_that_holds_the_weights_once_is_kept_within_a_wider_tie(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, linear: str, kept: str
+) -> None:
+    """Where single rows read the copies too, prefill_linear=pairs lets every weight be held
+    once: kept while it times within HELD_ONCE_TIE of the fastest (set medians: 1.06x
+    oneDNN's); under linear=c, which reads the weight, the plain TIE holds (oneDNN kept)."""
+    from pdscope.engine import model as model_module
+    from pdscope.engine.kernels import HELD_ONCE_TIE, TIE
+
+    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    ops = native.load(tmp_path / "native")
+    if ops is None or not ops.pairs_rows or not can_pack(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no pairs kernels for several rows, or no oneDNN bf16, here")
+    slower = 1.06
+    assert 1 + TIE < slower < 1 + HELD_ONCE_TIE
+    monkeypatch.setattr(
+        "pdscope.engine.kernels.median_times_s",
+        lambda candidates, **_: {
+            n: slower if n == "pairs" else 1.2 if n == "transposed" else 1.0 for n in candidates
+        },
+    )
+    path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
+    rows = model_module.ROWS_SPLIT_MIN_ROWS
+    llm = LLM(
+        model=str(path), kv_cache_memory="8MiB", max_model_len=2 * rows,
+        max_num_batched_tokens=rows,
+        kernels=f"linear={linear},batch_linear=pairs,big_batch_linear=pairs",
+    )  # fmt: skip
+    choice = llm.engine.kernels
+    assert (choice.prefill_linear, choice.how["prefill_linear"]) == (kept, "measured")
+    layers = [m for m in llm.engine.runner.model.layers.modules() if isinstance(m, Linear)]
+    assert all(m.held_once == (kept == "pairs") for m in layers)
+
+
 def test_prefill_linear_pairs_without_the_pairs_kernels_is_refused_by_its_name(
     tiny_bf16: Path,
 ) -> None:

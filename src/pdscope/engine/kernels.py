@@ -167,6 +167,13 @@ PAIRS_LINEAR: dict[str, int] = dict(zip(("pairs", "pairs2"), PAIR_STREAMS, stric
 # A trial that times a path's preferred candidate (choose's `prefer`) within this fraction of the
 # fastest keeps the preferred one.
 TIE = 0.03
+# ... and this one where the preferred candidate lets every weight be held once, in its pairs
+# copy (prefill_linear=pairs with the decode paths on the copies): half the weights' memory.
+# On an AMD EPYC Zen 4 the copies' prefill matched oneDNN's through HTTP (the servers' mean
+# TTFT 0.98-1.01x oneDNN's) and took 1.03x its time in an engine's 2,048-row steps, while its
+# start's trial, cut to 24 MB, picked oneDNN by noise in 2 of 3 uncached starts of a
+# 1.1B-parameter model: 4.81 GB resident in place of 2.78.
+HELD_ONCE_TIE = 0.10
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
@@ -341,11 +348,16 @@ def packed_unread(picks: Mapping[str, str]) -> bool:
     )
 
 
-def _tie_pick(medians_s: Mapping[str, float], liked: str | None) -> str:
-    """The fastest candidate, or ``liked`` where it times within :data:`TIE` of it."""
+Liked = str | tuple[str, float]  # a preferred candidate, or one and its own tie margin
+
+
+def _tie_pick(medians_s: Mapping[str, float], liked: Liked | None) -> str:
+    """The fastest candidate, or ``liked`` where it times within :data:`TIE` (or the margin
+    given with it) of it."""
+    name, tie = liked if isinstance(liked, tuple) else (liked, TIE)
     pick = min(medians_s, key=medians_s.__getitem__)
-    if liked in medians_s and medians_s[liked] <= medians_s[pick] * (1 + TIE):
-        return liked
+    if name in medians_s and medians_s[name] <= medians_s[pick] * (1 + tie):
+        return name
     return pick
 
 
@@ -361,7 +373,7 @@ def choose(
     budget_s: float = 1.0,
     fixed: dict[str, str] | None = None,
     load: float | None = None,
-    prefer: Mapping[str, str | Callable[[dict[str, str]], str]] | None = None,
+    prefer: Mapping[str, Liked | Callable[[dict[str, str]], Liked]] | None = None,
 ) -> KernelChoice:
     """Pick every path: forced ones as given, the rest from the cache or a trial.
 
@@ -372,7 +384,8 @@ def choose(
     made at a load higher by :data:`QUIETER_BY` or more is measured again. ``prefer``: per path,
     the candidate a trial keeps while it times within :data:`TIE` of the fastest candidate,
     whichever that is (two that differ only in the host's fast phases read alike in a slow
-    one); a preferred name the trial did not run is ignored. A callable there names it from
+    one; a name may come with its own margin in place of TIE); a preferred name the trial did
+    not run is ignored. A callable there names it from
     the picks of the paths before this one (in :data:`OPTIONS`' order).
     """
     load = load_per_core() if load is None else load

@@ -15,9 +15,11 @@ import torch
 from pdscope.engine.args import EngineArgs
 from pdscope.engine.block_pool import BlockPool
 from pdscope.engine.kernels import (
+    HELD_ONCE_TIE,
     ON_C,
     PAIRS_LINEAR,
     KernelChoice,
+    Liked,
     TrialShapes,
     choose,
     packed_unread,
@@ -225,15 +227,20 @@ class LLMEngine:
                 "kernels: threads=bound needs the C kernels on CPU and at least two threads "
                 f"with a CPU each (here {torch.get_num_threads()} threads)"
             )
+
         # prefill_linear=transposed keeps a copy of every layer weight: it must win by more
         # than a tie (on the AMD EPYC Zen 4, with a 1.1B-parameter model, a start's short
         # trial picked it once in three where longer ones time it 4-9% slower; on the AMX
         # Xeon the copy took 7-17% off a prefill). pairs, where the decode paths all read the
-        # copies, lets the packed weights go: it is kept within a tie then.
-        prefer: dict[str, str | Callable[[dict[str, str]], str]] = {
-            "prefill_linear": lambda picks: (
-                "pairs" if packed_unread({**picks, "prefill_linear": "pairs"}) else "onednn"
-            )
+        # copies, lets the packed weights go, and where single rows read them too, the
+        # weights themselves (held once): kept within a tie, or HELD_ONCE_TIE, then.
+        def prefill_liked(picks: dict[str, str]) -> Liked:
+            if not packed_unread({**picks, "prefill_linear": "pairs"}):
+                return "onednn"
+            return ("pairs", HELD_ONCE_TIE) if picks.get("linear") in PAIRS_LINEAR else "pairs"
+
+        prefer: dict[str, Liked | Callable[[dict[str, str]], Liked]] = {
+            "prefill_linear": prefill_liked
         }
         if ops is not None and ops.pairs:
             prefer["linear"] = pairs_preferred(ops.pairs_isa)
