@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -245,6 +245,26 @@ def test_a_tied_trial_keeps_the_preferred_candidate(monkeypatch: pytest.MonkeyPa
     assert pick({"linear": "pairs2"}) == "pairs2"  # within TIE of whichever is fastest
     assert pairs_preferred("avx512_bf16") == "pairs2" and pairs_preferred("avx2") == "pairs"
     assert pairs_preferred("") == "pairs"
+
+
+def test_a_path_with_a_preference_is_timed_more_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trial stops once its budget is spent, after two rounds, or after PREFERRED_ROUNDS
+    where the path has a preferred candidate (decided by a few percent)."""
+    from pdscope.engine.kernels import PREFERRED_ROUNDS
+
+    calls = {"a": 0, "b": 0}
+
+    def counted(name: str) -> Callable[[], None]:
+        def run() -> None:
+            calls[name] += 1
+
+        return run
+
+    trials = {"linear": lambda: {n: counted(n) for n in calls}}
+    for prefer, rounds in ((None, 2), ({"linear": "b"}, PREFERRED_ROUNDS)):
+        calls.update(a=0, b=0)
+        choose(trials, {}, SHAPES, None, budget_s=0.0, prefer=prefer)
+        assert calls == {"a": 1 + rounds, "b": 1 + rounds}  # one warm-up each
 
 
 @pytest.mark.parametrize("behind", [0.9, 1.1])
@@ -743,6 +763,32 @@ def test_prefill_linear_pairs_that_holds_the_weights_once_is_kept_within_a_wider
     assert (choice.prefill_linear, choice.how["prefill_linear"]) == (kept, "measured")
     layers = [m for m in llm.engine.runner.model.layers.modules() if isinstance(m, Linear)]
     assert all(m.held_once == (kept == "pairs") for m in layers)
+
+
+@pytest.mark.parametrize(("batch_linear", "kept"), [("pairs", "pairs"), ("packed", "onednn")])
+def test_big_batch_linear_pairs_on_the_way_to_holding_weights_once_is_kept_within_a_wider_tie(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch_linear: str, kept: str
+) -> None:
+    """With single rows and 2-32 rows on the copies, big_batch_linear=pairs (which, with
+    prefill_linear=pairs, lets every weight be held once) is kept within HELD_ONCE_TIE (set
+    medians: 1.06x oneDNN's); with batch_linear on the packed weights, the faster one."""
+    from pdscope.engine.kernels import HELD_ONCE_TIE, TIE
+
+    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    ops = native.load(tmp_path / "native")
+    if ops is None or not ops.pairs_rows or not can_pack(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no pairs kernels for several rows, or no oneDNN bf16, here")
+    slower = 1.06
+    assert 1 + TIE < slower < 1 + HELD_ONCE_TIE
+    monkeypatch.setattr(
+        "pdscope.engine.kernels.median_times_s",
+        lambda candidates, **_: {n: slower if n == "pairs" else 1.0 for n in candidates},
+    )
+    path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
+    forced = f"linear=pairs2,batch_linear={batch_linear},prefill_linear=onednn"
+    llm = LLM(model=str(path), kv_cache_memory="8MiB", kernels=forced)
+    choice = llm.engine.kernels
+    assert (choice.big_batch_linear, choice.how["big_batch_linear"]) == (kept, "measured")
 
 
 def test_prefill_linear_pairs_without_the_pairs_kernels_is_refused_by_its_name(

@@ -174,6 +174,10 @@ TIE = 0.03
 # start's trial, cut to 24 MB, picked oneDNN by noise in 2 of 3 uncached starts of a
 # 1.1B-parameter model: 4.81 GB resident in place of 2.78.
 HELD_ONCE_TIE = 0.10
+# A path with a preference is decided by a margin of a few percent: it is timed this many rounds
+# at least, where two rounds' medians swung further (the 1.1B model's prefill_linear trial, two
+# rounds of its cut layer, picked oneDNN past HELD_ONCE_TIE in one uncached start of three).
+PREFERRED_ROUNDS = 5
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
@@ -296,10 +300,11 @@ def write_cache(path: Path, text: str) -> OSError | None:
 
 
 def median_times_s(
-    candidates: dict[str, Callable[[], object]], rounds: int, budget_s: float
+    candidates: dict[str, Callable[[], object]], rounds: int, budget_s: float, min_rounds: int = 2
 ) -> dict[str, float]:
     """Median wall time of each candidate, run interleaved (A, B, A, B, ...) after one warm-up
-    each; stops early once ``budget_s`` is spent (at least 2 rounds are always timed)."""
+    each; stops early once ``budget_s`` is spent (at least ``min_rounds`` rounds are always
+    timed)."""
     for fn in candidates.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in candidates}
@@ -309,7 +314,7 @@ def median_times_s(
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-        if i >= 1 and time.perf_counter() - start > budget_s:
+        if i + 1 >= min_rounds and time.perf_counter() - start > budget_s:
             break
     return {name: statistics.median(ts) for name, ts in times.items()}
 
@@ -373,7 +378,7 @@ def choose(
     budget_s: float = 1.0,
     fixed: dict[str, str] | None = None,
     load: float | None = None,
-    prefer: Mapping[str, Liked | Callable[[dict[str, str]], Liked]] | None = None,
+    prefer: Mapping[str, Liked | Callable[[dict[str, str]], Liked | None]] | None = None,
 ) -> KernelChoice:
     """Pick every path: forced ones as given, the rest from the cache or a trial.
 
@@ -437,7 +442,10 @@ def choose(
                 # when the times were taken: weighed again (the pick stays "cached")
                 picks[path] = _tie_pick(times, liked(dict(picks)))
         else:
-            medians = median_times_s(applicable[path](), rounds=7, budget_s=per_path_s)
+            rounds = PREFERRED_ROUNDS if path in (prefer or {}) else 2
+            medians = median_times_s(
+                applicable[path](), rounds=7, budget_s=per_path_s, min_rounds=rounds
+            )
             trial_s.update({f"{path}={name}": t for name, t in medians.items()})
             liked = (prefer or {}).get(path)
             liked = liked(dict(picks)) if callable(liked) else liked

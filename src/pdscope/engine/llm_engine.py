@@ -239,8 +239,16 @@ class LLMEngine:
                 return "onednn"
             return ("pairs", HELD_ONCE_TIE) if picks.get("linear") in PAIRS_LINEAR else "pairs"
 
-        prefer: dict[str, Liked | Callable[[dict[str, str]], Liked]] = {
-            "prefill_linear": prefill_liked
+        # big_batch_linear=pairs there is the first half of that: kept within HELD_ONCE_TIE
+        def big_batch_liked(picks: dict[str, str]) -> Liked | None:
+            decode_on_copies = picks.get("linear") in PAIRS_LINEAR
+            if decode_on_copies and picks.get("batch_linear") == "pairs":
+                return ("pairs", HELD_ONCE_TIE)
+            return None
+
+        prefer: dict[str, Liked | Callable[[dict[str, str]], Liked | None]] = {
+            "big_batch_linear": big_batch_liked,
+            "prefill_linear": prefill_liked,
         }
         if ops is not None and ops.pairs:
             prefer["linear"] = pairs_preferred(ops.pairs_isa)
