@@ -1162,6 +1162,15 @@ def test_pairs_copies_follow_a_replaced_weight_and_are_dropped_with_the_path(
 
 
 PAIRS_PAST_ONE = "batch_linear=pairs,big_batch_linear=pairs,prefill_linear=pairs"
+
+
+def _every_path(llm: LLM) -> str:
+    """``--kernels`` forcing every path to what ``llm``'s engine runs."""
+    from pdscope.engine.kernels import OPTIONS
+
+    return ",".join(f"{p}={getattr(llm.engine.kernels, p)}" for p in OPTIONS)
+
+
 ALL_PAIRS = f"linear=pairs2,{PAIRS_PAST_ONE}"
 
 
@@ -1221,7 +1230,8 @@ def test_a_weight_that_every_matmul_reads_a_copy_of_is_held_once(
     assert all(m.held_once for m in linears)
     with monkeypatch.context() as patch:
         patch.setattr(Linear, "hold_once", lambda self: None)
-        kept = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="8MiB", kernels=ALL_PAIRS)
+        every = _every_path(llm)  # the same paths, none left to a trial
+        kept = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="8MiB", kernels=every)
     model = kept.engine.runner.model
     assert not any(m.held_once for m in model.modules() if isinstance(m, Linear))
     assert [o.token_ids for o in kept.generate(prompts, GREEDY)] == held
@@ -1263,7 +1273,7 @@ def test_a_weight_is_held_once_only_where_no_path_reads_it(
     held = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     assert all(m.held_once for m in layers)
     monkeypatch.setattr(Linear, "hold_once", lambda self: None)
-    kept = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="8MiB", kernels=kernels)
+    kept = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="8MiB", kernels=_every_path(llm))
     assert [o.token_ids for o in kept.generate(prompts, GREEDY)] == held
 
 

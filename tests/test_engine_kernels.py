@@ -765,13 +765,21 @@ def test_prefill_linear_pairs_that_holds_the_weights_once_is_kept_within_a_wider
     assert all(m.held_once == (kept == "pairs") for m in layers)
 
 
-@pytest.mark.parametrize(("batch_linear", "kept"), [("pairs", "pairs"), ("packed", "onednn")])
+@pytest.mark.parametrize(
+    ("others", "kept"),
+    [
+        ("batch_linear=pairs", "pairs"),
+        ("batch_linear=packed", "onednn"),
+        ("batch_linear=pairs,prefill_linear=onednn", "onednn"),
+    ],
+)
 def test_big_batch_linear_pairs_on_the_way_to_holding_weights_once_is_kept_within_a_wider_tie(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch_linear: str, kept: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, others: str, kept: str
 ) -> None:
     """With single rows and 2-32 rows on the copies, big_batch_linear=pairs (which, with
     prefill_linear=pairs, lets every weight be held once) is kept within HELD_ONCE_TIE (set
-    medians: 1.06x oneDNN's); with batch_linear on the packed weights, the faster one."""
+    medians: the copies 1.06x oneDNN's, in every trial); with batch_linear on the packed
+    weights, or prefill_linear kept off the copies, the faster one."""
     from pdscope.engine.kernels import HELD_ONCE_TIE, TIE
 
     monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
@@ -784,11 +792,18 @@ def test_big_batch_linear_pairs_on_the_way_to_holding_weights_once_is_kept_withi
         "pdscope.engine.kernels.median_times_s",
         lambda candidates, **_: {n: slower if n == "pairs" else 1.0 for n in candidates},
     )
+    from pdscope.engine.model import ROWS_SPLIT_MIN_ROWS
+
     path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
-    forced = f"linear=pairs2,batch_linear={batch_linear},prefill_linear=onednn"
-    llm = LLM(model=str(path), kv_cache_memory="8MiB", kernels=forced)
+    rows = ROWS_SPLIT_MIN_ROWS  # prefill chunks long enough for prefill_linear's trial
+    llm = LLM(
+        model=str(path), kv_cache_memory="8MiB", max_model_len=2 * rows,
+        max_num_batched_tokens=rows, kernels=f"linear=pairs2,{others}",
+    )  # fmt: skip
     choice = llm.engine.kernels
     assert (choice.big_batch_linear, choice.how["big_batch_linear"]) == (kept, "measured")
+    if "prefill_linear" not in others:
+        assert choice.prefill_linear == kept
 
 
 def test_prefill_linear_pairs_without_the_pairs_kernels_is_refused_by_its_name(

@@ -51,7 +51,11 @@ Paths (every candidate computes the same function; tests pin each against transf
   sequences 0.79-0.85x; kept to AVX2 there, where the other candidate widens every weight to
   float32 a step, 0.31-0.47x (docs/performance.md); on the AMX Xeon oneDNN's own AMX matmuls
   outran the many-row C kernel's tiles at 48 rows and more (why ``batch_linear`` stops at
-  32), so a trial decides. bf16 on CPU with the pairs kernels, while the copy fits, only.
+  32), so a trial decides (where single rows and 2-32 rows read the copies and
+  ``prefill_linear`` may read them too, it keeps ``pairs`` within ``HELD_ONCE_TIE``: with
+  ``prefill_linear=pairs`` each weight is then held once; should ``prefill_linear`` pick
+  another path, the faster one). bf16 on CPU with the pairs kernels, while the copy fits,
+  only.
 * ``prefill_linear``: for matmuls of a prefill chunk's rows (``ROWS_SPLIT_MIN_ROWS`` or
   more; ``pairs``: past ``BIG_BATCH_MAX_ROWS``): ``onednn`` (``linear``'s path: the packed
   weights, or ``F.linear``), ``transposed``
@@ -72,7 +76,8 @@ Paths (every candidate computes the same function; tests pin each against transf
   matmuls instead, the two copies and no weight). On an AMD EPYC Zen 4 the copies matched
   oneDNN at 128, 512 and 2,048 rows (the trial times the chunk size only); there the engine
   keeps ``pairs``
-  within ``TIE`` of the fastest where the decode paths all read the copies, else
+  within ``TIE`` of the fastest where the decode paths all read the copies (within
+  ``HELD_ONCE_TIE`` where single rows do: each weight then held once), else
   ``onednn`` (a cached pick of either is weighed again from its cached times when those
   paths change). With the pairs kernels (AVX-512 BF16 or AVX2), while the copy fits. bf16
   only; the trial runs on CPU.
@@ -168,7 +173,8 @@ PAIRS_LINEAR: dict[str, int] = dict(zip(("pairs", "pairs2"), PAIR_STREAMS, stric
 # fastest keeps the preferred one.
 TIE = 0.03
 # ... and this one where the preferred candidate lets every weight be held once, in its pairs
-# copy (prefill_linear=pairs with the decode paths on the copies): half the weights' memory.
+# copy (prefill_linear=pairs with the decode paths on the copies, and big_batch_linear=pairs
+# on the way there): half the weights' memory.
 # On an AMD EPYC Zen 4 the copies' prefill matched oneDNN's through HTTP (the servers' mean
 # TTFT 0.98-1.01x oneDNN's) and took 1.03x its time in an engine's 2,048-row steps, while its
 # start's trial, cut to 24 MB, picked oneDNN by noise in 2 of 3 uncached starts of a
@@ -181,7 +187,7 @@ PREFERRED_ROUNDS = 5
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
-_TRIAL_VERSION = 30
+_TRIAL_VERSION = 31
 
 
 @dataclass(frozen=True)
@@ -202,7 +208,8 @@ class KernelChoice:
     # per path: "measured", "cached", "forced", "fixed" (only one candidate applies here), or
     # "memory" (the pairs copies, untimed, where another copy of the weights does not fit)
     how: dict[str, str] = field(default_factory=dict, compare=False)
-    # per candidate: median seconds of the trial, for the log and the cache file
+    # per candidate: median seconds of the trial (this start's, or the cached one's for a
+    # cached pick), for the log and the cache file
     trial_s: dict[str, float] = field(default_factory=dict, compare=False)
 
     def summary(self) -> str:
@@ -303,12 +310,13 @@ def median_times_s(
     candidates: dict[str, Callable[[], object]], rounds: int, budget_s: float, min_rounds: int = 2
 ) -> dict[str, float]:
     """Median wall time of each candidate, run interleaved (A, B, A, B, ...) after one warm-up
-    each; stops early once ``budget_s`` is spent (at least ``min_rounds`` rounds are always
-    timed)."""
+    each; stops early once ``budget_s`` is spent (at least ``min_rounds`` rounds, or
+    ``rounds`` if fewer, are always timed)."""
     for fn in candidates.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in candidates}
     start = time.perf_counter()
+    min_rounds = min(min_rounds, rounds)
     for i in range(rounds):
         for name, fn in candidates.items():
             t0 = time.perf_counter()
@@ -389,8 +397,9 @@ def choose(
     made at a load higher by :data:`QUIETER_BY` or more is measured again. ``prefer``: per path,
     the candidate a trial keeps while it times within :data:`TIE` of the fastest candidate,
     whichever that is (two that differ only in the host's fast phases read alike in a slow
-    one; a name may come with its own margin in place of TIE); a preferred name the trial did
-    not run is ignored. A callable there names it from
+    one; a name may come with its own margin in place of TIE; a path with a preference is
+    timed :data:`PREFERRED_ROUNDS` rounds at least); a preferred name the trial did not run
+    is ignored. A callable there names it, or None (no preference), from
     the picks of the paths before this one (in :data:`OPTIONS`' order).
     """
     load = load_per_core() if load is None else load
@@ -441,14 +450,15 @@ def choose(
                 # the preference follows the paths before this one, which may differ from
                 # when the times were taken: weighed again (the pick stays "cached")
                 picks[path] = _tie_pick(times, liked(dict(picks)))
+            trial_s.update({f"{path}={name}": t for name, t in times.items()})
         else:
-            rounds = PREFERRED_ROUNDS if path in (prefer or {}) else 2
+            liked = (prefer or {}).get(path)
+            liked = liked(dict(picks)) if callable(liked) else liked
+            rounds = PREFERRED_ROUNDS if liked is not None else 2
             medians = median_times_s(
                 applicable[path](), rounds=7, budget_s=per_path_s, min_rounds=rounds
             )
             trial_s.update({f"{path}={name}": t for name, t in medians.items()})
-            liked = (prefer or {}).get(path)
-            liked = liked(dict(picks)) if callable(liked) else liked
             picks[path], how[path] = _tie_pick(medians, liked), "measured"
             measured_any = True
     choice = replace(KernelChoice(), **picks, how=how, trial_s=trial_s)

@@ -240,9 +240,15 @@ class LLMEngine:
             return ("pairs", HELD_ONCE_TIE) if picks.get("linear") in PAIRS_LINEAR else "pairs"
 
         # big_batch_linear=pairs there is the first half of that: kept within HELD_ONCE_TIE
+        # where prefill_linear may take the copies (and undone below where it does not)
+        trials = kernel_trials(self.model, prefill_tokens, ops)
+        prefill_pairs = forced.get("prefill_linear", "pairs") == "pairs" and (
+            "prefill_linear" in forced or "prefill_linear" in trials
+        )
+
         def big_batch_liked(picks: dict[str, str]) -> Liked | None:
             decode_on_copies = picks.get("linear") in PAIRS_LINEAR
-            if decode_on_copies and picks.get("batch_linear") == "pairs":
+            if prefill_pairs and decode_on_copies and picks.get("batch_linear") == "pairs":
                 return ("pairs", HELD_ONCE_TIE)
             return None
 
@@ -252,7 +258,6 @@ class LLMEngine:
         }
         if ops is not None and ops.pairs:
             prefer["linear"] = pairs_preferred(ops.pairs_isa)
-        trials = kernel_trials(self.model, prefill_tokens, ops)
         held_once = self._held_once_paths(ops, forced)
         for path, option in held_once.items():
             trials.pop(path, None)  # (offered only while a whole copy fits)
@@ -263,6 +268,14 @@ class LLMEngine:
         del trials  # their copies let go before apply_kernels makes the chosen ones
         if held_once:
             choice = replace(choice, how={**choice.how, **dict.fromkeys(held_once, "memory")})
+        big_s = {
+            n: choice.trial_s[f"big_batch_linear={n}"]
+            for n in ("onednn", "pairs")
+            if f"big_batch_linear={n}" in choice.trial_s
+        }
+        if choice.prefill_linear != "pairs" and len(big_s) == 2:
+            # kept within HELD_ONCE_TIE for a prefill_linear=pairs that did not follow
+            choice = replace(choice, big_batch_linear=min(big_s, key=big_s.__getitem__))
         copies_past_32 = choice.big_batch_linear == choice.prefill_linear == "pairs"
         if copies_past_32 and "step_rows" not in forced:
             # the rule above, for these paths: past 32 rows only a weight without a pairs copy

@@ -2064,8 +2064,9 @@ def available_memory_bytes() -> int | None:
             with open(stat_file) as f:
                 for line in f:
                     name, _, value = line.partition(" ")
-                    if name == inactive:
-                        used -= int(value)
+                    if name == inactive:  # (read apart from the use: it may exceed it)
+                        used = max(0, used - int(value))
+                        break
         except (OSError, ValueError):
             pass
         if limit is not None and limit < 1 << 62:
