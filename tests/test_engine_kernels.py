@@ -730,14 +730,10 @@ def test_prefill_linear_pairs_is_kept_in_a_tie_where_it_lets_the_packed_weights_
     assert len(out.token_ids) == 4
 
 
-@pytest.mark.parametrize(("linear", "kept"), [("pairs2", "pairs"), ("c", "onednn")])
-def test_prefill_linear_pairs_that_holds_the_weights_once_is_kept_within_a_wider_tie(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, linear: str, kept: str
-) -> None:
-    """Where single rows read the copies too, prefill_linear=pairs lets every weight be held
-    once: kept while it times within HELD_ONCE_TIE of the fastest (set medians: 1.06x
-    oneDNN's); under linear=c, which reads the weight, the plain TIE holds (oneDNN kept)."""
-    from pdscope.engine import model as model_module
+def _copies_between_the_margins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every trial from here times the pairs copies 1.06x the fastest (between TIE and
+    HELD_ONCE_TIE), the transposed copy 1.2x, the rest alike; skips where the pairs kernels
+    for several rows or oneDNN's bf16 path are missing. A fresh kernel cache."""
     from pdscope.engine.kernels import HELD_ONCE_TIE, TIE
 
     monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
@@ -752,6 +748,18 @@ def test_prefill_linear_pairs_that_holds_the_weights_once_is_kept_within_a_wider
             n: slower if n == "pairs" else 1.2 if n == "transposed" else 1.0 for n in candidates
         },
     )
+
+
+@pytest.mark.parametrize(("linear", "kept"), [("pairs2", "pairs"), ("c", "onednn")])
+def test_prefill_linear_pairs_that_holds_the_weights_once_is_kept_within_a_wider_tie(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, linear: str, kept: str
+) -> None:
+    """Where single rows read the copies too, prefill_linear=pairs lets every weight be held
+    once: kept while it times within HELD_ONCE_TIE of the fastest (set medians: 1.06x
+    oneDNN's); under linear=c, which reads the weight, the plain TIE holds (oneDNN kept)."""
+    from pdscope.engine import model as model_module
+
+    _copies_between_the_margins(tmp_path, monkeypatch)
     path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
     rows = model_module.ROWS_SPLIT_MIN_ROWS
     llm = LLM(
@@ -780,19 +788,9 @@ def test_big_batch_linear_pairs_on_the_way_to_holding_weights_once_is_kept_withi
     prefill_linear=pairs, lets every weight be held once) is kept within HELD_ONCE_TIE (set
     medians: the copies 1.06x oneDNN's, in every trial); with batch_linear on the packed
     weights, or prefill_linear kept off the copies, the faster one."""
-    from pdscope.engine.kernels import HELD_ONCE_TIE, TIE
-
-    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
-    ops = native.load(tmp_path / "native")
-    if ops is None or not ops.pairs_rows or not can_pack(torch.bfloat16, torch.device("cpu")):
-        pytest.skip("no pairs kernels for several rows, or no oneDNN bf16, here")
-    slower = 1.06
-    assert 1 + TIE < slower < 1 + HELD_ONCE_TIE
-    monkeypatch.setattr(
-        "pdscope.engine.kernels.median_times_s",
-        lambda candidates, **_: {n: slower if n == "pairs" else 1.0 for n in candidates},
-    )
     from pdscope.engine.model import ROWS_SPLIT_MIN_ROWS
+
+    _copies_between_the_margins(tmp_path, monkeypatch)
 
     path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
     rows = ROWS_SPLIT_MIN_ROWS  # prefill chunks long enough for prefill_linear's trial
