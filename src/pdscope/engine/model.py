@@ -434,14 +434,19 @@ class Linear(nn.Linear):
             self.hold_source(copy, made=False)
         self.held_once = True
 
+    def held_values(self) -> torch.Tensor:
+        """A held weight's values [out, in], made from its pairs copy ([out / 16, in / 2, 16,
+        2]: a permute, the same bits)."""
+        assert self.pairs is not None
+        return self.pairs.permute(0, 2, 1, 3).reshape(self.out_features, self.in_features)
+
     def restore_weight(self) -> nn.Parameter:
         """The weight made again from the pairs copy and stored (no longer held once), its
         copies keyed to it (they hold its very values)."""
         assert self.held_once and self.pairs is not None
         # outside inference mode: a normal tensor, whose in-place writes bump its counter
         with torch.inference_mode(False):
-            values = self.pairs.permute(0, 2, 1, 3).reshape(self.out_features, self.in_features)
-            weight = nn.Parameter(values, requires_grad=self.held_requires_grad)
+            weight = nn.Parameter(self.held_values(), requires_grad=self.held_requires_grad)
         self.weight = weight  # clears held_once; counted as a registration
         self.huge_pages = False  # made on ordinary pages: a path that streams it moves it
         key = self.weight_key()
@@ -455,9 +460,7 @@ class Linear(nn.Linear):
         self, destination: dict[str, Any], prefix: str, keep_vars: bool
     ) -> None:
         if self.held_once:  # the values, made from the copy; the module still holds them once
-            assert self.pairs is not None
-            weight = self.pairs.permute(0, 2, 1, 3).reshape(self.out_features, self.in_features)
-            destination[prefix + "weight"] = weight
+            destination[prefix + "weight"] = self.held_values()
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
