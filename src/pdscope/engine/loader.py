@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+import os
+import struct
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,85 +53,177 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
+# safetensors' names of the float dtypes a checkpoint's weights come in
+_FILE_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+}
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """Where one tensor's bytes lie: ``start`` is the byte offset in ``file``."""
+
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _index(path: Path) -> dict[str, _Stored]:
+    """Every tensor's place in the weight files, from their headers alone: nothing is read."""
+    if sys.byteorder != "little":  # safetensors stores little-endian bytes
+        raise CheckpointError("reading safetensors needs a little-endian machine")
+    stored: dict[str, _Stored] = {}
     for file in _weight_files(path):
         try:
+            # safetensors checks the header against the file (offsets, sizes, its length)
             with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    tensors[name] = f.get_tensor(name)
-        except (SafetensorError, OSError) as exc:  # truncated, not safetensors, unreadable
+                names = set(f.keys())
+            with open(file, "rb") as fh:
+                (header_len,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(header_len))
+        except (SafetensorError, OSError, ValueError) as exc:  # truncated, not safetensors
             raise CheckpointError(f"cannot read {file}: {exc}") from None
-    return tensors
+        for name in names:
+            entry = header[name]
+            if entry["dtype"] not in _FILE_DTYPES:
+                raise CheckpointError(
+                    f"{file}: tensor '{name}' is {entry['dtype']}, not one of "
+                    f"{', '.join(_FILE_DTYPES)}"
+                )
+            stored[name] = _Stored(
+                file,
+                _FILE_DTYPES[entry["dtype"]],
+                tuple(entry["shape"]),
+                8 + header_len + entry["data_offsets"][0],
+            )
+    return stored
+
+
+def _joined_shape(parts: list[_Stored]) -> tuple[int, ...] | None:
+    """The shape of the parts joined along their first dimension; None where they do not join."""
+    if len(parts) == 1:
+        return parts[0].shape
+    if not all(p.shape for p in parts) or len({p.shape[1:] for p in parts}) > 1:
+        return None
+    return (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+
+
+def _read_into(fd: int, part: _Stored, out: torch.Tensor) -> None:
+    """Read ``part``'s bytes into ``out`` (contiguous, of its dtype), looping as Linux reads at
+    most ~2 GiB a call."""
+    view = memoryview(out.view(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], part.start + done)
+        if got == 0:
+            raise CheckpointError(f"cannot read {part.file}: it ends inside a tensor")
+        done += got
+
+
+def _read_tensor(
+    fds: dict[Path, int], parts: list[_Stored], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The parts, concatenated along their first dimension, as one tensor of ``dtype``.
+
+    Read with plain file reads straight into memory of the tensor's own, part after part: a
+    mapping of the file (safe_open's) would keep every page read resident beside the copies
+    until the last tensor over it was let go, twice the weights at the load's peak, and a
+    fused projection would be one more copy of its parts (torch.cat).
+    """
+    shape = _joined_shape(parts)
+    assert shape is not None  # checked before any read
+    out = torch.empty(shape, dtype=dtype)
+    flat = out.view(-1)
+    at = 0
+    for part in parts:
+        into = flat[at : at + part.numel]
+        if part.dtype == dtype:
+            _read_into(fds[part.file], part, into)
+        else:
+            as_stored = torch.empty(part.numel, dtype=part.dtype)
+            _read_into(fds[part.file], part, as_stored)
+            into.copy_(as_stored)
+        at += part.numel
+    return out.to(device)
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """Build the model and copy checkpoint weights into it, fusing qkv and gate/up projections.
+    """Build the model and read checkpoint weights into it, fusing qkv and gate/up projections.
 
     Every parameter must be filled: a missing tensor is an error naming it, not a silent zero.
-    The weights are left as stored: apply_kernels packs or copies each for the paths chosen
-    (packed here, they were packed again there whenever the weights moved to huge pages or
-    a path wanted another layout).
+    Names and shapes are checked against config.json from the files' headers, before any
+    weight is read. The weights are left as stored: apply_kernels packs or copies each for the
+    paths chosen.
     """
     config = ModelConfig.from_hf(read_config(path))
-    tensors = _read_tensors(path)
-    # safetensors hands out tensors over one mapping of each file, which any one of them keeps
-    # whole and resident (the 1.1B-parameter model's 2.2 GB stayed mapped for its embedding and
-    # norms after every other weight had been copied), and whose pages the kernel may drop
-    # and read back from disk mid-step: each one kept as read is copied into memory of its own
-    mapped = {t.data_ptr() for t in tensors.values()}
-    prefix = "model." if any(n.startswith("model.") for n in tensors) else ""
+    stored = _index(path)
+    prefix = "model." if any(n.startswith("model.") for n in stored) else ""
 
-    def take(name: str) -> torch.Tensor:
-        key = prefix + name if name != "lm_head.weight" else name
-        if key not in tensors:
-            raise CheckpointError(f"checkpoint {path} lacks tensor '{key}'")
-        return tensors.pop(key)
+    def take(*names: str) -> list[_Stored]:
+        keys = [prefix + n if n != "lm_head.weight" else n for n in names]
+        for key in keys:
+            if key not in stored:
+                raise CheckpointError(f"checkpoint {path} lacks tensor '{key}'")
+        return [stored.pop(key) for key in keys]
 
-    with torch.device("meta"):
-        model = CausalLM(config, max_positions=config.max_position_embeddings)
-    state: dict[str, torch.Tensor] = {
+    # each of the model's tensors from its checkpoint tensors, joined along the first dimension
+    plan: dict[str, list[_Stored]] = {
         "embed_tokens.weight": take("embed_tokens.weight"),
         "norm.weight": take("norm.weight"),
     }
     if config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
+        stored.pop("lm_head.weight", None)
     else:
-        state["lm_head.weight"] = take("lm_head.weight")
+        plan["lm_head.weight"] = take("lm_head.weight")
     for i in range(config.num_layers):
         p = f"layers.{i}."
-        state[p + "self_attn.qkv_proj.weight"] = torch.cat(
-            [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-        )
+        attn, mlp = p + "self_attn.", p + "mlp."
+        plan[attn + "qkv_proj.weight"] = take(*(attn + f"{n}_proj.weight" for n in "qkv"))
         if config.qkv_bias:
-            state[p + "self_attn.qkv_proj.bias"] = torch.cat(
-                [take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
-            )
-        state[p + "self_attn.o_proj.weight"] = take(p + "self_attn.o_proj.weight")
+            plan[attn + "qkv_proj.bias"] = take(*(attn + f"{n}_proj.bias" for n in "qkv"))
+        plan[attn + "o_proj.weight"] = take(attn + "o_proj.weight")
         if config.qk_norm:
-            state[p + "self_attn.q_norm.weight"] = take(p + "self_attn.q_norm.weight")
-            state[p + "self_attn.k_norm.weight"] = take(p + "self_attn.k_norm.weight")
-        state[p + "mlp.gate_up_proj.weight"] = torch.cat(
-            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
-        )
-        state[p + "mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight")
-        state[p + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
-        state[p + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
-    leftover = [n for n in tensors if "rotary_emb" not in n]
+            plan[attn + "q_norm.weight"] = take(attn + "q_norm.weight")
+            plan[attn + "k_norm.weight"] = take(attn + "k_norm.weight")
+        plan[mlp + "gate_up_proj.weight"] = take(mlp + "gate_proj.weight", mlp + "up_proj.weight")
+        plan[mlp + "down_proj.weight"] = take(mlp + "down_proj.weight")
+        for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            plan[p + norm] = take(p + norm)
+    leftover = [n for n in stored if "rotary_emb" not in n]
     if leftover:
         raise CheckpointError(
             f"checkpoint {path} has tensors this model does not use: "
             f"{', '.join(sorted(leftover)[:5])}"
         )
+    with torch.device("meta"):
+        model = CausalLM(config, max_positions=config.max_position_embeddings)
     expected = model.state_dict()  # on meta: shapes from config.json, no memory
-    for name, tensor in state.items():
-        if name in expected and tensor.shape != expected[name].shape:
+    for name, parts in plan.items():
+        shape = _joined_shape(parts)
+        if shape is None:
             raise CheckpointError(
-                f"checkpoint {path}: '{name}' is {list(tensor.shape)}, but config.json makes "
+                f"checkpoint {path}: the parts of '{name}' do not join: "
+                f"{', '.join(str(list(p.shape)) for p in parts)}"
+            )
+        if name in expected and shape != tuple(expected[name].shape):
+            raise CheckpointError(
+                f"checkpoint {path}: '{name}' is {list(shape)}, but config.json makes "
                 f"it {list(expected[name].shape)} (a config that does not match the weights)"
             )
-    state = {k: v.to(dtype=dtype, device=device) for k, v in state.items()}
-    state = {k: v.clone() if v.data_ptr() in mapped else v for k, v in state.items()}
+    with contextlib.ExitStack() as files:
+        fds: dict[Path, int] = {}
+        for file in {p.file for parts in plan.values() for p in parts}:
+            fds[file] = os.open(file, os.O_RDONLY)
+            files.callback(os.close, fds[file])
+        state = {name: _read_tensor(fds, parts, dtype, device) for name, parts in plan.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
