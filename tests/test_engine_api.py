@@ -171,6 +171,28 @@ def test_bad_engine_arguments(tiny: Path) -> None:
         LLM(model=str(tiny), gpu_memory_utilization=0.5, device="cpu")
 
 
+def test_a_pool_that_cannot_serve_fails_before_the_weights_or_the_trials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 7B model's default pool (1 GiB: 2,048 of its 4,096 tokens) was refused only after the
+    load and the kernel trials, a minute in. Its size is asked, so one request's blocks are
+    counted before any weight is read (here the weights cannot be read at all); a pool larger
+    than the memory left by the weights is refused before the trials build the C kernels or
+    time a path (the cache they write stays empty)."""
+    path = make_model(tmp_path / "m", "tiny", dtype="float32")
+    (path / "model.safetensors").write_bytes(b"not weights")
+    with pytest.raises(ValueError, match=r"one request of max_model_len 512 needs 32 blocks"):
+        LLM(model=str(path), kv_cache_memory="64KiB", max_model_len=512)
+    with pytest.raises(ValueError, match="gpu_memory_utilization applies on CUDA only"):
+        LLM(model=str(path), gpu_memory_utilization=0.5, device="cpu")
+    path = make_model(tmp_path / "m2", "tiny", dtype="float32")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PDSCOPE_CACHE", str(cache))
+    with pytest.raises(ValueError, match="more than the"):
+        LLM(model=str(path), kv_cache_memory="1024TiB")
+    assert not cache.exists() or not any(cache.iterdir()), list(cache.rglob("*"))
+
+
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     import json
     import shutil

@@ -29,6 +29,7 @@ from pdscope.engine.kernels import (
 from pdscope.engine.loader import load_model, read_config, resolve_dtype
 from pdscope.engine.model import (
     Linear,
+    ModelConfig,
     apply_kernels,
     available_memory_bytes,
     can_pack,
@@ -96,16 +97,21 @@ class LLMEngine:
             )
         self.dtype = resolve_dtype(dtype_name)
         forced_kernels = parse_kernels(args.kernels)  # bad input fails before the load
-        torch.manual_seed(args.seed)
-        self.model = load_model(self.path, self.dtype, self.device)
-        self.tokenizer = Tokenizer(self.path)
-        config = self.model.config
+        config = ModelConfig.from_hf(hf_config)
         self.max_model_len = args.max_model_len or config.max_position_embeddings
         if self.max_model_len > config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's "
                 f"max_position_embeddings {config.max_position_embeddings}"
             )
+        block_bytes = ModelRunner.kv_bytes_per_block(config, args.block_size, self.dtype)
+        if self.device.type != "cuda":  # the pool's size is asked, not left over: check it now
+            self._check_pool_holds_a_request(self._kv_asked_bytes(), block_bytes)
+        torch.manual_seed(args.seed)
+        self.model = load_model(self.path, self.dtype, self.device)
+        self.tokenizer = Tokenizer(self.path)
+        # before the trials (a minute on a 7B model): the kernels' copies only take more
+        self._kv_budget_bytes()
         self.kernels = self._choose_kernels(forced_kernels)
         # What this engine runs on besides the CPU: torch's dispatch level and the C kernels'
         # -march target ("none" without them). ATEN_CPU_CAPABILITY and $PDSCOPE_MARCH change
@@ -120,17 +126,8 @@ class LLMEngine:
             self.kernels.summary(),
         )
         self.decode_step: DecodeStep = self._check_decode_step()
-        block_bytes = ModelRunner.kv_bytes_per_block(config, args.block_size, self.dtype)
         self.kv_cache_bytes = self._kv_budget_bytes()
-        num_blocks = self.kv_cache_bytes // block_bytes
-        needed = -(-self.max_model_len // args.block_size)
-        if num_blocks < needed:
-            raise ValueError(
-                f"KV cache of {self.kv_cache_bytes / 2**20:.1f} MiB holds {num_blocks} blocks "
-                f"({num_blocks * args.block_size} tokens) but one request of max_model_len "
-                f"{self.max_model_len} needs {needed} blocks: raise kv_cache_memory "
-                f"(at least {needed * block_bytes / 2**20:.1f} MiB) or lower max_model_len"
-            )
+        num_blocks = self._check_pool_holds_a_request(self.kv_cache_bytes, block_bytes)
         self.pool = BlockPool(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -363,16 +360,31 @@ class LLMEngine:
         )  # fmt: skip
         return "per_kernel_mismatch"
 
-    def _kv_budget_bytes(self) -> int:
-        # On a CPU the pool is kv_cache_memory: gpu_memory_utilization set away from its
-        # default would change nothing, so it is refused (as the CLI refuses such options).
-        if self.device.type != "cuda" and (
-            self.args.gpu_memory_utilization != EngineArgs().gpu_memory_utilization
-        ):
+    def _kv_asked_bytes(self) -> int:
+        """kv_cache_memory: the pool's size off CUDA, where gpu_memory_utilization set away
+        from its default would change nothing, so it is refused (as the CLI refuses such
+        options)."""
+        if self.args.gpu_memory_utilization != EngineArgs().gpu_memory_utilization:
             raise ValueError(
                 f"gpu_memory_utilization applies on CUDA only; on {self.device.type} the KV pool "
                 "is kv_cache_memory (--kv-cache-memory)"
             )
+        return parse_bytes(self.args.kv_cache_memory)
+
+    def _check_pool_holds_a_request(self, pool_bytes: int, block_bytes: int) -> int:
+        """The pool's count of blocks; refused where one request of max_model_len needs more."""
+        num_blocks = pool_bytes // block_bytes
+        needed = -(-self.max_model_len // self.args.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"KV cache of {pool_bytes / 2**20:.1f} MiB holds {num_blocks} blocks "
+                f"({num_blocks * self.args.block_size} tokens) but one request of max_model_len "
+                f"{self.max_model_len} needs {needed} blocks: raise kv_cache_memory "
+                f"(at least {needed * block_bytes / 2**20:.1f} MiB) or lower max_model_len"
+            )
+        return num_blocks
+
+    def _kv_budget_bytes(self) -> int:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
@@ -383,7 +395,7 @@ class LLMEngine:
                     f"leaves no KV memory: {used / 2**30:.1f} GiB already in use"
                 )
             return budget
-        asked = parse_bytes(self.args.kv_cache_memory)
+        asked = self._kv_asked_bytes()
         free = available_memory_bytes()
         if free is not None and asked > free:
             raise ValueError(
