@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import mmap
 import os
 import struct
 import sys
@@ -117,15 +118,20 @@ def _joined_shape(parts: list[_Stored]) -> tuple[int, ...] | None:
 
 
 def _read_into(fd: int, part: _Stored, out: torch.Tensor) -> None:
-    """Read ``part``'s bytes into ``out`` (contiguous, of its dtype), looping as Linux reads at
-    most ~2 GiB a call."""
-    view = memoryview(out.view(-1).view(torch.uint8).numpy())
-    done = 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:]], part.start + done)
-        if got == 0:
-            raise CheckpointError(f"cannot read {part.file}: it ends inside a tensor")
-        done += got
+    """Copy ``part``'s values into ``out`` (contiguous, converted to its dtype) through a
+    mapping of its bytes alone, unmapped once copied: its pages leave this process's memory
+    with it. (Plain reads, one thread's copy, took 1.5x as long.)"""
+    nbytes = part.numel * part.dtype.itemsize
+    if part.start + nbytes > os.fstat(fd).st_size:  # mapped, its missing pages would SIGBUS
+        raise CheckpointError(f"cannot read {part.file}: it ends inside a tensor")
+    if nbytes == 0:
+        return
+    base = part.start - part.start % mmap.ALLOCATIONGRANULARITY
+    # ACCESS_COPY: writable to torch (no warning), never written, so never copied
+    with mmap.mmap(fd, part.start + nbytes - base, offset=base, access=mmap.ACCESS_COPY) as mm:
+        stored = torch.frombuffer(mm, dtype=part.dtype, count=part.numel, offset=part.start - base)
+        out.view(-1).copy_(stored)
+        del stored  # the mapping closes only once no tensor views it
 
 
 def _read_tensor(
@@ -133,10 +139,10 @@ def _read_tensor(
 ) -> torch.Tensor:
     """The parts, concatenated along their first dimension, as one tensor of ``dtype``.
 
-    Read with plain file reads straight into memory of the tensor's own, part after part: a
-    mapping of the file (safe_open's) would keep every page read resident beside the copies
-    until the last tensor over it was let go, twice the weights at the load's peak, and a
-    fused projection would be one more copy of its parts (torch.cat).
+    Each part is copied straight into its place from a mapping of its own bytes: safe_open's
+    one mapping of a whole file kept every page read resident beside the copies until the last
+    tensor over it was let go (twice the weights at the load's peak), and a fused projection
+    was one more copy of its parts (torch.cat).
     """
     shape = _joined_shape(parts)
     assert shape is not None  # checked before any read
@@ -144,13 +150,7 @@ def _read_tensor(
     flat = out.view(-1)
     at = 0
     for part in parts:
-        into = flat[at : at + part.numel]
-        if part.dtype == dtype:
-            _read_into(fds[part.file], part, into)
-        else:
-            as_stored = torch.empty(part.numel, dtype=part.dtype)
-            _read_into(fds[part.file], part, as_stored)
-            into.copy_(as_stored)
+        _read_into(fds[part.file], part, flat[at : at + part.numel])
         at += part.numel
     return out.to(device)
 
