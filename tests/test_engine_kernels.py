@@ -804,6 +804,41 @@ def test_big_batch_linear_pairs_on_the_way_to_holding_weights_once_is_kept_withi
         assert choice.prefill_linear == kept
 
 
+@pytest.mark.parametrize(
+    ("forced", "kept"),
+    [
+        ("linear=pairs2", "pairs"),
+        ("linear=c", "packed"),
+        ("linear=pairs2,big_batch_linear=onednn", "packed"),
+        ("linear=pairs2,prefill_linear=onednn", "packed"),
+    ],
+)
+def test_batch_linear_pairs_on_the_way_to_holding_weights_once_is_kept_within_a_wider_tie(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forced: str, kept: str
+) -> None:
+    """With single rows on the copies, batch_linear=pairs is the first of the three paths
+    that let every weight be held once: kept within HELD_ONCE_TIE (set medians: the copies
+    1.06x the others' time), and the two after it follow; where single rows read the weight
+    (linear=c), or a later path is kept off the copies, the fastest (packed, first of equals).
+    Uncached starts of a 1.1B-parameter model had picked packed by noise in 2 of 3, holding
+    4.81-5.07 GB in place of 2.78."""
+    from pdscope.engine.model import ROWS_SPLIT_MIN_ROWS
+
+    _copies_between_the_margins(tmp_path, monkeypatch)
+    path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
+    rows = ROWS_SPLIT_MIN_ROWS  # prefill chunks long enough for prefill_linear's trial
+    llm = LLM(
+        model=str(path), kv_cache_memory="8MiB", max_model_len=2 * rows,
+        max_num_batched_tokens=rows, kernels=forced,
+    )  # fmt: skip
+    choice = llm.engine.kernels
+    assert (choice.batch_linear, choice.how["batch_linear"]) == (kept, "measured")
+    if kept == "pairs":
+        assert (choice.big_batch_linear, choice.prefill_linear) == ("pairs", "pairs")
+        layers = [m for m in llm.engine.runner.model.layers.modules() if isinstance(m, Linear)]
+        assert all(m.held_once for m in layers)
+
+
 def test_prefill_linear_pairs_without_the_pairs_kernels_is_refused_by_its_name(
     tiny_bf16: Path,
 ) -> None:

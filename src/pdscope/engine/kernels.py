@@ -40,7 +40,10 @@ Paths (every candidate computes the same function; tests pin each against transf
   or ``pairs`` (the pair-interleaved copies of ``linear=pairs``, made for this path whatever
   ``linear`` is: tiles of up to 8 rows against 3 blocks of 16 outputs in AVX-512 BF16, of up
   to 5 rows against one block in AVX2 FMAs; each row the same bits as alone). bf16 on CPU with
-  the C kernels only; ``pairs`` offered while the copy fits, as for ``linear``.
+  the C kernels only; ``pairs`` offered while the copy fits, as for ``linear``. Where single
+  rows read the copies and ``big_batch_linear`` and ``prefill_linear`` may read them too,
+  ``pairs`` is kept within ``HELD_ONCE_TIE``, the first of the three paths on which holding
+  each weight once depends (should either of the others pick another path, the faster one).
 * ``big_batch_linear``: for matmuls of ``NATIVE_MANY_MAX_ROWS`` + 1 to ``BIG_BATCH_MAX_ROWS``
   rows (a decode batch larger than ``batch_linear``'s kernels take, up to the default
   ``max_num_seqs``; or a short step with a prefill chunk): ``onednn`` (what ``linear`` gives
@@ -173,12 +176,13 @@ PAIRS_LINEAR: dict[str, int] = dict(zip(("pairs", "pairs2"), PAIR_STREAMS, stric
 # fastest keeps the preferred one.
 TIE = 0.03
 # ... and this one where the preferred candidate lets every weight be held once, in its pairs
-# copy (prefill_linear=pairs with the decode paths on the copies, and big_batch_linear=pairs
-# on the way there): half the weights' memory.
+# copy (prefill_linear=pairs with the decode paths on the copies, and batch_linear=pairs and
+# big_batch_linear=pairs on the way there): half the weights' memory.
 # On an AMD EPYC Zen 4 the copies' prefill matched oneDNN's through HTTP (the servers' mean
 # TTFT 0.98-1.01x oneDNN's) and took 1.03x its time in an engine's 2,048-row steps, while its
 # start's trial, cut to 24 MB, picked oneDNN by noise in 2 of 3 uncached starts of a
-# 1.1B-parameter model: 4.81 GB resident in place of 2.78.
+# 1.1B-parameter model: 4.81 GB resident in place of 2.78 (and, once that was settled,
+# batch_linear=packed in 2 of 3: 4.81-5.07 GB).
 HELD_ONCE_TIE = 0.10
 # A path with a preference is decided by a margin of a few percent: it is timed this many rounds
 # at least, where two rounds' medians swung further (the 1.1B model's prefill_linear trial, two
@@ -187,7 +191,7 @@ PREFERRED_ROUNDS = 5
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
-_TRIAL_VERSION = 31
+_TRIAL_VERSION = 32
 
 
 @dataclass(frozen=True)

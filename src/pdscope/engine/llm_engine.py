@@ -77,6 +77,16 @@ class RequestOutput:
         return self.request.timeline
 
 
+def fastest(choice: KernelChoice, path: str) -> str:
+    """``path``'s fastest option by the times ``choice`` holds for it (cached ones too); its
+    pick where it was not timed (forced, fixed, or taken by the memory rule)."""
+    prefix = f"{path}="
+    times = {k[len(prefix) :]: s for k, s in choice.trial_s.items() if k.startswith(prefix)}
+    if choice.how.get(path) not in ("measured", "cached") or len(times) < 2:
+        return getattr(choice, path)
+    return min(times, key=times.__getitem__)
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs | None = None, **kwargs: object):
         from pdscope.checkpoint.make_model import resolve_model_path
@@ -236,20 +246,33 @@ class LLMEngine:
                 return "onednn"
             return ("pairs", HELD_ONCE_TIE) if picks.get("linear") in PAIRS_LINEAR else "pairs"
 
-        # big_batch_linear=pairs there is the first half of that: kept within HELD_ONCE_TIE
-        # where prefill_linear may take the copies (and undone below where it does not)
+        # batch_linear=pairs and big_batch_linear=pairs there are the way to it: each kept
+        # within HELD_ONCE_TIE where the paths after it may take the copies (and undone below
+        # where they do not)
         trials = kernel_trials(self.model, prefill_tokens, ops)
-        prefill_pairs = forced.get("prefill_linear", "pairs") == "pairs" and (
-            "prefill_linear" in forced or "prefill_linear" in trials
-        )
+        offered = set(trials)
+
+        def may_take_pairs(path: str) -> bool:
+            return forced.get(path, "pairs") == "pairs" and (path in forced or path in offered)
+
+        def batch_liked(picks: dict[str, str]) -> Liked | None:
+            later = may_take_pairs("big_batch_linear") and may_take_pairs("prefill_linear")
+            if later and picks.get("linear") in PAIRS_LINEAR:
+                return ("pairs", HELD_ONCE_TIE)
+            return None
 
         def big_batch_liked(picks: dict[str, str]) -> Liked | None:
             decode_on_copies = picks.get("linear") in PAIRS_LINEAR
-            if prefill_pairs and decode_on_copies and picks.get("batch_linear") == "pairs":
+            if (
+                may_take_pairs("prefill_linear")
+                and decode_on_copies
+                and picks.get("batch_linear") == "pairs"
+            ):
                 return ("pairs", HELD_ONCE_TIE)
             return None
 
         prefer: dict[str, Liked | Callable[[dict[str, str]], Liked | None]] = {
+            "batch_linear": batch_liked,
             "big_batch_linear": big_batch_liked,
             "prefill_linear": prefill_liked,
         }
@@ -265,14 +288,12 @@ class LLMEngine:
         del trials  # their copies let go before apply_kernels makes the chosen ones
         if held_once:
             choice = replace(choice, how={**choice.how, **dict.fromkeys(held_once, "memory")})
-        big_s = {
-            n: choice.trial_s[f"big_batch_linear={n}"]
-            for n in ("onednn", "pairs")
-            if f"big_batch_linear={n}" in choice.trial_s
-        }
-        if choice.prefill_linear != "pairs" and len(big_s) == 2:
-            # kept within HELD_ONCE_TIE for a prefill_linear=pairs that did not follow
-            choice = replace(choice, big_batch_linear=min(big_s, key=big_s.__getitem__))
+        # kept within HELD_ONCE_TIE for the paths after them, which did not follow: the
+        # fastest (its trial's times, cached ones too)
+        if choice.prefill_linear != "pairs":
+            choice = replace(choice, big_batch_linear=fastest(choice, "big_batch_linear"))
+        if not choice.big_batch_linear == choice.prefill_linear == "pairs":
+            choice = replace(choice, batch_linear=fastest(choice, "batch_linear"))
         copies_past_32 = choice.big_batch_linear == choice.prefill_linear == "pairs"
         if copies_past_32 and "step_rows" not in forced:
             # the rule above, for these paths: past 32 rows only a weight without a pairs copy
