@@ -274,7 +274,9 @@ def test_prefill_linear_keeps_onednn_unless_the_copy_wins_by_more_than_a_tie(
     """The engine's trial keeps prefill_linear=onednn (no copy) while it times within TIE of
     the transposed copy, and holds no copy then; further behind, the copy is chosen and
     held. The trial's medians are set here (onednn behind every other candidate by
-    ``behind`` TIE), so that the engine's preference is tested and not the host's timer."""
+    ``behind`` TIE, the pairs copies out of every path's margins, so that the decode paths
+    keep the packed weights), so that the engine's preference is tested and not the host's
+    timer."""
     if not can_pack(torch.bfloat16, torch.device("cpu")):
         pytest.skip("no oneDNN packed weights in this torch")
     from pdscope.engine import model as model_module
@@ -282,7 +284,9 @@ def test_prefill_linear_keeps_onednn_unless_the_copy_wins_by_more_than_a_tie(
     monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
     monkeypatch.setattr(
         "pdscope.engine.kernels.median_times_s",
-        lambda candidates, **_: {n: 1.0 + TIE * behind * (n == "onednn") for n in candidates},
+        lambda candidates, **_: {
+            n: 1.0 + TIE * behind * (n == "onednn") + 0.5 * (n == "pairs") for n in candidates
+        },
     )
     rows = model_module.ROWS_SPLIT_MIN_ROWS
     llm = LLM(
