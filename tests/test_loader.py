@@ -89,8 +89,15 @@ def test_a_fused_projection_whose_parts_do_not_join_is_named(tmp_path: Path) -> 
         load_model(path, torch.bfloat16, CPU)
 
 
-def test_a_tensor_of_a_dtype_no_weight_comes_in_is_named(tmp_path: Path) -> None:
+def test_a_tensor_of_a_dtype_no_weight_comes_in_is_named_where_the_model_uses_it(
+    tmp_path: Path,
+) -> None:
+    """An unused buffer of any dtype (a rotary table some checkpoints ship) is let be; a
+    weight in one (here an integer norm) is refused by its name and dtype."""
     path = make_model(tmp_path / "m", "tiny")
+    unused = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.arange(8, dtype=torch.int64)}
+    _rewrite(path, unused)
+    load_model(path, torch.bfloat16, CPU)
     key = "model.norm.weight"
     norm = load_file(path / "model.safetensors")[key]
     _rewrite(path, {key: torch.zeros(norm.shape, dtype=torch.int64)})
@@ -98,18 +105,25 @@ def test_a_tensor_of_a_dtype_no_weight_comes_in_is_named(tmp_path: Path) -> None
         load_model(path, torch.bfloat16, CPU)
 
 
+def test_a_tensor_in_two_shards_is_named(tmp_path: Path) -> None:
+    path = make_model(tmp_path / "m", "tiny")
+    key = "model.norm.weight"
+    save_file({key: load_file(path / "model.safetensors")[key]}, path / "extra.safetensors")
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' is in both"):
+        load_model(path, torch.bfloat16, CPU)
+
+
 def test_a_file_that_ends_inside_a_tensor_is_an_error_not_zeros(tmp_path: Path) -> None:
     """safe_open checks a file's length when the load begins; a file cut short after that
-    (replaced while loading) must not leave a tensor half read."""
+    (replaced while loading) is refused before its missing pages are mapped."""
     file = tmp_path / "w"
     file.write_bytes(bytes(range(10)))
-    out = torch.empty(8, dtype=torch.uint8)
-    part = _Stored(file, torch.uint8, (8,), start=4)
+    out = torch.empty(4, dtype=torch.bfloat16)
     with open(file, "rb") as fh:
         with pytest.raises(CheckpointError, match="ends inside a tensor"):
-            _read_into(fh.fileno(), part, out)
-        _read_into(fh.fileno(), _Stored(file, torch.uint8, (8,), start=2), out)
-    assert out.tolist() == list(range(2, 10))
+            _read_into(fh.fileno(), _Stored("w", file, "BF16", (4,), start=4), out)
+        _read_into(fh.fileno(), _Stored("w", file, "BF16", (4,), start=2), out)
+    assert out.view(torch.uint8).tolist() == list(range(2, 10))
 
 
 PEAK = """
@@ -129,6 +143,8 @@ def test_the_load_holds_each_weight_once(tmp_path: Path) -> None:
     torch.cat copied a fused projection's parts once more (a 7B model's load peaked at the 23 GB
     of its host, 13.4 GB of copies beside 9.8 GB of the file). Measured in a process of its
     own, whose peak resident memory is the load's."""
+    if sys.platform != "linux":
+        pytest.skip("ru_maxrss is counted in KiB on Linux only")
     shape = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 4}
     path = make_model(tmp_path / "m", "tiny", **shape)
     weights_bytes = (path / "model.safetensors").stat().st_size

@@ -65,12 +65,18 @@ _FILE_DTYPES = {
 
 @dataclass(frozen=True)
 class _Stored:
-    """Where one tensor's bytes lie: ``start`` is the byte offset in ``file``."""
+    """Where one tensor's bytes lie: ``start`` is the byte offset in ``file``; ``dtype`` is
+    None where the file's (``dtype_name``) is none a weight comes in."""
 
+    name: str
     file: Path
-    dtype: torch.dtype
+    dtype_name: str
     shape: tuple[int, ...]
     start: int
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return _FILE_DTYPES.get(self.dtype_name)
 
     @property
     def numel(self) -> int:
@@ -86,25 +92,21 @@ def _index(path: Path) -> dict[str, _Stored]:
         try:
             # safetensors checks the header against the file (offsets, sizes, its length)
             with safe_open(str(file), framework="pt") as f:
-                names = set(f.keys())
+                names = sorted(f.keys())
             with open(file, "rb") as fh:
                 (header_len,) = struct.unpack("<Q", fh.read(8))
                 header = json.loads(fh.read(header_len))
         except (SafetensorError, OSError, ValueError) as exc:  # truncated, not safetensors
             raise CheckpointError(f"cannot read {file}: {exc}") from None
         for name in names:
-            entry = header[name]
-            if entry["dtype"] not in _FILE_DTYPES:
+            if name in stored:
                 raise CheckpointError(
-                    f"{file}: tensor '{name}' is {entry['dtype']}, not one of "
-                    f"{', '.join(_FILE_DTYPES)}"
+                    f"checkpoint {path}: tensor '{name}' is in both {stored[name].file.name} "
+                    f"and {file.name}"
                 )
-            stored[name] = _Stored(
-                file,
-                _FILE_DTYPES[entry["dtype"]],
-                tuple(entry["shape"]),
-                8 + header_len + entry["data_offsets"][0],
-            )
+            entry = header[name]
+            start = 8 + header_len + entry["data_offsets"][0]
+            stored[name] = _Stored(name, file, entry["dtype"], tuple(entry["shape"]), start)
     return stored
 
 
@@ -121,17 +123,27 @@ def _read_into(fd: int, part: _Stored, out: torch.Tensor) -> None:
     """Copy ``part``'s values into ``out`` (contiguous, converted to its dtype) through a
     mapping of its bytes alone, unmapped once copied: its pages leave this process's memory
     with it. (Plain reads, one thread's copy, took 1.5x as long.)"""
+    assert part.dtype is not None  # checked before any read
     nbytes = part.numel * part.dtype.itemsize
-    if part.start + nbytes > os.fstat(fd).st_size:  # mapped, its missing pages would SIGBUS
+    # a file already short is refused here; one cut short during the copy would still raise
+    # SIGBUS, as safetensors' own mapping would
+    if part.start + nbytes > os.fstat(fd).st_size:
         raise CheckpointError(f"cannot read {part.file}: it ends inside a tensor")
     if nbytes == 0:
         return
     base = part.start - part.start % mmap.ALLOCATIONGRANULARITY
-    # ACCESS_COPY: writable to torch (no warning), never written, so never copied
-    with mmap.mmap(fd, part.start + nbytes - base, offset=base, access=mmap.ACCESS_COPY) as mm:
+    try:
+        # ACCESS_COPY: writable to torch (no warning), never written, so never copied
+        mm = mmap.mmap(fd, part.start + nbytes - base, offset=base, access=mmap.ACCESS_COPY)
+    except OSError as exc:  # a file system that cannot map, or no address space left
+        raise CheckpointError(f"cannot read {part.file}: {exc}") from None
+    with mm:
         stored = torch.frombuffer(mm, dtype=part.dtype, count=part.numel, offset=part.start - base)
-        out.view(-1).copy_(stored)
-        del stored  # the mapping closes only once no tensor views it
+        try:
+            out.view(-1).copy_(stored)
+        finally:
+            # closing unmaps whether or not a tensor still views the pages: none may outlive it
+            del stored
 
 
 def _read_tensor(
@@ -213,6 +225,12 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> CausalLM
                 f"checkpoint {path}: the parts of '{name}' do not join: "
                 f"{', '.join(str(list(p.shape)) for p in parts)}"
             )
+        for part in parts:
+            if part.dtype is None:
+                raise CheckpointError(
+                    f"{part.file}: tensor '{part.name}' is {part.dtype_name}, not one of "
+                    f"{', '.join(_FILE_DTYPES)}"
+                )
         if name in expected and shape != tuple(expected[name].shape):
             raise CheckpointError(
                 f"checkpoint {path}: '{name}' is {list(shape)}, but config.json makes "
@@ -220,8 +238,11 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> CausalLM
             )
     with contextlib.ExitStack() as files:
         fds: dict[Path, int] = {}
-        for file in {p.file for parts in plan.values() for p in parts}:
-            fds[file] = os.open(file, os.O_RDONLY)
+        for file in sorted({p.file for parts in plan.values() for p in parts}):
+            try:
+                fds[file] = os.open(file, os.O_RDONLY)
+            except OSError as exc:
+                raise CheckpointError(f"cannot read {file}: {exc}") from None
             files.callback(os.close, fds[file])
         state = {name: _read_tensor(fds, parts, dtype, device) for name, parts in plan.items()}
     model.load_state_dict(state, strict=False, assign=True)
