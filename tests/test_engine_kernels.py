@@ -843,6 +843,38 @@ def test_batch_linear_pairs_on_the_way_to_holding_weights_once_is_kept_within_a_
         assert all(m.held_once for m in layers)
 
 
+def test_the_paths_kept_for_holding_once_go_to_the_fastest_where_prefill_does_not_follow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """batch_linear and big_batch_linear keep the copies within HELD_ONCE_TIE (1.06x) on the
+    way to prefill_linear=pairs; where prefill_linear's own copies time past its margin
+    (1.2x), no weight can be held once, and both go to their fastest: measured, and again
+    from the cache on a second start."""
+    from pdscope.engine.kernels import HELD_ONCE_TIE
+    from pdscope.engine.model import ROWS_SPLIT_MIN_ROWS
+
+    _copies_between_the_margins(tmp_path, monkeypatch)
+    assert 1 + HELD_ONCE_TIE < 1.2
+    monkeypatch.setattr(
+        "pdscope.engine.kernels.median_times_s",
+        lambda candidates, **_: {  # prefill_linear's trial: the one that offers transposed
+            n: (1.2 if "transposed" in candidates else 1.06) if n == "pairs" else 1.0
+            for n in candidates
+        },
+    )
+    path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
+    rows = ROWS_SPLIT_MIN_ROWS
+    for how in ("measured", "cached"):
+        llm = LLM(
+            model=str(path), kv_cache_memory="8MiB", max_model_len=2 * rows,
+            max_num_batched_tokens=rows, kernels="linear=pairs2",
+        )  # fmt: skip
+        choice = llm.engine.kernels
+        picks = (choice.batch_linear, choice.big_batch_linear, choice.prefill_linear)
+        assert picks == ("packed", "onednn", "onednn"), how
+        assert choice.how["batch_linear"] == choice.how["prefill_linear"] == how
+
+
 def test_prefill_linear_pairs_without_the_pairs_kernels_is_refused_by_its_name(
     tiny_bf16: Path,
 ) -> None:
