@@ -58,10 +58,8 @@ def main() -> None:
         return native.decode_logits(layers, step, ids, embed)[0]
 
     assert torch.equal(run(8), run(2))
-    weight_bytes = sum(
-        m.weight.numel() * m.weight.element_size()
-        for m in {id(m.weight): m for m in model.modules() if isinstance(m, Linear)}.values()
-    )
+    # weight_nbytes, not .weight: that would make a weight held once again
+    weight_bytes = sum(m.weight_nbytes() for m in model.modules() if isinstance(m, Linear))
     same_bytes = torch.ones(weight_bytes // 4, dtype=torch.float32)
     candidates: dict[str, Callable[[], object]] = {
         "8 streams": lambda: run(8),
