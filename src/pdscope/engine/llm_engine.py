@@ -36,6 +36,7 @@ from pdscope.engine.model import (
     kernel_trials,
     pairs_copy_fits,
     prefetch_applies,
+    release_freed_memory,
     thread_cpus,
     widen_bf16,
 )
@@ -136,6 +137,7 @@ class LLMEngine:
             self.kernels.summary(),
         )
         self.decode_step: DecodeStep = self._check_decode_step()
+        release_freed_memory()  # what the trials and the check freed, before the pool is sized
         self.kv_cache_bytes = self._kv_budget_bytes()
         num_blocks = self._check_pool_holds_a_request(self.kv_cache_bytes, block_bytes)
         self.pool = BlockPool(num_blocks, args.block_size, args.enable_prefix_caching)
