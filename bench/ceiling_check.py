@@ -64,7 +64,8 @@ def read_rate_gb_s(tensors: list[torch.Tensor], seconds: float) -> float:
 def streamed(m: Linear) -> torch.Tensor:
     """What a batch-1 step reads of ``m``: its pairs copy where single rows read it, else the
     weight as stored (not ``.weight``, which would make a weight held once again: a second
-    copy of it in memory, and a read of bytes no step reads)."""
+    copy of it in memory, and a read of bytes no step reads). Under ``linear=packed`` the step
+    reads oneDNN's packed copy, as many bytes in its own layout: the weight stands in for it."""
     if m.one_row_pairs and m.pairs is not None:
         return m.pairs
     weight = m.stored_weight()
@@ -90,6 +91,8 @@ def main() -> None:
     engine = llm.engine
     print(machine_line(), flush=True)
     print(f"kernels: {engine.kernels.summary()}", flush=True)
+    if engine.kernels.linear == "packed":
+        print("(linear=packed: the weights as stored stand in for oneDNN's packed copies)")
     model = engine.runner.model
     weights = [streamed(m) for m in model.modules() if isinstance(m, Linear)]
     per_token = bytes_per_decode_token(model_dir)

@@ -846,10 +846,10 @@ def test_batch_linear_pairs_on_the_way_to_holding_weights_once_is_kept_within_a_
 def test_the_paths_kept_for_holding_once_go_to_the_fastest_where_prefill_does_not_follow(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """batch_linear and big_batch_linear keep the copies within HELD_ONCE_TIE (1.06x) on the
-    way to prefill_linear=pairs; where prefill_linear's own copies time past its margin
-    (1.2x), no weight can be held once, and both go to their fastest: measured, and again
-    from the cache on a second start."""
+    """batch_linear and big_batch_linear keep the copies within HELD_ONCE_TIE (timed here at
+    1.06x the fastest) on the way to prefill_linear=pairs; where prefill_linear's own copies
+    time past that margin (1.2x the fastest), no weight can be held once, and both go to their
+    fastest: measured, and again from the cache on a second start."""
     from pdscope.engine.kernels import HELD_ONCE_TIE
     from pdscope.engine.model import ROWS_SPLIT_MIN_ROWS
 

@@ -137,7 +137,8 @@ class LLMEngine:
             self.kernels.summary(),
         )
         self.decode_step: DecodeStep = self._check_decode_step()
-        release_freed_memory()  # what the trials and the check freed, before the pool is sized
+        # what the trials and the check freed, before the pool meets the memory available
+        release_freed_memory()
         self.kv_cache_bytes = self._kv_budget_bytes()
         num_blocks = self._check_pool_holds_a_request(self.kv_cache_bytes, block_bytes)
         self.pool = BlockPool(num_blocks, args.block_size, args.enable_prefix_caching)

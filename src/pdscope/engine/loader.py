@@ -135,7 +135,7 @@ def _read_into(fd: int, part: _Stored, out: torch.Tensor) -> None:
     try:
         # ACCESS_COPY: writable to torch (no warning), never written, so never copied
         mm = mmap.mmap(fd, part.start + nbytes - base, offset=base, access=mmap.ACCESS_COPY)
-    except OSError as exc:  # a file system that cannot map, or no address space left
+    except (OSError, ValueError) as exc:  # cannot map; no address space; cut short just now
         raise CheckpointError(f"cannot read {part.file}: {exc}") from None
     with mm:
         stored = torch.frombuffer(mm, dtype=part.dtype, count=part.numel, offset=part.start - base)

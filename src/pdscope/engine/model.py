@@ -2083,10 +2083,11 @@ def release_freed_memory() -> bool:
     """Hand the pages the C heap holds free back to the system (glibc's ``malloc_trim``). A
     start's trials and one-call check free tensors small enough for the heap, whose pages
     glibc keeps: 1.25 GB of a 7B-shaped model's uncached start stayed resident. False where
-    the C library has no ``malloc_trim`` (not glibc)."""
+    the C library has no ``malloc_trim`` (not glibc); it frees nothing where another allocator
+    is preloaded (jemalloc, tcmalloc), whose own heap it does not reach."""
     try:
         trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # TypeError: CDLL(None) on some Windows
         return False
     trim.argtypes = [ctypes.c_size_t]
     trim(0)
