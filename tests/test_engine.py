@@ -1237,6 +1237,33 @@ def test_a_weight_that_every_matmul_reads_a_copy_of_is_held_once(
     assert [o.token_ids for o in kept.generate(prompts, GREEDY)] == held
 
 
+def test_a_conversion_reaches_a_weight_held_once(tmp_path: Path) -> None:
+    """``.to(float32)`` on a model whose weights are held once converts them as it converts
+    stored ones (the values the checkpoint's, widened, and a matmul on them), where it once
+    skipped them and left the bf16 copy to be made again later; ``.to()`` the dtype they have
+    leaves them held once, nothing made again."""
+    from pdscope.engine.kernels import KernelChoice
+    from pdscope.engine.loader import load_model
+    from pdscope.engine.model import apply_kernels
+
+    _pairs_or_skip(ALL_PAIRS)
+    path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
+    checkpoint = load_model(path, torch.bfloat16, torch.device("cpu"))
+    model = load_model(path, torch.bfloat16, torch.device("cpu"))
+    apply_kernels(model, KernelChoice(**parse_kernels(ALL_PAIRS)), native.load(tmp_path / "n"))
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.held_once for m in linears)
+    model.to(torch.bfloat16)
+    assert all(m.held_once for m in linears)
+    model.to(torch.float32)
+    proj, kept = model.layers[0].mlp.down_proj, checkpoint.layers[0].mlp.down_proj
+    assert not any(m.held_once for m in linears)
+    assert all(m.stored_weight().dtype == torch.float32 for m in linears)
+    assert torch.equal(proj.weight, kept.weight.float())
+    x = torch.randn(3, proj.in_features, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(proj(x), torch.nn.functional.linear(x, kept.weight.float()))
+
+
 @pytest.mark.parametrize(
     ("kernels", "once"),
     [

@@ -456,6 +456,18 @@ class Linear(nn.Linear):
                 self.hold_source(copy)
         return weight
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Linear:
+        """``.to()``, ``.float()``, ``.cuda()`` and the rest reach a held weight too: where
+        ``fn`` changes the pairs copy (a dtype, a device), the weight is made again first and
+        converted as a stored one is (its copies, stale, made anew before a matmul reads them);
+        where it leaves the copy as it is (``.to()`` the dtype and device it has), the weight
+        stays held once rather than be made again for nothing."""
+        if self.held_once:
+            assert self.pairs is not None
+            if fn(self.pairs) is not self.pairs:
+                self.restore_weight()
+        return super()._apply(fn, recurse)
+
     def _save_to_state_dict(
         self, destination: dict[str, Any], prefix: str, keep_vars: bool
     ) -> None:
