@@ -1061,6 +1061,47 @@ def test_a_request_past_its_timeout_says_which_limit() -> None:
     assert error == "timeout: no whole answer within 0.3 s (--timeout)"
 
 
+def test_a_requests_own_limit_stands_in_for_the_sessions() -> None:
+    """A request's ``timeout_s`` (probe's limit for what it predicts long) replaces the
+    session's total both ways: an answer 0.6 s late is read in full under a 0.3 s session
+    when the request is allowed 5 s, and a request allowed 0.3 s under a 10 s session is
+    given up at 0.3 s, the error naming that limit. A server on 127.0.0.1 that answers (or
+    never does) after a pause."""
+    from pdscope.client.adapters import openai_body, run_openai, session
+
+    event = json.dumps({"choices": [{"index": 0, "text": " a", "finish_reason": "length"}]})
+    answer = (
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+        f"data: {event}\n\ndata: [DONE]\n\n"
+    ).encode()
+
+    async def ask(session_s: float, request_s: float, pause_s: float) -> Trace:
+        async def late(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read(1000)
+            await asyncio.sleep(pause_s)
+            writer.write(answer)
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(late, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            async with session(timeout_s=session_s) as client:
+                body = openai_body("openai-completions", "m", "hi", 1)
+                url = f"http://127.0.0.1:{port}"
+                return await run_openai(
+                    client, url, "openai-completions", body, timeout_s=request_s
+                )
+        finally:
+            server.close()
+
+    trace = asyncio.run(ask(session_s=0.3, request_s=5.0, pause_s=0.6))
+    assert trace.ok and trace.chunks[0].text == " a", trace.error
+    trace = asyncio.run(ask(session_s=10.0, request_s=0.3, pause_s=3.0))
+    assert trace.error == "timeout: no whole answer within 0.3 s (--timeout)"
+    assert trace.end_s is None and trace.start_s is not None
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="relies on Linux dropping SYNs to a full queue")
 def test_a_connection_past_its_timeout_says_so() -> None:
     """A server whose accept queue is full, on 127.0.0.1: Linux drops the next SYN, so the

@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -1453,6 +1455,85 @@ def test_a_server_carried_fewer_only_when_clearly_fewer() -> None:
     assert [carried_fewer(c, n) for c, n in ((7, 8), (8, 8), (0, 8), (1, 2))] == [False] * 4
 
 
+def _prober(**kw: Any) -> Any:
+    """A Prober over nothing: its limits read only its traces and settings."""
+    from pdscope.client.detect import Runtime
+    from pdscope.commands.probe import Prober
+
+    runtime = Runtime("http://u", "vllm", "openai-completions", ["m"])
+    s = ProbeSettings(url="http://u", **kw)
+    return Prober(s, None, runtime, "m", lambda label: None, None)  # type: ignore[arg-type]
+
+
+def test_a_request_the_servers_rates_predict_long_is_allowed_for_it() -> None:
+    """The figures of a 7B-shaped model served on 2 CPU cores (Zen 4): prefill 31 tok/s (a
+    1,952-token prompt's first token at 63 s), one stream's step 0.37 s, 8 streams' 0.41 s.
+    Under the old 120 s limit all 32 streams of the batch sweep's 32 timed out, and 6 of the 8
+    streams of 1,024-token prompts. Each request is allowed 3x what the slowest rates read
+    predict: the prompts of every stream sent with it, then a step per token bounded by the
+    nearest batch read (8 streams' step x 32 / 8); before anything is read, and where the
+    prediction is short, 120 s; --timeout is one limit for all."""
+    from pdscope.commands.probe import TIMEOUT_MARGIN, TIMEOUT_S
+
+    prober = _prober()
+    assert prober.allowed_s(1952, 64) == TIMEOUT_S  # nothing read yet
+    prober.traces += [
+        _trace("sweep", 200, 6.0, 1 / 0.27),
+        _trace("sweep", 1952, 63.0, 1 / 0.37),
+        _trace("cold", 200, 60.0, 0.1),  # a cold start (a model loaded): not a rate
+        _trace("batch-decode", 64, 30.0, 0.1),  # behind other streams' prompts: not a rate
+    ]
+    per_token, one_s = 63.0 / 1952, 0.37
+    assert per_token > 6.0 / 200
+    assert prober.allowed_s(200, 4) == TIMEOUT_S  # 7 s predicted: the default stands
+    long_s = prober.allowed_s(1952, 64)
+    assert long_s == math.ceil(TIMEOUT_MARGIN * (1952 * per_token + 64 * one_s))
+    batch_s = prober.allowed_s(64, 64, streams=8)  # no batch read: one stream's step x 8
+    assert batch_s == math.ceil(TIMEOUT_MARGIN * (8 * 64 * per_token + 64 * 8 * one_s))
+    prober.batch_step_s[8] = 0.41
+    sweep_s = prober.allowed_s(64, 64, streams=32)
+    assert sweep_s == math.ceil(TIMEOUT_MARGIN * (32 * 64 * per_token + 64 * 0.41 * 4))
+    assert sweep_s > 2 * 130  # the batch needed ~130 s
+    assert prober.allowed_s(64, 256, streams=2) == math.ceil(  # the nearer bound: 8's step
+        TIMEOUT_MARGIN * (2 * 64 * per_token + 256 * min(0.41, 2 * one_s))
+    )
+    joined = prober.allowed_s(64, 64, streams=8, more_prefill=1152)
+    assert joined == math.ceil(TIMEOUT_MARGIN * ((8 * 64 + 1152) * per_token + 64 * 0.41))
+    fixed = _prober(timeout_s=45.0)
+    fixed.traces, fixed.batch_step_s = prober.traces, prober.batch_step_s
+    assert fixed.allowed_s(64, 64, streams=32) == fixed.allowed_s(1, 1) == 45.0
+
+
+def test_a_slow_servers_batch_is_allowed_what_its_rates_predict(medium_server: Server) -> None:
+    """On the embedded server, with the default limit set far below what a batch of 8 needs
+    (as 120 s was for the 7B-shaped model's batch of 32 on 2 cores): a limit fixed by
+    --timeout fails every stream and says which limit, and the default, which allows what
+    the rates read from a request sent alone predict, reads them all."""
+    from pdscope.client.detect import detect
+    from pdscope.commands import probe as probe_module
+    from pdscope.commands.probe import Prober
+
+    async def run(timeout_s: float | None, seed: int) -> list[Trace]:
+        s = settings(medium_server.url, output_tokens=32, timeout_s=60.0)
+        async with httpx.AsyncClient() as client, session(fresh_connections=True) as streams:
+            runtime = await detect(client, s.url, s.api, None)
+            model = runtime.pick_model(None)
+            prober = Prober(s, client, runtime, model, lambda _: None, streams, seed)
+            solo = await prober.send(await prober.prompt(200), 200, "sweep")  # given 60 s
+            assert solo.ok and solo.decode_tok_s, solo.error
+            s.timeout_s = timeout_s
+            await prober.batch(64, "batch-decode", 8)
+            return prober.traces[1:]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(probe_module, "TIMEOUT_S", 0.02)
+        fixed = asyncio.run(run(0.02, seed=1))
+        allowed = asyncio.run(run(None, seed=2))  # fresh prompts: no cache hit to read
+    assert all(t.error == "timeout: no whole answer within 0.02 s (--timeout)" for t in fixed)
+    assert len(allowed) == 8 and all(t.ok for t in allowed), [t.error for t in allowed]
+    assert max(t.e2e_s for t in allowed) > 0.02
+
+
 def join_trace(label: str, times: list[float], prompt: int, start_s: float = 0.0) -> Trace:
     """A join check's trace: one token a chunk at ``times``, the request begun at ``start_s``."""
     return Trace(
@@ -1781,3 +1862,38 @@ def test_a_decode_read_whole_is_sent_again_fresh(
     assert len(kept) == 6 and not any(t.streamed for t in kept)
     assert any(n.startswith("6 more response(s)") for n in r["notes"]), r["notes"]
     assert any(u.startswith("context check") for u in r["unmeasured"]), r["unmeasured"]
+
+
+def test_a_prompt_that_stalls_the_streams_it_joins_is_a_finding() -> None:
+    """The 7B-shaped model on 2 CPU cores: a 1,024-token prompt joining 8 decoding streams held
+    their step 31.65 s against 337 ms, printed but not a finding. It is one, with the knob
+    that splits a prefill over steps, where the step is 3x the streams' and a pause a reader
+    sees; a 30 ms step beside 10 ms ones is neither. A timed-out failure names --timeout."""
+    from pdscope.analysis.probe import findings
+
+    def titles(*joins: tuple[int, float, float], failures: list | None = None) -> dict:
+        r = {
+            "sweep": [],
+            "failures": failures or [],
+            "prefill_join": [
+                {"prompt_tokens": n, "decoding_together": 8, "step_ms": step, "decode_step_ms": d}
+                for n, step, d in joins
+            ],
+        }
+        return {f["finding"]: f for f in findings(r, "vllm")}
+
+    stall = "A prompt joining running streams stalls them: prefill interrupts decode"
+    found = titles((128, 4149.8, 337.0), (1024, 31649.7, 337.0))
+    assert found[stall]["evidence"] == (
+        "a 1,024-token prompt joining 8 decoding streams: their step 31.65 s against 337.00 ms "
+        "without it (93.9x)"
+    )
+    assert "--max-num-batched-tokens" in found[stall]["action"]
+    assert stall not in titles((1024, 30.0, 10.0))  # 3x, but no pause a reader sees
+    assert stall not in titles((1024, 500.0, 250.0))  # a pause, but 2x the streams' own
+    assert stall not in titles((128, 900.0, 100.0), (1024, 250.0, 100.0))  # the longest's
+    timeout = "timeout: no whole answer within 120 s (--timeout)"
+    failed = titles(failures=[{"error": timeout}])["1 request(s) failed and were left out"]
+    assert failed["evidence"] == timeout and "--timeout SECONDS" in failed["action"]
+    failed = titles(failures=[{"error": "HTTP 500: boom"}])["1 request(s) failed and were left out"]
+    assert failed["action"] == "see the failures list"

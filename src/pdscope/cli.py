@@ -208,6 +208,14 @@ BatchContext = Annotated[
     ),
 ]
 Timeout = Annotated[float, typer.Option(help="Seconds allowed per request.")]
+ProbeTimeout = Annotated[
+    float | None,
+    typer.Option(
+        "--timeout",
+        help="Seconds allowed per request. Default: 120, or where the rates the probe has read "
+        "from the server predict a request longer, 3x the prediction.",
+    ),
+]
 MaxModelLen = Annotated[
     int | None,
     typer.Option(
@@ -893,7 +901,7 @@ def probe(
     batch_streams: BatchStreams = 8,
     batch_sweep: BatchSweep = "2,32",
     batch_context: BatchContext = 1024,
-    timeout: Timeout = 120.0,
+    timeout: ProbeTimeout = None,
     max_model_len: MaxModelLen = None,
     device: ProbeDevice = None,
     plan_model: ProbePlanModel = None,

@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from pdscope.analysis.rules import knob  # one knob table, shared with watch
+from pdscope.analysis.rules import ITL_JUMP_RATIO, knob  # one table, shared with watch
 from pdscope.analysis.stats import fit_poly, median
 from pdscope.client.trace import Trace
-from pdscope.report.units import fmt_bytes, fmt_count
+from pdscope.report.units import fmt_bytes, fmt_count, fmt_seconds
 
 # How a trace's cached-token count was obtained, in words.
 _SOURCES = {
@@ -1025,11 +1025,45 @@ def findings(r: dict[str, Any], runtime: str) -> list[dict[str, str]]:
             if pct_floor >= 50
             else knob("prefill_batch", runtime),
         )
+    _join_finding(r.get("prefill_join") or [], runtime, add)
     if r["failures"]:
+        timed_out = any(
+            (f["error"] or "").startswith("timeout: no whole answer") for f in r["failures"]
+        )
         add(
             "error",
             f"{len(r['failures'])} request(s) failed and were left out",
             r["failures"][0]["error"] or "",
-            "see the failures list",
+            "see the failures list"
+            + ("; --timeout SECONDS gives every request that long" if timed_out else ""),
         )
     return out
+
+
+# A pause in a stream of text that a reader sees: a join step this long or longer is a
+# finding (a GPU server's 30 ms step beside 10 ms ones, 3x, is not one).
+STALL_SEEN_S = 0.2
+
+
+def _join_finding(
+    joins: list[dict[str, Any]], runtime: str, add: Callable[[str, str, str, str], None]
+) -> None:
+    """The join check's longest prompt, where its step held the streams decoding beside it
+    ITL_JUMP_RATIO times their step or more (watch's rule on ITL p99 over p50, here read
+    from one step) and STALL_SEEN_S at least: each stream's next token waited for the
+    prompt's prefill."""
+    timed = [j for j in joins if j.get("step_ms") and j.get("decode_step_ms")]
+    if not timed:
+        return
+    j = max(timed, key=lambda j: j["prompt_tokens"])
+    ratio = j["step_ms"] / j["decode_step_ms"]
+    if ratio < ITL_JUMP_RATIO or j["step_ms"] < STALL_SEEN_S * 1e3:
+        return
+    add(
+        "decode",
+        "A prompt joining running streams stalls them: prefill interrupts decode",
+        f"a {j['prompt_tokens']:,}-token prompt joining {j['decoding_together']} decoding "
+        f"streams: their step {fmt_seconds(j['step_ms'] / 1e3)} against "
+        f"{fmt_seconds(j['decode_step_ms'] / 1e3)} without it ({ratio:.1f}x)",
+        knob("chunked_prefill", runtime),
+    )

@@ -132,10 +132,12 @@ async def _stream(
     parse: Callable[[Trace, float, str], bool],
     ending: str,
     progress: Callable[[Trace], None] | None = None,
+    timeout_s: float | None = None,
 ) -> Trace:
     """POST, then feed each line to ``parse`` (True once the stream says it is done) until it
     ends, fails or sets ``trace.error``. Never raises for server or network faults.
-    ``progress`` sees the trace after each line (the chunks read so far).
+    ``progress`` sees the trace after each line (the chunks read so far). ``timeout_s``: the
+    seconds this request is allowed in place of the session's total.
 
     A keep-alive connection the server closed while it sat idle in the pool fails the next
     request written on it before the server can have read it ("Can not write request body",
@@ -144,7 +146,7 @@ async def _stream(
     it is not a server failure."""
     retries = _stale_retries(client)
     for attempt in range(retries + 1):
-        await _stream_once(client, url, body, headers, trace, parse, ending, progress)
+        await _stream_once(client, url, body, headers, trace, parse, ending, progress, timeout_s)
         if not _stale_connection(trace) or attempt == retries:
             return trace
         reason = trace.error
@@ -201,11 +203,17 @@ async def _stream_once(
     parse: Callable[[Trace, float, str], bool],
     ending: str,
     progress: Callable[[Trace], None] | None = None,
+    timeout_s: float | None = None,
 ) -> Trace:
+    limits = client.timeout
+    if timeout_s is not None:
+        limits = aiohttp.ClientTimeout(total=timeout_s, connect=limits.connect)
     trace.start_s = time.perf_counter()
     done = False
     try:
-        async with client.post(url, json=body, headers=headers, trace_request_ctx=trace) as r:
+        async with client.post(
+            url, json=body, headers=headers, trace_request_ctx=trace, timeout=limits
+        ) as r:
             trace.headers_s = time.perf_counter()
             trace.status = r.status
             if r.status != 200:
@@ -225,7 +233,7 @@ async def _stream_once(
                 async for _ in r.content.iter_any():
                     pass
     except TimeoutError as exc:
-        trace.error = _timeout_text(exc, client.timeout, trace)
+        trace.error = _timeout_text(exc, limits, trace)
         return trace
     except aiohttp.ClientError as exc:
         trace.error = f"{type(exc).__name__}: {exc}"
@@ -252,6 +260,7 @@ async def run_openai(
     prompt_tokens_asked: int | None = None,
     headers: dict[str, str] | None = None,
     progress: Callable[[Trace], None] | None = None,
+    timeout_s: float | None = None,
 ) -> Trace:
     """One streamed OpenAI completion or chat request (SSE)."""
     path = "/v1/chat/completions" if api == API_OPENAI_CHAT else "/v1/completions"
@@ -298,8 +307,9 @@ async def run_openai(
             finishing_s.append(now)
         return False
 
+    url = url.rstrip("/") + path
     return await _stream(
-        client, url.rstrip("/") + path, body, headers, trace, parse, "data: [DONE]", progress
+        client, url, body, headers, trace, parse, "data: [DONE]", progress, timeout_s
     )
 
 
@@ -401,6 +411,7 @@ async def run_ollama(
     raw: bool = True,
     headers: dict[str, str] | None = None,
     progress: Callable[[Trace], None] | None = None,
+    timeout_s: float | None = None,
 ) -> Trace:
     """One streamed Ollama /api/generate request (NDJSON; raw prompt: no template)."""
     body = {
@@ -447,7 +458,8 @@ async def run_ollama(
         return False
 
     url = url.rstrip("/") + "/api/generate"
-    return await _stream(client, url, body, headers, trace, parse, "the done object", progress)
+    ending = "the done object"
+    return await _stream(client, url, body, headers, trace, parse, ending, progress, timeout_s)
 
 
 def _ollama_final(trace: Trace, event: dict[str, Any]) -> None:
@@ -480,21 +492,23 @@ async def run_request(
     prompt_tokens_asked: int | None = None,
     headers: dict[str, str] | None = None,
     progress: Callable[[Trace], None] | None = None,
+    timeout_s: float | None = None,
 ) -> Trace:
     """One streamed request in dialect ``api`` (one of APIS): the one dispatch that probe's and
     bench's requests go through. Ollama's raw prompt is text: chat messages are joined.
-    ``progress`` sees the trace as each line of the stream is read."""
+    ``progress`` sees the trace as each line of the stream is read; ``timeout_s`` bounds this
+    request in place of the session's total."""
     if api == API_OLLAMA:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             prompt = "\n".join(str(m.get("content", "")) for m in prompt)
         trace = await run_ollama(
             client, url, model, str(prompt), max_tokens, label, prompt_tokens_asked,
-            headers=headers, progress=progress,
+            headers=headers, progress=progress, timeout_s=timeout_s,
         )  # fmt: skip
     else:
         body = openai_body(api, model, prompt, max_tokens)
         trace = await run_openai(
-            client, url, api, body, label, prompt_tokens_asked, headers, progress
+            client, url, api, body, label, prompt_tokens_asked, headers, progress, timeout_s
         )
     if trace.error is None and trace.token_source == "none":
         trace.token_source = CHUNKS_ONLY

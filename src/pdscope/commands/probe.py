@@ -60,7 +60,8 @@ class ProbeSettings:
     prompt_tokens: list[int] = field(default_factory=lambda: [200, 500, 1000, 2000])
     output_tokens: int = 64
     repeats: int = 3
-    timeout_s: float = 120.0
+    # Seconds allowed per request; None: TIMEOUT_S, or more where the rates read predict more
+    timeout_s: float | None = None
     max_model_len: int | None = None  # cap for the sweep when the server does not say
     prefix_tokens: int | None = None  # default: the sweep's longest prompt
     context_tokens: int | None = None  # default: 3/4 of the max length (capped at 8k)
@@ -106,7 +107,7 @@ class ProbeSettings:
             raise ValueError("--batch-sweep takes counts of 2 or more, or 0 to skip the sweep")
         # --batch-streams' count is measured by the batched check itself; 0 sends no batch
         s.batch_sweep = [n for n in s.batch_sweep if n != s.batch_streams and s.batch_streams]
-        if s.timeout_s <= 0:
+        if s.timeout_s is not None and s.timeout_s <= 0:
             raise ValueError(f"--timeout must be positive, got {s.timeout_s}")
         if s.max_model_len is not None:
             at_least(1, ("--max-model-len", s.max_model_len))
@@ -145,6 +146,14 @@ MIN_PREFIX_TOKENS = 256  # its shared prefix: many KV blocks whatever the server
 # with a fresh prompt, this many times in a run at most: a server that never streams (behind
 # a buffering proxy) costs a few requests more, not every check thrice.
 RESENDS = 4
+TIMEOUT_S = 120.0  # a request's limit by default, and before the server's rates are read
+# By default a request that the server's rates read so far predict longer is allowed this many
+# times its prediction: a 7B-shaped model served on 2 CPU cores (bf16, Zen 4) prefilled 31
+# tok/s, and its batch of 32 streams of 64-token prompts needed more than 120 s: every one of
+# the 32 timed out, and 6 of the 8 streams of 1,024-token prompts.
+TIMEOUT_MARGIN = 3.0
+# The requests sent alone whose prefill and decode rates predict the others'
+SOLO_LABELS = ("sweep", "prefix-cold", "context-short", "context-long")
 
 
 def carried_fewer(carried: int, sent: int) -> bool:
@@ -183,6 +192,9 @@ class Prober:
         self.join_streams: int | None = None  # how many it sends (None: not decided yet)
         self.kept_unread = 0  # unread responses kept as they came: no resend was left
         self.on_total: Callable[[int], None] | None = None  # told the requests planned, anew
+        self.longest_allowed_s = 0.0  # the longest limit a request was given
+        # The slowest time per output token read by streams of each batched check, by streams
+        self.batch_step_s: dict[int, float] = {}
         self.counter = (
             PrefixHitCounter(client, runtime.url, self.headers) if runtime.has_metrics else None
         )
@@ -203,16 +215,21 @@ class Prober:
         count_hits: bool = True,
         learn: bool = True,
         progress: Callable[[Trace], None] | None = None,
+        streams: int = 1,
+        more_prefill: int = 0,
     ) -> Trace:
         """``learn``: the prompt builder learns tokens per word from the server's count.
-        ``progress``: sees the trace as its stream is read."""
+        ``progress``: sees the trace as its stream is read. ``streams`` and ``more_prefill``:
+        what is sent with it, which its limit allows for (:meth:`allowed_s`)."""
         out = max_tokens or self.s.output_tokens
+        allowed_s = self.allowed_s(asked, out, streams, more_prefill)
+        self.longest_allowed_s = max(self.longest_allowed_s, allowed_s)
         # The hit counter is read before and after: only meaningful for one request at a time.
         counter = self.counter if count_hits else None
         hits_before = await counter.read() if counter else None
         trace = await run_request(
             self.streams, self.runtime.url, self.api, self.model, prompt, out, label, asked,
-            self.headers, progress,
+            self.headers, progress, allowed_s,
         )  # fmt: skip
         if learn and trace.error is None and not self.exact_prompts and isinstance(prompt, str):
             words = len(prompt.split())
@@ -227,6 +244,35 @@ class Prober:
         self.traces.append(trace)
         self.tick(label)
         return trace
+
+    def allowed_s(
+        self, prompt_tokens: int, output_tokens: int, streams: int = 1, more_prefill: int = 0
+    ) -> float:
+        """Seconds one of ``streams`` requests sent together is allowed (each ``prompt_tokens``
+        long, then ``output_tokens``; ``more_prefill`` prompt tokens more sent among them):
+        --timeout where given, else TIMEOUT_S, or TIMEOUT_MARGIN times what the rates read so
+        far predict where that is longer. The prediction: every prompt at the slowest prefill
+        rate a request sent alone read, then each output token a step of the streams: at most
+        ``streams / k`` times the slowest step read with k streams (a step grows with its
+        streams, at most in proportion: one stream's step times the streams bounds it)."""
+        if self.s.timeout_s is not None:
+            return self.s.timeout_s
+        solo = [t for t in self.traces if t.ok and t.label in SOLO_LABELS and not cache_hit(t)]
+        per_token = [
+            t.ttft_s / n
+            for t in solo
+            if t.ttft_s and (n := t.prompt_tokens or t.prompt_tokens_asked or 0) > 0
+        ]
+        steps = dict(self.batch_step_s)
+        one = [1 / t.decode_tok_s for t in solo if t.decode_tok_s]
+        if one:
+            steps[1] = max(one)
+        if not per_token or not steps:
+            return TIMEOUT_S
+        step_s = min(s * max(1.0, streams / k) for k, s in steps.items())
+        prefill_s = (streams * prompt_tokens + more_prefill) * max(per_token)
+        predicted_s = prefill_s + output_tokens * step_s
+        return max(TIMEOUT_S, float(math.ceil(TIMEOUT_MARGIN * predicted_s)))
 
     async def decode_check(self, tokens: int, label: str) -> Trace:
         """One fresh prompt whose decode is measured. A response that answered with tokens to
@@ -366,8 +412,9 @@ class Prober:
         async def stream(i: int) -> None:
             try:
                 await self.send(
-                    prompts[i], short, JOIN_LABEL, out, count_hits=False, progress=seen(i)
-                )
+                    prompts[i], short, JOIN_LABEL, out, count_hits=False, progress=seen(i),
+                    streams=streams, more_prefill=sum(sizes),
+                )  # fmt: skip
             finally:
                 ended[i] = True
                 moved.set()
@@ -392,9 +439,15 @@ class Prober:
         streams = streams or self.s.batch_streams
         prompts = [await self.prompt(prompt_tokens) for _ in range(streams)]
         traces = await asyncio.gather(
-            *(self.send(p, prompt_tokens, label, count_hits=False) for p in prompts)
+            *(
+                self.send(p, prompt_tokens, label, count_hits=False, streams=streams)
+                for p in prompts
+            )
         )
         ok = [t for t in traces if t.ok]
+        tpot = [t.tpot_s for t in ok if t.tpot_s]
+        if tpot:
+            self.batch_step_s[streams] = max(max(tpot), self.batch_step_s.get(streams, 0.0))
         joint = batch_joint(ok)
         self.together = max(self.together, joint.streams if joint else 0)
         return min(len(ok), joint.streams + sum(not t.streamed for t in ok)) if joint else 0
@@ -662,11 +715,11 @@ async def probe(
 ) -> dict[str, Any]:
     """Run the whole procedure; returns the JSON-ready result (traces included)."""
     limits = httpx.Limits(max_keepalive_connections=0)
-    timeout = httpx.Timeout(s.timeout_s, connect=10)
+    timeout = httpx.Timeout(s.timeout_s or TIMEOUT_S, connect=10)
     started = time.time()
     async with (
         httpx.AsyncClient(limits=limits, timeout=timeout) as client,
-        adapter_session(s.timeout_s, fresh_connections=True) as streams,
+        adapter_session(s.timeout_s or TIMEOUT_S, fresh_connections=True) as streams,
     ):
         headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else None
         runtime = await detect(client, s.url, s.api, headers)
@@ -780,6 +833,12 @@ async def probe(
             "it, or their text was held back around it)"
         )
         notes.append(f"join check: {why}: no prefill step was timed inside a batch")
+    if prober.longest_allowed_s > (s.timeout_s or TIMEOUT_S):
+        notes.append(
+            f"requests the server's rates read predicted long were allowed up to "
+            f"{prober.longest_allowed_s:,.0f} s ({TIMEOUT_MARGIN:g}x the prediction; "
+            f"{TIMEOUT_S:g} s the others): --timeout sets one limit for all"
+        )
     if prober.kept_unread:
         notes.append(
             f"{prober.kept_unread} more response(s) whose decode could not be read were kept as "
@@ -813,6 +872,8 @@ async def probe(
             "batch_sweep_skipped": prober.skipped_sizes,
             "batch_context_tokens": s.batch_context_tokens,
             "device": s.device,
+            "timeout_s": s.timeout_s,  # None: TIMEOUT_S, or more where predicted
+            "longest_allowed_s": prober.longest_allowed_s,
             "seed": seed,
             "seed_given": s.seed is not None,
         },
