@@ -1466,55 +1466,64 @@ def _prober(**kw: Any) -> Any:
 
 
 def test_a_request_the_servers_rates_predict_long_is_allowed_for_it() -> None:
-    """The figures of a 7B-shaped model served on 2 CPU cores (Zen 4): prefill 31 tok/s (a
+    """The figures of a 7B-shaped model served on 2 CPU cores (Zen 4): prefill ~31 tok/s (a
     1,952-token prompt's first token at 63 s), one stream's step 0.37 s, 8 streams' 0.41 s.
     Under the old 120 s limit all 32 streams of the batch sweep's 32 timed out, and 6 of the 8
-    streams of 1,024-token prompts. Each request is allowed 3x what the slowest rates read
-    predict: the prompts of every stream sent with it, then a step per token bounded by the
-    nearest batch read (8 streams' step x 32 / 8); before anything is read, and where the
-    prediction is short, 120 s; --timeout is one limit for all."""
+    streams of 1,024-token prompts. Each request is allowed 3x what the rates read predict
+    where that is over 120 s: the prompts of every stream sent with it at the median prefill
+    rate of requests sent alone (of 128 tokens or more), then a step a token, the tightest
+    bound the steps read give (8 streams' step x 32 / 8); before anything is read, 120 s;
+    --timeout is one limit for all."""
     from pdscope.commands.probe import TIMEOUT_MARGIN, TIMEOUT_S
+
+    def limit(predicted_s: float) -> float:
+        return max(TIMEOUT_S, math.ceil(TIMEOUT_MARGIN * predicted_s))
 
     prober = _prober()
     assert prober.allowed_s(1952, 64) == TIMEOUT_S  # nothing read yet
+    hit = _trace("sweep", 1952, 0.5, 1 / 0.37)
+    hit.cached_tokens = 1936  # a prefix-cache hit: no prefill rate
     prober.traces += [
-        _trace("sweep", 200, 6.0, 1 / 0.27),
+        _trace("sweep", 200, 6.2, 1 / 0.27),
+        _trace("sweep", 1000, 31.0, 1 / 0.30),
         _trace("sweep", 1952, 63.0, 1 / 0.37),
+        _trace("context-short", 64, 20.0, 1 / 0.30),  # a short prompt: not a rate
         _trace("cold", 200, 60.0, 0.1),  # a cold start (a model loaded): not a rate
         _trace("batch-decode", 64, 30.0, 0.1),  # behind other streams' prompts: not a rate
+        hit,
     ]
-    per_token, one_s = 63.0 / 1952, 0.37
-    assert per_token > 6.0 / 200
-    assert prober.allowed_s(200, 4) == TIMEOUT_S  # 7 s predicted: the default stands
-    long_s = prober.allowed_s(1952, 64)
-    assert long_s == math.ceil(TIMEOUT_MARGIN * (1952 * per_token + 64 * one_s))
-    batch_s = prober.allowed_s(64, 64, streams=8)  # no batch read: one stream's step x 8
-    assert batch_s == math.ceil(TIMEOUT_MARGIN * (8 * 64 * per_token + 64 * 8 * one_s))
+    per_token, one_s = 31.0 / 1000, 0.37  # the median of 31, 31 and 32.3 ms a token
+    assert prober.allowed_s(200, 4) == TIMEOUT_S  # 6 s predicted: the default stands
+    assert prober.allowed_s(1952, 64) == limit(1952 * per_token + 64 * one_s) > TIMEOUT_S
+    batch_s = prober.allowed_s(64, 64, together=8)  # no batch read: one stream's step x 8
+    assert batch_s == limit(8 * 64 * per_token + 64 * 8 * one_s)
     prober.batch_step_s[8] = 0.41
-    sweep_s = prober.allowed_s(64, 64, streams=32)
-    assert sweep_s == math.ceil(TIMEOUT_MARGIN * (32 * 64 * per_token + 64 * 0.41 * 4))
-    assert sweep_s > 2 * 130  # the batch needed ~130 s
-    assert prober.allowed_s(64, 256, streams=2) == math.ceil(  # the nearer bound: 8's step
-        TIMEOUT_MARGIN * (2 * 64 * per_token + 256 * min(0.41, 2 * one_s))
-    )
-    joined = prober.allowed_s(64, 64, streams=8, more_prefill=1152)
-    assert joined == math.ceil(TIMEOUT_MARGIN * ((8 * 64 + 1152) * per_token + 64 * 0.41))
+    sweep_s = prober.allowed_s(64, 64, together=32)
+    assert sweep_s == limit(32 * 64 * per_token + 64 * 0.41 * 4) > 2 * 130  # it needed ~130 s
+    # the tighter bound: 8 streams' step, not one stream's x 2
+    assert prober.allowed_s(64, 256, together=2) == limit(2 * 64 * per_token + 256 * 0.41)
+    joined = prober.allowed_s(64, 64, together=8, more_prefill=1152)
+    assert joined == limit((8 * 64 + 1152) * per_token + 64 * 0.41)
     fixed = _prober(timeout_s=45.0)
     fixed.traces, fixed.batch_step_s = prober.traces, prober.batch_step_s
-    assert fixed.allowed_s(64, 64, streams=32) == fixed.allowed_s(1, 1) == 45.0
+    assert fixed.allowed_s(64, 64, together=32) == fixed.allowed_s(1, 1) == 45.0
+    # Every answer came whole (a buffering proxy): no step read, the prefill still predicts.
+    whole = _prober()
+    whole.traces = [_trace("sweep", 1952, 63.0, 1.0, n=1), _trace("sweep", 1000, 31.0, 1.0, n=1)]
+    assert whole.allowed_s(8192, 64) == limit(8192 * (31.0 / 1000 + 63.0 / 1952) / 2)
 
 
 def test_a_slow_servers_batch_is_allowed_what_its_rates_predict(medium_server: Server) -> None:
-    """On the embedded server, with the default limit set far below what a batch of 8 needs
-    (as 120 s was for the 7B-shaped model's batch of 32 on 2 cores): a limit fixed by
-    --timeout fails every stream and says which limit, and the default, which allows what
-    the rates read from a request sent alone predict, reads them all."""
+    """On the embedded server, with the default limit set below what a batch of 8 streams of
+    1,024 tokens needs (as 120 s was for the 7B-shaped model's batch of 32 on 2 cores): a
+    limit fixed by --timeout fails every stream and says which limit, and the default, which
+    allows what the rates read from a request sent alone predict, reads them all."""
     from pdscope.client.detect import detect
     from pdscope.commands import probe as probe_module
     from pdscope.commands.probe import Prober
 
     async def run(timeout_s: float | None, seed: int) -> list[Trace]:
-        s = settings(medium_server.url, output_tokens=32, timeout_s=60.0)
+        s = settings(medium_server.url, output_tokens=1024, timeout_s=60.0)
         async with httpx.AsyncClient() as client, session(fresh_connections=True) as streams:
             runtime = await detect(client, s.url, s.api, None)
             model = runtime.pick_model(None)
@@ -1526,12 +1535,14 @@ def test_a_slow_servers_batch_is_allowed_what_its_rates_predict(medium_server: S
             return prober.traces[1:]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(probe_module, "TIMEOUT_S", 0.02)
-        fixed = asyncio.run(run(0.02, seed=1))
+        patch.setattr(probe_module, "TIMEOUT_S", 0.3)
+        fixed = asyncio.run(run(0.3, seed=1))
         allowed = asyncio.run(run(None, seed=2))  # fresh prompts: no cache hit to read
-    assert all(t.error == "timeout: no whole answer within 0.02 s (--timeout)" for t in fixed)
+    # no whole answer, or on a host that stalled them, no connection, within 0.3 s
+    assert all((t.error or "").startswith("timeout: no ") for t in fixed), [t.error for t in fixed]
+    assert all("within 0.3 s" in (t.error or "") for t in fixed)
     assert len(allowed) == 8 and all(t.ok for t in allowed), [t.error for t in allowed]
-    assert max(t.e2e_s for t in allowed) > 0.02
+    assert max(t.e2e_s for t in allowed) > 0.3  # each needed more than the default
 
 
 def join_trace(label: str, times: list[float], prompt: int, start_s: float = 0.0) -> Trace:

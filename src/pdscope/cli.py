@@ -212,8 +212,8 @@ ProbeTimeout = Annotated[
     float | None,
     typer.Option(
         "--timeout",
-        help="Seconds allowed per request. Default: 120, or where the rates the probe has read "
-        "from the server predict a request longer, 3x the prediction.",
+        help="Seconds allowed per request. Default: 120, or 3x what the rates the probe has "
+        "read from the server predict for the request where that is longer.",
     ),
 ]
 MaxModelLen = Annotated[

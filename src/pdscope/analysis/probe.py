@@ -1048,7 +1048,7 @@ STALL_SEEN_S = 0.2
 def _join_finding(
     joins: list[dict[str, Any]], runtime: str, add: Callable[[str, str, str, str], None]
 ) -> None:
-    """The join check's longest prompt, where its step held the streams decoding beside it
+    """The join check's longest timed prompt, where its step held the streams decoding beside it
     ITL_JUMP_RATIO times their step or more (watch's rule on ITL p99 over p50, here read
     from one step) and STALL_SEEN_S at least: each stream's next token waited for the
     prompt's prefill."""

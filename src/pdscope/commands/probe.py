@@ -154,6 +154,7 @@ TIMEOUT_S = 120.0  # a request's limit by default, and before the server's rates
 TIMEOUT_MARGIN = 3.0
 # The requests sent alone whose prefill and decode rates predict the others'
 SOLO_LABELS = ("sweep", "prefix-cold", "context-short", "context-long")
+MIN_RATE_PROMPT_TOKENS = 128  # prompts whose time per token the prefill prediction reads
 
 
 def carried_fewer(carried: int, sent: int) -> bool:
@@ -215,14 +216,16 @@ class Prober:
         count_hits: bool = True,
         learn: bool = True,
         progress: Callable[[Trace], None] | None = None,
-        streams: int = 1,
+        together: int = 1,
         more_prefill: int = 0,
+        limit_s: float | None = None,
     ) -> Trace:
         """``learn``: the prompt builder learns tokens per word from the server's count.
-        ``progress``: sees the trace as its stream is read. ``streams`` and ``more_prefill``:
-        what is sent with it, which its limit allows for (:meth:`allowed_s`)."""
+        ``progress``: sees the trace as its stream is read. ``together`` and ``more_prefill``:
+        what is sent with it, which its limit allows for (:meth:`allowed_s`); ``limit_s``: a
+        limit set by the caller in its place."""
         out = max_tokens or self.s.output_tokens
-        allowed_s = self.allowed_s(asked, out, streams, more_prefill)
+        allowed_s = limit_s or self.allowed_s(asked, out, together, more_prefill)
         self.longest_allowed_s = max(self.longest_allowed_s, allowed_s)
         # The hit counter is read before and after: only meaningful for one request at a time.
         counter = self.counter if count_hits else None
@@ -246,31 +249,33 @@ class Prober:
         return trace
 
     def allowed_s(
-        self, prompt_tokens: int, output_tokens: int, streams: int = 1, more_prefill: int = 0
+        self, prompt_tokens: int, output_tokens: int, together: int = 1, more_prefill: int = 0
     ) -> float:
-        """Seconds one of ``streams`` requests sent together is allowed (each ``prompt_tokens``
+        """Seconds one of ``together`` requests sent at once is allowed (each ``prompt_tokens``
         long, then ``output_tokens``; ``more_prefill`` prompt tokens more sent among them):
         --timeout where given, else TIMEOUT_S, or TIMEOUT_MARGIN times what the rates read so
-        far predict where that is longer. The prediction: every prompt at the slowest prefill
-        rate a request sent alone read, then each output token a step of the streams: at most
-        ``streams / k`` times the slowest step read with k streams (a step grows with its
-        streams, at most in proportion: one stream's step times the streams bounds it)."""
+        far predict where that is longer. The prediction: every prompt at the median prefill
+        rate of the requests sent alone (of MIN_RATE_PROMPT_TOKENS or more where there are
+        such: a short prompt's time is mostly what every request pays), then each output
+        token a step of the streams, no longer than the tightest of the bounds the steps read
+        give: a step read with k streams, times ``together / k`` where that is over 1 (a
+        step grows with its streams, at most in proportion); no step read, none (a response
+        that came whole has its decode in its first token's time)."""
         if self.s.timeout_s is not None:
             return self.s.timeout_s
         solo = [t for t in self.traces if t.ok and t.label in SOLO_LABELS and not cache_hit(t)]
-        per_token = [
-            t.ttft_s / n
-            for t in solo
-            if t.ttft_s and (n := t.prompt_tokens or t.prompt_tokens_asked or 0) > 0
-        ]
+        sized = [(t.ttft_s, max(t.prompt_tokens or 0, t.prompt_tokens_asked or 0)) for t in solo]
+        sized = [(ttft_s, n) for ttft_s, n in sized if ttft_s and n > 0]
+        long = [(ttft_s, n) for ttft_s, n in sized if n >= MIN_RATE_PROMPT_TOKENS]
+        per_token = median([ttft_s / n for ttft_s, n in long or sized])
+        if per_token is None:
+            return TIMEOUT_S
         steps = dict(self.batch_step_s)
         one = [1 / t.decode_tok_s for t in solo if t.decode_tok_s]
         if one:
             steps[1] = max(one)
-        if not per_token or not steps:
-            return TIMEOUT_S
-        step_s = min(s * max(1.0, streams / k) for k, s in steps.items())
-        prefill_s = (streams * prompt_tokens + more_prefill) * max(per_token)
+        step_s = min((s * max(1.0, together / k) for k, s in steps.items()), default=0.0)
+        prefill_s = (together * prompt_tokens + more_prefill) * per_token
         predicted_s = prefill_s + output_tokens * step_s
         return max(TIMEOUT_S, float(math.ceil(TIMEOUT_MARGIN * predicted_s)))
 
@@ -395,6 +400,8 @@ class Prober:
         out = min(max(self.s.output_tokens, math.ceil(JOIN_WINDOW_S / step)), JOIN_MAX_OUTPUT)
         if self.max_len:
             out = max(1, min(out, self.max_len - short - 32))
+        # the new prompts too: where the server has no slot for one, it waits for the streams
+        limit_s = self.allowed_s(short, out, streams, sum(sizes))
 
         tokens = sum(t.n_output or len(t.chunks) for t in ref)
         chunks_per_token = sum(len(t.chunks) for t in ref) / tokens
@@ -413,7 +420,7 @@ class Prober:
             try:
                 await self.send(
                     prompts[i], short, JOIN_LABEL, out, count_hits=False, progress=seen(i),
-                    streams=streams, more_prefill=sum(sizes),
+                    limit_s=limit_s,
                 )  # fmt: skip
             finally:
                 ended[i] = True
@@ -425,7 +432,9 @@ class Prober:
             while max(delivered) < target and not all(ended):
                 moved.clear()
                 await moved.wait()
-            await self.send(new[k], sizes[k], JOIN_NEW_LABEL, max_tokens=2, count_hits=False)
+            await self.send(
+                new[k], sizes[k], JOIN_NEW_LABEL, max_tokens=2, count_hits=False, limit_s=limit_s
+            )
 
         await asyncio.gather(
             *(stream(i) for i in range(streams)), *(joiner(k) for k in range(len(sizes)))
@@ -440,17 +449,21 @@ class Prober:
         prompts = [await self.prompt(prompt_tokens) for _ in range(streams)]
         traces = await asyncio.gather(
             *(
-                self.send(p, prompt_tokens, label, count_hits=False, streams=streams)
+                self.send(p, prompt_tokens, label, count_hits=False, together=streams)
                 for p in prompts
             )
         )
         ok = [t for t in traces if t.ok]
-        tpot = [t.tpot_s for t in ok if t.tpot_s]
-        if tpot:
-            self.batch_step_s[streams] = max(max(tpot), self.batch_step_s.get(streams, 0.0))
         joint = batch_joint(ok)
         self.together = max(self.together, joint.streams if joint else 0)
-        return min(len(ok), joint.streams + sum(not t.streamed for t in ok)) if joint else 0
+        carried = min(len(ok), joint.streams + sum(not t.streamed for t in ok)) if joint else 0
+        tpot = [t.tpot_s for t in ok if t.tpot_s]
+        if tpot:
+            # A server that carried fewer at once ran them in turns: a token of each of them
+            # took that many steps (a stream's own TPOT leaves its wait out).
+            step_s = max(tpot) * streams / max(1, carried)
+            self.batch_step_s[streams] = max(step_s, self.batch_step_s.get(streams, 0.0))
+        return carried
 
     @property
     def context_tokens(self) -> int:

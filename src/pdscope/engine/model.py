@@ -458,13 +458,15 @@ class Linear(nn.Linear):
 
     def _apply(self, fn: Any, recurse: bool = True) -> Linear:
         """``.to()``, ``.float()``, ``.cuda()`` and the rest reach a held weight too: where
-        ``fn`` changes the pairs copy (a dtype, a device), the weight is made again first and
-        converted as a stored one is (its copies, stale, made anew before a matmul reads them);
-        where it leaves the copy as it is (``.to()`` the dtype and device it has), the weight
-        stays held once rather than be made again for nothing."""
+        ``fn`` would change a tensor of the copy's dtype and device, the weight is made again
+        first and converted as a stored one is (its copies, stale, made anew before a matmul
+        reads them); where it would not (``.to()`` the dtype and device it has), the weight
+        stays held once rather than be made again for nothing. Asked of an empty stand-in:
+        ``fn`` on the copy itself would convert all of it to answer."""
         if self.held_once:
             assert self.pairs is not None
-            if fn(self.pairs) is not self.pairs:
+            stand_in = self.pairs.new_empty(0)
+            if fn(stand_in) is not stand_in:
                 self.restore_weight()
         return super()._apply(fn, recurse)
 
