@@ -1756,6 +1756,30 @@ def test_a_loaded_clients_batched_steps_are_read_from_its_steady_streams() -> No
     assert "streams read in bursts)" in line.split("32: ")[1], line
 
 
+def test_a_batch_curve_point_under_one_streams_step_carries_the_caveat() -> None:
+    """The 7B-shaped model on 2 CPU cores: one stream 365.98 ms (the context check's), 2
+    streams 234.99 ms, 8 streams 411.98 ms, read minutes apart while the host's speed moved.
+    "2: 234.99 ms (0.64x)" printed bare; it carries the caveat now, and a curve at or over
+    1x does not."""
+    from pdscope.report.probe import _batch_curve
+
+    def curve(two_ms: float) -> str:
+        point = {"streams": 2, "bursty_streams": 0, "one_read_streams": 0}
+        r = {
+            "context": {"short": {"decode_tok_s": 1e3 / 365.98}},
+            "batch_decode": {**point, "streams": 8, "decoding_together": 8, "itl_ms": 411.98},
+            "batch_sweep": [{**point, "decoding_together": 2, "itl_ms": two_ms}],
+        }
+        line = _batch_curve(r)
+        assert line is not None
+        return line
+
+    low = curve(234.99)
+    assert "2: 234.99 ms (0.64x), 8: 411.98 ms (1.13x)" in low
+    assert "no batched step cheaper than one stream's" in low
+    assert "cheaper" not in curve(380.0)
+
+
 def test_probe_cli_records_the_seed_fake(fake: str, tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     args = ["probe", f"{fake}/vllm", "--prompt-tokens", "48", "--repeats", "1"]

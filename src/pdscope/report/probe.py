@@ -292,15 +292,23 @@ def _batch_curve(r: dict[str, Any]) -> str | None:
             points[k] = p  # a point with a step over one without
     one = points.get(1, {}).get("itl_ms")
     parts = []
+    below = False  # a batched step read under one stream's
     for k, p in sorted(points.items()):
         ms, left_out = p.get("itl_ms"), _left_out(p)
         if not ms:
             parts.append(f"{k}: unread ({_unread(p)})" if "streams" in p else f"{k}: unread")
             continue
         notes = [f"{ms / one:.2f}x"] if one and k > 1 else []
+        below = below or bool(one and k > 1 and ms < one)
         notes += [f"left out: {left_out}"] if left_out else []
         parts.append(f"{k}: {fmt_seconds(ms / 1e3)}" + (f" ({'; '.join(notes)})" if notes else ""))
-    return "decode step by streams decoding together (short prompts): " + ", ".join(parts)
+    line = "decode step by streams decoding together (short prompts): " + ", ".join(parts)
+    if below:  # the 7B-shaped model on 2 CPU cores read 2 streams' step at 0.64x one's
+        line += (
+            " [yellow](a step under 1x is no batched step cheaper than one stream's: each "
+            "point is read at its own moment, and the host's speed moved between them)[/]"
+        )
+    return line
 
 
 def _left_out(batch: dict[str, Any]) -> str:
