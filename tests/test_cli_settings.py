@@ -69,6 +69,15 @@ def _bench(url: str | None, **flags: object) -> BenchSettings:
     return BenchSettings.from_flags(url, **{**defaults, **flags})  # type: ignore[arg-type]
 
 
+def test_bench_allows_a_request_what_vllm_bench_serve_allows() -> None:
+    """300 s would fail a request a slow server keeps queued (a 7B-shaped model on 2 CPU cores
+    prefills ~31 tokens a second: the default 100 prompts of 128 tokens, ~410 s), which vllm
+    bench serve (aiohttp's total of 6 h) counts as served with its wait: `completed` would
+    disagree for one load. --timeout still sets it."""
+    assert _bench("http://x").timeout_s == _bench(None).timeout_s == 6 * 60 * 60
+    assert _bench("http://x", timeout_s=30.0).timeout_s == 30.0
+
+
 def test_bench_default_load_is_for_the_embedded_server_only() -> None:
     embedded = _bench(None)
     assert (embedded.num_prompts, embedded.concurrencies, embedded.output_len) == (32, [8], "64")

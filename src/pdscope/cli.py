@@ -59,7 +59,7 @@ LongLen = Annotated[int, typer.Option(help="long-prompt: tokens per long prompt.
 LongRate = Annotated[float, typer.Option(help="long-prompt: long prompts per second.")]
 
 # Each command's flags, declared once here so the command functions stay short; a flag that
-# several commands share with the same help (--api, --api-key, --timeout) has one alias.
+# several commands share with the same help (--api, --api-key) has one alias.
 
 # plan
 PlanModel = Annotated[
@@ -207,7 +207,14 @@ BatchContext = Annotated[
         "context (0 skips it)."
     ),
 ]
-Timeout = Annotated[float, typer.Option(help="Seconds allowed per request.")]
+BenchTimeout = Annotated[
+    float,
+    typer.Option(
+        "--timeout",
+        help="Seconds allowed per request: vllm bench serve's 6 h by default, so a request a "
+        "slow server keeps queued counts as served, with its wait.",
+    ),
+]
 ProbeTimeout = Annotated[
     float | None,
     typer.Option(
@@ -997,7 +1004,7 @@ def bench(
     slo: Slo = None,
     find_capacity: FindCapacity = False,
     sweep: Sweep = None,
-    timeout: Timeout = 300.0,
+    timeout: BenchTimeout = 21600.0,
     save_result: SaveResult = None,
     server_args: BenchServerArgs = "",
     report: BenchReport = None,
