@@ -1445,6 +1445,41 @@ def test_a_context_slowdown_the_bytes_over_predict_is_not_called_explained() -> 
     assert "what remains (factor 1.02) is small" in h["evidence"]
 
 
+def test_a_context_verdict_the_sweep_contradicts_is_withheld() -> None:
+    """Two probes of a 7B-shaped model on 2 CPU cores (13.21 GB of weights, 512 KiB of KV a
+    token), the host's speed moving by the minute: one read 2.7 tok/s at 64 tokens and 2.8 at
+    1,536 ("barely moves") while its sweep fell from 3.7 at 200 tokens to 2.6 at 1,952; the
+    other 3.5 and 2.5 ("far more than its KV bytes explain") while its sweep read 2.5 and 2.14.
+    The sweep's points near the check's lengths are a second reading of the same fall: where
+    the two disagree there is no verdict. Where they agree, or the sweep's longest point is
+    far from the check's (attention costs more at longer context), the verdict stands."""
+    from pdscope.analysis.probe import ModelBytes, analyze
+
+    mb = ModelBytes("7b", 6.74e9, 13.21e9, lambda n: 524_288.0 * n)
+
+    def context(sweep: tuple[float, float], check: tuple[float, float], long: int = 1952):
+        traces = [_trace("sweep", 200, 6.0, sweep[0]), _trace("sweep", long, 60.0, sweep[1])]
+        traces += [_trace("context-short", 64, 2.0, check[0])]
+        traces += [_trace("context-long", 1536, 49.0, check[1])]
+        r = analyze(traces, "pdscope", model_bytes=mb)
+        return next(f for f in r["findings"] if "ontext" in f["finding"])
+
+    f = context((3.7, 2.6), (2.7, 2.8))
+    assert f["finding"] == "Decode against context length: no verdict", f
+    assert "at 200 and 1,952 tokens, read at another moment, fell to 70%" in f["evidence"]
+    assert context((2.6, 2.5), (2.7, 2.8))["finding"] == "Decode barely moves with context length"
+    g = context((2.5, 2.14), (3.5, 2.5))
+    assert g["finding"] == "Decode slows as context fills: no verdict on why", g
+    assert (
+        "(the sweep's decode at 200 and 1,952 tokens, read at another moment: 0.92)"
+        in g["evidence"]
+    )
+    far = context((2.5, 2.14), (3.5, 2.5), long=2600)  # 1.7x the check's 1,536 tokens
+    assert far["finding"].startswith("Decode slows with context far more than"), far
+    agree = context((3.6, 2.4), (3.5, 2.5))  # the sweep's remainder 0.71 agrees
+    assert agree["finding"].startswith("Decode slows with context far more than"), agree
+
+
 def test_a_server_carried_fewer_only_when_clearly_fewer() -> None:
     """A server's slots show as clearly fewer streams decoding together than were sent; one
     fewer (a loaded client reading a fast server: CI read 7 of 8 and skipped the sweep's 32)
