@@ -74,8 +74,14 @@ def test_bench_allows_a_request_what_vllm_bench_serve_allows() -> None:
     prefills ~31 tokens a second: the default 100 prompts of 128 tokens, ~410 s), which vllm
     bench serve (aiohttp's total of 6 h) counts as served with its wait: `completed` would
     disagree for one load. --timeout still sets it."""
+    import inspect
+
+    from pdscope import cli
+
     assert _bench("http://x").timeout_s == _bench(None).timeout_s == 6 * 60 * 60
     assert _bench("http://x", timeout_s=30.0).timeout_s == 30.0
+    # the default users meet is the CLI's, which passes it on
+    assert inspect.signature(cli.bench).parameters["timeout"].default == 6 * 60 * 60
 
 
 def test_bench_default_load_is_for_the_embedded_server_only() -> None:

@@ -1450,9 +1450,10 @@ def test_a_context_verdict_the_sweep_contradicts_is_withheld() -> None:
     token), the host's speed moving by the minute: one read 2.7 tok/s at 64 tokens and 2.8 at
     1,536 ("barely moves") while its sweep fell from 3.7 at 200 tokens to 2.6 at 1,952; the
     other 3.5 and 2.5 ("far more than its KV bytes explain") while its sweep read 2.5 and 2.14.
-    The sweep's points near the check's lengths are a second reading of the same fall: where
-    the two disagree there is no verdict. Where they agree, or the sweep's longest point is
-    far from the check's (attention costs more at longer context), the verdict stands."""
+    A step's time grows in a line with its context, so the check's fall predicts the sweep's
+    at its own lengths: where the two are more than 15% apart there is no verdict. Where they
+    agree (a clean run whose attention costs more than its bytes, read over other lengths),
+    or the sweep's longest point is far from the check's, the verdict stands."""
     from pdscope.analysis.probe import ModelBytes, analyze
 
     mb = ModelBytes("7b", 6.74e9, 13.21e9, lambda n: 524_288.0 * n)
@@ -1464,19 +1465,21 @@ def test_a_context_verdict_the_sweep_contradicts_is_withheld() -> None:
         r = analyze(traces, "pdscope", model_bytes=mb)
         return next(f for f in r["findings"] if "ontext" in f["finding"])
 
+    no_verdict = "Decode against context length: no verdict"
     f = context((3.7, 2.6), (2.7, 2.8))
-    assert f["finding"] == "Decode against context length: no verdict", f
-    assert "at 200 and 1,952 tokens, read at another moment, fell to 70%" in f["evidence"]
+    assert f["finding"] == no_verdict, f
+    assert (
+        "at 200 and 1,952 tokens, read at another moment, kept 70% where this fall "
+        in f["evidence"]
+    )
+    assert "predicts 104% there (49% apart, more than 15%)" in f["evidence"], f
     assert context((2.6, 2.5), (2.7, 2.8))["finding"] == "Decode barely moves with context length"
     g = context((2.5, 2.14), (3.5, 2.5))
-    assert g["finding"] == "Decode slows as context fills: no verdict on why", g
-    assert (
-        "(the sweep's decode at 200 and 1,952 tokens, read at another moment: 0.92)"
-        in g["evidence"]
-    )
+    assert g["finding"] == no_verdict and "kept 86% where this fall predicts 69%" in g["evidence"]
     far = context((2.5, 2.14), (3.5, 2.5), long=2600)  # 1.7x the check's 1,536 tokens
     assert far["finding"].startswith("Decode slows with context far more than"), far
-    agree = context((3.6, 2.4), (3.5, 2.5))  # the sweep's remainder 0.71 agrees
+    # A clean run: the check's 72% over 64-1,536 tokens predicts 69% over 200-1,952.
+    agree = context((3.6, 2.5), (3.5, 2.5))
     assert agree["finding"].startswith("Decode slows with context far more than"), agree
 
 
@@ -1528,7 +1531,7 @@ def test_a_request_the_servers_rates_predict_long_is_allowed_for_it() -> None:
         hit,
     ]
     per_token, one_s = 31.0 / 1000, 0.37  # the median of 31, 31 and 32.3 ms a token
-    assert prober.allowed_s(200, 4) == TIMEOUT_S  # 6 s predicted: the default stands
+    assert prober.allowed_s(200, 4) == TIMEOUT_S  # 7.7 s predicted: the default stands
     assert prober.allowed_s(1952, 64) == limit(1952 * per_token + 64 * one_s) > TIMEOUT_S
     batch_s = prober.allowed_s(64, 64, together=8)  # no batch read: one stream's step x 8
     assert batch_s == limit(8 * 64 * per_token + 64 * 8 * one_s)
@@ -1546,6 +1549,31 @@ def test_a_request_the_servers_rates_predict_long_is_allowed_for_it() -> None:
     whole = _prober()
     whole.traces = [_trace("sweep", 1952, 63.0, 1.0, n=1), _trace("sweep", 1000, 31.0, 1.0, n=1)]
     assert whole.allowed_s(8192, 64) == limit(8192 * (31.0 / 1000 + 63.0 / 1952) / 2)
+
+
+def test_a_batch_a_server_ran_in_turns_bounds_a_step_by_its_turns() -> None:
+    """8 short prompts a server decoded 4 at a time, each stream at 0.1 s a token: a token of
+    every stream took 2 steps, so the bound for 8 streams is 0.2 s, not the streams' own
+    0.1 s (which leaves their wait out); a batch of long prompts is not recorded beside them
+    (its steps read its KV too)."""
+    prober = _prober()
+
+    def waves(prompt: int) -> list[Trace]:
+        first = [_trace("batch-decode", prompt, 1.0, 10.0) for _ in range(4)]
+        second = [_trace("batch-decode", prompt, 2.0, 10.0) for _ in range(4)]
+        return first + second
+
+    async def send(prompt: Any, asked: int, label: str, **kw: Any) -> Trace:
+        return sent.pop()
+
+    prober.prompt = lambda n: asyncio.sleep(0, result="p")
+    prober.send = send
+    sent = waves(64)
+    assert asyncio.run(prober.batch(64, "batch-decode", 8)) == 4
+    assert prober.batch_step_s == {8: pytest.approx(0.2)}
+    sent = [_trace("batch-decode-long", 1024, 1.0, 1.0) for _ in range(8)]
+    asyncio.run(prober.batch(1024, "batch-decode-long", 8))
+    assert prober.batch_step_s == {8: pytest.approx(0.2)}
 
 
 def test_a_slow_servers_batch_is_allowed_what_its_rates_predict(medium_server: Server) -> None:

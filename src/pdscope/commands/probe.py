@@ -194,7 +194,8 @@ class Prober:
         self.kept_unread = 0  # unread responses kept as they came: no resend was left
         self.on_total: Callable[[int], None] | None = None  # told the requests planned, anew
         self.longest_allowed_s = 0.0  # the longest limit a request was given
-        # The slowest time per output token read by streams of each batched check, by streams
+        # A bound on a step of each batch of short prompts sent, by streams: the slowest time
+        # per output token its streams read, times the turns a server that carried fewer took
         self.batch_step_s: dict[int, float] = {}
         self.counter = (
             PrefixHitCounter(client, runtime.url, self.headers) if runtime.has_metrics else None
@@ -264,8 +265,11 @@ class Prober:
         if self.s.timeout_s is not None:
             return self.s.timeout_s
         solo = [t for t in self.traces if t.ok and t.label in SOLO_LABELS and not cache_hit(t)]
-        sized = [(t.ttft_s, max(t.prompt_tokens or 0, t.prompt_tokens_asked or 0)) for t in solo]
-        sized = [(ttft_s, n) for ttft_s, n in sized if ttft_s and n > 0]
+        sized: list[tuple[float, int]] = [
+            (t.ttft_s, n)
+            for t in solo
+            if t.ttft_s and (n := max(t.prompt_tokens or 0, t.prompt_tokens_asked or 0)) > 0
+        ]
         long = [(ttft_s, n) for ttft_s, n in sized if n >= MIN_RATE_PROMPT_TOKENS]
         per_token = median([ttft_s / n for ttft_s, n in long or sized])
         if per_token is None:
@@ -458,7 +462,9 @@ class Prober:
         self.together = max(self.together, joint.streams if joint else 0)
         carried = min(len(ok), joint.streams + sum(not t.streamed for t in ok)) if joint else 0
         tpot = [t.tpot_s for t in ok if t.tpot_s]
-        if tpot:
+        # short prompts only: the long batch's steps read its KV too (keyed alike, it raised
+        # the short batches' bound: the 7B-shaped model's 8 streams, 3 at a time, to 3.8 s)
+        if tpot and prompt_tokens <= BATCH_PROMPT_TOKENS:
             # A server that carried fewer at once ran them in turns: a token of each of them
             # took that many steps (a stream's own TPOT leaves its wait out).
             step_s = max(tpot) * streams / max(1, carried)
