@@ -1481,6 +1481,10 @@ def test_a_context_verdict_the_sweep_contradicts_is_withheld() -> None:
     # A clean run: the check's 72% over 64-1,536 tokens predicts 69% over 200-1,952.
     agree = context((3.6, 2.5), (3.5, 2.5))
     assert agree["finding"].startswith("Decode slows with context far more than"), agree
+    # A fall steeper than a line through the two contexts allows (40 to 1 tok/s): no slope,
+    # no second reading, and no division by zero on the way.
+    steep = context((3.6, 2.5), (40.0, 1.0))
+    assert steep["finding"].startswith("Decode slows with context far more than"), steep
 
 
 def test_a_server_carried_fewer_only_when_clearly_fewer() -> None:

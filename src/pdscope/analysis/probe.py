@@ -789,6 +789,8 @@ def _sweep_context(
     if b["prompt_tokens"] < 2 * a["prompt_tokens"] or far > SWEEP_NEAR:
         return None
     n_short, n_long = short["prompt_tokens"] + check_half, long["prompt_tokens"] + check_half
+    if not n_long - n_short / ratio > 0:  # a fall steeper than the line allows: no slope
+        return None
     c = (1 / ratio - 1) / (n_long - n_short / ratio)
     m_short, m_long = a["prompt_tokens"] + sweep_half, b["prompt_tokens"] + sweep_half
     if not 1 + c * m_long > 0:
