@@ -18,6 +18,16 @@ engine loses:
   N / (T(1 + N) - T(1))), and its median decode-only step from the engine's own records.
 
     .venv/bin/python bench/ceiling_check.py --rounds 7
+    .venv/bin/python bench/ceiling_check.py --rounds 7 --long-context
+
+``--long-context`` adds issue 12's item 3 and what lies under it: the engine's decode at 64 and
+at 4,000 tokens of context (engine_bench's figures: 96 tokens around each context), and a read
+of the bytes a step streams at each, in a step's order: every layer's weights as above, then
+that layer's K and V at that context (bf16, plan's bytes: a tensor of its own per layer), the
+LM head last. plan's bytes arithmetic predicts the ratio of the two decodes from the bytes
+alone; the read's ratio shows what the host gives that arithmetic (on a CPU whose L3 holds
+much of the weights, less than the bytes predict: 49 MB of KV a step pushes weights out), and
+the engine's over the read's what the engine loses to it.
 
 Every ratio is taken within a round and given as median (min-max).
 """
@@ -29,6 +39,7 @@ import os
 import random
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -36,6 +47,9 @@ from engine_bench import bandwidth_gb_s, bytes_per_decode_token, machine_line
 from pdscope import LLM, SamplingParams
 from pdscope.checkpoint.make_model import resolve_model_path
 from pdscope.engine.model import Linear
+from pdscope.roofline import arithmetic as rf
+from pdscope.specs import get_kv_precision, load_model
+from workload import CONTEXTS, LONG_CONTEXT_DECODE
 
 SUSTAINED_S = 5.0
 WEIGHTS_S = 2.0
@@ -73,11 +87,38 @@ def streamed(m: Linear) -> torch.Tensor:
     return weight.detach()
 
 
+def step_reads(model: torch.nn.Module, model_dir: Path) -> dict[int, list[torch.Tensor]]:
+    """What a batch-1 step streams at each of CONTEXTS' lengths, in the step's order: each
+    layer's weights (as ``streamed``), then that layer's K and V at that context (bf16, plan's
+    bytes, a tensor of its own), then the weights after the layers (the LM head)."""
+    layers = list(model.layers)
+    in_layers = {id(m) for layer in layers for m in layer.modules()}
+    after = [
+        streamed(m) for m in model.modules() if isinstance(m, Linear) and id(m) not in in_layers
+    ]
+    spec = load_model(str(model_dir))
+    reads: dict[int, list[torch.Tensor]] = {}
+    for context in CONTEXTS.values():
+        kv_bytes = rf.kv_bytes_at_context(spec, get_kv_precision("bf16"), context)
+        per_layer = kv_bytes // len(layers) // 4 * 4  # whole float32 words
+        tensors: list[torch.Tensor] = []
+        for layer in layers:
+            tensors += [streamed(m) for m in layer.modules() if isinstance(m, Linear)]
+            tensors.append(torch.ones(per_layer // 4, dtype=torch.float32))
+        reads[context] = tensors + after
+    return reads
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--tokens", type=int, default=256, help="decode tokens per figure")
+    parser.add_argument(
+        "--long-context",
+        action="store_true",
+        help="also decode at 64 and 4,000 tokens of context beside a read of each step's bytes",
+    )
     args = parser.parse_args()
     model_dir = resolve_model_path(args.model)
     llm = LLM(
@@ -109,6 +150,8 @@ def main() -> None:
         llm.generate([prompt], params)
         return time.perf_counter() - start
 
+    reads = step_reads(model, model_dir) if args.long_context else {}
+    read_bytes = {n: sum(t.numel() * t.element_size() for t in ts) for n, ts in reads.items()}
     timed(fresh(64), 8)  # warm-up
     rows: list[dict[str, float]] = []
     for r in range(args.rounds):
@@ -120,6 +163,21 @@ def main() -> None:
         row["decode_tok_s"] = args.tokens / (timed(fresh(32), 1 + args.tokens) - short)
         steps = [s.duration_s for s in engine.steps if s.prefill_tokens == 0]
         row["step_tok_s"] = 1 / statistics.median(steps)
+        for context, tensors in reads.items():
+            row[f"read_ctx{context}_tok_s"] = (
+                read_rate_gb_s(tensors, WEIGHTS_S) * 1e9 / read_bytes[context]
+            )
+        if reads:  # as engine_bench's workload: each prompt computed before its decode is timed
+            half = LONG_CONTEXT_DECODE // 2
+            prompts = {context: fresh(context - half) for context in reads}
+            for prompt in prompts.values():
+                timed(prompt, 1)
+            decode_s = dict.fromkeys(reads, 0.0)
+            for context in [*reads, *reversed(reads)]:
+                prompt = prompts[context]
+                decode_s[context] += timed(prompt, 1 + LONG_CONTEXT_DECODE) - timed(prompt, 1)
+            for context, seconds in decode_s.items():
+                row[f"decode_ctx{context}_tok_s"] = 2 * LONG_CONTEXT_DECODE / seconds
         row["ceiling_after_gb_s"] = bandwidth_gb_s()
         rows.append(row)
         print(
@@ -161,8 +219,36 @@ def main() -> None:
             r["step_tok_s"] / (r["weights_gb_s"] * 1e9 / per_token) for r in rows
         ],
     }
+    if reads:
+        short, long = reads
+        figures |= {
+            f"read at {short} tok/s": [r[f"read_ctx{short}_tok_s"] for r in rows],
+            f"read at {long:,} tok/s": [r[f"read_ctx{long}_tok_s"] for r in rows],
+            f"decode at {short} tok/s": [r[f"decode_ctx{short}_tok_s"] for r in rows],
+            f"decode at {long:,} tok/s": [r[f"decode_ctx{long}_tok_s"] for r in rows],
+            f"read: {long:,} / {short}": [
+                r[f"read_ctx{long}_tok_s"] / r[f"read_ctx{short}_tok_s"] for r in rows
+            ],
+            f"decode: {long:,} / {short} (item 3)": [
+                r[f"decode_ctx{long}_tok_s"] / r[f"decode_ctx{short}_tok_s"] for r in rows
+            ],
+            "decode's ratio / read's ratio": [
+                r[f"decode_ctx{long}_tok_s"]
+                / r[f"decode_ctx{short}_tok_s"]
+                / (r[f"read_ctx{long}_tok_s"] / r[f"read_ctx{short}_tok_s"])
+                for r in rows
+            ],
+        }
     for name, values in figures.items():
         print(f"{name:40}{spread(values):>28}")
+    if reads:
+        predicted = bytes_per_decode_token(model_dir, short) / bytes_per_decode_token(
+            model_dir, long
+        )
+        print(
+            f"plan's bytes predict {long:,} / {short} = {predicted:.3f} "
+            f"(read: {read_bytes[short] / 1e6:.1f} and {read_bytes[long] / 1e6:.1f} MB a step)"
+        )
 
 
 if __name__ == "__main__":
