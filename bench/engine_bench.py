@@ -381,6 +381,19 @@ def report(
             if measured:
                 gap = (statistics.median(measured) - predicted) * 100
                 print(f"{stack:24}{spread(measured):>{width}}   {gap:+.1f} points vs the bytes")
+        past = [
+            stack
+            for stack in stacks
+            if statistics.median(values[stack].get("decode_b1_of_ceiling") or [0.0]) > 1.0
+        ]
+        if past:
+            # Bytes from a cache cost less than the ceiling's: the arithmetic then over-predicts
+            # (on a Xeon with 300 MB of L3 and the small model, a plain read fell 8 points too).
+            print(
+                f"({', '.join(past)}: batch-1 decode past the ceiling, so the caches hold part of "
+                "the weights between steps and a long context's KV pushes them out: "
+                "bench/ceiling_check.py --long-context reads the same bytes for this host's ratio)"
+            )
     if args.json:
         args.json.write_text(
             json.dumps(
