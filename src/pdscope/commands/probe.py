@@ -654,6 +654,7 @@ def ceilings_for(
     from pdscope.commands.plan import local_compute, resolve
     from pdscope.roofline import arithmetic as rf
     from pdscope.specs import SpecError
+    from pdscope.specs.local import last_level_cache_bytes
 
     model = s.plan_model or root
     if not model:
@@ -715,6 +716,7 @@ def ceilings_for(
             if (peak := p.device.peak_flops(p.weights.compute)) is None
             else peak / 1e12,
             weight_bits=p.weights.bits_per_weight,
+            cache_bytes=last_level_cache_bytes() if local else None,
         ),
         notes,
     )
