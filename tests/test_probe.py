@@ -1459,6 +1459,39 @@ def test_noisy_machine_withholds_the_verdict() -> None:
     assert f"margin {low:.0f}–{high:.0f}%" in verdict["evidence"]
 
 
+def test_a_context_slowdown_past_the_bytes_names_a_cache_that_holds_the_weights() -> None:
+    """On a Xeon with 300 MB of L3 the small model's decode fell from 64 to 4,000 tokens to
+    0.771 where the bytes predict 0.863, and a plain read of the same bytes fell as far: the
+    KV took the cache from the weights. With --device local and a cache of a quarter of the
+    weights or more, the finding names the cache beside attention compute; a cache small
+    beside the weights (a 7B-shaped model's 13 GB) keeps the attention verdict."""
+    from pdscope.analysis.probe import Ceilings, ModelBytes, analyze
+
+    traces = _probe_traces([95.0, 96.0])
+    traces += [_trace("context-short", 64, 0.03, 100.0), _trace("context-long", 3068, 1.0, 74.0)]
+
+    def context_finding(cache_bytes: float | None, weights: float = 304e6) -> dict[str, str]:
+        c = Ceilings(
+            "this machine", lambda n: 98.0, lambda n: None, "small", 1.69e8, [29.5, 30.2],
+            cache_bytes=cache_bytes,
+        )  # fmt: skip
+        model = ModelBytes("m", 1.69e8, weights, lambda n: 12_288.0 * n)
+        r = analyze(traces, "pdscope", c, model_bytes=model)
+        return next(f for f in r["findings"] if "context" in f["finding"])
+
+    f = context_finding(300 * 2**20)
+    assert f["finding"] == (
+        "Decode slows with context more than its KV bytes explain: the CPU's cache, or "
+        "attention compute"
+    )
+    assert "last-level cache (314.57 MB, against 304.00 MB of weights)" in f["evidence"], f
+    assert "the hardware is the limit" in f["action"]
+    assert context_finding(None)["finding"].startswith(
+        "Decode slows with context far more than its KV bytes explain: attention compute"
+    )
+    assert "cache" not in context_finding(300 * 2**20, weights=13.2e9)["finding"]
+
+
 def test_context_slowdown_split_into_bytes_and_the_rest() -> None:
     """43.0 -> 15.2 tok/s at 3,068 tokens where the KV is ~38 MB against 338 MB of weights: the
     bytes explain ~10%, the rest is attention compute or the kernel, not bandwidth (item 5)."""
