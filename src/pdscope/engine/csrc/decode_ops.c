@@ -267,6 +267,23 @@ static inline float exp_nonpositive(float x) { return exp_neg_abs(x); }
  * bench/decode_attention_ab.py); 0: the generic loop only (bench/decode_ops_ab.py) */
 #define NEW_DECODE_ATTENTION 2
 #endif
+/* The tile of keys from pos: returns its first slot and sets *n to how many keys (up to
+ * `most`, never past hi) follow it in consecutive slots, whole blocks joined where the table's
+ * next block lies right after the last. Every decode attention walks its table this way. */
+static inline __attribute__((always_inline)) int64_t tile_at(const int64_t *table,
+                                                             int64_t block_size, int64_t pos,
+                                                             int64_t hi, int64_t most,
+                                                             int64_t *n) {
+    const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+    int64_t k = block_size - pos % block_size;
+    while (k < most && pos + k < hi && table[(pos + k) / block_size] * block_size == slot + k)
+        k += block_size;
+    if (k > most) k = most;
+    if (k > hi - pos) k = hi - pos;
+    *n = k;
+    return slot;
+}
+
 #define TILE 64
 
 /* Partial attention of one query group over key positions [lo, hi) of one sequence:
@@ -296,14 +313,8 @@ static inline __attribute__((always_inline)) void attend_range_impl(
     }
     const int64_t k_plane = head * slots, v_plane = (kv_heads + head) * slots;
     for (int64_t pos = lo; pos < hi;) {
-        /* The tile: from pos through adjacent blocks, up to TILE keys. */
-        const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-        int64_t n = block_size - pos % block_size;
-        while (n < TILE && pos + n < hi &&
-               table[(pos + n) / block_size] * block_size == slot + n)
-            n += block_size;
-        if (n > TILE) n = TILE;
-        if (n > hi - pos) n = hi - pos;
+        int64_t n;
+        const int64_t slot = tile_at(table, block_size, pos, hi, TILE, &n);
 #ifdef HAVE_DPBF16
         if (qb) {
             for (int64_t t = 0; t < n; t++) {
@@ -521,13 +532,8 @@ static inline __attribute__((always_inline)) void attend_bf16_d64_impl(
     const bf16 *vp = (const bf16 *)kv + (kv_heads + head) * slots * 64;
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t pos = lo; pos < hi;) {
-        /* up to 16 keys in consecutive slots (within one block, or adjacent blocks) */
-        const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-        int64_t n = block_size - pos % block_size;
-        while (n < 16 && pos + n < hi && table[(pos + n) / block_size] * block_size == slot + n)
-            n += block_size;
-        if (n > 16) n = 16;
-        if (n > hi - pos) n = hi - pos;
+        int64_t n;
+        const int64_t slot = tile_at(table, block_size, pos, hi, 16, &n);
         const __mmask16 valid = (__mmask16)((1u << n) - 1u);
         prefetch_tile_after_next(kp, vp, table, block_size, pos, n, hi, slot);
         uint32_t pw[4][8]; /* pw[g][h]: head g's weights of keys 2h and 2h + 1 */
@@ -606,12 +612,8 @@ static void attend_bf16_d64_g4(const bf16 *qb, const void *kv, int64_t kv_heads,
     const bf16 *kp = (const bf16 *)kv + head * slots * 64;
     const bf16 *vp = (const bf16 *)kv + (kv_heads + head) * slots * 64;
     for (int64_t pos = lo; pos < hi;) {
-        const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-        int64_t n = block_size - pos % block_size;
-        while (n < 16 && pos + n < hi && table[(pos + n) / block_size] * block_size == slot + n)
-            n += block_size;
-        if (n > 16) n = 16;
-        if (n > hi - pos) n = hi - pos;
+        int64_t n;
+        const int64_t slot = tile_at(table, block_size, pos, hi, 16, &n);
         prefetch_tile_after_next(kp, vp, table, block_size, pos, n, hi, slot);
         /* This tile's K rows, asked for in address order before the scores read them 16 bytes
          * of each row at a time (one 8-dim slice of 16 rows, then the next): in that order the
@@ -922,12 +924,8 @@ static inline __attribute__((always_inline)) void attend_avx2_impl(
     __m256 lv[group];
     for (int64_t g = 0; g < group; g++) lv[g] = _mm256_setzero_ps();
     for (int64_t pos = lo; pos < hi;) {
-        const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-        int64_t n = block_size - pos % block_size;
-        while (n < T && pos + n < hi && table[(pos + n) / block_size] * block_size == slot + n)
-            n += block_size;
-        if (n > T) n = T;
-        if (n > hi - pos) n = hi - pos;
+        int64_t n;
+        const int64_t slot = tile_at(table, block_size, pos, hi, T, &n);
         /* The next tile's K and V rows, asked for while this one computes: without, the
          * loads below waited on memory (1 thread at 4,000 keys: 0.79x the time with, 0.70x at
          * 1,000, on an AMD EPYC family 26; decode_attention_ab.py --march x86-64-v3; on the
@@ -1932,20 +1930,6 @@ static void decode_amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* The tile of keys from pos: its first slot, and how many keys (up to 16) run on from it in
- * the cache (whole blocks joined where the table's next block follows this one). */
-static inline void amx_tile_at(const int64_t *table, int64_t block_size, int64_t pos, int64_t hi,
-                               int64_t *slot_out, int64_t *n_out) {
-    const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-    int64_t n = block_size - pos % block_size;
-    while (n < 16 && pos + n < hi && table[(pos + n) / block_size] * block_size == slot + n)
-        n += block_size;
-    if (n > 16) n = 16;
-    if (n > hi - pos) n = hi - pos;
-    *slot_out = slot;
-    *n_out = n;
-}
-
 /* The scores of one tile of n keys from krows into st (16 keys x 4 heads) through tile T; a
  * short tile's rows padded with zeros in kpad, never read past the cache. */
 #define AMX_SCORES(T, krows, n, kpad, st)                                                 \
@@ -1993,18 +1977,20 @@ static inline __attribute__((always_inline)) void attend_amx_d64_impl(
      * softmax and P.V, into the other tile and buffer (b), so its K loads and tile multiplies
      * run under this tile's vector work rather than before it, where each tile waited on them
      * (bench/decode_attention_ab.py --ab-source on the Xeon of family 6 model 207: 0.82-0.86x
-     * the time at 1,000 and 4,000 keys in L3, 0.90-0.95x from memory with --cold 25). */
+     * the time at 1,000 and 4,000 keys in L3; from memory with --cold 25, 0.90x at 4,000 keys
+     * and 0.88x for batch 32 x 144). So prefetch_tile_after_next's K rows now lead their tile
+     * loads by one tile, its V rows their reads by two. */
     int64_t slot = 0, n = 0;
     int b = 0;
     if (lo < hi) {
-        amx_tile_at(table, block_size, lo, hi, &slot, &n);
+        slot = tile_at(table, block_size, lo, hi, 16, &n);
         AMX_SCORES(0, kp + slot * 64, n, kpad[0], st[0]);
     }
     for (int64_t pos = lo; pos < hi;) {
         const __mmask16 valid = (__mmask16)((1u << n) - 1u);
         int64_t nslot = 0, nn = 0;
         if (pos + n < hi) {
-            amx_tile_at(table, block_size, pos + n, hi, &nslot, &nn);
+            nslot = tile_at(table, block_size, pos + n, hi, 16, &nn);
             if (b) AMX_SCORES(0, kp + nslot * 64, nn, kpad[0], st[0]);
             else AMX_SCORES(1, kp + nslot * 64, nn, kpad[1], st[1]);
         }
