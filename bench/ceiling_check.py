@@ -22,12 +22,13 @@ engine loses:
 
 ``--long-context`` adds issue 12's item 3 and what lies under it: the engine's decode at 64 and
 at 4,000 tokens of context (engine_bench's figures: 96 tokens around each context), and a read
-of the bytes a step streams at each, in a step's order: every layer's weights as above, then
-that layer's K and V at that context (bf16, plan's bytes: a tensor of its own per layer), the
-LM head last. plan's bytes arithmetic predicts the ratio of the two decodes from the bytes
-alone; the read's ratio shows what the host gives that arithmetic (on a CPU whose L3 holds
-much of the weights, less than the bytes predict: 49 MB of KV a step pushes weights out), and
-the engine's over the read's what the engine loses to it.
+of the bytes a step streams at each, layer by layer: every layer's weights as above, then that
+layer's K and V at that context (bf16, plan's bytes: a tensor of its own per layer; a step
+reads them between the layer's projections), the LM head last. plan's bytes arithmetic
+predicts the ratio of the two decodes from the bytes alone; the read's ratio shows what the
+host gives that arithmetic (on a CPU whose L3 holds much of the weights, less than the bytes
+predict: 49 MB of KV a step pushes weights out), and the engine's over the read's what the
+engine loses to it.
 
 Every ratio is taken within a round and given as median (min-max).
 """
@@ -46,7 +47,7 @@ import torch
 from engine_bench import bandwidth_gb_s, bytes_per_decode_token, machine_line
 from pdscope import LLM, SamplingParams
 from pdscope.checkpoint.make_model import resolve_model_path
-from pdscope.engine.model import Linear
+from pdscope.engine.model import CausalLM, Linear
 from pdscope.roofline import arithmetic as rf
 from pdscope.specs import get_kv_precision, load_model
 from workload import CONTEXTS, LONG_CONTEXT_DECODE
@@ -87,7 +88,7 @@ def streamed(m: Linear) -> torch.Tensor:
     return weight.detach()
 
 
-def step_reads(model: torch.nn.Module, model_dir: Path) -> dict[int, list[torch.Tensor]]:
+def step_reads(model: CausalLM, model_dir: Path) -> dict[int, list[torch.Tensor]]:
     """What a batch-1 step streams at each of CONTEXTS' lengths, in the step's order: each
     layer's weights (as ``streamed``), then that layer's K and V at that context (bf16, plan's
     bytes, a tensor of its own), then the weights after the layers (the LM head)."""

@@ -388,10 +388,10 @@ def report(
         ]
         if past:
             # Bytes from a cache cost less than the ceiling's: the arithmetic then over-predicts
-            # (on a Xeon with 300 MB of L3 and the small model, a plain read fell 8 points too).
+            # (on a Xeon with 300 MiB of L3 and the small model, a plain read fell 9 points too).
             print(
-                f"({', '.join(past)}: batch-1 decode past the ceiling, so the caches hold part of "
-                "the weights between steps and a long context's KV pushes them out: "
+                f"({', '.join(past)}: batch-1 decode past the ceiling, so the caches likely hold "
+                "part of the weights between steps and a long context's KV pushes them out: "
                 "bench/ceiling_check.py --long-context reads the same bytes for this host's ratio)"
             )
     if args.json:

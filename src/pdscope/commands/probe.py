@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import math
 import re
 import secrets
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import httpx
@@ -716,10 +718,24 @@ def ceilings_for(
             if (peak := p.device.peak_flops(p.weights.compute)) is None
             else peak / 1e12,
             weight_bits=p.weights.bits_per_weight,
-            cache_bytes=last_level_cache_bytes() if local else None,
+            # this CPU's cache, where the server is on this machine
+            cache_bytes=last_level_cache_bytes() if local and _loopback(s.url) else None,
         ),
         notes,
     )
+
+
+def _loopback(url: str) -> bool:
+    """Whether ``url`` names this machine (localhost, a loopback address, or 0.0.0.0, which a
+    client's connection reaches here too)."""
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+        return address.is_loopback or address.is_unspecified
+    except ValueError:
+        return False
 
 
 # Ollama's num_ctx when nothing says otherwise: 2,048 in releases before 0.6 (later ones serve

@@ -177,8 +177,10 @@ def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache
     """The largest data or unified cache Linux lists for CPU 0 (its last level: in a VM the
     size the guest is shown, shared with whatever else runs on those cores), in bytes; None
     where sysfs does not say. A decode whose bytes a token are not many times this size reads
-    part of them from the cache, faster than memory's ceiling."""
-    sizes = []
+    part of them from the cache, faster than memory's ceiling. Where CPUs have L3s of their
+    own (one per CCX on an AMD EPYC, one per socket) this is CPU 0's, less than all of them:
+    the side on which a decode past the ceiling stays unexplained."""
+    sizes: list[int] = []
     for index in sorted(root.glob("index*")):
         try:
             kind = (index / "type").read_text().strip()
