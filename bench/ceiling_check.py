@@ -50,7 +50,7 @@ from pdscope.checkpoint.make_model import resolve_model_path
 from pdscope.engine.model import CausalLM, Linear
 from pdscope.roofline import arithmetic as rf
 from pdscope.specs import get_kv_precision, load_model
-from workload import CONTEXTS, LONG_CONTEXT_DECODE
+from workload import CONTEXTS, decode_at_contexts
 
 SUSTAINED_S = 5.0
 WEIGHTS_S = 2.0
@@ -145,10 +145,12 @@ def main() -> None:
     def fresh(n: int) -> list[int]:
         return [rng.randrange(100, 16000) for _ in range(n)]
 
+    def generate(prompts: list[list[int]], tokens: int) -> None:
+        llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+
     def timed(prompt: list[int], tokens: int) -> float:
-        params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
         start = time.perf_counter()
-        llm.generate([prompt], params)
+        generate([prompt], tokens)
         return time.perf_counter() - start
 
     reads = step_reads(model, model_dir) if args.long_context else {}
@@ -168,17 +170,8 @@ def main() -> None:
             row[f"read_ctx{context}_tok_s"] = (
                 read_rate_gb_s(tensors, WEIGHTS_S) * 1e9 / read_bytes[context]
             )
-        if reads:  # as engine_bench's workload: each prompt computed before its decode is timed
-            half = LONG_CONTEXT_DECODE // 2
-            prompts = {context: fresh(context - half) for context in reads}
-            for prompt in prompts.values():
-                timed(prompt, 1)
-            decode_s = dict.fromkeys(reads, 0.0)
-            for context in [*reads, *reversed(reads)]:
-                prompt = prompts[context]
-                decode_s[context] += timed(prompt, 1 + LONG_CONTEXT_DECODE) - timed(prompt, 1)
-            for context, seconds in decode_s.items():
-                row[f"decode_ctx{context}_tok_s"] = 2 * LONG_CONTEXT_DECODE / seconds
+        if reads:  # engine_bench's figures, keyed decode_ctx64_tok_s and decode_ctx4000_tok_s
+            row |= decode_at_contexts(generate, fresh)
         row["ceiling_after_gb_s"] = bandwidth_gb_s()
         rows.append(row)
         print(

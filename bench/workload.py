@@ -92,16 +92,32 @@ def run_round(
         result["cached_prefix_ratio"] = timed([prefix + fresh(16)], 1) / uncached
     if long_context:
         tokens = LONG_CONTEXT_DECODE // 3 if quick else LONG_CONTEXT_DECODE
-        prompts = {key: fresh(context - tokens // 2) for key, context in CONTEXTS.items()}
-        for prompt in prompts.values():
-            timed([prompt], 1)  # computed (and cached, where the stack caches) before timing
-        decode_s = dict.fromkeys(CONTEXTS, 0.0)
-        for key in [*CONTEXTS, *reversed(CONTEXTS)]:
-            prompt = prompts[key]
-            decode_s[key] += timed([prompt], 1 + tokens) - timed([prompt], 1)
-        for key, seconds in decode_s.items():
-            result[key] = 2 * tokens / seconds
+        result |= decode_at_contexts(generate, fresh, tokens)
     return result
+
+
+def decode_at_contexts(
+    generate: Generate,
+    fresh: Callable[[int], list[int]],
+    tokens: int = LONG_CONTEXT_DECODE,
+) -> dict[str, float]:
+    """decode_ctx64_tok_s and decode_ctx4000_tok_s as the module's docstring takes them: one
+    prompt per context from ``fresh(n)``, computed once first, then ``tokens`` decoded after
+    it in the order 64, 4,000, 4,000, 64, each by T(1 + tokens) - T(1)."""
+
+    def timed(prompt: list[int], max_tokens: int) -> float:
+        start = time.perf_counter()
+        generate([prompt], max_tokens)
+        return time.perf_counter() - start
+
+    prompts = {key: fresh(context - tokens // 2) for key, context in CONTEXTS.items()}
+    for prompt in prompts.values():
+        timed(prompt, 1)  # computed (and cached, where the stack caches) before timing
+    decode_s = dict.fromkeys(CONTEXTS, 0.0)
+    for key in [*CONTEXTS, *reversed(CONTEXTS)]:
+        prompt = prompts[key]
+        decode_s[key] += timed(prompt, 1 + tokens) - timed(prompt, 1)
+    return {key: 2 * tokens / seconds for key, seconds in decode_s.items()}
 
 
 def serve_rounds(generate: Generate, with_cached_prefix: bool = True) -> None:
