@@ -8,7 +8,8 @@ order, each with an empty kernel-choice cache (what each tree's start decides wi
 memory; the C kernels' build is shared and not timed), and prints per tree: the paths chosen,
 the memory resident once built (VmRSS), and batch-1 decode tokens/s (256 tokens after a
 16-token prompt, the median of 3 runs, each run's tokens/s from the gap between a 1-token and
-a 257-token generation), then the medians and their ratio.
+a 257-token generation) and prefill tokens/s (a fresh 2,000-token prompt and one output token,
+the median of 3), then the medians and their ratios.
 
     git worktree add /tmp/before f0acacd
     .venv/bin/python bench/tight_memory_ab.py /tmp/m1b --ab-tree /tmp/before --leave-gb 7
@@ -48,10 +49,17 @@ for _ in range(3):
         llm.generate(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
         took[n] = time.perf_counter() - start
     rates.append(256 / (took[257] - took[1]))
+prefill = []
+for i in range(3):
+    fresh = [[100 + (7919 * (i * 2000 + j)) % 30000 for j in range(2000)]]
+    start = time.perf_counter()
+    llm.generate(fresh, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    prefill.append(2000 / (time.perf_counter() - start))
 print(json.dumps({
     "kernels": llm.engine.kernels.summary(),
     "resident_gb": rss_kb / 1e6,
     "tok_s": statistics.median(rates),
+    "prefill_tok_s": statistics.median(prefill),
 }))
 """
 
@@ -95,6 +103,7 @@ def main() -> None:
     print(machine_line())
     print(f"held {held.nbytes / 1e9:.2f} GB here: {available_gb():.2f} GB left available")
     rates: dict[str, list[float]] = {}
+    prefills: dict[str, list[float]] = {}
     resident: dict[str, list[float]] = {}
     try:
         for r in range(args.rounds):
@@ -107,9 +116,11 @@ def main() -> None:
                     print(f"round {r + 1} {name}: failed, {got['failed']}", flush=True)
                     continue
                 rates.setdefault(name, []).append(float(got["tok_s"]))
+                prefills.setdefault(name, []).append(float(got["prefill_tok_s"]))
                 resident.setdefault(name, []).append(float(got["resident_gb"]))
                 print(
                     f"round {r + 1} {name}: {got['tok_s']:.1f} tok/s at batch 1, "
+                    f"prefill {got['prefill_tok_s']:.0f} tok/s, "
                     f"{got['resident_gb']:.2f} GB resident; {got['kernels']}",
                     flush=True,
                 )
@@ -120,11 +131,14 @@ def main() -> None:
         if name in rates:
             print(
                 f"{name}: {statistics.median(rates[name]):.1f} tok/s, "
+                f"prefill {statistics.median(prefills[name]):.0f} tok/s, "
                 f"{statistics.median(resident[name]):.2f} GB resident ({len(rates[name])} runs)"
             )
     if all(name in rates for name in trees):
         ratio = statistics.median(rates["this"]) / statistics.median(rates["ab"])
         print(f"this / ab batch-1 tok/s: {ratio:.2f}x")
+        ratio = statistics.median(prefills["this"]) / statistics.median(prefills["ab"])
+        print(f"this / ab prefill tok/s: {ratio:.2f}x")
 
 
 if __name__ == "__main__":
