@@ -15,7 +15,7 @@ from prometheus_client import generate_latest
 from pdscope import LLM, SamplingParams
 from pdscope.checkpoint.make_model import make_model
 from pdscope.engine import native
-from pdscope.engine.kernels import packed_unread, parse_kernels
+from pdscope.engine.kernels import packed_unread, parse_kernels, stored_past_one
 from pdscope.engine.model import Linear
 from tests.conftest import OTHER_BUILDS, build_for
 
@@ -69,6 +69,10 @@ BF16_PATHS = [
     # weight keeps a packed copy
     "linear=pairs2,batch_linear=pairs,big_batch_linear=pairs,prefill_linear=pairs,"
     "prefill_attention=c,decode_math=native,decode_ops=c",
+    # every matmul on the weight as stored, no copy kept (the memory rule's pick where the
+    # tiles are granted): single rows on the tiles, the 1,100-token chunk through F.linear
+    "linear=amx,batch_linear=c,big_batch_linear=c,prefill_linear=plain,prefill_attention=amx,"
+    "decode_math=native,decode_ops=c",
 ]
 
 
@@ -283,8 +287,9 @@ def test_bfloat16_logits_match_transformers(
     paths = parse_kernels(kernels)
     many = paths["batch_linear"] in ("c", "pairs")
     big_forced = paths.get("big_batch_linear") == "pairs"
-    # prefill_linear=pairs forced: one chunk past 64 rows, not a C batch path's short ones
-    past_64_forced = paths.get("prefill_linear") == "pairs"
+    # prefill_linear=pairs or plain forced: one chunk past 64 rows, not a C batch path's short
+    # ones
+    past_64_forced = paths.get("prefill_linear") in ("pairs", "plain")
     c_linear = paths["linear"] in ("c", "amx", "pairs", "pairs2")
     llm = LLM(
         model=str(path),
@@ -302,12 +307,14 @@ def test_bfloat16_logits_match_transformers(
     # rows that leave big_batch_linear to the trial: what it chose here (no step has 33-64
     # rows in them, but its copies are made)
     big = llm.engine.kernels.big_batch_linear == "pairs"
+    big_on_c = llm.engine.kernels.big_batch_linear in ("pairs", "c")
     assert big or not big_forced
     assert other is None or model.native is other
     if can_pack(torch.bfloat16, torch.device("cpu")):
         # linear=c packs for matmuls over one row; with every matmul past one row on the
         # copies none is kept
-        unread = packed_unread(asdict(llm.engine.kernels))
+        picks = asdict(llm.engine.kernels)
+        unread = packed_unread(picks) or stored_past_one(picks)
         packed = "linear=plain" not in kernels and not unread
         assert all(
             (m.packed is not None) == packed for m in model.modules() if hasattr(m, "packed")
@@ -321,7 +328,8 @@ def test_bfloat16_logits_match_transformers(
     copies = pair_rows or many_pairs or big or past_64
     assert all((m.pairs is not None) == copies for m in linears)
     assert all((m.many_rows is not None) == past_64 for m in linears)
-    assert all((m.big_batch is not None) == big for m in linears)
+    assert all((m.big_batch is not None) == big_on_c for m in linears)
+    assert all(m.big_batch_pairs == big for m in linears)
     assert all(m.pair_streams == (2 if paths["linear"] == "pairs2" else 8) for m in linears)
     assert all(m.many_pairs == many_pairs for m in linears)
     # matmul_math=float32 with batch_linear=packed: rows below WIDEN_MIN_ROWS still take C
@@ -394,7 +402,7 @@ def test_bfloat16_logits_match_transformers(
     unsplit = prefill_linear == "transposed"
     assert plain_calls[0] == (4 * len(model.layers) if unsplit else 0)
     # the chunks' matmuls went through the many-row kernel (or the copies)
-    assert (many_calls[0] > 0) == (many and not past_64)
+    assert (many_calls[0] > 0) == (many and not past_64 and not past_64_forced)
     assert past_64_calls[0] == (4 * len(model.layers) if past_64 else 0)
     assert (big_calls[0] > 0) == (big_forced and not past_64)  # the 40-row chunks
     assert (one_row_calls[0] > 0) == amx_rows  # decode rows on the tiles
@@ -846,6 +854,9 @@ def test_the_one_call_step_shares_every_kernel_over_its_team_bit_for_bit(
         # the copies made for this path alone: the rows around it on oneDNN and the C kernel
         "linear=c,batch_linear=c,big_batch_linear=pairs",
         "linear=packed,batch_linear=packed,big_batch_linear=pairs",
+        # the weight as stored, through the many-row kernel (the memory rule's pick where it
+        # has AMX tiles)
+        "linear=c,batch_linear=c,big_batch_linear=c",
     ],
 )
 @pytest.mark.parametrize("build", ["engine", "x86-64-v3"])
@@ -860,9 +871,11 @@ def test_decode_batches_of_33_to_64_rows_take_the_copies_in_one_call_bit_for_bit
     AVX-512 BF16, eight of 5 in AVX2) runs in one C call on a team of 2 threads, with the per-
     kernel path's logits and greedy tokens bit for bit; both read the copies (counted, and the
     one call's step fields); the logits stay within a bf16 rounding of big_batch_linear=onednn,
-    whose 40-row steps leave the one call."""
+    whose 40-row steps leave the one call. big_batch_linear=c alike, on the weight as stored
+    through the many-row kernel (with AMX tiles, rows in passes of 32; else row by row)."""
     other = _use_build(build, request, monkeypatch, tmp_path)
     _pairs_or_skip(kernels)
+    under = parse_kernels(kernels)["big_batch_linear"]
     path = _team_model(tmp_path, "bfloat16")
     rng = torch.Generator().manual_seed(0)
     batch = [torch.randint(10, 16000, (5 + i % 7,), generator=rng).tolist() for i in range(40)]
@@ -870,10 +883,10 @@ def test_decode_batches_of_33_to_64_rows_take_the_copies_in_one_call_bit_for_bit
     torch.set_num_threads(2)
     runs: dict[str, tuple[list[torch.Tensor], list[list[int]]]] = {}
     try:
-        for big in ("pairs", "onednn"):
+        for big in (under, "onednn"):
             llm = LLM(
                 model=str(path), dtype="bfloat16", kv_cache_memory="32MiB", block_size=16,
-                kernels=kernels.replace("big_batch_linear=pairs", f"big_batch_linear={big}")
+                kernels=kernels.replace(f"big_batch_linear={under}", f"big_batch_linear={big}")
                 + ",prefill_attention=sdpa,decode_ops=c",
                 enable_prefix_caching=False, max_num_seqs=64,
             )  # fmt: skip
@@ -881,14 +894,15 @@ def test_decode_batches_of_33_to_64_rows_take_the_copies_in_one_call_bit_for_bit
             ops = model.native
             assert ops is not None and (other is None or ops is other)
             linears = [m for m in model.modules() if isinstance(m, Linear)]
-            assert all((m.big_batch is not None) == (big == "pairs") for m in linears)
+            assert all((m.big_batch is not None) == (big == under) for m in linears)
             # oneDNN's run fused as served: its 40-row steps must leave the one call
-            modes = (False, True) if big == "pairs" else (True,)
+            modes = (False, True) if big == under else (True,)
+            copies = big == "pairs"
             for fused in modes:
                 model.fuse_decode = model.fuse_logits = fused
                 one_calls = _count_calls([model], "native", "decode_logits")
-                copies = big == "pairs"
-                copy_calls = _count_calls(linears, "big_batch", "linear_pairs") if copies else [0]
+                kernel = "linear_pairs" if copies else "linear_many"
+                copy_calls = _count_calls(linears, "big_batch", kernel) if big == under else [0]
                 llm.engine.runner.capture_logits = True
                 llm.engine.runner.captured = []
                 team_steps = ops.team_steps
@@ -902,16 +916,16 @@ def test_decode_batches_of_33_to_64_rows_take_the_copies_in_one_call_bit_for_bit
                     # round alike too rarely for the logits to tell)
                     assert model._decode_layers is not None
                     step = model._decode_layers[-1][1]
-                    assert step.rows == 40 and step.pairs
+                    assert step.rows == 40 and step.pairs == copies
                 else:
                     assert copy_calls[0] >= decodes * 4 * len(model.layers)
-                runs[big + (" fused" if fused and big == "pairs" else "")] = (
+                runs[big + (" fused" if fused and big == under else "")] = (
                     llm.engine.runner.captured,
                     tokens,
                 )
     finally:
         torch.set_num_threads(saved)
-    (per_kernel, tokens), (one_call, fused_tokens) = runs["pairs"], runs["pairs fused"]
+    (per_kernel, tokens), (one_call, fused_tokens) = runs[under], runs[f"{under} fused"]
     assert len(one_call) == len(per_kernel) == GREEDY.max_tokens
     assert all(torch.equal(a, b) for a, b in zip(one_call, per_kernel, strict=True))
     assert fused_tokens == tokens
@@ -955,6 +969,8 @@ ONE_CALL_KERNELS = (
 CHECKED = "batch 1 at 600 keys, batch 1 at 32 keys, batch 5 at 48 keys, batch 17 at 48 keys"
 # ... and through the pairs copies (in the one call): a fifth step checked
 BIG_ONE_CALL_KERNELS = ONE_CALL_KERNELS.replace("big_batch_linear=onednn", "big_batch_linear=pairs")
+# ... and through the many-row kernel on the weight as stored (in the one call too)
+STORED_ONE_CALL_KERNELS = ONE_CALL_KERNELS.replace("big_batch_linear=onednn", "big_batch_linear=c")
 
 
 @pytest.fixture
@@ -970,7 +986,9 @@ def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path / "cache"))
 
 
-@pytest.mark.parametrize("kernels", [ONE_CALL_KERNELS, BIG_ONE_CALL_KERNELS])
+@pytest.mark.parametrize(
+    "kernels", [ONE_CALL_KERNELS, BIG_ONE_CALL_KERNELS, STORED_ONE_CALL_KERNELS]
+)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_engine_checks_its_one_call_step_at_load(
     tmp_path: Path, kernels: str, threads: int, own_cache: None,
@@ -989,8 +1007,8 @@ def test_the_engine_checks_its_one_call_step_at_load(
     path = _team_model(tmp_path, "bfloat16")
     ops = native.load(tmp_path)
     assert ops is not None
-    big = kernels == BIG_ONE_CALL_KERNELS
-    if big and not ops.pairs_rows:
+    big = kernels in (BIG_ONE_CALL_KERNELS, STORED_ONE_CALL_KERNELS)
+    if kernels == BIG_ONE_CALL_KERNELS and not ops.pairs_rows:
         pytest.skip("no pairs kernels for several rows in this build of the C kernels")
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -1313,8 +1331,11 @@ def test_widened_matmuls_keep_a_weight_only_where_one_reads_it() -> None:
     lin.one_row_pairs, lin.native, lin.widen = True, ops, True
     lin.native_many, lin.many_pairs = ops, True
     assert not lin.weight_unread()  # 33 rows and more widen the weight
-    lin.big_batch, lin.many_rows = ops, ops
+    lin.big_batch, lin.big_batch_pairs, lin.many_rows = ops, True, ops
     assert lin.weight_unread()
+    lin.big_batch_pairs = False  # big_batch_linear=c: the many-row kernel on the weight
+    assert not lin.weight_unread()
+    lin.big_batch_pairs = True
     lin.many_pairs = False  # the many-row kernel on the weight
     assert not lin.weight_unread()
 
@@ -1378,15 +1399,23 @@ def test_where_another_copy_does_not_fit_each_weight_is_held_once_without_a_tria
     """With memory for a quarter of the weights' copy, the four matmul paths take the pairs
     copies without a trial (how: "memory"), every weight is held once, the start says so, and
     the engine generates what it generates forced to the same paths with room to spare; one
-    of them forced to a path that reads the weight leaves them to the trial; with room, those
-    paths are measured as before."""
+    of them forced to a path that keeps oneDNN's packed copy leaves them to the trial; with
+    room, those paths are measured as before. Where the C kernels have AMX tiles, the paths
+    taken are those that read the weight as stored (tiles up to 64 rows, F.linear past them:
+    the prompt of 90 tokens), and no weight keeps a copy."""
     import logging
 
+    from pdscope.checkpoint.make_model import default_cache_dir
     from pdscope.engine import llm_engine
     from pdscope.engine import model as engine_model
     from pdscope.engine.loader import load_model
 
     _pairs_or_skip(ALL_PAIRS)
+    ops = native.load(default_cache_dir() / "native")
+    stored = ops is not None and ops.linear_many_isa == "amx"
+    past_one = (
+        "batch_linear=c,big_batch_linear=c,prefill_linear=plain" if stored else PAIRS_PAST_ONE
+    )
     path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
     loaded = load_model(path, torch.bfloat16, torch.device("cpu"))
     weights = sum(m.weight_nbytes() for m in loaded.modules() if isinstance(m, Linear))
@@ -1407,21 +1436,25 @@ def test_where_another_copy_does_not_fit_each_weight_is_held_once_without_a_tria
             assert not warned
             continue
         assert len(warned) == 1 and "does not fit" in warned[0]
-        assert (kernels.batch_linear, kernels.big_batch_linear, kernels.prefill_linear) == (
-            "pairs",
-            "pairs",
-            "pairs",
-        )
+        assert "as stored" in warned[0] if stored else "pairs copy" in warned[0]
+        picked = f"batch_linear={kernels.batch_linear},big_batch_linear="
+        picked += f"{kernels.big_batch_linear},prefill_linear={kernels.prefill_linear}"
+        assert picked == past_one and (kernels.linear == "amx") == stored
         model = llm.engine.runner.model
-        assert all(m.held_once for m in model.modules() if isinstance(m, Linear))
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        if stored:
+            assert not any(m.held_once or m.packed is not None for m in linears)
+            assert not any(m.pairs is not None or m.weight_t is not None for m in linears)
+        else:
+            assert all(m.held_once for m in linears)
         held = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-        partly = LLM(model=str(path), kernels="linear=c", **args)  # reads the weight
+        partly = LLM(model=str(path), kernels="batch_linear=packed", **args)  # a packed copy
         assert "memory" not in {partly.engine.kernels.how[p] for p in paths}
         model = partly.engine.runner.model
         assert not any(m.held_once for m in model.modules() if isinstance(m, Linear))
         for module in (engine_model, llm_engine):
             monkeypatch.setattr(module, "available_memory_bytes", lambda: 100 * weights)
-        forced = LLM(model=str(path), kernels=f"linear={kernels.linear},{PAIRS_PAST_ONE}", **args)
+        forced = LLM(model=str(path), kernels=f"linear={kernels.linear},{past_one}", **args)
         assert [o.token_ids for o in forced.generate(prompts, GREEDY)] == held
 
 

@@ -469,7 +469,12 @@ def test_prefill_linear_is_measured_at_prefill_size_with_two_threads(
     choice = llm.engine.kernels
     assert choice.how["prefill_linear"] == "measured"
     ops = native.load(tmp_path / "native")
-    offered = ("onednn", "transposed", *(("pairs",) if ops and ops.pairs_rows else ()))
+    offered = (
+        "onednn",
+        "transposed",
+        *(("pairs",) if ops and ops.pairs_rows else ()),
+        *(("plain",) if ops and ops.linear_many_isa == "amx" else ()),  # the weight as stored
+    )
     assert set(choice.trial_s) == {f"prefill_linear={o}" for o in offered}
     model = llm.engine.runner.model
     layers = [m for m in model.modules() if hasattr(m, "team") and m is not model.lm_head]
@@ -562,7 +567,9 @@ def test_pairs_are_offered_to_the_linear_trial_only_while_their_copy_fits(
     trials = model_module.kernel_trials(model, 64, ops)
     linear = trials["linear"]()
     assert {"pairs", "pairs2"} <= set(linear) and "pairs" in trials["batch_linear"]()
-    assert set(trials["big_batch_linear"]()) == {"onednn", "pairs"}
+    # with AMX tiles, the weight as stored too (no copy: offered whatever the memory)
+    stored = {"c"} if ops.linear_many_isa == "amx" else set()
+    assert set(trials["big_batch_linear"]()) == {"onednn", "pairs"} | stored
     made: list[object] = []
     monkeypatch.setattr(model_module, "pairs_copy", lambda *a: made.append(a))
     monkeypatch.setattr(model_module, "TRANSPOSED_COPY_MAX_SHARE", 0.0)
@@ -570,7 +577,10 @@ def test_pairs_are_offered_to_the_linear_trial_only_while_their_copy_fits(
     trials = model_module.kernel_trials(model, 64, ops)
     assert not {"pairs", "pairs2"} & set(trials["linear"]())
     assert "pairs" not in trials["batch_linear"]()
-    assert "big_batch_linear" not in trials  # its only other candidate is the copies
+    if stored:
+        assert set(trials["big_batch_linear"]()) == {"onednn", "c"}
+    else:
+        assert "big_batch_linear" not in trials  # its only other candidate is the copies
     assert not made
 
 
@@ -899,8 +909,9 @@ def test_prefill_linear_is_not_offered_when_its_copy_would_not_fit(
 ) -> None:
     """A model whose transposed copy would take more than TRANSPOSED_COPY_MAX_SHARE of the free
     memory is not measured into a third copy of its weights: no layer holds a transposed copy.
-    (The pairs copy does not fit either: where the pairs kernels built, prefill_linear takes
-    them untimed, each weight held once, else it stays oneDNN's.)"""
+    (The pairs copy does not fit either: where the C kernels have AMX tiles, prefill_linear
+    takes oneDNN's matmul on the weight as stored untimed; where the pairs kernels built, the
+    copies, each weight held once; else it stays oneDNN's.)"""
     from pdscope.engine import model as model_module
 
     if not can_pack(torch.bfloat16, torch.device("cpu")):
@@ -919,7 +930,10 @@ def test_prefill_linear_is_not_offered_when_its_copy_would_not_fit(
     choice = llm.engine.kernels
     ops = llm.engine._native
     held_once = ops is not None and ops.pairs and ops.pairs_rows
-    expected = ("pairs", "memory") if held_once else ("onednn", "fixed")
+    stored = ops is not None and ops.linear_many_isa == "amx"
+    expected = (
+        ("plain", "memory") if stored else ("pairs", "memory") if held_once else ("onednn", "fixed")
+    )
     assert (choice.prefill_linear, choice.how["prefill_linear"]) == expected
     model = llm.engine.runner.model
     assert all(m.weight_t is None for m in model.modules() if hasattr(m, "weight_t"))
@@ -2207,3 +2221,51 @@ def test_avx2_pairs_are_offered_and_the_one_call_step_reads_them(
     assert model._decode_layers is not None and model._decode_layers[-1][1].pairs
     assert len(one_call) == len(per_kernel) == 12
     assert all(torch.equal(a, b) for a, b in zip(one_call, per_kernel, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("others", "kept"),
+    [("batch_linear=c", ("c", "plain")), ("batch_linear=packed", ("onednn", "onednn"))],
+    ids=["as-stored", "packed"],
+)
+def test_the_weights_as_stored_past_32_rows_are_kept_within_a_wider_tie_on_amx(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, others: str, kept: tuple[str, str]
+) -> None:
+    """Where the C kernels have AMX tiles and single rows and 2-32 rows read the weight as
+    stored, big_batch_linear=c and prefill_linear=plain let every weight be held once with no
+    copy (no packed weights, no transposed or pairs copy): kept while they time within
+    HELD_ONCE_TIE of the fastest (set medians: 1.06x; the pairs copies 1.2x, so as not to be
+    on their own way); with batch_linear on the packed weights, oneDNN's (a packed copy is
+    kept anyway)."""
+    from pdscope.engine.kernels import HELD_ONCE_TIE, TIE
+    from pdscope.engine.model import ROWS_SPLIT_MIN_ROWS
+
+    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    ops = native.load(tmp_path / "native")
+    if ops is None or ops.linear_many_isa != "amx":
+        pytest.skip("no AMX tiles in this build of the C kernels, CPU or kernel")
+    slower = 1.06
+    assert 1 + TIE < slower < 1 + HELD_ONCE_TIE
+    monkeypatch.setattr(
+        "pdscope.engine.kernels.median_times_s",
+        lambda candidates, **_: {
+            n: slower if n in ("c", "plain") else 1.2 if n in ("pairs", "transposed") else 1.0
+            for n in candidates
+        },
+    )
+    path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
+    rows = ROWS_SPLIT_MIN_ROWS  # prefill chunks long enough for prefill_linear's trial
+    llm = LLM(
+        model=str(path), kv_cache_memory="8MiB", max_model_len=2 * rows,
+        max_num_batched_tokens=rows, kernels=f"linear=amx,{others}",
+    )  # fmt: skip
+    choice = llm.engine.kernels
+    assert (choice.big_batch_linear, choice.prefill_linear) == kept, choice.summary()
+    assert choice.how["prefill_linear"] == choice.how["big_batch_linear"] == "measured"
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    stored = kept == ("c", "plain")
+    assert all((m.packed is None) == stored for m in linears)
+    assert all(m.pairs is None and m.weight_t is None and not m.held_once for m in linears)
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    out = llm.generate([list(range(10, 10 + rows - 8))], greedy)[0]  # one chunk past 64 rows
+    assert len(out.token_ids) == 4

@@ -23,8 +23,10 @@ Paths (every candidate computes the same function; tests pin each against transf
   not, ``linear``, ``batch_linear``, ``big_batch_linear`` and ``prefill_linear`` take the
   copies without a trial, how "memory": every matmul then reads them, and each weight is
   held in its copy alone, once, where the other paths keep a second copy, oneDNN's packed
-  weights or the copies beside the weight). ``pairs2`` reads
-  the same copy as two streams a thread, the same bits: on the AVX-512 AMD EPYCs two read
+  weights or the copies beside the weight; where the C kernels have AMX tiles, the paths
+  that read the weight as stored instead, ``amx``, ``c``, ``c`` and ``plain``: no copy).
+  ``pairs2`` reads the same copy as two streams a thread, the same bits: on the AVX-512 AMD
+  EPYCs two read
   faster than eight; on the AMX Xeon eight read faster than one, and two a little faster than
   eight (the trial's 49 one-row matmuls, two starts: 11.7 and 13.1 ms against 13.0 and 13.8);
   in AVX2 on an AMD EPYC Zen 2 eight read faster (1.07x two's batch-1 tokens/s). Where the
@@ -58,7 +60,12 @@ Paths (every candidate computes the same function; tests pin each against transf
   ``prefill_linear`` may read them too, it keeps ``pairs`` within ``HELD_ONCE_TIE``: with
   ``prefill_linear=pairs`` each weight is then held once; should ``prefill_linear`` pick
   another path, the faster one). bf16 on CPU with the pairs kernels, while the copy fits,
-  only.
+  only. ``c``: the many-row C kernel on the weight as stored, as ``batch_linear=c`` (on the
+  AMX Xeon its tiles ran 33-64 rows at 0.90-0.99x oneDNN's packed rate: docs/performance.md),
+  offered where the C kernels have AMX tiles (model.stored_offered) and kept within
+  ``HELD_ONCE_TIE`` where single rows and 2-32 rows read the weight as stored and
+  ``prefill_linear`` may take ``plain`` (should it pick another path, the faster one); the
+  memory rule's pick there.
 * ``prefill_linear``: for matmuls of a prefill chunk's rows (``ROWS_SPLIT_MIN_ROWS`` or
   more; ``pairs``: past ``BIG_BATCH_MAX_ROWS``): ``onednn`` (``linear``'s path: the packed
   weights, or ``F.linear``), ``transposed``
@@ -83,7 +90,15 @@ Paths (every candidate computes the same function; tests pin each against transf
   ``HELD_ONCE_TIE`` where single rows do: each weight then held once), else
   ``onednn`` (a cached pick of either is weighed again from its cached times when those
   paths change). With the pairs kernels (AVX-512 BF16 or AVX2), while the copy fits. bf16
-  only; the trial runs on CPU.
+  only; the trial runs on CPU. ``plain``: ``F.linear`` on the weight as stored (oneDNN lays it
+  out per call, which a prefill chunk's rows repay: on the AMX Xeon 1.59 TFLOP/s at 512 and
+  2,048 rows, as the packed weights and the transposed copy); where the rows up to 64 take the
+  C kernels too (``batch_linear`` and ``big_batch_linear`` ``c`` or ``pairs``, one row on
+  ``c``, ``amx`` or the copies: :func:`stored_past_one`) no weight keeps a packed copy.
+  Offered where the C kernels have AMX tiles, kept within ``HELD_ONCE_TIE`` where the paths
+  before it read the weight as stored (each weight then held once, with no copy at all); the
+  memory rule's pick there (on the copies' AVX-512 BF16 kernels, 170 GFLOP/s on that Xeon, a
+  2,000-token prefill took 7.6x as long).
 * ``prefill_attention``: ``blocked`` (blocks of queries, each scored only against the keys it
   can see), ``sdpa`` (torch's fused kernel), ``amx`` (engine/native.py's causal attention on
   AMX tiles: bf16 scores and values on tiles, the softmax in AVX-512; chunks it does not take,
@@ -149,8 +164,8 @@ log = logging.getLogger("pdscope.engine")
 OPTIONS: dict[str, tuple[str, ...]] = {
     "linear": ("packed", "plain", "c", "amx", "pairs", "pairs2"),
     "batch_linear": ("packed", "c", "pairs"),
-    "big_batch_linear": ("onednn", "pairs"),
-    "prefill_linear": ("onednn", "transposed", "rows", "pairs"),
+    "big_batch_linear": ("onednn", "pairs", "c"),
+    "prefill_linear": ("onednn", "transposed", "rows", "pairs", "plain"),
     "matmul_math": ("native", "float32"),
     "prefill_attention": ("blocked", "sdpa", "amx", "c"),
     "decode_math": ("float32", "native"),
@@ -164,7 +179,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
 ON_C: dict[str, tuple[str, ...]] = {
     "linear": ("c", "amx", "pairs", "pairs2"),
     "batch_linear": ("c", "pairs"),
-    "big_batch_linear": ("pairs",),
+    "big_batch_linear": ("pairs", "c"),
     "prefill_linear": ("rows", "pairs"),
     "prefill_attention": ("amx", "c"),
     "decode_ops": ("c",),
@@ -191,7 +206,7 @@ PREFERRED_ROUNDS = 5
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
-_TRIAL_VERSION = 32
+_TRIAL_VERSION = 33
 
 
 @dataclass(frozen=True)
@@ -362,6 +377,19 @@ def packed_unread(picks: Mapping[str, str]) -> bool:
         and picks.get("batch_linear") == "pairs"
         and picks.get("big_batch_linear") == "pairs"
         and picks.get("prefill_linear") == "pairs"
+    )
+
+
+def stored_past_one(picks: Mapping[str, str]) -> bool:
+    """Whether, under ``picks``, no matmul reads oneDNN's packed weights, whatever copies a
+    weight has: one row on the C kernels or the copies, 2 to ``BIG_BATCH_MAX_ROWS`` rows on the
+    many-row kernel or the copies, more on ``F.linear`` over the weight as stored
+    (``prefill_linear=plain``), so that none need be kept."""
+    return (
+        picks.get("prefill_linear") == "plain"
+        and picks.get("linear") not in ("packed", "plain")
+        and picks.get("batch_linear") in ("c", "pairs")
+        and picks.get("big_batch_linear") in ("c", "pairs")
     )
 
 

@@ -25,6 +25,7 @@ from pdscope.engine.kernels import (
     packed_unread,
     pairs_preferred,
     parse_kernels,
+    stored_past_one,
 )
 from pdscope.engine.loader import load_model, read_config, resolve_dtype
 from pdscope.engine.model import (
@@ -243,11 +244,16 @@ class LLMEngine:
         # trial picked it once in three where longer ones time it 4-9% slower; on the AMX
         # Xeon the copy took 7-17% off a prefill). pairs, where the decode paths all read the
         # copies, lets the packed weights go, and where single rows read them too, the
-        # weights themselves (held once): kept within a tie, or HELD_ONCE_TIE, then.
+        # weights themselves (held once): kept within a tie, or HELD_ONCE_TIE, then. plain,
+        # where every smaller matmul reads the weight as stored (AMX tiles), keeps no copy of
+        # it at all: within HELD_ONCE_TIE.
         def prefill_liked(picks: dict[str, str]) -> Liked:
-            if not packed_unread({**picks, "prefill_linear": "pairs"}):
-                return "onednn"
-            return ("pairs", HELD_ONCE_TIE) if picks.get("linear") in PAIRS_LINEAR else "pairs"
+            if packed_unread({**picks, "prefill_linear": "pairs"}):
+                linear = picks.get("linear")
+                return ("pairs", HELD_ONCE_TIE) if linear in PAIRS_LINEAR else "pairs"
+            if stored_past_one({**picks, "prefill_linear": "plain"}):
+                return ("plain", HELD_ONCE_TIE)
+            return "onednn"
 
         # batch_linear=pairs and big_batch_linear=pairs there are the way to it: each kept
         # within HELD_ONCE_TIE where the paths after it may take the copies (and undone below
@@ -255,11 +261,11 @@ class LLMEngine:
         trials = kernel_trials(self.model, prefill_tokens, ops)
         offered = set(trials)
 
-        def may_take_pairs(path: str) -> bool:
-            return forced.get(path, "pairs") == "pairs" and (path in forced or path in offered)
+        def may_take(path: str, option: str = "pairs") -> bool:
+            return forced.get(path, option) == option and (path in forced or path in offered)
 
         def batch_liked(picks: dict[str, str]) -> Liked | None:
-            later = may_take_pairs("big_batch_linear") and may_take_pairs("prefill_linear")
+            later = may_take("big_batch_linear") and may_take("prefill_linear")
             if later and picks.get("linear") in PAIRS_LINEAR:
                 return ("pairs", HELD_ONCE_TIE)
             return None
@@ -267,11 +273,15 @@ class LLMEngine:
         def big_batch_liked(picks: dict[str, str]) -> Liked | None:
             decode_on_copies = picks.get("linear") in PAIRS_LINEAR
             if (
-                may_take_pairs("prefill_linear")
+                may_take("prefill_linear")
                 and decode_on_copies
                 and picks.get("batch_linear") == "pairs"
             ):
                 return ("pairs", HELD_ONCE_TIE)
+            # the way to prefill_linear=plain: every weight read as stored, no copy
+            as_stored = picks.get("linear") in ("c", "amx") and picks.get("batch_linear") == "c"
+            if as_stored and may_take("prefill_linear", "plain"):
+                return ("c", HELD_ONCE_TIE)
             return None
 
         prefer: dict[str, Liked | Callable[[dict[str, str]], Liked | None]] = {
@@ -293,7 +303,8 @@ class LLMEngine:
             choice = replace(choice, how={**choice.how, **dict.fromkeys(held_once, "memory")})
         # kept within HELD_ONCE_TIE for the paths after them, which did not follow: the
         # fastest (its trial's times, cached ones too)
-        if choice.prefill_linear != "pairs":
+        followed = (choice.big_batch_linear, choice.prefill_linear)
+        if followed not in (("pairs", "pairs"), ("c", "plain")):
             choice = replace(choice, big_batch_linear=fastest(choice, "big_batch_linear"))
         if not choice.big_batch_linear == choice.prefill_linear == "pairs":
             choice = replace(choice, batch_linear=fastest(choice, "batch_linear"))
@@ -309,25 +320,44 @@ class LLMEngine:
 
     def _held_once_paths(self, ops: NativeOps | None, forced: dict[str, str]) -> dict[str, str]:
         """Where another copy of every weight does not fit (model.pairs_copy_fits), the
-        matmul paths, not forced, that read nothing but the pairs copies, taken without a
-        trial: each weight is then held once, in its copy (Linear.hold_once), where the
-        others keep a second copy (oneDNN's packed weights, or the copies beside the weight).
-        Empty where there is room, no pairs kernels for one row and several, or one of the
-        four forced to another path (which would read the weight, or keep the packed copy)."""
-        paths = {
-            "linear": pairs_preferred(ops.pairs_isa) if ops is not None else "pairs",
-            "batch_linear": "pairs",
-            "big_batch_linear": "pairs",
-            "prefill_linear": "pairs",
-        }
+        matmul paths, not forced, that keep no second copy, taken without a trial: where the
+        C kernels have AMX tiles, the weight as stored (one row and up to BIG_BATCH_MAX_ROWS
+        through the tiles, more through oneDNN's matmul on it: prefill_linear=plain); else
+        the pairs copies alone, each weight held once in its copy (Linear.hold_once). The
+        others keep a second copy (oneDNN's packed weights, or the copies beside the
+        weight). On the AMX Xeon (family 6 model 207) a 1.1B model's 2,000-token prefill ran
+        at 85 tok/s on the copies (their AVX-512 BF16 kernels: 170 GFLOP/s) against 643 on
+        the tiles and oneDNN (docs/performance.md). Empty where there is room, no C kernels
+        for one row and several, or one of the four forced to another path (which would read
+        the weight, or keep the packed copy)."""
         if (
             ops is None
-            or any(forced.get(p, o) != o for p, o in paths.items() if p != "linear")
-            or forced.get("linear", "pairs") not in PAIRS_LINEAR
-            or not (ops.pairs and ops.pairs_rows)
             or self.dtype != torch.bfloat16
             or self.device.type != "cpu"
             or pairs_copy_fits(self.model)
+        ):
+            return {}
+        stored = ops.linear_many_isa == "amx"
+        paths = (
+            {
+                "linear": "amx",
+                "batch_linear": "c",
+                "big_batch_linear": "c",
+                "prefill_linear": "plain",
+            }
+            if stored
+            else {
+                "linear": pairs_preferred(ops.pairs_isa),
+                "batch_linear": "pairs",
+                "big_batch_linear": "pairs",
+                "prefill_linear": "pairs",
+            }
+        )
+        one_row = ("c", "amx") if stored else tuple(PAIRS_LINEAR)
+        if (
+            any(forced.get(p, o) != o for p, o in paths.items() if p != "linear")
+            or forced.get("linear", paths["linear"]) not in one_row
+            or not (stored or (ops.pairs and ops.pairs_rows))
         ):
             return {}
         held = {p: o for p, o in paths.items() if p not in forced}
@@ -339,9 +369,10 @@ class LLMEngine:
         available = available_memory_bytes() or 0
         log.warning(
             "another copy of the weights (%.1f MiB) does not fit in a quarter of the %.1f MiB "
-            "of memory available: each weight held once, in its pairs copy (%s, not measured)",
+            "of memory available: each weight held once, %s (%s, not measured)",
             weights_bytes / 2**20,
             available / 2**20,
+            "as stored" if stored else "in its pairs copy",
             ", ".join(f"{p}={o}" for p, o in held.items()),
         )
         return held

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdscope.engine.kernels import OPTIONS, PAIRS_LINEAR, packed_unread
+from pdscope.engine.kernels import OPTIONS, PAIRS_LINEAR, packed_unread, stored_past_one
 from pdscope.engine.native import DecodeLayer, DecodeStep
 from pdscope.specs import architectures as registry
 
@@ -353,12 +353,17 @@ class Linear(nn.Linear):
     pair_streams: int = 8  # ... as 8 streams a thread (linear=pairs) or 2 (pairs2)
     # batch_linear=pairs: matmuls of 2 to NATIVE_MANY_MAX_ROWS rows read it (native_many set)
     many_pairs: bool = False
-    # set by apply_kernels when big_batch_linear=pairs: matmuls of NATIVE_MANY_MAX_ROWS + 1 to
-    # BIG_BATCH_MAX_ROWS rows read the copy (a weight without one, the many-row kernel)
+    # set by apply_kernels when big_batch_linear=pairs or c: matmuls of NATIVE_MANY_MAX_ROWS + 1
+    # to BIG_BATCH_MAX_ROWS rows read the copy (pairs; a weight without one, and every weight
+    # under c, through the many-row kernel as stored)
     big_batch: NativeOps | None = None
+    big_batch_pairs: bool = False  # big_batch_linear=pairs: big_batch reads the copy
     # set by apply_kernels when prefill_linear=pairs: matmuls past BIG_BATCH_MAX_ROWS rows read
     # the copy (a weight without one, the packed weights)
     many_rows: NativeOps | None = None
+    # set by apply_kernels when prefill_linear=plain: matmuls past BIG_BATCH_MAX_ROWS rows run
+    # F.linear on the weight as stored (oneDNN's primitive lays it out per call)
+    plain_rows: bool = False
     # The weight_key() each copy (packed, weight_t, pairs) was made from: a copy whose key
     # differs from the weight's is made anew before a matmul reads it.
     packed_source: tuple[int, int] = (0, -1)
@@ -407,13 +412,16 @@ class Linear(nn.Linear):
         """Whether no matmul of any row count reads the weight as stored under the paths
         apply_kernels set (:meth:`forward`'s order): one row and 2 to 32 rows read the pairs
         copy, and each larger count the copy too or the packed weights (which a 3-D input or
-        a weight the copy cannot take would read as well)."""
+        a weight the copy cannot take would read as well); never under big_batch_linear=c or
+        prefill_linear=plain, which read the weight as stored."""
         if self.pairs is None or not self.one_row_pairs or self.native is None:
             return False
+        if self.plain_rows or (self.big_batch is not None and not self.big_batch_pairs):
+            return False  # prefill_linear=plain or big_batch_linear=c read the weight
         many = self.native_many is not None
         if many and not (self.many_pairs and self.many_max_rows >= NATIVE_MANY_MAX_ROWS):
             return False  # batch_linear=c: the many-row kernel reads the weight
-        every_count = many and self.big_batch is not None and self.many_rows is not None
+        every_count = many and self.big_batch_pairs and self.many_rows is not None
         # matmul_math=float32 widens the weight for a matmul no copy takes: none then
         return every_count or (self.packed is not None and not self.widen)
 
@@ -528,13 +536,17 @@ class Linear(nn.Linear):
         prefill_linear=pairs, the pairs copy, made anew first if the weight changed since (a
         replacing weight whose shape allows one gets one even where the weight before could
         not); None where the weight takes none or the paths are others."""
-        rows = (self.big_batch, self.many_rows)
-        paths = self.one_row_pairs or self.many_pairs or any(n is not None for n in rows)
+        big_batch = self.big_batch if self.big_batch_pairs else None
+        paths = (
+            self.one_row_pairs
+            or self.many_pairs
+            or any(n is not None for n in (big_batch, self.many_rows))
+        )
         if paths and self.pairs_source != self.weight_key():
             native = (
                 self.native
                 if self.one_row_pairs
-                else self.native_many or self.big_batch or self.many_rows
+                else self.native_many or big_batch or self.many_rows
             )
             assert native is not None  # apply_kernels sets it with the path
             self.make_pairs(native)
@@ -590,7 +602,7 @@ class Linear(nn.Linear):
             and x.dim() == 2
             and NATIVE_MANY_MAX_ROWS < x.shape[0] <= BIG_BATCH_MAX_ROWS
         ):
-            pairs = self.current_pairs()
+            pairs = self.current_pairs() if self.big_batch_pairs else None
             if pairs is not None:
                 return self.big_batch.linear_pairs(x.contiguous(), pairs, self.bias)
             return self.big_batch.linear_many(x.contiguous(), self.weight, self.bias)
@@ -606,6 +618,8 @@ class Linear(nn.Linear):
                 return linear_transposed(x, weight_t, self.bias)
         if self.widen and x.numel() >= WIDEN_MIN_ROWS * x.shape[-1]:
             return linear_widened(x, self.weight, self.bias)
+        if self.plain_rows and x.numel() > BIG_BATCH_MAX_ROWS * x.shape[-1]:
+            return F.linear(x, self.weight, self.bias)
         packed = self.current_packed()
         if packed is not None:
             return _packed_linear(x, packed, self.bias, "none", [], "")
@@ -1361,8 +1375,8 @@ class CausalLM(nn.Module):
         # `batch_linear`, and more by `big_batch_linear`
         step.pairs = (
             (one_row and first.native is not None and first.one_row_pairs)
-            or big
-            or (not one_row and first.many_pairs)
+            or (many and first.many_pairs)
+            or (big and first.big_batch_pairs)
         )
         if held_once and not step.pairs:
             return None  # a weight held once has only its copy, which these rows do not read
@@ -1562,7 +1576,7 @@ def padded_to(t: torch.Tensor, rows: int) -> torch.Tensor:
 def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | None = None) -> None:
     """Point every module at the paths ``choice`` names (packing or unpacking linears);
     ``native`` is the loaded C kernels, used when ``choice.decode_ops`` is ``c``."""
-    for path in ("linear", "batch_linear", "decode_ops"):
+    for path in ("linear", "batch_linear", "big_batch_linear", "decode_ops"):
         if getattr(choice, path) == "c" and native is None:
             raise ValueError(f"{path}=c needs the C kernels, which did not load")
     if choice.linear == "amx" and (native is None or native.linear_many_isa != "amx"):
@@ -1610,6 +1624,8 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
     model.native = native if choice.decode_ops == "c" else None
     model._decode_layers = None
     unread = packed_unread(asdict(choice))  # a weight with a pairs copy then keeps no packed one
+    # ... and no weight, where every matmul past 64 rows reads it as stored (prefill_linear=plain)
+    stored = stored_past_one(asdict(choice))
     for module in model.modules():
         if isinstance(module, Linear):
             if module.held_once:  # its copy holds its values: made again before any is freed
@@ -1623,8 +1639,10 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             module.many_pairs = choice.batch_linear == "pairs"
             # batch_linear=pairs: weights without a copy take the many-row kernel
             module.native_many = native if choice.batch_linear in ("c", "pairs") else None
-            module.big_batch = native if choice.big_batch_linear == "pairs" else None
+            module.big_batch = native if choice.big_batch_linear in ("pairs", "c") else None
+            module.big_batch_pairs = choice.big_batch_linear == "pairs"
             module.many_rows = native if choice.prefill_linear == "pairs" else None
+            module.plain_rows = choice.prefill_linear == "plain"
             module.widen = choice.matmul_math == "float32" and module.weight.dtype == torch.bfloat16
             module.many_max_rows = NATIVE_MANY_MAX_ROWS
             if module.widen and module.native_many is None and native is not None:
@@ -1638,7 +1656,7 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             streamed = (
                 (module.native is not None and not (module.one_row_pairs and copied))
                 or (module.native_many is not None and not (module.many_pairs and copied))
-                or (module.big_batch is not None and not copied)
+                or (module.big_batch is not None and not (module.big_batch_pairs and copied))
             )
             if streamed and not module.huge_pages:
                 # The C kernels stream this weight every decode step: moved, not copied (the
@@ -1671,7 +1689,7 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             elif module.pairs is None or module.pairs_source != module.weight_key():
                 assert native is not None  # checked above
                 module.make_pairs(native)  # (a stale one too: held once, it stands alone)
-            if module.pairs is not None and unread:
+            if (module.pairs is not None and unread) or stored:
                 module.packed, module.packed_rows = None, 0
                 module.hold_source("packed", made=False)
             elif choice.linear != "plain" and module.weight.dtype == torch.bfloat16:
@@ -1698,7 +1716,7 @@ def apply_kernels(model: CausalLM, choice: KernelChoice, native: NativeOps | Non
             module.native = model.native
     model.row_bucket = ROW_BUCKET if choice.step_rows == "padded" else 1
     model.pad_min_rows = (
-        BIG_BATCH_MAX_ROWS + 1 if choice.big_batch_linear == "pairs" else PAD_MIN_ROWS
+        BIG_BATCH_MAX_ROWS + 1 if choice.big_batch_linear in ("pairs", "c") else PAD_MIN_ROWS
     )
 
 
@@ -1764,15 +1782,17 @@ def kernel_trials(
     if native is not None and (can_pack(dtype, device) or widen_bf16(dtype, device)):
         many = native
         trials["batch_linear"] = lambda: _batch_linear_trial(shared, many)
-        if dtype == torch.bfloat16 and native.pairs_rows and pairs_copy_fits(model):
+        copies = dtype == torch.bfloat16 and native.pairs_rows and pairs_copy_fits(model)
+        if copies or stored_offered(model, native):
             trials["big_batch_linear"] = lambda: _big_batch_linear_trial(shared, many)
     if can_pack(dtype, device) and prefill_tokens >= ROWS_SPLIT_MIN_ROWS:
         transposed = transposed_copy_fits(model)
         pairs = native is not None and bool(native.pairs_rows) and pairs_copy_fits(model)
-        if transposed or pairs:
+        stored = stored_offered(model, native)
+        if transposed or pairs or stored:
             with_pairs = native if pairs else None
             trials["prefill_linear"] = lambda: _prefill_linear_trial(
-                model, prefill_tokens, with_pairs, transposed
+                model, prefill_tokens, with_pairs, transposed, stored
             )
     if native is not None:
         ops = native
@@ -1995,17 +2015,24 @@ _BIG_BATCH_TRIAL_ROWS = 48
 def _big_batch_linear_trial(
     shared: _TrialWeights, native: NativeOps
 ) -> dict[str, Callable[[], object]]:
-    return _several_rows_candidates(shared, native, shared.inputs(_BIG_BATCH_TRIAL_ROWS))
+    inputs = shared.inputs(_BIG_BATCH_TRIAL_ROWS)
+    return _several_rows_candidates(
+        shared, native, inputs, stored=stored_offered(shared.model, native)
+    )
 
 
 def _several_rows_candidates(
-    shared: _TrialWeights, native: NativeOps, inputs: dict[int, torch.Tensor]
+    shared: _TrialWeights,
+    native: NativeOps,
+    inputs: dict[int, torch.Tensor],
+    stored: bool = False,
 ) -> dict[str, Callable[[], object]]:
     """One step's matmuls (the shared ones, on ``inputs`` by input width) through oneDNN
     (``onednn``: the weights packed as the engine lays them out for several rows, the fastest
     packed form there, whatever ``linear`` chooses: C must beat the best oneDNN can do to be
     chosen; where oneDNN has no bf16 path, the float32-widened matmul several rows take there)
-    and, where the copies are offered, through the pairs copies (``pairs``)."""
+    and, where the copies are offered, through the pairs copies (``pairs``); with ``stored``,
+    through the many-row kernel on the weights as stored (``c``)."""
     model, linears = shared.model, shared.linears
     weight = model.embed_tokens.weight
     if can_pack(weight.dtype, weight.device):
@@ -2025,7 +2052,27 @@ def _several_rows_candidates(
     if weight.dtype == torch.bfloat16 and native.pairs_rows and pairs_copy_fits(model):
         # weights without a copy take the many-row kernel
         candidates["pairs"] = _pairs_candidate(shared.pairs, inputs, native, native.linear_many)
+    if stored:
+
+        def run_c() -> None:
+            for m in linears:
+                native.linear_many(inputs[m.in_features], m.weight, m.bias)
+
+        candidates["c"] = run_c
     return candidates
+
+
+def stored_offered(model: CausalLM, native: NativeOps | None) -> bool:
+    """Whether the trials offer the weights as stored past 32 rows (``big_batch_linear=c``,
+    ``prefill_linear=plain``): a bf16 model on CPU whose C kernels have AMX tiles, where
+    those paths hold no copy at par with the copies' speed (docs/performance.md)."""
+    weight = model.embed_tokens.weight
+    return (
+        native is not None
+        and weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and native.linear_many_isa == "amx"
+    )
 
 
 def transposed_copy_bytes(model: CausalLM) -> int:
@@ -2139,10 +2186,15 @@ def _prefill_trial_linears(model: CausalLM) -> list[Linear]:
 
 
 def _prefill_linear_trial(
-    model: CausalLM, rows: int, pairs: NativeOps | None = None, transposed: bool = True
+    model: CausalLM,
+    rows: int,
+    pairs: NativeOps | None = None,
+    transposed: bool = True,
+    stored: bool = False,
 ) -> dict[str, Callable[[], object]]:
     """oneDNN's packed weights against the candidates offered: the transposed copy
-    (``transposed``) and the pairs copies (``pairs``, the C kernels to run them)."""
+    (``transposed``), the pairs copies (``pairs``, the C kernels to run them) and ``F.linear``
+    on the weights as stored (``plain``, with ``stored``)."""
     linears = _prefill_trial_linears(model)
     weight = model.embed_tokens.weight
     rows = min(rows, PACKED_ROWS_WITH_C)  # a chunk of the size the weights are packed for
@@ -2183,6 +2235,13 @@ def _prefill_linear_trial(
                     pairs.linear_pairs(x, p, m.bias)
 
         candidates["pairs"] = run_pairs
+    if stored:
+
+        def run_plain() -> None:
+            for m in linears:
+                F.linear(inputs[m.in_features], m.weight, m.bias)
+
+        candidates["plain"] = run_plain
     return candidates
 
 

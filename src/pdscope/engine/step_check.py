@@ -27,7 +27,8 @@ from pdscope.engine.model import NATIVE_MANY_MAX_ROWS, AttentionBatch, CausalLM,
 # over few (the team's serial attention: thread 0 alone); batches of 5 (the pairs tiles' short
 # tails) and 17 (two groups of 16 rows, the last short) where batched matmuls take the C
 # kernels, cut to the most rows those take where fewer; and 41 (five tiles of 8 and a tail of
-# one) where big_batch_linear takes the copies.
+# one in the copies, a pass of 32 and one of 9 on the tiles) where big_batch_linear takes the C
+# kernels.
 CHECK_STEPS = ((1, 600), (1, 32), (5, 48), (17, 48), (41, 48))
 _CHECK_VERSION = 2
 
