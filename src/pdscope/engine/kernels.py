@@ -33,7 +33,11 @@ Paths (every candidate computes the same function; tests pin each against transf
   trial times that rule's count (:func:`pairs_preferred`) within ``TIE`` of the fastest
   candidate, it keeps that count: in a slow phase of the host the two read alike, so a trial
   run then picks one by noise (an AVX-512 AMD EPYC Zen 4 picked ``pairs`` so, whose batch-1
-  step then took 1.07x ``pairs2``'s time in a fast phase of 25 rounds).
+  step then took 1.07x ``pairs2``'s time in a fast phase of 25 rounds). Where the C kernels
+  have AMX tiles the trial keeps ``amx`` instead, within ``HELD_ONCE_TIE``: it reads the
+  weight as stored, where the copies are one more copy of it (on the AMX Xeon, family 6 model
+  207, the trial picked ``pairs2`` in 3 of 6 uncached starts, whose batch-1 decode then ran at
+  0.80x ``amx``'s in the engine: bench/kernels_ab.py).
 * ``batch_linear``: for matmuls of 2 to ``NATIVE_MANY_MAX_ROWS`` rows (a batched decode
   step): ``packed`` (whatever ``linear`` gives matmuls of several rows: the packed weights, or
   ``F.linear`` under ``linear=plain``), ``c`` (engine/native.py's many-row kernel: AMX tile

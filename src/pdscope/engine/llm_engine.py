@@ -38,6 +38,7 @@ from pdscope.engine.model import (
     pairs_copy_fits,
     prefetch_applies,
     release_freed_memory,
+    stored_offered,
     thread_cpus,
     widen_bf16,
 )
@@ -289,7 +290,14 @@ class LLMEngine:
             "big_batch_linear": big_batch_liked,
             "prefill_linear": prefill_liked,
         }
-        if ops is not None and ops.pairs:
+        if stored_offered(self.model, ops):
+            # The tiles read the weight as stored, where the pairs copies at one row are a
+            # copy more (and, with the paths after it on the weight too, the only one): kept
+            # within HELD_ONCE_TIE. On the AMX Xeon (family 6 model 207) the trial picked
+            # pairs2 in 3 of 6 uncached starts, whose batch-1 decode then ran 0.80x amx's
+            # (bench/kernels_ab.py; docs/performance.md).
+            prefer["linear"] = ("amx", HELD_ONCE_TIE)
+        elif ops is not None and ops.pairs:
             prefer["linear"] = pairs_preferred(ops.pairs_isa)
         held_once = self._held_once_paths(ops, forced)
         for path, option in held_once.items():
