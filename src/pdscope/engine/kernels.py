@@ -65,7 +65,8 @@ Paths (every candidate computes the same function; tests pin each against transf
   ``prefill_linear=pairs`` each weight is then held once; should ``prefill_linear`` pick
   another path, the faster one). bf16 on CPU with the pairs kernels, while the copy fits,
   only. ``c``: the many-row C kernel on the weight as stored, as ``batch_linear=c`` (on the
-  AMX Xeon its tiles ran 33-64 rows at 0.90-0.99x oneDNN's packed rate: docs/performance.md),
+  AMX Xeon its tiles ran 48 and 64 rows at 0.87x and 0.89x oneDNN's packed rate:
+  bench/linear_ab.py),
   offered where the C kernels have AMX tiles (model.stored_offered) and kept within
   ``HELD_ONCE_TIE`` where single rows and 2-32 rows read the weight as stored and
   ``prefill_linear`` may take ``plain`` (should it pick another path, the faster one); the
@@ -95,14 +96,14 @@ Paths (every candidate computes the same function; tests pin each against transf
   ``onednn`` (a cached pick of either is weighed again from its cached times when those
   paths change). With the pairs kernels (AVX-512 BF16 or AVX2), while the copy fits. bf16
   only; the trial runs on CPU. ``plain``: ``F.linear`` on the weight as stored (oneDNN lays it
-  out per call, which a prefill chunk's rows repay: on the AMX Xeon 1.59 TFLOP/s at 512 and
-  2,048 rows, as the packed weights and the transposed copy); where the rows up to 64 take the
+  out per call, which a prefill chunk's rows repay: on the AMX Xeon 1.58 and 1.94 TFLOP/s at
+  512 and 2,048 rows, the packed weights 1.57 and 1.77); where the rows up to 64 take the
   C kernels too (``batch_linear`` and ``big_batch_linear`` ``c`` or ``pairs``, one row on
   ``c``, ``amx`` or the copies: :func:`stored_past_one`) no weight keeps a packed copy.
   Offered where the C kernels have AMX tiles, kept within ``HELD_ONCE_TIE`` where the paths
   before it read the weight as stored (each weight then held once, with no copy at all); the
-  memory rule's pick there (on the copies' AVX-512 BF16 kernels, 170 GFLOP/s on that Xeon, a
-  2,000-token prefill took 7.6x as long).
+  memory rule's pick there (on the copies' AVX-512 BF16 kernels, 157-181 GFLOP/s on that
+  Xeon, a 2,000-token prefill took 8x as long: bench/kernels_ab.py).
 * ``prefill_attention``: ``blocked`` (blocks of queries, each scored only against the keys it
   can see), ``sdpa`` (torch's fused kernel), ``amx`` (engine/native.py's causal attention on
   AMX tiles: bf16 scores and values on tiles, the softmax in AVX-512; chunks it does not take,
