@@ -15,7 +15,12 @@ from prometheus_client import generate_latest
 from pdscope import LLM, SamplingParams
 from pdscope.checkpoint.make_model import make_model
 from pdscope.engine import native
-from pdscope.engine.kernels import packed_unread, parse_kernels, stored_past_one
+from pdscope.engine.kernels import (
+    packed_unread,
+    pairs_preferred,
+    parse_kernels,
+    stored_past_one,
+)
 from pdscope.engine.model import Linear
 from tests.conftest import OTHER_BUILDS, build_for
 
@@ -1448,10 +1453,19 @@ def test_where_another_copy_does_not_fit_each_weight_is_held_once_without_a_tria
         else:
             assert all(m.held_once for m in linears)
         held = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-        partly = LLM(model=str(path), kernels="batch_linear=packed", **args)  # a packed copy
-        assert "memory" not in {partly.engine.kernels.how[p] for p in paths}
-        model = partly.engine.runner.model
-        assert not any(m.held_once for m in model.modules() if isinstance(m, Linear))
+        for spec in ("linear=packed", "batch_linear=packed"):  # the packed weights kept
+            partly = LLM(model=str(path), kernels=spec, **args)
+            assert "memory" not in {partly.engine.kernels.how[p] for p in paths}, spec
+            model = partly.engine.runner.model
+            assert not any(m.held_once for m in model.modules() if isinstance(m, Linear))
+        # single rows forced onto the copies take the rest there too, AMX tiles or not
+        assert ops is not None
+        copies = LLM(model=str(path), kernels=f"linear={pairs_preferred(ops.pairs_isa)}", **args)
+        on_copies = copies.engine.kernels
+        assert {on_copies.how[p] for p in paths[1:]} == {"memory"}
+        assert on_copies.prefill_linear == on_copies.big_batch_linear == "pairs"
+        model = copies.engine.runner.model
+        assert all(m.held_once for m in model.modules() if isinstance(m, Linear))
         for module in (engine_model, llm_engine):
             monkeypatch.setattr(module, "available_memory_bytes", lambda: 100 * weights)
         forced = LLM(model=str(path), kernels=f"linear={kernels.linear},{past_one}", **args)

@@ -2274,3 +2274,16 @@ def test_the_weights_as_stored_past_32_rows_are_kept_within_a_wider_tie_on_amx(
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     out = llm.generate([list(range(10, 10 + rows - 8))], greedy)[0]  # one chunk past 64 rows
     assert len(out.token_ids) == 4
+
+
+def test_a_list_of_liked_candidates_keeps_the_first_within_its_own_margin() -> None:
+    """prefer's list form (prefill_linear=plain within HELD_ONCE_TIE, else oneDNN within TIE):
+    the first candidate within its margin of the fastest is kept, a name not timed is passed
+    over, and none qualifying leaves the fastest."""
+    from pdscope.engine.kernels import _tie_pick
+
+    times = {"transposed": 1.0, "onednn": 1.02, "plain": 1.06}
+    assert _tie_pick(times, [("plain", 0.10), "onednn"]) == "plain"
+    assert _tie_pick(times, [("plain", 0.05), "onednn"]) == "onednn"
+    assert _tie_pick(times, [("pairs", 0.50), ("plain", 0.05), ("onednn", 0.01)]) == "transposed"
+    assert _tie_pick(times, None) == "transposed"

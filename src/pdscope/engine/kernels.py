@@ -197,7 +197,8 @@ PAIRS_LINEAR: dict[str, int] = dict(zip(("pairs", "pairs2"), PAIR_STREAMS, stric
 TIE = 0.03
 # ... and this one where the preferred candidate lets every weight be held once, in its pairs
 # copy (prefill_linear=pairs with the decode paths on the copies, and batch_linear=pairs and
-# big_batch_linear=pairs on the way there): half the weights' memory.
+# big_batch_linear=pairs on the way there): half the weights' memory; or, with AMX tiles, as
+# stored with no copy (linear=amx against the copies, big_batch_linear=c, prefill_linear=plain).
 # On an AMD EPYC Zen 4 the copies' prefill matched oneDNN's through HTTP (the servers' mean
 # TTFT 0.98-1.01x oneDNN's) and took 1.03x its time in an engine's 2,048-row steps, while its
 # start's trial, cut to 24 MB, picked oneDNN by noise in 2 of 3 uncached starts of a
@@ -398,16 +399,18 @@ def stored_past_one(picks: Mapping[str, str]) -> bool:
     )
 
 
-Liked = str | tuple[str, float]  # a preferred candidate, or one and its own tie margin
+OneLiked = str | tuple[str, float]  # a preferred candidate, or one and its own tie margin
+Liked = OneLiked | list[OneLiked]  # ... or several, the first that qualifies kept
 
 
 def _tie_pick(medians_s: Mapping[str, float], liked: Liked | None) -> str:
     """The fastest candidate, or ``liked`` where it times within :data:`TIE` (or the margin
-    given with it) of it."""
-    name, tie = liked if isinstance(liked, tuple) else (liked, TIE)
+    given with it) of it; of a list, the first that does."""
     pick = min(medians_s, key=medians_s.__getitem__)
-    if name in medians_s and medians_s[name] <= medians_s[pick] * (1 + tie):
-        return name
+    for one in liked if isinstance(liked, list) else [] if liked is None else [liked]:
+        name, tie = one if isinstance(one, tuple) else (one, TIE)
+        if name in medians_s and medians_s[name] <= medians_s[pick] * (1 + tie):
+            return name
     return pick
 
 

@@ -245,15 +245,17 @@ class LLMEngine:
         # trial picked it once in three where longer ones time it 4-9% slower; on the AMX
         # Xeon the copy took 7-17% off a prefill). pairs, where the decode paths all read the
         # copies, lets the packed weights go, and where single rows read them too, the
-        # weights themselves (held once): kept within a tie, or HELD_ONCE_TIE, then. plain,
-        # where every smaller matmul reads the weight as stored (AMX tiles), keeps no copy of
-        # it at all: within HELD_ONCE_TIE.
+        # weights themselves (held once): kept within a tie, or HELD_ONCE_TIE, then. plain
+        # (offered with AMX tiles), where no smaller matmul reads the packed weights, lets
+        # them go: within HELD_ONCE_TIE, else oneDNN's within a tie as before.
+        stored = stored_offered(self.model, ops)
+
         def prefill_liked(picks: dict[str, str]) -> Liked:
             if packed_unread({**picks, "prefill_linear": "pairs"}):
                 linear = picks.get("linear")
                 return ("pairs", HELD_ONCE_TIE) if linear in PAIRS_LINEAR else "pairs"
-            if stored_past_one({**picks, "prefill_linear": "plain"}):
-                return ("plain", HELD_ONCE_TIE)
+            if stored and stored_past_one({**picks, "prefill_linear": "plain"}):
+                return [("plain", HELD_ONCE_TIE), "onednn"]
             return "onednn"
 
         # batch_linear=pairs and big_batch_linear=pairs there are the way to it: each kept
@@ -281,7 +283,7 @@ class LLMEngine:
                 return ("pairs", HELD_ONCE_TIE)
             # the way to prefill_linear=plain: every weight read as stored, no copy
             as_stored = picks.get("linear") in ("c", "amx") and picks.get("batch_linear") == "c"
-            if as_stored and may_take("prefill_linear", "plain"):
+            if stored and as_stored and may_take("prefill_linear", "plain"):
                 return ("c", HELD_ONCE_TIE)
             return None
 
@@ -290,15 +292,17 @@ class LLMEngine:
             "big_batch_linear": big_batch_liked,
             "prefill_linear": prefill_liked,
         }
-        if stored_offered(self.model, ops):
+        if ops is not None and ops.pairs:
+            prefer["linear"] = pairs_preferred(ops.pairs_isa)
+        if stored:
             # The tiles read the weight as stored, where the pairs copies at one row are a
             # copy more (and, with the paths after it on the weight too, the only one): kept
-            # within HELD_ONCE_TIE. On the AMX Xeon (family 6 model 207) the trial picked
-            # pairs2 in 3 of 6 uncached starts, whose batch-1 decode then ran 0.80x amx's
-            # (bench/kernels_ab.py; docs/performance.md).
-            prefer["linear"] = ("amx", HELD_ONCE_TIE)
-        elif ops is not None and ops.pairs:
-            prefer["linear"] = pairs_preferred(ops.pairs_isa)
+            # within HELD_ONCE_TIE of the copies (undone below where another path is the
+            # fastest). On the AMX Xeon (family 6 model 207) the trial picked pairs2 in 3 of 6
+            # uncached starts, whose batch-1 decode then ran 0.80x amx's (bench/kernels_ab.py;
+            # docs/performance.md).
+            copies = [pairs_preferred(ops.pairs_isa)] if ops is not None and ops.pairs else []
+            prefer["linear"] = [("amx", HELD_ONCE_TIE), *copies]
         held_once = self._held_once_paths(ops, forced)
         for path, option in held_once.items():
             trials.pop(path, None)  # (offered only while a whole copy fits)
@@ -310,12 +314,22 @@ class LLMEngine:
         if held_once:
             choice = replace(choice, how={**choice.how, **dict.fromkeys(held_once, "memory")})
         # kept within HELD_ONCE_TIE for the paths after them, which did not follow: the
-        # fastest (its trial's times, cached ones too)
+        # fastest (its trial's times, cached ones too). linear=amx is kept so against the
+        # copies only: where neither is the fastest, the fastest.
+        if choice.linear == "amx" and fastest(choice, "linear") not in PAIRS_LINEAR:
+            choice = replace(choice, linear=fastest(choice, "linear"))
         followed = (choice.big_batch_linear, choice.prefill_linear)
         if followed not in (("pairs", "pairs"), ("c", "plain")):
             choice = replace(choice, big_batch_linear=fastest(choice, "big_batch_linear"))
         if not choice.big_batch_linear == choice.prefill_linear == "pairs":
             choice = replace(choice, batch_linear=fastest(choice, "batch_linear"))
+        if choice.prefill_linear == "plain" and not stored_past_one(asdict(choice)):
+            # the packed weights stay for a path that changed above: plain saves nothing
+            choice = replace(
+                choice,
+                prefill_linear=fastest(choice, "prefill_linear"),
+                big_batch_linear=fastest(choice, "big_batch_linear"),
+            )
         copies_past_32 = choice.big_batch_linear == choice.prefill_linear == "pairs"
         if copies_past_32 and "step_rows" not in forced:
             # the rule above, for these paths: past 32 rows only a weight without a pairs copy
@@ -345,7 +359,11 @@ class LLMEngine:
             or pairs_copy_fits(self.model)
         ):
             return {}
-        stored = ops.linear_many_isa == "amx"
+        # a path forced onto the copies takes the rest there too (each weight held once)
+        on_copies = forced.get("linear") in PAIRS_LINEAR or "pairs" in {
+            forced.get(p) for p in ("batch_linear", "big_batch_linear", "prefill_linear")
+        }
+        stored = ops.linear_many_isa == "amx" and not on_copies
         paths = (
             {
                 "linear": "amx",

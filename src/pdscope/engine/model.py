@@ -1744,14 +1744,16 @@ def kernel_trials(
       ``linear=c``), the fastest packed form at these rows, whatever ``linear`` chooses: C
       must beat the best oneDNN can do to be chosen. Where oneDNN has no bf16 path, that
       candidate is the float32-widened matmul several rows take there (``matmul_math``);
-    * big batch linear (bf16 with the pairs kernels, while the copy fits): the same matmuls at
-      ``_BIG_BATCH_TRIAL_ROWS`` rows, through the packed weights (or widened) as above and
-      through the pair-interleaved copies;
+    * big batch linear (bf16 with the pairs kernels while the copy fits, or with AMX tiles):
+      the same matmuls at ``_BIG_BATCH_TRIAL_ROWS`` rows, through the packed weights (or
+      widened) as above, through the pair-interleaved copies (while they fit) and through the
+      many-row kernel on the weights as stored (AMX tiles: :func:`stored_offered`);
     * prefill linear (bf16, chunks of at least ``ROWS_SPLIT_MIN_ROWS``): layer 0's matmuls
       (cut to ``_PREFILL_TRIAL_BYTES``: :func:`_prefill_trial_linears`) at ``prefill_tokens``
       rows, through the weights packed for many rows, through a transposed copy (offered only
-      while that copy fits: ``transposed_copy_fits``) and through the pairs copies (with the
-      pairs kernels for several rows, while that copy fits);
+      while that copy fits: ``transposed_copy_fits``), through the pairs copies (with the
+      pairs kernels for several rows, while that copy fits) and through ``F.linear`` on the
+      weights as stored (AMX tiles: :func:`stored_offered`);
     * prefill attention: layer 0's attention over a fresh chunk of ``prefill_tokens``;
     * decode math: every layer's attention for a batch of the largest size that may take the
       float32 path, each with 256 tokens of context;
@@ -2158,8 +2160,8 @@ def release_freed_memory() -> bool:
 def copy_fits(nbytes: int) -> bool:
     """Whether a copy of ``nbytes`` is at most TRANSPOSED_COPY_MAX_SHARE of the memory
     available now: a model that would need most of the machine's memory for another copy of
-    its weights is not measured into one (the pairs copy, which can stand in for the weight,
-    is then taken untimed: llm_engine's _held_once_paths). False where the available memory
+    its weights is not measured into one (the paths that keep no second copy are then taken
+    untimed: llm_engine's _held_once_paths). False where the available memory
     cannot be read."""
     available = available_memory_bytes()
     return available is not None and nbytes <= TRANSPOSED_COPY_MAX_SHARE * available
