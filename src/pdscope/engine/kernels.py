@@ -37,7 +37,7 @@ Paths (every candidate computes the same function; tests pin each against transf
   have AMX tiles the trial keeps ``amx`` instead, within ``HELD_ONCE_TIE``: it reads the
   weight as stored, where the copies are one more copy of it (on the AMX Xeon, family 6 model
   207, the trial picked ``pairs2`` in 3 of 6 uncached starts, whose batch-1 decode then ran at
-  0.80x ``amx``'s in the engine: bench/kernels_ab.py).
+  0.85x ``amx``'s in the engine: bench/kernels_ab.py).
 * ``batch_linear``: for matmuls of 2 to ``NATIVE_MANY_MAX_ROWS`` rows (a batched decode
   step): ``packed`` (whatever ``linear`` gives matmuls of several rows: the packed weights, or
   ``F.linear`` under ``linear=plain``), ``c`` (engine/native.py's many-row kernel: AMX tile

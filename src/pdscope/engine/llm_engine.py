@@ -299,7 +299,7 @@ class LLMEngine:
             # copy more (and, with the paths after it on the weight too, the only one): kept
             # within HELD_ONCE_TIE of the copies (undone below where another path is the
             # fastest). On the AMX Xeon (family 6 model 207) the trial picked pairs2 in 3 of 6
-            # uncached starts, whose batch-1 decode then ran 0.80x amx's (bench/kernels_ab.py;
+            # uncached starts, whose batch-1 decode then ran 0.85x amx's (bench/kernels_ab.py;
             # docs/performance.md).
             copies = [pairs_preferred(ops.pairs_isa)] if ops is not None and ops.pairs else []
             prefer["linear"] = [("amx", HELD_ONCE_TIE), *copies]
