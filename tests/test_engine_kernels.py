@@ -749,22 +749,43 @@ def test_prefill_linear_pairs_is_kept_in_a_tie_where_it_lets_the_packed_weights_
     assert len(out.token_ids) == 4
 
 
+def _engine_with_a_prefill_trial(tmp_path: Path, kernels: str) -> LLM:
+    """A tiny bf16 model's engine whose prefill chunks (ROWS_SPLIT_MIN_ROWS) are long enough
+    for prefill_linear's trial."""
+    from pdscope.engine.model import ROWS_SPLIT_MIN_ROWS
+
+    path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
+    rows = ROWS_SPLIT_MIN_ROWS
+    return LLM(
+        model=str(path), kv_cache_memory="8MiB", max_model_len=2 * rows,
+        max_num_batched_tokens=rows, kernels=kernels,
+    )  # fmt: skip
+
+
 def _copies_between_the_margins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every trial from here times the pairs copies 1.06x the fastest (between TIE and
     HELD_ONCE_TIE), the transposed copy 1.2x, the rest alike; skips where the pairs kernels
     for several rows or oneDNN's bf16 path are missing. A fresh kernel cache."""
-    from pdscope.engine.kernels import HELD_ONCE_TIE, TIE
-
     monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
     ops = native.load(tmp_path / "native")
     if ops is None or not ops.pairs_rows or not can_pack(torch.bfloat16, torch.device("cpu")):
         pytest.skip("no pairs kernels for several rows, or no oneDNN bf16, here")
+    _between_the_margins(monkeypatch, ("pairs",), ("transposed",))
+
+
+def _between_the_margins(
+    monkeypatch: pytest.MonkeyPatch, between: tuple[str, ...], far: tuple[str, ...]
+) -> None:
+    """Every trial from here times the candidates named in ``between`` 1.06x the fastest
+    (between TIE and HELD_ONCE_TIE), those in ``far`` 1.2x, the rest alike."""
+    from pdscope.engine.kernels import HELD_ONCE_TIE, TIE
+
     slower = 1.06
     assert 1 + TIE < slower < 1 + HELD_ONCE_TIE
     monkeypatch.setattr(
         "pdscope.engine.kernels.median_times_s",
         lambda candidates, **_: {
-            n: slower if n == "pairs" else 1.2 if n == "transposed" else 1.0 for n in candidates
+            n: slower if n in between else 1.2 if n in far else 1.0 for n in candidates
         },
     )
 
@@ -807,17 +828,9 @@ def test_big_batch_linear_pairs_on_the_way_to_holding_weights_once_is_kept_withi
     prefill_linear=pairs, lets every weight be held once) is kept within HELD_ONCE_TIE (set
     medians: the copies 1.06x oneDNN's, in every trial); with batch_linear on the packed
     weights, or prefill_linear kept off the copies, the faster one."""
-    from pdscope.engine.model import ROWS_SPLIT_MIN_ROWS
 
     _copies_between_the_margins(tmp_path, monkeypatch)
-
-    path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
-    rows = ROWS_SPLIT_MIN_ROWS  # prefill chunks long enough for prefill_linear's trial
-    llm = LLM(
-        model=str(path), kv_cache_memory="8MiB", max_model_len=2 * rows,
-        max_num_batched_tokens=rows, kernels=f"linear=pairs2,{others}",
-    )  # fmt: skip
-    choice = llm.engine.kernels
+    choice = _engine_with_a_prefill_trial(tmp_path, f"linear=pairs2,{others}").engine.kernels
     assert (choice.big_batch_linear, choice.how["big_batch_linear"]) == (kept, "measured")
     if "prefill_linear" not in others:
         assert choice.prefill_linear == kept
@@ -2242,28 +2255,15 @@ def test_the_weights_as_stored_past_32_rows_are_kept_within_a_wider_tie_on_amx(
     HELD_ONCE_TIE of the fastest (set medians: 1.06x; the pairs copies 1.2x, so as not to be
     on their own way); with batch_linear on the packed weights, oneDNN's (a packed copy is
     kept anyway)."""
-    from pdscope.engine.kernels import HELD_ONCE_TIE, TIE
     from pdscope.engine.model import ROWS_SPLIT_MIN_ROWS
 
     monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
     ops = native.load(tmp_path / "native")
     if ops is None or ops.linear_many_isa != "amx":
         pytest.skip("no AMX tiles in this build of the C kernels, CPU or kernel")
-    slower = 1.06
-    assert 1 + TIE < slower < 1 + HELD_ONCE_TIE
-    monkeypatch.setattr(
-        "pdscope.engine.kernels.median_times_s",
-        lambda candidates, **_: {
-            n: slower if n in ("c", "plain") else 1.2 if n in ("pairs", "transposed") else 1.0
-            for n in candidates
-        },
-    )
-    path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
-    rows = ROWS_SPLIT_MIN_ROWS  # prefill chunks long enough for prefill_linear's trial
-    llm = LLM(
-        model=str(path), kv_cache_memory="8MiB", max_model_len=2 * rows,
-        max_num_batched_tokens=rows, kernels=f"linear=amx,{others}",
-    )  # fmt: skip
+    _between_the_margins(monkeypatch, ("c", "plain"), ("pairs", "transposed"))
+    llm = _engine_with_a_prefill_trial(tmp_path, f"linear=amx,{others}")
+    rows = ROWS_SPLIT_MIN_ROWS
     choice = llm.engine.kernels
     assert (choice.big_batch_linear, choice.prefill_linear) == kept, choice.summary()
     assert choice.how["prefill_linear"] == choice.how["big_batch_linear"] == "measured"
