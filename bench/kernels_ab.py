@@ -3,7 +3,8 @@
 Each ``--kernels`` spec (as the engine's ``--kernels``; ``auto`` for the trial's own picks)
 builds one engine on the same checkpoint, all loaded at once. Round after round, every engine
 in turn (the order reversed every other round) decodes at batch 1 (128 tokens after a fresh
-16-token prompt, tokens/s from the gap between a 1-token and a 129-token generation) and
+16-token prompt, tokens/s from the gap between a 1-token and a 129-token generation of it,
+prefix caching off so that both prefill the same 16 tokens) and
 prefills a fresh 2,000-token prompt (one output token). Prints each engine's picks, the
 medians, and each engine's median per-round ratio against the first (above 1: faster).
 
@@ -36,15 +37,15 @@ def main() -> None:
     parser.add_argument("--kernels", action="append", required=True, help="repeat: one engine")
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
-    if len(args.kernels) < 2:
-        parser.error("give --kernels at least twice: engines to compare")
+    if len(set(args.kernels)) != len(args.kernels) or len(args.kernels) < 2:
+        parser.error("give --kernels at least twice, each spec once: engines to compare")
     path = str(resolve_model_path(args.model))
     print(machine_line())
     engines: dict[str, LLM] = {}
     for spec in args.kernels:
         engines[spec] = LLM(
             model=path, dtype="bfloat16", kv_cache_memory="1GiB", max_model_len=4096,
-            max_num_batched_tokens=2048, kernels=spec,
+            max_num_batched_tokens=2048, enable_prefix_caching=False, kernels=spec,
         )  # fmt: skip
         print(f"{spec}: {engines[spec].engine.kernels.summary()}", flush=True)
     rng = random.Random(0)
@@ -66,7 +67,7 @@ def main() -> None:
             llm.generate([prompt], one)
             first = time.perf_counter() - start
             start = time.perf_counter()
-            llm.generate([prompt + [1]], more)
+            llm.generate([prompt], more)
             decode[spec].append(DECODE_TOKENS / (time.perf_counter() - start - first))
             start = time.perf_counter()
             llm.generate([fresh(PREFILL_TOKENS)], one)

@@ -372,6 +372,8 @@ def test_bfloat16_logits_match_transformers(
     assert all((m.team is not None) == by_rows for m in in_layers)
     assert all((m.weight_t is not None) == copied for m in in_layers)
     assert model.lm_head.team is None and model.lm_head.weight_t is None
+    # prefill_linear=plain: past 64 rows F.linear on the weight as stored, whatever copies exist
+    assert all(m.plain_rows == (prefill_linear == "plain") for m in linears)
 
     plain_calls = [0]
     transposed = model_module.linear_transposed
@@ -1001,7 +1003,7 @@ def test_the_engine_checks_its_one_call_step_at_load(
 ) -> None:  # fmt: skip
     """At load the engine steps its model through the one C call and through a call per
     kernel, at batch 1 (600 keys and 32), 5 and 17 (and 41 where big_batch_linear takes the
-    copies into the one call), and keeps the one call where the logits,
+    copies or the many-row kernel into the one call), and keeps the one call where the logits,
     argmax and K/V writes agree bit for bit. On a model sized to take a team (2.75 M matmul
     weights a layer) at 2 threads the check's one-call steps run on the team, so a CPU whose
     team branches no test here runs (AMX tiles) is checked before it serves. A pass is cached:

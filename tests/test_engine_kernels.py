@@ -10,6 +10,7 @@ import ctypes
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import threading
@@ -2287,3 +2288,35 @@ def test_a_list_of_liked_candidates_keeps_the_first_within_its_own_margin() -> N
     assert _tie_pick(times, [("plain", 0.05), "onednn"]) == "onednn"
     assert _tie_pick(times, [("pairs", 0.50), ("plain", 0.05), ("onednn", 0.01)]) == "transposed"
     assert _tie_pick(times, None) == "transposed"
+
+
+def test_linear_amx_is_kept_within_the_wider_tie_against_the_copies_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With AMX tiles linear=amx is kept within HELD_ONCE_TIE of the pairs copies (they are one
+    copy more); where a path that reads the weight or the packed copy is the fastest, the
+    fastest is taken (amx would save nothing against it). Set medians: the copies fastest,
+    amx 1.06x; then amx 1.06x, the copies and c 1.2x, packed and plain alike."""
+    from pdscope.engine.kernels import PAIRS_LINEAR
+
+    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    ops = native.load(tmp_path / "native")
+    if ops is None or ops.linear_many_isa != "amx" or not ops.pairs:
+        pytest.skip(
+            "no AMX tiles or no pairs kernels in this build of the C kernels, CPU or kernel"
+        )
+    path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
+    # the copies the fastest at one row: amx kept (packed and plain 1.2x too)
+    monkeypatch.setattr(
+        "pdscope.engine.kernels.median_times_s",
+        lambda candidates, **_: {
+            n: 1.0 if n in PAIRS_LINEAR else 1.06 if n == "amx" else 1.2 for n in candidates
+        },
+    )
+    kept = LLM(model=str(path), kv_cache_memory="8MiB").engine.kernels
+    assert (kept.linear, kept.how["linear"]) == ("amx", "measured")
+    # another path the fastest: taken, not amx (the choice measured again: no cache)
+    _between_the_margins(monkeypatch, ("amx",), ("c", "pairs", "pairs2"))
+    shutil.rmtree(tmp_path / "kernels")
+    fastest = LLM(model=str(path), kv_cache_memory="8MiB").engine.kernels
+    assert fastest.linear in ("packed", "plain"), fastest.summary()

@@ -100,9 +100,10 @@ Paths (every candidate computes the same function; tests pin each against transf
   512 and 2,048 rows, the packed weights 1.57 and 1.77); where the rows up to 64 take the
   C kernels too (``batch_linear`` and ``big_batch_linear`` ``c`` or ``pairs``, one row on
   ``c``, ``amx`` or the copies: :func:`stored_past_one`) no weight keeps a packed copy.
-  Offered where the C kernels have AMX tiles, kept within ``HELD_ONCE_TIE`` where the paths
-  before it read the weight as stored (each weight then held once, with no copy at all); the
-  memory rule's pick there (on the copies' AVX-512 BF16 kernels, 157-181 GFLOP/s on that
+  Offered where the C kernels have AMX tiles, kept within ``HELD_ONCE_TIE`` where no smaller
+  matmul reads the packed weights (:func:`stored_past_one`; with the paths before it on the
+  weight as stored, no copy of it is left at all), else ``onednn`` within ``TIE``; the
+  memory rule's pick there (on the copies' AVX-512 BF16 kernels, 158-181 GFLOP/s on that
   Xeon, a 2,000-token prefill took 8x as long: bench/kernels_ab.py).
 * ``prefill_attention``: ``blocked`` (blocks of queries, each scored only against the keys it
   can see), ``sdpa`` (torch's fused kernel), ``amx`` (engine/native.py's causal attention on
@@ -437,7 +438,8 @@ def choose(
     made at a load higher by :data:`QUIETER_BY` or more is measured again. ``prefer``: per path,
     the candidate a trial keeps while it times within :data:`TIE` of the fastest candidate,
     whichever that is (two that differ only in the host's fast phases read alike in a slow
-    one; a name may come with its own margin in place of TIE; a path with a preference is
+    one; a name may come with its own margin in place of TIE, or a list of them stand in
+    order, the first within its margin kept; a path with a preference is
     timed :data:`PREFERRED_ROUNDS` rounds at least); a preferred name the trial did not run
     is ignored. A callable there names it, or None (no preference), from
     the picks of the paths before this one (in :data:`OPTIONS`' order).
