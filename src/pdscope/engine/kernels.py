@@ -104,7 +104,7 @@ Paths (every candidate computes the same function; tests pin each against transf
   matmul reads the packed weights (:func:`stored_past_one`; with the paths before it on the
   weight as stored, no copy of it is left at all), else ``onednn`` within ``TIE``; the
   memory rule's pick there (on the copies' AVX-512 BF16 kernels, 158-181 GFLOP/s on that
-  Xeon, a 2,000-token prefill took 8x as long: bench/kernels_ab.py).
+  Xeon, a 2,000-token prefill took 6.7x as long: bench/kernels_ab.py).
 * ``prefill_attention``: ``blocked`` (blocks of queries, each scored only against the keys it
   can see), ``sdpa`` (torch's fused kernel), ``amx`` (engine/native.py's causal attention on
   AMX tiles: bf16 scores and values on tiles, the softmax in AVX-512; chunks it does not take,

@@ -348,7 +348,7 @@ class LLMEngine:
         the pairs copies alone, each weight held once in its copy (Linear.hold_once). The
         others keep a second copy (oneDNN's packed weights, or the copies beside the
         weight). On the AMX Xeon (family 6 model 207) a 1.1B model's 2,000-token prefill ran
-        at 78 tok/s on the copies (their AVX-512 BF16 kernels: 158-181 GFLOP/s) against 630
+        at 90 tok/s on the copies (their AVX-512 BF16 kernels: 158-181 GFLOP/s) against 586
         on the tiles and oneDNN (docs/performance.md). Empty where there is room, no C kernels
         for one row and several, or one of the four forced to another path (which would read
         the weight, or keep the packed copy)."""
