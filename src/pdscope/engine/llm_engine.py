@@ -363,7 +363,7 @@ class LLMEngine:
         on_copies = forced.get("linear") in PAIRS_LINEAR or "pairs" in {
             forced.get(p) for p in ("batch_linear", "big_batch_linear", "prefill_linear")
         }
-        stored = ops.linear_many_isa == "amx" and not on_copies
+        stored = stored_offered(self.model, ops) and not on_copies
         paths = (
             {
                 "linear": "amx",
