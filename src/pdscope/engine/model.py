@@ -2067,7 +2067,8 @@ def _several_rows_candidates(
 def stored_offered(model: CausalLM, native: NativeOps | None) -> bool:
     """Whether the trials offer the weights as stored past 32 rows (``big_batch_linear=c``,
     ``prefill_linear=plain``): a bf16 model on CPU whose C kernels have AMX tiles, where
-    those paths hold no copy at par with the copies' speed (docs/performance.md)."""
+    those paths hold no copy at 0.87x the packed weights' rate or better, and the pairs
+    copies run at a tenth of it (docs/performance.md)."""
     weight = model.embed_tokens.weight
     return (
         native is not None
