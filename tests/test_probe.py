@@ -1105,7 +1105,14 @@ def test_repeated_seed_on_the_embedded_server(medium_server: Server) -> None:
     kw = {"prompt_tokens": [64, 200], "repeats": 1, "output_tokens": 4, "context_tokens": 300}
     first = asyncio.run(probe(settings(medium_server.url, seed=99, device="local", **kw)))
     assert all(p["cache_hits"] == 0 for p in first["sweep"]) and not first["unmeasured"]
-    assert len(first["ceiling"]["bandwidth_readings_gb_s"]) == 2  # before and after
+    # Before, before each of the two sweep sizes, after the sweep, after; each point is held
+    # against the two around it.
+    readings = first["ceiling"]["bandwidth_readings_gb_s"]
+    assert len(readings) == 5
+    assert [p["bandwidth_readings_gb_s"] for p in first["ceiling"]["points"]] == [
+        readings[1:3],
+        readings[2:4],
+    ]
     # a bf16 or fp32 checkpoint: the floor's peak is the faster of the two readings
     tflops = first["ceiling"]["tflops_readings"]
     assert len(tflops) == 2 and first["ceiling"]["peak_tflops"] == pytest.approx(max(tflops))
@@ -1329,6 +1336,66 @@ def test_a_decode_over_the_ceiling_in_some_repeats_only_is_noise_not_impossible(
     assert "Faster than the hardware allows: no verdict on the ceiling" in [
         f["finding"] for f in r["findings"]
     ]
+
+
+def _at(traces: list[Trace], start_s: float) -> list[Trace]:
+    """The traces moved on the client clock to start at ``start_s``."""
+    for t in traces:
+        t.start_s += start_s
+        t.end_s = (t.end_s or 0.0) + start_s
+        for c in t.chunks:
+            c.t_s += start_s
+    return traces
+
+
+def test_each_sweep_point_is_held_against_the_bandwidth_read_around_it() -> None:
+    """A shared Xeon's bandwidth swung 3-18 GB/s minutes apart. Read only before and after the
+    whole probe, a swing mid-run set every point against the run's mean: a decode at 91% of its
+    own seconds' ceiling read 114%, or a verdict was withheld for a swing that came after it.
+    Each sweep point is held against the readings just before and after its requests; the
+    decode verdict is noisy only where those two disagree."""
+    from pdscope.analysis.probe import Ceilings, analyze
+
+    token_bytes = 304.5e6
+    readings = [30.0, 30.0, 30.0, 15.0, 15.0]  # before, before each size, after the sweep, after
+
+    def ceilings(readings: list[float], times_s: list[float]) -> Ceilings:
+        mean_gb_s = sum(readings) / len(readings)
+        return Ceilings(
+            "this machine", lambda n: mean_gb_s * 1e9 / token_bytes, lambda n: None, "small",
+            1.7e8, readings, bandwidth_times_s=times_s,
+        )  # fmt: skip
+
+    def traces() -> list[Trace]:  # 100 tokens from t=10 s at 90 tok/s, 1,000 from t=20 at 45
+        return _at([_trace("sweep", 100, 0.05, r) for r in (89.0, 90.0, 91.0)], 10.0) + _at(
+            [_trace("sweep", 1000, 0.4, r) for r in (44.0, 45.0, 46.0)], 20.0
+        )
+
+    served = {"name": "small", "params": 1.7e8}
+    r = analyze(traces(), "pdscope", ceilings(readings, [0, 5, 15, 30, 40]), served_model=served)
+    c = r["ceiling"]
+    first, second = c["points"]
+    assert first["bandwidth_readings_gb_s"] == [30.0, 30.0]
+    assert second["bandwidth_readings_gb_s"] == [30.0, 15.0]
+    assert first["decode_ceiling_tok_s"] == pytest.approx(30e9 / token_bytes)
+    assert second["decode_ceiling_tok_s"] == pytest.approx(22.5e9 / token_bytes)
+    assert c["decode_pct_of_ceiling"] == pytest.approx(100 * 90 / (30e9 / token_bytes))  # 91%
+    assert c["decode_pct_range"] == pytest.approx([100 * 89 / 98.52, 100 * 91 / 98.52], rel=1e-3)
+    assert c["bandwidth_spread"] == pytest.approx(1.0) and c["decode_bandwidth_spread"] == 0
+    assert not c["noisy"] and not c["impossible"]
+    titles = [f["finding"] for f in r["findings"]]
+    assert not any("noisy" in t for t in titles), titles
+    # The swing between the first point's readings: no verdict, and the words say where.
+    swung = [30.0, 30.0, 15.0, 15.0, 15.0]
+    c = analyze(traces(), "pdscope", ceilings(swung, [0, 5, 15, 30, 40]), served_model=served)[
+        "ceiling"
+    ]
+    assert c["noisy"] == ["bandwidth read 30.0 and 15.0 GB/s around the decode at 100 tokens "
+                          "(100% apart)"]  # fmt: skip
+    # Without the readings' times every point takes them all, as before.
+    c = analyze(traces(), "pdscope", ceilings(readings, []), served_model=served)["ceiling"]
+    assert c["points"][0]["bandwidth_readings_gb_s"] == readings
+    assert c["decode_pct_of_ceiling"] == pytest.approx(100 * 90 / (24e9 / token_bytes))
 
 
 def test_a_decode_past_the_ceiling_that_the_cpus_cache_explains_is_not_impossible() -> None:

@@ -38,8 +38,9 @@ class Ceilings:
     ttft_floor_s: Callable[[int], float | None]  # prompt tokens -> roofline prefill time
     model: str = ""  # the model the arithmetic assumed (--plan-model or the checkpoint)
     model_params: float | None = None
-    # This machine's bandwidth read before and after the probe (device "local"); the ceiling
-    # uses their mean. Empty for a catalog device.
+    # This machine's bandwidth (device "local"), read before the probe, before each sweep
+    # size, after the sweep and after the probe; `decode_tok_s` is at their mean, and each sweep
+    # point's ceiling is scaled to the readings just around it. Empty for a catalog device.
     bandwidth_readings_gb_s: list[float] = field(default_factory=list)
     # Its matmul rate read with them (TFLOP/s, in the model's compute type), and the peak
     # the floor assumed.
@@ -51,6 +52,9 @@ class Ceilings:
     # This machine's last-level cache in bytes (device "local"): a decode reads what the
     # cache holds of a token's bytes faster than memory's ceiling allows.
     cache_bytes: float | None = None
+    # When each bandwidth reading ran (the middle of it, on the traces' client clock), in
+    # order; where empty, every point is held against all the readings.
+    bandwidth_times_s: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -230,7 +234,8 @@ def analyze(
     sweep_groups: dict[int, list[Trace]] = defaultdict(list)
     for t in by_label["sweep"]:
         sweep_groups[t.prompt_tokens_asked or 0].append(t)
-    sweep = [point(group) for _, group in sorted(sweep_groups.items())]
+    groups = [group for _, group in sorted(sweep_groups.items())]
+    sweep = [point(group) for group in groups]
     usable = [p for p in sweep if p["ttft_ms"] is not None]
 
     result: dict[str, Any] = {"sweep": sweep}
@@ -365,7 +370,9 @@ def analyze(
         for j in join_steps(traces)
     ]
     result["served_model"] = served_model
-    result["ceiling"] = _ceiling(result, ceilings, served_model) if ceilings else None
+    result["ceiling"] = (
+        _ceiling(result, ceilings, served_model, [_span(g) for g in groups]) if ceilings else None
+    )
     result["failures"] = [
         {"label": t.label, "prompt_tokens": t.prompt_tokens_asked, "error": t.error}
         for t in traces
@@ -651,9 +658,33 @@ def _spread(values: list[float]) -> float | None:
 LIGHT_WEIGHT_BITS = 6.0
 
 
+def _span(traces: list[Trace]) -> tuple[float, float]:
+    """When a sweep point's requests ran: the first one's start to the last one's end."""
+    return min(t.start_s for t in traces), max(t.end_s or t.start_s for t in traces)
+
+
+def _around(c: Ceilings, span: tuple[float, float] | None) -> list[float]:
+    """The bandwidth readings nearest a sweep point's requests: the last one before them and
+    the first one after. A host whose speed swings mid-run (bandwidth 3-18 GB/s minutes apart
+    on a shared Xeon) holds a point against the bandwidth of its own seconds, not the run's
+    mean. All the readings where their times are unknown or none bracket the point."""
+    readings, times = c.bandwidth_readings_gb_s, c.bandwidth_times_s
+    if span is None or len(times) != len(readings):
+        return list(readings)
+    assert times == sorted(times), "readings are taken one after another"
+    before = [g for t, g in zip(times, readings, strict=True) if t <= span[0]]
+    after = [g for t, g in zip(times, readings, strict=True) if t >= span[1]]
+    return before[-1:] + after[:1] or list(readings)
+
+
 def _ceiling(
-    result: dict[str, Any], c: Ceilings, served: dict[str, Any] | None = None
+    result: dict[str, Any],
+    c: Ceilings,
+    served: dict[str, Any] | None = None,
+    spans: list[tuple[float, float]] | None = None,
 ) -> dict[str, Any]:
+    """The sweep against the roofline. ``spans``: when each sweep point's requests ran, for
+    the bandwidth readings around it (None: every point against all the readings)."""
     readings = c.bandwidth_readings_gb_s
     mean_bw = sum(readings) / len(readings) if readings else None
     out: dict[str, Any] = {
@@ -666,22 +697,27 @@ def _ceiling(
         "weight_bits": c.weight_bits,
         "points": [],
     }
-    for p in result["sweep"]:
+    for i, p in enumerate(result["sweep"]):
         n = p["prompt_tokens"]  # the server's count: calibrated prompts are never exact
-        ceiling = c.decode_tok_s(n) if n else None
+        near = _around(c, spans[i] if spans and i < len(spans) else None)
+        near_bw = sum(near) / len(near) if near else None
+        # The ceiling is the bytes' rate: it scales with the bandwidth read around the point.
+        ceiling = c.decode_tok_s(n) * (near_bw / mean_bw if near_bw and mean_bw else 1.0)
+        ceiling = ceiling if n else None
         floor = c.ttft_floor_s(n) if n else None
         pct = 100 * p["decode_tok_s"] / ceiling if ceiling and p["decode_tok_s"] else None
         low = high = pct
         if pct is not None and ceiling:
-            # The margin: slowest repeat against the ceiling at the fastest bandwidth reading,
-            # fastest repeat against the slowest reading.
-            fast = max(readings) / mean_bw if mean_bw else 1.0
-            slow = min(readings) / mean_bw if mean_bw else 1.0
+            # The margin: slowest repeat against the ceiling at the fastest bandwidth reading
+            # around the point, fastest repeat against the slowest.
+            fast = max(near) / near_bw if near_bw else 1.0
+            slow = min(near) / near_bw if near_bw else 1.0
             low = 100 * p["decode_tok_s_min"] / (ceiling * fast)
             high = 100 * p["decode_tok_s_max"] / (ceiling * slow)
         out["points"].append(
             {
                 "prompt_tokens": n,
+                "bandwidth_readings_gb_s": near,
                 "decode_ceiling_tok_s": ceiling,
                 "decode_pct_of_ceiling": pct,
                 "decode_pct_range": None if pct is None else [low, high],
@@ -698,7 +734,9 @@ def _ceiling(
     out["decode_pct_range"] = first.get("decode_pct_range")
     out["prefill_pct_of_floor"] = timed[-1]["prefill_pct_of_floor"] if timed else None
     sweep_first = next((p for p in result["sweep"] if p["decode_tok_s"]), None)
-    out["bandwidth_spread"] = _spread(readings)
+    out["bandwidth_spread"] = _spread(readings)  # the whole run's: the context check's slack
+    near = first.get("bandwidth_readings_gb_s", readings)
+    out["decode_bandwidth_spread"] = _spread(near)  # the verdict's point's own readings
     out["compute_spread"] = _spread(c.tflops_readings)
     out["repeat_spread"] = (
         _spread([sweep_first["decode_tok_s_min"], sweep_first["decode_tok_s_max"]])
@@ -706,10 +744,11 @@ def _ceiling(
         else None
     )
     noisy = []
-    if (out["bandwidth_spread"] or 0) > NOISE_LIMIT:
+    if first and (out["decode_bandwidth_spread"] or 0) > NOISE_LIMIT:
         noisy.append(
-            f"bandwidth read {' and '.join(f'{g:.1f}' for g in readings)} GB/s before and "
-            f"after ({_over_limit(out['bandwidth_spread'])} apart)"
+            f"bandwidth read {' and '.join(f'{g:.1f}' for g in near)} GB/s around the decode "
+            f"at {first['prompt_tokens']:,} tokens ({_over_limit(out['decode_bandwidth_spread'])}"
+            " apart)"
         )
     if (out["repeat_spread"] or 0) > NOISE_LIMIT and sweep_first:
         noisy.append(
@@ -726,7 +765,7 @@ def _ceiling(
             f"TFLOP/s before and after ({_over_limit(out['compute_spread'])} apart)"
         )
     out["cache_bytes"] = c.cache_bytes
-    out["decode_from_cache"] = _from_cache(out, c, mean_bw, served)
+    out["decode_from_cache"] = _from_cache(out, c, served)
     out["impossible"] = _impossible(out, result, c, served)
     return out
 
@@ -745,9 +784,7 @@ def _other_model(c: Ceilings, served: dict[str, Any] | None) -> bool:
     return bool(params and c.model_params and not 0.67 < c.model_params / params < 1.5)
 
 
-def _from_cache(
-    out: dict[str, Any], c: Ceilings, mean_bw: float | None, served: dict[str, Any] | None
-) -> str | None:
+def _from_cache(out: dict[str, Any], c: Ceilings, served: dict[str, Any] | None) -> str | None:
     """Why decode past memory's ceiling is possible here, where this CPU's cache explains it:
     every repeat past the ceiling (else the ceiling's own verdict or noise), the model the
     arithmetic's, and the slowest repeat against the fastest reading within 100 / (1 - share)%
@@ -757,11 +794,12 @@ def _from_cache(
     pct = out["decode_pct_of_ceiling"]
     low = (out["decode_pct_range"] or [pct])[0]
     first = next((p for p in out["points"] if p["decode_pct_of_ceiling"] is not None), None)
-    if not (pct and low and low > 100 and c.cache_bytes and mean_bw and first):
+    near = first["bandwidth_readings_gb_s"] if first else []
+    if not (pct and low and low > 100 and c.cache_bytes and near):
         return None
     if _other_model(c, served):
         return None  # _impossible names the mismatch
-    token_bytes = mean_bw * 1e9 / first["decode_ceiling_tok_s"]
+    token_bytes = sum(near) / len(near) * 1e9 / first["decode_ceiling_tok_s"]
     share = min(c.cache_bytes / token_bytes, CACHE_SHARE_MOST)
     reach = min(100 / (1 - share), CACHE_REACH_MOST_PCT)
     if low > reach:

@@ -195,6 +195,8 @@ class Prober:
         self.join_streams: int | None = None  # how many it sends (None: not decided yet)
         self.kept_unread = 0  # unread responses kept as they came: no resend was left
         self.on_total: Callable[[int], None] | None = None  # told the requests planned, anew
+        # Run before each sweep size and after the last (--device local: a bandwidth reading)
+        self.between: Callable[[], None] | None = None
         self.longest_allowed_s = 0.0  # the longest limit a request was given
         # A bound on a step of each batch of short prompts sent, by streams: the slowest time
         # per output token its streams read, times the turns a server that carried fewer took
@@ -316,8 +318,12 @@ class Prober:
         s = self.s
         await self.send(await self.prompt(s.prompt_tokens[0]), s.prompt_tokens[0], "cold")
         for n in s.prompt_tokens:
+            if self.between:
+                self.between()
             for _ in range(s.repeats):
                 await self.decode_check(n, "sweep")
+        if self.between:
+            self.between()
         # At least MIN_PREFIX_TOKENS: a prefix shorter than a server's KV block (16 tokens in
         # vLLM) cannot be cached, and its "not reused" would be a false finding.
         tail_n = PREFIX_TAIL_TOKENS
@@ -628,15 +634,47 @@ def model_bytes_for(s: ProbeSettings, root: str | None) -> ModelBytes | None:
     )
 
 
+READING_MIB = 256  # the arrays a bandwidth reading streams: well past any L3 here (300 MiB
+# on the Xeon with AMX holds one array, not the reading's two or three)
+READING_REPEATS = 3
+
+
 def measure_local(compute: str) -> tuple[float, float, str]:
     """This machine's streaming read bandwidth (GB/s), ``compute`` matmul rate (TFLOP/s) and
     the words saying it ran in float32 where that was faster (specs.local.computed_in_note),
-    now. probe takes one reading before its requests and one after: on a shared machine
-    another tenant can halve either, and a verdict against the roofline needs both."""
+    now."""
     from pdscope.specs.local import computed_in_note, measure
 
-    m = measure(compute, array_mib=256, repeats=3)
+    m = measure(compute, array_mib=READING_MIB, repeats=READING_REPEATS)
     return m.bandwidth_gb_s, m.matmul_tflops, computed_in_note(m)
+
+
+@dataclass
+class LocalReadings:
+    """This machine read around a probe's requests (--device local): on a shared machine
+    another tenant can halve either rate for minutes, and a verdict against the roofline needs
+    the rate of the seconds it judges. The bandwidth is read before the requests, before each
+    sweep size, after the sweep and after the requests (about 0.3 s each); the matmul rate,
+    which only the prefill verdict's peak takes, before and after."""
+
+    compute: str  # the matmul's type: the model's compute type
+    bandwidth_gb_s: list[float] = field(default_factory=list)
+    times_s: list[float] = field(default_factory=list)  # each reading's middle, perf_counter
+    tflops: list[float] = field(default_factory=list)
+    computed_in: str = ""
+
+    def read(self, matmul: bool = False) -> None:
+        from pdscope.specs.local import stream_gb_s
+
+        start = time.perf_counter()
+        if matmul:
+            gb_s, tflops, note = measure_local(self.compute)
+            self.tflops.append(tflops)
+            self.computed_in = self.computed_in or note
+        else:  # the stream part of measure_local, alone
+            gb_s = max(stream_gb_s(READING_MIB, READING_REPEATS))
+        self.bandwidth_gb_s.append(gb_s)
+        self.times_s.append((start + time.perf_counter()) / 2)
 
 
 def ceilings_for(
@@ -646,11 +684,13 @@ def ceilings_for(
     readings_gb_s: list[float],
     readings_tflops: list[float] | None = None,
     computed_in: str = "",
+    times_s: list[float] | None = None,
 ) -> tuple[Ceilings | None, list[str]]:
     """The roofline for this model on the given device, when both are known. On this machine
-    ('local') the bandwidth is the mean of the readings taken around the probe, and the peak
-    FLOP/s the best of the matmul readings, timed in the model's compute type (another tenant
-    only slows a matmul: one slowed reading put a real prefill at 132% of the floor)."""
+    ('local') the bandwidth is the mean of the readings taken around the probe (``times_s``:
+    when, for the readings around each sweep point), and the peak FLOP/s the best of the matmul
+    readings, timed in the model's compute type (another tenant only slows a matmul: one
+    slowed reading put a real prefill at 132% of the floor)."""
     if not s.device:
         return None, []
     from pdscope.commands.plan import local_compute, resolve
@@ -693,17 +733,14 @@ def ceilings_for(
         p.device.label
         if not local
         else "this machine ("
-        + " and ".join(f"{g:.1f}" for g in readings_gb_s)
-        + " GB/s"
+        + _readings_words(readings_gb_s, "{:.1f}", "GB/s", "around the requests")
         + (
             f", {local_compute(p.weights)} matmul "
-            + " and ".join(f"{t:.3f}" for t in tflops)
-            + " TFLOP/s"
-            + computed_in
+            + _readings_words(tflops, "{:.3f}", "TFLOP/s", "before and after" + computed_in)
             if tflops
             else ""
         )
-        + " measured before and after)"
+        + ")"
     )
     return (
         Ceilings(
@@ -713,6 +750,7 @@ def ceilings_for(
             model=p.model.name,
             model_params=p.model.total_params,
             bandwidth_readings_gb_s=list(readings_gb_s) if local else [],
+            bandwidth_times_s=list(times_s or []) if local else [],
             tflops_readings=tflops,
             peak_tflops=None
             if (peak := p.device.peak_flops(p.weights.compute)) is None
@@ -723,6 +761,16 @@ def ceilings_for(
         ),
         notes,
     )
+
+
+def _readings_words(values: list[float], form: str, unit: str, when: str) -> str:
+    """'20.1 and 19.8 GB/s measured before and after', or for more readings their range:
+    '18.2-20.1 GB/s in 6 readings around the requests'."""
+    if len(values) <= 2:
+        said = " and ".join(form.format(v) for v in values)
+        return f"{said} {unit} measured {when}"
+    low, high = form.format(min(values)), form.format(max(values))
+    return f"{low}-{high} {unit} in {len(values)} readings {when}"
 
 
 def _loopback(url: str) -> bool:
@@ -803,7 +851,10 @@ async def probe(
 
             served = await _served_model(client, runtime, model, headers)
             compute = local_compute(_weights(s, served.get("root")))
-        readings = [measure_local(compute)] if local else []
+        readings = LocalReadings(compute)
+        if local:
+            readings.read(matmul=True)
+            prober.between = readings.read
         partial = None
         try:
             await prober.run()
@@ -818,7 +869,7 @@ async def probe(
                 task.uncancel()
             partial = INTERRUPTED
         if local:
-            readings.append(measure_local(compute))
+            readings.read(matmul=True)
         try:
             # Asked once: before the requests where the matmul readings needed it. After
             # Ctrl-C the user waits: two quick questions, not two of --timeout each.
@@ -835,9 +886,10 @@ async def probe(
         s,
         s.output_tokens,
         root,
-        [r[0] for r in readings],
-        [r[1] for r in readings],
-        next((r[2] for r in readings if r[2]), ""),
+        readings.bandwidth_gb_s,
+        readings.tflops,
+        readings.computed_in,
+        readings.times_s,
     )
     notes += more
     result = analyze(
