@@ -11,7 +11,9 @@ keeps the weights its C kernels stream (where Linux offers them), and ``pairs`` 
 pair-interleaved copies (``linear=pairs`` at one row, ``batch_linear=pairs`` at more; with
 AVX-512 BF16 or AVX2), printed against ``packed2048``; at one row also
 ``pairs2``, the same copies read as two streams a thread (``linear=pairs2``), printed against
-``pairs``, and ``c / pairs2``.
+``pairs``, and ``c / pairs2``. From 512 rows (a prefill chunk) also ``transposed``, torch.mm on a
+transposed copy of each weight (``prefill_linear=transposed``), printed as ``plain /
+transposed`` and ``packed2048 / transposed`` (over 1: the copy is faster).
 
     .venv/bin/python bench/linear_ab.py --rows 1 2 4 32 64
 
@@ -45,7 +47,14 @@ import torch.nn.functional as F
 from engine_bench import build_ops, machine_line
 from pdscope.checkpoint.make_model import default_cache_dir
 from pdscope.engine import native
-from pdscope.engine.model import linear_widened, on_huge_pages, onednn_bf16, pairs_copy
+from pdscope.engine.model import (
+    ROWS_SPLIT_MIN_ROWS,
+    linear_transposed,
+    linear_widened,
+    on_huge_pages,
+    onednn_bf16,
+    pairs_copy,
+)
 
 SHAPES = [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816)] * 12 + [(16384, 1024)]
 SQUARE = 2048  # mm's size: large enough to run at the FMA rate, small enough to time in rounds
@@ -80,6 +89,8 @@ def main() -> None:
     # linear=pairs and batch_linear=pairs: the pair-interleaved copies, on huge pages as the
     # engine keeps them (several rows only where the build has AVX-512 BF16)
     pairs = [pairs_copy(w, ops) for w in weights] if ops.pairs else None
+    prefill = any(rows >= ROWS_SPLIT_MIN_ROWS for rows in args.rows)
+    transposed = [w.t().contiguous() for w in weights] if prefill else []
     nbytes = sum(w.numel() * 2 for w in weights)
     same_bytes = torch.ones(nbytes // 4)
     square = torch.randn(SQUARE, SQUARE, generator=gen)
@@ -122,6 +133,11 @@ def main() -> None:
                     ops.linear_pairs(x[w.shape[1]], p, streams=2)
                     for w, p in zip(weights, pairs, strict=True)
                 ]
+        if rows >= ROWS_SPLIT_MIN_ROWS:  # prefill_linear=transposed
+            paths["transposed"] = lambda x=x: [
+                linear_transposed(x[w.shape[1]], t, None)
+                for w, t in zip(weights, transposed, strict=True)
+            ]
         if other is not None:
             paths["c_many_ab"] = lambda x=x: [other.linear_many(x[w.shape[1]], w) for w in weights]
             if "pairs" in paths and other.pairs and (rows == 1 or other.pairs_rows):
@@ -160,6 +176,8 @@ def main() -> None:
             ("pairs", "pairs2"),
             ("c", "pairs2"),
             ("pairs_ab", "pairs2" if rows == 1 else "pairs"),
+            ("plain", "transposed"),
+            ("packed2048", "transposed"),
         )
         ratios = [
             f"{a} / {b} "
