@@ -2277,6 +2277,53 @@ def test_the_weights_as_stored_past_32_rows_are_kept_within_a_wider_tie_on_amx(
     assert len(out.token_ids) == 4
 
 
+def test_prefill_linear_plain_is_undone_where_a_later_reset_keeps_the_packed_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prefill_linear=plain, kept within HELD_ONCE_TIE to let the packed weights go, saves
+    nothing once a later step puts a smaller matmul back on them: batch_linear=pairs, kept
+    within its own margin on the way to the copies (linear=pairs2), is reset to the fastest,
+    packed, when the paths past 32 rows did not follow. Then plain and big_batch_linear take
+    their fastest too (oneDNN, c). The trials' picks and times are set here (the real trials
+    run for the other paths), as the engine's own trials cannot be steered to them per path."""
+    from dataclasses import replace
+
+    from pdscope.engine import llm_engine
+
+    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    ops = native.load(tmp_path / "native")
+    if ops is None or not ops.pairs or not can_pack(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no pairs kernels, or no oneDNN bf16, here")
+    real = llm_engine.choose
+    paths = ("linear", "batch_linear", "big_batch_linear", "prefill_linear")
+
+    def kept_within_margins(*args: object, **kwargs: object) -> KernelChoice:
+        choice = real(*args, **kwargs)  # type: ignore[arg-type]
+        times = {
+            "batch_linear=packed": 1.0, "batch_linear=pairs": 1.06, "batch_linear=c": 1.2,
+            "big_batch_linear=c": 1.0, "big_batch_linear=pairs": 1.2,
+            "prefill_linear=onednn": 1.0, "prefill_linear=plain": 1.06,
+        }  # fmt: skip
+        others = {k: t for k, t in choice.trial_s.items() if k.split("=")[0] not in paths}
+        return replace(
+            choice, linear="pairs2", batch_linear="pairs", big_batch_linear="c",
+            prefill_linear="plain", how={**choice.how, **dict.fromkeys(paths, "measured")},
+            trial_s={**others, **times},
+        )  # fmt: skip
+
+    monkeypatch.setattr(llm_engine, "choose", kept_within_margins)
+    llm = _engine_with_a_prefill_trial(tmp_path, "auto")
+    choice = llm.engine.kernels
+    assert [getattr(choice, p) for p in paths] == ["pairs2", "packed", "c", "onednn"], (
+        choice.summary()
+    )
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert all(m.packed is not None and not m.plain_rows for m in linears)
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    out = llm.generate([list(range(10, 500))], greedy)[0]  # one chunk past 64 rows
+    assert len(out.token_ids) == 4
+
+
 def test_a_list_of_liked_candidates_keeps_the_first_within_its_own_margin() -> None:
     """prefer's list form (prefill_linear=plain within HELD_ONCE_TIE, else oneDNN within TIE):
     the first candidate within its margin of the fastest is kept, a name not timed is passed
