@@ -339,8 +339,11 @@ class Prober:
                 prompt = shared + tail if isinstance(shared, list) else f"{shared} {tail}"
                 await self.send(prompt, p + tail_n, label)
         short = self.fitting(64)
-        for label, n in (("context-short", short), ("context-long", self.context_tokens)):
-            for _ in range(2):
+        # Short and long interleaved (short, long, short, long): a host's speed drifting
+        # through the check moves both alike, where two shorts then two longs read the drift
+        # as context's cost.
+        for _ in range(2):
+            for label, n in (("context-short", short), ("context-long", self.context_tokens)):
                 await self.decode_check(n, label)
         if s.batch_streams > 1:
             # Short fresh prompts sent together: after their prefills, every step decodes all
