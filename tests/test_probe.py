@@ -1355,11 +1355,12 @@ def _at(traces: list[Trace], start_s: float) -> list[Trace]:
 
 
 def test_each_sweep_point_is_held_against_the_bandwidth_read_around_it() -> None:
-    """A shared Xeon's bandwidth swung 3-18 GB/s minutes apart. Read only before and after the
-    whole probe, a swing mid-run set every point against the run's mean: a decode at 91% of its
-    own seconds' ceiling read 114%, or a verdict was withheld for a swing that came after it.
-    Each sweep point is held against the readings just before and after its requests; the
-    decode verdict is noisy only where those two disagree."""
+    """Issue 12: a shared Xeon's bandwidth read 3-18 GB/s minutes apart. Read only before and
+    after the whole probe, a swing mid-run set every point against the run's mean: here a
+    decode at 91% of its own seconds' ceiling would read 114%, and its verdict be withheld for a
+    swing that came after it. Each sweep point is held against the readings just before and
+    after its requests, the decode verdict noisy only where those two disagree, and the context
+    check's slack is the spread of the two around it."""
     from pdscope.analysis.probe import Ceilings, analyze
 
     token_bytes = 304.5e6
@@ -1372,9 +1373,13 @@ def test_each_sweep_point_is_held_against_the_bandwidth_read_around_it() -> None
             1.7e8, readings, bandwidth_times_s=times_s,
         )  # fmt: skip
 
-    def traces() -> list[Trace]:  # 100 tokens from t=10 s at 90 tok/s, 1,000 from t=20 at 45
-        return _at([_trace("sweep", 100, 0.05, r) for r in (89.0, 90.0, 91.0)], 10.0) + _at(
-            [_trace("sweep", 1000, 0.4, r) for r in (44.0, 45.0, 46.0)], 20.0
+    def traces() -> list[Trace]:  # 100 tokens from t=10 s at 90 tok/s, 1,000 from t=20 at 45,
+        # the context check from t=32
+        return (
+            _at([_trace("sweep", 100, 0.05, r) for r in (89.0, 90.0, 91.0)], 10.0)
+            + _at([_trace("sweep", 1000, 0.4, r) for r in (44.0, 45.0, 46.0)], 20.0)
+            + _at([_trace("context-short", 64, 0.03, 43.0)], 32.0)
+            + _at([_trace("context-long", 3068, 1.0, 15.2)], 33.0)
         )
 
     served = {"name": "small", "params": 1.7e8}
@@ -1388,6 +1393,8 @@ def test_each_sweep_point_is_held_against_the_bandwidth_read_around_it() -> None
     assert c["decode_pct_of_ceiling"] == pytest.approx(100 * 90 / (30e9 / token_bytes))  # 91%
     assert c["decode_pct_range"] == pytest.approx([100 * 89 / 98.52, 100 * 91 / 98.52], rel=1e-3)
     assert c["bandwidth_spread"] == pytest.approx(1.0) and c["decode_bandwidth_spread"] == 0
+    assert c["context_bandwidth_spread"] == 0  # read at 30 and 40 s, around the context check
+    assert c["bandwidth_reading_times_s"] == [0, 5, 15, 30, 40]
     assert not c["noisy"] and not c["impossible"]
     titles = [f["finding"] for f in r["findings"]]
     assert not any("noisy" in t for t in titles), titles
@@ -1398,9 +1405,11 @@ def test_each_sweep_point_is_held_against_the_bandwidth_read_around_it() -> None
     ]
     assert c["noisy"] == ["bandwidth read 30.0 and 15.0 GB/s around the decode at 100 tokens "
                           "(100% apart)"]  # fmt: skip
-    # Without the readings' times every point takes them all, as before.
+    # Without the readings' times, or with none after a point, every point takes them all.
     c = analyze(traces(), "pdscope", ceilings(readings, []), served_model=served)["ceiling"]
     assert c["points"][0]["bandwidth_readings_gb_s"] == readings
+    late = analyze(traces(), "pdscope", ceilings(readings, [0, 1, 2, 3, 4]), served_model=served)
+    assert late["ceiling"]["points"][0]["bandwidth_readings_gb_s"] == readings
     assert c["decode_pct_of_ceiling"] == pytest.approx(100 * 90 / (24e9 / token_bytes))
 
 

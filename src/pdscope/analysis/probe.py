@@ -370,8 +370,17 @@ def analyze(
         for j in join_steps(traces)
     ]
     result["served_model"] = served_model
+    context = by_label["context-short"] + by_label["context-long"]
     result["ceiling"] = (
-        _ceiling(result, ceilings, served_model, [_span(g) for g in groups]) if ceilings else None
+        _ceiling(
+            result,
+            ceilings,
+            served_model,
+            [_span(g) for g in groups],
+            _span(context) if context else None,
+        )
+        if ceilings
+        else None
     )
     result["failures"] = [
         {"label": t.label, "prompt_tokens": t.prompt_tokens_asked, "error": t.error}
@@ -664,17 +673,17 @@ def _span(traces: list[Trace]) -> tuple[float, float]:
 
 
 def _around(c: Ceilings, span: tuple[float, float] | None) -> list[float]:
-    """The bandwidth readings nearest a sweep point's requests: the last one before them and
-    the first one after. A host whose speed swings mid-run (bandwidth 3-18 GB/s minutes apart
-    on a shared Xeon) holds a point against the bandwidth of its own seconds, not the run's
-    mean. All the readings where their times are unknown or none bracket the point."""
+    """The bandwidth readings nearest a span of requests: the last one before them and the
+    first one after. A host whose speed swings mid-run (issue 12: a shared Xeon read 3-18 GB/s
+    minutes apart) holds a point against the bandwidth of its own seconds, not the run's mean.
+    All the readings where their times are unknown or they do not bracket the span."""
     readings, times = c.bandwidth_readings_gb_s, c.bandwidth_times_s
     if span is None or len(times) != len(readings):
         return list(readings)
     assert times == sorted(times), "readings are taken one after another"
     before = [g for t, g in zip(times, readings, strict=True) if t <= span[0]]
     after = [g for t, g in zip(times, readings, strict=True) if t >= span[1]]
-    return before[-1:] + after[:1] or list(readings)
+    return [before[-1], after[0]] if before and after else list(readings)
 
 
 def _ceiling(
@@ -682,9 +691,11 @@ def _ceiling(
     c: Ceilings,
     served: dict[str, Any] | None = None,
     spans: list[tuple[float, float]] | None = None,
+    context_span: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
     """The sweep against the roofline. ``spans``: when each sweep point's requests ran, for
-    the bandwidth readings around it (None: every point against all the readings)."""
+    the bandwidth readings around it (None: every point against all the readings);
+    ``context_span``: when the context check's ran, for its slack."""
     readings = c.bandwidth_readings_gb_s
     mean_bw = sum(readings) / len(readings) if readings else None
     out: dict[str, Any] = {
@@ -692,6 +703,8 @@ def _ceiling(
         "model": c.model,
         "model_params": c.model_params,
         "bandwidth_readings_gb_s": readings,
+        # when each was read, seconds from the first (an interrupted run has fewer)
+        "bandwidth_reading_times_s": [t - c.bandwidth_times_s[0] for t in c.bandwidth_times_s],
         "tflops_readings": c.tflops_readings,
         "peak_tflops": c.peak_tflops,
         "weight_bits": c.weight_bits,
@@ -702,8 +715,8 @@ def _ceiling(
         near = _around(c, spans[i] if spans and i < len(spans) else None)
         near_bw = sum(near) / len(near) if near else None
         # The ceiling is the bytes' rate: it scales with the bandwidth read around the point.
-        ceiling = c.decode_tok_s(n) * (near_bw / mean_bw if near_bw and mean_bw else 1.0)
-        ceiling = ceiling if n else None
+        scale = near_bw / mean_bw if near_bw and mean_bw else 1.0
+        ceiling = c.decode_tok_s(n) * scale if n else None
         floor = c.ttft_floor_s(n) if n else None
         pct = 100 * p["decode_tok_s"] / ceiling if ceiling and p["decode_tok_s"] else None
         low = high = pct
@@ -734,7 +747,10 @@ def _ceiling(
     out["decode_pct_range"] = first.get("decode_pct_range")
     out["prefill_pct_of_floor"] = timed[-1]["prefill_pct_of_floor"] if timed else None
     sweep_first = next((p for p in result["sweep"] if p["decode_tok_s"]), None)
-    out["bandwidth_spread"] = _spread(readings)  # the whole run's: the context check's slack
+    out["bandwidth_spread"] = _spread(readings)  # the whole run's
+    # the context check's slack: the readings around it (its requests come minutes after the
+    # sweep's, and every reading more would widen a spread over them all)
+    out["context_bandwidth_spread"] = _spread(_around(c, context_span))
     near = first.get("bandwidth_readings_gb_s", readings)
     out["decode_bandwidth_spread"] = _spread(near)  # the verdict's point's own readings
     out["compute_spread"] = _spread(c.tflops_readings)
@@ -1062,7 +1078,10 @@ def findings(r: dict[str, Any], runtime: str) -> list[dict[str, str]]:
             )
     if r.get("context") and r["context"]["long_over_short"]:
         ceiling = r.get("ceiling") or {}
-        spreads = [ceiling.get("bandwidth_spread"), ceiling.get("repeat_spread")]
+        spreads = [
+            ceiling.get("context_bandwidth_spread", ceiling.get("bandwidth_spread")),
+            ceiling.get("repeat_spread"),
+        ]
         _context_finding(
             r["context"],
             add,

@@ -637,8 +637,11 @@ def model_bytes_for(s: ProbeSettings, root: str | None) -> ModelBytes | None:
     )
 
 
-READING_MIB = 256  # the arrays a bandwidth reading streams: well past any L3 here (300 MiB
-# on the Xeon with AMX holds one array, not the reading's two or three)
+# The arrays a bandwidth reading streams (float32, `pdscope plan --device local`'s reading at
+# half its size): the triad's three are past every last-level cache seen here; the sum's one
+# is not past the model-207 Xeon's 300 MiB of L3, yet read there as at 1,024 MiB (0.99x,
+# docs/performance.md): its rate does not come from the cache.
+READING_MIB = 256
 READING_REPEATS = 3
 
 
