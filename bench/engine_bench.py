@@ -359,6 +359,13 @@ def report(
         for key in RATIO_FIGURES:
             row = "".join(f"{spread(ratios[p].get(key, [])):>{width}}" for p in peers)
             print(f"{key:24}{row}")
+    apart = {s: max(v) for s in stacks if (v := values[s].get("batch32_prefill_apart"))}
+    if apart:
+        print(
+            "\nbatch-32 decode: its two prefill-only calls (before, after) differed by at most "
+            + ", ".join(f"{a:.0%} ({s})" for s, a in apart.items())
+            + " of the decode's time in a round"
+        )
     mine = values.get("pdscope", {})
     if "batch32_decode_tok_s" in mine:
         b32 = [
