@@ -667,6 +667,61 @@ def test_the_decode_linear_trials_share_one_set_of_pairs_copies(
     assert len(made) == len(model_module._trial_linears(model)) > 0
 
 
+def test_the_trials_c_kernels_read_the_weights_on_huge_pages_as_the_engine_streams_them(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """apply_kernels moves a weight the C kernels stream onto huge pages, and the pairs copies
+    are made there: the trials' C-kernel candidates read a copy there too, never the weight
+    on ordinary pages (where the AMX Xeon's one-row many-row kernel took 1.11x the time)."""
+    from pdscope.engine import model as model_module
+
+    if not model_module.huge_pages_offered():
+        pytest.skip("Linux offers no transparent huge pages here")
+    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    ops = native.load(tmp_path / "native")
+    if ops is None:
+        pytest.skip("the C kernels did not build here")
+    # weights of 2 MiB and more (a huge page); kernels that stream none of them
+    path = make_model(
+        tmp_path / "m", "tiny", dtype="bfloat16", hidden_size=1024, intermediate_size=2048,
+        num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2, vocab_size=1024,
+    )  # fmt: skip
+    off = "linear=packed,batch_linear=packed,big_batch_linear=onednn,prefill_linear=onednn"
+    model = LLM(model=str(path), kv_cache_memory="8MiB", kernels=off).engine.runner.model
+    linears = model_module._trial_linears(model)
+    big = {m.weight.data_ptr() for m in linears if m.weight.nbytes >= 2 << 20}
+    assert big and not any(m.huge_pages for m in linears)
+
+    class Reading:  # the kernels, noting the weight each call reads
+        def __init__(self) -> None:
+            self.read: list[int] = []
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(ops, name)
+
+        def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
+            self.read.append(w.data_ptr())
+            return ops.linear(x, w, b)
+
+        def linear_many(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
+            self.read.append(w.data_ptr())
+            return ops.linear_many(x, w, b)
+
+    reading = Reading()
+    trials = model_module.kernel_trials(model, 64, reading)  # type: ignore[arg-type]
+    for path_name, names in (("linear", ("c", "amx")), ("batch_linear", ("c",))):
+        candidates = trials[path_name]()
+        for name in names:
+            if name not in candidates:
+                continue
+            reading.read.clear()
+            candidates[name]()
+            assert len(reading.read) == len(linears), (path_name, name)
+            big_reads = [ptr for ptr in reading.read if ptr not in big]
+            assert not set(reading.read) & big, (path_name, name)  # never the weight itself
+            assert sum(ptr % (2 << 20) == 0 for ptr in big_reads) >= len(big)
+
+
 @pytest.mark.parametrize("linear", ["packed", "c"])
 def test_each_weight_is_packed_once_for_the_path_chosen(
     tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, linear: str

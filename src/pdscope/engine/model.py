@@ -1850,6 +1850,7 @@ def _first_rows(m: Linear, share: float) -> Linear:
         return m
     part = Linear(m.in_features, rows, bias=m.bias is not None, device="meta")
     part.weight = nn.Parameter(m.weight.detach()[:rows], requires_grad=False)
+    part.huge_pages = m.huge_pages  # a view: on huge pages where the weight is
     if m.bias is not None:
         part.bias = nn.Parameter(m.bias.detach()[:rows], requires_grad=False)
     return part
@@ -1895,6 +1896,20 @@ class _TrialWeights:
     @functools.cached_property
     def packed_many(self) -> dict[Linear, torch.Tensor]:
         return _packed_for_many_rows(self.linears)
+
+    @functools.cached_property
+    def streamed(self) -> dict[Linear, torch.Tensor]:
+        """Each weight as the C kernels stream it in the engine: apply_kernels moves a weight
+        they read as stored onto huge pages (where Linux offers them), as the pairs copies are
+        made there, so the trial reads a copy there too (up to the trial's bytes, while it
+        runs): on ordinary pages the many-row kernel's one row took 1.11x the time
+        (bench/linear_ab.py, c_many / c_many_huge, AMX Xeon model 207)."""
+        out = {}
+        for m in self.linears:
+            weight = m.weight.detach()
+            moved = None if m.huge_pages else on_huge_pages(weight)
+            out[m] = weight if moved is None else moved
+        return out
 
     def inputs(self, rows: int) -> dict[int, torch.Tensor]:
         """Random inputs of ``rows`` rows for the matmuls, by input width."""
@@ -1944,18 +1959,18 @@ def _linear_trial(shared: _TrialWeights) -> dict[str, Callable[[], object]]:
 
     candidates["plain"] = run_plain
     if native is not None:
-        ops = native
+        ops, streamed = native, shared.streamed
 
         def run_c() -> None:
             for m in linears:
-                ops.linear(inputs[m.in_features], m.weight, m.bias)
+                ops.linear(inputs[m.in_features], streamed[m], m.bias)
 
         candidates["c"] = run_c
         if weight.dtype == torch.bfloat16 and ops.linear_many_isa == "amx":
 
             def run_amx() -> None:
                 for m in linears:
-                    ops.linear_many(inputs[m.in_features], m.weight, m.bias)
+                    ops.linear_many(inputs[m.in_features], streamed[m], m.bias)
 
             candidates["amx"] = run_amx
         if weight.dtype == torch.bfloat16 and ops.pairs and pairs_copy_fits(shared.model):
@@ -1966,7 +1981,9 @@ def _linear_trial(shared: _TrialWeights) -> dict[str, Callable[[], object]]:
             # (bench/decode_ops_ab.py --path linear --candidates pairs2 pairs); with two an
             # output they took 1.26-1.37x 2's time (bench/linear_ab.py --march x86-64-v3)
             for name, streams in PAIRS_LINEAR.items():
-                candidates[name] = _pairs_candidate(copies, inputs, ops, ops.linear, streams)
+                candidates[name] = _pairs_candidate(
+                    copies, inputs, ops, ops.linear, streamed, streams
+                )
     return candidates
 
 
@@ -1975,17 +1992,18 @@ def _pairs_candidate(
     inputs: dict[int, torch.Tensor],
     ops: NativeOps,
     without_copy: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+    streamed: dict[Linear, torch.Tensor],
     streams: int = 8,
 ) -> Callable[[], None]:
     """A trial's pairs candidate, run as apply_kernels would: each Linear's matmul through its
     copy (:attr:`_TrialWeights.pairs`; one row read as ``streams`` a thread), a weight the copy
-    cannot take through ``without_copy``."""
+    cannot take through ``without_copy`` (on ``streamed``, :attr:`_TrialWeights.streamed`)."""
 
     def run() -> None:
         for m, p in copies.items():
             x = inputs[m.in_features]
             if p is None:
-                without_copy(x, m.weight, m.bias)
+                without_copy(x, streamed[m], m.bias)
             else:
                 ops.linear_pairs(x, p, m.bias, streams=streams)
 
@@ -2001,10 +2019,11 @@ def _batch_linear_trial(
 ) -> dict[str, Callable[[], object]]:
     linears, inputs = shared.linears, shared.inputs(_BATCH_TRIAL_ROWS)
     several = _several_rows_candidates(shared, native, inputs)
+    streamed = shared.streamed
 
     def run_c() -> None:
         for m in linears:
-            native.linear_many(inputs[m.in_features], m.weight, m.bias)
+            native.linear_many(inputs[m.in_features], streamed[m], m.bias)
 
     candidates = {"packed": several.pop("onednn"), "c": run_c}
     return candidates | several
@@ -2053,12 +2072,15 @@ def _several_rows_candidates(
     candidates: dict[str, Callable[[], object]] = {"onednn": run_onednn}
     if weight.dtype == torch.bfloat16 and native.pairs_rows and pairs_copy_fits(model):
         # weights without a copy take the many-row kernel
-        candidates["pairs"] = _pairs_candidate(shared.pairs, inputs, native, native.linear_many)
+        candidates["pairs"] = _pairs_candidate(
+            shared.pairs, inputs, native, native.linear_many, shared.streamed
+        )
     if stored:
+        streamed = shared.streamed
 
         def run_c() -> None:
             for m in linears:
-                native.linear_many(inputs[m.in_features], m.weight, m.bias)
+                native.linear_many(inputs[m.in_features], streamed[m], m.bias)
 
         candidates["c"] = run_c
     return candidates
