@@ -6,10 +6,11 @@ measured the same way for each stack:
 * prefill_2000_tok_s: a fresh 2,000-token prompt, one output token: 2000 / T.
 * batch32_decode_tok_s: 32 requests of 128 prompt tokens submitted together; aggregate decode
   rate by the same difference: 32 x N / (T(1 + N tokens each) - T(1 token each)), N = 128,
-  T(1 token each) the mean of one call before and one after (their 4,096-token prefill is most
-  of the call on a large model: a 3B model's took 26-36 s beside ~40 s of decode, and a drift
-  across the three calls cancels in the mean); batch32_prefill_apart, how far those two
-  differed over the decode's time: the figure's error, as a share.
+  T(1 token each) read from one call before and one after, interpolated to the middle of the
+  decode call's own prefill (a linear drift across the three cancels; their 4,096-token
+  prefill is a large share of the call on a large model: a 3B model's took 26-36 s beside ~40 s
+  of decode); batch32_prefill_apart, how far those two differed over the decode's time: how
+  far the prefill swung, a rough bound on the figure's error (about twice it, for noise).
 * batch32_e2e_tok_s: the same 32 requests end to end, prefill included: 32 x (1 + N) / T.
 * cached_prefix_ratio: T(prefix + suffix B) / T(prefix + suffix A), one output token, where the
   2,000-token prefix was computed by the first call (needs prefix caching).
@@ -89,7 +90,16 @@ def run_round(
     first = timed([fresh(128) for _ in range(batch)], 1)
     whole = timed([fresh(128) for _ in range(batch)], 1 + out_len)
     again = timed([fresh(128) for _ in range(batch)], 1)
-    decode_s = whole - (first + again) / 2
+    # The calls run [0, P], [P, 2P + D] (its prefill [P, 2P]), [2P + D, 3P + D]: the prefill's
+    # middle lies P / (2P + D) of the way from the first call's middle to the last's.
+    prefill_s = (first + again) / 2
+    share = prefill_s / (prefill_s + whole)  # 2P + D = P + whole
+    decode_s = whole - (first + (again - first) * share)
+    if decode_s <= 0:
+        raise RuntimeError(
+            f"batch decode: the call with {out_len} tokens ({whole:.2f} s) took no longer than "
+            f"its prefill alone ({first:.2f} and {again:.2f} s): the host swung; run again"
+        )
     result["batch32_decode_tok_s"] = batch * out_len / decode_s
     result["batch32_prefill_apart"] = abs(first - again) / decode_s
     result["batch32_e2e_tok_s"] = batch * (1 + out_len) / whole

@@ -636,6 +636,8 @@ def test_first_rows_keeps_a_weights_part_tile_and_its_storage() -> None:
     assert cut.weight.data_ptr() == m.weight.data_ptr()
     assert torch.equal(cut.bias, m.bias[: cut.out_features])
     assert model_module._first_rows(m, 0.99) is m
+    m.huge_pages = True  # a view of a weight on huge pages is on them too
+    assert model_module._first_rows(m, 0.1).huge_pages
 
 
 def test_the_decode_linear_trials_share_one_set_of_pairs_copies(
@@ -709,7 +711,13 @@ def test_the_trials_c_kernels_read_the_weights_on_huge_pages_as_the_engine_strea
 
     reading = Reading()
     trials = model_module.kernel_trials(model, 64, reading)  # type: ignore[arg-type]
-    for path_name, names in (("linear", ("c", "amx")), ("batch_linear", ("c",))):
+    for path_name, names in (
+        ("linear", ("c", "amx")),
+        ("batch_linear", ("c",)),
+        ("big_batch_linear", ("c",)),  # offered with AMX tiles
+    ):
+        if path_name not in trials:
+            continue
         candidates = trials[path_name]()
         for name in names:
             if name not in candidates:

@@ -1879,7 +1879,8 @@ def _trial_linears(model: CausalLM) -> list[Linear]:
 class _TrialWeights:
     """What the decode-linear trials read, each made on first use and then shared by the
     three (a cached or forced choice makes none of it): the matmuls (:func:`_trial_linears`),
-    their pairs copies and their weights packed for many rows."""
+    their pairs copies, their weights packed for many rows and a copy of each weight on huge
+    pages (:attr:`streamed`), all held until the engine drops the trials."""
 
     def __init__(self, model: CausalLM, native: NativeOps | None):
         self.model, self.native = model, native
@@ -1901,8 +1902,8 @@ class _TrialWeights:
     def streamed(self) -> dict[Linear, torch.Tensor]:
         """Each weight as the C kernels stream it in the engine: apply_kernels moves a weight
         they read as stored onto huge pages (where Linux offers them), as the pairs copies are
-        made there, so the trial reads a copy there too (up to the trial's bytes, while it
-        runs): on ordinary pages the many-row kernel's one row took 1.11x the time
+        made there, so the trials read a copy there too (the trials' bytes once more, until
+        they are dropped): on ordinary pages the many-row kernel's one row took 1.11x the time
         (bench/linear_ab.py, c_many / c_many_huge, AMX Xeon model 207)."""
         out = {}
         for m in self.linears:
@@ -1959,6 +1960,10 @@ def _linear_trial(shared: _TrialWeights) -> dict[str, Callable[[], object]]:
 
     candidates["plain"] = run_plain
     if native is not None:
+        # asked before the copy below is made: it sees the memory the engine will have
+        copies_fit = (
+            weight.dtype == torch.bfloat16 and native.pairs and pairs_copy_fits(shared.model)
+        )
         ops, streamed = native, shared.streamed
 
         def run_c() -> None:
@@ -1973,7 +1978,7 @@ def _linear_trial(shared: _TrialWeights) -> dict[str, Callable[[], object]]:
                     ops.linear_many(inputs[m.in_features], streamed[m], m.bias)
 
             candidates["amx"] = run_amx
-        if weight.dtype == torch.bfloat16 and ops.pairs and pairs_copy_fits(shared.model):
+        if copies_fit:
             # weights without a copy take the C kernel; one set of copies for both counts
             copies = shared.pairs
             # both stream counts in AVX2 too: with one accumulator an output (two a block) 8
