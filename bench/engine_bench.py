@@ -84,9 +84,9 @@ def bytes_per_decode_token(model_dir: Path, context: int = 32) -> float:
 def bandwidth_gb_s() -> float:
     """This machine's memory bandwidth now, measured as `pdscope plan --device local` does
     (the higher of its read and triad rates), without its matmul timing."""
-    from pdscope.specs.local import stream_gb_s
+    from pdscope.specs import local
 
-    return max(stream_gb_s())
+    return local.bandwidth_gb_s()
 
 
 def machine_line() -> str:

@@ -670,7 +670,7 @@ class LocalReadings:
     computed_in: str = ""
 
     def read(self, matmul: bool = False) -> None:
-        from pdscope.specs.local import stream_gb_s
+        from pdscope.specs.local import bandwidth_gb_s
 
         start = time.perf_counter()
         if matmul:
@@ -678,7 +678,7 @@ class LocalReadings:
             self.tflops.append(tflops)
             self.computed_in = self.computed_in or note
         else:  # the stream part of measure_local, alone
-            gb_s = max(stream_gb_s(READING_MIB, READING_REPEATS))
+            gb_s = bandwidth_gb_s(READING_MIB, READING_REPEATS)
         self.bandwidth_gb_s.append(gb_s)
         self.times_s.append((start + time.perf_counter()) / 2)
 

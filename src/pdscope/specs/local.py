@@ -70,6 +70,12 @@ def stream_gb_s(array_mib: int = 512, repeats: int = 5) -> tuple[float, float]:
     return n * 4 / read_s / 1e9, 3 * n * 4 / triad_s / 1e9
 
 
+def bandwidth_gb_s(array_mib: int = 512, repeats: int = 5) -> float:
+    """This machine's streaming bandwidth now (GB/s): the higher of :func:`stream_gb_s`'s read
+    and triad rates, as :attr:`LocalMeasurement.bandwidth_gb_s` takes it, without a matmul."""
+    return max(stream_gb_s(array_mib, repeats))
+
+
 MATMUL_SIZES = (1024, 2048)  # square matmuls timed for the peak; the faster one counts
 # A size is tried only while the size before it ran in under this: a slow path (bf16 on an
 # AVX2-only CPU, ~1.3 GFLOP/s) would take minutes at 2,048, and its rate is known by then.
