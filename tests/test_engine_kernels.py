@@ -34,6 +34,7 @@ from pdscope.engine.kernels import (
     cpu_flags,
     pairs_preferred,
     parse_kernels,
+    read_gauge_gb_s,
 )
 from pdscope.engine.model import (
     Attention,
@@ -161,6 +162,19 @@ def test_outcomes_measured_under_another_isa_are_cached_apart(
     assert machine_key(trial=1) == unset
 
 
+def steady_host() -> float:
+    """A host whose memory reads at one rate (GB/s): the tests of caching by shape and load,
+    kept apart from the host-speed rule (its own tests below), which a swing of a noisy host
+    between two starts would trip."""
+    return 10.0
+
+
+@pytest.fixture
+def steady_gauge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines started in the test read memory at :func:`steady_host`'s rate."""
+    monkeypatch.setattr("pdscope.engine.kernels.read_gauge_gb_s", steady_host)
+
+
 def test_trial_picks_the_faster_candidate_and_caches_it(tmp_path: Path) -> None:
     calls: list[str] = []
 
@@ -179,7 +193,7 @@ def test_trial_picks_the_faster_candidate_and_caches_it(tmp_path: Path) -> None:
             }
         }
 
-    first = choose(trials(), {}, SHAPES, tmp_path)
+    first = choose(trials(), {}, SHAPES, tmp_path, read_memory=steady_host)
     assert first.prefill_attention == "sdpa"
     assert first.how == {
         "linear": "fixed",
@@ -202,7 +216,7 @@ def test_trial_picks_the_faster_candidate_and_caches_it(tmp_path: Path) -> None:
     assert record["prefill_attention"] == "sdpa" and record["flags"] == cpu_flags()
 
     calls.clear()
-    second = choose(trials(), {}, SHAPES, tmp_path)
+    second = choose(trials(), {}, SHAPES, tmp_path, read_memory=steady_host)
     assert second.prefill_attention == "sdpa" and second.how["prefill_attention"] == "cached"
     assert calls == []  # a cached choice runs no trial
 
@@ -324,9 +338,10 @@ def test_a_preference_may_follow_the_picks_before_it(
         choice = choose(trials, {"linear": linear}, SHAPES, None, prefer=prefer)
         assert choice.prefill_linear == pick and seen[-1]["linear"] == linear
     # (one load throughout: a quieter start would measure again)
-    choose(trials, {"linear": "pairs2"}, SHAPES, tmp_path, load=1.0, prefer=prefer)  # pairs
+    steady = {"load": 1.0, "read_memory": steady_host, "prefer": prefer}
+    choose(trials, {"linear": "pairs2"}, SHAPES, tmp_path, **steady)  # pairs
     for linear, pick in (("packed", "onednn"), ("pairs2", "pairs")):
-        choice = choose(trials, {"linear": linear}, SHAPES, tmp_path, load=1.0, prefer=prefer)
+        choice = choose(trials, {"linear": linear}, SHAPES, tmp_path, **steady)
         assert (choice.prefill_linear, choice.how["prefill_linear"]) == (pick, "cached")
 
 
@@ -342,17 +357,76 @@ def test_a_choice_made_on_a_busy_host_is_measured_again_when_quieter(tmp_path: P
             }
         }
 
-    busy = choose(trials(), {}, SHAPES, tmp_path, load=2.5)
+    def start(load: float) -> KernelChoice:
+        return choose(trials(), {}, SHAPES, tmp_path, load=load, read_memory=steady_host)
+
+    busy = start(2.5)
     assert busy.prefill_attention == "blocked"
     (cache_file,) = tmp_path.glob("*.json")
     assert json.loads(cache_file.read_text())["load_per_core"] == 2.5
     slow.update(blocked=0.02, sdpa=0.0)  # the truth, seen when quiet
-    assert choose(trials(), {}, SHAPES, tmp_path, load=2.2).how["prefill_attention"] == "cached"
-    quiet = choose(trials(), {}, SHAPES, tmp_path, load=0.4)
+    assert start(2.2).how["prefill_attention"] == "cached"
+    quiet = start(0.4)
     assert quiet.prefill_attention == "sdpa" and quiet.how["prefill_attention"] == "measured"
     record = json.loads(cache_file.read_text())
     assert record["prefill_attention"] == "sdpa" and record["load_per_core"] == 0.4
-    assert choose(trials(), {}, SHAPES, tmp_path, load=0.3).how["prefill_attention"] == "cached"
+    assert start(0.3).how["prefill_attention"] == "cached"
+
+
+def test_a_choice_made_while_the_host_read_memory_slowly_is_measured_again(
+    tmp_path: Path,
+) -> None:
+    """A neighbour on the physical host slows memory without raising this one's load: a
+    trial records the slower of the readings around it, and a start that reads FASTER_BY
+    times faster measures again; a slower or as fast start, or one whose gauge could not
+    read, keeps the cache. A path measured beside cached ones keeps their reading where it
+    is the slower."""
+    from pdscope.engine.kernels import FASTER_BY
+
+    slow = {"blocked": 0.0, "sdpa": 0.02}  # the slow stretch's view: blocked wins
+    readings: list[float | None] = []
+
+    def read() -> float | None:
+        return readings.pop(0)
+
+    def trials(paths: tuple[str, ...] = ("prefill_attention",)) -> dict:
+        return {
+            path: lambda: {name: (lambda name=name: time.sleep(slow[name])) for name in slow}
+            for path in paths
+        }
+
+    def start(*gauge: float | None, paths: tuple[str, ...] = ("prefill_attention",)):
+        readings[:] = gauge
+        choice = choose(trials(paths), {}, SHAPES, tmp_path, load=1.0, read_memory=read)
+        assert readings == []  # every reading given was taken, no more
+        return choice, json.loads(next(tmp_path.glob("*.json")).read_text())
+
+    # no cache yet: a reading before the trial and one after, the slower recorded
+    choice, record = start(12.0, 10.0)
+    assert (choice.prefill_attention, record["read_gb_s"]) == ("blocked", 10.0)
+    slow.update(blocked=0.02, sdpa=0.0)  # the truth, seen at the host's usual speed
+    # one reading per cached start; below FASTER_BY (or unread) the cache stands
+    for now in (9.0, 10.0 * FASTER_BY * 0.98, None):
+        choice, record = start(now)
+        assert choice.how["prefill_attention"] == "cached" and record["read_gb_s"] == 10.0
+    choice, record = start(10.0 * FASTER_BY, 13.0)
+    assert (choice.prefill_attention, choice.how["prefill_attention"]) == ("sdpa", "measured")
+    assert record["read_gb_s"] == 12.5
+    # a new path measured beside the cached one: the slower of its readings and the cache's
+    choice, record = start(14.0, 15.0, paths=("prefill_attention", "decode_math"))
+    assert choice.how["prefill_attention"] == "cached"
+    assert choice.how["decode_math"] == "measured" and record["read_gb_s"] == 12.5
+
+
+def test_the_read_gauge_reads_this_host(tmp_path: Path) -> None:
+    """The gauge a cached choice is held against reads this machine's memory (a positive,
+    finite rate), and a trial with a cache records it."""
+    gauge_gb_s = read_gauge_gb_s()
+    assert gauge_gb_s is not None and 0.1 < gauge_gb_s < 10_000
+    trials = {"prefill_attention": lambda: {"blocked": lambda: None, "sdpa": lambda: None}}
+    choose(trials, {}, SHAPES, tmp_path, load=1.0)
+    (cache_file,) = tmp_path.glob("*.json")
+    assert 0.1 < json.loads(cache_file.read_text())["read_gb_s"] < 10_000
 
 
 def test_engine_logs_applies_and_reports_its_choice(
@@ -397,7 +471,7 @@ def test_engine_logs_applies_and_reports_its_choice(
 
 
 def test_auto_measures_every_path_that_has_two_candidates(
-    tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, steady_gauge: None
 ) -> None:
     monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
     llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", max_model_len=256)
@@ -936,7 +1010,7 @@ def test_batch_linear_pairs_on_the_way_to_holding_weights_once_is_kept_within_a_
 
 
 def test_the_paths_kept_for_holding_once_go_to_the_fastest_where_prefill_does_not_follow(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steady_gauge: None
 ) -> None:
     """batch_linear and big_batch_linear keep the copies within HELD_ONCE_TIE (timed here at
     1.06x the fastest) on the way to prefill_linear=pairs; where prefill_linear's own copies

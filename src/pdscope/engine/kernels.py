@@ -163,7 +163,7 @@ from pathlib import Path
 import torch
 
 from pdscope.engine.native import MARCH_ENV, PAIR_STREAMS
-from pdscope.specs.local import cpu_model
+from pdscope.specs.local import cpu_model, read_gb_s
 
 log = logging.getLogger("pdscope.engine")
 
@@ -213,7 +213,7 @@ PREFERRED_ROUNDS = 5
 # ISA flags that change which kernel wins (oneDNN dispatches on them).
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 # Bump when a kernel or the trial changes, so stale cached choices are not reused.
-_TRIAL_VERSION = 34
+_TRIAL_VERSION = 35
 
 
 @dataclass(frozen=True)
@@ -360,6 +360,27 @@ Candidates = dict[str, Callable[[], object]]
 # project's 2-core Xeon under load 5 picked `linear=packed`, slower when quiet), and caching it
 # would keep that choice for every later start.
 QUIETER_BY = 0.5
+# ... and when the host reads memory this many times faster than during the trial
+# (specs.local.read_gb_s, the slower of the readings before and after it): a neighbour on the
+# same physical host slows this one without raising its load average. On the AMX Xeon
+# (family 6 model 207) a trial in such a stretch timed `amx` at 23.2 ms and `pairs2` at 20.0
+# against their usual 12.0-12.6 and 13.8-16.0, and its cached pairs2 cost batch-1 decode 11%
+# of its speed in every later start (docs/performance.md). The host's own readings swing
+# ~25% within minutes, so a cache made in its slow phases is measured again in its faster
+# ones until it stands on one of its fastest.
+FASTER_BY = 1.25
+# MiB read by that gauge: past the AMD EPYC hosts' 32 MB last-level cache; on the AMX Xeon's
+# 300 MiB one it read 0.99x a 1,024 MiB array (docs/performance.md).
+_READ_GAUGE_MIB = 256
+
+
+def read_gauge_gb_s() -> float | None:
+    """The host's memory read rate now (GB/s), or None where the gauge's array could not
+    be allocated (a start under tight memory skips the comparison, nothing else)."""
+    try:
+        return read_gb_s(_READ_GAUGE_MIB)
+    except (RuntimeError, MemoryError):
+        return None
 
 
 def pairs_preferred(isa: str) -> str:
@@ -428,6 +449,7 @@ def choose(
     fixed: dict[str, str] | None = None,
     load: float | None = None,
     prefer: Mapping[str, Liked | Callable[[dict[str, str]], Liked | None]] | None = None,
+    read_memory: Callable[[], float | None] | None = None,
 ) -> KernelChoice:
     """Pick every path: forced ones as given, the rest from the cache or a trial.
 
@@ -442,9 +464,14 @@ def choose(
     order, the first within its margin kept; a path with a preference is
     timed :data:`PREFERRED_ROUNDS` rounds at least); a preferred name the trial did not run
     is ignored. A callable there names it, or None (no preference), from
-    the picks of the paths before this one (in :data:`OPTIONS`' order).
+    the picks of the paths before this one (in :data:`OPTIONS`' order). ``read_memory``: the
+    host's memory read rate now (GB/s, None if unread; default :func:`read_gauge_gb_s`),
+    called only with a cache: a cache
+    entry made while the host read :data:`FASTER_BY` times slower is measured again, and a
+    trial records the slower of its readings before and after.
     """
     load = load_per_core() if load is None else load
+    read_memory = read_memory or read_gauge_gb_s
     cache_file = cache_dir / f"{shapes.cache_key()}.json" if cache_dir else None
     cached: dict[str, object] = {}
     if cache_file is not None and cache_file.is_file():
@@ -461,6 +488,19 @@ def choose(
                 cached_load,
             )
             cached = {}
+    read_now_gb_s = None
+    cached_read = cached.get("read_gb_s")
+    if isinstance(cached_read, int | float) and cached_read > 0:
+        read_now_gb_s = read_memory()
+        if read_now_gb_s is not None and read_now_gb_s >= cached_read * FASTER_BY:
+            log.info(
+                "kernel choice measured again: the host reads memory at %.1f GB/s, %.2fx the "
+                "%.1f GB/s it read when the choice was cached",
+                read_now_gb_s,
+                read_now_gb_s / cached_read,
+                cached_read,
+            )
+            cached = {}
     picks: dict[str, str] = {}
     how: dict[str, str] = {}
     trial_s: dict[str, float] = {}
@@ -473,6 +513,12 @@ def choose(
     measured_any = False
     to_measure = [p for p in applicable if p not in forced]
     per_path_s = budget_s / max(1, len(to_measure))
+
+    def is_cached(path: str) -> bool:
+        return isinstance(cached.get(path), str) and cached[path] in OPTIONS[path]
+
+    if cache_file is not None and read_now_gb_s is None and not all(map(is_cached, to_measure)):
+        read_now_gb_s = read_memory()  # before the trials that follow
     for path in OPTIONS:
         if path in forced:
             picks[path], how[path] = forced[path], "forced"
@@ -480,7 +526,7 @@ def choose(
             how[path] = "fixed"
             if fixed and path in fixed:
                 picks[path] = fixed[path]
-        elif isinstance(cached.get(path), str) and cached[path] in OPTIONS[path]:
+        elif is_cached(path):
             picks[path], how[path] = str(cached[path]), "cached"
             liked = (prefer or {}).get(path)
             times = {
@@ -515,6 +561,11 @@ def choose(
             | trial_s,
             "load_per_core": round(load, 2),
         }
+        readings = [r for r in (read_now_gb_s, read_memory()) if r is not None]
+        if "cached" in how.values() and isinstance(cached_read, int | float):
+            readings.append(cached_read)  # the kept paths' own trial's
+        if readings:
+            record["read_gb_s"] = round(min(readings), 2)
         if (exc := write_cache(cache_file, json.dumps(record, indent=2))) is not None:
             log.warning("kernel choice not cached (%s)", exc)
     return choice

@@ -70,6 +70,16 @@ def stream_gb_s(array_mib: int = 512, repeats: int = 5) -> tuple[float, float]:
     return n * 4 / read_s / 1e9, 3 * n * 4 / triad_s / 1e9
 
 
+def read_gb_s(array_mib: int = 256, repeats: int = 3) -> float:
+    """The read rate alone (GB/s) over one float32 array of ``array_mib`` MiB, the best of
+    ``repeats`` after a warm-up: a quick gauge of how fast the host reads memory now (one
+    array where :func:`stream_gb_s` holds three), for comparing two moments on one machine."""
+    import torch
+
+    b = torch.ones(array_mib * 1024 * 1024 // 4, dtype=torch.float32)
+    return b.numel() * 4 / _best_seconds(lambda: b.sum(), repeats) / 1e9
+
+
 def bandwidth_gb_s(array_mib: int = 512, repeats: int = 5) -> float:
     """This machine's streaming bandwidth now (GB/s): the higher of :func:`stream_gb_s`'s read
     and triad rates, as :attr:`LocalMeasurement.bandwidth_gb_s` takes it, without a matmul."""
