@@ -4,16 +4,18 @@ Every figure is a wall-clock difference around a blocking ``generate(prompts, ma
 measured the same way for each stack:
 * decode_b1_tok_s: one request, 32-token prompt; N / (T(1 + N tokens) - T(1 token)), N = 256.
 * prefill_2000_tok_s: a fresh 2,000-token prompt, one output token: 2000 / T.
-* batch32_decode_tok_s: 32 requests of 128 prompt tokens submitted together; aggregate decode
+* batch32_decode_tok_s: 32 requests of 129 prompt tokens submitted together; aggregate decode
   rate by the same difference: 32 x N / (T(1 + N tokens each) - T(1 token each)), N = 128,
   T(1 token each) read from one call before and one after, interpolated to the middle of the
   decode call's own prefill (a linear drift across the three cancels). Where the stack caches
-  prefixes the 32 prompts are computed once first, so that all three calls read them from the
-  cache and each one's prefill is the last few tokens a prompt: fresh, their 4,096 tokens were
-  a large share of the call on a large model (a 3B model's took 26-36 s beside ~40 s of decode,
-  and their swing a third of the difference); batch32_prefill_apart, how far the two
-  prefill-only calls differed over the decode's time, a rough bound on the figure's error
-  (about twice it, for noise).
+  prefixes the 32 prompts are computed once first, so that all three calls read their first
+  128 tokens from the cache and compute one token a prompt: 128 is a whole block in vLLM's CPU
+  build (its default block size there) and 8 of pdscope's, and neither reuses a prompt's last
+  token (it must be computed for its logits; 128 tokens reused nothing in vLLM). Fresh, the
+  4,096 tokens were a large share of the call on a large model (a 3B model's took 26-36 s
+  beside ~40 s of decode, and their swing a third of the difference); batch32_prefill_apart,
+  how far the two prefill-only calls differed over the decode's time, a rough bound on the
+  figure's error (about twice it, for noise).
 * batch32_e2e_tok_s: 32 fresh requests end to end, prefill included: 32 x (1 + N) / T (the
   decode call itself where the stack has no prefix cache).
 * cached_prefix_ratio: T(prefix + suffix B) / T(prefix + suffix A), one output token, where the
@@ -46,6 +48,8 @@ from collections.abc import Callable
 Generate = Callable[[list[list[int]], int], None]
 
 LONG_CONTEXT_DECODE = 96
+# The batched figure's prompts: one token past vLLM's 128-token CPU block (module docstring)
+BATCH_PROMPT_TOKENS = 129
 CONTEXTS = {"decode_ctx64_tok_s": 64, "decode_ctx4000_tok_s": 4000}
 
 
@@ -92,11 +96,11 @@ def run_round(
     result["prefill_2000_tok_s"] = 2000 / timed([fresh(2000)], 1)
     batch, out_len = (8, 32) if quick else (32, 128)
     if with_cached_prefix:
-        prompts = [fresh(128) for _ in range(batch)]
+        prompts = [fresh(BATCH_PROMPT_TOKENS) for _ in range(batch)]
         timed(prompts, 1)  # computed once: the three calls below read them from the cache
         calls = [prompts] * 3
     else:
-        calls = [[fresh(128) for _ in range(batch)] for _ in range(3)]
+        calls = [[fresh(BATCH_PROMPT_TOKENS) for _ in range(batch)] for _ in range(3)]
     first = timed(calls[0], 1)
     whole = timed(calls[1], 1 + out_len)
     again = timed(calls[2], 1)
@@ -113,7 +117,9 @@ def run_round(
     result["batch32_decode_tok_s"] = batch * out_len / decode_s
     result["batch32_prefill_apart"] = abs(first - again) / decode_s
     end_to_end = (
-        timed([fresh(128) for _ in range(batch)], 1 + out_len) if with_cached_prefix else whole
+        timed([fresh(BATCH_PROMPT_TOKENS) for _ in range(batch)], 1 + out_len)
+        if with_cached_prefix
+        else whole
     )
     result["batch32_e2e_tok_s"] = batch * (1 + out_len) / end_to_end
     if with_cached_prefix:
