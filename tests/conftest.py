@@ -44,6 +44,20 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", dtype="bfloat16")
 
 
+def steady_host() -> float:
+    """A host whose memory reads at one rate (GB/s): for tests of caching by shape and load
+    that start twice on one kernel cache, kept apart from the host-speed rule (its own tests
+    in tests/test_engine_kernels.py), which a swing of a noisy host between the starts would
+    trip."""
+    return 10.0
+
+
+@pytest.fixture
+def steady_gauge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines started in the test read memory at :func:`steady_host`'s rate."""
+    monkeypatch.setattr("pdscope.engine.kernels.read_gauge_gb_s", steady_host)
+
+
 def start_server(model: Path, log_dir: Path, *args: str, name: str = "tiny") -> Server:
     return _start(model, log_dir / "server.log", *args, name=name, timeout_s=90)
 

@@ -998,7 +998,7 @@ def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 )
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_engine_checks_its_one_call_step_at_load(
-    tmp_path: Path, kernels: str, threads: int, own_cache: None,
+    tmp_path: Path, kernels: str, threads: int, own_cache: None, steady_gauge: None,
     caplog: pytest.LogCaptureFixture,
 ) -> None:  # fmt: skip
     """At load the engine steps its model through the one C call and through a call per

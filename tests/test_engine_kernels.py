@@ -50,7 +50,7 @@ from pdscope.engine.model import (
     slot_runs,
     thread_cpus,
 )
-from tests.conftest import OTHER_BUILDS, build_for
+from tests.conftest import OTHER_BUILDS, build_for, steady_host
 
 SHAPES = TrialShapes("bfloat16", 64, 128, 256, 2, 4, 2, 16, 32)
 
@@ -160,19 +160,6 @@ def test_outcomes_measured_under_another_isa_are_cached_apart(
     unset = machine_key(trial=1)
     monkeypatch.setenv("PDSCOPE_MARCH", " native ")
     assert machine_key(trial=1) == unset
-
-
-def steady_host() -> float:
-    """A host whose memory reads at one rate (GB/s): the tests of caching by shape and load,
-    kept apart from the host-speed rule (its own tests below), which a swing of a noisy host
-    between two starts would trip."""
-    return 10.0
-
-
-@pytest.fixture
-def steady_gauge(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Engines started in the test read memory at :func:`steady_host`'s rate."""
-    monkeypatch.setattr("pdscope.engine.kernels.read_gauge_gb_s", steady_host)
 
 
 def test_trial_picks_the_faster_candidate_and_caches_it(tmp_path: Path) -> None:
@@ -416,6 +403,9 @@ def test_a_choice_made_while_the_host_read_memory_slowly_is_measured_again(
     choice, record = start(14.0, 15.0, paths=("prefill_attention", "decode_math"))
     assert choice.how["prefill_attention"] == "cached"
     assert choice.how["decode_math"] == "measured" and record["read_gb_s"] == 12.5
+    # every path forced: nothing to measure, no reading (read() pops from an empty list)
+    readings.clear()
+    choose(trials(), {"prefill_attention": "sdpa"}, SHAPES, tmp_path, load=1.0, read_memory=read)
 
 
 def test_the_read_gauge_reads_this_host(tmp_path: Path) -> None:

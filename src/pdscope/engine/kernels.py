@@ -366,17 +366,18 @@ QUIETER_BY = 0.5
 # (family 6 model 207) a trial in such a stretch timed `amx` at 23.2 ms and `pairs2` at 20.0
 # against their usual 12.0-12.6 and 13.8-16.0, and its cached pairs2 cost batch-1 decode 11%
 # of its speed in every later start (docs/performance.md). The host's own readings swing
-# ~25% within minutes, so a cache made in its slow phases is measured again in its faster
-# ones until it stands on one of its fastest.
+# ~25% within minutes: a cache made in one of its slow phases is measured again in a fast one
+# (and records the slower of that trial's two readings again).
 FASTER_BY = 1.25
 # MiB read by that gauge: past the AMD EPYC hosts' 32 MB last-level cache; on the AMX Xeon's
-# 300 MiB one it read 0.99x a 1,024 MiB array (docs/performance.md).
+# 300 MiB one its sum read 22.1 GB/s against 21.6 over 1,024 MiB (docs/performance.md).
 _READ_GAUGE_MIB = 256
 
 
 def read_gauge_gb_s() -> float | None:
-    """The host's memory read rate now (GB/s), or None where the gauge's array could not
-    be allocated (a start under tight memory skips the comparison, nothing else)."""
+    """The host's memory read rate now (GB/s), or None where torch could not allocate the
+    gauge's array (the comparison is skipped, nothing else; under Linux's overcommit a host
+    short of memory may fail later, as the array's pages are touched)."""
     try:
         return read_gb_s(_READ_GAUGE_MIB)
     except (RuntimeError, MemoryError):
@@ -488,9 +489,10 @@ def choose(
                 cached_load,
             )
             cached = {}
+    to_measure = [p for p in applicable if p not in forced]
     read_now_gb_s = None
     cached_read = cached.get("read_gb_s")
-    if isinstance(cached_read, int | float) and cached_read > 0:
+    if to_measure and isinstance(cached_read, int | float) and cached_read > 0:
         read_now_gb_s = read_memory()
         if read_now_gb_s is not None and read_now_gb_s >= cached_read * FASTER_BY:
             log.info(
@@ -511,7 +513,6 @@ def choose(
         if isinstance(k, str) and isinstance(v, int | float)
     }
     measured_any = False
-    to_measure = [p for p in applicable if p not in forced]
     per_path_s = budget_s / max(1, len(to_measure))
 
     def is_cached(path: str) -> bool:
