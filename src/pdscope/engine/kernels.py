@@ -467,9 +467,9 @@ def choose(
     is ignored. A callable there names it, or None (no preference), from
     the picks of the paths before this one (in :data:`OPTIONS`' order). ``read_memory``: the
     host's memory read rate now (GB/s, None if unread; default :func:`read_gauge_gb_s`),
-    called only with a cache: a cache
-    entry made while the host read :data:`FASTER_BY` times slower is measured again, and a
-    trial records the slower of its readings before and after.
+    called only with a cache and a path to decide: a cache entry made while the host read
+    :data:`FASTER_BY` times slower is measured again, and a trial records the slower of its
+    readings before and after (and of the kept paths' own, where some stay cached).
     """
     load = load_per_core() if load is None else load
     read_memory = read_memory or read_gauge_gb_s
