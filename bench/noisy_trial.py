@@ -5,8 +5,8 @@ shared): an engine starts while a memory hog runs beside it (one thread streamin
 through two arrays of ``--hog-mib`` MiB each), so its trials time the candidates on a slowed
 host and cache the picks; the hog stops; a second engine starts on that cache, and a third
 after it. Prints, per start, the host's memory reading the cache records or is held against
-(the trial's slower one), how each matmul path was decided, its picks, and the linear trial's
-median times: whether a trial on a slowed host picks otherwise, and whether the quiet start
+(the trial's slower one), how each matmul path was decided, its pick, and its trial's median
+times: whether a trial on a slowed host picks otherwise, and whether the quiet start
 measures again (the rule in ``kernels.choose``: FASTER_BY).
 
     .venv/bin/python bench/noisy_trial.py --rounds 3
@@ -49,17 +49,18 @@ def start(path: str, cache: Path, label: str) -> None:
     choice = llm.engine.kernels
     (entry,) = (cache / "kernels").glob("*.json")
     read = json.loads(entry.read_text()).get("read_gb_s")
-    picks = ", ".join(f"{p}={getattr(choice, p)} ({choice.how.get(p)})" for p in PATHS)
-    linear_ms = {
-        k.split("=")[1]: round(v * 1e3, 2)
-        for k, v in choice.trial_s.items()
-        if k.startswith("linear=")
-    }
     print(
         f"  {label:<12} start {took_s:5.1f} s, load {load_per_core():.2f}/core, cache's "
-        f"reading {read} GB/s\n    {picks}\n    linear trial ms: {linear_ms}",
+        f"reading {read} GB/s",
         flush=True,
     )
+    for path in PATHS:
+        trial_ms = {
+            k.split("=")[1]: round(v * 1e3, 2)
+            for k, v in choice.trial_s.items()
+            if k.split("=")[0] == path
+        }
+        print(f"    {path}={getattr(choice, path)} ({choice.how.get(path)}): {trial_ms} ms")
     del llm
 
 
