@@ -54,13 +54,13 @@ def start(path: str, cache: Path, label: str) -> None:
         f"reading {read} GB/s",
         flush=True,
     )
-    for path in PATHS:
+    for matmul in PATHS:
         trial_ms = {
             k.split("=")[1]: round(v * 1e3, 2)
             for k, v in choice.trial_s.items()
-            if k.split("=")[0] == path
+            if k.split("=")[0] == matmul
         }
-        print(f"    {path}={getattr(choice, path)} ({choice.how.get(path)}): {trial_ms} ms")
+        print(f"    {matmul}={getattr(choice, matmul)} ({choice.how.get(matmul)}): {trial_ms} ms")
     del llm
 
 
