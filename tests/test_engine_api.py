@@ -200,7 +200,7 @@ def test_a_pool_that_cannot_serve_fails_before_the_weights_or_the_trials(
 
 FREED = """
 import torch
-from pdscope.engine.model import release_freed_memory
+from pdscope.engine.malloc import release_freed_memory
 def anon_mb():
     for line in open("/proc/self/status"):
         if line.startswith("RssAnon"):

@@ -2170,21 +2170,6 @@ def available_memory_bytes() -> int | None:
     return available
 
 
-def release_freed_memory() -> bool:
-    """Hand the pages the C heap holds free back to the system (glibc's ``malloc_trim``). A
-    start's trials and one-call check free tensors small enough for the heap, whose pages
-    glibc keeps: 1.25 GB of a 7B-shaped model's uncached start stayed resident. False where
-    the C library has no ``malloc_trim`` (not glibc); it frees nothing where another allocator
-    is preloaded (jemalloc, tcmalloc), whose own heap it does not reach."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError, TypeError):  # TypeError: CDLL(None) on some Windows
-        return False
-    trim.argtypes = [ctypes.c_size_t]
-    trim(0)
-    return True
-
-
 def copy_fits(nbytes: int) -> bool:
     """Whether a copy of ``nbytes`` is at most TRANSPOSED_COPY_MAX_SHARE of the memory
     available now: a model that would need most of the machine's memory for another copy of
