@@ -268,9 +268,15 @@ def main() -> None:
         choices=sorted(AS_CPU),
         help="keep every stack to another CPU's instruction sets (see AS_CPU)",
     )
+    parser.add_argument(
+        "--pdscope-kernels",
+        default="auto",
+        help="pdscope's --kernels (e.g. freed_memory=kept): a forced path against the peers",
+    )
     parser.add_argument("--json", type=Path, help="also write every round here")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/pdscope-engine-bench"))
     args = parser.parse_args()
+    os.environ["PDSCOPE_BENCH_KERNELS"] = args.pdscope_kernels  # read by stack_worker.py
     unknown = [s for s in args.stacks if s not in STACKS]
     if unknown or args.repeats < 1:
         parser.error(f"--stacks from {', '.join(STACKS)}; --repeats >= 1 (got {unknown})")

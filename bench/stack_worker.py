@@ -30,6 +30,7 @@ def pdscope(model_dir: str) -> Generate:
         max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=2048,
         max_num_seqs=64,
+        kernels=os.environ.get("PDSCOPE_BENCH_KERNELS", "auto"),  # engine_bench.py's
     )
     print(f"KERNELS {llm.engine.kernels.summary()}", flush=True)
 
