@@ -194,7 +194,6 @@ def test_trial_picks_the_faster_candidate_and_caches_it(tmp_path: Path) -> None:
         "decode_prefetch": "fixed",
         "threads": "fixed",
         "step_rows": "fixed",
-        "freed_memory": "fixed",
     }
     assert set(first.trial_s) == {"prefill_attention=blocked", "prefill_attention=sdpa"}
     # Interleaved: after the warm-ups, the candidates alternate.
@@ -429,7 +428,7 @@ def test_engine_logs_applies_and_reports_its_choice(
         "linear=plain,batch_linear=packed,big_batch_linear=onednn,prefill_linear=onednn,"
         "matmul_math=float32,"
         "prefill_attention=sdpa,decode_math=native,decode_ops=torch,decode_prefetch=jumps,"
-        "threads=free,step_rows=exact,freed_memory=returned"
+        "threads=free,step_rows=exact"
     )
     with caplog.at_level("INFO", logger="pdscope.engine"):
         llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels=forced)
@@ -1229,7 +1228,6 @@ def test_a_float32_model_reports_the_paths_it_really_runs(tmp_path: Path) -> Non
         "decode_prefetch": False,  # the bf16 head-64 decode attention only
         "threads": False,  # bound only when forced
         "step_rows": False,  # a rule: padded for 16-bit oneDNN matmuls only
-        "freed_memory": False,  # returned unless forced
     }
     assert kernels.step_rows == "exact"
     assert kernels.how["prefill_attention"] == kernels.how["decode_ops"] == "forced"

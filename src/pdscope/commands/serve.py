@@ -135,13 +135,6 @@ def serve(args: EngineArgs, s: ServeSettings) -> None:
     import os
     import sys
 
-    from pdscope.engine.malloc import share_main_heap
-
-    # Before torch loads and any thread starts: the engine's thread then shares the main heap,
-    # which keeps what its steps free (engine/malloc.py). A plain reading of the setting,
-    # without torch: the engine parses and checks --kernels itself.
-    if "freed_memory=kept" in args.kernels.replace(" ", ""):
-        share_main_heap()
     told = {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & os.environ.keys()
     if not told and "torch" not in sys.modules:  # libgomp reads it once, loaded with torch
         os.environ["GOMP_SPINCOUNT"] = spin_count(args.model)

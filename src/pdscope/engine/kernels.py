@@ -146,13 +146,6 @@ Paths (every candidate computes the same function; tests pin each against transf
   builds a primitive for each new row count: on the AMX Xeon 24-31 ms of them in the first
   prefill of each new length, where a repeated length's prefill took 1.005x the time padded
   (engine/model.py's ROW_BUCKET; docs/performance.md).
-* ``freed_memory``: ``returned`` (glibc's malloc as it is: a tensor of 32 MiB or more, a
-  prefill's gate/up output, mapped and unmapped each time, its pages faulted in and zeroed
-  again) or ``kept`` (while a step runs, glibc maps no request of its own: what a step frees
-  stays in the heap for the next step; engine/malloc.py). Not a trial: ``returned`` unless
-  forced. On the AMX Xeon a 2,000-token prefill ran 1.11-1.14x as fast kept, the process
-  holding 0.1-0.2 GB more (docs/performance.md); the heap's growth is not bounded by
-  construction, only measured to level off, so it is not the default. CPU with glibc only.
 """
 
 from __future__ import annotations
@@ -186,7 +179,6 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "decode_prefetch": ("jumps", "every"),
     "threads": ("free", "bound"),
     "step_rows": ("padded", "exact"),
-    "freed_memory": ("kept", "returned"),
 }
 # The options that run on the C kernels (engine/native.py): forcing one needs them built.
 # (threads=bound too, checked with its own message.)
@@ -239,7 +231,6 @@ class KernelChoice:
     decode_prefetch: str = "jumps"
     threads: str = "free"
     step_rows: str = "exact"
-    freed_memory: str = "returned"
     # per path: "measured", "cached", "forced", "fixed" (only one candidate applies here), or
     # "memory" (the pairs copies, untimed, where another copy of the weights does not fit)
     how: dict[str, str] = field(default_factory=dict, compare=False)

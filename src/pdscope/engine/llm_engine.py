@@ -28,7 +28,7 @@ from pdscope.engine.kernels import (
     stored_past_one,
 )
 from pdscope.engine.loader import load_model, read_config, resolve_dtype
-from pdscope.engine.malloc import can_keep_freed_memory, release_freed_memory
+from pdscope.engine.malloc import release_freed_memory
 from pdscope.engine.model import (
     Linear,
     ModelConfig,
@@ -154,7 +154,6 @@ class LLMEngine:
             self.pool,
         )
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, self.device)
-        self.runner.keep_freed = self.kernels.freed_memory == "kept"
         if self.kernels.threads == "bound" and self._native is not None:
             self.runner.pin = (self._native, thread_cpus(), thread_cpus(bound=False))
         self.requests: dict[str, Request] = {}
@@ -217,8 +216,6 @@ class LLMEngine:
             "decode_ops": "torch",  # no C kernels here (a GPU, or no compiler)
             "decode_prefetch": "jumps",  # as the C kernels' default (or none of them here)
             "threads": "free",  # no C kernels, or one thread: nothing to place
-            # glibc as it is, unless told (engine/malloc.py: kept is faster, and larger)
-            "freed_memory": "returned",
         }
         # a rule as well: steps padded where their matmuls are oneDNN's in bf16 (fp16 on a
         # CPU without AVX512-FP16 is not oneDNN's, and was not measured)
@@ -236,11 +233,6 @@ class LLMEngine:
                 "kernels: decode_prefetch=every needs the C kernels built with AVX-512 BF16 and "
                 "a bf16 model of head size 64 with 1-4 query heads a KV head (the attention "
                 "that has the prefetch)"
-            )
-        if forced.get("freed_memory") == "kept" and not (cpu and can_keep_freed_memory()):
-            raise ValueError(
-                "kernels: freed_memory=kept needs glibc's malloc (its mallopt), on CPU "
-                f"(device {self.device})"
             )
         if forced.get("threads") == "bound" and (ops is None or not thread_cpus()):
             raise ValueError(

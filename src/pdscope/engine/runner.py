@@ -6,12 +6,10 @@ It owns the model, the paged KV cache tensors and the per-request random generat
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
 
-from pdscope.engine.malloc import freed_memory_kept
 from pdscope.engine.model import (
     AttentionBatch,
     CausalLM,
@@ -86,8 +84,6 @@ class ModelRunner:
         # after it (so nothing outside the steps, e.g. a process started between them,
         # inherits a pin).
         self.pin: tuple[NativeOps, list[int], list[int]] | None = None
-        # freed_memory=kept (engine/kernels.py): each step inside malloc.freed_memory_kept
-        self.keep_freed = False
         # Tests compare logits with a reference implementation; off in normal runs.
         self.capture_logits = False
         self.captured: list[torch.Tensor] = []
@@ -108,15 +104,14 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[Request, int]:
         """Run one step; returns the sampled token for every request whose computed tokens
         caught up with its tokens in this step."""
-        with freed_memory_kept() if self.keep_freed else nullcontext():
-            if self.pin is None:
-                return self._execute(out)
-            ops, cpus, allowed = self.pin
-            ops.place_threads(cpus, bind=True)  # a few microseconds; a step is milliseconds
-            try:
-                return self._execute(out)
-            finally:
-                ops.place_threads(allowed, bind=False)
+        if self.pin is None:
+            return self._execute(out)
+        ops, cpus, allowed = self.pin
+        ops.place_threads(cpus, bind=True)  # a few microseconds; a step is milliseconds
+        try:
+            return self._execute(out)
+        finally:
+            ops.place_threads(allowed, bind=False)
 
     def _execute(self, out: SchedulerOutput) -> dict[Request, int]:
         # Decodes first (one token each), then prefill chunks, matching AttentionBatch's layout.
