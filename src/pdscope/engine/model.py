@@ -577,7 +577,11 @@ class Linear(nn.Linear):
                 self.hold_source("weight_t", made=False)
         return self.weight_t
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T (+ bias). ``out`` (2-D x of more than BIG_BATCH_MAX_ROWS rows only):
+        where the path can, the result is written there and ``out`` returned; oneDNN's packed
+        path cannot, and returns a new tensor (:class:`Scratch` says why)."""
+        assert out is None or (x.dim() == 2 and x.shape[0] > BIG_BATCH_MAX_ROWS)
         if self.one_row_pairs and self.native is not None and x.dim() == 2 and x.shape[0] == 1:
             pairs = self.current_pairs()  # None: a weight the copy cannot take
             if pairs is not None:
@@ -609,29 +613,45 @@ class Linear(nn.Linear):
         if self.many_rows is not None and x.dim() == 2 and x.shape[0] > BIG_BATCH_MAX_ROWS:
             pairs = self.current_pairs()
             if pairs is not None:
-                return self.many_rows.linear_pairs(x.contiguous(), pairs, self.bias)
+                return self.many_rows.linear_pairs(x.contiguous(), pairs, self.bias, out=out)
         if self.weight_t is not None and x.dim() == 2 and x.shape[0] >= ROWS_SPLIT_MIN_ROWS:
             weight_t = self.current_weight_t()  # None: a weight the path does not take
             if weight_t is not None and self.team is not None:
-                return linear_by_rows(x, weight_t, self.bias, self.team)
+                return linear_by_rows(x, weight_t, self.bias, self.team, out)
             if weight_t is not None:
-                return linear_transposed(x, weight_t, self.bias)
+                return linear_transposed(x, weight_t, self.bias, out)
         if self.widen and x.numel() >= WIDEN_MIN_ROWS * x.shape[-1]:
-            return linear_widened(x, self.weight, self.bias)
+            return linear_widened(x, self.weight, self.bias, out)
         if self.plain_rows and x.numel() > BIG_BATCH_MAX_ROWS * x.shape[-1]:
-            return F.linear(x, self.weight, self.bias)
+            return linear_plain(x, self.weight, self.bias, out)
         packed = self.current_packed()
         if packed is not None:
             return _packed_linear(x, packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return linear_plain(x, self.weight, self.bias, out)
+
+
+def linear_plain(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.linear``, into ``out`` where given (x 2-D): the same oneDNN matmul on the weight as
+    stored."""
+    if out is None:
+        return F.linear(x, weight, bias)
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
 
 
 def linear_widened(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) in float32, the result back in x's dtype (``matmul_math=float32``):
-    float32 accumulation and one rounding, as a bf16 matmul's."""
-    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
+    float32 accumulation and one rounding, as a bf16 matmul's. Into ``out`` where given."""
+    if out is None:
+        out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
     wide_x = x.float()
     # The weight widened a slice of output rows at a time: a whole LM head (152k x 896) would
     # be a 545 MB float32 copy a step, beside a KV budget that does not count it.
@@ -644,27 +664,37 @@ def linear_widened(
 
 
 def linear_transposed(
-    x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    weight_t: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x @ weight_t (+ bias), ``weight_t`` [in, out] contiguous (``prefill_linear=transposed``):
-    oneDNN's matmul primitive on the plain layout, its threads splitting the work."""
+    oneDNN's matmul primitive on the plain layout, its threads splitting the work. Into
+    ``out`` where given."""
     if bias is None:
-        return torch.mm(x, weight_t)
-    return torch.addmm(bias, x, weight_t)
+        return torch.mm(x, weight_t, out=out)
+    return torch.addmm(bias, x, weight_t, out=out)
 
 
 def linear_by_rows(
-    x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, team: NativeOps
+    x: torch.Tensor,
+    weight_t: torch.Tensor,
+    bias: torch.Tensor | None,
+    team: NativeOps,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x @ weight_t (+ bias) for a 2-D ``x``, its rows split evenly over the OpenMP team
     (``prefill_linear=rows``): thread i of n multiplies rows [i r / n, (i + 1) r / n) by
     ``weight_t`` ([in, out], contiguous) into those rows of one output, as a one-thread oneDNN
     matmul (a nested region is serial). oneDNN's own threading splits each matmul of a prefill
     too, but syncs its threads per call; two one-thread matmuls side by side need none
-    (the gain is measured per machine by the kernel trial, see docs/performance.md)."""
+    (the gain is measured per machine by the kernel trial, see docs/performance.md). Into
+    ``out`` where given."""
     x = x.contiguous()
     rows = x.shape[0]
-    out = torch.empty(rows, weight_t.shape[1], dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(rows, weight_t.shape[1], dtype=x.dtype, device=x.device)
 
     def share(i: int, n: int) -> None:
         lo, hi = rows * i // n, rows * (i + 1) // n
@@ -1194,12 +1224,47 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
         self.native: NativeOps | None = None  # decode_ops=c: silu and the product in one call
+        self.scratch: Scratch | None = None  # the model's, shared by its layers (CausalLM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows, width = x.shape[0], 2 * self.intermediate
+        scratch = self.scratch if x.dim() == 2 and x.shape[0] > BIG_BATCH_MAX_ROWS else None
+        if scratch is None or x.device.type != "cpu":
+            if self.native is not None:
+                return self.down_proj(self.native.silu_mul(self.gate_up_proj(x)))
+            gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+            return self.down_proj(F.silu(gate).mul_(up))
+        # A prefill's two widest tensors, each consumed before the next layer makes its own
+        gate_up = self.gate_up_proj(x, out=scratch.take("gate_up", rows, width, x.dtype))
+        act = scratch.take("act", rows, self.intermediate, x.dtype)
         if self.native is not None:
-            return self.down_proj(self.native.silu_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+            return self.down_proj(self.native.silu_mul(gate_up, out=act))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return self.down_proj(torch.mul(F.silu(gate), up, out=act))
+
+
+class Scratch:
+    """The MLP's outputs at prefill sizes, one buffer each for the whole model, reused layer
+    after layer and step after step. glibc maps a request of 32 MiB or more afresh each time
+    and unmaps it when freed: a 2,000-token prefill's fused gate/up output (65.5 MB on models
+    with an intermediate size of 8,192) was faulted in and zeroed again at every layer, 16,000
+    pages a layer (engine/malloc.py; docs/performance.md). Each buffer grows to the most rows
+    a step has had and stays: memory the step needed at its peak anyway. oneDNN's packed path
+    (``prefill_linear=onednn``) writes only into memory of its own; its output is fresh."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """A [rows, width] view of buffer ``name`` (contents undefined), grown if short."""
+        buf = self.buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < rows * width:
+            # made outside inference mode: a step under it may write here, and so may a
+            # forward outside it (an inference tensor takes no writes there)
+            with torch.inference_mode(False):
+                buf = torch.empty(rows * width, dtype=dtype)
+            self.buffers[name] = buf
+        return buf[: rows * width].view(rows, width)
 
 
 class DecoderLayer(nn.Module):
@@ -1221,6 +1286,9 @@ class CausalLM(nn.Module):
         self.config = c
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.scratch = Scratch()
+        for layer in self.layers:
+            layer.mlp.scratch = self.scratch
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:

@@ -415,13 +415,14 @@ class NativeOps:
             self.lib.linear_pairs_rows.argtypes = [_P] * 5 + [_I, _I, _I, _C, _C]
             self.lib.linear_pairs_rows.restype = ctypes.c_int
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up from the fused projection's output [rows, 2 n] → [rows, n]."""
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """silu(gate) * up from the fused projection's output [rows, 2 n] → [rows, n], into
+        ``out`` where given."""
         _check(gate_up)
         rows, width = gate_up.shape
         if width % 2:
             raise ValueError(f"silu_mul: width {width} is not gate and up halves")
-        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        out = _output(out, rows, width // 2, gate_up.dtype, "silu_mul")
         if self.wide_glue and gate_up.dtype == torch.bfloat16:
             threads = torch.get_num_threads()
             self.lib.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, threads)
@@ -538,8 +539,10 @@ class NativeOps:
         pairs: torch.Tensor,
         bias: torch.Tensor | None = None,
         streams: int = 8,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [rows, in] @ weight^T (+ bias) in bf16 from ``pairs``, the weight's
+        """x [rows, in] @ weight^T (+ bias) in bf16 from ``pairs`` (into ``out`` where given),
+        the weight's
         :meth:`pack_pairs` copy: 16 outputs per 64-byte load. One row reads ``streams`` (8 or
         2) blocks side by side per thread (decode_ops.c's linear_pairs; the same bits either
         way); several (where the build has
@@ -568,7 +571,7 @@ class NativeOps:
             raise ValueError(f"linear_pairs: bias {tuple(bias.shape)} does not fit {out_features}")
         if streams not in PAIR_STREAMS:
             raise ValueError(f"linear_pairs: streams must be one of {PAIR_STREAMS}, got {streams}")
-        y = torch.empty(rows, out_features, dtype=x.dtype)
+        y = _output(out, rows, out_features, x.dtype, "linear_pairs")
         threads = torch.get_num_threads()
         args = (x.data_ptr(), pairs.data_ptr(), _ptr(bias), y.data_ptr(), None)
         if rows == 1:
@@ -975,3 +978,18 @@ def _check(*tensors: torch.Tensor | None) -> None:
             raise ValueError(f"C kernels need contiguous CPU tensors, got {t.device} {t.stride()}")
         if t.dtype not in (*_SUPPORTED, torch.int64):
             raise ValueError(f"C kernels take float32, bfloat16 or int64, got {t.dtype}")
+
+
+def _output(
+    out: torch.Tensor | None, rows: int, width: int, dtype: torch.dtype, name: str
+) -> torch.Tensor:
+    """``out`` checked to take a kernel's [rows, width] result (the C side writes raw memory),
+    or a new tensor where none is given."""
+    if out is None:
+        return torch.empty(rows, width, dtype=dtype)
+    _check(out)
+    if out.shape != (rows, width) or out.dtype != dtype:
+        raise ValueError(
+            f"{name}: out {tuple(out.shape)} {out.dtype} is not ({rows}, {width}) {dtype}"
+        )
+    return out
