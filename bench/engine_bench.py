@@ -271,7 +271,7 @@ def main() -> None:
     parser.add_argument(
         "--pdscope-kernels",
         default="auto",
-        help="pdscope's --kernels (e.g. freed_memory=kept): a forced path against the peers",
+        help="pdscope's --kernels (e.g. prefill_linear=onednn): a forced path against the peers",
     )
     parser.add_argument("--json", type=Path, help="also write every round here")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/pdscope-engine-bench"))

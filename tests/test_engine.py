@@ -668,16 +668,17 @@ def test_the_mlps_scratch_hands_out_views_of_one_buffer_that_grows() -> None:
     from pdscope.engine.model import Scratch
 
     scratch = Scratch()
+    bf16, f32 = torch.empty(0, dtype=torch.bfloat16), torch.empty(0)  # the dtype to take
     with torch.inference_mode():
-        a = scratch.take("gate_up", 100, 64, torch.bfloat16)
-        b = scratch.take("gate_up", 80, 64, torch.bfloat16)  # fewer rows: the same memory
+        a = scratch.take("gate_up", 100, 64, bf16)
+        b = scratch.take("gate_up", 80, 64, bf16)  # fewer rows: the same memory
         assert a.data_ptr() == b.data_ptr() and b.shape == (80, 64)
-        c = scratch.take("gate_up", 200, 64, torch.bfloat16)  # more: grown
+        c = scratch.take("gate_up", 200, 64, bf16)  # more: grown
         assert c.shape == (200, 64) and scratch.buffers["gate_up"].numel() == 200 * 64
         assert not c.is_inference()  # made outside inference mode: writable outside it too
-        d = scratch.take("act", 200, 32, torch.float32)
+        d = scratch.take("act", 200, 32, f32)
         assert d.dtype == torch.float32 and d.data_ptr() != c.data_ptr()
-    out = scratch.take("x", 200, 64, torch.float32)  # outside inference mode, as a test's
+    out = scratch.take("x", 200, 64, f32)  # outside inference mode, as a test's
     torch.mm(torch.ones(200, 8), torch.ones(8, 64), out=out)
     assert out[0, 0].item() == 8.0
 

@@ -1229,14 +1229,16 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows, width = x.shape[0], 2 * self.intermediate
         scratch = self.scratch if x.dim() == 2 and x.shape[0] > BIG_BATCH_MAX_ROWS else None
-        if scratch is None or x.device.type != "cpu":
+        # (a forward recording gradients keeps fresh outputs: out= takes no tensor that needs
+        # them; the engine's steps record none)
+        if scratch is None or x.device.type != "cpu" or torch.is_grad_enabled():
             if self.native is not None:
                 return self.down_proj(self.native.silu_mul(self.gate_up_proj(x)))
             gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
             return self.down_proj(F.silu(gate).mul_(up))
         # A prefill's two widest tensors, each consumed before the next layer makes its own
-        gate_up = self.gate_up_proj(x, out=scratch.take("gate_up", rows, width, x.dtype))
-        act = scratch.take("act", rows, self.intermediate, x.dtype)
+        gate_up = self.gate_up_proj(x, out=scratch.take("gate_up", rows, width, x))
+        act = scratch.take("act", rows, self.intermediate, x)
         if self.native is not None:
             return self.down_proj(self.native.silu_mul(gate_up, out=act))
         gate, up = gate_up.split(self.intermediate, dim=-1)
@@ -1255,14 +1257,19 @@ class Scratch:
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
 
-    def take(self, name: str, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """A [rows, width] view of buffer ``name`` (contents undefined), grown if short."""
+    def take(self, name: str, rows: int, width: int, like: torch.Tensor) -> torch.Tensor:
+        """A [rows, width] view of buffer ``name`` with ``like``'s dtype and device (contents
+        undefined), grown if short."""
         buf = self.buffers.get(name)
-        if buf is None or buf.dtype != dtype or buf.numel() < rows * width:
+        if (
+            buf is None
+            or (buf.dtype, buf.device) != (like.dtype, like.device)
+            or buf.numel() < rows * width
+        ):
             # made outside inference mode: a step under it may write here, and so may a
             # forward outside it (an inference tensor takes no writes there)
             with torch.inference_mode(False):
-                buf = torch.empty(rows * width, dtype=dtype)
+                buf = torch.empty(rows * width, dtype=like.dtype, device=like.device)
             self.buffers[name] = buf
         return buf[: rows * width].view(rows, width)
 
