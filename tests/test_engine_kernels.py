@@ -1721,6 +1721,14 @@ def test_c_silu_mul_matches_a_float64_reference(
         )
     with pytest.raises(ValueError, match="halves"):
         c_ops.silu_mul(torch.zeros(2, 5, dtype=dtype))
+    # into a buffer of the caller's (the MLP's Scratch): the same values, written there
+    given = torch.full((rows, n), 7.0, dtype=dtype)
+    assert c_ops.silu_mul(gate_up, out=given) is given
+    torch.testing.assert_close(given, out, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="is not"):
+        c_ops.silu_mul(gate_up, out=torch.empty(rows, n + 1, dtype=dtype))
+    with pytest.raises(ValueError, match="overlaps"):
+        c_ops.silu_mul(gate_up, out=gate_up.view(-1)[: rows * n].view(rows, n))  # in place
 
 
 @needs_cc

@@ -422,7 +422,7 @@ class NativeOps:
         rows, width = gate_up.shape
         if width % 2:
             raise ValueError(f"silu_mul: width {width} is not gate and up halves")
-        out = _output(out, rows, width // 2, gate_up.dtype, "silu_mul")
+        out = _output(out, rows, width // 2, gate_up.dtype, "silu_mul", gate_up)
         if self.wide_glue and gate_up.dtype == torch.bfloat16:
             threads = torch.get_num_threads()
             self.lib.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, threads)
@@ -542,10 +542,9 @@ class NativeOps:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [rows, in] @ weight^T (+ bias) in bf16 from ``pairs`` (into ``out`` where given),
-        the weight's
-        :meth:`pack_pairs` copy: 16 outputs per 64-byte load. One row reads ``streams`` (8 or
-        2) blocks side by side per thread (decode_ops.c's linear_pairs; the same bits either
-        way); several (where the build has
+        the weight's :meth:`pack_pairs` copy: 16 outputs per 64-byte load. One row reads
+        ``streams`` (8 or 2) blocks side by side per thread (decode_ops.c's linear_pairs; the
+        same bits either way); several (where the build has
         linear_pairs_rows) run in tiles of up to 8 rows against 3 blocks at a time (AVX-512
         BF16) or of up to 5 rows against one block (AVX2), each row the same bits as alone.
         float32 accumulation, one rounding at the end."""
@@ -571,7 +570,7 @@ class NativeOps:
             raise ValueError(f"linear_pairs: bias {tuple(bias.shape)} does not fit {out_features}")
         if streams not in PAIR_STREAMS:
             raise ValueError(f"linear_pairs: streams must be one of {PAIR_STREAMS}, got {streams}")
-        y = _output(out, rows, out_features, x.dtype, "linear_pairs")
+        y = _output(out, rows, out_features, x.dtype, "linear_pairs", x, pairs, bias)
         threads = torch.get_num_threads()
         args = (x.data_ptr(), pairs.data_ptr(), _ptr(bias), y.data_ptr(), None)
         if rows == 1:
@@ -981,10 +980,16 @@ def _check(*tensors: torch.Tensor | None) -> None:
 
 
 def _output(
-    out: torch.Tensor | None, rows: int, width: int, dtype: torch.dtype, name: str
+    out: torch.Tensor | None,
+    rows: int,
+    width: int,
+    dtype: torch.dtype,
+    name: str,
+    *inputs: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``out`` checked to take a kernel's [rows, width] result (the C side writes raw memory),
-    or a new tensor where none is given."""
+    """``out`` checked to take a kernel's [rows, width] result (the C side writes raw memory,
+    while it still reads ``inputs``: they may not share a byte), or a new tensor where none
+    is given."""
     if out is None:
         return torch.empty(rows, width, dtype=dtype)
     _check(out)
@@ -992,4 +997,9 @@ def _output(
         raise ValueError(
             f"{name}: out {tuple(out.shape)} {out.dtype} is not ({rows}, {width}) {dtype}"
         )
+    lo = out.data_ptr()
+    hi = lo + out.numel() * out.element_size()
+    for t in inputs:
+        if t is not None and t.data_ptr() < hi and lo < t.data_ptr() + t.nbytes:
+            raise ValueError(f"{name}: out overlaps an input the kernel reads")
     return out
