@@ -24,7 +24,7 @@ from prometheus_client import generate_latest
 
 from pdscope import LLM, SamplingParams
 from pdscope.checkpoint.make_model import make_model
-from pdscope.engine import native
+from pdscope.engine import malloc, native
 from pdscope.engine.kernels import (
     OPTIONS,
     TIE,
@@ -194,6 +194,7 @@ def test_trial_picks_the_faster_candidate_and_caches_it(tmp_path: Path) -> None:
         "decode_prefetch": "fixed",
         "threads": "fixed",
         "step_rows": "fixed",
+        "heap": "fixed",
     }
     assert set(first.trial_s) == {"prefill_attention=blocked", "prefill_attention=sdpa"}
     # Interleaved: after the warm-ups, the candidates alternate.
@@ -428,7 +429,7 @@ def test_engine_logs_applies_and_reports_its_choice(
         "linear=plain,batch_linear=packed,big_batch_linear=onednn,prefill_linear=onednn,"
         "matmul_math=float32,"
         "prefill_attention=sdpa,decode_math=native,decode_ops=torch,decode_prefetch=jumps,"
-        "threads=free,step_rows=exact"
+        f"threads=free,step_rows=exact,heap={'settled' if malloc.is_glibc() else 'default'}"
     )
     with caplog.at_level("INFO", logger="pdscope.engine"):
         llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels=forced)
@@ -452,6 +453,7 @@ def test_engine_logs_applies_and_reports_its_choice(
     assert 'prefill_linear="onednn"' in line and 'matmul_math="float32"' in line
     assert 'decode_prefetch="jumps"' in line and 'step_rows="exact"' in line
     assert 'big_batch_linear="onednn"' in line
+    assert f'heap="{choice.heap}"' in line
     assert 'decode_step="per_kernel"' in line  # decode_ops=torch: no one C call
     assert all(m.widen for m in model.modules() if hasattr(m, "widen"))
     assert all(m.team is None and m.weight_t is None for m in model.modules() if hasattr(m, "team"))
@@ -1228,6 +1230,7 @@ def test_a_float32_model_reports_the_paths_it_really_runs(tmp_path: Path) -> Non
         "decode_prefetch": False,  # the bf16 head-64 decode attention only
         "threads": False,  # bound only when forced
         "step_rows": False,  # a rule: padded for 16-bit oneDNN matmuls only
+        "heap": False,  # a rule: settled on CPU with glibc
     }
     assert kernels.step_rows == "exact"
     assert kernels.how["prefill_attention"] == kernels.how["decode_ops"] == "forced"

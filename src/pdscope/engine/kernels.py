@@ -146,6 +146,11 @@ Paths (every candidate computes the same function; tests pin each against transf
   builds a primitive for each new row count: on the AMX Xeon 24-31 ms of them in the first
   prefill of each new length, where a repeated length's prefill took 1.005x the time padded
   (engine/model.py's ROW_BUCKET; docs/performance.md).
+* ``heap``: ``settled`` (glibc's mapping and trim thresholds fixed once the weights are loaded,
+  so a step's tensors under 32 MiB come from a heap that keeps their pages; engine/malloc.py)
+  or ``default`` (the C library's malloc as it is). Not a trial: a rule, ``settled`` on CPU with
+  glibc, where the 1.1B model's prefill took 7,000-165,000 minor faults without it and tens
+  with it (docs/performance.md); it holds for the whole process.
 """
 
 from __future__ import annotations
@@ -179,6 +184,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "decode_prefetch": ("jumps", "every"),
     "threads": ("free", "bound"),
     "step_rows": ("padded", "exact"),
+    "heap": ("settled", "default"),
 }
 # The options that run on the C kernels (engine/native.py): forcing one needs them built.
 # (threads=bound too, checked with its own message.)
@@ -231,6 +237,7 @@ class KernelChoice:
     decode_prefetch: str = "jumps"
     threads: str = "free"
     step_rows: str = "exact"
+    heap: str = "default"
     # per path: "measured", "cached", "forced", "fixed" (only one candidate applies here), or
     # "memory" (the pairs copies, untimed, where another copy of the weights does not fit)
     how: dict[str, str] = field(default_factory=dict, compare=False)

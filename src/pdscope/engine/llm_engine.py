@@ -12,6 +12,7 @@ from typing import Literal
 
 import torch
 
+from pdscope.engine import malloc
 from pdscope.engine.args import EngineArgs
 from pdscope.engine.block_pool import BlockPool
 from pdscope.engine.kernels import (
@@ -141,6 +142,8 @@ class LLMEngine:
         self.decode_step: DecodeStep = self._check_decode_step()
         # what the trials and the check freed, before the pool meets the memory available
         release_freed_memory()
+        if self.kernels.heap == "settled":
+            malloc.settle_heap()
         self.kv_cache_bytes = self._kv_budget_bytes()
         num_blocks = self._check_pool_holds_a_request(self.kv_cache_bytes, block_bytes)
         self.pool = BlockPool(num_blocks, args.block_size, args.enable_prefix_caching)
@@ -222,6 +225,18 @@ class LLMEngine:
         onednn_bf16 = self.dtype == torch.bfloat16 and cpu
         widened = forced.get("matmul_math", fixed["matmul_math"]) == "float32"
         fixed["step_rows"] = "padded" if onednn_bf16 and not widened else "exact"
+        # a rule too: on CPU the step's tensors are glibc's (engine/malloc.py)
+        fixed["heap"] = "settled" if cpu and malloc.is_glibc() else "default"
+        if forced.get("heap") == "settled" and fixed["heap"] != "settled":
+            raise ValueError(
+                f"kernels: heap=settled sets glibc's malloc, for CPU tensors (here {self.device}"
+                f"{'' if malloc.is_glibc() else ', and not glibc'})"
+            )
+        if forced.get("heap") == "default" and malloc.heap_settled():
+            raise ValueError(
+                "kernels: heap=default, but an engine before this one in this process has "
+                "settled its heap (engine/malloc.py); start a fresh process"
+            )
         if forced_on_c and ops is None:
             raise ValueError(
                 f"kernels: {forced_on_c[0]} runs on the C kernels, on CPU only "

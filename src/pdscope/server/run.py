@@ -13,7 +13,9 @@ from types import FrameType
 
 import uvicorn
 
+from pdscope.engine import malloc
 from pdscope.engine.async_engine import AsyncEngine, EngineDeadError
+from pdscope.engine.kernels import parse_kernels
 from pdscope.engine.llm_engine import EngineArgs, LLMEngine
 from pdscope.heap import freeze_startup_heap
 from pdscope.server.app import build_app
@@ -94,6 +96,10 @@ class _Server(uvicorn.Server):
 
 def start_engine(args: EngineArgs, max_queue: int | None) -> AsyncEngine:
     # Built on the thread that steps it: one OpenMP team in the process (async_engine.py).
+    # Its tensors from the main heap, the one the engine settles (engine/malloc.py): the
+    # thread takes a heap when it first allocates.
+    if parse_kernels(args.kernels).get("heap") != "default":
+        malloc.share_main_heap()
     running = AsyncEngine(lambda: LLMEngine(args), max_queue)
     engine = running.engine
     tokens = engine.pool.num_blocks * engine.pool.block_size

@@ -1,0 +1,200 @@
+"""The engine's settled C heap (engine/malloc.py), against glibc's real malloc: each case in a
+fresh process, whose malloc settings and fault counts are its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdscope.checkpoint.make_model import make_model
+from pdscope.engine import malloc
+
+pytestmark = pytest.mark.skipif(
+    not (malloc.is_glibc() and Path("/proc/self/status").is_file()),
+    reason="needs glibc's malloc and Linux's per-process fault counts",
+)
+
+# Four 20 MiB requests made, written and freed, four times over, on this thread and then on one
+# started after: the minor faults of each round. glibc as it starts maps each afresh (its
+# threshold slides to the size of the first one freed, and an equal request is mapped again).
+ROUNDS = """
+import ctypes, resource, threading
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+
+def rounds():
+    faults = []
+    for _ in range(4):
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        blocks = [libc.malloc(20 << 20) for _ in range(4)]
+        for b in blocks:
+            libc.memset(b, 1, 20 << 20)
+        for b in blocks:
+            libc.free(b)
+        faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+    return faults
+
+def on_a_thread():
+    out = []
+    t = threading.Thread(target=lambda: out.append(rounds()))
+    t.start()
+    t.join()
+    return out[0]
+"""
+
+
+def _glibc_as_it_starts() -> dict[str, str]:
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k != "LD_PRELOAD" and not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))
+    }
+
+
+def _run(code: str) -> dict[str, object]:
+    out = subprocess.run(
+        [sys.executable, "-c", ROUNDS + code],
+        capture_output=True,
+        text=True,
+        env=_glibc_as_it_starts(),
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_settled_heap_keeps_what_was_freed_for_the_next_round() -> None:
+    """Settled, the rounds after the first take their pages from the heap, on this thread and
+    on one started after (which shares the main heap); as glibc starts, every round faults its
+    80 MiB in again (20,480 pages)."""
+    got = _run(
+        """
+import json
+from pdscope.engine import malloc
+before = rounds()
+assert not malloc.heap_settled()
+settled = malloc.settle_heap()
+print(json.dumps({"before": before, "settled": settled, "is": malloc.heap_settled(),
+                  "after": rounds(), "thread": on_a_thread()}))
+"""
+    )
+    assert got["settled"] is True and got["is"] is True, got
+    assert all(f > 15_000 for f in got["before"][1:]), got  # what the settings are for
+    assert max(got["after"][1:]) < 500, got
+    assert max(got["thread"][1:]) < 500, got
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Hidden states of 2,000 x 2,048 bf16 (8.2 MB): under glibc's highest mapping line."""
+    return make_model(
+        tmp_path_factory.mktemp("four") / "m",
+        "tiny",
+        num_hidden_layers=4,
+        hidden_size=2048,
+        intermediate_size=2048,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    )
+
+
+ENGINE = """
+import json, resource, sys
+from pdscope import LLM, SamplingParams
+from pdscope.engine import malloc
+llm = LLM(model=sys.argv[1], kv_cache_memory="64MiB", max_model_len=2048,
+          max_num_batched_tokens=2048, enable_prefix_caching=False, kernels=sys.argv[2])
+one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+llm.generate([[7] * 2000], one)
+faults = []
+for first in (8, 9, 10):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    llm.generate([[first] * 2000], one)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"heap": llm.engine.kernels.heap, "how": llm.engine.kernels.how["heap"],
+                  "settled": malloc.heap_settled(), "faults": faults, "rounds": rounds()}))
+"""
+
+
+def test_the_engine_settles_its_heap_on_cpu(four_layers: Path) -> None:
+    """By rule on CPU with glibc the engine settles the process's heap once it is loaded: its
+    2,000-token prefills then fault in few pages (on the AMX Xeon 0-3,400 a prefill settled;
+    as glibc starts, 2,000 to 65,000 from one prefill and process to the next), and the
+    process's own rounds keep their pages too. ``heap=default`` leaves glibc as it is. The
+    matmul path is forced to one that writes the MLP's widest outputs into the model's
+    buffers (oneDNN's packed one cannot)."""
+    code = ENGINE.replace("sys.argv[1]", repr(str(four_layers)))
+    ruled = _run(code.replace("sys.argv[2]", repr("prefill_linear=transposed")))
+    assert (ruled["heap"], ruled["how"], ruled["settled"]) == ("settled", "fixed", True), ruled
+    assert max(ruled["faults"]) < 8_000, ruled
+    assert max(ruled["rounds"][1:]) < 500, ruled
+    left = _run(code.replace("sys.argv[2]", repr("prefill_linear=transposed,heap=default")))
+    assert (left["heap"], left["how"], left["settled"]) == ("default", "forced", False), left
+    # glibc's lines slid during the prefills: some of the rounds' requests now fit under them
+    assert sum(left["rounds"][1:]) > 20_000, left
+
+
+def test_heap_default_is_refused_once_a_heap_is_settled(tmp_path: Path) -> None:
+    """A second engine cannot ask for glibc as it starts in a process an engine settled: the
+    settings cannot be taken back (glibc's thresholds no longer slide once set)."""
+    model = make_model(tmp_path / "m", "tiny")
+    got = _run(
+        f"""
+import json
+from pdscope import LLM
+LLM(model={str(model)!r}, kv_cache_memory="8MiB")
+try:
+    LLM(model={str(model)!r}, kv_cache_memory="8MiB", kernels="heap=default")
+    print(json.dumps({{"error": None}}))
+except ValueError as exc:
+    print(json.dumps({{"error": str(exc)}}))
+"""
+    )
+    assert "heap=default" in str(got["error"]) and "fresh process" in str(got["error"]), got
+
+
+def test_a_server_steps_on_the_main_heap(four_layers: Path) -> None:
+    """The server's engine thread takes its memory from the main heap, the one the engine
+    settles: glibc's report then lists one heap after a request has run; with
+    ``heap=default`` the thread has one of its own."""
+    code = f"""
+import asyncio, ctypes, json, os, re, tempfile
+from pdscope.engine.args import EngineArgs
+from pdscope.engine.sampling_params import SamplingParams
+from pdscope.server.run import start_engine
+
+def heaps():
+    libc = ctypes.CDLL(None)
+    libc.fopen.restype = ctypes.c_void_p
+    libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.fclose.argtypes = [ctypes.c_void_p]
+    path = os.path.join(tempfile.mkdtemp(), "info.xml")
+    f = libc.fopen(path.encode(), b"w")
+    libc.malloc_info(0, f)
+    libc.fclose(f)
+    return len(re.findall(r"<heap nr=", open(path).read()))
+
+args = EngineArgs(model={str(four_layers)!r}, kv_cache_memory="64MiB", max_model_len=2048,
+                  max_num_batched_tokens=2048, kernels=KERNELS)
+running = start_engine(args, None)
+
+async def one() -> None:
+    async for _ in running.generate([5] * 500, SamplingParams(max_tokens=2, ignore_eos=True)):
+        pass
+
+asyncio.run(one())
+print(json.dumps({{"heaps": heaps(), "heap": running.engine.kernels.heap}}))
+"""
+    ruled = _run(code.replace("KERNELS", repr("auto")))
+    assert ruled == {"heaps": 1, "heap": "settled"}, ruled
+    left = _run(code.replace("KERNELS", repr("heap=default")))
+    assert left["heap"] == "default" and left["heaps"] >= 2, left
