@@ -20,15 +20,20 @@ pytestmark = pytest.mark.skipif(
 )
 
 # Four 20 MiB requests made, written and freed, four times over, on this thread and then on one
-# started after: the minor faults of each round. glibc as it starts maps each afresh (its
-# threshold slides to the size of the first one freed, and an equal request is mapped again).
+# started after: the pages faulted in each round. glibc as it starts maps the first request
+# (its threshold is 128 KiB); once that is freed its mapping threshold slides past 20 MiB and
+# its trim threshold to twice that, so the rounds come from the heap, whose 80 MiB free top is
+# then past the trim threshold and handed back: every round faults its pages in again. The
+# process's transparent huge pages are off, so a page is a base page.
 ROUNDS = """
-import ctypes, resource, threading
+import ctypes, os, resource, threading
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
 libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+libc.prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE
+PAGES = 4 * (20 << 20) // os.sysconf("SC_PAGE_SIZE")
 
 def rounds():
     faults = []
@@ -48,6 +53,9 @@ def on_a_thread():
     t.start()
     t.join()
     return out[0]
+
+def share(faults):
+    return [round(f / PAGES, 3) for f in faults]
 """
 
 
@@ -74,7 +82,7 @@ def _run(code: str) -> dict[str, object]:
 def test_a_settled_heap_keeps_what_was_freed_for_the_next_round() -> None:
     """Settled, the rounds after the first take their pages from the heap, on this thread and
     on one started after (which shares the main heap); as glibc starts, every round faults its
-    80 MiB in again (20,480 pages)."""
+    80 MiB in again (20,480 pages of 4 KiB). Figures are shares of a round's pages."""
     got = _run(
         """
 import json
@@ -82,14 +90,14 @@ from pdscope.engine import malloc
 before = rounds()
 assert not malloc.heap_settled()
 settled = malloc.settle_heap()
-print(json.dumps({"before": before, "settled": settled, "is": malloc.heap_settled(),
-                  "after": rounds(), "thread": on_a_thread()}))
+print(json.dumps({"before": share(before), "settled": settled, "is": malloc.heap_settled(),
+                  "after": share(rounds()), "thread": share(on_a_thread())}))
 """
     )
     assert got["settled"] is True and got["is"] is True, got
-    assert all(f > 15_000 for f in got["before"][1:]), got  # what the settings are for
-    assert max(got["after"][1:]) < 500, got
-    assert max(got["thread"][1:]) < 500, got
+    assert all(f > 0.75 for f in got["before"][1:]), got  # what the settings are for
+    assert max(got["after"][1:]) < 0.025, got
+    assert max(got["thread"][1:]) < 0.025, got
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +128,8 @@ for first in (8, 9, 10):
     llm.generate([[first] * 2000], one)
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 print(json.dumps({"heap": llm.engine.kernels.heap, "how": llm.engine.kernels.how["heap"],
-                  "settled": malloc.heap_settled(), "faults": faults, "rounds": rounds()}))
+                  "settled": malloc.heap_settled(), "faults": faults,
+                  "rounds": share(rounds())}))
 """
 
 
@@ -134,12 +143,14 @@ def test_the_engine_settles_its_heap_on_cpu(four_layers: Path) -> None:
     code = ENGINE.replace("sys.argv[1]", repr(str(four_layers)))
     ruled = _run(code.replace("sys.argv[2]", repr("prefill_linear=transposed")))
     assert (ruled["heap"], ruled["how"], ruled["settled"]) == ("settled", "fixed", True), ruled
+    # (glibc as it starts may fault as few in one process and 65,000 in the next: this bounds
+    # the settled heap, the rounds below tell the settings apart)
     assert max(ruled["faults"]) < 8_000, ruled
-    assert max(ruled["rounds"][1:]) < 500, ruled
+    assert max(ruled["rounds"][1:]) < 0.025, ruled
     left = _run(code.replace("sys.argv[2]", repr("prefill_linear=transposed,heap=default")))
     assert (left["heap"], left["how"], left["settled"]) == ("default", "forced", False), left
     # glibc's lines slid during the prefills: some of the rounds' requests now fit under them
-    assert sum(left["rounds"][1:]) > 20_000, left
+    assert sum(left["rounds"][1:]) > 1.0, left
 
 
 def test_heap_default_is_refused_once_a_heap_is_settled(tmp_path: Path) -> None:
@@ -163,8 +174,9 @@ except ValueError as exc:
 
 def test_a_server_steps_on_the_main_heap(four_layers: Path) -> None:
     """The server's engine thread takes its memory from the main heap, the one the engine
-    settles: glibc's report then lists one heap after a request has run; with
-    ``heap=default`` the thread has one of its own."""
+    settles: glibc's report then lists one heap after a request has run (nothing in the
+    child starts a thread before the engine's); with ``heap=default`` the thread has one of
+    its own."""
     code = f"""
 import asyncio, ctypes, json, os, re, tempfile
 from pdscope.engine.args import EngineArgs
@@ -193,8 +205,53 @@ async def one() -> None:
 
 asyncio.run(one())
 print(json.dumps({{"heaps": heaps(), "heap": running.engine.kernels.heap}}))
+running.shutdown()
 """
     ruled = _run(code.replace("KERNELS", repr("auto")))
     assert ruled == {"heaps": 1, "heap": "settled"}, ruled
     left = _run(code.replace("KERNELS", repr("heap=default")))
     assert left["heap"] == "default" and left["heaps"] >= 2, left
+
+
+GROWTH = """
+import json, sys
+from pdscope import LLM, SamplingParams
+def anon_mib():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon"):
+            return int(line.split()[1]) / 1024
+llm = LLM(model=MODEL, kv_cache_memory="64MiB", max_model_len=2048,
+          max_num_batched_tokens=2048, enable_prefix_caching=False, kernels=KERNELS)
+one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+start = anon_mib()
+grown = []
+for i in range(12):
+    llm.generate([[5 + i] * (2000 - 100 * (i % 3))], one)
+    grown.append(anon_mib() - start)
+print(json.dumps({"grown_mib": grown}))
+"""
+
+
+@pytest.mark.slow
+def test_a_settled_heap_levels_off_where_outputs_past_32_mib_come_fresh(tmp_path: Path) -> None:
+    """A settled heap may serve a request of 32 MiB or more from its kept free top, where
+    torch's aligned requests do not always fit what a freed one left: the process holds more
+    (on the AMX Xeon +70-160 MiB on this model) but levels off. A 1-layer model whose q/k/v
+    output (no buffer of the model's own) is 2,000 x 12,288 bf16, 49.2 MB; three prompt
+    lengths in turn, four times: the last turn adds nothing (oneDNN has built its matmuls for
+    the three lengths), and the whole stays within 256 MiB of glibc as it starts."""
+    model = make_model(
+        tmp_path / "m",
+        "tiny",
+        dtype="bfloat16",
+        num_hidden_layers=1,
+        hidden_size=4096,
+        intermediate_size=1024,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+    )
+    code = GROWTH.replace("MODEL", repr(str(model)))
+    settled = _run(code.replace("KERNELS", repr("prefill_linear=transposed")))["grown_mib"]
+    left = _run(code.replace("KERNELS", repr("prefill_linear=transposed,heap=default")))
+    assert settled[11] - settled[8] < 8, settled
+    assert settled[11] < left["grown_mib"][11] + 256, (settled, left)

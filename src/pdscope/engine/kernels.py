@@ -149,8 +149,8 @@ Paths (every candidate computes the same function; tests pin each against transf
 * ``heap``: ``settled`` (glibc's mapping and trim thresholds fixed once the weights are loaded,
   so a step's tensors under 32 MiB come from a heap that keeps their pages; engine/malloc.py)
   or ``default`` (the C library's malloc as it is). Not a trial: a rule, ``settled`` on CPU with
-  glibc, where the 1.1B model's prefill took 7,000-165,000 minor faults without it and tens
-  with it (docs/performance.md); it holds for the whole process.
+  glibc, where the 1.1B model's 2,000-token prefill took 51,000-165,000 minor faults without it
+  and 15-1,600 with it (docs/performance.md); it holds for the whole process.
 """
 
 from __future__ import annotations

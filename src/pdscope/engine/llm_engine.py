@@ -91,6 +91,20 @@ def fastest(choice: KernelChoice, path: str) -> str:
     return min(times, key=times.__getitem__)
 
 
+def engine_device(name: str) -> torch.device:
+    """The device an engine asked for ``name`` (``auto``: CUDA where torch sees it) runs on."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def heap_rule(device: torch.device) -> bool:
+    """Whether an engine on ``device`` settles glibc's heap unless told not to: on CPU, whose
+    tensors are malloc's, where malloc is glibc's (engine/malloc.py); or where an engine did
+    already (the process's settings stay)."""
+    return malloc.heap_settled() or (device.type == "cpu" and malloc.is_glibc())
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs | None = None, **kwargs: object):
         from pdscope.checkpoint.make_model import resolve_model_path
@@ -99,10 +113,7 @@ class LLMEngine:
         self.args = args
         self.path = Path(resolve_model_path(args.model))
         hf_config = read_config(self.path)
-        if args.device == "auto":
-            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        else:
-            self.device = torch.device(args.device)
+        self.device = engine_device(args.device)
         dtype_name = args.dtype
         if dtype_name == "auto":
             dtype_name = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
@@ -111,6 +122,7 @@ class LLMEngine:
             )
         self.dtype = resolve_dtype(dtype_name)
         forced_kernels = parse_kernels(args.kernels)  # bad input fails before the load
+        self._check_heap_asked(forced_kernels.get("heap"))
         config = ModelConfig.from_hf(hf_config)
         self.max_model_len = args.max_model_len or config.max_position_embeddings
         if self.max_model_len > config.max_position_embeddings:
@@ -142,8 +154,10 @@ class LLMEngine:
         self.decode_step: DecodeStep = self._check_decode_step()
         # what the trials and the check freed, before the pool meets the memory available
         release_freed_memory()
-        if self.kernels.heap == "settled":
-            malloc.settle_heap()
+        if self.kernels.heap == "settled" and not malloc.settle_heap():
+            # (a glibc that refuses the 32 MiB line: one built with huge-page heaps)
+            log.warning("glibc refused the heap's settings: its malloc left as it is")
+            self.kernels = replace(self.kernels, heap="default")
         self.kv_cache_bytes = self._kv_budget_bytes()
         num_blocks = self._check_pool_holds_a_request(self.kv_cache_bytes, block_bytes)
         self.pool = BlockPool(num_blocks, args.block_size, args.enable_prefix_caching)
@@ -165,6 +179,19 @@ class LLMEngine:
         self.step_listeners: list[Callable[[StepRecord, list[Request]], None]] = []
         self.finish_listeners: list[Callable[[Request], None]] = []  # any reason, abort too
         self._ids = itertools.count()
+
+    def _check_heap_asked(self, asked: str | None) -> None:
+        """Refuse, before the load, a heap setting this process cannot give."""
+        if asked == "settled" and not heap_rule(self.device):
+            raise ValueError(
+                f"kernels: heap=settled sets glibc's malloc, for CPU tensors (here {self.device}"
+                f"{'' if malloc.is_glibc() else ', and malloc is not glibc'})"
+            )
+        if asked == "default" and malloc.heap_settled():
+            raise ValueError(
+                "kernels: heap=default, but an engine before this one in this process has "
+                "settled its heap (engine/malloc.py); start a fresh process"
+            )
 
     def _choose_kernels(self, forced: dict[str, str]) -> KernelChoice:
         """Time each machine-dependent path on this model's shapes (or read the cached
@@ -225,18 +252,9 @@ class LLMEngine:
         onednn_bf16 = self.dtype == torch.bfloat16 and cpu
         widened = forced.get("matmul_math", fixed["matmul_math"]) == "float32"
         fixed["step_rows"] = "padded" if onednn_bf16 and not widened else "exact"
-        # a rule too: on CPU the step's tensors are glibc's (engine/malloc.py)
-        fixed["heap"] = "settled" if cpu and malloc.is_glibc() else "default"
-        if forced.get("heap") == "settled" and fixed["heap"] != "settled":
-            raise ValueError(
-                f"kernels: heap=settled sets glibc's malloc, for CPU tensors (here {self.device}"
-                f"{'' if malloc.is_glibc() else ', and not glibc'})"
-            )
-        if forced.get("heap") == "default" and malloc.heap_settled():
-            raise ValueError(
-                "kernels: heap=default, but an engine before this one in this process has "
-                "settled its heap (engine/malloc.py); start a fresh process"
-            )
+        # a rule too: on CPU the step's tensors are glibc's (engine/malloc.py); a process
+        # an engine settled before stays so
+        fixed["heap"] = "settled" if heap_rule(self.device) else "default"
         if forced_on_c and ops is None:
             raise ValueError(
                 f"kernels: {forced_on_c[0]} runs on the C kernels, on CPU only "
@@ -424,7 +442,9 @@ class LLMEngine:
         no step takes the one call, ``per_kernel_mismatch`` where it did not agree and is off."""
         from pdscope.checkpoint.make_model import default_cache_dir
 
-        choice = {k: v for k, v in asdict(self.kernels).items() if k not in ("how", "trial_s")}
+        # (the heap is not a kernel: the check's bits do not depend on it)
+        skip = ("how", "trial_s", "heap")
+        choice = {k: v for k, v in asdict(self.kernels).items() if k not in skip}
         start = time.perf_counter()
         check = check_one_call(
             self.model, self.args.block_size, {"kernels": choice, "dtype": str(self.dtype)},

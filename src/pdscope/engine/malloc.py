@@ -1,24 +1,27 @@
 """The C heap (glibc's malloc) under the engine.
 
-torch's CPU tensors are malloc's. glibc as it starts maps every request past a threshold
-afresh and unmaps it when freed, so its pages are faulted in and zeroed by the kernel again
-the next time; the threshold slides up to the size of the largest mapping freed (at most 32
-MiB), and the heap's top is handed back past twice that. A step's tensors of a few to 32 MiB
-(a 2,000-token prefill's hidden states, q/k/v, attention blocks) land on either side of those
-moving lines, by the process's history: on the AMX Xeon the 1.1B model took 7,000 to 165,000
-minor faults a 2,000-token prefill from one process to the next (docs/performance.md).
+torch's CPU tensors are malloc's. glibc as it starts maps a request past its mapping threshold
+afresh and unmaps it when freed, so its pages are faulted in and zeroed by the kernel again the
+next time. The threshold starts at 128 KiB and slides up to the size of the largest mapping
+freed (at most 32 MiB); the trim threshold, past which the heap's free top is handed back,
+starts at 128 KiB and slides to twice the mapping threshold. A step's tensors of a few to 32
+MiB (a 2,000-token prefill's hidden states, q/k/v, attention blocks) land on either side of
+those moving lines by the process's history: on the AMX Xeon the 1.1B model took 51,000 to
+165,000 minor faults a 2,000-token prefill from one process to the next, and 15 to 1,600
+settled (docs/performance.md).
 
-:func:`settle_heap` fixes the lines once: every request under 32 MiB comes from the heap, and
-the heap's top is handed back only past :data:`KEEP_FREE_BYTES`. Requests of 32 MiB or more are
-still mapped each time; the model keeps its widest ones (the MLP's gate/up output) in buffers
-of its own instead (model.Scratch). The settings are the process's: the engine applies them
-(``--kernels heap=settled``, the rule on CPU with glibc) once the weights are loaded, and a
-process that embeds it gets them too (``heap=default`` leaves glibc as it is).
+:func:`settle_heap` fixes the lines once: a request under 32 MiB comes from the heap, and the
+heap's free top is handed back only past :data:`KEEP_FREE_BYTES`. A larger request comes from
+the heap where its free lists or free top hold it, else from a mapping of its own; the model
+keeps its widest ones (the MLP's gate/up output) in buffers of its own (model.Scratch). The
+settings are the process's: the engine applies them (``--kernels heap=settled``, the rule on
+CPU with glibc) once its weights are loaded, and a program that embeds it gets them too
+(``heap=default`` leaves glibc as it is).
 
-Not tried and why: turning glibc's mappings off altogether (``M_MMAP_MAX`` 0) made the 65.5
-MB outputs come from the heap too, where torch's 64-byte aligned requests do not always fit the
-chunk a freed one left, and the heap grew with every prefill (a 1-layer model whose qkv output
-is 49.2 MB: +94 MiB over two prefills).
+Withdrawn before this: turning glibc's mappings off while a step ran (``M_MMAP_MAX`` 0). The
+65.5 MB outputs then came from the heap too, where torch's 64-byte aligned requests do not
+always fit the chunk a freed one left, and the heap grew with every prefill (a 1-layer model
+whose qkv output is 49.2 MB: +94 MiB over two prefills).
 """
 
 from __future__ import annotations
@@ -41,17 +44,23 @@ _settled = False
 
 
 def _libc() -> ctypes.CDLL | None:
-    """The process's C library where it is glibc (the one whose mallopt this module knows)."""
+    """The C library where malloc is glibc's own (the one whose mallopt this module knows):
+    None for another C library, or where another allocator is preloaded (jemalloc, tcmalloc),
+    whose heap glibc's settings do not reach."""
     try:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # noqa: B018 - only glibc has it
-        libc.mallopt  # noqa: B018
+        glibc = ctypes.CDLL("libc.so.6")
+        ours = ctypes.cast(libc.malloc, ctypes.c_void_p).value
+        if ours != ctypes.cast(glibc.malloc, ctypes.c_void_p).value:
+            return None
     except (OSError, AttributeError, TypeError):  # TypeError: CDLL(None) on some Windows
         return None
-    return libc
+    return glibc
 
 
 def is_glibc() -> bool:
+    """Whether this process's malloc is glibc's."""
     return _libc() is not None
 
 
@@ -61,30 +70,34 @@ def heap_settled() -> bool:
 
 
 def share_main_heap() -> bool:
-    """Make threads that have not yet allocated take their memory from the main heap (glibc
-    gives each new thread a heap of its own otherwise, in 64 MiB pieces whose free tops are
-    handed back on their own terms). Call before the thread that runs the engine starts: the
-    settings of :func:`settle_heap` then hold for its tensors. False where not glibc."""
+    """Let at most one heap serve the process (glibc's ``M_ARENA_MAX`` 1): a thread that has
+    not allocated yet then takes the main heap, the one :func:`settle_heap`'s settings are
+    for, where glibc would give it one of its own (in 64 MiB pieces, trimmed on their own
+    terms). Call it before the thread that runs the engine starts. A thread that has
+    allocated keeps the heap it has; a process that has had more than 8 heaps may keep
+    making them (glibc fixes its limit then). False where malloc is not glibc's."""
     libc = _libc()
     return libc is not None and libc.mallopt(_M_ARENA_MAX, 1) == 1
 
 
 def settle_heap() -> bool:
     """Fix glibc's mapping threshold at :data:`MAP_FROM_BYTES` and its trim threshold at
-    :data:`KEEP_FREE_BYTES` (neither slides any more), and share the main heap with threads
-    started from now on; for the whole process. False (nothing set) where not glibc."""
+    :data:`KEEP_FREE_BYTES` (neither slides any more), then :func:`share_main_heap` with
+    threads started from now on; for the whole process. False where malloc is not glibc's,
+    or where glibc refused the mapping threshold (one that puts its heaps in huge pages caps
+    it lower), with nothing set."""
     global _settled
     libc = _libc()
     if libc is None:
         return False
     with _lock:
-        ok = (
-            share_main_heap()
-            and libc.mallopt(_M_MMAP_THRESHOLD, MAP_FROM_BYTES) == 1
-            and libc.mallopt(_M_TRIM_THRESHOLD, KEEP_FREE_BYTES) == 1
-        )
-        _settled = _settled or ok
-    return ok
+        if not _settled:
+            _settled = (
+                libc.mallopt(_M_MMAP_THRESHOLD, MAP_FROM_BYTES) == 1
+                and libc.mallopt(_M_TRIM_THRESHOLD, KEEP_FREE_BYTES) == 1
+                and share_main_heap()
+            )
+    return _settled
 
 
 def release_freed_memory() -> bool:

@@ -16,7 +16,7 @@ import uvicorn
 from pdscope.engine import malloc
 from pdscope.engine.async_engine import AsyncEngine, EngineDeadError
 from pdscope.engine.kernels import parse_kernels
-from pdscope.engine.llm_engine import EngineArgs, LLMEngine
+from pdscope.engine.llm_engine import EngineArgs, LLMEngine, engine_device, heap_rule
 from pdscope.heap import freeze_startup_heap
 from pdscope.server.app import build_app
 from pdscope.server.common import ServerState
@@ -98,7 +98,9 @@ def start_engine(args: EngineArgs, max_queue: int | None) -> AsyncEngine:
     # Built on the thread that steps it: one OpenMP team in the process (async_engine.py).
     # Its tensors from the main heap, the one the engine settles (engine/malloc.py): the
     # thread takes a heap when it first allocates.
-    if parse_kernels(args.kernels).get("heap") != "default":
+    if parse_kernels(args.kernels).get("heap") != "default" and heap_rule(
+        engine_device(args.device)
+    ):
         malloc.share_main_heap()
     running = AsyncEngine(lambda: LLMEngine(args), max_queue)
     engine = running.engine
