@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import os
 import platform
 import subprocess
 import threading
@@ -56,6 +57,16 @@ def steady_host() -> float:
 def steady_gauge(monkeypatch: pytest.MonkeyPatch) -> None:
     """Engines started in the test read memory at :func:`steady_host`'s rate."""
     monkeypatch.setattr("pdscope.engine.kernels.read_gauge_gb_s", steady_host)
+
+
+def glibc_as_it_starts() -> dict[str, str]:
+    """This process's environment for a child whose malloc is glibc's as it starts: no other
+    allocator preloaded, no malloc settings (the tests of engine/malloc.py and the Scratch)."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k != "LD_PRELOAD" and not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))
+    }
 
 
 def start_server(model: Path, log_dir: Path, *args: str, name: str = "tiny") -> Server:

@@ -4,7 +4,6 @@ fresh process, whose malloc settings and fault counts are its own."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 
 from pdscope.checkpoint.make_model import make_model
 from pdscope.engine import malloc
+from tests.conftest import glibc_as_it_starts
 
 pytestmark = pytest.mark.skipif(
     not (malloc.is_glibc() and Path("/proc/self/status").is_file()),
@@ -20,10 +20,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 # Four 20 MiB requests made, written and freed, four times over, on this thread and then on one
-# started after: the pages faulted in each round. glibc as it starts maps the first request
-# (its threshold is 128 KiB); once that is freed its mapping threshold slides past 20 MiB and
-# its trim threshold to twice that, so the rounds come from the heap, whose 80 MiB free top is
-# then past the trim threshold and handed back: every round faults its pages in again. The
+# started after: the pages faulted in each round. glibc as it starts maps the first round's
+# requests (its threshold is 128 KiB); once they are freed its mapping threshold slides past
+# 20 MiB and its trim threshold to twice that, so later rounds come from the heap, whose 80 MiB
+# free top is then past the trim threshold and handed back: every round faults its pages in. The
 # process's transparent huge pages are off, so a page is a base page.
 ROUNDS = """
 import ctypes, os, resource, threading
@@ -59,20 +59,12 @@ def share(faults):
 """
 
 
-def _glibc_as_it_starts() -> dict[str, str]:
-    return {
-        k: v
-        for k, v in os.environ.items()
-        if k != "LD_PRELOAD" and not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))
-    }
-
-
 def _run(code: str) -> dict[str, object]:
     out = subprocess.run(
         [sys.executable, "-c", ROUNDS + code],
         capture_output=True,
         text=True,
-        env=_glibc_as_it_starts(),
+        env=glibc_as_it_starts(),
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -135,8 +127,9 @@ print(json.dumps({"heap": llm.engine.kernels.heap, "how": llm.engine.kernels.how
 
 def test_the_engine_settles_its_heap_on_cpu(four_layers: Path) -> None:
     """By rule on CPU with glibc the engine settles the process's heap once it is loaded: its
-    2,000-token prefills then fault in few pages (on the AMX Xeon 0-3,400 a prefill settled;
-    as glibc starts, 2,000 to 65,000 from one prefill and process to the next), and the
+    2,000-token prefills then fault in few pages (this child on the AMX Xeon, four processes:
+    0-3,400 a prefill settled; as glibc starts, 2,000 to 65,000 from one prefill and process
+    to the next), and the
     process's own rounds keep their pages too. ``heap=default`` leaves glibc as it is. The
     matmul path is forced to one that writes the MLP's widest outputs into the model's
     buffers (oneDNN's packed one cannot)."""
@@ -236,8 +229,9 @@ print(json.dumps({"grown_mib": grown}))
 def test_a_settled_heap_levels_off_where_outputs_past_32_mib_come_fresh(tmp_path: Path) -> None:
     """A settled heap may serve a request of 32 MiB or more from its kept free top, where
     torch's aligned requests do not always fit what a freed one left: the process holds more
-    (on the AMX Xeon +70-160 MiB on this model) but levels off. A 1-layer model whose q/k/v
-    output (no buffer of the model's own) is 2,000 x 12,288 bf16, 49.2 MB; three prompt
+    (on the AMX Xeon +267-279 MiB on this model, +125-139 as glibc starts) but levels off.
+    A 1-layer model whose q/k/v output (no buffer of the model's own) is 2,000 x 12,288 bf16,
+    49.2 MB; three prompt
     lengths in turn, four times: the last turn adds nothing (oneDNN has built its matmuls for
     the three lengths), and the whole stays within 256 MiB of glibc as it starts."""
     model = make_model(

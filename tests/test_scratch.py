@@ -4,7 +4,6 @@ fresh process (the fault counts are the process's own)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pdscope.checkpoint.make_model import make_model
+from tests.conftest import glibc_as_it_starts
 
 pytestmark = pytest.mark.skipif(
     not Path("/proc/self/status").is_file(), reason="needs Linux's per-process fault counts"
@@ -56,13 +56,9 @@ print(json.dumps({{"faults": faults, "gate_up": buffers["gate_up"].numel(),
                   "prefill_linear": llm.engine.kernels.prefill_linear,
                   "act": buffers["act"].numel()}}))
 """
-    # glibc as it starts: no other allocator preloaded, no malloc settings
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k != "LD_PRELOAD" and not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))
-    }
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=glibc_as_it_starts()
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["prefill_linear"] == "transposed", got

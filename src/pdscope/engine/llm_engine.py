@@ -139,6 +139,12 @@ class LLMEngine:
         # before the trials (a minute on a 7B model): the kernels' copies only take more
         self._kv_budget_bytes()
         self.kernels = self._choose_kernels(forced_kernels)
+        if self.kernels.heap == "settled" and not malloc.settle_heap():
+            # glibc refuses the 32 MiB line where it caps it lower: heaps in huge pages
+            # (GLIBC_TUNABLES=glibc.malloc.hugetlb=2: twice the huge page size), a 32-bit build
+            log.warning("glibc refused the heap's settings: its malloc left as it is")
+            how = {**self.kernels.how, "heap": "fixed"}
+            self.kernels = replace(self.kernels, heap="default", how=how)
         # What this engine runs on besides the CPU: torch's dispatch level and the C kernels'
         # -march target ("none" without them). ATEN_CPU_CAPABILITY and $PDSCOPE_MARCH change
         # them (another CPU's paths, run here); /metrics' build_info says which.
@@ -154,10 +160,6 @@ class LLMEngine:
         self.decode_step: DecodeStep = self._check_decode_step()
         # what the trials and the check freed, before the pool meets the memory available
         release_freed_memory()
-        if self.kernels.heap == "settled" and not malloc.settle_heap():
-            # (a glibc that refuses the 32 MiB line: one built with huge-page heaps)
-            log.warning("glibc refused the heap's settings: its malloc left as it is")
-            self.kernels = replace(self.kernels, heap="default")
         self.kv_cache_bytes = self._kv_budget_bytes()
         num_blocks = self._check_pool_holds_a_request(self.kv_cache_bytes, block_bytes)
         self.pool = BlockPool(num_blocks, args.block_size, args.enable_prefix_caching)

@@ -15,8 +15,8 @@ heap's free top is handed back only past :data:`KEEP_FREE_BYTES`. A larger reque
 the heap where its free lists or free top hold it, else from a mapping of its own; the model
 keeps its widest ones (the MLP's gate/up output) in buffers of its own (model.Scratch). The
 settings are the process's: the engine applies them (``--kernels heap=settled``, the rule on
-CPU with glibc) once its weights are loaded, and a program that embeds it gets them too
-(``heap=default`` leaves glibc as it is).
+CPU with glibc) once its weights are loaded and its kernels chosen, and a program that embeds
+it gets them too, one heap for its threads included (``heap=default`` leaves glibc as it is).
 
 Withdrawn before this: turning glibc's mappings off while a step ran (``M_MMAP_MAX`` 0). The
 65.5 MB outputs then came from the heap too, where torch's 64-byte aligned requests do not
@@ -70,12 +70,13 @@ def heap_settled() -> bool:
 
 
 def share_main_heap() -> bool:
-    """Let at most one heap serve the process (glibc's ``M_ARENA_MAX`` 1): a thread that has
-    not allocated yet then takes the main heap, the one :func:`settle_heap`'s settings are
-    for, where glibc would give it one of its own (in 64 MiB pieces, trimmed on their own
-    terms). Call it before the thread that runs the engine starts. A thread that has
-    allocated keeps the heap it has; a process that has had more than 8 heaps may keep
-    making them (glibc fixes its limit then). False where malloc is not glibc's."""
+    """Let glibc make no more heaps (``M_ARENA_MAX`` 1): a thread that has not allocated yet
+    then takes an existing heap, the main one where it is the only one (the one
+    :func:`settle_heap`'s settings are for), where glibc would make it one of its own (in 64
+    MiB pieces, trimmed on their own terms). Call it before the thread that runs the engine
+    starts. A thread that has allocated keeps the heap it has; a process that has had more
+    than 8 heaps may keep making them (glibc fixes its limit then). False where malloc is not
+    glibc's."""
     libc = _libc()
     return libc is not None and libc.mallopt(_M_ARENA_MAX, 1) == 1
 
@@ -84,8 +85,8 @@ def settle_heap() -> bool:
     """Fix glibc's mapping threshold at :data:`MAP_FROM_BYTES` and its trim threshold at
     :data:`KEEP_FREE_BYTES` (neither slides any more), then :func:`share_main_heap` with
     threads started from now on; for the whole process. False where malloc is not glibc's,
-    or where glibc refused the mapping threshold (one that puts its heaps in huge pages caps
-    it lower), with nothing set."""
+    or where glibc refused a setting (heaps in huge pages cap the mapping threshold lower);
+    the ones after a refused one are not set."""
     global _settled
     libc = _libc()
     if libc is None:

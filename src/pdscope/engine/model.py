@@ -1247,12 +1247,13 @@ class MLP(nn.Module):
 
 class Scratch:
     """The MLP's outputs at prefill sizes, one buffer each for the whole model, reused layer
-    after layer and step after step. glibc maps a request of 32 MiB or more afresh each time
-    and unmaps it when freed: a 2,000-token prefill's fused gate/up output (65.5 MB on models
-    with an intermediate size of 8,192) was faulted in and zeroed again at every layer, 16,000
-    pages a layer (engine/malloc.py; docs/performance.md). Each buffer grows to the most rows
-    a step has had and stays: memory the step needed at its peak anyway. oneDNN's packed path
-    (``prefill_linear=onednn``) writes only into memory of its own; its output is fresh."""
+    after layer and step after step. glibc, left as it is, maps a request of 32 MiB or more
+    afresh each time and unmaps it when freed: a 2,000-token prefill's fused gate/up output
+    (65.5 MB on models with an intermediate size of 8,192) was faulted in and zeroed again at
+    every layer, 16,000 pages a layer (engine/malloc.py; docs/performance.md). Each buffer
+    grows to the most rows a step has had and stays: memory the step needed at its peak
+    anyway. oneDNN's packed path (``prefill_linear=onednn``) writes only into memory of its
+    own; its output is fresh."""
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
