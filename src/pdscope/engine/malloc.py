@@ -36,7 +36,9 @@ _M_ARENA_MAX = -8
 # glibc's largest mapping threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): the line it
 # slides up to on its own; mallopt refuses more.
 MAP_FROM_BYTES = 32 << 20
-# Free memory at the heap's top kept for the next step, past which glibc hands it back.
+# Free memory at the heap's top kept for the next step, past which glibc hands it back. Lines
+# of 32 MiB to 512 MiB made no clear difference to what a process held (docs/performance.md);
+# the higher one keeps the freed memory of steps larger than those measured too.
 KEEP_FREE_BYTES = 512 << 20
 
 _lock = threading.Lock()
