@@ -1201,7 +1201,7 @@ def test_pairs_copies_follow_a_replaced_weight_and_are_dropped_with_the_path(
         llm.engine.kernels,
         linear="c", batch_linear="packed", big_batch_linear="onednn", prefill_linear="onednn",
     )  # fmt: skip
-    apply_kernels(model, other, model.native)
+    apply_kernels(model, other, llm.engine._native)
     assert all(m.pairs is None for m in linears)
 
 
@@ -1394,7 +1394,7 @@ def test_a_weight_held_once_is_read_written_and_replaced_as_one_stored(
     torch.testing.assert_close(
         proj(x), torch.nn.functional.linear(x, values * -2.0), atol=8e-2, rtol=2e-2
     )
-    apply_kernels(model, llm.engine.kernels, model.native)  # held once again
+    apply_kernels(model, llm.engine.kernels, llm.engine._native)  # held once again
     assert proj.held_once
     new = torch.randn(proj.out_features, proj.in_features, generator=gen).to(torch.bfloat16)
 
@@ -1405,16 +1405,16 @@ def test_a_weight_held_once_is_read_written_and_replaced_as_one_stored(
     proj.weight = torch.nn.Parameter(new, requires_grad=False)
     monkeypatch.undo()
     torch.testing.assert_close(proj(x), torch.nn.functional.linear(x, new), atol=4e-2, rtol=2e-2)
-    apply_kernels(model, llm.engine.kernels, model.native)
+    apply_kernels(model, llm.engine.kernels, llm.engine._native)
     assert proj.held_once
     model.load_state_dict(state)
     assert torch.equal(proj.weight, values)
-    apply_kernels(model, llm.engine.kernels, model.native)
+    apply_kernels(model, llm.engine.kernels, llm.engine._native)
     plain = replace(
         llm.engine.kernels,
         linear="plain", batch_linear="packed", big_batch_linear="onednn", prefill_linear="onednn",
     )  # fmt: skip
-    apply_kernels(model, plain, model.native)
+    apply_kernels(model, plain, llm.engine._native)
     assert not proj.held_once and proj.pairs is None
     assert torch.equal(proj.weight, values)
 
