@@ -231,9 +231,9 @@ def test_a_settled_heap_levels_off_where_outputs_past_32_mib_come_fresh(tmp_path
     torch's aligned requests do not always fit what a freed one left: the process holds more
     (on the AMX Xeon +267-279 MiB on this model, +125-139 as glibc starts) but levels off.
     A 1-layer model whose q/k/v output (no buffer of the model's own) is 2,000 x 12,288 bf16,
-    49.2 MB; three prompt
-    lengths in turn, four times: the last turn adds nothing (oneDNN has built its matmuls for
-    the three lengths), and the whole stays within 256 MiB of glibc as it starts."""
+    49.2 MB; three prompt lengths in turn, four times: the last turn adds nothing (oneDNN has
+    built its matmuls for the three lengths), and the whole stays within 256 MiB of glibc as
+    it starts."""
     model = make_model(
         tmp_path / "m",
         "tiny",
