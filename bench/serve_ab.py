@@ -7,7 +7,8 @@ hits both alike and no prompt repeats across rounds. It prints each round's figu
 median of the per-round B / A ratios, and each server's own mean TTFT and mean inter-token
 latency from its `/metrics` (`vllm:time_to_first_token_seconds` and
 `vllm:inter_token_latency_seconds`, sum over count, warm-up requests included): a second
-source beside the client's.
+source beside the client's. Each round also prints each server process's minor page faults
+per completed request and its resident size after the round, read from `/proc` (Linux).
 
     # padded steps against exact ones (engine/model.py's ROW_BUCKET)
     .venv/bin/python bench/serve_ab.py --b-args "--kernels step_rows=exact" \\
@@ -75,6 +76,18 @@ def server_mean_ms(port: int, histogram: str) -> float | None:
     return None if not total or not count else total / count * 1e3
 
 
+def faults_and_rss(pid: int) -> tuple[int, int] | None:
+    """A process's minor page faults so far and its resident bytes, from ``/proc/PID/stat``;
+    None where there is no such file (not Linux, or the process is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # fields after the command name's closing parenthesis, from field 3 (state) on
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return int(fields[7]), int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small")
@@ -108,8 +121,10 @@ def main() -> None:
         for seed in range(1, args.rounds + 1):
             order = ["A", "B"] if seed % 2 else ["B", "A"]
             got: dict[str, dict] = {}
+            memory: dict[str, str] = {}
             for name in order:
                 port = sides[name][0]
+                before = faults_and_rss(procs[name].pid)
                 out = logs / f"{name}_{seed}.json"
                 command = [str(BIN / "pdscope"), "bench", f"http://127.0.0.1:{port}"]
                 command += shlex.split(args.bench_args)
@@ -118,6 +133,10 @@ def main() -> None:
                 if done.returncode != 0 or not out.is_file():
                     raise SystemExit(f"bench against {name} failed:\n{done.stderr[-2000:]}")
                 got[name] = json.loads(out.read_text())
+                after = faults_and_rss(procs[name].pid)
+                if before and after and got[name].get("completed"):
+                    per_request = (after[0] - before[0]) / got[name]["completed"]
+                    memory[name] = f"{per_request:,.0f} faults/request, {after[1] / 2**30:.2f} GiB"
             a, b = got["A"], got["B"]
             if a.get("failed") or b.get("failed"):
                 raise SystemExit(
@@ -127,6 +146,8 @@ def main() -> None:
             for f in FIGURES:
                 ratios[f].append(b[f] / a[f])
             print(f"round {seed}: " + "; ".join(f"{f} {a[f]:.1f} / {b[f]:.1f}" for f in FIGURES))
+            if memory:
+                print("  " + "; ".join(f"{n} {memory[n]}" for n in sorted(memory)))
         print("B / A, median of rounds (min-max):")
         for f, values in ratios.items():
             print(f"  {f}: {statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})")
