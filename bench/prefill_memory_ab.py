@@ -2,15 +2,28 @@
 interleaved (e.g. the MLP's Scratch, engine/model.py, against the commit before it).
 
 Each arm is a checkout whose ``src`` the process imports (``.``: this one; another: a worktree,
-``git worktree add /tmp/before REV``). A process's malloc state is its own, so no two arms
-share one: each round starts one process per arm, in an order that turns each round. Each
-process loads the model (its kernel picks from the cache, the same for every arm), warms up,
-then times fresh 2,000-token prefills (prefix caching off) and a batch-1 decode, and reports
-its resident memory and its minor page faults a prefill. Prints per round, then each arm's
-medians and its ratio to the first arm's (pairwise too).
+``git worktree add /tmp/before REV``), optionally with environment settings after an ``@``
+(``.@MALLOC_MMAP_MAX_=0``, comma-separated). A process's malloc state is its own, so no two
+arms share one: each round starts one process per arm, in an order that turns each round.
+Each process loads the model (its kernel picks from the cache, the same for every arm), warms
+up, then runs its workload and reports its resident memory and its minor page faults:
+
+- ``--workload prefill``: fresh 2,000-token prefills (prefix caching off) and a batch-1
+  decode; faults a prefill.
+- ``--workload mixed``: what a server at concurrency 16 runs, offline: 48 fresh prompts of
+  16-2,000 tokens (the same in every process), 64 tokens out each, 16 at a time, a new one
+  admitted as one ends, so chunked prefills share steps with decodes. Output tok/s over the
+  whole run, the steps with prefill chunks (mixed or not) as tokens a second of their own
+  time, and faults a step with a prefill chunk.
+
+Prints per round, then each arm's medians and its ratio to the first arm's (pairwise too).
+``--kernels`` forces paths in every arm (a trial in one arm's process may otherwise pick
+differently from the others').
 
     git worktree add /tmp/before a53dbf4
     .venv/bin/python bench/prefill_memory_ab.py /tmp/m1b --arms /tmp/before . --rounds 3
+    .venv/bin/python bench/prefill_memory_ab.py /tmp/m1b --workload mixed \
+        --arms /tmp/before . .@MALLOC_MMAP_MAX_=0
 """
 
 from __future__ import annotations
@@ -28,9 +41,9 @@ from engine_bench import machine_line
 CHILD = """
 import json, random, resource, statistics, sys, time
 from pdscope import LLM, SamplingParams
-model, prefills = sys.argv[1], int(sys.argv[2])
+model, prefills, kernels = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 llm = LLM(model=model, dtype="bfloat16", kv_cache_memory="2GiB", max_model_len=4096,
-          max_num_batched_tokens=2048, enable_prefix_caching=False)
+          max_num_batched_tokens=2048, enable_prefix_caching=False, kernels=kernels)
 rng = random.Random(0)
 def fresh(n):
     return [rng.randrange(100, 16000) for _ in range(n)]
@@ -50,18 +63,70 @@ print(json.dumps({"prefill_tok_s": statistics.median(prefill), "decode_tok_s": d
                   "resident_gb": rss_kb / 1e6, "kernels": llm.engine.kernels.summary()}))
 """
 
-FIGURES = ("prefill_tok_s", "decode_tok_s", "resident_gb", "faults_per_prefill")
+MIXED = """
+import json, random, resource, sys, time
+from pdscope import LLM, SamplingParams
+model, kernels = sys.argv[1], sys.argv[3]
+llm = LLM(model=model, dtype="bfloat16", kv_cache_memory="2GiB", max_model_len=4096,
+          max_num_batched_tokens=2048, enable_prefix_caching=False, kernels=kernels)
+engine = llm.engine
+execute = engine.runner.execute
+steps = []  # (prefill tokens, all tokens, seconds, faults) of each step with a prefill chunk
+def timed(out):
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    start = time.perf_counter()
+    sampled = execute(out)
+    if out.num_prefill_tokens:
+        steps.append((out.num_prefill_tokens, out.num_tokens, time.perf_counter() - start,
+                      resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults))
+    return sampled
+engine.runner.execute = timed
+params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+def run(prompts, together):
+    rng = random.Random(prompts)
+    def fresh():
+        return [rng.randrange(100, 16000) for _ in range(rng.randrange(16, 2000))]
+    for _ in range(together):
+        engine.add_request(fresh(), params)
+    added = together
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished and added < prompts:
+                engine.add_request(fresh(), params)
+                added += 1
+run(16, 16)
+steps.clear()
+start = time.perf_counter()
+run(48, 16)
+wall_s = time.perf_counter() - start
+with open("/proc/self/status") as f:
+    rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+print(json.dumps({"output_tok_s": 48 * 64 / wall_s,
+                  "prefill_step_tok_s": sum(s[1] for s in steps) / sum(s[2] for s in steps),
+                  "faults_per_prefill_step": sum(s[3] for s in steps) / len(steps),
+                  "resident_gb": rss_kb / 1e6, "kernels": engine.kernels.summary()}))
+"""
+
+WORKLOADS = {
+    "prefill": (CHILD, ("prefill_tok_s", "decode_tok_s", "resident_gb", "faults_per_prefill")),
+    "mixed": (
+        MIXED,
+        ("output_tok_s", "prefill_step_tok_s", "resident_gb", "faults_per_prefill_step"),
+    ),
+}
 HERE = Path(__file__).resolve().parent.parent
 
 
-def run(model: str, arm: str, prefills: int) -> dict[str, object]:
-    src = (HERE if arm == "." else Path(arm)) / "src"
+def run(model: str, arm: str, workload: str, prefills: int, kernels: str) -> dict[str, object]:
+    tree, _, settings = arm.partition("@")
+    src = (HERE if tree == "." else Path(tree)) / "src"
+    extra = dict(item.split("=", 1) for item in settings.split(",") if item)
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, model, str(prefills)],
+        [sys.executable, "-c", WORKLOADS[workload][0], model, str(prefills), kernels],
         capture_output=True,
         text=True,
         check=True,
-        env={**os.environ, "PYTHONPATH": str(src)},
+        env={**os.environ, **extra, "PYTHONPATH": str(src)},
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -72,29 +137,32 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", required=True, help="checkouts: . or a path")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--prefills", type=int, default=4, help="timed prefills a process")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="prefill")
+    parser.add_argument("--kernels", default="auto", help="the engine's kernels, every arm")
     args = parser.parse_args()
     for arm in args.arms:
-        if arm != "." and not (Path(arm) / "src" / "pdscope").is_dir():
+        tree, _, settings = arm.partition("@")
+        if tree != "." and not (Path(tree) / "src" / "pdscope").is_dir():
             parser.error(f"arm {arm!r} is not a checkout (no src/pdscope in it)")
+        if any("=" not in item for item in settings.split(",") if item):
+            parser.error(f"arm {arm!r}: settings after @ are KEY=VALUE, comma-separated")
     print(machine_line(), flush=True)
+    figures = WORKLOADS[args.workload][1]
     results: dict[str, list[dict[str, object]]] = {arm: [] for arm in args.arms}
     for r in range(args.rounds):
         turn = r % len(args.arms)
         order = args.arms[turn:] + args.arms[:turn]
         for arm in order:
-            results[arm].append(run(args.model, arm, args.prefills))
-        line = ", ".join(
-            f"{arm}: prefill {results[arm][-1]['prefill_tok_s']:.1f} tok/s, decode "
-            f"{results[arm][-1]['decode_tok_s']:.2f} tok/s, "
-            f"{results[arm][-1]['resident_gb']:.2f} GB, "
-            f"{results[arm][-1]['faults_per_prefill']:.0f} faults a prefill"
+            results[arm].append(run(args.model, arm, args.workload, args.prefills, args.kernels))
+        line = "; ".join(
+            f"{arm}: " + ", ".join(f"{f} {float(results[arm][-1][f]):,.2f}" for f in figures)  # type: ignore[arg-type]
             for arm in order
         )
         print(f"round {r + 1}/{args.rounds}: {line}", flush=True)
     for arm in args.arms:
         print(f"kernels ({arm}):", results[arm][0]["kernels"])
     base = args.arms[0]
-    for figure in FIGURES:
+    for figure in figures:
         first = [float(x[figure]) for x in results[base]]  # type: ignore[arg-type]
         for arm in args.arms:
             values = [float(x[figure]) for x in results[arm]]  # type: ignore[arg-type]
