@@ -201,8 +201,9 @@ class AttentionBatch:
     before the chunk, cache rows of the whole context's blocks, or None when nothing was cached).
     ``decode_runs``, for a single decoding sequence, lists its attended keys as runs of
     consecutive cache slots (first slot, length), in position order; ``decode_rows`` may then
-    be None. With ``decode_tables`` set the step is decodes only and takes the C kernels;
-    the PyTorch path's decode fields are then unused.
+    be None. ``decode_tables`` is set on the C kernels only: the decodes' attention reads
+    the cache in place through it, and the PyTorch path's decode fields are unused. With it
+    and no prefill chunk the step is decodes only, and takes the C kernels' decode step.
     """
 
     slot_mapping: torch.Tensor
@@ -213,9 +214,9 @@ class AttentionBatch:
     decode_mask: torch.Tensor | None
     prefills: list[tuple[int, int, int, torch.Tensor | None]]
     decode_runs: list[tuple[int, int]] | None = None
-    # A step of decodes only, run through the C kernels (engine/native.py): each sequence's
-    # block table [D, width] and attended key positions [D, 2] (lo, hi), read in place; the
-    # token positions index the model's float32 rope tables there.
+    # The decodes of a step on the C kernels (engine/native.py): each sequence's block table
+    # [D, width] and attended key positions [D, 2] (lo, hi), read in place; in a decodes-only
+    # step the token positions index the model's float32 rope tables there.
     decode_tables: torch.Tensor | None = None
     decode_bounds: torch.Tensor | None = None
     positions: torch.Tensor | None = None
@@ -886,7 +887,7 @@ class Attention(nn.Module):
         padded, tokens = x.shape[0], batch.slot_mapping.shape[0]
         assert padded >= tokens, "every token has a cache slot; rows past them are padding"
         qkv = self.qkv_proj(x)[:tokens]  # the first rows of a contiguous tensor: a view
-        if batch.decode_tables is not None:
+        if batch.decode_tables is not None and not batch.prefills:
             out = self._native_decode(qkv, cos, sin, kv_cache, batch)
         elif self.native is not None:
             out = self._native_rope_attention(qkv, cos, sin, kv_cache, batch, padded)
@@ -964,7 +965,19 @@ class Attention(nn.Module):
         one_chunk = not batch.num_decode and len(batch.prefills) == 1
         q = self._native_rope_store(qkv, cos_table, sin_table, kv_cache, batch, one_chunk)
         parts = []
-        if batch.num_decode:
+        if batch.decode_tables is not None:
+            assert batch.decode_bounds is not None
+            parts.append(
+                self.native.decode_attention(
+                    q[: batch.num_decode],
+                    kv_cache,
+                    batch.decode_tables,
+                    batch.decode_bounds,
+                    batch.block_size,
+                    self.scale,
+                )
+            )
+        elif batch.num_decode:  # one long context: SDPA in place (runner.py)
             parts.append(self._decode(q[: batch.num_decode], kv_cache, batch))
         for start, length, cached, rows in batch.prefills:
             assert rows is not None, "the runner gives every chunk its rows on the C path"
@@ -1427,6 +1440,7 @@ class CausalLM(nn.Module):
             self.native is None
             or not self.native.one_call
             or batch.decode_runs is not None
+            or batch.prefills
             or batch.decode_tables is None
             or batch.decode_tables.shape[0] != rows
         ):

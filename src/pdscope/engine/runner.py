@@ -184,25 +184,15 @@ class ModelRunner:
         as views of it (:meth:`_index_views`), valid until the next step: five ``torch.tensor``
         calls took ~95 us of a batch-1 step (~35 now), their lines cold after the step streamed
         the weights."""
-        bs, window = self.block_size, self.model.config.sliding_window
+        bs = self.block_size
         rows = len(decodes)
-        lengths = [e.end for e in decodes]  # each decodes its last token, at position end - 1
-        width = -(-max(lengths) // bs)
-        ids, positions, slots, bounds, tables = [], [], [], [], []
-        for e, n in zip(decodes, lengths, strict=True):
-            table = e.request.block_table
+        ids, positions, slots = [], [], []
+        for e in decodes:
+            n, table = e.end, e.request.block_table  # its last token, at position end - 1
             ids.append(e.request.token_ids[n - 1])
             positions.append(n - 1)
             slots.append(table[(n - 1) // bs] * bs + (n - 1) % bs)
-            bounds += (max(0, n - window) if window else 0, n)
-            row = table[:width]
-            tables += row
-            if len(row) < width:
-                tables += [0] * (width - len(row))
-        runs = None
-        if rows == 1 and lengths[0] - bounds[0] >= NATIVE_SDPA_FROM_KEYS:
-            runs = slot_runs(decodes[0].request.block_table, bounds[0], bounds[1], bs)
-            runs = runs if can_decode_in_place(runs, self.device) else None
+        width, bounds, tables, runs = self._decode_tables(decodes)
         views = self._index_views(rows, width)
         self._index_np[: rows * (5 + width)] = ids + positions + slots + bounds + tables
         id_view, position_view, slot_view, bound_view, table_view = views
@@ -220,6 +210,30 @@ class ModelRunner:
             positions=position_view,
         )
         return batch, id_view
+
+    def _decode_tables(
+        self, decodes: list[ScheduledRequest]
+    ) -> tuple[int, list[int], list[int], list[tuple[int, int]] | None]:
+        """The C kernels' paged decode attention for these decodes: the block tables' width,
+        each sequence's attended key positions (lo, hi) and its block table padded to the
+        width, both flat, row after row; or, for one sequence of NATIVE_SDPA_FROM_KEYS keys
+        or more, its keys as runs of the cache for SDPA in place (None otherwise)."""
+        bs, window = self.block_size, self.model.config.sliding_window
+        lengths = [e.end for e in decodes]
+        width = -(-max(lengths) // bs)
+        bounds: list[int] = []
+        tables: list[int] = []
+        for e, n in zip(decodes, lengths, strict=True):
+            bounds += (max(0, n - window) if window else 0, n)
+            row = e.request.block_table[:width]
+            tables += row
+            if len(row) < width:
+                tables += [0] * (width - len(row))
+        runs = None
+        if len(decodes) == 1 and lengths[0] - bounds[0] >= NATIVE_SDPA_FROM_KEYS:
+            runs = slot_runs(decodes[0].request.block_table, bounds[0], bounds[1], bs)
+            runs = runs if can_decode_in_place(runs, self.device) else None
+        return width, bounds, tables, runs
 
     def _index_views(self, rows: int, width: int) -> tuple[torch.Tensor, ...]:
         """Views of the index buffer for a decodes-only step of ``rows`` sequences and block
@@ -251,12 +265,24 @@ class ModelRunner:
         slot_mapping: torch.Tensor,
         window: int | None,
     ) -> AttentionBatch:
-        """The PyTorch path's batch: gathered rows or in-place runs for decodes, a mask where
-        padded, and each prefill chunk's cached-prefix rows."""
+        """The batch of a step with prefill chunks, or of any step off the C kernels: each
+        prefill chunk's cached-prefix rows, and for the decodes gathered rows or in-place runs
+        and a mask where padded; on the C kernels, their block tables read in place, as in a
+        decodes-only step (a gather of 15 decodes' contexts of up to 2,000 tokens is 61 MB a
+        layer of the 1.1B model, faulted in afresh: glibc maps a request over 32 MiB)."""
         dev, bs = self.device, self.block_size
-        decode_rows = decode_mask = decode_runs = None
+        decode_rows = decode_mask = decode_runs = decode_tables = decode_bounds = None
         decode_keys = (0, 0)
-        if decodes:
+        if decodes and self.model.native is not None:
+            assert all(e.num_new_tokens == 1 for e in decodes)
+            width, bounds, tables, decode_runs = self._decode_tables(decodes)
+            if decode_runs is not None:
+                decode_keys = (bounds[0], bounds[1])
+            else:
+                rows = len(decodes)
+                decode_tables = torch.tensor(tables, dtype=torch.long).view(rows, width)
+                decode_bounds = torch.tensor(bounds, dtype=torch.long).view(rows, 2)
+        elif decodes:
             assert all(e.num_new_tokens == 1 for e in decodes)
             lengths = [e.end for e in decodes]
             num_blocks = [-(-length // bs) for length in lengths]
@@ -305,6 +331,8 @@ class ModelRunner:
             decode_mask,
             prefill_meta,
             decode_runs,
+            decode_tables=decode_tables,
+            decode_bounds=decode_bounds,
         )
 
     def sample(
