@@ -18,7 +18,7 @@ up, then runs its workload and reports its resident memory and its minor page fa
 
 Prints per round, then each arm's medians and its ratio to the first arm's (pairwise too).
 ``--kernels`` forces paths in every arm (a trial in one arm's process may otherwise pick
-differently from the others').
+differently from the others'), or, given once an arm, sets each arm's own.
 
     git worktree add /tmp/before a53dbf4
     .venv/bin/python bench/prefill_memory_ab.py /tmp/m1b --arms /tmp/before . --rounds 3
@@ -138,8 +138,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--prefills", type=int, default=4, help="timed prefills a process")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="prefill")
-    parser.add_argument("--kernels", default="auto", help="the engine's kernels, every arm")
+    parser.add_argument(
+        "--kernels",
+        nargs="+",
+        default=["auto"],
+        help="the engine's kernels: one for every arm, or one an arm",
+    )
     args = parser.parse_args()
+    if len(args.kernels) not in (1, len(args.arms)):
+        parser.error(f"--kernels: one for every arm or one an arm ({len(args.arms)})")
+    if len(set(args.arms)) < len(args.arms):
+        parser.error("--arms: each arm once (the same tree twice: add @X=1 to one)")
+    each = args.kernels * len(args.arms) if len(args.kernels) == 1 else args.kernels
+    kernels = dict(zip(args.arms, each, strict=True))
     for arm in args.arms:
         tree, _, settings = arm.partition("@")
         if tree != "." and not (Path(tree) / "src" / "pdscope").is_dir():
@@ -153,7 +164,7 @@ def main() -> None:
         turn = r % len(args.arms)
         order = args.arms[turn:] + args.arms[:turn]
         for arm in order:
-            results[arm].append(run(args.model, arm, args.workload, args.prefills, args.kernels))
+            results[arm].append(run(args.model, arm, args.workload, args.prefills, kernels[arm]))
         line = "; ".join(
             f"{arm}: " + ", ".join(f"{f} {float(results[arm][-1][f]):,.2f}" for f in figures)  # type: ignore[arg-type]
             for arm in order
