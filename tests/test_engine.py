@@ -623,18 +623,26 @@ def test_c_path_hands_long_contexts_to_sdpa_in_place(
     assert seen and all(seen)
 
 
+@pytest.mark.parametrize("window", [None, 8])
 def test_c_path_decodes_beside_prefill_chunks_read_their_block_tables(
-    checkpoints, reference, monkeypatch: pytest.MonkeyPatch
+    checkpoints, reference, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, window: int | None
 ) -> None:
     """In a step that mixes prefill chunks with decodes, the C path's decodes read the cache
     through their block tables, as in a decodes-only step: never a gather copy of their padded
     contexts (15 decodes of up to 2,000 tokens gathered 61 MB a layer of a 1.1B model, in
-    memory glibc mapped afresh every layer). The tokens are the reference's."""
+    memory glibc mapped afresh every layer). The tokens are the reference's, a sliding
+    window's (Mistral, 8 tokens) included."""
     from pdscope.engine.model import Attention
 
     ps, expected = reference
+    path = checkpoints["qwen3"]
+    if window is not None:
+        path = make_model(
+            tmp_path / "m", "tiny", arch="mistral", dtype="float32", sliding_window=window
+        )
+        expected = baseline(path, ps)
     llm = LLM(
-        model=str(checkpoints["qwen3"]),
+        model=str(path),
         kv_cache_memory="8MiB",
         kernels="linear=c,prefill_attention=sdpa,decode_ops=c",
         max_num_batched_tokens=7,  # chunks of 7 tokens beside the decodes of shorter prompts
@@ -642,11 +650,15 @@ def test_c_path_decodes_beside_prefill_chunks_read_their_block_tables(
     attns = [m for m in llm.engine.runner.model.modules() if isinstance(m, Attention)]
     calls = _count_calls(attns, "native", "decode_attention")
     forward = llm.engine.runner._forward  # every step with a prefill chunk
-    mixed = [0]
+    mixed, in_mixed = [0], [0]  # mixed steps, and the paged attention's calls in them
 
     def counted(decodes: list, prefills: list) -> dict:
-        mixed[0] += bool(decodes and prefills)
-        return forward(decodes, prefills)
+        before = calls[0]
+        out = forward(decodes, prefills)
+        if decodes and prefills:
+            mixed[0] += 1
+            in_mixed[0] += calls[0] - before
+        return out
 
     def gathered(*args: object) -> None:
         raise AssertionError("a decode beside a prefill chunk took the gather")
@@ -654,7 +666,7 @@ def test_c_path_decodes_beside_prefill_chunks_read_their_block_tables(
     monkeypatch.setattr(llm.engine.runner, "_forward", counted)
     monkeypatch.setattr(Attention, "_decode", gathered)
     assert [o.token_ids for o in llm.generate(ps, GREEDY)] == expected
-    assert mixed[0] > 0 and calls[0] >= mixed[0] * len(attns)
+    assert mixed[0] > 0 and in_mixed[0] == mixed[0] * len(attns)
 
 
 def test_decode_step_indices_are_views_of_one_buffer_that_grows(tiny_model: Path) -> None:

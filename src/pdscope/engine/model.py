@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdscope.engine.kernels import OPTIONS, PAIRS_LINEAR, packed_unread, stored_past_one
+from pdscope.engine.malloc import MAP_FROM_BYTES, outputs_from_heap
 from pdscope.engine.native import DecodeLayer, DecodeStep
 from pdscope.specs import architectures as registry
 
@@ -626,6 +627,10 @@ class Linear(nn.Linear):
         if self.plain_rows and x.numel() > BIG_BATCH_MAX_ROWS * x.shape[-1]:
             return linear_plain(x, self.weight, self.bias, out)
         packed = self.current_packed()
+        if packed is not None and out is not None and out.nbytes >= MAP_FROM_BYTES:
+            # an output glibc would map afresh, made by oneDNN where no buffer reaches (malloc.py)
+            with outputs_from_heap():
+                return _packed_linear(x, packed, self.bias, "none", [], "")
         if packed is not None:
             return _packed_linear(x, packed, self.bias, "none", [], "")
         return linear_plain(x, self.weight, self.bias, out)
@@ -955,10 +960,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """A step with prefill chunks under the C kernels: q/k norms, rope and the K/V write of
         every token in one threaded call (where the PyTorch path runs ~10 ops over the whole
-        chunk), then the PyTorch attention. Each chunk reads its keys back from the cache
-        (the runner gives every chunk its block rows here), so the rotated K never needs a
-        tensor of its own. The output [tokens, heads, dim] lies, where it can, in storage with
-        ``room`` rows (:func:`padded_to` then pads it without a copy)."""
+        chunk), then the decodes' attention through their block tables (the C kernel, as in a
+        decodes-only step) and each chunk's (the prefill path chosen). Each chunk reads its keys
+        back from the cache (the runner gives every chunk its block rows here), so the rotated
+        K never needs a tensor of its own. The output [tokens, heads, dim] lies, where it can,
+        in storage with ``room`` rows (:func:`padded_to` then pads it without a copy)."""
         assert self.native is not None and batch.positions is not None
         # A step of one chunk (a long prompt's usual step) gets its queries head-major, the
         # layout SDPA reads fastest; steps with decodes or several chunks slice q by token.
@@ -1266,7 +1272,7 @@ class Scratch:
     every layer, 16,000 pages a layer (engine/malloc.py; docs/performance.md). Each buffer
     grows to the most rows a step has had and stays: memory the step needed at its peak
     anyway. oneDNN's packed path (``prefill_linear=onednn``) writes only into memory of its
-    own; its output is fresh."""
+    own; its output is fresh, from the heap where it is settled (malloc.outputs_from_heap)."""
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
@@ -1380,7 +1386,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """The same layers with the C kernels' glue: each residual add is fused into the norm
         that follows it (``residual += h; h = norm(residual)``), as one call. Every step under
-        ``decode_ops=c`` runs here; steps with prefill chunks keep PyTorch's attention."""
+        ``decode_ops=c`` runs here; a step's prefill chunks take the prefill attention chosen."""
         residual = self.embed_tokens(input_ids)  # a fresh tensor: updated in place below
         fused = (
             self._fused_decode(input_ids.shape[0], kv_caches, batch) if self.fuse_decode else None
