@@ -36,7 +36,7 @@ from pdscope.client.adapters import (
     run_openai,
     session,
 )
-from pdscope.client.trace import Chunk, Trace
+from pdscope.client.trace import UNREAD, Chunk, Trace
 from pdscope.commands.probe import ProbeSettings, carried_fewer, probe
 from pdscope.server.launch import free_port
 from tests.conftest import Server, start_server
@@ -86,9 +86,15 @@ def test_probe_openai_dialect(medium_server: Server) -> None:
         )
 
     before = metrics(medium_server.url)
-    r = asyncio.run(probe(settings(medium_server.url)))
+    totals: list[int] = []
+    lefts: list[float | None] = []
+    r = asyncio.run(probe(settings(medium_server.url), totals.append, on_left=lefts.append))
     after = metrics(medium_server.url)
     assert r["runtime"]["name"] == "pdscope" and r["runtime"]["api"] == "openai-completions"
+    # The progress line's plan is what was sent, and its time left is told after each answer:
+    # nothing after the cold request alone (no rate read), nothing left after the last.
+    assert totals[-1] == len(lefts) == len(r["traces"])
+    assert lefts[0] is None and all(left is not None for left in lefts[1:]) and lefts[-1] == 0
     assert r["settings"]["exact_prompt_tokens"]
     sweep = r["sweep"]
     assert [p["prompt_tokens"] for p in sweep] == [100, 400, 1400]  # exact, via /tokenize
@@ -1786,6 +1792,46 @@ def test_a_request_the_servers_rates_predict_long_is_allowed_for_it() -> None:
     whole = _prober()
     whole.traces = [_trace("sweep", 1952, 63.0, 1.0, n=1), _trace("sweep", 1000, 31.0, 1.0, n=1)]
     assert whole.allowed_s(8192, 64) == limit(8192 * (31.0 / 1000 + 63.0 / 1952) / 2)
+
+
+def test_the_time_left_is_what_is_planned_and_unanswered_at_the_rates_read() -> None:
+    """A probe of a slow server can run an hour: after each answer the progress line says
+    what the rates read so far predict for the rest. Each check not yet answered at the rate
+    its limit reads (a group sent together once, its unanswered share), the warm prefix
+    requests as hits (their tail alone to prefill); nothing before a prefill rate is read.
+    The plan is the one the progress total counts."""
+    from pdscope.commands.probe import PREFIX_PAIRS, PREFIX_TAIL_TOKENS
+
+    prober = _prober(prompt_tokens=[1000], repeats=1, batch_streams=0)
+    assert prober.planned_requests() == 1 + 1 + 2 * PREFIX_PAIRS + 4
+    assert prober.left_s() is None
+    prober.traces.append(_trace("cold", 1000, 60.0, 10.0))  # a cold start: not a rate
+    assert prober.left_s() is None
+    prober.traces.append(_trace("sweep", 1000, 10.0, 10.0))  # 10 ms a prompt token, 0.1 s a step
+    out_s, tail = 64 * 0.1, PREFIX_TAIL_TOKENS
+    prefix_s = PREFIX_PAIRS * ((1000 + tail) * 0.01 + out_s + tail * 0.01 + out_s)
+    context_s = 2 * (64 * 0.01 + out_s) + 2 * (3072 * 0.01 + out_s)
+    assert prober.left_s() == pytest.approx(prefix_s + context_s)
+    for label in ("prefix-cold", "prefix-warm") * PREFIX_PAIRS + ("context-short",):
+        prober.traces.append(_trace(label, 1000 if label == "prefix-cold" else 64, 10.0, 10.0))
+    assert prober.left_s() == pytest.approx(context_s - (64 * 0.01 + out_s))
+    # a resend's first answer, relabelled, is not an answer of its check
+    prober.traces.append(_trace("context-long" + UNREAD, 3072, 30.72, 10.0))
+    assert prober.left_s() == pytest.approx(context_s - (64 * 0.01 + out_s))
+    for label in ("context-long", "context-short", "context-long"):
+        prober.traces.append(_trace(label, 3072, 30.72, 10.0))
+    assert prober.left_s() == 0.0
+
+    # Sent together: a batch of 8 once, and of it the share not answered.
+    batched = _prober(prompt_tokens=[1000], repeats=1, batch_sweep=[2])
+    done = ["cold", "sweep"] + ["prefix-cold", "prefix-warm"] * PREFIX_PAIRS
+    done += ["context-short", "context-long"] * 2
+    batched.traces = [_trace(label, 1000, 10.0, 10.0) for label in done]
+    assert batched.planned_requests() == len(done) + 8 + 8 + 2 + 8 + 2  # short, long, x2, join
+    before = batched.left_s()
+    batched.traces += [_trace("batch-decode", 64, 2.0, 10.0) for _ in range(4)]
+    half = batched.predicted_s(64, 64, together=8) / 2
+    assert before is not None and batched.left_s() == pytest.approx(before - half)
 
 
 def test_a_batch_a_server_ran_in_turns_bounds_a_step_by_its_turns() -> None:

@@ -928,6 +928,7 @@ def probe(
     from pdscope.commands.probe import ProbeSettings
     from pdscope.commands.probe import probe as run_probe
     from pdscope.report.probe import plot_probe, render_probe
+    from pdscope.report.units import fmt_left
 
     check_url(url)
     check_output(json_file, "--json")
@@ -945,9 +946,9 @@ def probe(
         )  # fmt: skip
     bar = Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-        console=err_console, transient=True,
+        TextColumn("{task.fields[left]}"), console=err_console, transient=True,
     )  # fmt: skip
-    task = bar.add_task("probing", total=None)
+    task = bar.add_task("probing", total=None, left="")
     with (
         exit_on(1, ProbeError, EmbeddedServerError),
         embedded_server(url, "probe", announce=note) as settings.url,
@@ -959,6 +960,7 @@ def probe(
                 settings,
                 on_start=lambda n: bar.update(task, total=n),
                 tick=lambda label: bar.update(task, advance=1, description=label),
+                on_left=lambda left_s: bar.update(task, left=fmt_left(left_s)),
             )
         )
     try:

@@ -167,6 +167,20 @@ def carried_fewer(carried: int, sent: int) -> bool:
     return 0 < carried <= 0.8 * sent and sent - carried >= 2
 
 
+@dataclass(frozen=True)
+class Sent:
+    """A check's ``requests``, sent together where ``together`` is over 1, each
+    ``prompt_tokens`` long then ``output_tokens``, ``more_prefill`` prompt tokens more sent
+    among them."""
+
+    label: str
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    together: int = 1
+    more_prefill: int = 0
+
+
 class Prober:
     def __init__(
         self,
@@ -195,6 +209,8 @@ class Prober:
         self.join_streams: int | None = None  # how many it sends (None: not decided yet)
         self.kept_unread = 0  # unread responses kept as they came: no resend was left
         self.on_total: Callable[[int], None] | None = None  # told the requests planned, anew
+        # told after each answer what the rates read predict is left (None: nothing yet)
+        self.on_left: Callable[[float | None], None] | None = None
         # Run before each sweep size and after the last (--device local: a bandwidth reading)
         self.between: Callable[[], None] | None = None
         self.longest_allowed_s = 0.0  # the longest limit a request was given
@@ -251,6 +267,8 @@ class Prober:
                 trace.cached_source = "metrics-counter"
         self.traces.append(trace)
         self.tick(label)
+        if self.on_left:
+            self.on_left(self.left_s())
         return trace
 
     def allowed_s(
@@ -268,6 +286,16 @@ class Prober:
         that came whole has its decode in its first token's time)."""
         if self.s.timeout_s is not None:
             return self.s.timeout_s
+        predicted_s = self.predicted_s(prompt_tokens, output_tokens, together, more_prefill)
+        if predicted_s is None:
+            return TIMEOUT_S
+        return max(TIMEOUT_S, float(math.ceil(TIMEOUT_MARGIN * predicted_s)))
+
+    def predicted_s(
+        self, prompt_tokens: int, output_tokens: int, together: int = 1, more_prefill: int = 0
+    ) -> float | None:
+        """Seconds the rates read so far predict for ``together`` requests sent at once (see
+        :meth:`allowed_s`); None before any prefill rate is read."""
         solo = [t for t in self.traces if t.ok and t.label in SOLO_LABELS and not cache_hit(t)]
         sized: list[tuple[float, int]] = [
             (t.ttft_s, n)
@@ -277,15 +305,14 @@ class Prober:
         long = [(ttft_s, n) for ttft_s, n in sized if n >= MIN_RATE_PROMPT_TOKENS]
         per_token = median([ttft_s / n for ttft_s, n in long or sized])
         if per_token is None:
-            return TIMEOUT_S
+            return None
         steps = dict(self.batch_step_s)
         one = [1 / t.decode_tok_s for t in solo if t.decode_tok_s]
         if one:
             steps[1] = max(one)
         step_s = min((s * max(1.0, together / k) for k, s in steps.items()), default=0.0)
         prefill_s = (together * prompt_tokens + more_prefill) * per_token
-        predicted_s = prefill_s + output_tokens * step_s
-        return max(TIMEOUT_S, float(math.ceil(TIMEOUT_MARGIN * predicted_s)))
+        return prefill_s + output_tokens * step_s
 
     async def decode_check(self, tokens: int, label: str) -> Trace:
         """One fresh prompt whose decode is measured. A response that answered with tokens to
@@ -324,12 +351,7 @@ class Prober:
                 await self.decode_check(n, "sweep")
         if self.between:
             self.between()
-        # At least MIN_PREFIX_TOKENS: a prefix shorter than a server's KV block (16 tokens in
-        # vLLM) cannot be cached, and its "not reused" would be a false finding.
-        tail_n = PREFIX_TAIL_TOKENS
-        p = s.prefix_tokens or max(
-            1, self.fitting(max(s.prompt_tokens[-1], MIN_PREFIX_TOKENS) + tail_n) - tail_n
-        )
+        tail_n, p = PREFIX_TAIL_TOKENS, self.prefix_tokens
         # Several fresh prefixes, each sent cold then warm: the check compares medians, so one
         # request disturbed by the host cannot turn a working cache into a "not reused".
         for _ in range(PREFIX_PAIRS):
@@ -483,6 +505,18 @@ class Prober:
         return carried
 
     @property
+    def prefix_tokens(self) -> int:
+        """The prefix-cache check's shared prefix (a tail of PREFIX_TAIL_TOKENS follows it)."""
+        if self.s.prefix_tokens:
+            return self.s.prefix_tokens
+        # At least MIN_PREFIX_TOKENS: a prefix shorter than a server's KV block (16 tokens in
+        # vLLM) cannot be cached, and its "not reused" would be a false finding.
+        tail_n = PREFIX_TAIL_TOKENS
+        return max(
+            1, self.fitting(max(self.s.prompt_tokens[-1], MIN_PREFIX_TOKENS) + tail_n) - tail_n
+        )
+
+    @property
     def context_tokens(self) -> int:
         if self.s.context_tokens:
             return self.s.context_tokens
@@ -505,15 +539,59 @@ class Prober:
             return prompt_tokens
         return max(1, min(prompt_tokens, self.max_len - self.s.output_tokens - 32))
 
+    def planned(self) -> list[Sent]:
+        """What :meth:`run` sends, in its order, as now planned (resends left out)."""
+        s, out = self.s, self.s.output_tokens
+        plan = [Sent("cold", 1, s.prompt_tokens[0], out)]
+        plan += [Sent("sweep", 1, n, out) for n in s.prompt_tokens for _ in range(s.repeats)]
+        tail_n = PREFIX_TAIL_TOKENS
+        for _ in range(PREFIX_PAIRS):
+            # the warm one is predicted a hit: its tail alone to prefill
+            plan += [Sent("prefix-cold", 1, self.prefix_tokens + tail_n, out)]
+            plan += [Sent("prefix-warm", 1, tail_n, out)]
+        for _ in range(2):
+            plan += [Sent("context-short", 1, self.fitting(64), out)]
+            plan += [Sent("context-long", 1, self.context_tokens, out)]
+        streams = s.batch_streams
+        if streams <= 1:
+            return plan
+        short = self.fitting(BATCH_PROMPT_TOKENS)
+        plan += [Sent("batch-decode", streams, short, out, streams)]
+        if s.batch_context_tokens:
+            plan += [Sent("batch-decode-long", streams, s.batch_context_tokens, out, streams)]
+        for n in s.batch_sweep:
+            if n not in self.skipped_sizes:
+                plan += [Sent(f"{BATCH_SWEEP_LABEL}{n}", n, short, out, n)]
+        join = streams if self.join_streams is None else self.join_streams
+        if join:
+            sizes = [self.fitting(n) for n in JOIN_PROMPT_TOKENS]
+            plan += [Sent(JOIN_LABEL, join, short, out, join, sum(sizes))]
+            # their prefill is predicted with the streams they join
+            plan += [Sent(JOIN_NEW_LABEL, len(sizes), 0, 0)]
+        return plan
+
     def planned_requests(self) -> int:
-        batch = self.s.batch_streams if self.s.batch_streams > 1 else 0
-        batch *= 2 if self.s.batch_context_tokens else 1
-        if batch:
-            batch += sum(n for n in self.s.batch_sweep if n not in self.skipped_sizes)
-            join = self.s.batch_streams if self.join_streams is None else self.join_streams
-            batch += (join + len(JOIN_PROMPT_TOKENS)) if join else 0
-        sweep = len(self.s.prompt_tokens) * self.s.repeats
-        return 1 + sweep + 2 * PREFIX_PAIRS + 4 + batch + self.resent
+        return sum(sent.requests for sent in self.planned()) + self.resent
+
+    def left_s(self) -> float | None:
+        """Seconds the rates read so far predict for what is planned and not yet answered (a
+        group sent together: its share not answered); None before any prefill rate is read."""
+        answered: dict[str, int] = {}
+        for t in self.traces:
+            answered[t.label] = answered.get(t.label, 0) + 1
+        total_s = 0.0
+        for sent in self.planned():
+            done = min(answered.get(sent.label, 0), sent.requests)
+            answered[sent.label] = answered.get(sent.label, 0) - done
+            if done == sent.requests:
+                continue
+            predicted_s = self.predicted_s(
+                sent.prompt_tokens, sent.output_tokens, sent.together, sent.more_prefill
+            )
+            if predicted_s is None:
+                return None
+            total_s += predicted_s * (sent.requests - done) / sent.requests
+        return total_s
 
 
 def _cap_sweep(s: ProbeSettings, max_len: int | None) -> list[str]:
@@ -803,8 +881,10 @@ async def probe(
     s: ProbeSettings,
     on_start: Callable[[int], None] | None = None,
     tick: Callable[[str], None] = lambda label: None,
+    on_left: Callable[[float | None], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the whole procedure; returns the JSON-ready result (traces included)."""
+    """Run the whole procedure; returns the JSON-ready result (traces included). ``on_left``
+    is told after each answer the seconds the rates read predict are left."""
     limits = httpx.Limits(max_keepalive_connections=0)
     timeout = httpx.Timeout(s.timeout_s or TIMEOUT_S, connect=10)
     started = time.time()
@@ -847,6 +927,7 @@ async def probe(
         if on_start:
             on_start(prober.planned_requests())
             prober.on_total = on_start
+        prober.on_left = on_left
         local = (s.device or "").lower() == "local"
         compute = "bf16"
         served: dict[str, Any] | None = None

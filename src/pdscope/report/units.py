@@ -33,6 +33,18 @@ def fmt_seconds(s: float | None) -> str:
     return f"{s * 1e6:,.1f} µs"
 
 
+def fmt_left(s: float | None) -> str:
+    """A prediction of time left, as rounded as a prediction is: "about 3 min left"."""
+    if s is None:
+        return ""
+    if s < 60:
+        return "under a minute left"
+    minutes = round(s / 60)
+    if minutes < 90:
+        return f"about {minutes} min left"
+    return f"about {minutes // 60} h {minutes % 60} min left"
+
+
 def fmt_rate(x: float | None, unit: str = "tok/s") -> str:
     if x is None:
         return "-"
