@@ -1815,8 +1815,14 @@ def test_the_time_left_is_what_is_planned_and_unanswered_at_the_rates_read() -> 
     for label in ("prefix-cold", "prefix-warm") * PREFIX_PAIRS + ("context-short",):
         prober.traces.append(_trace(label, 1000 if label == "prefix-cold" else 64, 10.0, 10.0))
     assert prober.left_s() == pytest.approx(context_s - (64 * 0.01 + out_s))
-    # a resend's first answer, relabelled, is not an answer of its check
-    prober.traces.append(_trace("context-long" + UNREAD, 3072, 30.72, 10.0))
+    # a resend's first answer is not an answer of its check: while the resend runs, nor once
+    # it is relabelled
+    first = _trace("context-long", 3072, 30.72, 10.0)
+    prober.traces.append(first)
+    prober.resending.add(id(first))
+    assert prober.left_s() == pytest.approx(context_s - (64 * 0.01 + out_s))
+    prober.resending.clear()
+    first.label += UNREAD
     assert prober.left_s() == pytest.approx(context_s - (64 * 0.01 + out_s))
     for label in ("context-long", "context-short", "context-long"):
         prober.traces.append(_trace(label, 3072, 30.72, 10.0))
@@ -1832,6 +1838,12 @@ def test_the_time_left_is_what_is_planned_and_unanswered_at_the_rates_read() -> 
     batched.traces += [_trace("batch-decode", 64, 2.0, 10.0) for _ in range(4)]
     half = batched.predicted_s(64, 64, together=8) / 2
     assert before is not None and batched.left_s() == pytest.approx(before - half)
+
+    from pdscope.report.units import fmt_left
+
+    assert fmt_left(None) == fmt_left(0.0) == ""
+    assert fmt_left(30) == "under a minute left" and fmt_left(725) == "about 12 min left"
+    assert fmt_left(7200) == "about 2 h left" and fmt_left(7800) == "about 2 h 10 min left"
 
 
 def test_a_batch_a_server_ran_in_turns_bounds_a_step_by_its_turns() -> None:

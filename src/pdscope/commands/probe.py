@@ -202,6 +202,7 @@ class Prober:
         )
         self.traces: list[Trace] = []
         self.resent = 0  # decode checks sent again, RESENDS at most
+        self.resending: set[int] = set()  # ids of answers whose check is being sent again
         self.skipped_sizes: list[int] = []  # batch sweep sizes over what the server carried
         self.join_ran = False  # the join check sent its streams
         self.together = 0  # the most streams the batched checks saw decoding at once
@@ -292,10 +293,27 @@ class Prober:
         return max(TIMEOUT_S, float(math.ceil(TIMEOUT_MARGIN * predicted_s)))
 
     def predicted_s(
-        self, prompt_tokens: int, output_tokens: int, together: int = 1, more_prefill: int = 0
+        self,
+        prompt_tokens: int,
+        output_tokens: int,
+        together: int = 1,
+        more_prefill: int = 0,
+        rates: tuple[float, dict[int, float]] | None = None,
     ) -> float | None:
-        """Seconds the rates read so far predict for ``together`` requests sent at once (see
-        :meth:`allowed_s`); None before any prefill rate is read."""
+        """Seconds the rates read so far (``rates``, where the caller read them already: see
+        :meth:`rates`) predict for ``together`` requests sent at once (see :meth:`allowed_s`);
+        None before any prefill rate is read."""
+        rates = rates or self.rates()
+        if rates is None:
+            return None
+        per_token, steps = rates
+        step_s = min((s * max(1.0, together / k) for k, s in steps.items()), default=0.0)
+        prefill_s = (together * prompt_tokens + more_prefill) * per_token
+        return prefill_s + output_tokens * step_s
+
+    def rates(self) -> tuple[float, dict[int, float]] | None:
+        """Seconds a prompt token and, by streams decoding together, bounds on a step's seconds
+        (see :meth:`allowed_s`); None before any prefill rate is read."""
         solo = [t for t in self.traces if t.ok and t.label in SOLO_LABELS and not cache_hit(t)]
         sized: list[tuple[float, int]] = [
             (t.ttft_s, n)
@@ -310,9 +328,7 @@ class Prober:
         one = [1 / t.decode_tok_s for t in solo if t.decode_tok_s]
         if one:
             steps[1] = max(one)
-        step_s = min((s * max(1.0, together / k) for k, s in steps.items()), default=0.0)
-        prefill_s = (together * prompt_tokens + more_prefill) * per_token
-        return prefill_s + output_tokens * step_s
+        return per_token, steps
 
     async def decode_check(self, tokens: int, label: str) -> Trace:
         """One fresh prompt whose decode is measured. A response that answered with tokens to
@@ -336,7 +352,11 @@ class Prober:
                 self.on_total(self.planned_requests())
             with self.builder.aside():  # a repeated --seed still sends this run's prompts
                 prompt = await self.prompt(tokens)
-            resent = await self.send(prompt, tokens, label, learn=False)
+            self.resending.add(id(trace))  # not the check's answer while its resend runs
+            try:
+                resent = await self.send(prompt, tokens, label, learn=False)
+            finally:
+                self.resending.discard(id(trace))
             # Relabelled once its resend is in: a resend cut short (Ctrl-C, an error) leaves
             # the check this answer.
             trace.label, trace = label + UNREAD, resent
@@ -412,9 +432,7 @@ class Prober:
         self.join_ran = streams >= 2
         ref = [t for t in self.traces if t.label == "batch-decode" and t.ok and t.streamed]
         ttft = median([t.ttft_s for t in ref if t.ttft_s is not None])
-        gaps = [gap for t in ref for gap in t.itl_samples_s()]
-        # The mean gap (a client read in bursts sinks the median): only to size the window
-        step = sum(gaps) / len(gaps) if gaps else 0.0
+        step = self.batch_gap_s()
         if ttft is None or not step > 0 or streams < 2:
             self.join_ran = False
             self.join_skipped = (
@@ -434,9 +452,7 @@ class Prober:
         prompts = [await self.prompt(short) for _ in range(streams)]
         sizes = [self.fitting(n) for n in JOIN_PROMPT_TOKENS]
         new = [await self.prompt(n) for n in sizes]
-        out = min(max(self.s.output_tokens, math.ceil(JOIN_WINDOW_S / step)), JOIN_MAX_OUTPUT)
-        if self.max_len:
-            out = max(1, min(out, self.max_len - short - 32))
+        out = self.join_output(step)
         # the new prompts too: where the server has no slot for one, it waits for the streams
         limit_s = self.allowed_s(short, out, streams, sum(sizes))
 
@@ -476,6 +492,23 @@ class Prober:
         await asyncio.gather(
             *(stream(i) for i in range(streams)), *(joiner(k) for k in range(len(sizes)))
         )
+
+    def batch_gap_s(self) -> float:
+        """The batched check's mean gap between tokens (a client read in bursts sinks the
+        median): only to size the join check's window; 0.0 before it is read."""
+        ref = [t for t in self.traces if t.label == "batch-decode" and t.ok and t.streamed]
+        gaps = [gap for t in ref for gap in t.itl_samples_s()]
+        return sum(gaps) / len(gaps) if gaps else 0.0
+
+    def join_output(self, step_s: float) -> int:
+        """Tokens the join check's streams ask for: JOIN_WINDOW_S of steps of ``step_s`` (no
+        fewer than --output-tokens, JOIN_MAX_OUTPUT at most), as far as the context allows."""
+        out = self.s.output_tokens
+        if step_s > 0:
+            out = min(max(out, math.ceil(JOIN_WINDOW_S / step_s)), JOIN_MAX_OUTPUT)
+        if self.max_len:
+            out = max(1, min(out, self.max_len - self.fitting(BATCH_PROMPT_TOKENS) - 32))
+        return out
 
     async def batch(self, prompt_tokens: int, label: str, streams: int | None = None) -> int:
         """Fresh prompts of one length sent together, so their decodes share steps. Returns
@@ -565,7 +598,8 @@ class Prober:
         join = streams if self.join_streams is None else self.join_streams
         if join:
             sizes = [self.fitting(n) for n in JOIN_PROMPT_TOKENS]
-            plan += [Sent(JOIN_LABEL, join, short, out, join, sum(sizes))]
+            joined = self.join_output(self.batch_gap_s())
+            plan += [Sent(JOIN_LABEL, join, short, joined, join, sum(sizes))]
             # their prefill is predicted with the streams they join
             plan += [Sent(JOIN_NEW_LABEL, len(sizes), 0, 0)]
         return plan
@@ -576,9 +610,13 @@ class Prober:
     def left_s(self) -> float | None:
         """Seconds the rates read so far predict for what is planned and not yet answered (a
         group sent together: its share not answered); None before any prefill rate is read."""
+        rates = self.rates()
+        if rates is None:
+            return None
         answered: dict[str, int] = {}
         for t in self.traces:
-            answered[t.label] = answered.get(t.label, 0) + 1
+            if id(t) not in self.resending:
+                answered[t.label] = answered.get(t.label, 0) + 1
         total_s = 0.0
         for sent in self.planned():
             done = min(answered.get(sent.label, 0), sent.requests)
@@ -586,10 +624,9 @@ class Prober:
             if done == sent.requests:
                 continue
             predicted_s = self.predicted_s(
-                sent.prompt_tokens, sent.output_tokens, sent.together, sent.more_prefill
+                sent.prompt_tokens, sent.output_tokens, sent.together, sent.more_prefill, rates
             )
-            if predicted_s is None:
-                return None
+            assert predicted_s is not None  # rates given
             total_s += predicted_s * (sent.requests - done) / sent.requests
         return total_s
 
