@@ -146,38 +146,6 @@ def test_the_engine_settles_its_heap_on_cpu(four_layers: Path) -> None:
     assert sum(left["rounds"][1:]) > 1.0, left
 
 
-def test_onednns_packed_output_comes_from_the_settled_heap(tmp_path: Path) -> None:
-    """oneDNN's packed matmul (``prefill_linear=onednn``) makes its own output: a 2,000-token
-    chunk's gate/up output of an MLP 8,192 wide is 65.5 MB, past glibc's highest mapping line,
-    so as glibc starts it is mapped and faulted in afresh at every layer (16,000 pages). Settled,
-    it comes from the heap for that call alone (malloc.outputs_from_heap), from the chunk the
-    one before left. (The first prefill after the warm-up may place it anew once: the warm-up's
-    chunk lies below the MLP's buffer, and a 64-byte aligned request can need a little more
-    than the chunk it left: 16,584 faults, then 2 and 5.)"""
-    import torch
-
-    from pdscope.engine.model import can_pack
-
-    if not can_pack(torch.bfloat16, torch.device("cpu")):
-        pytest.skip("no oneDNN bf16 matmul on this CPU: prefill_linear=onednn is not offered")
-    wide = make_model(
-        tmp_path / "m",
-        "tiny",
-        num_hidden_layers=1,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-    )
-    code = ENGINE.replace("sys.argv[1]", repr(str(wide)))
-    settled = _run(code.replace("sys.argv[2]", repr("linear=packed,prefill_linear=onednn")))
-    assert settled["heap"] == "settled" and max(settled["faults"][1:]) < 8_000, settled
-    left = _run(
-        code.replace("sys.argv[2]", repr("linear=packed,prefill_linear=onednn,heap=default"))
-    )
-    assert left["heap"] == "default" and min(left["faults"]) > 15_000, left
-
-
 def test_heap_default_is_refused_once_a_heap_is_settled(tmp_path: Path) -> None:
     """A second engine cannot ask for glibc as it starts in a process an engine settled: the
     settings cannot be taken back (glibc's thresholds no longer slide once set)."""

@@ -147,9 +147,8 @@ Paths (every candidate computes the same function; tests pin each against transf
   prefill of each new length, where a repeated length's prefill took 1.005x the time padded
   (engine/model.py's ROW_BUCKET; docs/performance.md).
 * ``heap``: ``settled`` (glibc's mapping and trim thresholds fixed once the weights are loaded,
-  so a step's tensors under 32 MiB come from a heap that keeps their pages, and oneDNN's packed
-  matmul's own output of any size too; engine/malloc.py) or ``default`` (the C library's
-  malloc as it is). Not a trial: a rule, ``settled`` on CPU with
+  so a step's tensors under 32 MiB come from a heap that keeps their pages; engine/malloc.py)
+  or ``default`` (the C library's malloc as it is). Not a trial: a rule, ``settled`` on CPU with
   glibc, where the 1.1B model's 2,000-token prefill took 51,000-165,000 minor faults without it
   and 15-1,600 with it (docs/performance.md). It holds for the whole process, whose threads
   started after it share one heap.

@@ -21,28 +21,23 @@ it gets them too, one heap for its threads included (``heap=default`` leaves gli
 Withdrawn before this: turning glibc's mappings off while a step ran (``M_MMAP_MAX`` 0). The
 65.5 MB outputs then came from the heap too, where torch's 64-byte aligned requests do not
 always fit the chunk a freed one left, and the heap grew with every prefill (a 1-layer model
-whose qkv output is 49.2 MB: +94 MiB over two prefills); tried again for whole processes
-(``MALLOC_MMAP_MAX_=0``) under a server's mix of steps, +1.5 GB over six rounds against +0.8
-as settled. What is kept of it is :func:`outputs_from_heap`: mappings off for the one call
-whose output cannot go into a buffer (oneDNN's packed matmul, ``prefill_linear=onednn``),
-the same size layer after layer and freed before the next layer's.
+whose qkv output is 49.2 MB: +94 MiB over two prefills). Measured again in session 52: for
+the whole process, +1.5 GB over six rounds of a server's mix of steps against +0.8 as
+settled; around oneDNN's packed matmul alone (``prefill_linear=onednn``, whose 65.5 MB gate/up
+output no buffer reaches: 257,000 faults a 2,000-token prefill of the 1.1B model, 4 with it),
+a 1.20x prefill, but +0.21-0.31 GB over four to five rounds, the gap still widening
+(docs/performance.md). Not taken.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import os
 import threading
-from collections.abc import Iterator
 
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
-_M_MMAP_MAX = -4
-# glibc's own limit on mappings (DEFAULT_MMAP_MAX), put back after outputs_from_heap
-_MMAP_MAX = 65536
 # glibc's largest mapping threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): the line it
 # slides up to on its own; mallopt refuses more.
 MAP_FROM_BYTES = 32 << 20
@@ -53,8 +48,6 @@ KEEP_FREE_BYTES = 512 << 20
 
 _lock = threading.Lock()
 _settled = False
-_settled_libc: ctypes.CDLL | None = None  # the C library settle_heap set, once it has
-_inside = 0  # outputs_from_heap's callers inside now, on any thread (under _lock)
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -101,7 +94,7 @@ def settle_heap() -> bool:
     threads started from now on; for the whole process. False where malloc is not glibc's,
     or where glibc refused a setting (heaps in huge pages cap the mapping threshold lower);
     the ones after a refused one are not set."""
-    global _settled, _settled_libc
+    global _settled
     libc = _libc()
     if libc is None:
         return False
@@ -112,40 +105,7 @@ def settle_heap() -> bool:
                 and libc.mallopt(_M_TRIM_THRESHOLD, KEEP_FREE_BYTES) == 1
                 and share_main_heap()
             )
-            _settled_libc = libc if _settled else None
     return _settled
-
-
-@contextlib.contextmanager
-def outputs_from_heap() -> Iterator[None]:
-    """Inside, glibc maps nothing (``M_MMAP_MAX`` 0): a request of 32 MiB or more comes from
-    the heap too, from the chunk the same request left when freed. For one call whose large
-    output cannot go into a buffer of the caller's, made and freed over and over: oneDNN's
-    packed matmul, whose 65.5 MB gate/up output of a 2,000-token chunk of the 1.1B model was
-    otherwise mapped and faulted in afresh at every layer (16,000 pages). Where the heap is
-    not settled, or where the process was started with a mapping limit of its own
-    (``MALLOC_MMAP_MAX_``, or ``mmap_max`` in ``GLIBC_TUNABLES``: it would not be put back), it
-    changes nothing. Process-wide while inside, for every thread's requests: keep it to the
-    call. Callers on several threads at once share one window, open until the last leaves."""
-    global _inside
-    libc = _settled_libc
-    own_limit = "MALLOC_MMAP_MAX_" in os.environ or "mmap_max" in os.environ.get(
-        "GLIBC_TUNABLES", ""
-    )
-    if libc is None or own_limit:
-        yield
-        return
-    with _lock:
-        _inside += 1
-        if _inside == 1:
-            libc.mallopt(_M_MMAP_MAX, 0)
-    try:
-        yield
-    finally:
-        with _lock:
-            _inside -= 1
-            if _inside == 0:
-                libc.mallopt(_M_MMAP_MAX, _MMAP_MAX)
 
 
 def release_freed_memory() -> bool:

@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdscope.engine.kernels import OPTIONS, PAIRS_LINEAR, packed_unread, stored_past_one
-from pdscope.engine.malloc import MAP_FROM_BYTES, outputs_from_heap
 from pdscope.engine.native import DecodeLayer, DecodeStep
 from pdscope.specs import architectures as registry
 
@@ -627,10 +626,6 @@ class Linear(nn.Linear):
         if self.plain_rows and x.numel() > BIG_BATCH_MAX_ROWS * x.shape[-1]:
             return linear_plain(x, self.weight, self.bias, out)
         packed = self.current_packed()
-        if packed is not None and out is not None and out.nbytes >= MAP_FROM_BYTES:
-            # an output glibc would map afresh, made by oneDNN where no buffer reaches (malloc.py)
-            with outputs_from_heap():
-                return _packed_linear(x, packed, self.bias, "none", [], "")
         if packed is not None:
             return _packed_linear(x, packed, self.bias, "none", [], "")
         return linear_plain(x, self.weight, self.bias, out)
@@ -1272,7 +1267,7 @@ class Scratch:
     every layer, 16,000 pages a layer (engine/malloc.py; docs/performance.md). Each buffer
     grows to the most rows a step has had and stays: memory the step needed at its peak
     anyway. oneDNN's packed path (``prefill_linear=onednn``) writes only into memory of its
-    own; its output is fresh, from the heap where it is settled (malloc.outputs_from_heap)."""
+    own; its output is fresh."""
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
