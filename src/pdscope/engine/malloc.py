@@ -24,8 +24,8 @@ always fit the chunk a freed one left, and the heap grew with every prefill (a 1
 whose qkv output is 49.2 MB: +94 MiB over two prefills). Measured again in session 52: for
 the whole process, +1.5 GB over six rounds of a server's mix of steps against +0.8 as
 settled; around oneDNN's packed matmul alone (``prefill_linear=onednn``, whose 65.5 MB gate/up
-output no buffer reaches: 257,000 faults a 2,000-token prefill of the 1.1B model, 4 with it),
-a 1.20x prefill, but +0.21-0.31 GB over four to five rounds, the gap still widening
+output no buffer reaches: 257,000 faults a 2,000-token prefill of the 1.1B model, a median of
+4 with it), a 1.20x prefill, but +0.25-0.31 GB by the fifth round, the gap still widening
 (docs/performance.md). Not taken.
 """
 
