@@ -1842,8 +1842,9 @@ def test_the_time_left_is_what_is_planned_and_unanswered_at_the_rates_read() -> 
     from pdscope.report.units import fmt_left
 
     assert fmt_left(None) == fmt_left(0.0) == ""
-    assert fmt_left(30) == "under a minute left" and fmt_left(725) == "about 12 min left"
-    assert fmt_left(7200) == "about 2 h left" and fmt_left(7800) == "about 2 h 10 min left"
+    assert fmt_left(30) == "under a minute left" and fmt_left(725) == "up to about 12 min left"
+    assert fmt_left(7200) == "up to about 2 h left"
+    assert fmt_left(7800) == "up to about 2 h 10 min left"
 
 
 def test_a_batch_a_server_ran_in_turns_bounds_a_step_by_its_turns() -> None:

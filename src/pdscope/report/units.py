@@ -34,16 +34,18 @@ def fmt_seconds(s: float | None) -> str:
 
 
 def fmt_left(s: float | None) -> str:
-    """A prediction of time left, as rounded as a prediction is: "about 3 min left"."""
+    """A prediction of time left that is a bound more than an estimate (probe's: a batch's
+    steps counted as one stream's times its streams until a batch is read), rounded as such:
+    "up to about 3 min left"."""
     if s is None or s <= 0:
         return ""
     if s < 60:
         return "under a minute left"
     minutes = round(s / 60)
     if minutes < 90:
-        return f"about {minutes} min left"
+        return f"up to about {minutes} min left"
     hours, minutes = divmod(minutes, 60)
-    return f"about {hours} h {minutes} min left" if minutes else f"about {hours} h left"
+    return f"up to about {hours} h {minutes} min left" if minutes else f"up to about {hours} h left"
 
 
 def fmt_rate(x: float | None, unit: str = "tok/s") -> str:
