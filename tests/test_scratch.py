@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pdscope.checkpoint.make_model import make_model
+from pdscope.engine.model import onednn_bf16
 from tests.conftest import glibc_as_it_starts
 
 pytestmark = pytest.mark.skipif(
@@ -64,3 +65,84 @@ print(json.dumps({{"faults": faults, "gate_up": buffers["gate_up"].numel(),
     assert got["prefill_linear"] == "transposed", got
     assert (got["gate_up"], got["act"]) == (2000 * 16384, 2000 * 8192), got
     assert max(got["faults"]) < 4000, got
+
+
+@pytest.mark.skipif(not onednn_bf16(), reason="oneDNN runs no bf16 linear on this CPU")
+def test_onednns_own_gate_up_output_comes_in_blocks_under_glibcs_line(wide: Path) -> None:
+    """oneDNN's packed path (``prefill_linear=onednn``) makes its own output, which no buffer
+    reaches: at 2,000 rows one 65.5 MB mapping glibc faults in afresh at every layer (~16,000
+    faults a prefill). The MLP runs its gate/up in row blocks each under glibc's mapping line
+    (two of 1,000 rows here), whose outputs the heap serves again prefill after prefill."""
+    code = f"""
+import json, resource
+from pdscope import LLM, SamplingParams
+from pdscope.engine import model as m
+llm = LLM(model={str(wide)!r}, kv_cache_memory="64MiB", max_model_len=2048,
+          max_num_batched_tokens=2048, enable_prefix_caching=False,
+          kernels="prefill_linear=onednn")
+blocks = []
+gate_up = llm.engine.runner.model.layers[0].mlp.gate_up_proj
+run = gate_up.forward
+def counted(x, out=None):
+    blocks.append(x.shape[0])
+    return run(x, out)
+gate_up.forward = counted
+one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+llm.generate([[7] * 2000], one)
+faults = []
+for first in (8, 9, 10):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    llm.generate([[first] * 2000], one)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({{"faults": faults, "blocks": blocks, "line": m.MAP_FROM_BYTES,
+                  "prefill_linear": llm.engine.kernels.prefill_linear}}))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=glibc_as_it_starts()
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["prefill_linear"] == "onednn", got
+    assert got["blocks"] == [1000, 1000] * 4, got
+    assert got["line"] > 1000 * 16384 * 2, got
+    # the heap may take a block's pages once more after the warm-up (8,004 here once), then
+    # serves them again; unblocked, every prefill took 16,000 (65.5 MB)
+    assert got["faults"][0] < 12000 and max(got["faults"][1:]) < 4000, got
+
+
+def test_fresh_output_says_which_paths_write_into_out(wide: Path) -> None:
+    """:meth:`Linear.fresh_output` repeats :meth:`Linear.forward`'s tests: for every prefill
+    path this machine runs, at a count under and over the transposed paths' 512 rows, the
+    output is ``out`` exactly where it says so, and the MLP's result (in blocks or not) is the
+    layer's own matmuls'."""
+    import torch
+
+    from pdscope import LLM
+    from pdscope.engine.kernels import OPTIONS
+
+    seen = set()
+    for choice in OPTIONS["prefill_linear"]:
+        try:
+            llm = LLM(
+                model=str(wide),
+                kv_cache_memory="64MiB",
+                max_model_len=2048,
+                kernels=f"prefill_linear={choice}",
+                dtype="bfloat16",
+            )
+        except ValueError:  # a path this machine does not run (no C kernels, no oneDNN bf16)
+            continue
+        mlp = llm.engine.runner.model.layers[0].mlp
+        for rows in (100, 2000):
+            x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+            x = x.to(mlp.gate_up_proj.weight.dtype)
+            out = torch.empty(rows, 16384, dtype=x.dtype)
+            with torch.inference_mode():
+                fresh = mlp.gate_up_proj.fresh_output(x)
+                got = mlp.gate_up_proj(x, out=out)
+                assert (got.data_ptr() != out.data_ptr()) == fresh, (choice, rows)
+                seen.add(fresh)
+                whole = mlp.down_proj(mlp.silu_mul(got, torch.empty(rows, 8192, dtype=x.dtype)))
+                torch.testing.assert_close(mlp(x), whole, rtol=0, atol=0)
+    assert True in seen or not onednn_bf16(), seen  # the packed path was among them
+    assert False in seen, seen
