@@ -76,7 +76,6 @@ def test_onednns_own_gate_up_output_comes_in_blocks_under_glibcs_line(wide: Path
     code = f"""
 import json, resource
 from pdscope import LLM, SamplingParams
-from pdscope.engine import model as m
 llm = LLM(model={str(wide)!r}, kv_cache_memory="64MiB", max_model_len=2048,
           max_num_batched_tokens=2048, enable_prefix_caching=False,
           kernels="prefill_linear=onednn")
@@ -94,7 +93,7 @@ for first in (8, 9, 10):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     llm.generate([[first] * 2000], one)
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(json.dumps({{"faults": faults, "blocks": blocks, "line": m.MAP_FROM_BYTES,
+print(json.dumps({{"faults": faults, "blocks": blocks,
                   "prefill_linear": llm.engine.kernels.prefill_linear}}))
 """
     out = subprocess.run(
@@ -104,9 +103,9 @@ print(json.dumps({{"faults": faults, "blocks": blocks, "line": m.MAP_FROM_BYTES,
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["prefill_linear"] == "onednn", got
     assert got["blocks"] == [1000, 1000] * 4, got
-    assert got["line"] > 1000 * 16384 * 2, got
     # the heap may take a block's pages once more after the warm-up (8,004 here once), then
-    # serves them again; unblocked, every prefill took 16,000 (65.5 MB)
+    # serves them again; unblocked, every prefill took 16,000 (65.5 MB). (Where Linux backs
+    # all memory with huge pages, a mapping takes few faults: the blocks above still tell.)
     assert got["faults"][0] < 12000 and max(got["faults"][1:]) < 4000, got
 
 
@@ -130,7 +129,7 @@ def test_fresh_output_says_which_paths_write_into_out(wide: Path) -> None:
                 kernels=f"prefill_linear={choice}",
                 dtype="bfloat16",
             )
-        except ValueError:  # a path this machine does not run (no C kernels, no oneDNN bf16)
+        except ValueError:  # a path this machine does not run (rows, pairs: no C kernels)
             continue
         mlp = llm.engine.runner.model.layers[0].mlp
         for rows in (100, 2000):
@@ -143,6 +142,7 @@ def test_fresh_output_says_which_paths_write_into_out(wide: Path) -> None:
                 assert (got.data_ptr() != out.data_ptr()) == fresh, (choice, rows)
                 seen.add(fresh)
                 whole = mlp.down_proj(mlp.silu_mul(got, torch.empty(rows, 8192, dtype=x.dtype)))
-                torch.testing.assert_close(mlp(x), whole, rtol=0, atol=0)
+                # (oneDNN may sum a block's rows in another order than the whole's)
+                torch.testing.assert_close(mlp(x), whole)
     assert True in seen or not onednn_bf16(), seen  # the packed path was among them
     assert False in seen, seen

@@ -636,6 +636,7 @@ class Linear(nn.Linear):
         oneDNN's packed path, which makes its own output where every other path there writes
         into ``out``: the same tests in the same order (a test pins the two together)."""
         assert x.dim() == 2 and x.shape[0] > BIG_BATCH_MAX_ROWS
+        assert self.many_max_rows <= BIG_BATCH_MAX_ROWS  # forward's many-row kernels: none here
         if self.many_rows is not None and self.current_pairs() is not None:
             return False
         if (
@@ -1249,6 +1250,12 @@ class Attention(nn.Module):
         return out.view(self.num_heads, n, dim).transpose(0, 1)
 
 
+# Bytes a row block of oneDNN's gate/up output stays under glibc's line by (MLP.forward): torch
+# asks for 64-byte aligned memory, which malloc serves with a header and the alignment's slack
+# on top. (torch's THP_MEM_ALLOC_ENABLE aligns to 2 MiB: past this margin, mapped afresh.)
+_BLOCK_MARGIN_BYTES = 64 << 10
+
+
 class MLP(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -1268,12 +1275,17 @@ class MLP(nn.Module):
                 return self.down_proj(self.native.silu_mul(self.gate_up_proj(x)))
             gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
             return self.down_proj(F.silu(gate).mul_(up))
-        # A prefill's two widest tensors, each consumed before the next layer makes its own
+        # A prefill's widest tensors (gate/up, unless in blocks, and the SiLU product), each
+        # consumed before the next layer makes its own
         act = scratch.take("act", rows, self.intermediate, x)
         if self.gate_up_proj.fresh_output(x):
             # oneDNN's packed matmul makes its own output, mapped afresh past glibc's line;
-            # row blocks under the line take theirs from the heap (Scratch)
-            block_rows = max(1, (MAP_FROM_BYTES - 1) // (width * x.element_size()))
+            # glibc's heap serves row blocks under the line (where heap=settled holds it
+            # there, or glibc's sliding line has reached them), the margin for what torch's
+            # aligned request and malloc's header add
+            block_rows = max(
+                1, (MAP_FROM_BYTES - _BLOCK_MARGIN_BYTES) // (width * x.element_size())
+            )
             # every block past BIG_BATCH_MAX_ROWS rows, so the packed path still takes it
             blocks = min(-(-rows // block_rows), rows // (BIG_BATCH_MAX_ROWS + 1))
             parts = zip(x.tensor_split(blocks), act.tensor_split(blocks), strict=True)
@@ -1300,7 +1312,8 @@ class Scratch:
     grows to the most rows a step has had and stays: memory the step needed at its peak
     anyway. oneDNN's packed path (``prefill_linear=onednn``) writes only into memory of its
     own, so the MLP runs it in row blocks whose outputs stay under glibc's line (32 MiB),
-    which the heap serves again block after block: at 2,000 rows of the 1.1B model, two
+    which glibc's heap serves again block after block (under ``heap=settled``; as glibc
+    starts, once its sliding line has passed them): at 2,000 rows of the 1.1B model, two
     blocks of 1,000, 257,000 faults a prefill down to ~9 and the prefill 1.156x as fast (AMX
     Xeon; docs/performance.md)."""
 
