@@ -69,6 +69,20 @@ def glibc_as_it_starts() -> dict[str, str]:
     }
 
 
+# A child's code, once it has made ``llm`` (an engine LLM) and imported resource and
+# SamplingParams: one 2,000-token prefill to warm up, then three more, each one's minor page
+# faults in ``faults`` (the tests of engine/malloc.py and the Scratch).
+PREFILL_FAULTS = """
+one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+llm.generate([[7] * 2000], one)
+faults = []
+for first in (8, 9, 10):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    llm.generate([[first] * 2000], one)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
 def start_server(model: Path, log_dir: Path, *args: str, name: str = "tiny") -> Server:
     return _start(model, log_dir / "server.log", *args, name=name, timeout_s=90)
 

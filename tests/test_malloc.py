@@ -12,7 +12,7 @@ import pytest
 
 from pdscope.checkpoint.make_model import make_model
 from pdscope.engine import malloc
-from tests.conftest import glibc_as_it_starts
+from tests.conftest import PREFILL_FAULTS, glibc_as_it_starts
 
 pytestmark = pytest.mark.skipif(
     not (malloc.is_glibc() and Path("/proc/self/status").is_file()),
@@ -106,23 +106,20 @@ def four_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-ENGINE = """
+ENGINE = (
+    """
 import json, resource, sys
 from pdscope import LLM, SamplingParams
 from pdscope.engine import malloc
 llm = LLM(model=sys.argv[1], kv_cache_memory="64MiB", max_model_len=2048,
           max_num_batched_tokens=2048, enable_prefix_caching=False, kernels=sys.argv[2])
-one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-llm.generate([[7] * 2000], one)
-faults = []
-for first in (8, 9, 10):
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    llm.generate([[first] * 2000], one)
-    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(json.dumps({"heap": llm.engine.kernels.heap, "how": llm.engine.kernels.how["heap"],
+"""
+    + PREFILL_FAULTS
+    + """print(json.dumps({"heap": llm.engine.kernels.heap, "how": llm.engine.kernels.how["heap"],
                   "settled": malloc.heap_settled(), "faults": faults,
                   "rounds": share(rounds())}))
 """
+)
 
 
 def test_the_engine_settles_its_heap_on_cpu(four_layers: Path) -> None:

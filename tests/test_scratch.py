@@ -1,5 +1,5 @@
-"""The MLP's widest prefill outputs in the model's Scratch: against glibc's real malloc, in a
-fresh process (the fault counts are the process's own)."""
+"""The MLP's widest prefill outputs, in the model's Scratch or in blocks under glibc's line:
+against glibc's real malloc, in a fresh process (the fault counts are the process's own)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,54 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pdscope.checkpoint.make_model import make_model
 from pdscope.engine.model import onednn_bf16
-from tests.conftest import glibc_as_it_starts
+from tests.conftest import PREFILL_FAULTS, glibc_as_it_starts
 
 pytestmark = pytest.mark.skipif(
     not Path("/proc/self/status").is_file(), reason="needs Linux's per-process fault counts"
 )
+
+
+# What a child reports of its prefills (PREFILL_FAULTS) and of the MLP: the rows of each of
+# layer 0's gate/up matmuls, and the Scratch buffers' sizes.
+PREFILLS = (
+    """
+import json, resource, sys
+from pdscope import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], kv_cache_memory="64MiB", max_model_len=2048,
+          max_num_batched_tokens=2048, enable_prefix_caching=False, kernels=sys.argv[2])
+blocks = []
+gate_up = llm.engine.runner.model.layers[0].mlp.gate_up_proj
+run = gate_up.forward
+def counted(x, out=None):
+    blocks.append(x.shape[0])
+    return run(x, out)
+gate_up.forward = counted
+"""
+    + PREFILL_FAULTS
+    + """
+buffers = {k: v.numel() for k, v in llm.engine.runner.model.scratch.buffers.items()}
+print(json.dumps({"faults": faults, "blocks": blocks, "buffers": buffers,
+                  "prefill_linear": llm.engine.kernels.prefill_linear}))
+"""
+)
+
+
+def prefills(model: Path, kernels: str) -> dict[str, Any]:
+    """PREFILLS in a fresh process whose malloc is glibc's as it starts."""
+    out = subprocess.run(
+        [sys.executable, "-c", PREFILLS, str(model), kernels],
+        capture_output=True,
+        text=True,
+        env=glibc_as_it_starts(),
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -39,31 +77,10 @@ def test_a_prefill_reuses_the_mlps_widest_outputs(wide: Path) -> None:
     for them after the first prefill, where a 65.5 MB output of its own (glibc maps it afresh
     each time) took ~16,000 faults a prefill. The matmul path is forced to one that writes into
     the buffer (oneDNN's packed one, a trial's pick on some CPUs, cannot)."""
-    code = f"""
-import json, resource
-from pdscope import LLM, SamplingParams
-llm = LLM(model={str(wide)!r}, kv_cache_memory="64MiB", max_model_len=2048,
-          max_num_batched_tokens=2048, enable_prefix_caching=False,
-          kernels="prefill_linear=transposed")
-one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-llm.generate([[7] * 2000], one)
-faults = []
-for first in (8, 9):
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    llm.generate([[first] * 2000], one)
-    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-buffers = llm.engine.runner.model.scratch.buffers
-print(json.dumps({{"faults": faults, "gate_up": buffers["gate_up"].numel(),
-                  "prefill_linear": llm.engine.kernels.prefill_linear,
-                  "act": buffers["act"].numel()}}))
-"""
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=glibc_as_it_starts()
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = prefills(wide, "prefill_linear=transposed")
     assert got["prefill_linear"] == "transposed", got
-    assert (got["gate_up"], got["act"]) == (2000 * 16384, 2000 * 8192), got
+    assert got["buffers"] == {"gate_up": 2000 * 16384, "act": 2000 * 8192}, got
+    assert got["blocks"] == [2000] * 4, got
     assert max(got["faults"]) < 4000, got
 
 
@@ -73,36 +90,10 @@ def test_onednns_own_gate_up_output_comes_in_blocks_under_glibcs_line(wide: Path
     reaches: at 2,000 rows one 65.5 MB mapping glibc faults in afresh at every layer (~16,000
     faults a prefill). The MLP runs its gate/up in row blocks each under glibc's mapping line
     (two of 1,000 rows here), whose outputs the heap serves again prefill after prefill."""
-    code = f"""
-import json, resource
-from pdscope import LLM, SamplingParams
-llm = LLM(model={str(wide)!r}, kv_cache_memory="64MiB", max_model_len=2048,
-          max_num_batched_tokens=2048, enable_prefix_caching=False,
-          kernels="prefill_linear=onednn")
-blocks = []
-gate_up = llm.engine.runner.model.layers[0].mlp.gate_up_proj
-run = gate_up.forward
-def counted(x, out=None):
-    blocks.append(x.shape[0])
-    return run(x, out)
-gate_up.forward = counted
-one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-llm.generate([[7] * 2000], one)
-faults = []
-for first in (8, 9, 10):
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    llm.generate([[first] * 2000], one)
-    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(json.dumps({{"faults": faults, "blocks": blocks,
-                  "prefill_linear": llm.engine.kernels.prefill_linear}}))
-"""
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=glibc_as_it_starts()
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = prefills(wide, "prefill_linear=onednn")
     assert got["prefill_linear"] == "onednn", got
     assert got["blocks"] == [1000, 1000] * 4, got
+    assert got["buffers"] == {"act": 2000 * 8192}, got
     # the heap may take a block's pages once more after the warm-up (8,004 here once), then
     # serves them again; unblocked, every prefill took 16,000 (65.5 MB). (Where Linux backs
     # all memory with huge pages, a mapping takes few faults: the blocks above still tell.)
