@@ -1271,10 +1271,7 @@ class MLP(nn.Module):
         # (a forward recording gradients keeps fresh outputs: out= takes no tensor that needs
         # them; the engine's steps record none)
         if scratch is None or x.device.type != "cpu" or torch.is_grad_enabled():
-            if self.native is not None:
-                return self.down_proj(self.native.silu_mul(self.gate_up_proj(x)))
-            gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-            return self.down_proj(F.silu(gate).mul_(up))
+            return self.down_proj(self.silu_mul(self.gate_up_proj(x)))
         # A prefill's widest tensors (gate/up, unless in blocks, and the SiLU product), each
         # consumed before the next layer makes its own
         act = scratch.take("act", rows, self.intermediate, x)
@@ -1295,11 +1292,14 @@ class MLP(nn.Module):
             self.silu_mul(self.gate_up_proj(x, out=scratch.take("gate_up", rows, width, x)), act)
         return self.down_proj(act)
 
-    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up into ``out``, gate and up the halves of ``gate_up``'s last dim."""
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """silu(gate) * up, gate and up the halves of ``gate_up``'s last dim: into ``out``
+        where given, else a new tensor."""
         if self.native is not None:
             return self.native.silu_mul(gate_up, out=out)
         gate, up = gate_up.split(self.intermediate, dim=-1)
+        if out is None:
+            return F.silu(gate).mul_(up)
         return torch.mul(F.silu(gate), up, out=out)
 
 
