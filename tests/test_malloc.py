@@ -124,18 +124,19 @@ llm = LLM(model=sys.argv[1], kv_cache_memory="64MiB", max_model_len=2048,
 
 def test_the_engine_settles_its_heap_on_cpu(four_layers: Path) -> None:
     """By rule on CPU with glibc the engine settles the process's heap once it is loaded: its
-    2,000-token prefills then fault in few pages (this child on the AMX Xeon, four processes:
-    0-3,400 a prefill settled; as glibc starts, 2,000 to 65,000 from one prefill and process
-    to the next), and the
-    process's own rounds keep their pages too. ``heap=default`` leaves glibc as it is. The
-    matmul path is forced to one that writes the MLP's widest outputs into the model's
-    buffers (oneDNN's packed one cannot)."""
+    2,000-token prefills then fault in few pages (this child on the AMX Xeon: 0-3,400 a
+    prefill settled in four processes, and in 16 more 0-8,857 the first prefill after the
+    warm-up, 0-3,000 the next two; as glibc starts, 2,000 to 65,000 from one prefill and
+    process to the next), and the process's own rounds keep their pages too.
+    ``heap=default`` leaves glibc as it is. The matmul path is forced to one that writes the
+    MLP's widest outputs into the model's buffers."""
     code = ENGINE.replace("sys.argv[1]", repr(str(four_layers)))
     ruled = _run(code.replace("sys.argv[2]", repr("prefill_linear=transposed")))
     assert (ruled["heap"], ruled["how"], ruled["settled"]) == ("settled", "fixed", True), ruled
     # (glibc as it starts may fault as few in one process and 65,000 in the next: this bounds
-    # the settled heap, the rounds below tell the settings apart)
-    assert max(ruled["faults"]) < 8_000, ruled
+    # the settled heap, the rounds below tell the settings apart; a clean-clone CI run once
+    # read 8,042 for the first prefill after the warm-up, past the 8,000 this bound was)
+    assert max(ruled["faults"]) < 12_000, ruled
     assert max(ruled["rounds"][1:]) < 0.025, ruled
     left = _run(code.replace("sys.argv[2]", repr("prefill_linear=transposed,heap=default")))
     assert (left["heap"], left["how"], left["settled"]) == ("default", "forced", False), left
