@@ -1274,22 +1274,22 @@ class MLP(nn.Module):
             return self.down_proj(self.silu_mul(self.gate_up_proj(x)))
         # A prefill's widest tensors (gate/up, unless in blocks, and the SiLU product), each
         # consumed before the next layer makes its own
+        if not self.gate_up_proj.fresh_output(x):
+            # (gate/up's buffer taken before act's, as before the blocks: the heap's layout)
+            gate_up = self.gate_up_proj(x, out=scratch.take("gate_up", rows, width, x))
+            act = scratch.take("act", rows, self.intermediate, x)
+            return self.down_proj(self.silu_mul(gate_up, act))
         act = scratch.take("act", rows, self.intermediate, x)
-        if self.gate_up_proj.fresh_output(x):
-            # oneDNN's packed matmul makes its own output, mapped afresh past glibc's line;
-            # glibc's heap serves row blocks under the line (where heap=settled holds it
-            # there, or glibc's sliding line has reached them), the margin for what torch's
-            # aligned request and malloc's header add
-            block_rows = max(
-                1, (MAP_FROM_BYTES - _BLOCK_MARGIN_BYTES) // (width * x.element_size())
-            )
-            # every block past BIG_BATCH_MAX_ROWS rows, so the packed path still takes it
-            blocks = min(-(-rows // block_rows), rows // (BIG_BATCH_MAX_ROWS + 1))
-            parts = zip(x.tensor_split(blocks), act.tensor_split(blocks), strict=True)
-            for part, act_part in parts:
-                self.silu_mul(self.gate_up_proj(part), act_part)
-        else:
-            self.silu_mul(self.gate_up_proj(x, out=scratch.take("gate_up", rows, width, x)), act)
+        # oneDNN's packed matmul makes its own output, mapped afresh past glibc's line;
+        # glibc's heap serves row blocks under the line (where heap=settled holds it
+        # there, or glibc's sliding line has reached them), the margin for what torch's
+        # aligned request and malloc's header add
+        block_rows = max(1, (MAP_FROM_BYTES - _BLOCK_MARGIN_BYTES) // (width * x.element_size()))
+        # every block past BIG_BATCH_MAX_ROWS rows, so the packed path still takes it
+        blocks = min(-(-rows // block_rows), rows // (BIG_BATCH_MAX_ROWS + 1))
+        parts = zip(x.tensor_split(blocks), act.tensor_split(blocks), strict=True)
+        for part, act_part in parts:
+            self.silu_mul(self.gate_up_proj(part), act_part)
         return self.down_proj(act)
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
