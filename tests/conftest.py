@@ -69,14 +69,15 @@ def glibc_as_it_starts() -> dict[str, str]:
     }
 
 
-# A child's code, once it has made ``llm`` (an engine LLM) and imported resource and
-# SamplingParams: one 2,000-token prefill to warm up, then three more, each one's minor page
-# faults in ``faults`` (the tests of engine/malloc.py and the Scratch).
-PREFILL_FAULTS = """
+def prefill_faults(timed: int) -> str:
+    """A child's code, once it has made ``llm`` (an engine LLM) and imported resource and
+    SamplingParams: one 2,000-token prefill to warm up, then ``timed`` more, each one's minor
+    page faults in ``faults`` (the tests of engine/malloc.py and the Scratch)."""
+    return f"""
 one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 llm.generate([[7] * 2000], one)
 faults = []
-for first in (8, 9, 10):
+for first in range(8, {8 + timed}):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     llm.generate([[first] * 2000], one)
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)

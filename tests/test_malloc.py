@@ -12,7 +12,7 @@ import pytest
 
 from pdscope.checkpoint.make_model import make_model
 from pdscope.engine import malloc
-from tests.conftest import PREFILL_FAULTS, glibc_as_it_starts
+from tests.conftest import glibc_as_it_starts, prefill_faults
 
 pytestmark = pytest.mark.skipif(
     not (malloc.is_glibc() and Path("/proc/self/status").is_file()),
@@ -114,7 +114,7 @@ from pdscope.engine import malloc
 llm = LLM(model=sys.argv[1], kv_cache_memory="64MiB", max_model_len=2048,
           max_num_batched_tokens=2048, enable_prefix_caching=False, kernels=sys.argv[2])
 """
-    + PREFILL_FAULTS
+    + prefill_faults(3)
     + """print(json.dumps({"heap": llm.engine.kernels.heap, "how": llm.engine.kernels.how["heap"],
                   "settled": malloc.heap_settled(), "faults": faults,
                   "rounds": share(rounds())}))

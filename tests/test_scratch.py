@@ -13,14 +13,17 @@ import pytest
 
 from pdscope.checkpoint.make_model import make_model
 from pdscope.engine.model import onednn_bf16
-from tests.conftest import PREFILL_FAULTS, glibc_as_it_starts
+from tests.conftest import glibc_as_it_starts, prefill_faults
 
 pytestmark = pytest.mark.skipif(
     not Path("/proc/self/status").is_file(), reason="needs Linux's per-process fault counts"
 )
 
 
-# What a child reports of its prefills (PREFILL_FAULTS) and of the MLP: the rows of each of
+# Prefills counted after the warm-up: a block's pages are taken afresh now and then (below), so
+# the blocks' test reads more than one or two.
+TIMED = 6
+# What a child reports of its prefills (prefill_faults) and of the MLP: the rows of each of
 # layer 0's gate/up matmuls, and the Scratch buffers' sizes.
 PREFILLS = (
     """
@@ -36,7 +39,7 @@ def counted(x, out=None):
     return run(x, out)
 gate_up.forward = counted
 """
-    + PREFILL_FAULTS
+    + prefill_faults(TIMED)
     + """
 buffers = {k: v.numel() for k, v in llm.engine.runner.model.scratch.buffers.items()}
 print(json.dumps({"faults": faults, "blocks": blocks, "buffers": buffers,
@@ -80,7 +83,7 @@ def test_a_prefill_reuses_the_mlps_widest_outputs(wide: Path) -> None:
     got = prefills(wide, "prefill_linear=transposed")
     assert got["prefill_linear"] == "transposed", got
     assert got["buffers"] == {"gate_up": 2000 * 16384, "act": 2000 * 8192}, got
-    assert got["blocks"] == [2000] * 4, got
+    assert got["blocks"] == [2000] * (1 + TIMED), got
     assert max(got["faults"]) < 4000, got
 
 
@@ -89,15 +92,21 @@ def test_onednns_own_gate_up_output_comes_in_blocks_under_glibcs_line(wide: Path
     """oneDNN's packed path (``prefill_linear=onednn``) makes its own output, which no buffer
     reaches: at 2,000 rows one 65.5 MB mapping glibc faults in afresh at every layer (~16,000
     faults a prefill). The MLP runs its gate/up in row blocks each under glibc's mapping line
-    (two of 1,000 rows here), whose outputs the heap serves again prefill after prefill."""
+    (two of 1,000 rows here), whose outputs the heap serves again in most prefills."""
     got = prefills(wide, "prefill_linear=onednn")
     assert got["prefill_linear"] == "onednn", got
-    assert got["blocks"] == [1000, 1000] * 4, got
+    assert got["blocks"] == [1000, 1000] * (1 + TIMED), got
     assert got["buffers"] == {"act": 2000 * 8192}, got
-    # the heap may take a block's pages once more after the warm-up (8,004 here once), then
-    # serves them again; unblocked, every prefill took 16,000 (65.5 MB). (Where Linux backs
-    # all memory with huge pages, a mapping takes few faults: the blocks above still tell.)
-    assert got["faults"][0] < 12000 and max(got["faults"][1:]) < 4000, got
+    # Unblocked, every prefill took 16,000 (65.5 MB). Blocked, the heap takes a block's pages
+    # afresh now and then (8,000): on the AMX Xeon once after the warm-up in the runs read
+    # (8,004); on an AMD EPYC (Zen 4) in 1-3 of 8 prefills in each of 8 processes, two
+    # blocks in one prefill once (16,006), and 0-7 faults in the rest. The resident size
+    # there grew alike over 40 prefills of 1,400-2,000 tokens, +84 MiB blocked and +80 with
+    # the gate/up buffer (prefill_linear=transposed), one process each.
+    # (Where Linux backs all memory with huge pages, a mapping takes few faults: the blocks
+    # above still tell.)
+    faults = got["faults"]
+    assert sum(f < 4000 for f in faults) >= 2 and sum(faults) < TIMED * 8000, got
 
 
 def test_fresh_output_says_which_paths_write_into_out(wide: Path) -> None:
