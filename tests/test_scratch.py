@@ -100,7 +100,7 @@ def test_onednns_own_gate_up_output_comes_in_blocks_under_glibcs_line(wide: Path
     # Unblocked, every prefill took 16,000 (65.5 MB). Blocked, the heap takes a block's pages
     # afresh now and then (8,000): on the AMX Xeon once after the warm-up in the runs read
     # (8,004); on an AMD EPYC (Zen 4) in 1-3 of 8 prefills in each of 8 processes, two
-    # blocks in one prefill once (16,006), and 0-7 faults in the rest. The resident size
+    # blocks in one prefill once (16,006), and 0-700 faults in the rest. The resident size
     # there grew alike over 40 prefills of 1,400-2,000 tokens, +84 MiB blocked and +80 with
     # the gate/up buffer (prefill_linear=transposed), one process each.
     # (Where Linux backs all memory with huge pages, a mapping takes few faults: the blocks
