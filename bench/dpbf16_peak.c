@@ -26,51 +26,35 @@ static double now_s(void) {
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-/* Each returns a value read from every accumulator so that the compiler keeps every
- * instruction. */
-static float run_zmm(float seed) {
-    __m512 acc[CHAINS];
-    for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_set1_ps(seed + c);
-    __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80), b = (__m512bh)_mm512_set1_epi32(0x3c003c00);
-    for (long i = 0; i < ITERS; i++) {
-#pragma GCC unroll 24
-        for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_dpbf16_ps(acc[c], a, b);
-        __asm__ volatile("" : "+v"(a), "+v"(b));
+/* One form: CHAINS accumulators of type ACC, each stepped ITERS times by STEP(acc, a, b) with
+ * operands of type OPND from A0 and B0 (hidden from the compiler every iteration). It returns
+ * the sum of every accumulator's first lane (the accumulators summed, then their lanes stored)
+ * so that the compiler keeps every instruction. */
+#define PEAK_FORM(NAME, ACC, OPND, SET1, A0, B0, STEP, ADD, STORE, LANES)   \
+    static float NAME(float seed) {                                           \
+        ACC acc[CHAINS];                                                      \
+        for (int c = 0; c < CHAINS; c++) acc[c] = SET1(seed + c);             \
+        OPND a = A0, b = B0;                                                  \
+        for (long i = 0; i < ITERS; i++) {                                    \
+            _Pragma("GCC unroll 24") for (int c = 0; c < CHAINS; c++)         \
+                acc[c] = STEP(acc[c], a, b);                                  \
+            __asm__ volatile("" : "+v"(a), "+v"(b));                          \
+        }                                                                     \
+        ACC s = acc[0];                                                       \
+        for (int c = 1; c < CHAINS; c++) s = ADD(s, acc[c]);                  \
+        float out[LANES];                                                     \
+        STORE(out, s);                                                        \
+        return out[0];                                                        \
     }
-    __m512 s = acc[0];
-    for (int c = 1; c < CHAINS; c++) s = _mm512_add_ps(s, acc[c]);
-    return _mm512_reduce_add_ps(s);
-}
-
-static float run_ymm(float seed) {
-    __m256 acc[CHAINS];
-    for (int c = 0; c < CHAINS; c++) acc[c] = _mm256_set1_ps(seed + c);
-    __m256bh a = (__m256bh)_mm256_set1_epi32(0x3f803f80), b = (__m256bh)_mm256_set1_epi32(0x3c003c00);
-    for (long i = 0; i < ITERS; i++) {
-#pragma GCC unroll 24
-        for (int c = 0; c < CHAINS; c++) acc[c] = _mm256_dpbf16_ps(acc[c], a, b);
-        __asm__ volatile("" : "+v"(a), "+v"(b));
-    }
-    __m256 s = acc[0];
-    for (int c = 1; c < CHAINS; c++) s = _mm256_add_ps(s, acc[c]);
-    float out[8];
-    _mm256_storeu_ps(out, s);
-    return out[0] + out[7];
-}
-
-static float run_fma(float seed) {
-    __m512 acc[CHAINS];
-    for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_set1_ps(seed + c);
-    __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-7f);
-    for (long i = 0; i < ITERS; i++) {
-#pragma GCC unroll 24
-        for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_fmadd_ps(acc[c], a, b);
-        __asm__ volatile("" : "+v"(a), "+v"(b));
-    }
-    __m512 s = acc[0];
-    for (int c = 1; c < CHAINS; c++) s = _mm512_add_ps(s, acc[c]);
-    return _mm512_reduce_add_ps(s);
-}
+PEAK_FORM(run_zmm, __m512, __m512bh, _mm512_set1_ps, (__m512bh)_mm512_set1_epi32(0x3f803f80),
+          (__m512bh)_mm512_set1_epi32(0x3c003c00), _mm512_dpbf16_ps, _mm512_add_ps,
+          _mm512_storeu_ps, 16)
+PEAK_FORM(run_ymm, __m256, __m256bh, _mm256_set1_ps, (__m256bh)_mm256_set1_epi32(0x3f803f80),
+          (__m256bh)_mm256_set1_epi32(0x3c003c00), _mm256_dpbf16_ps, _mm256_add_ps,
+          _mm256_storeu_ps, 8)
+PEAK_FORM(run_fma, __m512, __m512, _mm512_set1_ps, _mm512_set1_ps(0.999f), _mm512_set1_ps(1e-7f),
+          _mm512_fmadd_ps, _mm512_add_ps, _mm512_storeu_ps, 16)
+#undef PEAK_FORM
 
 static int by_value(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
