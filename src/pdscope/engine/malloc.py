@@ -28,7 +28,7 @@ output no buffer reaches: 257,000 faults a 2,000-token prefill of the 1.1B model
 4 with it), a 1.20x prefill, but +0.25-0.31 GB by the fifth round, the gap still widening
 (docs/performance.md). Not taken. What stands in its place: the MLP runs that matmul in row
 blocks each under the line (model.MLP), whose outputs the heap serves as it does any step's
-tensors under 32 MiB: faults a prefill ~9, and over five rounds of 48 mixed prompts the
+tensors under 32 MiB: faults a prefill ~9 (AMX Xeon), and over five rounds of 48 mixed prompts the
 process's resident size within +0.05-0.10 GB of the unblocked path's, the gap narrowing
 after the second (docs/performance.md).
 """

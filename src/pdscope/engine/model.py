@@ -1312,10 +1312,11 @@ class Scratch:
     grows to the most rows a step has had and stays: memory the step needed at its peak
     anyway. oneDNN's packed path (``prefill_linear=onednn``) writes only into memory of its
     own, so the MLP runs it in row blocks whose outputs stay under glibc's line (32 MiB),
-    which glibc's heap serves again block after block (measured under ``heap=settled``; as
+    which glibc's heap serves again in most prefills (measured under ``heap=settled``; as
     glibc starts, its sliding line passes them once one is freed): at 2,000 rows of the 1.1B
     model, two blocks of 1,000, 257,000 faults a prefill down to ~9 and the prefill 1.156x as
-    fast (AMX Xeon; docs/performance.md)."""
+    fast (AMX Xeon; docs/performance.md). On an AMD EPYC (Zen 4) a block's pages came afresh
+    in 1-3 of 8 prefills, without growing the process more than the buffered path."""
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
