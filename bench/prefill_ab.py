@@ -25,9 +25,10 @@ process (the same engine, only each layer's attention call changes): the AMX til
 before/after when the trial (or ``--kernels``) chose ``prefill_attention=amx``.
 ``--gather-ab`` adds pdscope with the AMX kernel reading a gathered copy of each chunk's K/V
 (the path before it read them through the block table). ``--ab-source FILE`` adds pdscope
-with its AMX prefill attention taken from another build of the C kernels, compiled from FILE
-(e.g. an earlier commit's ``decode_ops.c``, written out with ``git show
-REV:src/pdscope/engine/csrc/decode_ops.c``): a kernel change's before/after in one process,
+with its AMX prefill attention and its prefill matmuls on the pairs copies
+(``prefill_linear=pairs``), whichever the engine runs, taken from another build of the C
+kernels, compiled from FILE (e.g. an earlier commit's ``decode_ops.c``, written out with ``git
+show REV:src/pdscope/engine/csrc/decode_ops.c``): a kernel change's before/after in one process,
 beside transformers.
 
     git show HEAD~1:src/pdscope/engine/csrc/decode_ops.c > /tmp/before.c
@@ -78,7 +79,8 @@ def main() -> None:
         help="also pdscope with its AMX prefill attention on a gathered copy of K/V",
     )
     parser.add_argument(
-        "--ab-source", help="also pdscope with its AMX prefill attention built from this C file"
+        "--ab-source",
+        help="also pdscope with its AMX prefill attention and pairs matmuls built from this C file",
     )
     parser.add_argument(
         "--rows-ab",
@@ -330,13 +332,14 @@ def _at_one_thread(fn: Callable[[], None], threads: int) -> Callable[[], None]:
 def _ab_source_candidate(
     llm: object, pdscope: Callable[[], None], source: str
 ) -> Callable[[], None]:
-    """pdscope with every layer's AMX prefill attention run by the C kernels built from
-    ``source`` (everything else, matmuls and glue included, unchanged)."""
+    """pdscope with every layer's AMX prefill attention and every prefill matmul on the pairs
+    copies run by the C kernels built from ``source`` (everything else, glue included,
+    unchanged)."""
     import ctypes
     import subprocess
     import tempfile
 
-    from pdscope.engine.model import Attention
+    from pdscope.engine.model import Attention, Linear
     from pdscope.engine.native import NativeOps, compiler
 
     cc = compiler()
@@ -346,19 +349,28 @@ def _ab_source_candidate(
     flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
     subprocess.run([cc, *flags, "-o", str(lib), source, "-lm"], check=True)
     other = NativeOps(ctypes.CDLL(str(lib)))
-    attns = [m for m in llm.engine.runner.model.modules() if isinstance(m, Attention)]  # type: ignore[attr-defined]
-    if not other.prefill_amx or not any(m.prefill_native is not None for m in attns):
-        raise SystemExit("--ab-source: the engine does not run prefill_attention=amx here")
+    modules = list(llm.engine.runner.model.modules())  # type: ignore[attr-defined]
+    swapped: list[tuple[object, str]] = []
+    if other.prefill_amx:
+        attns = [m for m in modules if isinstance(m, Attention)]
+        swapped += [(m, "prefill_native") for m in attns if m.prefill_native is not None]
+    swapped += [
+        (m, "many_rows") for m in modules if isinstance(m, Linear) and m.many_rows is not None
+    ]
+    if not swapped:
+        raise SystemExit(
+            "--ab-source: the engine runs neither prefill_attention=amx nor prefill_linear=pairs"
+        )
 
     def run() -> None:
-        saved = [m.prefill_native for m in attns]
-        for m in attns:
-            m.prefill_native = other
+        saved = [getattr(m, name) for m, name in swapped]
+        for m, name in swapped:
+            setattr(m, name, other)
         try:
             pdscope()
         finally:
-            for m, ops in zip(attns, saved, strict=True):
-                m.prefill_native = ops
+            for (m, name), ops in zip(swapped, saved, strict=True):
+                setattr(m, name, ops)
 
     return run
 
