@@ -1915,6 +1915,38 @@ def test_pairs_rows_are_each_row_alone_bit_for_bit(
 
 
 @needs_cc
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_pairs_rows_of_a_long_prefill_are_the_bits_of_short_ones(
+    c_ops: native.NativeOps, threads: int
+) -> None:
+    """From 1,024 rows (decode_ops.c's PAIRS_SPAN_MIN_ROWS) AVX-512 BF16 runs each row tile
+    against spans of 4 groups of 3 blocks: every row keeps the bits it gets in calls of 32
+    rows (the test above pins those to one row alone). Block counts a thread's share leaves
+    whole spans (48 blocks: 24 or 16 a thread), a span and a remainder (65) or no span at all
+    (3); rows that fill tiles of 8 and that leave a tail of 7."""
+    if c_ops.pairs_isa != "avx512_bf16":
+        pytest.skip("spans are the AVX-512 BF16 tiles' (this build's pairs are not)")
+    gen = torch.Generator().manual_seed(13)
+    saved = torch.get_num_threads()
+    try:
+        for outputs, inputs in ((768, 256), (1040, 512), (48, 64)):
+            weight = (torch.randn(outputs, inputs, generator=gen) / 8).to(torch.bfloat16)
+            bias = torch.randn(outputs, generator=gen).to(torch.bfloat16)
+            pairs = c_ops.pack_pairs(weight)
+            for rows in (1024, 1031):
+                x = torch.randn(rows, inputs, generator=gen).to(torch.bfloat16)
+                for b in (None, bias):
+                    torch.set_num_threads(threads)
+                    y = c_ops.linear_pairs(x, pairs, b)
+                    short = [
+                        c_ops.linear_pairs(x[r : r + 32], pairs, b) for r in range(0, rows, 32)
+                    ]
+                    assert torch.equal(y, torch.cat(short)), (outputs, inputs, rows)
+    finally:
+        torch.set_num_threads(saved)
+
+
+@needs_cc
 def test_a_replacing_weight_gets_a_pairs_copy_where_the_one_before_took_none(
     c_ops: native.NativeOps,
 ) -> None:
