@@ -361,6 +361,8 @@ def _ab_source_candidate(
         raise SystemExit(
             "--ab-source: the engine runs neither prefill_attention=amx nor prefill_linear=pairs"
         )
+    names = sorted({name for _, name in swapped})
+    print(f"--ab-source: {len(swapped)} modules' {' and '.join(names)} from {source}")
 
     def run() -> None:
         saved = [getattr(m, name) for m, name in swapped]

@@ -1921,9 +1921,10 @@ def test_pairs_rows_of_a_long_prefill_are_the_bits_of_short_ones(
 ) -> None:
     """From 1,024 rows (decode_ops.c's PAIRS_SPAN_MIN_ROWS) AVX-512 BF16 runs each row tile
     against spans of 4 groups of 3 blocks: every row keeps the bits it gets in calls of 32
-    rows (the test above pins those to one row alone). Block counts a thread's share leaves
-    whole spans (48 blocks: 24 or 16 a thread), a span and a remainder (65) or no span at all
-    (3); rows that fill tiles of 8 and that leave a tail of 7."""
+    rows (the test above pins those to one row alone). Block counts whose thread shares are
+    whole spans (48 blocks at 1 and 2 threads), spans and the groups and single blocks after
+    them (48 at 3 threads, 65 at any) or no span at all (3); rows that fill tiles of 8 and that
+    leave a tail of 7."""
     if c_ops.pairs_isa != "avx512_bf16":
         pytest.skip("spans are the AVX-512 BF16 tiles' (this build's pairs are not)")
     gen = torch.Generator().manual_seed(13)

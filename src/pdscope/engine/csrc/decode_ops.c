@@ -3293,18 +3293,23 @@ static void pairs_rows_range(const bf16 *x, const bf16 *wp, const bf16 *bias, bf
  * x are 12 MB); here a tile's rows come from L3 once for that many groups and from L1/L2 for
  * the rest, while the span's weights (4 x 295 KB at that width) come from L2/L3. On an AMD EPYC
  * (Zen 4), 2,000 rows of the 3B model's gate/up at one thread: 211-214 GFLOP/s through groups
- * alone, 223 through spans of 4, against 231 at 64 rows (x in L2) and the cores' measured
- * vdpbf16ps rate of 233 (bench/dpbf16_peak.c). At 2 threads and 2,000 rows the small model's
- * 49 matmuls and one layer of the 3B's took 0.977 and 0.972 of their time (bench/
- * pairs_tiles_ab.py --rows 2000 --ab-source); spans gained nothing clear from 256 to 1,000
- * rows (0.98-1.03), hence PAIRS_SPAN_MIN_ROWS. Spans of 2 gained 0-1.6% less than 4, and the
- * next span's weights prefetched as pairs_group does added nothing. Each output still sums its
- * pairs in one order: the same bits as at any other row count. */
+ * alone, 223 through spans of 4, against 219 at 64 rows (231 for a 480-wide output, x and
+ * weights in L2) and one core's measured vdpbf16ps rate of 233 (bench/dpbf16_peak.c). At 2
+ * threads and 2,000 rows the small model's 49 matmuls and one layer of the 3B's took 0.977 and
+ * 0.972 of their time (bench/pairs_tiles_ab.py --rows 2000 --ab-source), and a 4-layer cut of
+ * the 3B prefilled 2,000 tokens 1.031x and 1.052x as fast (bench/prefill_ab.py --ab-source;
+ * 1.001x against the same source). From 256 to 1,000 rows spans read 0.98-1.03x, mixed, hence
+ * PAIRS_SPAN_MIN_ROWS. Spans of 2 gained 0-1.6% less than 4, and the next span's weights
+ * prefetched as pairs_group does added nothing. Each output still sums its pairs in one order:
+ * the same bits as at any other row count. */
 #ifndef PAIRS_SPAN_GROUPS
 #define PAIRS_SPAN_GROUPS 4
 #endif
 #ifndef PAIRS_SPAN_MIN_ROWS
 #define PAIRS_SPAN_MIN_ROWS 1024
+#endif
+#if PAIRS_SPAN_GROUPS < 1 /* a span of no blocks would never advance */
+#error "PAIRS_SPAN_GROUPS must be at least 1"
 #endif
 
 /* Blocks [lo, hi) of pairs_rows' output in spans of PAIRS_SPAN_GROUPS groups, the rest as
