@@ -3294,7 +3294,7 @@ static void pairs_rows_range(const bf16 *x, const bf16 *wp, const bf16 *bias, bf
  * the rest, while the span's weights (4 x 295 KB at that width) come from L2/L3. On an AMD EPYC
  * (Zen 4), 2,000 rows of the 3B model's gate/up at one thread: 211-214 GFLOP/s through groups
  * alone, 223 through spans of 4, against 219 at 64 rows (231 for a 480-wide output, x and
- * weights in L2) and one core's measured vdpbf16ps rate of 233 (bench/dpbf16_peak.c). At 2
+ * weights in L2) and one core's measured vdpbf16ps rate of 233.5 (bench/dpbf16_peak.c). At 2
  * threads and 2,000 rows the small model's 49 matmuls and one layer of the 3B's took 0.977 and
  * 0.972 of their time (bench/pairs_tiles_ab.py --rows 2000 --ab-source), and a 4-layer cut of
  * the 3B prefilled 2,000 tokens 1.031x and 1.052x as fast (bench/prefill_ab.py --ab-source;
