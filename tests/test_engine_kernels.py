@@ -1360,8 +1360,9 @@ def _tolerance(dtype: torch.dtype) -> dict[str, float]:
 # generic loop
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 # query heads over 2 KV heads: groups of 1-4 take the bf16 head-64 kernel of 16 keys at a time
-# (scores on AMX tiles where granted), 6 the per-key vdpbf16ps loop, 10 the generic loop; in
-# AVX2, groups of 5 and 7 take its head sets of 4 + 1 and 4 + 2 + 1
+# (scores on AMX tiles where granted), 6 the per-key vdpbf16ps loop, 10 the generic loop; at
+# head size 128 groups of 1-8 take the bf16 head-128 kernel, 10 the generic loop; in AVX2,
+# groups of 5 and 7 take its head sets of 4 + 1 and 4 + 2 + 1
 @pytest.mark.parametrize("heads", [8, 2, 4, 6, 10, 12, 14, 20])
 def test_c_paged_decode_attention_matches_a_float64_reference(
     any_ops: native.NativeOps, dtype: torch.dtype, head_dim: int, heads: int
@@ -1373,20 +1374,21 @@ def test_c_paged_decode_attention_matches_a_float64_reference(
 
 
 @needs_cc
-@pytest.mark.parametrize("heads", [8, 2, 4, 6])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [8, 2, 4, 6, 16])
 def test_c_avx512_decode_attention_matches_a_float64_reference(
-    avx512_ops: native.NativeOps, heads: int
+    avx512_ops: native.NativeOps, head_dim: int, heads: int
 ) -> None:
-    """The same for the build without the AMX scores (groups of 1-4, bf16, head size 64: where
-    the two builds differ)."""
-    _check_decode_attention(avx512_ops, torch.bfloat16, 64, heads)
+    """The same for the build without the AMX scores (bf16; groups of 1-4 at head size 64,
+    where the two builds differ, and 1-8 at head size 128, the AVX-512 kernel of both)."""
+    _check_decode_attention(avx512_ops, torch.bfloat16, head_dim, heads)
 
 
 @needs_cc
 @pytest.mark.parametrize("build", ["engine", "avx512"])
-@pytest.mark.parametrize("heads", [8, 2, 4, 6])
+@pytest.mark.parametrize(("head_dim", "heads"), [(64, 8), (64, 2), (64, 4), (64, 6), (128, 6)])
 def test_decode_prefetch_every_changes_no_bit(
-    request: pytest.FixtureRequest, build: str, heads: int
+    request: pytest.FixtureRequest, build: str, head_dim: int, heads: int
 ) -> None:
     """decode_prefetch=every asks memory for the keys after the next tile at every tile, where
     jumps asks only where the table jumps to another block: it changes what is read ahead,
@@ -1400,10 +1402,10 @@ def test_decode_prefetch_every_changes_no_bit(
     try:
         ops.set_decode_prefetch("every")
         assert ops.prefetch_mode == "every"  # read back from the library
-        every = _check_decode_attention(ops, torch.bfloat16, 64, heads)
+        every = _check_decode_attention(ops, torch.bfloat16, head_dim, heads)
         ops.set_decode_prefetch("jumps")
         assert ops.prefetch_mode == "jumps"
-        jumps = _check_decode_attention(ops, torch.bfloat16, 64, heads)
+        jumps = _check_decode_attention(ops, torch.bfloat16, head_dim, heads)
         with pytest.raises(ValueError, match="decode_prefetch must be 'jumps' or 'every'"):
             ops.set_decode_prefetch("always")
         assert ops.prefetch_mode == "jumps"
@@ -1447,9 +1449,9 @@ def test_decode_prefetch_is_timed_where_the_attention_takes_it(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """A bf16 model of head size 64 on a build with AVX-512 BF16: both settings timed at load,
-    the faster kept and set in the library. Head size 16, or 8 query heads a KV head (loops
-    without the prefetch): jumps, fixed, nothing timed, and the library's setting, the first
-    engine's, left as it was."""
+    the faster kept and set in the library; at head size 128 too. Head size 16, 8 query heads
+    a KV head at head size 64, or 16 at 128 (loops without the prefetch): jumps, fixed,
+    nothing timed, and the library's setting, the first engine's, left as it was."""
     from pdscope.checkpoint.make_model import make_model
 
     monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
@@ -1465,9 +1467,14 @@ def test_decode_prefetch_is_timed_where_the_attention_takes_it(
     assert chosen == min(timed, key=timed.__getitem__).split("=")[1]
     assert ops.prefetch_mode == chosen
     other = {"jumps": "every", "every": "jumps"}[chosen]
+    head128 = make_model(tmp_path / "head128", "tiny", head_dim=128)
+    kernels = LLM(model=str(head128), kv_cache_memory="8MiB").engine.kernels
+    assert kernels.how["decode_prefetch"] == "measured"
+    assert ops.prefetch_mode == kernels.decode_prefetch
     for name, overrides in (
         ("head16", {}),
         ("group8", {"head_dim": 64, "num_attention_heads": 8, "num_key_value_heads": 1}),
+        ("group16", {"head_dim": 128, "num_attention_heads": 16, "num_key_value_heads": 1}),
     ):
         ops.set_decode_prefetch(other)  # as if another engine had chosen the other setting
         path = make_model(tmp_path / name, "tiny", **overrides)
@@ -1517,8 +1524,9 @@ def _check_decode_attention(
 @needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("build", ["engine", "avx512", *OTHER_BUILDS])
+@pytest.mark.parametrize("dim", [64, 128])
 def test_c_decode_attention_split_across_threads_matches_a_float64_reference(
-    request: pytest.FixtureRequest, dtype: torch.dtype, build: str
+    request: pytest.FixtureRequest, dtype: torch.dtype, build: str, dim: int
 ) -> None:
     """One sequence of 4,503 keys over 2 KV heads at 2 threads: enough key rows for the
     parallel region, and fewer work items than twice the threads, so each head's keys are cut
@@ -1526,7 +1534,8 @@ def test_c_decode_attention_split_across_threads_matches_a_float64_reference(
     last block is short."""
     c_ops = _decode_attention_build(request, build)
     gen = torch.Generator().manual_seed(9)
-    kv_heads, heads, dim, block, context = 2, 8, 64, 16, 4503
+    kv_heads, heads, block, context = 2, 8, 16, 4503
+    scale = dim**-0.5
     blocks = -(-context // block)
     cache = torch.randn(2, kv_heads, blocks * block, dim, generator=gen).to(dtype)
     table = torch.randperm(blocks, generator=gen)
@@ -1535,14 +1544,14 @@ def test_c_decode_attention_split_across_threads_matches_a_float64_reference(
     torch.set_num_threads(2)
     try:
         out = c_ops.decode_attention(
-            q, cache, table[None], torch.tensor([[0, context]]), block, 0.125
+            q, cache, table[None], torch.tensor([[0, context]]), block, scale
         )
     finally:
         torch.set_num_threads(threads)
     slots = torch.tensor([table[p // block] * block + p % block for p in range(context)])
     k, v = cache[0][:, slots].double(), cache[1][:, slots].double()
     qg = q[0].double().view(kv_heads, heads // kv_heads, dim)
-    ref = ((qg @ k.transpose(-1, -2)) * 0.125).softmax(-1) @ v
+    ref = ((qg @ k.transpose(-1, -2)) * scale).softmax(-1) @ v
     torch.testing.assert_close(out[0].double(), ref.reshape(heads, dim), **_tolerance(dtype))
 
 

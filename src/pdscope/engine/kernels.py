@@ -125,13 +125,14 @@ Paths (every candidate computes the same function; tests pin each against transf
   each residual add fused into the next norm) for steps of decodes only. CPU only, and only
   where a C compiler built the kernels.
 * ``decode_prefetch``: what the C decode attention asks memory for ahead of its tiles of 16
-  keys (bf16, head size 64, 1-4 query heads a KV head: model.prefetch_applies; builds with
-  AVX-512 BF16): ``jumps`` (the keys after the next tile into L2 only where the block table
-  jumps to another block; a run of blocks is left to the hardware prefetcher) or ``every``
-  (those keys into L1 whether they continue the run or not). On an AMD EPYC (Zen 4)
-  prefetching a run cost a quarter of the read rate; on the Intel Xeon with AMX, ``every``
-  took 0.77x the time at 4,000 keys (docs/performance.md). Timed on synthetic caches of
-  4,096 keys, one a layer up to 64 MB; one setting per process (native.set_decode_prefetch).
+  keys (bf16, head size 64 with 1-4 query heads a KV head or 128 with 1-8:
+  model.prefetch_applies; builds with AVX-512 BF16): ``jumps`` (the keys after the next tile
+  into L2 only where the block table jumps to another block; a run of blocks is left to the
+  hardware prefetcher) or ``every`` (those keys into L1 whether they continue the run or
+  not). On an AMD EPYC (Zen 4) prefetching a run cost a quarter of the read rate; on the
+  Intel Xeon with AMX, ``every`` took 0.77x the time at 4,000 keys (docs/performance.md).
+  Timed on synthetic caches of 4,096 keys, one a layer up to 64 MB; one setting per process
+  (native.set_decode_prefetch).
 * ``threads``: ``free`` (the OS places torch's OpenMP threads) or ``bound`` (each thread of
   the team that runs the engine's steps pinned to its own core, as vLLM pins its CPU
   workers; engine/native.py's place_threads). CPU only, with the C kernels and more than one

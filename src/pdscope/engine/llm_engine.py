@@ -266,8 +266,8 @@ class LLMEngine:
             # refused before any trial runs, not after them in apply_kernels
             raise ValueError(
                 "kernels: decode_prefetch=every needs the C kernels built with AVX-512 BF16 and "
-                "a bf16 model of head size 64 with 1-4 query heads a KV head (the attention "
-                "that has the prefetch)"
+                "a bf16 model of head size 64 with 1-4 query heads a KV head, or 128 with "
+                "1-8 (the attention that has the prefetch)"
             )
         if forced.get("threads") == "bound" and (ops is None or not thread_cpus()):
             raise ValueError(

@@ -2486,16 +2486,17 @@ _PREFETCH_TRIAL_BYTES = 64 << 20
 
 def prefetch_applies(model: CausalLM, native: NativeOps | None) -> bool:
     """Whether ``decode_prefetch`` changes anything for ``model``: the C kernels' bf16 decode
-    attention of head size 64 and 1-4 query heads a KV head (AVX-512 BF16, scores on AMX
-    tiles where granted) has the prefetch; other shapes take loops without it."""
+    attention of head size 64 with 1-4 query heads a KV head (AVX-512 BF16, scores on AMX
+    tiles where granted) and of head size 128 with 1-8 has the prefetch; other shapes take
+    loops without it."""
     c, weight = model.config, model.embed_tokens.weight
+    most = {64: 4, 128: 8}.get(c.head_dim, 0)  # query heads a KV head
     return (
         native is not None
         and native.has_decode_prefetch
         and weight.dtype == torch.bfloat16
         and weight.device.type == "cpu"
-        and c.head_dim == 64
-        and c.num_heads // c.num_kv_heads <= 4
+        and c.num_heads // c.num_kv_heads <= most
     )
 
 

@@ -441,8 +441,8 @@ PREFETCH_ROWS16(prefetch_rows16_l1, _MM_HINT_T0)
  * quarter of the read rate. */
 static int prefetch_every = 0;
 
-/* Returns 1 where this build's decode attention (AVX-512 BF16, head size 64, 1-4 query heads
- * a KV head) takes the setting: not in a build of the generic loop only (the benches'). */
+/* Returns 1 where this build's decode attention (AVX-512 BF16, head size 64 with 1-4 query
+ * heads a KV head, 128 with 1-8) takes the setting: not in a build of the generic loop only (the benches'). */
 int set_decode_prefetch(int every) {
     prefetch_every = every != 0;
     return NEW_DECODE_ATTENTION != 0;
@@ -461,31 +461,49 @@ int decode_prefetch_every(void) { return prefetch_every; }
  * the same pattern too. Either way the 16 rows from `next` are that tile's keys where blocks
  * hold 16 or more (the engine's 16); with smaller blocks the rows past the block are another
  * block's, or past the cache's end for its last block: a prefetch never faults. */
-static inline void prefetch_tile_after_next(const bf16 *kp, const bf16 *vp, const int64_t *table,
-                                            int64_t block_size, int64_t pos, int64_t n,
-                                            int64_t hi, int64_t slot) {
+/* The same for rows of `dim` (a multiple of 64) bf16: 16 rows of 64 per call of the
+ * prefetchers, so dim / 64 calls a plane. */
+static inline __attribute__((always_inline)) void prefetch_tile_after_next_of(
+    const int64_t dim, const bf16 *kp, const bf16 *vp, const int64_t *table, int64_t block_size,
+    int64_t pos, int64_t n, int64_t hi, int64_t slot) {
     const int64_t ahead = pos + n + 16;
     if (ahead >= hi) return;
     const int64_t next = table[ahead / block_size] * block_size + ahead % block_size;
-    if (prefetch_every)
-        prefetch_rows16_l1(kp + next * 64, vp + next * 64);
-    else if (next != slot + (ahead - pos))
-        prefetch_rows16_l2(kp + next * 64, vp + next * 64);
+    const int every = prefetch_every;
+    if (!every && next == slot + (ahead - pos)) return;
+    for (int64_t off = next * dim; off < (next + 16) * dim; off += 16 * 64) {
+        if (every)
+            prefetch_rows16_l1(kp + off, vp + off);
+        else
+            prefetch_rows16_l2(kp + off, vp + off);
+    }
 }
 
-/* Two V rows (keys t and t + 1, adjacent slots) of 64 bf16 interleaved for vdpbf16ps over the
+static inline void prefetch_tile_after_next(const bf16 *kp, const bf16 *vp, const int64_t *table,
+                                            int64_t block_size, int64_t pos, int64_t n,
+                                            int64_t hi, int64_t slot) {
+    prefetch_tile_after_next_of(64, kp, vp, table, block_size, pos, n, hi, slot);
+}
+
+/* Two V rows of 64 bf16 (keys t and t + 1: va and vb) interleaved for vdpbf16ps over the
  * pair: v[0] = unpacklo_epi16 of dims 0-31, v[1] unpackhi, v[2] and v[3] the same of 32-63.
  * Without `both` (an odd tile's last key) the second row is zeros: the slot after it may hold
  * anything, and 0 times a NaN left there is a NaN. */
-static inline __attribute__((always_inline)) void v_pair(const bf16 *va, int both, __m512bh v[4]) {
+static inline __attribute__((always_inline)) void v_pair_rows(const bf16 *va, const bf16 *vb,
+                                                              int both, __m512bh v[4]) {
     const __m512i a0 = _mm512_loadu_si512((const void *)va);
     const __m512i a1 = _mm512_loadu_si512((const void *)(va + 32));
-    const __m512i b0 = both ? _mm512_loadu_si512((const void *)(va + 64)) : _mm512_setzero_si512();
-    const __m512i b1 = both ? _mm512_loadu_si512((const void *)(va + 96)) : _mm512_setzero_si512();
+    const __m512i b0 = both ? _mm512_loadu_si512((const void *)vb) : _mm512_setzero_si512();
+    const __m512i b1 = both ? _mm512_loadu_si512((const void *)(vb + 32)) : _mm512_setzero_si512();
     v[0] = (__m512bh)_mm512_unpacklo_epi16(a0, b0);
     v[1] = (__m512bh)_mm512_unpackhi_epi16(a0, b0);
     v[2] = (__m512bh)_mm512_unpacklo_epi16(a1, b1);
     v[3] = (__m512bh)_mm512_unpackhi_epi16(a1, b1);
+}
+
+/* The same of two adjacent rows of 64 (head size 64). */
+static inline __attribute__((always_inline)) void v_pair(const bf16 *va, int both, __m512bh v[4]) {
+    v_pair_rows(va, va + 64, both, v);
 }
 
 /* 16 float softmax weights rounded to bf16, stored as 8 pairs. The rounding is the one torch's
@@ -729,6 +747,122 @@ static int attend_bf16_d64(int64_t group, const bf16 *qb, const void *kv, int64_
         attend_bf16_d64_g4(qb, kv, kv_heads, slots, head, table, block_size, lo, hi, m, l, acc,
                            scale);
         return 1;
+    default: return 0;
+    }
+#undef ATTEND_G
+}
+
+/* ---- Head size 128 (Llama 3's 3B and 8B, Qwen2.5's 7B, Mistral's 7B), 1-8 query heads a KV
+ * head: attend_bf16_d64_impl at twice the width. A head's 8 output vectors would not all fit
+ * in registers beside the scores' (4 heads would take all 32), so the unnormalised sums live
+ * in `ob` (L1) and each tile adds to them 64 dims and up to 4 heads at a time, each v_pair
+ * serving those heads. Without it head size 128 took the generic loop: 9-16 GB/s of KV at 2
+ * threads where the head-64 kernel read 13-35 (AMD EPYC Zen 4, session 56). Same contract as
+ * attend_range. */
+static inline __attribute__((always_inline)) void attend_bf16_d128_impl(
+    const int G, const bf16 *qb, const void *kv, int64_t kv_heads, int64_t slots, int64_t head,
+    const int64_t *table, int64_t block_size, int64_t lo, int64_t hi, float *m, float *l,
+    float *acc, float scale) {
+    enum { D = 128 };
+    /* ob[((g * 2 + half) * 4 + c) * 16 + lane]: head g's dims 64 half.. in v_pair's order */
+    float ob[8 * 2 * 4 * 16] __attribute__((aligned(64)));
+    __m512 sum[8];
+    float mx[8];
+    for (int g = 0; g < G; g++) {
+        mx[g] = -INFINITY;
+        sum[g] = _mm512_setzero_ps();
+    }
+    memset(ob, 0, sizeof ob);
+    const bf16 *kp = (const bf16 *)kv + head * slots * D;
+    const bf16 *vp = (const bf16 *)kv + (kv_heads + head) * slots * D;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t pos = lo; pos < hi;) {
+        int64_t n;
+        const int64_t slot = tile_at(table, block_size, pos, hi, 16, &n);
+        const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+        prefetch_tile_after_next_of(D, kp, vp, table, block_size, pos, n, hi, slot);
+        uint32_t pw[8][8]; /* pw[g][h]: head g's weights of keys 2h and 2h + 1 */
+        for (int g = 0; g < G; g++) {
+            __m512bh qv[4];
+            for (int c = 0; c < 4; c++)
+                qv[c] = (__m512bh)_mm512_loadu_si512((const void *)(qb + g * D + 32 * c));
+            __m512 part[16];
+            for (int t = 0; t < 16; t++) {
+                if (t < n) {
+                    const bf16 *kr = kp + (slot + t) * D;
+                    __m512 a = _mm512_setzero_ps();
+                    for (int c = 0; c < 4; c++)
+                        a = _mm512_dpbf16_ps(
+                            a, qv[c], (__m512bh)_mm512_loadu_si512((const void *)(kr + 32 * c)));
+                    part[t] = a;
+                } else {
+                    part[t] = _mm512_setzero_ps();
+                }
+            }
+            const __m512 s = _mm512_mul_ps(sum16(part), vscale);
+            const float smax = _mm512_mask_reduce_max_ps(valid, s);
+            if (smax > mx[g]) { /* a new running max: rescale what was summed so far */
+                const float alpha = mx[g] == -INFINITY ? 0.0f : exp_nonpositive(mx[g] - smax);
+                const __m512 va = _mm512_set1_ps(alpha);
+                for (int i = 0; i < 2 * 4 * 16; i += 16) {
+                    float *o = ob + g * 2 * 4 * 16 + i;
+                    _mm512_store_ps(o, _mm512_mul_ps(_mm512_load_ps(o), va));
+                }
+                sum[g] = _mm512_mul_ps(sum[g], va);
+                mx[g] = smax;
+            }
+            const __m512 e = _mm512_maskz_mov_ps(
+                valid, exp16_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(mx[g]))));
+            sum[g] = _mm512_add_ps(sum[g], e);
+            bf16_weights(e, pw[g]);
+        }
+        for (int half = 0; half < 2; half++) {
+            for (int g0 = 0; g0 < G; g0 += 4) {
+                const int gn = G - g0 < 4 ? G - g0 : 4;
+                __m512 o[4][4];
+                for (int g = 0; g < gn; g++)
+                    for (int c = 0; c < 4; c++)
+                        o[g][c] = _mm512_load_ps(ob + (((g0 + g) * 2 + half) * 4 + c) * 16);
+                for (int64_t t = 0; t < n; t += 2) {
+                    __m512bh v[4];
+                    const bf16 *va = vp + (slot + t) * D + 64 * half;
+                    v_pair_rows(va, va + D, t + 1 < n, v);
+                    for (int g = 0; g < gn; g++) add_v_pair(o[g], v, pw[g0 + g][t / 2]);
+                }
+                for (int g = 0; g < gn; g++)
+                    for (int c = 0; c < 4; c++)
+                        _mm512_store_ps(ob + (((g0 + g) * 2 + half) * 4 + c) * 16, o[g][c]);
+            }
+        }
+        pos += n;
+    }
+    for (int g = 0; g < G; g++) {
+        m[g] = mx[g];
+        l[g] = _mm512_reduce_add_ps(sum[g]);
+        for (int half = 0; half < 2; half++) {
+            __m512 o[4];
+            for (int c = 0; c < 4; c++) o[c] = _mm512_load_ps(ob + ((g * 2 + half) * 4 + c) * 16);
+            store_v_pair_sums(o, acc + g * D + 64 * half);
+        }
+    }
+}
+
+/* Returns 1 when it attended (group 1-8), 0 when the caller must take the generic loop. */
+static int attend_bf16_d128(int64_t group, const bf16 *qb, const void *kv, int64_t kv_heads,
+                            int64_t slots, int64_t head, const int64_t *table,
+                            int64_t block_size, int64_t lo, int64_t hi, float *m, float *l,
+                            float *acc, float scale) {
+#define ATTEND_G(G) attend_bf16_d128_impl(G, qb, kv, kv_heads, slots, head, table, block_size, \
+                                          lo, hi, m, l, acc, scale)
+    switch (group) {
+    case 1: ATTEND_G(1); return 1;
+    case 2: ATTEND_G(2); return 1;
+    case 3: ATTEND_G(3); return 1;
+    case 4: ATTEND_G(4); return 1;
+    case 5: ATTEND_G(5); return 1;
+    case 6: ATTEND_G(6); return 1;
+    case 7: ATTEND_G(7); return 1;
+    case 8: ATTEND_G(8); return 1;
     default: return 0;
     }
 #undef ATTEND_G
@@ -1086,6 +1220,10 @@ static void attend_range(const float *qf, int64_t group, int64_t dim, const void
     if (dim == 64 && bf && qb && NEW_DECODE_ATTENTION &&
         attend_bf16_d64(group, qb, kv, kv_heads, slots, head, table, block_size, lo, hi, m, l,
                         acc, scale))
+        return;
+    if (dim == 128 && bf && qb && NEW_DECODE_ATTENTION &&
+        attend_bf16_d128(group, qb, kv, kv_heads, slots, head, table, block_size, lo, hi, m, l,
+                         acc, scale))
         return;
     if (dim == 64 && bf && group <= 8) ATTEND(64, qb);
     else
