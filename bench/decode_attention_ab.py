@@ -1,11 +1,12 @@
 """The C decode attention alone: its generic loop against the engine's build, interleaved.
 
 One decode step's attention for the ``small`` model's shapes (12 layers, 16 query heads over 4
-KV heads of 64, bf16, blocks of 16) at ``--batch`` sequences (1) of each given context, each
-sequence its own ascending run of blocks, through the library built with
-``-DNEW_DECODE_ATTENTION=0`` (the generic per-key loop, ``generic``), with ``=1`` (16 keys at a
-time for head size 64 in AVX-512, ``avx512``) and the engine's build (``c``: the same with the
-scores on AMX tiles where the CPU and Linux grant them), beside a float32 sum over the same
+KV heads of 64, bf16, blocks of 16; ``--head-dim``, ``--heads``, ``--kv-heads`` and ``--layers``
+set others, e.g. a 3B's 128, 24, 8 and 28) at ``--batch`` sequences (1) of each given context,
+each sequence its own ascending run of blocks, through the library built with
+``-DNEW_DECODE_ATTENTION=0`` (the generic per-key loop, ``generic``), with ``=1`` (16 keys at
+a time for head size 64 or 128 in AVX-512, ``avx512``) and the engine's build (``c``: the same
+with the scores on AMX tiles where the CPU and Linux grant them), beside a float32 sum over the same
 bytes of K and V. Wall time and this process's CPU time (robust to a busy host
 at ``--threads 1``), medians.
 
@@ -71,6 +72,10 @@ def main() -> None:
         metavar="MB",
         help="read MB of other memory before each layer's attention (timed: the calls alone)",
     )
+    parser.add_argument("--head-dim", type=int, default=64, help="head size (the small's 64)")
+    parser.add_argument("--heads", type=int, default=16, help="query heads (the small's 16)")
+    parser.add_argument("--kv-heads", type=int, default=4, help="KV heads (the small's 4)")
+    parser.add_argument("--layers", type=int, default=12, help="layers (the small's 12)")
     parser.add_argument(
         "--prefetch",
         choices=("jumps", "every", "both"),
@@ -96,13 +101,18 @@ def main() -> None:
     for o in ops.values():  # every build that has it, avx512 too, so their ratios compare alike
         if o.has_decode_prefetch:
             o.set_decode_prefetch("jumps" if args.prefetch == "both" else args.prefetch)
-    block, kv_heads, heads, dim, layers = 16, 4, 16, 64, 12
+    block, kv_heads, heads, dim, layers = 16, args.kv_heads, args.heads, args.head_dim, args.layers
+    if min(kv_heads, heads, dim, layers) < 1 or heads % kv_heads:
+        raise SystemExit("--heads must be a positive multiple of --kv-heads; all sizes positive")
     if args.cold is not None and args.cold <= 0:
         raise SystemExit(f"--cold must be a positive number of MB, not {args.cold}")
     other = torch.ones(args.cold << 18) if args.cold else None
     gen = torch.Generator().manual_seed(0)
     print(machine_line())
-    print("ms per step's attention (12 layers), wall / CPU; GB/s of K and V by wall time")
+    print(
+        f"ms per step's attention ({layers} layers, {heads} heads over {kv_heads} KV heads of"
+        f" {dim}), wall / CPU; GB/s of K and V by wall time"
+    )
     for context in args.contexts:
         # each sequence its own ascending run of blocks, as a fresh pool hands them out
         per_seq = (context + block - 1) // block
@@ -132,7 +142,7 @@ def main() -> None:
                 if other is not None:
                     other.sum()
                 t0 = time.perf_counter()
-                o.decode_attention(q, c, tables, bounds, block, 0.125)
+                o.decode_attention(q, c, tables, bounds, block, dim**-0.5)
                 took += time.perf_counter() - t0
             return took
 
