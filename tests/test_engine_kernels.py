@@ -1363,7 +1363,7 @@ def _tolerance(dtype: torch.dtype) -> dict[str, float]:
 # (scores on AMX tiles where granted), 6 the per-key vdpbf16ps loop, 10 the generic loop; at
 # head size 128 groups of 1-8 take the bf16 head-128 kernel, 10 the generic loop; in AVX2,
 # groups of 5 and 7 take its head sets of 4 + 1 and 4 + 2 + 1
-@pytest.mark.parametrize("heads", [8, 2, 4, 6, 10, 12, 14, 20])
+@pytest.mark.parametrize("heads", [8, 2, 4, 6, 10, 12, 14, 16, 20])
 def test_c_paged_decode_attention_matches_a_float64_reference(
     any_ops: native.NativeOps, dtype: torch.dtype, head_dim: int, heads: int
 ) -> None:

@@ -762,17 +762,16 @@ static int attend_bf16_d64(int64_t group, const bf16 *qb, const void *kv, int64_
 static inline __attribute__((always_inline)) void attend_bf16_d128_impl(
     const int G, const bf16 *qb, const void *kv, int64_t kv_heads, int64_t slots, int64_t head,
     const int64_t *table, int64_t block_size, int64_t lo, int64_t hi, float *m, float *l,
-    float *acc, float scale) {
+    float *acc, float scale, float *ob) {
     enum { D = 128 };
     /* ob[((g * 2 + half) * 4 + c) * 16 + lane]: head g's dims 64 half.. in v_pair's order */
-    float ob[8 * 2 * 4 * 16] __attribute__((aligned(64)));
     __m512 sum[8];
     float mx[8];
     for (int g = 0; g < G; g++) {
         mx[g] = -INFINITY;
         sum[g] = _mm512_setzero_ps();
     }
-    memset(ob, 0, sizeof ob);
+    memset(ob, 0, (size_t)G * D * sizeof(float));
     const bf16 *kp = (const bf16 *)kv + head * slots * D;
     const bf16 *vp = (const bf16 *)kv + (kv_heads + head) * slots * D;
     const __m512 vscale = _mm512_set1_ps(scale);
@@ -847,13 +846,16 @@ static inline __attribute__((always_inline)) void attend_bf16_d128_impl(
     }
 }
 
-/* Returns 1 when it attended (group 1-8), 0 when the caller must take the generic loop. */
-static int attend_bf16_d128(int64_t group, const bf16 *qb, const void *kv, int64_t kv_heads,
-                            int64_t slots, int64_t head, const int64_t *table,
-                            int64_t block_size, int64_t lo, int64_t hi, float *m, float *l,
-                            float *acc, float scale) {
+/* Returns 1 when it attended (group 1-8), 0 when the caller must take the generic loop. Out of
+ * line, with one `ob` for its eight copies: inlined into attend_range, each copy's buffers
+ * would be on every call's frame, whatever its head size (as AVX2_ATTEND's note says). */
+__attribute__((noinline)) static int attend_bf16_d128(
+    int64_t group, const bf16 *qb, const void *kv, int64_t kv_heads, int64_t slots,
+    int64_t head, const int64_t *table, int64_t block_size, int64_t lo, int64_t hi, float *m,
+    float *l, float *acc, float scale) {
+    float ob[8 * 128] __attribute__((aligned(64)));
 #define ATTEND_G(G) attend_bf16_d128_impl(G, qb, kv, kv_heads, slots, head, table, block_size, \
-                                          lo, hi, m, l, acc, scale)
+                                          lo, hi, m, l, acc, scale, ob)
     switch (group) {
     case 1: ATTEND_G(1); return 1;
     case 2: ATTEND_G(2); return 1;
