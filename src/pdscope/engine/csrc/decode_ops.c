@@ -532,6 +532,28 @@ static inline void store_v_pair_sums(const __m512 o[4], float *acc) {
         for (int j = 0; j < 16; j++) acc[(c / 2) * 32 + 8 * (j / 4) + (c % 2) * 4 + j % 4] = lanes[c][j];
 }
 
+/* One head's softmax step over a tile: its 16 scaled scores s (lanes past the tile's keys left
+ * out by `valid`) against the running max *mx and lane sums *sum; the weights into pw, rounded
+ * to bf16. Returns the factor the head's earlier output sums must be scaled by, or 1 where the
+ * max did not grow: after the first keys that is most tiles, which skip the scalar exp and its
+ * latency (a first max gives 0: there is nothing to keep). */
+static inline __attribute__((always_inline)) float head_tile_softmax(__m512 s, __mmask16 valid,
+                                                                     float *mx, __m512 *sum,
+                                                                     uint32_t pw[8]) {
+    const float smax = _mm512_mask_reduce_max_ps(valid, s);
+    float alpha = 1.0f;
+    if (smax > *mx) {
+        alpha = *mx == -INFINITY ? 0.0f : exp_nonpositive(*mx - smax);
+        *sum = _mm512_mul_ps(*sum, _mm512_set1_ps(alpha));
+        *mx = smax;
+    }
+    const __m512 e =
+        _mm512_maskz_mov_ps(valid, exp16_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(*mx))));
+    *sum = _mm512_add_ps(*sum, e);
+    bf16_weights(e, pw);
+    return alpha;
+}
+
 static inline __attribute__((always_inline)) void attend_bf16_d64_impl(
     const int G, const bf16 *qb, const void *kv, int64_t kv_heads, int64_t slots, int64_t head,
     const int64_t *table, int64_t block_size, int64_t lo, int64_t hi, float *m, float *l,
@@ -569,20 +591,11 @@ static inline __attribute__((always_inline)) void attend_bf16_d64_impl(
                 }
             }
             const __m512 s = _mm512_mul_ps(sum16(part), vscale);
-            const float smax = _mm512_mask_reduce_max_ps(valid, s);
-            if (smax > mx[g]) {
-                /* a new running max: rescale what was summed so far. After the first keys
-                 * this is rare, so most tiles skip the scalar exp and its latency. */
-                const float alpha = mx[g] == -INFINITY ? 0.0f : exp_nonpositive(mx[g] - smax);
+            const float alpha = head_tile_softmax(s, valid, &mx[g], &sum[g], pw[g]);
+            if (alpha != 1.0f) { /* a new running max: rescale what was summed so far */
                 const __m512 va = _mm512_set1_ps(alpha);
                 for (int c = 0; c < 4; c++) o[g][c] = _mm512_mul_ps(o[g][c], va);
-                sum[g] = _mm512_mul_ps(sum[g], va);
-                mx[g] = smax;
             }
-            const __m512 e = _mm512_maskz_mov_ps(
-                valid, exp16_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(mx[g]))));
-            sum[g] = _mm512_add_ps(sum[g], e);
-            bf16_weights(e, pw[g]);
         }
         for (int64_t t = 0; t < n; t += 2) {
             __m512bh v[4];
@@ -799,21 +812,14 @@ static inline __attribute__((always_inline)) void attend_bf16_d128_impl(
                 }
             }
             const __m512 s = _mm512_mul_ps(sum16(part), vscale);
-            const float smax = _mm512_mask_reduce_max_ps(valid, s);
-            if (smax > mx[g]) { /* a new running max: rescale what was summed so far */
-                const float alpha = mx[g] == -INFINITY ? 0.0f : exp_nonpositive(mx[g] - smax);
+            const float alpha = head_tile_softmax(s, valid, &mx[g], &sum[g], pw[g]);
+            if (alpha != 1.0f) { /* a new running max: rescale what was summed so far */
                 const __m512 va = _mm512_set1_ps(alpha);
                 for (int i = 0; i < 2 * 4 * 16; i += 16) {
                     float *o = ob + g * 2 * 4 * 16 + i;
                     _mm512_store_ps(o, _mm512_mul_ps(_mm512_load_ps(o), va));
                 }
-                sum[g] = _mm512_mul_ps(sum[g], va);
-                mx[g] = smax;
             }
-            const __m512 e = _mm512_maskz_mov_ps(
-                valid, exp16_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(mx[g]))));
-            sum[g] = _mm512_add_ps(sum[g], e);
-            bf16_weights(e, pw[g]);
         }
         for (int half = 0; half < 2; half++) {
             for (int g0 = 0; g0 < G; g0 += 4) {
