@@ -442,7 +442,8 @@ PREFETCH_ROWS16(prefetch_rows16_l1, _MM_HINT_T0)
 static int prefetch_every = 0;
 
 /* Returns 1 where this build's decode attention (AVX-512 BF16, head size 64 with 1-4 query
- * heads a KV head, 128 with 1-8) takes the setting: not in a build of the generic loop only (the benches'). */
+ * heads a KV head, 128 with 1-8) takes the setting: not in a build of the generic loop only
+ * (the benches'). */
 int set_decode_prefetch(int every) {
     prefetch_every = every != 0;
     return NEW_DECODE_ATTENTION != 0;
@@ -461,8 +462,8 @@ int decode_prefetch_every(void) { return prefetch_every; }
  * the same pattern too. Either way the 16 rows from `next` are that tile's keys where blocks
  * hold 16 or more (the engine's 16); with smaller blocks the rows past the block are another
  * block's, or past the cache's end for its last block: a prefetch never faults. */
-/* The same for rows of `dim` (a multiple of 64) bf16: 16 rows of 64 per call of the
- * prefetchers, so dim / 64 calls a plane. */
+/* Here for rows of `dim` bf16 (a multiple of 64): dim / 64 calls of the 16-row prefetchers a
+ * plane. prefetch_tile_after_next below is head size 64's. */
 static inline __attribute__((always_inline)) void prefetch_tile_after_next_of(
     const int64_t dim, const bf16 *kp, const bf16 *vp, const int64_t *table, int64_t block_size,
     int64_t pos, int64_t n, int64_t hi, int64_t slot) {
