@@ -7,6 +7,7 @@ import ctypes
 import json
 import os
 import platform
+import shutil
 import subprocess
 import threading
 import time
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
+from pdscope.checkpoint.make_model import default_cache_dir
 from pdscope.server.launch import ServerProcess
 from pdscope.server.launch import start_server as _start
 
@@ -36,6 +38,37 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
     flags = ", ".join(cpu_flags()) or "none of the listed ISA flags"
     terminalreporter.write_line(f"cpu: {cpu_model()} ({flags}), {os.cpu_count()} cores")
+
+
+# Where the session's own engine build lives: the cache in force as the tests start.
+_BUILDS = default_cache_dir() / "native"
+
+
+def seed_native(cache_dir: Path) -> Path:
+    """``cache_dir`` (returned) holding the engine's C build for this CPU, copied from the
+    session's cache (built there once where missing), as a machine's cache holds it after its
+    first start: a test of what follows the build (the trial, the paths, the kernels) does not
+    compile the library again, 4-7 s a test on the 2-core hosts. Without a C compiler, or
+    where the build fails, nothing is copied and a load there fails as it would."""
+    from pdscope.engine import native
+
+    if native.compiler() is None:
+        return cache_dir
+    try:
+        built = native.build(_BUILDS)
+    except RuntimeError:
+        return cache_dir
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    if not (cache_dir / built.name).is_file():
+        shutil.copy(built, cache_dir / built.name)
+    return cache_dir
+
+
+def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``$PDSCOPE_CACHE`` at ``tmp_path``: no kernel choice cached there, the C build seeded
+    (:func:`seed_native`)."""
+    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    seed_native(tmp_path / "native")
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ from pdscope.engine.kernels import (
     stored_past_one,
 )
 from pdscope.engine.model import Linear
-from tests.conftest import OTHER_BUILDS, build_for
+from tests.conftest import OTHER_BUILDS, build_for, seed_native
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -1334,7 +1334,7 @@ def test_a_weight_that_every_matmul_reads_a_copy_of_is_held_once(
     weights = [weakref.ref(m.weight) for m in linears]
     count = sum(p.numel() for p in model.parameters())
     choice = KernelChoice(**parse_kernels(ALL_PAIRS + ",decode_ops=c"))
-    ops = native.load(tmp_path / "native")
+    ops = native.load(seed_native(tmp_path / "native"))
     apply_kernels(model, choice, ops)
     gc.collect()
     assert all(m.held_once and m.stored_weight() is None for m in linears)
@@ -1386,7 +1386,9 @@ def test_a_conversion_reaches_a_weight_held_once(tmp_path: Path) -> None:
     path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
     checkpoint = load_model(path, torch.bfloat16, torch.device("cpu"))
     model = load_model(path, torch.bfloat16, torch.device("cpu"))
-    apply_kernels(model, KernelChoice(**parse_kernels(ALL_PAIRS)), native.load(tmp_path / "n"))
+    apply_kernels(
+        model, KernelChoice(**parse_kernels(ALL_PAIRS)), native.load(seed_native(tmp_path / "n"))
+    )
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert all(m.held_once for m in linears)
     model.to(torch.bfloat16)

@@ -50,7 +50,7 @@ from pdscope.engine.model import (
     slot_runs,
     thread_cpus,
 )
-from tests.conftest import OTHER_BUILDS, build_for, steady_host
+from tests.conftest import OTHER_BUILDS, build_for, fresh_cache, seed_native, steady_host
 
 SHAPES = TrialShapes("bfloat16", 64, 128, 256, 2, 4, 2, 16, 32)
 
@@ -284,7 +284,7 @@ def test_prefill_linear_keeps_onednn_unless_the_copy_wins_by_more_than_a_tie(
         pytest.skip("no oneDNN packed weights in this torch")
     from pdscope.engine import model as model_module
 
-    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    fresh_cache(tmp_path, monkeypatch)
     monkeypatch.setattr(
         "pdscope.engine.kernels.median_times_s",
         lambda candidates, **_: {
@@ -465,7 +465,7 @@ def test_engine_logs_applies_and_reports_its_choice(
 def test_auto_measures_every_path_that_has_two_candidates(
     tiny_bf16: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, steady_gauge: None
 ) -> None:
-    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    fresh_cache(tmp_path, monkeypatch)
     llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", max_model_len=256)
     choice = llm.engine.kernels
     expected = {"prefill_attention", "decode_math"}
@@ -496,7 +496,7 @@ def test_the_trials_fit_a_model_of_few_positions(
     positions, start-up failed with an IndexError."""
     from pdscope.checkpoint.make_model import make_model
 
-    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    fresh_cache(tmp_path, monkeypatch)
     short = make_model(tmp_path / "short", "tiny", max_position_embeddings=64)
     llm = LLM(model=str(short), kv_cache_memory="8MiB")
     assert llm.engine.kernels.how["decode_math"] == "measured"
@@ -516,7 +516,7 @@ def test_prefill_linear_is_measured_at_prefill_size_with_two_threads(
         pytest.skip("no oneDNN packed weights in this torch")
     from pdscope.engine.model import ROWS_SPLIT_MIN_ROWS
 
-    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    fresh_cache(tmp_path, monkeypatch)
     others = (
         "linear=c,batch_linear=packed,big_batch_linear=onednn,prefill_attention=sdpa,"
         "decode_math=native,decode_ops=c"
@@ -559,7 +559,7 @@ def test_prefill_linear_rows_alone_loads_the_c_kernels(
     C path forced off, the kernels still load and every layer matmul gets the team."""
     if not can_pack(torch.bfloat16, torch.device("cpu")):
         pytest.skip("no oneDNN packed weights in this torch")
-    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    fresh_cache(tmp_path, monkeypatch)
     llm = LLM(
         model=str(tiny_bf16),
         kv_cache_memory="8MiB",
@@ -578,7 +578,7 @@ def test_forcing_an_option_that_runs_on_c_loads_the_c_kernels(
     """An option that runs on the C kernels, forced with every other path off them, loads the
     kernels: batch_linear=pairs, linear=pairs and prefill_attention=c were refused as "not
     given by this CPU" on a CPU that gives them (big_batch_linear=pairs alike)."""
-    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    fresh_cache(tmp_path, monkeypatch)
     ops = native.load(tmp_path / "native")
     if ops is None or not ops.pairs_rows or not ops.prefill_vec:
         pytest.skip("no AVX-512 BF16 in this build of the C kernels")
@@ -625,7 +625,7 @@ def test_pairs_are_offered_to_the_linear_trial_only_while_their_copy_fits(
     it would not."""
     from pdscope.engine import model as model_module
 
-    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    fresh_cache(tmp_path, monkeypatch)
     llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB")
     model = llm.engine.runner.model
     ops = native.load(tmp_path / "native")
@@ -661,7 +661,7 @@ def test_the_linear_trials_read_whole_layers_up_to_a_bound_and_the_head_in_their
     cut trials runs."""
     from pdscope.engine import model as model_module
 
-    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    fresh_cache(tmp_path, monkeypatch)
     llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB")
     model = llm.engine.runner.model
     every = [m for m in model.modules() if isinstance(m, Linear)]
@@ -713,7 +713,7 @@ def test_the_decode_linear_trials_share_one_set_of_pairs_copies(
     trial needs are made once, for the first of them, not once each."""
     from pdscope.engine import model as model_module
 
-    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    fresh_cache(tmp_path, monkeypatch)
     # no copies held (prefill_linear=pairs would hold them)
     off = "linear=packed,batch_linear=packed,big_batch_linear=onednn,prefill_linear=onednn"
     llm = LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels=off)
@@ -745,7 +745,7 @@ def test_the_trials_c_kernels_read_the_weights_on_huge_pages_as_the_engine_strea
 
     if not model_module.huge_pages_offered():
         pytest.skip("Linux offers no transparent huge pages here")
-    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    fresh_cache(tmp_path, monkeypatch)
     ops = native.load(tmp_path / "native")
     if ops is None:
         pytest.skip("the C kernels did not build here")
@@ -807,7 +807,7 @@ def test_each_weight_is_packed_once_for_the_path_chosen(
         pytest.skip("no oneDNN packed weights in this torch")
     from pdscope.engine import model as model_module
 
-    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    fresh_cache(tmp_path, monkeypatch)
     if linear == "c" and native.load(tmp_path / "native") is None:
         pytest.skip("the C kernels did not build here")
     packs: list[tuple[int, int]] = []
@@ -840,7 +840,7 @@ def test_prefill_linear_pairs_is_kept_in_a_tie_where_it_lets_the_packed_weights_
     within HELD_ONCE_TIE of the copies: the rest as said.)"""
     from pdscope.engine import model as model_module
 
-    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    fresh_cache(tmp_path, monkeypatch)
     ops = native.load(tmp_path / "native")
     if ops is None or not ops.pairs_rows or not can_pack(torch.bfloat16, torch.device("cpu")):
         pytest.skip("no pairs kernels for several rows, or no oneDNN bf16, here")
@@ -896,7 +896,7 @@ def _copies_between_the_margins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     """Every trial from here times the pairs copies 1.06x the fastest (between TIE and
     HELD_ONCE_TIE), the transposed copy 1.2x, the rest alike; skips where the pairs kernels
     for several rows or oneDNN's bf16 path are missing. A fresh kernel cache."""
-    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    fresh_cache(tmp_path, monkeypatch)
     ops = native.load(tmp_path / "native")
     if ops is None or not ops.pairs_rows or not can_pack(torch.bfloat16, torch.device("cpu")):
         pytest.skip("no pairs kernels for several rows, or no oneDNN bf16, here")
@@ -1064,7 +1064,7 @@ def test_prefill_linear_is_not_offered_when_its_copy_would_not_fit(
 
     if not can_pack(torch.bfloat16, torch.device("cpu")):
         pytest.skip("no oneDNN packed weights in this torch")
-    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    fresh_cache(tmp_path, monkeypatch)
     rows = model_module.ROWS_SPLIT_MIN_ROWS
     sizes = {"kv_cache_memory": "8MiB", "max_model_len": 2 * rows, "max_num_batched_tokens": rows}
     llm = LLM(model=str(tiny_bf16), **sizes)
@@ -1244,7 +1244,7 @@ needs_cc = pytest.mark.skipif(native.compiler() is None, reason="no C compiler o
 
 @pytest.fixture(scope="module")
 def c_ops(tmp_path_factory: pytest.TempPathFactory) -> native.NativeOps:
-    ops = native.load(tmp_path_factory.mktemp("native"))
+    ops = native.load(seed_native(tmp_path_factory.mktemp("native")))
     assert ops is not None, "a C compiler is here but the kernels did not build (see the log)"
     return ops
 
@@ -1439,7 +1439,7 @@ def test_forced_decode_prefetch_every_is_refused_before_any_trial(
 ) -> None:
     """Forced on a model whose decode attention has no such prefetch (tiny's head size is 16),
     decode_prefetch=every is refused by name at load, before the trials run (none is cached)."""
-    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    fresh_cache(tmp_path, monkeypatch)
     with pytest.raises(ValueError, match="decode_prefetch=every needs the C kernels built with"):
         LLM(model=str(tiny_bf16), kv_cache_memory="8MiB", kernels="decode_prefetch=every")
     assert not list(tmp_path.glob("kernels/*.json"))
@@ -1454,7 +1454,7 @@ def test_decode_prefetch_is_timed_where_the_attention_takes_it(
     nothing timed, and the library's setting, the first engine's, left as it was."""
     from pdscope.checkpoint.make_model import make_model
 
-    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    fresh_cache(tmp_path, monkeypatch)
     ops = native.load(tmp_path / "native")
     if ops is None or not ops.has_decode_prefetch:
         pytest.skip("no AVX-512 BF16 in this build of the C kernels")
@@ -2438,7 +2438,7 @@ def test_the_weights_as_stored_past_32_rows_are_kept_within_a_wider_tie_on_amx(
     kept anyway)."""
     from pdscope.engine.model import ROWS_SPLIT_MIN_ROWS
 
-    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    fresh_cache(tmp_path, monkeypatch)
     ops = native.load(tmp_path / "native")
     if ops is None or ops.linear_many_isa != "amx":
         pytest.skip("no AMX tiles in this build of the C kernels, CPU or kernel")
@@ -2470,7 +2470,7 @@ def test_prefill_linear_plain_is_undone_where_a_later_reset_keeps_the_packed_wei
 
     from pdscope.engine import llm_engine
 
-    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    fresh_cache(tmp_path, monkeypatch)
     ops = native.load(tmp_path / "native")
     if ops is None or not ops.pairs or not can_pack(torch.bfloat16, torch.device("cpu")):
         pytest.skip("no pairs kernels, or no oneDNN bf16, here")
@@ -2526,7 +2526,7 @@ def test_linear_amx_is_kept_within_the_wider_tie_against_the_copies_only(
     amx 1.06x; then amx 1.06x, the copies and c 1.2x, packed and plain alike."""
     from pdscope.engine.kernels import PAIRS_LINEAR
 
-    monkeypatch.setenv("PDSCOPE_CACHE", str(tmp_path))
+    fresh_cache(tmp_path, monkeypatch)
     ops = native.load(tmp_path / "native")
     if ops is None or ops.linear_many_isa != "amx" or not ops.pairs:
         pytest.skip(
