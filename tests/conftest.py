@@ -40,23 +40,25 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.write_line(f"cpu: {cpu_model()} ({flags}), {os.cpu_count()} cores")
 
 
-# Where the session's own engine build lives: the cache in force as the tests start.
+# Where the session's own engine build lives: the cache in force as the tests start, read once
+# here because fresh_cache points $PDSCOPE_CACHE at the test's own directory before it seeds.
 _BUILDS = default_cache_dir() / "native"
 
 
 def seed_native(cache_dir: Path) -> Path:
-    """``cache_dir`` (returned) holding the engine's C build for this CPU, copied from the
+    """``cache_dir`` (returned) holding the engine's ``-march=native`` C build, copied from the
     session's cache (built there once where missing), as a machine's cache holds it after its
     first start: a test of what follows the build (the trial, the paths, the kernels) does not
     compile the library again, 4-7 s a test on the 2-core hosts. Without a C compiler, or
-    where the build fails, nothing is copied and a load there fails as it would."""
+    where the build fails, nothing is copied and a load there fails as it would; a load under
+    ``$PDSCOPE_MARCH`` builds its own target there, as before."""
     from pdscope.engine import native
 
     if native.compiler() is None:
         return cache_dir
     try:
         built = native.build(_BUILDS)
-    except RuntimeError:
+    except (OSError, RuntimeError, subprocess.SubprocessError):  # what native.load logs
         return cache_dir
     cache_dir.mkdir(parents=True, exist_ok=True)
     if not (cache_dir / built.name).is_file():
