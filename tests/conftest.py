@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import platform
@@ -45,6 +46,19 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 _BUILDS = default_cache_dir() / "native"
 
 
+@functools.cache
+def _session_build() -> Path | None:
+    """The session's ``-march=native`` build, made once where missing (its key costs a
+    ``cc --version`` and a hash of the source, not to be paid per test); None where it cannot
+    be made, as ``native.load`` would log."""
+    from pdscope.engine import native
+
+    try:
+        return native.build(_BUILDS)
+    except (OSError, RuntimeError, subprocess.SubprocessError):
+        return None
+
+
 def seed_native(cache_dir: Path) -> Path:
     """``cache_dir`` (returned) holding the engine's ``-march=native`` C build, copied from the
     session's cache (built there once where missing), as a machine's cache holds it after its
@@ -52,17 +66,11 @@ def seed_native(cache_dir: Path) -> Path:
     compile the library again, 4-7 s a test on the 2-core hosts. Without a C compiler, or
     where the build fails, nothing is copied and a load there fails as it would; a load under
     ``$PDSCOPE_MARCH`` builds its own target there, as before."""
-    from pdscope.engine import native
-
-    if native.compiler() is None:
-        return cache_dir
-    try:
-        built = native.build(_BUILDS)
-    except (OSError, RuntimeError, subprocess.SubprocessError):  # what native.load logs
-        return cache_dir
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    if not (cache_dir / built.name).is_file():
-        shutil.copy(built, cache_dir / built.name)
+    built = _session_build()
+    if built is not None:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        if not (cache_dir / built.name).is_file():
+            shutil.copy(built, cache_dir / built.name)
     return cache_dir
 
 
