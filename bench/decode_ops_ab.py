@@ -49,6 +49,14 @@ and over the last 500 of 2,000 generated tokens.
 
     .venv/bin/python bench/decode_ops_ab.py --block-growth --others decode_ops=c
 
+``--block-runs`` compares, on one engine whose pool a batch of 32 sequences decoding together
+has just scattered (its tables grow a block at a time, interleaved), a 4,000-token prompt's
+blocks taken as the least recently freed in order, sorted (``lru``, the engine before the
+58th session, ``BlockPool(grow_runs=False)``), with runs grown from the queue's oldest
+(``runs``, the engine now); a 64-token figure beside it, every path forced by ``--others``:
+
+    .venv/bin/python bench/decode_ops_ab.py --block-runs --model /tmp/m3b4 --others decode_ops=c
+
 ``--cpu-time`` times the steps by the process's CPU time instead of wall time: at
 ``--threads 1`` that is the step's own work, which other processes on a busy host inflate far
 less than its wall time.
@@ -152,6 +160,12 @@ def main() -> None:
         "after its last (run); prefix caching off",
     )
     parser.add_argument(
+        "--block-runs",
+        action="store_true",
+        help="compare a prompt's blocks taken in LRU order, sorted (lru), with runs grown from "
+        "the queue's oldest (runs), in a pool a batch's decodes scattered",
+    )
+    parser.add_argument(
         "--batches",
         type=int,
         nargs="+",
@@ -177,18 +191,22 @@ def main() -> None:
         args.path, args.candidates = "blocks", ["queue", "sorted"]
     if args.block_growth:
         args.path, args.candidates = "growth", ["queue", "run"]
+    if args.block_runs:
+        args.path, args.candidates = "pool", ["lru", "runs"]
     wrapped = args.block_order or args.block_growth
     if args.batches and not all(1 <= n <= 64 for n in args.batches):
         parser.error("--batches: each batch from 1 to 64 (the engines' max_num_seqs)")
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model_path(args.model)
-    engines = {
-        cand: LLM(
+
+    def engine(cand: str) -> LLM:
+        return LLM(
             model=str(model_dir),
             dtype="bfloat16",
-            # wrapped by filler prompts under --block-order: a pool the rounds still fit in
-            kv_cache_memory="256MiB" if wrapped else "1GiB",
+            # wrapped by filler prompts under --block-order: a pool the rounds still fit in;
+            # under --block-runs one the scattering batch fills in part
+            kv_cache_memory="256MiB" if wrapped else "160MiB" if args.block_runs else "1GiB",
             enable_prefix_caching=not args.block_growth,
             max_model_len=4096,
             max_num_batched_tokens=2048,
@@ -196,11 +214,15 @@ def main() -> None:
             kernels=f"{args.others},decode_ops=c"
             if args.one_call
             else args.others
-            if args.ab_source or args.plain_pages or args.plain_cache or wrapped
+            if args.ab_source or args.plain_pages or args.plain_cache or wrapped or args.block_runs
             else f"{args.others},{args.path}={'c' if level is not None else cand}",
         )
-        for cand in args.candidates
-    }
+
+    if args.block_runs:  # one engine: the candidates differ only in its pool's allocation
+        shared = engine("runs")
+        engines = dict.fromkeys(args.candidates, shared)
+    else:
+        engines = {cand: engine(cand) for cand in args.candidates}
     if level is not None:
         _point_at(engines[args.candidates[0]], generic_attention_ops(level))
     if args.ab_source:
@@ -220,6 +242,8 @@ def main() -> None:
         # torch's allocator: ordinary pages (the model sees the new caches' addresses)
         runner.kv_caches = [c.clone() for c in runner.kv_caches]
     if wrapped:
+        for llm in engines.values():  # the allocation these two compared: LRU order
+            llm.engine.scheduler.pool.grow_runs = False
         pool = engines["queue"].engine.scheduler.pool
         taken_sorted = pool.allocate
 
@@ -301,6 +325,16 @@ def main() -> None:
         figures = {
             f"decode_b{n}_tok_s": lambda llm, n=n: rate(llm, 128 + 16, n) for n in args.batches
         }
+    if args.block_runs:
+
+        def scattered_rate(llm: LLM) -> float:
+            timed(llm, [fresh(129) for _ in range(32)], 64)  # 32 tables growing interleaved
+            return rate(llm, 4000, 1)
+
+        figures = {
+            "decode_b1_ctx64_tok_s": lambda llm: rate(llm, 64, 1),
+            "decode_b1_ctx4000_tok_s": scattered_rate,
+        }
     if args.block_growth:
         figures = {
             "decode_b1_ctx64_tok_s": lambda llm: rate(llm, 64, 1),
@@ -314,6 +348,8 @@ def main() -> None:
         order = list(engines) if r % 2 == 0 else list(reversed(engines))
         for name, figure in figures.items():
             for ops in order:
+                if args.block_runs:
+                    engines[ops].engine.scheduler.pool.grow_runs = ops == "runs"
                 values[ops].setdefault(name, []).append(figure(engines[ops]))
         print(
             f"round {r + 1}: "

@@ -478,22 +478,6 @@ def runs(table: list[int]) -> int:
     return 1 + sum(1 for a, b in itertools.pairwise(table) if b != a + 1)
 
 
-class StrictLRU(BlockPool):
-    """The allocation before runs were grown: the least recently freed blocks, sorted."""
-
-    def allocate(self, count: int, after: int | None = None) -> list[int]:
-        taken = []
-        for _ in range(count):
-            block_id, _ = self.free_queue.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.hash is not None:
-                del self.cached[block.hash]
-                block.hash = None
-            block.ref_count = 1
-            taken.append(block_id)
-        return sorted(taken)
-
-
 def long_prompt_tables(pool: BlockPool, rounds: int = 4) -> list[list[int]]:
     """engine_bench's pattern in miniature: a batch of short prompts decoding together (their
     tables grow a block at a time, interleaved), then one long prompt, every round with fresh
@@ -527,7 +511,7 @@ def test_a_long_prompt_after_interleaved_decodes_gets_few_runs() -> None:
     same prompt's table is a third as many runs or fewer (in engine_bench's rounds, with
     larger chunks and a larger pool: 9-16 runs of 256 blocks where strict LRU gave ~165)."""
     grown = [runs(t) for t in long_prompt_tables(BlockPool(300, 4))]
-    strict = [runs(t) for t in long_prompt_tables(StrictLRU(300, 4))]
+    strict = [runs(t) for t in long_prompt_tables(BlockPool(300, 4, grow_runs=False))]
     assert all(n >= 60 for n in strict[1:]), strict
     assert all(3 * g <= s for g, s in zip(grown[1:], strict[1:], strict=True)), (grown, strict)
 

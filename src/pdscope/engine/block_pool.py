@@ -39,11 +39,21 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        grow_runs: bool = True,
+    ):
+        """``grow_runs=False``: :meth:`allocate` as before it grew runs, the least recently
+        freed blocks in order, sorted (the reference bench/decode_ops_ab.py --block-runs and
+        the tests compare with)."""
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.grow_runs = grow_runs
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}  # hash -> block id
@@ -180,22 +190,27 @@ class BlockPool:
         ``after``: the last block of the table the blocks extend. The blocks right after it
         are taken first while they are free and hold no hash (which costs the cache nothing)
         or lie in the window, so that a table growing by chunks or while it decodes stays one
-        ascending run."""
+        ascending run. Under ``grow_runs=False``: the free blocks with no hash after it, then
+        the least recently freed, sorted."""
         queue = self.free_queue
         assert count <= len(queue), "allocate() without a capacity check"
-        width = max(count, min(8 * count, len(queue) // 2))
+        width = max(count, min(8 * count, len(queue) // 2)) if self.grow_runs else count
         oldest = list(islice(queue, width))
         age = {block_id: rank for rank, block_id in enumerate(oldest)}
         taken: list[int] = []
         if after is not None:
             block_id = after + 1
             while len(taken) < count and block_id in queue:
-                if block_id not in age and self.blocks[block_id].hash is not None:
+                if self.blocks[block_id].hash is not None and not (
+                    self.grow_runs and block_id in age
+                ):
                     break
                 self._take(block_id, age, taken)
                 block_id += 1
         grown = len(taken)
         anchors = iter(oldest)
+        while len(taken) < count and not self.grow_runs:
+            self._take(next(b for b in anchors if b in age), age, taken)
         while len(taken) < count:
             lo = hi = next(b for b in anchors if b in age)  # the least recently freed left
             self._take(lo, age, taken)
