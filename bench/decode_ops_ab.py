@@ -35,8 +35,9 @@ where Linux offers them (``huge``), every path forced by ``--others`` for both;
 ``--block-order`` compares two engines whose block pools have wrapped (filled once by filler
 prompts, so blocks come back from the free queue, where freed tables lie reversed): one takes
 an allocation's blocks in the queue's order (``queue``, the engine before the fourteenth
-session), the other in ascending order (``sorted``, the engine now), every path forced by
-``--others`` for both:
+session), the other in ascending order (``sorted``, the engine from then to the 58th session,
+``BlockPool(grow_runs=False)``, as both pools here), every path forced by ``--others`` for
+both:
 
     .venv/bin/python bench/decode_ops_ab.py --block-order \
         --others decode_ops=c  # the other paths as the trial picks them, alike for both
@@ -44,8 +45,9 @@ session), the other in ascending order (``sorted``, the engine now), every path 
 ``--block-growth`` compares two such engines, prefix caching off, on a decode that grows its
 table a block at a time: one takes each new block in the queue's order (``queue``, the engine
 of the fourteenth session), the other the free block right after the table's last one where
-it holds no hash (``run``, the engine now). Figures: batch-1 decode at 64 tokens of context
-and over the last 500 of 2,000 generated tokens.
+it holds no hash (``run``, the engine from then on; both pools ``grow_runs=False``).
+Figures: batch-1 decode at 64 tokens of context and over the last 500 of 2,000 generated
+tokens.
 
     .venv/bin/python bench/decode_ops_ab.py --block-growth --others decode_ops=c
 
@@ -200,7 +202,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model_path(args.model)
 
-    def engine(cand: str) -> LLM:
+    def make_engine(cand: str) -> LLM:
         return LLM(
             model=str(model_dir),
             dtype="bfloat16",
@@ -219,10 +221,11 @@ def main() -> None:
         )
 
     if args.block_runs:  # one engine: the candidates differ only in its pool's allocation
-        shared = engine("runs")
+        shared = make_engine("runs")
         engines = dict.fromkeys(args.candidates, shared)
     else:
-        engines = {cand: engine(cand) for cand in args.candidates}
+        engines = {cand: make_engine(cand) for cand in args.candidates}
+    distinct = list({id(llm): llm for llm in engines.values()}.values())
     if level is not None:
         _point_at(engines[args.candidates[0]], generic_attention_ops(level))
     if args.ab_source:
@@ -267,7 +270,7 @@ def main() -> None:
                 llm.generate([prompt], SamplingParams(max_tokens=1))
     cpu_s: dict[StepRecord, float] = {}  # a step's record (its times: unique) -> CPU seconds
     if args.cpu_time:
-        for llm in engines.values():
+        for llm in distinct:
             engine, plain_step = llm.engine, llm.engine.step
 
             def timed_step(engine=engine, plain_step=plain_step) -> list:
@@ -340,7 +343,7 @@ def main() -> None:
             "decode_b1_ctx64_tok_s": lambda llm: rate(llm, 64, 1),
             "decode_b1_grown_tok_s": grown_rate,
         }
-    for llm in engines.values():  # warm-up
+    for llm in distinct:  # warm-up
         timed(llm, [fresh(64)], 8)
     values: dict[str, dict[str, list[float]]] = {ops: {} for ops in engines}
     print(machine_line(), flush=True)

@@ -6,8 +6,8 @@ Every block is in exactly one of three states:
   until evicted;
 * free: ``ref_count == 0``, no hash.
 Both kinds of unreferenced block sit in one LRU queue; allocation takes from its least recently
-freed and evicts their hashes, so cached blocks survive as long as possible, choosing among the
-oldest so that a table's blocks form long runs of consecutive ids (``allocate``).
+freed and evicts their hashes, choosing among the queue's older half so that a table's blocks
+form long runs of consecutive ids (``allocate``): LRU within that bound.
 """
 
 from __future__ import annotations
@@ -175,11 +175,12 @@ class BlockPool:
 
     def allocate(self, count: int, after: int | None = None) -> list[int]:
         """Take ``count`` blocks from the least recently freed, evicting their hashes, laid out
-        in as few ascending runs of consecutive blocks as those allow.
+        greedily in long ascending runs of consecutive blocks.
 
-        The blocks come from the queue's oldest ``max(count, min(8 * count, queued // 2))``
-        (the window): never from its younger half unless ``count`` needs more, so a prefix
-        freed or hit lately survives as under strict LRU. Each run starts at the least
+        Apart from the ``after`` run's blocks that hold no hash, the blocks come from the
+        queue's oldest ``max(count, min(8 * count, queued // 2))`` (the window): never from its
+        younger half unless ``count`` needs more, so a prefix freed or hit lately survives as
+        under strict LRU. Each run starts at the least
         recently freed block left and grows by the older of the window's blocks at its two
         ends. A freed table's blocks join the queue tail first, so the blocks of ascending
         tables come in the order strict LRU would take them. The decode attention reads a
