@@ -35,11 +35,24 @@ others' caches are on torch's ordinary pages), and prints c_huge / c; with ``--a
 commit's ``decode_ops.c``, from ``git show REV:src/pdscope/engine/csrc/decode_ops.c``), so a
 change to the attention runs before and after, interleaved, and prints ab / c (the time the
 other build takes over this one's: above 1, this build is faster).
+
+``--scattered`` adds the engine's build over one sequence's table in a pool of 1,170 blocks
+(engine_bench's 2 GiB on the 3B; ``--pool-blocks``), its caches on huge pages as the runner's:
+``one_run`` (consecutive blocks), and the table the pool hands a prompt of that context after
+five rounds of engine_bench's allocations (two batches of 32 prompts of 9 blocks growing 8
+blocks each, side by side, then the prompt itself) under ``BlockPool(grow_runs=False)``
+(``lru``, the allocation before the 58th session) and as the engine allocates now (``runs``);
+it prints each table's runs of consecutive blocks and the times over one_run's:
+
+    .venv/bin/python bench/decode_attention_ab.py --scattered --head-dim 128 --heads 24 \
+        --kv-heads 8 --layers 28 --contexts 3950
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import random
 import statistics
 import time
 
@@ -49,6 +62,7 @@ from decode_ops_ab import generic_attention_ops
 from engine_bench import build_ops, interleaved_times, machine_line
 from pdscope.checkpoint.make_model import default_cache_dir
 from pdscope.engine import native
+from pdscope.engine.block_pool import BlockPool
 from pdscope.engine.model import huge_pages_setting
 from pdscope.engine.runner import kv_cache
 
@@ -82,7 +96,15 @@ def main() -> None:
         default="jumps",
         help="decode_prefetch for every build that has it (both: at jumps, and c_every)",
     )
+    parser.add_argument(
+        "--scattered",
+        action="store_true",
+        help="also one sequence's tables from a wrapped pool: one run, LRU order, grown runs",
+    )
+    parser.add_argument("--pool-blocks", type=int, default=1170, help="the pool for --scattered")
     args = parser.parse_args()
+    if args.scattered and (args.batch != 1 or args.cold):
+        raise SystemExit("--scattered: one sequence (--batch 1), no --cold")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.march:
@@ -165,6 +187,24 @@ def main() -> None:
                 paths["c_huge"] = lambda huge=huge: step(engine_ops, huge)
                 if "ab" in ops:
                     paths["ab_huge"] = lambda huge=huge: step(ops["ab"], huge)
+        if args.scattered:
+            need = -(-context // block)
+            if need + 128 > args.pool_blocks or need <= 128:
+                raise SystemExit(f"--scattered: {context} keys in a pool of {args.pool_blocks}")
+            shape = (2, kv_heads, args.pool_blocks * block, dim)
+            pooled = [kv_cache(shape, torch.bfloat16, torch.device("cpu")) for _ in caches]
+            for c in pooled:
+                c.normal_(generator=gen)
+            tables_of = {
+                "one_run": list(range(need)),
+                "lru": scattered_table(args.pool_blocks, need, grow_runs=False),
+                "runs": scattered_table(args.pool_blocks, need, grow_runs=True),
+            }
+            as_tensors = {name: torch.tensor([table]) for name, table in tables_of.items()}
+            for name in tables_of:
+                paths[name] = lambda t=as_tensors[name], over=pooled: step(
+                    engine_ops, over, tables=t
+                )
         paths["read"] = lambda same_bytes=same_bytes: same_bytes.sum()
         if other is not None:  # each call's own seconds, the other reads left out
             calls: dict[str, list[float]] = {name: [] for name in paths}
@@ -190,6 +230,12 @@ def main() -> None:
         extra = [(name, "c") for name in ("ab", "c_every", "c_huge") if name in paths]
         if "ab_huge" in paths:
             extra.append(("ab_huge", "c_huge"))
+        if args.scattered:
+            extra += [("lru", "one_run"), ("runs", "one_run"), ("lru", "runs")]
+            print(
+                "runs of consecutive blocks: "
+                + ", ".join(f"{name} {runs_of(t)}" for name, t in tables_of.items())
+            )
         print(
             f"context {context:5}: "
             + "  ".join(cells)
@@ -198,6 +244,37 @@ def main() -> None:
                 f"  {name} / {base} {_over(wall[name], wall[base]):.2f}" for name, base in extra
             )
         )
+
+
+def scattered_table(pool_blocks: int, need: int, grow_runs: bool) -> list[int]:
+    """The table a prompt of ``need`` blocks (16 keys) gets in a pool of ``pool_blocks`` after
+    five rounds of engine_bench's allocations, each: two batches of 32 prompts of 9 blocks that
+    grow 8 blocks each a block at a time, side by side, then the prompt, in chunks of 128
+    blocks (2,048 tokens); every table published under fresh hashes and freed when done."""
+    pool = BlockPool(pool_blocks, 16, grow_runs=grow_runs)
+    rng = random.Random(0)
+
+    def done(table: list[int]) -> None:
+        pool.register_full_blocks(table, [rng.randbytes(16) for _ in table])
+        pool.free(table)
+
+    for _ in range(5):
+        for _ in range(2):
+            batch = [pool.allocate(9) for _ in range(32)]
+            for _ in range(8):
+                for table in batch:
+                    table += pool.allocate(1, table[-1])
+            for table in batch:
+                done(table)
+        prompt = pool.allocate(128)
+        prompt += pool.allocate(need - 128, prompt[-1])
+        done(list(prompt))
+    return prompt
+
+
+def runs_of(table: list[int]) -> int:
+    """How many runs of consecutive block ids ``table`` is made of."""
+    return 1 + sum(1 for a, b in itertools.pairwise(table) if b != a + 1)
 
 
 def _over(a: list[float], b: list[float]) -> float:

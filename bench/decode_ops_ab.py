@@ -51,11 +51,12 @@ tokens.
 
     .venv/bin/python bench/decode_ops_ab.py --block-growth --others decode_ops=c
 
-``--block-runs`` compares, on one engine whose pool a batch of 32 sequences decoding together
-has just scattered (its tables grow a block at a time, interleaved), a 4,000-token prompt's
-blocks taken as the least recently freed in order, sorted (``lru``, the engine before the
-58th session, ``BlockPool(grow_runs=False)``), with runs grown from the queue's oldest
-(``runs``, the engine now); a 64-token figure beside it, every path forced by ``--others``:
+``--block-runs`` compares two engines whose pools two batches of 32 sequences decoding together
+have just scattered (their tables grow a block at a time, interleaved), as engine_bench's
+rounds do: a 4,000-token prompt's blocks taken as the least recently freed in order, sorted
+(``lru``, the engine before the 58th session, ``BlockPool(grow_runs=False)``), or in runs grown
+from the queue's oldest (``runs``, the engine now); a 64-token figure beside it, every path
+forced by ``--others``:
 
     .venv/bin/python bench/decode_ops_ab.py --block-runs --model /tmp/m3b4 --others decode_ops=c
 
@@ -207,8 +208,8 @@ def main() -> None:
             model=str(model_dir),
             dtype="bfloat16",
             # wrapped by filler prompts under --block-order: a pool the rounds still fit in;
-            # under --block-runs one the scattering batch fills in part
-            kv_cache_memory="256MiB" if wrapped else "160MiB" if args.block_runs else "1GiB",
+            # under --block-runs engine_bench's on the 3B, 1,170 blocks, at 4 of its layers
+            kv_cache_memory="256MiB" if wrapped else "293MiB" if args.block_runs else "1GiB",
             enable_prefix_caching=not args.block_growth,
             max_model_len=4096,
             max_num_batched_tokens=2048,
@@ -220,12 +221,9 @@ def main() -> None:
             else f"{args.others},{args.path}={'c' if level is not None else cand}",
         )
 
-    if args.block_runs:  # one engine: the candidates differ only in its pool's allocation
-        shared = make_engine("runs")
-        engines = dict.fromkeys(args.candidates, shared)
-    else:
-        engines = {cand: make_engine(cand) for cand in args.candidates}
-    distinct = list({id(llm): llm for llm in engines.values()}.values())
+    engines = {cand: make_engine(cand) for cand in args.candidates}
+    if args.block_runs:
+        engines["lru"].engine.scheduler.pool.grow_runs = False
     if level is not None:
         _point_at(engines[args.candidates[0]], generic_attention_ops(level))
     if args.ab_source:
@@ -270,7 +268,7 @@ def main() -> None:
                 llm.generate([prompt], SamplingParams(max_tokens=1))
     cpu_s: dict[StepRecord, float] = {}  # a step's record (its times: unique) -> CPU seconds
     if args.cpu_time:
-        for llm in distinct:
+        for llm in engines.values():
             engine, plain_step = llm.engine, llm.engine.step
 
             def timed_step(engine=engine, plain_step=plain_step) -> list:
@@ -331,7 +329,8 @@ def main() -> None:
     if args.block_runs:
 
         def scattered_rate(llm: LLM) -> float:
-            timed(llm, [fresh(129) for _ in range(32)], 64)  # 32 tables growing interleaved
+            for _ in range(2):  # as engine_bench's two batches: 32 tables growing interleaved
+                timed(llm, [fresh(129) for _ in range(32)], 128)
             return rate(llm, 4000, 1)
 
         figures = {
@@ -343,7 +342,7 @@ def main() -> None:
             "decode_b1_ctx64_tok_s": lambda llm: rate(llm, 64, 1),
             "decode_b1_grown_tok_s": grown_rate,
         }
-    for llm in distinct:  # warm-up
+    for llm in engines.values():  # warm-up
         timed(llm, [fresh(64)], 8)
     values: dict[str, dict[str, list[float]]] = {ops: {} for ops in engines}
     print(machine_line(), flush=True)
@@ -351,8 +350,6 @@ def main() -> None:
         order = list(engines) if r % 2 == 0 else list(reversed(engines))
         for name, figure in figures.items():
             for ops in order:
-                if args.block_runs:
-                    engines[ops].engine.scheduler.pool.grow_runs = ops == "runs"
                 values[ops].setdefault(name, []).append(figure(engines[ops]))
         print(
             f"round {r + 1}: "
