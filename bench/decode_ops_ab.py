@@ -202,9 +202,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model_path(args.model)
-
-    def make_engine(cand: str) -> LLM:
-        return LLM(
+    engines = {
+        cand: LLM(
             model=str(model_dir),
             dtype="bfloat16",
             # wrapped by filler prompts under --block-order: a pool the rounds still fit in;
@@ -220,8 +219,8 @@ def main() -> None:
             if args.ab_source or args.plain_pages or args.plain_cache or wrapped or args.block_runs
             else f"{args.others},{args.path}={'c' if level is not None else cand}",
         )
-
-    engines = {cand: make_engine(cand) for cand in args.candidates}
+        for cand in args.candidates
+    }
     if args.block_runs:
         engines["lru"].engine.scheduler.pool.grow_runs = False
     if level is not None:

@@ -180,13 +180,13 @@ class BlockPool:
         Apart from the ``after`` run's blocks that hold no hash, the blocks come from the
         queue's oldest ``max(count, min(8 * count, queued // 2))`` (the window): never from its
         younger half unless ``count`` needs more, so a prefix freed or hit lately survives as
-        under strict LRU. Each run starts at the least
-        recently freed block left and grows by the older of the window's blocks at its two
-        ends. A freed table's blocks join the queue tail first, so the blocks of ascending
-        tables come in the order strict LRU would take them. The decode attention reads a
-        table of scattered 16-key blocks at head size 128 at ~0.6x the rate of one run, runs
-        of 8 blocks at ~0.75x and of 32 at ~0.9x (AMD EPYC Zen 4, docs/performance.md); strict
-        LRU order, sorted, gave a 4,000-token prompt ~165 runs in engine_bench's rounds.
+        under strict LRU. Each run starts at the least recently freed block left and grows by
+        the older of the window's blocks at its two ends. A freed table's blocks join the queue
+        tail first, so the blocks of ascending tables come in the order strict LRU would take
+        them. Why: after engine_bench's batches, strict LRU order (sorted) laid a 4,000-token
+        prompt in ~160 runs, which the decode attention at head size 128 read in 1.34-1.38x
+        one run's time; grown, ~11 runs in 1.09-1.12x (AMD EPYC Zen 4;
+        bench/decode_attention_ab.py --scattered, docs/performance.md).
 
         ``after``: the last block of the table the blocks extend. The blocks right after it
         are taken first while they are free and hold no hash (which costs the cache nothing)
@@ -210,7 +210,7 @@ class BlockPool:
                 block_id += 1
         grown = len(taken)
         anchors = iter(oldest)
-        while len(taken) < count and not self.grow_runs:
+        while len(taken) < count and not self.grow_runs:  # the queue's order, no runs
             self._take(next(b for b in anchors if b in age), age, taken)
         while len(taken) < count:
             lo = hi = next(b for b in anchors if b in age)  # the least recently freed left
