@@ -98,8 +98,11 @@ def steady_host() -> float:
 
 @pytest.fixture
 def steady_gauge(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Engines started in the test read memory at :func:`steady_host`'s rate."""
+    """Engines started in the test read memory at :func:`steady_host`'s rate, and the host's
+    load as one figure: a busy neighbour that ends between two starts would otherwise make the
+    second measure again (the quieter-host rule, tested on its own with ``load=``)."""
     monkeypatch.setattr("pdscope.engine.kernels.read_gauge_gb_s", steady_host)
+    monkeypatch.setattr("pdscope.engine.kernels.load_per_core", lambda: 1.0)
 
 
 def glibc_as_it_starts() -> dict[str, str]:

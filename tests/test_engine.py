@@ -496,15 +496,18 @@ def test_c_prefill_reads_the_cache_in_place_as_the_gather_does(
     path = make_model(
         tmp_path / "m", "tiny", arch="qwen3", dtype="bfloat16", **_amx_or_skip(kernels)
     )
-    runs = []
+    runs, first = [], None
     for paged in (True, False):
         llm = LLM(
             model=str(path),
             dtype="bfloat16",
             kv_cache_memory="8MiB",
-            kernels=kernels,
+            # the second engine on the first's every path: a trial may measure again between
+            # the two starts and pick another prefill matmul, whose bits differ
+            kernels=kernels if first is None else _every_path(first),
             **engine_args,
         )
+        first = first or llm
         attns = [m for m in llm.engine.runner.model.modules() if hasattr(m, "prefill_paged")]
         for m in attns:
             m.prefill_paged = paged
@@ -1353,7 +1356,8 @@ def test_a_weight_that_every_matmul_reads_a_copy_of_is_held_once(
     assert all(torch.equal(proj(x), y) for x, y in zip(xs, held, strict=True))
     assert model.parameter_count() == count
 
-    llm = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="8MiB", kernels=ALL_PAIRS)
+    on_copies = ALL_PAIRS + ",decode_ops=c"  # the one call: a trial could pick decode_ops=torch
+    llm = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="8MiB", kernels=on_copies)
     assert llm.engine.decode_step == "one_call"
     model = llm.engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
@@ -1585,7 +1589,10 @@ def test_where_another_copy_does_not_fit_each_weight_is_held_once_without_a_tria
         assert all(m.held_once for m in model.modules() if isinstance(m, Linear))
         for module in (engine_model, llm_engine):
             monkeypatch.setattr(module, "available_memory_bytes", lambda: 100 * weights)
-        forced = LLM(model=str(path), kernels=f"linear={kernels.linear},{past_one}", **args)
+        # every path as the memory rule's engine ran it: none left to a trial, whose other
+        # prefill attention or decode ops would round differently
+        forced = LLM(model=str(path), kernels=_every_path(llm), **args)
+        assert {forced.engine.kernels.how[p] for p in paths} == {"forced"}
         assert [o.token_ids for o in forced.generate(prompts, GREEDY)] == held
 
 
@@ -1646,10 +1653,9 @@ def test_weights_loaded_in_place_reach_every_copy(tmp_path: Path, assign: bool) 
     packs = can_pack(torch.bfloat16, torch.device("cpu"))
     _pairs_or_skip(kernels)
     path = make_model(tmp_path / "m", "tiny", dtype="bfloat16")
-    a, b = (
-        LLM(model=str(path), dtype="bfloat16", kv_cache_memory="8MiB", kernels=kernels)
-        for _ in range(2)
-    )
+    a = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="8MiB", kernels=kernels)
+    # b on a's every path: a trial between the starts could pick another prefill attention
+    b = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="8MiB", kernels=_every_path(a))
     ma, mb = a.engine.runner.model, b.engine.runner.model
     linears = {n: m for n, m in ma.named_modules() if isinstance(m, Linear)}
     assert all(m.pairs is not None and (m.packed is not None) == packs for m in linears.values())

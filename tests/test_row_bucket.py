@@ -196,8 +196,9 @@ def test_steps_the_pairs_copies_take_are_not_padded(tmp_path: Path) -> None:
 _PRIMITIVES = """
 import random, sys
 from pdscope import LLM, SamplingParams
+# prefill_linear forced: a trial that picks the pairs copies past 64 rows runs no oneDNN matmul
 llm = LLM(model=sys.argv[1], dtype="bfloat16", kv_cache_memory="64MiB",
-          enable_prefix_caching=False, max_model_len=2048)
+          enable_prefix_caching=False, max_model_len=2048, kernels="prefill_linear=onednn")
 model = llm.engine.runner.model
 print("ROW_BUCKET", model.row_bucket, flush=True)
 model.row_bucket = int(sys.argv[2])

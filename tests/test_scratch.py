@@ -93,7 +93,8 @@ def test_onednns_own_gate_up_output_comes_in_blocks_under_glibcs_line(wide: Path
     reaches: at 2,000 rows one 65.5 MB mapping glibc faults in afresh at every layer (~16,000
     faults a prefill). The MLP runs its gate/up in row blocks each under glibc's mapping line
     (two of 1,000 rows here), whose outputs the heap serves again in most prefills."""
-    got = prefills(wide, "prefill_linear=onednn")
+    # linear=packed: a trial's linear=plain would keep no packed weight for prefill to take
+    got = prefills(wide, "linear=packed,prefill_linear=onednn")
     assert got["prefill_linear"] == "onednn", got
     assert got["blocks"] == [1000, 1000] * (1 + TIMED), got
     assert got["buffers"] == {"act": 2000 * 8192}, got

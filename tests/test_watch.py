@@ -182,11 +182,12 @@ def test_quantiles_come_from_bucket_deltas_over_the_window(page: PageServer) -> 
 
 
 def test_old_scrapes_leave_the_window(page: PageServer) -> None:
-    settings = WatchSettings(url=page.url, window_s=0.2, interval_s=0.1)
+    # a window wide enough that a slow scrape on a loaded host keeps tick 0 in it at tick 1
+    settings = WatchSettings(url=page.url, window_s=1.0, interval_s=0.1)
     pages = [vllm_page({0.1: 0}), vllm_page({0.1: 10}), None]
-    snaps = ticks(settings, pages, page.page, pause_s=[0.02, 0.4, 0.0])
+    snaps = ticks(settings, pages, page.page, pause_s=[0.02, 2.0, 0.0])
     assert snaps[1].values["ttft_p50_ms"] == pytest.approx(50.0)
-    # 0.4 s later the scrape before the 10 requests is out of the 0.2 s window: none in it.
+    # 2 s later the scrape before the 10 requests is out of the 1 s window: none in it.
     assert snaps[2].values["ttft_p50_ms"] is None
     assert "no TTFT observations" in snaps[2].missing["ttft_p50_ms"]
     assert snaps[2].scrapes_in_window == 2
