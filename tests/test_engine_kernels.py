@@ -37,11 +37,13 @@ from pdscope.engine.kernels import (
     read_gauge_gb_s,
 )
 from pdscope.engine.model import (
+    MAX_DECODE_RUNS,
     Attention,
     AttentionBatch,
     Linear,
     ModelConfig,
     RMSNorm,
+    _flash_cpu,
     apply_kernels,
     apply_rope,
     block_rows,
@@ -1183,7 +1185,7 @@ def test_single_sequence_decode_in_place_matches_the_gather(
     cfg = one_layer_config()
     attn = Attention(cfg).to(dtype)
     gen = torch.Generator().manual_seed(1)
-    block, blocks, dim, length = 4, 24, cfg.head_dim, 18
+    block, blocks, dim, length = 64, 24, cfg.head_dim, 300  # runs of 32 keys or more
     cache = torch.randn(2, 2, blocks * block, dim, generator=gen).to(dtype)
     q = torch.randn(1, 4, dim, generator=gen).to(dtype)
     runs = slot_runs(table, 0, length, block)
@@ -1204,10 +1206,24 @@ def test_single_sequence_decode_in_place_matches_the_gather(
 
 
 def test_fragmented_context_falls_back_to_the_gather() -> None:
+    """Several runs go in place on CPU only, at most MAX_DECODE_RUNS of them and not too short
+    (a flash call a run: many short ones lose to one gather)."""
+    cpu = torch.device("cpu")
     many = slot_runs(list(range(40, 0, -2)), 0, 80, 4)  # 20 blocks, none adjacent
-    assert len(many) == 20 and not can_decode_in_place(many, torch.device("cpu"))
+    assert len(many) == 20 and not can_decode_in_place(many, cpu)  # 4 keys a run
     assert can_decode_in_place(many[:1], torch.device("meta"))
     assert not can_decode_in_place(many[:2], torch.device("meta"))
+    spread = list(range(0, 2 * (MAX_DECODE_RUNS + 1), 2))  # blocks none adjacent
+    runs = slot_runs(spread, 0, 16 * len(spread), 16)
+    assert len(runs) == MAX_DECODE_RUNS + 1 and not can_decode_in_place(runs, cpu)
+    long_runs = slot_runs(spread, 0, 16 * MAX_DECODE_RUNS, 16)
+    assert len(long_runs) == MAX_DECODE_RUNS
+    assert not can_decode_in_place(long_runs, cpu)  # 16 keys a run
+    two_blocks = [b for i in range(MAX_DECODE_RUNS) for b in (4 * i, 4 * i + 1)]
+    runs = slot_runs(two_blocks, 0, 32 * MAX_DECODE_RUNS, 16)
+    assert len(runs) == MAX_DECODE_RUNS and can_decode_in_place(runs, cpu) == (
+        _flash_cpu is not None
+    )
 
 
 def test_a_float32_model_reports_the_paths_it_really_runs(tmp_path: Path) -> None:
