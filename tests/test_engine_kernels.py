@@ -38,6 +38,7 @@ from pdscope.engine.kernels import (
 )
 from pdscope.engine.model import (
     MAX_DECODE_RUNS,
+    MIN_KEYS_PER_RUN,
     Attention,
     AttentionBatch,
     Linear,
@@ -1185,7 +1186,7 @@ def test_single_sequence_decode_in_place_matches_the_gather(
     cfg = one_layer_config()
     attn = Attention(cfg).to(dtype)
     gen = torch.Generator().manual_seed(1)
-    block, blocks, dim, length = 64, 24, cfg.head_dim, 300  # runs of 32 keys or more
+    block, blocks, dim, length = 256, 24, cfg.head_dim, 1200  # runs of 192 keys or more
     cache = torch.randn(2, 2, blocks * block, dim, generator=gen).to(dtype)
     q = torch.randn(1, 4, dim, generator=gen).to(dtype)
     runs = slot_runs(table, 0, length, block)
@@ -1216,14 +1217,16 @@ def test_fragmented_context_falls_back_to_the_gather() -> None:
     spread = list(range(0, 2 * (MAX_DECODE_RUNS + 1), 2))  # blocks none adjacent
     runs = slot_runs(spread, 0, 16 * len(spread), 16)
     assert len(runs) == MAX_DECODE_RUNS + 1 and not can_decode_in_place(runs, cpu)
-    long_runs = slot_runs(spread, 0, 16 * MAX_DECODE_RUNS, 16)
-    assert len(long_runs) == MAX_DECODE_RUNS
-    assert not can_decode_in_place(long_runs, cpu)  # 16 keys a run
-    two_blocks = [b for i in range(MAX_DECODE_RUNS) for b in (4 * i, 4 * i + 1)]
-    runs = slot_runs(two_blocks, 0, 32 * MAX_DECODE_RUNS, 16)
+    short_runs = slot_runs(spread, 0, 16 * MAX_DECODE_RUNS, 16)
+    assert len(short_runs) == MAX_DECODE_RUNS
+    assert not can_decode_in_place(short_runs, cpu)  # 16 keys a run
+    per = MIN_KEYS_PER_RUN // 16  # blocks a run
+    apart = [b for i in range(MAX_DECODE_RUNS) for b in range(i * (per + 1), i * (per + 1) + per)]
+    runs = slot_runs(apart, 0, MIN_KEYS_PER_RUN * MAX_DECODE_RUNS, 16)
     assert len(runs) == MAX_DECODE_RUNS and can_decode_in_place(runs, cpu) == (
         _flash_cpu is not None
     )
+    assert not can_decode_in_place(slot_runs(apart, 0, len(runs) * MIN_KEYS_PER_RUN - 1, 16), cpu)
 
 
 def test_a_float32_model_reports_the_paths_it_really_runs(tmp_path: Path) -> None:

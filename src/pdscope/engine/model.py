@@ -43,13 +43,13 @@ _SMALL_NORM_ELEMENTS = 64 * 1024
 _PREFILL_BLOCK = 64
 # A single decoding sequence whose context lies in at most this many runs of consecutive cache
 # slots, of at least MIN_KEYS_PER_RUN keys a run on average, attends to them in place (see
-# _decode_in_place); more fragmented ones are gathered. Each run is one flash call (~37 us a
-# layer here), so short runs lose to one gather. AMD EPYC Zen 4, the 3B's shapes (24 query
-# heads over 8 KV heads of 128), 28 layers, gather + SDPA over in place: at 4,000 keys 1.54x
-# at 8 runs, 1.53x at 12, 1.32x at 16; at 1,024 keys 1.93x at 8 runs, 1.49x at 16; at 256 keys
-# 0.94x at 8 runs (32 keys a run), 0.67x at 16. The block pool grows tables of up to ~16 runs.
+# _decode_in_place); more fragmented ones are gathered. Each run is one flash call (34-69 us
+# a layer), where the gather's copy costs 0.1-0.23 us a key a layer on the engine's settled
+# heap, by the host's phase. bench/decode_runs_ab.py on the AMD EPYC Zen 4, the 3B's shapes,
+# 28 layers, gather over in place, two runs: at 128 keys a run 0.78-1.03 and 0.56-0.99; at
+# 250-256 keys a run 1.17-1.32 and 0.85-1.20 (the short contexts lower); one run 0.99-1.72.
 MAX_DECODE_RUNS = 32
-MIN_KEYS_PER_RUN = 32
+MIN_KEYS_PER_RUN = 192
 # Matmuls of at most this many rows take the C kernel when the choice is linear=c; larger ones
 # the packed (or plain) oneDNN path. Measured on the AMX Xeon (the small model's weights,
 # interleaved): C 1.19x packed at one row, par at two, 0.9x at four, where oneDNN's AMX
