@@ -9,8 +9,8 @@ flash kernel on each run, merged by their log-sum-exps). Interleaved, medians of
 per pair, on the engine's settled heap; prints gather / in place (above 1, in place is
 faster) beside whether
 ``can_decode_in_place`` takes the table, the rule these figures set (``MAX_DECODE_RUNS``,
-``MIN_KEYS_PER_RUN`` in engine/model.py). This is the path where the C kernels are not built;
-the C path reads any table in place.
+``MIN_KEYS_PER_RUN`` in engine/model.py). This is the path where the C kernels are not built
+or the trial picks ``decode_ops=torch``; the C path reads any table in place.
 
     .venv/bin/python bench/decode_runs_ab.py --contexts 256 1024 4000 --runs 1 8 16 32
 """

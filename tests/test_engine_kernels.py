@@ -37,6 +37,7 @@ from pdscope.engine.kernels import (
     read_gauge_gb_s,
 )
 from pdscope.engine.model import (
+    C_PATH_MAX_RUNS,
     MAX_DECODE_RUNS,
     MIN_KEYS_PER_RUN,
     Attention,
@@ -1186,7 +1187,7 @@ def test_single_sequence_decode_in_place_matches_the_gather(
     cfg = one_layer_config()
     attn = Attention(cfg).to(dtype)
     gen = torch.Generator().manual_seed(1)
-    block, blocks, dim, length = 256, 24, cfg.head_dim, 1200  # runs of 192 keys or more
+    block, blocks, dim, length = 256, 24, cfg.head_dim, 1200  # runs of 192+ keys on average
     cache = torch.randn(2, 2, blocks * block, dim, generator=gen).to(dtype)
     q = torch.randn(1, 4, dim, generator=gen).to(dtype)
     runs = slot_runs(table, 0, length, block)
@@ -1207,26 +1208,32 @@ def test_single_sequence_decode_in_place_matches_the_gather(
 
 
 def test_fragmented_context_falls_back_to_the_gather() -> None:
-    """Several runs go in place on CPU only, at most MAX_DECODE_RUNS of them and not too short
-    (a flash call a run: many short ones lose to one gather)."""
+    """Several runs go in place on CPU only, at most MAX_DECODE_RUNS of them (the C path's
+    hand-off C_PATH_MAX_RUNS) and not too short (a flash call a run: many short ones lose to
+    one gather); each case below fails its one bound only."""
     cpu = torch.device("cpu")
+    flash = _flash_cpu is not None
     many = slot_runs(list(range(40, 0, -2)), 0, 80, 4)  # 20 blocks, none adjacent
     assert len(many) == 20 and not can_decode_in_place(many, cpu)  # 4 keys a run
-    assert can_decode_in_place(many[:1], torch.device("meta"))
-    assert not can_decode_in_place(many[:2], torch.device("meta"))
-    spread = list(range(0, 2 * (MAX_DECODE_RUNS + 1), 2))  # blocks none adjacent
-    runs = slot_runs(spread, 0, 16 * len(spread), 16)
-    assert len(runs) == MAX_DECODE_RUNS + 1 and not can_decode_in_place(runs, cpu)
-    short_runs = slot_runs(spread, 0, 16 * MAX_DECODE_RUNS, 16)
-    assert len(short_runs) == MAX_DECODE_RUNS
-    assert not can_decode_in_place(short_runs, cpu)  # 16 keys a run
-    per = MIN_KEYS_PER_RUN // 16  # blocks a run
-    apart = [b for i in range(MAX_DECODE_RUNS) for b in range(i * (per + 1), i * (per + 1) + per)]
-    runs = slot_runs(apart, 0, MIN_KEYS_PER_RUN * MAX_DECODE_RUNS, 16)
-    assert len(runs) == MAX_DECODE_RUNS and can_decode_in_place(runs, cpu) == (
-        _flash_cpu is not None
-    )
-    assert not can_decode_in_place(slot_runs(apart, 0, len(runs) * MIN_KEYS_PER_RUN - 1, 16), cpu)
+    per = MIN_KEYS_PER_RUN // 16  # blocks a run of MIN_KEYS_PER_RUN keys
+
+    def runs_of(count: int, keys: int) -> list[tuple[int, int]]:
+        """``count`` runs, none adjacent, of ``keys`` keys in all (blocks of 16)."""
+        apart = [b for i in range(count) for b in range(i * (per + 1), i * (per + 1) + per)]
+        runs = slot_runs(apart, 0, keys, 16)
+        assert len(runs) == count
+        return runs
+
+    long = MIN_KEYS_PER_RUN
+    assert can_decode_in_place(runs_of(1, 40), torch.device("meta"))  # one run: anywhere
+    assert not can_decode_in_place(runs_of(2, 2 * long), torch.device("meta"))
+    assert can_decode_in_place(runs_of(MAX_DECODE_RUNS, MAX_DECODE_RUNS * long), cpu) == flash
+    assert not can_decode_in_place(runs_of(MAX_DECODE_RUNS + 1, (MAX_DECODE_RUNS + 1) * long), cpu)
+    assert not can_decode_in_place(runs_of(MAX_DECODE_RUNS, MAX_DECODE_RUNS * long - 1), cpu)
+    c_path = runs_of(C_PATH_MAX_RUNS + 1, (C_PATH_MAX_RUNS + 1) * long)
+    assert can_decode_in_place(c_path, cpu) == flash
+    assert not can_decode_in_place(c_path, cpu, C_PATH_MAX_RUNS)
+    assert can_decode_in_place(c_path[:-1], cpu, C_PATH_MAX_RUNS) == flash
 
 
 def test_a_float32_model_reports_the_paths_it_really_runs(tmp_path: Path) -> None:

@@ -43,13 +43,18 @@ _SMALL_NORM_ELEMENTS = 64 * 1024
 _PREFILL_BLOCK = 64
 # A single decoding sequence whose context lies in at most this many runs of consecutive cache
 # slots, of at least MIN_KEYS_PER_RUN keys a run on average, attends to them in place (see
-# _decode_in_place); more fragmented ones are gathered. Each run is one flash call (34-69 us
-# a layer), where the gather's copy costs 0.1-0.23 us a key a layer on the engine's settled
-# heap, by the host's phase. bench/decode_runs_ab.py on the AMD EPYC Zen 4, the 3B's shapes,
-# 28 layers, gather over in place, two runs: at 128 keys a run 0.78-1.03 and 0.56-0.99; at
-# 250-256 keys a run 1.17-1.32 and 0.85-1.20 (the short contexts lower); one run 0.99-1.72.
+# _decode_in_place); more fragmented ones are gathered. Each run is one flash call (32-69 us
+# a layer), the gather one copy of every key. bench/decode_runs_ab.py on the AMD EPYC Zen 4,
+# the 3B's shapes only (8 KV heads of 128: a key is 4 KiB of K and V a layer), 28 layers,
+# gather over in place in two runs: 0.41-0.42 at 256 keys in 8 runs, 0.72-1.03 at 128 keys
+# a run, 0.85-1.32 at 250-256 keys a run (the short contexts lower), 1.31-1.37 at 4,000 keys
+# in 8 runs and 1.17-1.20 in 16. Unmeasured at other head shapes.
 MAX_DECODE_RUNS = 32
 MIN_KEYS_PER_RUN = 192
+# The C path hands a sequence of NATIVE_SDPA_FROM_KEYS keys or more to the torch in-place
+# path in at most this many runs (its limit before MAX_DECODE_RUNS rose; past 8 runs at such
+# lengths, flash a run against the C kernel over the table is unmeasured).
+C_PATH_MAX_RUNS = 8
 # Matmuls of at most this many rows take the C kernel when the choice is linear=c; larger ones
 # the packed (or plain) oneDNN path. Measured on the AMX Xeon (the small model's weights,
 # interleaved): C 1.19x packed at one row, par at two, 0.9x at four, where oneDNN's AMX
@@ -245,17 +250,19 @@ def slot_runs(table: list[int], lo: int, hi: int, block_size: int) -> list[tuple
     return runs
 
 
-def can_decode_in_place(runs: list[tuple[int, int]], device: torch.device) -> bool:
+def can_decode_in_place(
+    runs: list[tuple[int, int]], device: torch.device, max_runs: int = MAX_DECODE_RUNS
+) -> bool:
     """Whether :meth:`Attention._decode_in_place` takes a context in ``runs``: one run
-    anywhere; up to :data:`MAX_DECODE_RUNS` of :data:`MIN_KEYS_PER_RUN` keys on average on
-    CPU, where torch's flash kernel returns the log-sum-exps that merging runs needs."""
+    anywhere; up to ``max_runs`` of :data:`MIN_KEYS_PER_RUN` keys on average on CPU, where
+    torch's flash kernel returns the log-sum-exps that merging runs needs."""
     if len(runs) == 1:
         return True
     keys = sum(n for _, n in runs)
     return (
         device.type == "cpu"
         and _flash_cpu is not None
-        and len(runs) <= MAX_DECODE_RUNS
+        and len(runs) <= max_runs
         and keys >= MIN_KEYS_PER_RUN * len(runs)
     )
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdscope.engine.model import (
+    C_PATH_MAX_RUNS,
     AttentionBatch,
     CausalLM,
     block_rows,
@@ -232,7 +233,7 @@ class ModelRunner:
         runs = None
         if len(decodes) == 1 and lengths[0] - bounds[0] >= NATIVE_SDPA_FROM_KEYS:
             runs = slot_runs(decodes[0].request.block_table, bounds[0], bounds[1], bs)
-            runs = runs if can_decode_in_place(runs, self.device) else None
+            runs = runs if can_decode_in_place(runs, self.device, C_PATH_MAX_RUNS) else None
         return width, bounds, tables, runs
 
     def _index_views(self, rows: int, width: int) -> tuple[torch.Tensor, ...]:
