@@ -6,11 +6,11 @@ cut into R runs of consecutive blocks spread over the pool, through the two path
 ``Attention._decode``: the gather (``_gather_blocks``, an ``index_select`` copy of its blocks,
 then SDPA) and in place (``Attention._decode_in_place``: SDPA on one strided view, or torch's
 flash kernel on each run, merged by their log-sum-exps). Interleaved, medians of ``--repeats``
-per pair, on the engine's settled heap; prints gather / in place (above 1, in place is
-faster) beside whether
-``can_decode_in_place`` takes the table, the rule these figures set (``MAX_DECODE_RUNS``,
-``MIN_KEYS_PER_RUN`` in engine/model.py). This is the path where the C kernels are not built
-or the trial picks ``decode_ops=torch``; the C path reads any table in place.
+per pair (the gather first in each), on the engine's settled heap; prints gather / in place
+(above 1, in place is faster) beside whether ``can_decode_in_place`` takes the table, the rule
+these figures set (``MAX_DECODE_RUNS``, ``MIN_KEYS_PER_RUN`` in engine/model.py). This is the
+path where the C kernels are not built or the trial picks ``decode_ops=torch``; the C path
+reads any table in place.
 
     .venv/bin/python bench/decode_runs_ab.py --contexts 256 1024 4000 --runs 1 8 16 32
 """
@@ -44,10 +44,13 @@ def spread_table(blocks: int, runs: int, pool_blocks: int) -> list[int]:
     for r in range(runs):
         n = per if r < runs - 1 else blocks - per * (runs - 1)
         table += range(r * stride, r * stride + n)
+    assert table[-1] < pool_blocks, "the last run past the pool: a larger --pool-blocks"
     return table
 
 
-def median_s(fn: Callable[[], object], repeats: int, other: Callable[[], object]) -> tuple:
+def median_s(
+    fn: Callable[[], object], repeats: int, other: Callable[[], object]
+) -> tuple[float, float]:
     """Medians of ``fn`` and ``other`` timed in turn, ``repeats`` times each."""
     a, b = [], []
     for _ in range(repeats):
