@@ -48,7 +48,8 @@ _PREFILL_BLOCK = 64
 # the 3B's shapes only (8 KV heads of 128: a key is 4 KiB of K and V a layer), 28 layers,
 # gather over in place in two runs: 0.41-0.42 at 256 keys in 8 runs, 0.72-1.03 at 128 keys
 # a run, 0.85-1.32 at 250-256 keys a run (the short contexts lower), 1.31-1.37 at 4,000 keys
-# in 8 runs and 1.17-1.20 in 16. Unmeasured at other head shapes.
+# in 8 runs and 1.17-1.20 in 16. At the small's shapes (1 KiB a key) par is near 500 keys a
+# run (docs/performance.md): the bound belongs in bytes of K and V a run.
 MAX_DECODE_RUNS = 32
 MIN_KEYS_PER_RUN = 192
 # The C path hands a sequence of NATIVE_SDPA_FROM_KEYS keys or more to the torch in-place
